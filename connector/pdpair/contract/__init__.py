@@ -1,0 +1,221 @@
+"""The names every pdpair piece shares: CRD identity, pod environment, metrics, alerts, labels.
+
+This module is the single source of truth. It imports nothing heavy (no vllm, no kopf, no kubernetes),
+so the operator, the connector, the router, the chart checks and the tests can all import it.
+Rename a name here only together with every user; tests/unit/test_contract_drift.py checks the chart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# --- InferencePair custom resource -------------------------------------------------------------
+GROUP = "pdpair.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferencePair"
+PLURAL = "inferencepairs"
+SINGULAR = "inferencepair"
+SHORT_NAME = "ipair"
+
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+ROLE_ROUTER = "router"
+ROLES = (ROLE_PREFILL, ROLE_DECODE)
+
+TRANSPORT_FLAGCX = "flagcx"
+TRANSPORT_TCP = "tcp"
+TRANSPORTS = (TRANSPORT_FLAGCX, TRANSPORT_TCP)
+
+PHASE_PENDING = "Pending"
+PHASE_DECODE_STARTING = "DecodeStarting"
+PHASE_PREFILL_STARTING = "PrefillStarting"
+PHASE_READY = "Ready"
+PHASE_RESTARTING = "Restarting"
+PHASE_FAILED = "Failed"
+PHASES = (
+    PHASE_PENDING,
+    PHASE_DECODE_STARTING,
+    PHASE_PREFILL_STARTING,
+    PHASE_READY,
+    PHASE_RESTARTING,
+    PHASE_FAILED,
+)
+
+COND_PORTS_LEASED = "PortsLeased"
+COND_DECODE_LISTENING = "DecodeListening"
+COND_PREFILL_READY = "PrefillReady"
+COND_READY = "Ready"
+COND_SIGNALS_HEALTHY = "SignalsHealthy"
+CONDITIONS = (COND_PORTS_LEASED, COND_DECODE_LISTENING, COND_PREFILL_READY, COND_READY, COND_SIGNALS_HEALTHY)
+
+# --- labels and annotations the operator puts on what it owns ----------------------------------
+LABEL_PAIR = "pdpair.io/pair"
+LABEL_PAIR_NAMESPACE = "pdpair.io/pair-namespace"
+LABEL_PAIR_UID = "pdpair.io/pair-uid"
+LABEL_ROLE = "pdpair.io/role"
+LABEL_GENERATION = "pdpair.io/generation"
+LABEL_PORT_LEASE = "pdpair.io/port-lease"
+LABEL_PURPOSE = "pdpair.io/purpose"
+FINALIZER = "pdpair.io/finalizer"
+
+# --- environment the operator sets on pair pods ------------------------------------------------
+ENV_ROLE = "PDPAIR_ROLE"
+ENV_PAIR = "PDPAIR_PAIR"
+ENV_NAMESPACE = "PDPAIR_NAMESPACE"
+ENV_GENERATION = "PDPAIR_GENERATION"
+ENV_LISTEN_PORT_BASE = "PDPAIR_LISTEN_PORT_BASE"
+ENV_PEER_HOST = "PDPAIR_PEER_HOST"
+ENV_PEER_PORT_BASE = "PDPAIR_PEER_PORT_BASE"
+ENV_METRICS_PORT = "PDPAIR_METRICS_PORT"
+ENV_HTTP_PORT = "PDPAIR_HTTP_PORT"
+ENV_HANG_TIMEOUT_SECONDS = "PDPAIR_HANG_TIMEOUT_SECONDS"
+ENV_TRANSPORT = "PDPAIR_TRANSPORT"
+POD_ENV = (
+    ENV_ROLE,
+    ENV_PAIR,
+    ENV_NAMESPACE,
+    ENV_GENERATION,
+    ENV_LISTEN_PORT_BASE,
+    ENV_PEER_HOST,
+    ENV_PEER_PORT_BASE,
+    ENV_METRICS_PORT,
+    ENV_HTTP_PORT,
+    ENV_HANG_TIMEOUT_SECONDS,
+    ENV_TRANSPORT,
+)
+
+METRICS_PATH = "/metrics"
+HEALTHZ_PATH = "/healthz"
+
+
+# --- metrics -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Metric:
+    """One exported metric. `name` is the family name (no _total suffix is added or removed)."""
+
+    name: str
+    kind: str  # counter | gauge | histogram
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def base_name(self) -> str:
+        """The name prometheus-client wants for a counter (it appends _total itself)."""
+        if self.kind == "counter" and self.name.endswith("_total"):
+            return self.name[: -len("_total")]
+        return self.name
+
+    @property
+    def series_names(self) -> tuple[str, ...]:
+        """Every series name this metric produces in the exposition format."""
+        if self.kind == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        if self.kind == "counter":
+            return (self.name, f"{self.base_name}_created")
+        return (self.name,)
+
+
+SIGNALS_EXPECTED = Metric(
+    "pdpair_signals_expected_total", "counter", ("role", "peer"), "Signals the receiver was told to expect."
+)
+SIGNALS_RECEIVED = Metric("pdpair_signals_received_total", "counter", ("role", "peer"), "Signals that arrived.")
+SIGNAL_DEFICIT = Metric(
+    "pdpair_signal_deficit", "gauge", ("role", "peer"), "Expected minus received signals over the transfers still open."
+)
+SIGNAL_WAIT_OLDEST_SECONDS = Metric(
+    "pdpair_signal_wait_oldest_seconds", "gauge", ("role",), "Age of the oldest open signal wait, 0 when none."
+)
+SIGNAL_WAIT_TIMEOUTS = Metric(
+    "pdpair_signal_wait_timeouts_total", "counter", ("role",), "Signal waits that passed their deadline."
+)
+KV_TRANSFERS = Metric(
+    "pdpair_kv_transfers_total", "counter", ("role", "outcome"), "Finished KV transfers by outcome (ok, timeout, error)."
+)
+KV_TRANSFER_BYTES = Metric("pdpair_kv_transfer_bytes_total", "counter", ("role",), "KV bytes moved.")
+KV_TRANSFER_SECONDS = Metric("pdpair_kv_transfer_seconds", "histogram", ("role",), "KV transfer duration in seconds.")
+LISTENER_READY = Metric(
+    "pdpair_listener_ready", "gauge", ("role", "rank"), "1 while the side-channel listener accepts connections."
+)
+HANDSHAKES = Metric("pdpair_handshakes_total", "counter", ("role", "outcome"), "Side-channel uid exchanges by outcome.")
+TRANSPORT_INFLIGHT = Metric("pdpair_transport_inflight", "gauge", ("peer",), "Puts posted and not yet completed.")
+TRANSPORT_SLOTS = Metric("pdpair_transport_slots", "gauge", ("peer",), "Request-slot capacity per connection.")
+TRANSPORT_REQUEUES = Metric(
+    "pdpair_transport_requeues_total",
+    "counter",
+    ("peer",),
+    "Posts deferred because every request slot was busy (backpressure, never a drop).",
+)
+PAIR_GENERATION = Metric("pdpair_pair_generation", "gauge", (), "PDPAIR_GENERATION as this pod sees it.")
+
+POD_METRICS = (
+    SIGNALS_EXPECTED,
+    SIGNALS_RECEIVED,
+    SIGNAL_DEFICIT,
+    SIGNAL_WAIT_OLDEST_SECONDS,
+    SIGNAL_WAIT_TIMEOUTS,
+    KV_TRANSFERS,
+    KV_TRANSFER_BYTES,
+    KV_TRANSFER_SECONDS,
+    LISTENER_READY,
+    HANDSHAKES,
+    TRANSPORT_INFLIGHT,
+    TRANSPORT_SLOTS,
+    TRANSPORT_REQUEUES,
+    PAIR_GENERATION,
+)
+
+OUTCOME_OK = "ok"
+OUTCOME_TIMEOUT = "timeout"
+OUTCOME_ERROR = "error"
+
+OPERATOR_PAIRS = Metric("pdpair_operator_pairs", "gauge", ("phase",), "InferencePairs by phase.")
+OPERATOR_PAIR_RESTARTS = Metric(
+    "pdpair_operator_pair_restarts_total", "counter", ("namespace", "pair", "reason"), "Ordered pair restarts."
+)
+OPERATOR_HANG_DETECTIONS = Metric(
+    "pdpair_operator_hang_detections_total", "counter", (), "Hung pods the health watch detected."
+)
+OPERATOR_PORT_POOL_FREE = Metric("pdpair_operator_port_pool_free", "gauge", (), "Free ports in the operator's pool.")
+OPERATOR_PORT_POOL_SIZE = Metric("pdpair_operator_port_pool_size", "gauge", (), "Ports in the operator's pool.")
+OPERATOR_RECONCILE_SECONDS = Metric(
+    "pdpair_operator_reconcile_seconds", "histogram", (), "Duration of one reconcile pass in seconds."
+)
+
+OPERATOR_METRICS = (
+    OPERATOR_PAIRS,
+    OPERATOR_PAIR_RESTARTS,
+    OPERATOR_HANG_DETECTIONS,
+    OPERATOR_PORT_POOL_FREE,
+    OPERATOR_PORT_POOL_SIZE,
+    OPERATOR_RECONCILE_SECONDS,
+)
+
+ALL_METRICS = POD_METRICS + OPERATOR_METRICS
+
+
+def all_series_names() -> frozenset[str]:
+    """Every series name any pdpair process may export; rules and dashboards may use only these."""
+    return frozenset(s for m in ALL_METRICS for s in m.series_names)
+
+
+# --- alerts (PrometheusRule in the chart) --------------------------------------------------------
+ALERT_SIGNAL_DEFICIT = "PdPairSignalDeficit"
+ALERT_RESTART_LOOP = "PdPairRestartLoop"
+ALERT_NOT_READY = "PdPairNotReady"
+ALERT_RESTART_BUDGET_EXHAUSTED = "PdPairRestartBudgetExhausted"
+ALERT_PORT_POOL_LOW = "PdPairPortPoolLow"
+ALERT_TRANSFER_ERRORS = "PdPairTransferErrors"
+ALERTS = (
+    ALERT_SIGNAL_DEFICIT,
+    ALERT_RESTART_LOOP,
+    ALERT_NOT_READY,
+    ALERT_RESTART_BUDGET_EXHAUSTED,
+    ALERT_PORT_POOL_LOW,
+    ALERT_TRANSFER_ERRORS,
+)
+
+
+def is_hung(signal_deficit: float, oldest_wait_seconds: float, hang_timeout_seconds: float) -> bool:
+    """The contract's definition of a hung pod."""
+    return signal_deficit > 0 and oldest_wait_seconds > hang_timeout_seconds
