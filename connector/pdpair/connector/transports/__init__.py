@@ -1,0 +1,45 @@
+"""Pair transports: `tcp` (the native core, pdpair.native) and `flagcx` (ctypes binding of libflagcx).
+
+`make_transport(name)` imports only the transport asked for, so a pod without libflagcx can run tcp and the other way
+round.
+"""
+
+from __future__ import annotations
+
+from pdpair.connector.transports.base import (
+    DEFAULT_SIGNAL_SLOTS,
+    RANK_DECODE,
+    RANK_PREFILL,
+    PairComm,
+    PairTransport,
+    SignalWaitTimeout,
+    TransportCounters,
+    TransportError,
+)
+from pdpair.contract import ENV_TRANSPORT, TRANSPORT_FLAGCX, TRANSPORT_TCP, TRANSPORTS
+
+
+def make_transport(name: str) -> PairTransport:
+    """The transport named `name` (a value of PDPAIR_TRANSPORT); a clear error for any other name."""
+    if name == TRANSPORT_TCP:
+        from pdpair.connector.transports.tcp import TcpTransport
+
+        return TcpTransport()
+    if name == TRANSPORT_FLAGCX:
+        from pdpair.connector.transports.flagcx import FlagcxTransport
+
+        return FlagcxTransport()
+    raise ValueError(f"{ENV_TRANSPORT}={name!r} is not a known transport; use one of {', '.join(TRANSPORTS)}")
+
+
+__all__ = [
+    "DEFAULT_SIGNAL_SLOTS",
+    "RANK_DECODE",
+    "RANK_PREFILL",
+    "PairComm",
+    "PairTransport",
+    "SignalWaitTimeout",
+    "TransportCounters",
+    "TransportError",
+    "make_transport",
+]
