@@ -129,6 +129,12 @@ SIGNAL_WAIT_OLDEST_SECONDS = Metric(
 SIGNAL_WAIT_TIMEOUTS = Metric(
     "pdpair_signal_wait_timeouts_total", "counter", ("role",), "Signal waits that passed their deadline."
 )
+HANG_TIMEOUT_SECONDS = Metric(
+    "pdpair_hang_timeout_seconds",
+    "gauge",
+    ("role",),
+    "PDPAIR_HANG_TIMEOUT_SECONDS as this pod applies it (alert rules compare the oldest wait against it).",
+)
 KV_TRANSFERS = Metric(
     "pdpair_kv_transfers_total", "counter", ("role", "outcome"), "Finished KV transfers by outcome (ok, timeout, error)."
 )
@@ -154,6 +160,7 @@ POD_METRICS = (
     SIGNAL_DEFICIT,
     SIGNAL_WAIT_OLDEST_SECONDS,
     SIGNAL_WAIT_TIMEOUTS,
+    HANG_TIMEOUT_SECONDS,
     KV_TRANSFERS,
     KV_TRANSFER_BYTES,
     KV_TRANSFER_SECONDS,
@@ -170,6 +177,12 @@ OUTCOME_TIMEOUT = "timeout"
 OUTCOME_ERROR = "error"
 
 OPERATOR_PAIRS = Metric("pdpair_operator_pairs", "gauge", ("phase",), "InferencePairs by phase.")
+OPERATOR_PAIR_PHASE = Metric(
+    "pdpair_operator_pair_phase",
+    "gauge",
+    ("namespace", "pair", "phase"),
+    "1 for the pair's current phase, 0 for every other phase (per-pair alerts need it).",
+)
 OPERATOR_PAIR_RESTARTS = Metric(
     "pdpair_operator_pair_restarts_total", "counter", ("namespace", "pair", "reason"), "Ordered pair restarts."
 )
@@ -184,6 +197,7 @@ OPERATOR_RECONCILE_SECONDS = Metric(
 
 OPERATOR_METRICS = (
     OPERATOR_PAIRS,
+    OPERATOR_PAIR_PHASE,
     OPERATOR_PAIR_RESTARTS,
     OPERATOR_HANG_DETECTIONS,
     OPERATOR_PORT_POOL_FREE,

@@ -1,0 +1,343 @@
+"""The pod exporter (pdpair.connector.metrics) over real HTTP, parsed with prometheus-client's parser."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdpair import contract
+from pdpair.connector.metrics import SignalAccounts, accounts_from_env, serve
+
+
+class FakeClock:
+    """Only the clock is faked: ages and deadlines become exact, everything else is the real code."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scrape(port: int) -> dict[str, list]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    families: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        families.setdefault(family.name, []).append(family)
+    return families
+
+
+def samples(port: int, series: str) -> dict[tuple, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == series:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def healthz(port: int) -> tuple[int, dict]:
+    try:
+        resp = urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5)
+        return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def served(clock):
+    accounts = SignalAccounts("decode", 10.0, generation=7, clock=clock)
+    server = serve(0, accounts, addr="127.0.0.1")
+    yield accounts, server.port
+    server.stop()
+
+
+def test_every_contract_pod_metric_is_exported_with_its_type_and_labels(served):
+    accounts, port = served
+    accounts.open_wait("t1", "peer-a", 4, deadline=1e9)
+    accounts.on_signals("t1", 4)
+    accounts.close_wait("t1", "ok", nbytes=100, seconds=0.01)
+    accounts.on_handshake("ok")
+    accounts.set_listener_ready(0, True)
+    accounts.set_transport_counters("peer-a", inflight=1, slots=256, requeues=2)
+
+    families = scrape(port)
+    for metric in contract.POD_METRICS:
+        found = families.get(metric.base_name)
+        assert found, f"{metric.name} missing from /metrics"
+        (family,) = found
+        assert family.type == metric.kind, metric.name
+        assert family.documentation == metric.help, metric.name
+        assert family.samples, f"{metric.name} has no samples"
+        for s in family.samples:
+            assert s.name in metric.series_names, (s.name, metric.series_names)
+            extra = {"le"} if s.name.endswith("_bucket") else set()
+            assert set(s.labels) == set(metric.labels) | extra, (s.name, s.labels)
+    assert samples(port, "pdpair_pair_generation") == {(): 7.0}
+    assert samples(port, "pdpair_hang_timeout_seconds") == {(("role", "decode"),): 10.0}
+
+
+def test_deficit_and_oldest_wait_follow_open_transfers_per_peer(served, clock):
+    accounts, port = served
+    role = ("role", "decode")
+    accounts.open_wait("a1", "peer-a", 5, deadline=clock.now + 10)
+    clock.now += 2
+    accounts.open_wait("a2", "peer-a", 3, deadline=clock.now + 10)
+    accounts.open_wait("b1", "peer-b", 2, deadline=clock.now + 10)
+    accounts.on_signals("a1", 1)
+    accounts.on_signals("b1", 2)  # peer-b has everything: deficit 0, and b1 no longer counts as waiting
+    clock.now += 1
+
+    assert samples(port, "pdpair_signal_deficit") == {
+        (("peer", "peer-a"), role): 7.0,
+        (("peer", "peer-b"), role): 0.0,
+    }
+    assert samples(port, "pdpair_signal_wait_oldest_seconds") == {(role,): 3.0}
+    assert samples(port, "pdpair_signals_expected_total")[(("peer", "peer-a"), role)] == 8.0
+    assert samples(port, "pdpair_signals_received_total")[(("peer", "peer-a"), role)] == 1.0
+
+    accounts.on_signals("a1", 5)  # a1 complete: the oldest waiting one is now a2 (age 1)
+    assert samples(port, "pdpair_signal_wait_oldest_seconds") == {(role,): 1.0}
+    accounts.close_wait("a1", "ok", nbytes=10, seconds=0.5)
+    accounts.close_wait("a2", "error", nbytes=0, seconds=1.0)
+    accounts.close_wait("b1", "ok", nbytes=5, seconds=0.25)
+    assert samples(port, "pdpair_signal_deficit") == {(("peer", "peer-a"), role): 0.0, (("peer", "peer-b"), role): 0.0}
+    assert samples(port, "pdpair_signal_wait_oldest_seconds") == {(role,): 0.0}
+    transfers = samples(port, "pdpair_kv_transfers_total")
+    assert transfers[(("outcome", "ok"), role)] == 2.0
+    assert transfers[(("outcome", "error"), role)] == 1.0
+    assert transfers[(("outcome", "timeout"), role)] == 0.0
+    assert samples(port, "pdpair_kv_transfer_bytes_total") == {(role,): 15.0}
+    assert samples(port, "pdpair_kv_transfer_seconds_count") == {(role,): 3.0}
+    assert samples(port, "pdpair_kv_transfer_seconds_sum") == {(role,): 1.75}
+    assert accounts.open_transfers() == 0
+
+
+def test_timeouts_are_counted_once_whether_seen_by_a_scrape_or_by_close(served, clock):
+    accounts, port = served
+    timeouts = (("role", "decode"),)
+    accounts.open_wait("late", "peer-a", 2, deadline=clock.now + 5)
+    clock.now += 4
+    assert samples(port, "pdpair_signal_wait_timeouts_total") == {timeouts: 0.0}
+    clock.now += 2  # past the deadline, still open: a scrape counts it
+    assert samples(port, "pdpair_signal_wait_timeouts_total") == {timeouts: 1.0}
+    assert samples(port, "pdpair_signal_wait_timeouts_total") == {timeouts: 1.0}
+    accounts.close_wait("late", "timeout", nbytes=0, seconds=6)  # already counted
+    assert samples(port, "pdpair_signal_wait_timeouts_total") == {timeouts: 1.0}
+
+    accounts.open_wait("late2", "peer-a", 2, deadline=clock.now + 5)
+    accounts.close_wait("late2", "timeout", nbytes=0, seconds=5)  # the connector saw it first
+    assert samples(port, "pdpair_signal_wait_timeouts_total") == {timeouts: 2.0}
+    assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "timeout"), ("role", "decode"))] == 2.0
+
+
+def test_healthz_names_the_stuck_transfer_only_past_the_hang_timeout(served, clock):
+    accounts, port = served
+    assert healthz(port) == (200, {"status": "ok", "deficit": 0, "oldest_wait_seconds": 0.0, "hang_timeout_seconds": 10.0})
+    accounts.open_wait("stuck-1", "10.1.2.3:20001", 12, deadline=clock.now + 10)
+    accounts.on_signals("stuck-1", 9)
+    clock.now += 10  # equal to the timeout: not hung yet (contract: strictly greater)
+    code, body = healthz(port)
+    assert code == 200 and body["status"] == "ok" and body["deficit"] == 3
+    clock.now += 0.5
+    code, body = healthz(port)
+    assert code == 503
+    assert body["status"] == "hung"
+    assert body["transfer"] == {"id": "stuck-1", "peer": "10.1.2.3:20001", "expected": 12, "received": 9, "age_seconds": 10.5}
+    accounts.on_signals("stuck-1", 12)  # the missing signals arrive: healthy again
+    code, body = healthz(port)
+    assert code == 200 and body["deficit"] == 0
+    assert "transfer" not in body
+
+
+def test_requeues_follow_the_transports_cumulative_count_and_survive_a_reset(served):
+    accounts, port = served
+    key = (("peer", "p"),)
+    accounts.set_transport_counters("p", inflight=3, slots=256, requeues=5)
+    accounts.set_transport_counters("p", inflight=0, slots=256, requeues=9)
+    assert samples(port, "pdpair_transport_requeues_total") == {key: 9.0}
+    accounts.set_transport_counters("p", inflight=1, slots=128, requeues=2)  # transport recreated
+    assert samples(port, "pdpair_transport_requeues_total") == {key: 11.0}
+    assert samples(port, "pdpair_transport_inflight") == {key: 1.0}
+    assert samples(port, "pdpair_transport_slots") == {key: 128.0}
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda a: a.open_wait("", "p", 1, 1.0), "transfer_id"),
+        (lambda a: a.open_wait("t", "p q", 1, 1.0), "peer"),
+        (lambda a: a.open_wait("t", "p", -1, 1.0), "expected_signals"),
+        (lambda a: a.open_wait("t", "p", True, 1.0), "expected_signals"),
+        (lambda a: a.open_wait("t", "p", 1, float("nan")), "deadline"),
+        (lambda a: a.on_signals("nope", 1), "no open wait"),
+        (lambda a: a.close_wait("nope", "ok", 0, 0.0), "no open wait"),
+        (lambda a: a.close_wait("open", "maybe", 0, 0.0), "outcome"),
+        (lambda a: a.close_wait("open", "ok", -1, 0.0), "nbytes"),
+        (lambda a: a.close_wait("open", "ok", 0, -0.1), "seconds"),
+        (lambda a: a.on_signals("open", 3), "only 2 expected"),
+        (lambda a: a.open_wait("open", "p", 1, 1.0), "already has an open wait"),
+        (lambda a: a.on_handshake("Bad Outcome"), "handshake outcome"),
+        (lambda a: a.set_listener_ready(0, 1), "ready must be a bool"),
+        (lambda a: a.set_transport_counters("p", -1, 1, 1), "inflight"),
+        (lambda a: a.set_pair_generation(-2), "generation"),
+    ],
+)
+def test_bad_input_is_refused_with_a_clear_error(call, message):
+    accounts = SignalAccounts("prefill", 1.0)
+    accounts.open_wait("open", "p", 2, 1e9)
+    with pytest.raises(ValueError, match=message):
+        call(accounts)
+
+
+def test_received_total_may_not_go_down():
+    accounts = SignalAccounts("decode", 1.0)
+    accounts.open_wait("t", "p", 4, 1e9)
+    accounts.on_signals("t", 3)
+    with pytest.raises(ValueError, match="went down"):
+        accounts.on_signals("t", 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"role": "router", "hang_timeout_seconds": 1}, "role"),
+        ({"role": "decode", "hang_timeout_seconds": 0}, "hang_timeout_seconds"),
+        ({"role": "decode", "hang_timeout_seconds": float("inf")}, "hang_timeout_seconds"),
+    ],
+)
+def test_bad_construction_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SignalAccounts(**kwargs)
+
+
+def test_serve_refuses_a_second_hang_timeout_and_bad_ports():
+    accounts = SignalAccounts("decode", 5.0)
+    with pytest.raises(ValueError, match="differs"):
+        serve(0, accounts, hang_timeout_seconds=6.0)
+    with pytest.raises(ValueError, match="port"):
+        serve(70000, accounts)
+
+
+def test_accounts_from_env():
+    env = {
+        contract.ENV_ROLE: "prefill",
+        contract.ENV_HANG_TIMEOUT_SECONDS: "30",
+        contract.ENV_GENERATION: "4",
+    }
+    accounts = accounts_from_env(env, registry=CollectorRegistry())
+    assert (accounts.role, accounts.hang_timeout_seconds) == ("prefill", 30.0)
+    assert accounts.registry.get_sample_value("pdpair_pair_generation") == 4.0
+    with pytest.raises(ValueError, match=contract.ENV_HANG_TIMEOUT_SECONDS):
+        accounts_from_env({contract.ENV_ROLE: "decode"})
+    with pytest.raises(ValueError, match="must be a number"):
+        accounts_from_env({contract.ENV_ROLE: "decode", contract.ENV_HANG_TIMEOUT_SECONDS: "soon"})
+
+
+def test_serve_and_stop_three_times_on_the_same_port_frees_it():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for generation in range(3):
+        accounts = SignalAccounts("decode", 1.0, generation=generation)
+        server = serve(port, accounts, addr="127.0.0.1")
+        assert server.port == port
+        assert samples(port, "pdpair_pair_generation") == {(): float(generation)}
+        server.stop()
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    assert not [t for t in threading.enumerate() if t.name == f"pdpair-metrics-{port}"]
+
+
+def test_concurrent_worker_threads_keep_exact_accounts(served):
+    accounts, port = served
+    per_thread, threads = 200, 8
+
+    def worker(n: int) -> None:
+        for i in range(per_thread):
+            tid = f"w{n}-{i}"
+            accounts.open_wait(tid, f"peer-{n % 2}", 3, deadline=1e12)
+            accounts.on_signals(tid, 1)
+            accounts.on_signals(tid, 3)
+            accounts.close_wait(tid, "ok", nbytes=2, seconds=0.001)
+
+    pool = [threading.Thread(target=worker, args=(n,)) for n in range(threads)]
+    scraper_errors: list[BaseException] = []
+
+    def scraper() -> None:
+        try:
+            for _ in range(20):
+                scrape(port)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            scraper_errors.append(exc)
+
+    pool.append(threading.Thread(target=scraper))
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(60)
+    assert not scraper_errors
+    total = per_thread * threads
+    expected = samples(port, "pdpair_signals_expected_total")
+    received = samples(port, "pdpair_signals_received_total")
+    assert sum(expected.values()) == sum(received.values()) == 3 * total
+    assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), ("role", "decode"))] == total
+    assert set(samples(port, "pdpair_signal_deficit").values()) == {0.0}
+    assert accounts.open_transfers() == 0
+
+
+def test_two_engines_in_one_process_do_not_collide():
+    first, second = SignalAccounts("prefill", 1.0), SignalAccounts("decode", 1.0)
+    first.on_handshake("ok")
+    assert first.registry.get_sample_value("pdpair_handshakes_total", {"role": "prefill", "outcome": "ok"}) == 1.0
+    assert second.registry.get_sample_value("pdpair_handshakes_total", {"role": "decode", "outcome": "ok"}) == 0.0
+
+
+def test_metrics_demo_process_goes_hung_after_the_timeout_and_stops_on_sigterm():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdpair.connector.metrics_demo", "--hang-timeout", "1", "--deficit", "3",
+         "--expected", "8", "--generation", "5", "--ok-every", "0.1"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        started = time.monotonic()
+        line = proc.stdout.readline()
+        assert line, f"metrics_demo printed nothing (exit {proc.poll()})"
+        port = json.loads(line)["port"]
+        code, body = healthz(port)
+        assert code == 200 and body["deficit"] == 3, body
+        assert samples(port, "pdpair_pair_generation") == {(): 5.0}
+        while time.monotonic() - started < 10:
+            code, body = healthz(port)
+            if code == 503:
+                break
+            time.sleep(0.1)
+        assert code == 503, body
+        assert body["transfer"]["id"] == "demo-stuck" and body["transfer"]["received"] == 5
+        assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), ("role", "decode"))] >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
