@@ -1,0 +1,144 @@
+"""The CRD file agrees with pdpair.contract (names, phases, conditions, roles, transports, env prefix).
+
+Parses the YAML only; tests/e2e/test_crd_validation.py checks the same file on a real apiserver.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdpair import contract
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_PATH = REPO / "charts" / "pdpair" / "crds" / "inferencepairs.pdpair.io.yaml"
+
+
+@pytest.fixture(scope="module")
+def crd() -> dict:
+    return yaml.safe_load(CRD_PATH.read_text())
+
+
+@pytest.fixture(scope="module")
+def version(crd) -> dict:
+    [only] = [v for v in crd["spec"]["versions"] if v["name"] == contract.VERSION]
+    return only
+
+
+@pytest.fixture(scope="module")
+def spec_schema(version) -> dict:
+    return version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+@pytest.fixture(scope="module")
+def status_schema(version) -> dict:
+    return version["schema"]["openAPIV3Schema"]["properties"]["status"]
+
+
+def test_identity_matches_contract(crd):
+    names = crd["spec"]["names"]
+    assert crd["metadata"]["name"] == f"{contract.PLURAL}.{contract.GROUP}"
+    assert crd["spec"]["group"] == contract.GROUP
+    assert crd["spec"]["scope"] == "Namespaced"
+    assert names["kind"] == contract.KIND
+    assert names["plural"] == contract.PLURAL
+    assert names["singular"] == contract.SINGULAR
+    assert names["shortNames"] == [contract.SHORT_NAME]
+
+
+def test_single_served_storage_version_with_status_subresource(crd, version):
+    assert [v["name"] for v in crd["spec"]["versions"]] == [contract.VERSION]
+    assert version["served"] is True and version["storage"] is True
+    assert version["subresources"] == {"status": {}}
+
+
+def test_phase_enum_is_contract_phases(status_schema):
+    assert tuple(status_schema["properties"]["phase"]["enum"]) == contract.PHASES
+
+
+def test_condition_types_are_contract_conditions(status_schema):
+    conditions = status_schema["properties"]["conditions"]
+    assert conditions["x-kubernetes-list-type"] == "map"
+    assert conditions["x-kubernetes-list-map-keys"] == ["type"]
+    item = conditions["items"]
+    assert tuple(item["properties"]["type"]["enum"]) == contract.CONDITIONS
+    # metav1.Condition shape
+    assert set(item["required"]) == {"type", "status", "lastTransitionTime", "reason", "message"}
+    assert item["properties"]["status"]["enum"] == ["True", "False", "Unknown"]
+
+
+def test_port_roles_cover_contract_roles(status_schema):
+    port = status_schema["properties"]["ports"]["items"]["properties"]
+    assert set(port["role"]["enum"]) == {*contract.ROLES, contract.ROLE_ROUTER}
+
+
+def test_transport_enum_is_contract_transports(spec_schema):
+    transport = spec_schema["properties"]["connector"]["properties"]["transport"]
+    assert tuple(transport["enum"]) == contract.TRANSPORTS
+    assert transport["default"] in contract.TRANSPORTS
+
+
+def test_both_roles_share_one_schema(spec_schema):
+    props = spec_schema["properties"]
+    assert set(contract.ROLES) <= set(props)
+    assert props[contract.ROLE_PREFILL] == props[contract.ROLE_DECODE]
+
+
+def test_env_rule_reserves_the_prefix_of_every_contract_env_name(spec_schema):
+    env = spec_schema["properties"][contract.ROLE_DECODE]["properties"]["env"]
+    rules = " ".join(r["rule"] for r in env["items"]["x-kubernetes-validations"])
+    prefixes = {name.split("_", 1)[0] + "_" for name in contract.POD_ENV}
+    assert prefixes == {"PDPAIR_"}
+    assert "startsWith('PDPAIR_')" in rules
+
+
+def test_printer_columns(version):
+    columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
+    assert columns["Phase"]["jsonPath"] == ".status.phase"
+    assert columns["Ready"]["jsonPath"] == f'.status.conditions[?(@.type=="{contract.COND_READY}")].status'
+    assert columns["Restarts"]["jsonPath"] == ".status.restarts"
+    assert columns["Decode Port"]["jsonPath"] == f'.status.ports[?(@.name=="{contract.ROLE_DECODE}-sidechannel-0")].port'
+    assert columns["Age"]["jsonPath"] == ".metadata.creationTimestamp"
+    default_columns = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) == 0]
+    assert default_columns == ["Phase", "Ready", "Restarts", "Decode Port", "Age"]
+
+
+def _walk(schema: dict, path: str):
+    yield path, schema
+    for name, child in schema.get("properties", {}).items():
+        yield from _walk(child, f"{path}.{name}")
+    if "items" in schema:
+        yield from _walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_every_spec_and_status_leaf_is_bounded(spec_schema, status_schema):
+    """Strings carry maxLength or enum or a bounded format, arrays maxItems, maps maxProperties, integers a range."""
+    unbounded = []
+    for path, node in [*_walk(spec_schema, "spec"), *_walk(status_schema, "status")]:
+        if node.get("x-kubernetes-preserve-unknown-fields") or node.get("x-kubernetes-int-or-string"):
+            continue
+        kind = node.get("type")
+        if kind == "string" and not ({"maxLength", "enum"} & node.keys() or node.get("format") == "date-time"):
+            unbounded.append(path)
+        elif kind == "array" and "maxItems" not in node:
+            unbounded.append(path)
+        elif kind == "integer" and "minimum" not in node:
+            unbounded.append(path)
+        elif kind == "object" and "additionalProperties" in node and "maxProperties" not in node:
+            unbounded.append(path)
+    assert unbounded == []
+
+
+def test_every_validation_rule_has_a_message_that_names_a_field(version):
+    schema = version["schema"]["openAPIV3Schema"]
+    rules = [r for _, node in _walk(schema, "") for r in node.get("x-kubernetes-validations", [])]
+    assert len(rules) >= 10
+    for rule in rules:
+        assert "message" in rule, rule["rule"]
+        # a field name such as spec.x.y, metadata.name, args, env[].name, tolerations[].value
+        assert any(word in rule["message"] for word in ("spec.", "metadata.name", "args", "env[]", "tolerations[]",
+                                                         "status.ports")), rule["message"]
