@@ -1,0 +1,244 @@
+"""The Helm chart lints strictly, renders for every scenario, and refuses bad values with a clear error.
+
+Uses the helm binary from hack/tools.sh (via tests.cluster.localcluster.helm_path); no cluster needed.
+tests/e2e/test_chart_apply.py applies the rendered chart to a real apiserver.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdpair import contract
+from tests.cluster.localcluster import helm_path
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "pdpair"
+CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+NAMESPACE = "pdpair-system"
+RELEASE = "rel"
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory) -> "Helm":
+    return Helm(helm_path(), tmp_path_factory.mktemp("helm-home"))
+
+
+class Helm:
+    def __init__(self, binary: Path, home: Path):
+        if not binary.exists():
+            raise AssertionError(f"helm not found at {binary}; run hack/tools.sh")
+        self.binary = binary
+        # Keep helm away from ~/.config/helm and friends: nothing outside the temp dir is read or written.
+        self.env = {**os.environ, **{f"HELM_{kind}_HOME": str(home / kind.lower()) for kind in ("CACHE", "CONFIG", "DATA")}}
+
+    def run(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(self.binary), *args], capture_output=True, text=True, env=self.env, timeout=120)
+
+    def template(self, *args: str, release: str = RELEASE) -> list[dict]:
+        proc = self.run("template", release, str(CHART), "--namespace", NAMESPACE, *args)
+        assert proc.returncode == 0, proc.stderr
+        return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+    def template_error(self, *args: str) -> str:
+        proc = self.run("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args)
+        assert proc.returncode != 0, f"helm template {' '.join(args)} should have failed but rendered:\n{proc.stdout[:2000]}"
+        return proc.stderr
+
+
+def by_kind(docs: list[dict]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for doc in docs:
+        assert doc["kind"] not in out, f"two {doc['kind']} objects rendered"
+        out[doc["kind"]] = doc
+    return out
+
+
+def container_env(deployment: dict) -> dict[str, dict]:
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e for e in container["env"]}
+
+
+def test_ci_scenarios_exist():
+    assert len(CI_VALUES) >= 4, CI_VALUES
+
+
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "defaults" if v is None else v.name)
+def test_lint_strict(helm, values):
+    args = ["lint", "--strict", str(CHART)] + (["-f", str(values)] if values else [])
+    proc = helm.run(*args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 chart(s) failed" in proc.stdout
+
+
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "defaults" if v is None else v.name)
+def test_template_renders_labelled_objects(helm, values):
+    docs = helm.template(*(["-f", str(values)] if values else []))
+    for doc in docs:
+        labels = doc["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == RELEASE
+        assert labels["app.kubernetes.io/part-of"] == "pdpair"
+        assert len(doc["metadata"]["name"]) <= 63
+        if doc["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+            assert doc["metadata"]["namespace"] == NAMESPACE
+
+
+def test_default_render_has_every_operator_object(helm):
+    kinds = by_kind(helm.template())
+    assert set(kinds) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment",
+                          "Service"}
+    deployment = kinds["Deployment"]
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= pod_labels.items()
+    assert "app.kubernetes.io/version" not in selector and "helm.sh/chart" not in selector
+    assert kinds["Service"]["spec"]["selector"] == selector
+    sa_name = kinds["ServiceAccount"]["metadata"]["name"]
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == sa_name
+    for binding in (kinds["ClusterRoleBinding"], kinds["RoleBinding"]):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa_name, "namespace": NAMESPACE}]
+
+
+def test_operator_container(helm):
+    deployment = by_kind(helm.template())["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["command"] == ["python", "-m", "pdpair.operator"]
+    env = container_env(deployment)
+    assert env["PDPAIR_OPERATOR_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["PDPAIR_PORT_POOL"]["value"] == "20000-29999"
+    assert container["livenessProbe"]["httpGet"] == {"path": contract.HEALTHZ_PATH, "port": "http-healthz"}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http-healthz": int(env["PDPAIR_LIVENESS_PORT"]["value"]),
+                     "http-metrics": int(env["PDPAIR_OPERATOR_METRICS_PORT"]["value"])}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_operator_config_env_is_what_the_operator_reads(helm):
+    """Every PDPAIR_* variable the chart sets is one pdpair.operator.config reads (a rename breaks this test)."""
+    from pdpair.operator import config
+
+    read = {v for k, v in vars(config).items() if k.startswith("ENV_")}
+    docs = helm.template("-f", str(CHART / "ci" / "01-watch-namespaces-tuning-values.yaml"))
+    env = container_env(by_kind(docs)["Deployment"])
+    assert set(env) <= read, set(env) - read
+    assert env["PDPAIR_WATCH_NAMESPACES"]["value"] == "team-a,team-b"
+    assert env["PDPAIR_API_THREADS"]["value"] == "8"
+    assert env["PDPAIR_PROBE_INTERVAL_SECONDS"]["value"] == "0.5"
+
+
+def test_tuning_left_null_sets_no_env(helm):
+    env = container_env(by_kind(helm.template())["Deployment"])
+    assert "PDPAIR_PROBE_INTERVAL_SECONDS" not in env and "PDPAIR_API_THREADS" not in env
+
+
+def test_crd_only_scenario_renders_nothing_but_the_crd(helm):
+    values = str(CHART / "ci" / "03-crd-only-values.yaml")
+    assert helm.template("-f", values) == []
+    [crd] = helm.template("-f", values, "--include-crds")
+    assert crd["kind"] == "CustomResourceDefinition"
+    assert crd["metadata"]["name"] == f"{contract.PLURAL}.{contract.GROUP}"
+
+
+def test_existing_service_account_is_bound_not_created(helm):
+    kinds = by_kind(helm.template("-f", str(CHART / "ci" / "02-existing-serviceaccount-values.yaml")))
+    assert "ServiceAccount" not in kinds
+    assert kinds["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == "pdpair-operator-external"
+    assert kinds["RoleBinding"]["subjects"][0]["name"] == "pdpair-operator-external"
+
+
+def test_image_digest_wins_over_tag(helm):
+    kinds = by_kind(helm.template("-f", str(CHART / "ci" / "04-non-defaults-values.yaml")))
+    [container] = kinds["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == ("registry.example.com/serving/pdpair@sha256:"
+                                  "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef")
+    assert kinds["Deployment"]["metadata"]["name"] == "pdpair-prod-operator"
+    assert kinds["Deployment"]["metadata"]["labels"]["team"] == "serving"
+
+
+def test_long_release_name_is_truncated_to_a_dns_label(helm):
+    release = "a-release-name-at-helms-limit-of-fifty-three-characte"  # helm refuses longer ones
+    assert len(release) == 53
+    for doc in helm.template(release=release):
+        name = doc["metadata"]["name"]
+        assert len(name) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name), name
+        assert name.endswith("-operator")
+
+
+# name, --set arguments, a substring of helm's error
+BAD_VALUES = [
+    ("unknown operator key", ["--set", "operator.portpool=20000-20010"], "additional properties 'portpool'"),
+    ("unknown top-level key", ["--set", "crds.enabled=true"], "additional properties 'crds'"),
+    ("pool without dash", ["--set-string", "operator.portPool=20000"], "/operator/portPool"),
+    ("pool reversed", ["--set-string", "operator.portPool=30000-20000"], 'operator.portPool "30000-20000"'),
+    ("pool below 1024", ["--set-string", "operator.portPool=1000-2000"], 'operator.portPool "1000-2000"'),
+    ("metrics port out of range", ["--set", "operator.metricsPort=70000"], "/operator/metricsPort"),
+    ("liveness equals metrics", ["--set", "operator.livenessPort=9090"], "operator.livenessPort and operator.metricsPort"),
+    ("pull policy", ["--set", "image.pullPolicy=Sometimes"], "/image/pullPolicy"),
+    ("bad digest", ["--set", "image.digest=sha256:xyz"], "/image/digest"),
+    ("zero api threads", ["--set", "operator.tuning.apiThreads=0"], "/operator/tuning/apiThreads"),
+    ("negative probe interval", ["--set", "operator.tuning.probeIntervalSeconds=-1"],
+     "/operator/tuning/probeIntervalSeconds"),
+    ("bad watch namespace", ["--set", "operator.watchNamespaces[0]=Team_A"], "/operator/watchNamespaces/0"),
+    ("extraEnv overrides the pool", ["--set", "operator.extraEnv[0].name=PDPAIR_PORT_POOL",
+                                     "--set", "operator.extraEnv[0].value=1-2"], "/operator/extraEnv/0/name"),
+    ("service type", ["--set", "operator.service.type=Ingress"], "/operator/service/type"),
+    ("external SA without a name", ["--set", "serviceAccount.create=false"], "serviceAccount.name is required"),
+]
+
+
+@pytest.mark.parametrize("args,expected", [(a, e) for _, a, e in BAD_VALUES], ids=[n for n, _, _ in BAD_VALUES])
+def test_bad_values_are_refused(helm, args, expected):
+    error = helm.template_error(*args)
+    assert expected in error, error
+
+
+def _leaf_paths(values: dict, prefix: str = "") -> list[str]:
+    paths = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value and key not in ("resources", "podSecurityContext", "securityContext",
+                                                            "livenessProbe", "requests", "limits"):
+            paths += _leaf_paths(value, path + ".")
+        else:
+            paths.append(path)
+    return paths
+
+
+def test_every_value_is_documented_in_the_readme():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    readme = (CHART / "README.md").read_text()
+    missing = [p for p in _leaf_paths(values) if f"`{p}`" not in readme]
+    assert missing == []
+
+
+# Block values whose inner keys are an example of the block, documented by the block's own comment.
+EXAMPLE_BLOCKS = {"resources", "podSecurityContext", "securityContext", "livenessProbe"}
+
+
+def test_every_value_is_commented_in_values_yaml():
+    """Each key line is preceded by a comment line, except keys inside an example block such as resources."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    stack: list[tuple[int, str]] = []  # (indent, key) of the enclosing keys
+    uncommented = []
+    for i, line in enumerate(lines):
+        match = re.match(r"^(\s*)([A-Za-z][A-Za-z0-9]*):", line)
+        if not match:
+            continue
+        indent, key = len(match.group(1)), match.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        inside_example = any(k in EXAMPLE_BLOCKS for _, k in stack)
+        stack.append((indent, key))
+        if not inside_example and not (i > 0 and lines[i - 1].strip().startswith("#")):
+            uncommented.append(line.strip())
+    assert uncommented == []
