@@ -421,7 +421,10 @@ def serve(
             f"hang_timeout_seconds {hang_timeout_seconds} differs from the accounts' {accounts.hang_timeout_seconds}"
         )
     httpd = make_server(addr, port, _app(accounts), ThreadingWSGIServer, handler_class=_QuietHandler)
-    thread = threading.Thread(target=httpd.serve_forever, name=f"pdpair-metrics-{httpd.server_address[1]}")
+    # A short poll interval makes stop() quick (shutdown waits for the serve loop to notice).
+    thread = threading.Thread(
+        target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name=f"pdpair-metrics-{httpd.server_address[1]}"
+    )
     thread.daemon = True
     thread.start()
     return MetricsServer(httpd, thread)
