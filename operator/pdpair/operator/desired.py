@@ -1,0 +1,410 @@
+"""The pure planner: given spec, status and what was observed, which single step comes next.
+
+No client, no kopf, no clock: the executor (handlers.Reconciler) observes, calls `desired_state`, applies the
+plan, and calls again. The order it encodes:
+
+  1. lease ports                          (PortsLeased)
+  2. replace stale pods, in order:        prefill and router first, decode after they are gone, wait all gone
+  3. create decode                        (phase DecodeStarting)
+  4. wait until decode runs with an IP, then until its listener accepts on every rank (DecodeListening)
+  5. create prefill with the peer address (phase PrefillStarting), wait Ready (PrefillReady)
+  6. create router (when enabled), wait Ready
+  7. Ready
+
+A spec change (of anything the pods are built from) or a restart request moves the pair to a new pairGeneration;
+the pods of older generations are then stale and step 2 replaces them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from pdpair.contract import (
+    COND_DECODE_LISTENING,
+    COND_PORTS_LEASED,
+    COND_PREFILL_READY,
+    COND_READY,
+    LABEL_GENERATION,
+    LABEL_ROLE,
+    PHASE_DECODE_STARTING,
+    PHASE_FAILED,
+    PHASE_PENDING,
+    PHASE_PREFILL_STARTING,
+    PHASE_READY,
+    PHASE_RESTARTING,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    ROLE_ROUTER,
+)
+
+from .status import FALSE, TRUE, Condition
+
+ANNOTATION_SPEC_HASH = "pdpair.io/spec-hash"
+
+# The spec fields pods are built from; a change to any of them is a rollout (restartPolicy is not).
+POD_SPEC_FIELDS = ("model", "servedModelName", "image", "prefill", "decode", "connector", "network", "router")
+
+
+def spec_fingerprint(spec: Mapping[str, Any]) -> str:
+    relevant = {k: spec.get(k) for k in POD_SPEC_FIELDS}
+    text = json.dumps(relevant, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def router_enabled(spec: Mapping[str, Any]) -> bool:
+    return bool((spec.get("router") or {}).get("enabled", True))
+
+
+# --- observed state ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PodView:
+    name: str
+    role: str
+    generation: int
+    spec_hash: str = ""
+    phase: str = "Pending"  # Pending | Running | Succeeded | Failed | Unknown
+    ready: bool = False
+    ip: str | None = None
+    deleting: bool = False
+    scheduled: bool = False
+    restarts: int = 0
+    uid: str = ""
+
+    @property
+    def running(self) -> bool:
+        return self.phase == "Running" and bool(self.ip) and not self.deleting
+
+    @property
+    def failed(self) -> bool:
+        return self.phase in ("Failed", "Succeeded")
+
+    @classmethod
+    def from_pod(cls, pod: Mapping[str, Any]) -> "PodView":
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        annotations = meta.get("annotations") or {}
+        status = pod.get("status") or {}
+        conditions = status.get("conditions") or []
+        cond = {c.get("type"): c.get("status") for c in conditions}
+        try:
+            generation = int(labels.get(LABEL_GENERATION, "0"))
+        except ValueError:
+            generation = 0
+        restarts = sum(int(cs.get("restartCount") or 0) for cs in status.get("containerStatuses") or [])
+        return cls(
+            name=meta.get("name", ""),
+            role=labels.get(LABEL_ROLE, ""),
+            generation=generation,
+            spec_hash=annotations.get(ANNOTATION_SPEC_HASH, ""),
+            phase=status.get("phase") or "Pending",
+            ready=cond.get("Ready") == "True",
+            ip=status.get("podIP") or None,
+            deleting=bool(meta.get("deletionTimestamp")),
+            scheduled=cond.get("PodScheduled") == "True" or bool((pod.get("spec") or {}).get("nodeName")),
+            restarts=restarts,
+            uid=meta.get("uid", ""),
+        )
+
+
+@dataclass(frozen=True)
+class Observed:
+    pods: tuple[PodView, ...] = ()
+    ports_complete: bool = False  # the leases cover every required block
+    pool_exhausted: bool = False
+    pool_message: str = ""
+    decode_listening: bool = False  # the current decode pod accepted on every rank
+    probe_message: str = ""
+    restart_reason: str | None = None  # a restart the executor decided to do now (budget and backoff allow it)
+
+
+# --- the plan ---------------------------------------------------------------------------------------
+STEP_LEASE_PORTS = "LeasePorts"
+STEP_POOL_EXHAUSTED = "PoolExhausted"
+STEP_DELETE_PREFILL = "DeletePrefill"  # prefill and router of an older generation
+STEP_DELETE_DECODE = "DeleteDecode"
+STEP_WAIT_GONE = "WaitPodsGone"
+STEP_CREATE_DECODE = "CreateDecode"
+STEP_WAIT_DECODE_RUNNING = "WaitDecodeRunning"
+STEP_WAIT_LISTENER = "WaitDecodeListener"
+STEP_CREATE_PREFILL = "CreatePrefill"
+STEP_WAIT_PREFILL_READY = "WaitPrefillReady"
+STEP_CREATE_ROUTER = "CreateRouter"
+STEP_WAIT_ROUTER_READY = "WaitRouterReady"
+STEP_READY = "Ready"
+STEP_BROKEN = "Broken"  # a current pod failed or vanished: the executor decides on a restart
+
+
+@dataclass(frozen=True)
+class Plan:
+    step: str
+    pair_generation: int
+    phase: str
+    conditions: tuple[Condition, ...]
+    message: str
+    delete: tuple[str, ...] = ()  # pod names, in this order
+    create: str | None = None  # a role
+    probe_decode: bool = False  # the executor should probe the current decode pod's listener
+    broken_reason: str | None = None
+    rolled_out: bool = False  # this plan moved to a new generation for a spec change
+
+    @property
+    def progressing(self) -> bool:
+        return self.step not in (STEP_READY, STEP_POOL_EXHAUSTED)
+
+
+def current_generation(status: Mapping[str, Any], pods: Iterable[PodView]) -> int:
+    """The highest generation recorded anywhere (status may lag the pods after a crash)."""
+    known = [int(status.get("pairGeneration") or 0)] + [p.generation for p in pods]
+    return max(known) or 1
+
+
+def broken_reason(pods: Iterable[PodView], generation: int) -> str | None:
+    """Why the pods of `generation` can no longer work as a pair, or None. Unscheduled Pending pods are fine."""
+    current = [p for p in pods if p.generation == generation]
+    by_role = {p.role: p for p in current}
+    for role in (ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER):
+        pod = by_role.get(role)
+        if pod is not None and pod.failed:
+            return f"{role} pod {pod.name} {pod.phase.lower()}"
+        if pod is not None and pod.restarts > 0:
+            return f"{role} pod {pod.name} container restarted {pod.restarts}x"
+    decode = by_role.get(ROLE_DECODE)
+    prefill = by_role.get(ROLE_PREFILL)
+    if prefill is not None and (decode is None or decode.deleting):
+        return f"decode pod of generation {generation} vanished while prefill {prefill.name} runs"
+    return None
+
+
+def desired_state(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Observed) -> Plan:
+    status = status or {}
+    want_hash = spec_fingerprint(spec)
+    pods = observed.pods
+    generation = current_generation(status, pods)
+    current_live = [p for p in pods if p.generation == generation and not p.deleting]
+
+    rolled_out = any(p.spec_hash != want_hash for p in current_live)
+    if rolled_out or observed.restart_reason:
+        generation += 1
+
+    def plan(step: str, phase: str, message: str, conds: list[Condition], **kw: Any) -> Plan:
+        return Plan(step, generation, phase, tuple(conds), message, rolled_out=rolled_out, **kw)
+
+    replacing_phase = PHASE_RESTARTING if (observed.restart_reason or _restarting(status)) else PHASE_PENDING
+
+    # 1. ports
+    if not observed.ports_complete:
+        if observed.pool_exhausted:
+            return plan(
+                STEP_POOL_EXHAUSTED,
+                PHASE_PENDING,
+                observed.pool_message or "the operator's port pool has no room for this pair; retrying",
+                [Condition(COND_PORTS_LEASED, FALSE, "PoolExhausted", observed.pool_message), _not_ready("PoolExhausted")],
+            )
+        return plan(
+            STEP_LEASE_PORTS,
+            PHASE_PENDING,
+            "leasing ports",
+            [Condition(COND_PORTS_LEASED, FALSE, "Leasing", "claiming port leases"), _not_ready("LeasingPorts")],
+        )
+    leased = Condition(COND_PORTS_LEASED, TRUE, "Leased", "every port is leased")
+
+    # 2. stale pods go: prefill and router first, decode only after they are gone, then wait for all
+    stale = [p for p in pods if p.generation != generation]
+    if stale:
+        front = [p for p in stale if p.role != ROLE_DECODE]
+        if front:
+            to_delete = tuple(p.name for p in _ordered(front) if not p.deleting)
+            return plan(
+                STEP_DELETE_PREFILL if to_delete else STEP_WAIT_GONE,
+                replacing_phase,
+                f"replacing generation {generation - 1 if generation > 1 else generation}: stopping prefill first",
+                [leased, _listening(FALSE, "Replacing", "pods of an older generation are stopping"),
+                 _prefill(FALSE, "Replacing"), _not_ready("Replacing")],
+                delete=to_delete,
+            )
+        to_delete = tuple(p.name for p in stale if not p.deleting)
+        return plan(
+            STEP_DELETE_DECODE if to_delete else STEP_WAIT_GONE,
+            replacing_phase,
+            "prefill is gone; stopping the old decode" if to_delete else "waiting until the old pods are gone",
+            [leased, _listening(FALSE, "Replacing", "pods of an older generation are stopping"),
+             _prefill(FALSE, "Replacing"), _not_ready("Replacing")],
+            delete=to_delete,
+        )
+
+    by_role = {p.role: p for p in pods if p.generation == generation}
+    decode = by_role.get(ROLE_DECODE)
+    prefill = by_role.get(ROLE_PREFILL)
+    router = by_role.get(ROLE_ROUTER)
+
+    reason = broken_reason(pods, generation)
+    if reason:
+        return plan(
+            STEP_BROKEN,
+            PHASE_RESTARTING,
+            reason,
+            [leased, _not_ready("PodFailed")],
+            broken_reason=reason,
+        )
+
+    # A current pod that is being deleted (someone else deleted it) is waited out, then recreated.
+    if any(p.deleting for p in by_role.values()):
+        return plan(STEP_WAIT_GONE, replacing_phase, "waiting until deleted pods are gone",
+                    [leased, _not_ready("Replacing")])
+
+    # 3-4. decode
+    if decode is None:
+        return plan(
+            STEP_CREATE_DECODE,
+            PHASE_DECODE_STARTING,
+            f"creating decode (generation {generation})",
+            [leased, _listening(FALSE, "DecodeCreating", "the decode pod is being created"),
+             _prefill(FALSE, "WaitingForDecode"), _not_ready("DecodeStarting")],
+            create=ROLE_DECODE,
+        )
+    if not decode.running:
+        why = "waiting for the decode pod to be scheduled" if not decode.scheduled else "waiting for the decode pod to run"
+        return plan(
+            STEP_WAIT_DECODE_RUNNING,
+            PHASE_DECODE_STARTING,
+            why,
+            [leased, _listening(FALSE, "DecodeNotRunning", why), _prefill(FALSE, "WaitingForDecode"),
+             _not_ready("DecodeStarting")],
+        )
+    if not observed.decode_listening:
+        msg = observed.probe_message or f"probing decode {decode.ip} side-channel ports"
+        return plan(
+            STEP_WAIT_LISTENER,
+            PHASE_DECODE_STARTING,
+            msg,
+            [leased, _listening(FALSE, "NotAccepting", msg), _prefill(FALSE, "WaitingForDecodeListener"),
+             _not_ready("DecodeStarting")],
+            probe_decode=True,
+        )
+    listening = _listening(TRUE, "Accepting", observed.probe_message or f"decode {decode.ip} accepts on every rank")
+
+    # 5. prefill
+    if prefill is None:
+        return plan(
+            STEP_CREATE_PREFILL,
+            PHASE_PREFILL_STARTING,
+            f"decode listens; creating prefill (generation {generation})",
+            [leased, listening, _prefill(FALSE, "Creating"), _not_ready("PrefillStarting")],
+            create=ROLE_PREFILL,
+        )
+    if not (prefill.running and prefill.ready):
+        return plan(
+            STEP_WAIT_PREFILL_READY,
+            PHASE_PREFILL_STARTING,
+            "waiting for the prefill pod to be Ready",
+            [leased, listening, _prefill(FALSE, "Starting"), _not_ready("PrefillStarting")],
+        )
+    prefill_ready = _prefill(TRUE, "PodReady")
+
+    # 6. router
+    if router_enabled(spec):
+        if router is None:
+            return plan(
+                STEP_CREATE_ROUTER,
+                PHASE_PREFILL_STARTING,
+                "creating the router",
+                [leased, listening, prefill_ready, _not_ready("RouterStarting")],
+                create=ROLE_ROUTER,
+            )
+        if not (router.running and router.ready):
+            return plan(
+                STEP_WAIT_ROUTER_READY,
+                PHASE_PREFILL_STARTING,
+                "waiting for the router pod to be Ready",
+                [leased, listening, prefill_ready, _not_ready("RouterStarting")],
+            )
+
+    # 7.
+    return plan(
+        STEP_READY,
+        PHASE_READY,
+        f"generation {generation} is ready",
+        [leased, listening, prefill_ready, Condition(COND_READY, TRUE, "PairReady", "decode listens, prefill is ready")],
+    )
+
+
+def _restarting(status: Mapping[str, Any]) -> bool:
+    return status.get("phase") == PHASE_RESTARTING
+
+
+def _ordered(pods: Iterable[PodView]) -> list[PodView]:
+    rank = {ROLE_ROUTER: 0, ROLE_PREFILL: 1, ROLE_DECODE: 2}
+    return sorted(pods, key=lambda p: (rank.get(p.role, 1), p.name))
+
+
+def _not_ready(reason: str) -> Condition:
+    return Condition(COND_READY, FALSE, reason, "")
+
+
+def _listening(status: str, reason: str, message: str = "") -> Condition:
+    return Condition(COND_DECODE_LISTENING, status, reason, message)
+
+
+def _prefill(status: str, reason: str) -> Condition:
+    return Condition(COND_PREFILL_READY, status, reason, "")
+
+
+# --- simulation for tests ---------------------------------------------------------------------------
+@dataclass
+class SimWorld:
+    """A tiny fake of the outside world for table tests: pods appear Running/Ready as soon as they're made."""
+
+    spec: Mapping[str, Any]
+    status: dict[str, Any] = field(default_factory=dict)
+    pods: dict[str, PodView] = field(default_factory=dict)
+    ports_complete: bool = True
+    listening: Callable[[PodView], bool] = lambda pod: True
+    log: list[str] = field(default_factory=list)
+
+    def observe(self, restart_reason: str | None = None) -> Observed:
+        decode = next(
+            (p for p in self.pods.values()
+             if p.role == ROLE_DECODE and p.generation == current_generation(self.status, self.pods.values())),
+            None,
+        )
+        return Observed(
+            pods=tuple(self.pods.values()),
+            ports_complete=self.ports_complete,
+            decode_listening=bool(decode and decode.running and self.listening(decode)),
+            restart_reason=restart_reason,
+        )
+
+    def apply(self, plan: Plan) -> None:
+        self.status["pairGeneration"] = plan.pair_generation
+        self.status["phase"] = plan.phase
+        for name in plan.delete:
+            self.log.append(f"delete {name}")
+            self.pods.pop(name)  # the sim's pods vanish at once
+        if plan.create:
+            name = f"p-{plan.create}-{plan.pair_generation}"
+            self.log.append(f"create {name}")
+            self.pods[name] = PodView(
+                name, plan.create, plan.pair_generation, spec_fingerprint(self.spec), "Running", True, "127.0.0.1",
+                scheduled=True,
+            )
+
+
+def simulate_until_ready(world: SimWorld, max_steps: int = 50, restart_reason: str | None = None) -> list[Plan]:
+    """Run plan→apply until Ready (or a step repeats with no effect); returns every plan."""
+    plans: list[Plan] = []
+    reason = restart_reason
+    for _ in range(max_steps):
+        plan = desired_state(world.spec, world.status, world.observe(reason))
+        reason = None  # a restart request is consumed by the plan that bumps the generation
+        plans.append(plan)
+        if plan.step == STEP_READY:
+            return plans
+        before = (dict(world.pods), dict(world.status))
+        world.apply(plan)
+        if (dict(world.pods), dict(world.status)) == before:
+            return plans  # stuck: the caller asserts on the last step
+    raise AssertionError(f"no Ready after {max_steps} steps: {[p.step for p in plans]}")
+

@@ -1,0 +1,217 @@
+"""kopf handlers, and nothing else: each reads its inputs and hands them to reconciler.py / ports.py.
+
+- startup: settings (finalizer and progress storage in pdpair.io, posting level, watch timeouts), API clients,
+  the port leaser, the orphan-lease sweep.
+- index `pair_pods`: the pods of each pair (by the pair-uid label), kept live by the watch.
+- events on pairs and their pods wake that pair's daemon, so reaction is immediate, not per poll.
+- daemon `reconcile`: one per pair, loops PairReconciler.reconcile_once (it also drives the probe gate).
+- delete: waits for the daemon to stop, then releases the pair's leases (the pods go by ownerReference GC).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from typing import Any
+
+import kopf
+
+from pdpair.contract import FINALIZER, GROUP, LABEL_PAIR_UID, PLURAL, VERSION
+
+from .config import OperatorConfig
+from .desired import PodView
+from .ports import PortLeaser
+from .reconciler import PairReconciler, Runtime, api_status
+
+log = logging.getLogger(__name__)
+
+DAEMON_STOP_WAIT = 15.0
+
+
+def _load_kube_config(api_threads: int) -> Any:
+    import kubernetes
+
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    configuration = kubernetes.client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = api_threads
+    return kubernetes.client.ApiClient(configuration)
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    import kubernetes
+
+    config: OperatorConfig = memo.get("config") or OperatorConfig.from_env()
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING  # our own Events are explicit (kopf.event), not log lines
+    settings.watching.server_timeout = 60
+    settings.watching.client_timeout = 90
+    settings.watching.connect_timeout = 10
+    settings.networking.request_timeout = 60
+    settings.watching.label_selectors["pods"] = LABEL_PAIR_UID  # only pods we made reach the operator
+
+    asyncio.get_running_loop().set_default_executor(
+        concurrent.futures.ThreadPoolExecutor(max_workers=config.api_threads, thread_name_prefix="pdpair-api")
+    )
+    api = _load_kube_config(config.api_threads)
+    leaser = PortLeaser(kubernetes.client.CoordinationV1Api(api), config.namespace, config.port_pool)
+    held = await leaser.refresh_taken()
+    runtime = Runtime(config, kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api), leaser)
+    memo["runtime"] = runtime
+    memo["sweeper"] = asyncio.create_task(_sweep_forever(runtime), name="pdpair-lease-sweep")
+    _start_metrics(config, leaser)
+    logger.info(
+        "pdpair operator: pool %d-%d (%d held), leases in %s, probe every %.1fs",
+        config.port_pool.first, config.port_pool.last, held, config.namespace, config.probe_interval,
+    )
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    sweeper = memo.get("sweeper")
+    if sweeper is not None:
+        sweeper.cancel()
+
+
+@kopf.on.probe(id="pairs")
+async def probe_pairs(memo: kopf.Memo, **_: Any) -> int:
+    runtime: Runtime | None = memo.get("runtime")
+    return len(runtime.wakeups) if runtime else 0
+
+
+@kopf.index("v1", "pods", labels={LABEL_PAIR_UID: kopf.PRESENT})
+async def pair_pods(body: kopf.Body, labels: kopf.Labels, **_: Any) -> dict[str, PodView]:
+    return {labels[LABEL_PAIR_UID]: PodView.from_pod(body)}
+
+
+@kopf.on.event("v1", "pods", labels={LABEL_PAIR_UID: kopf.PRESENT})
+async def pod_changed(labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    runtime: Runtime | None = memo.get("runtime")
+    if runtime:
+        runtime.wake(labels[LABEL_PAIR_UID])
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def pair_changed(uid: str, memo: kopf.Memo, **_: Any) -> None:
+    runtime: Runtime | None = memo.get("runtime")
+    if runtime:
+        runtime.wake(uid)
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, id="reconcile", cancellation_backoff=5.0, cancellation_timeout=5.0)
+async def reconcile(
+    body: kopf.Body, uid: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, logger: logging.Logger,
+    pair_pods: kopf.Index, **_: Any,
+) -> None:
+    runtime: Runtime = memo["runtime"]
+    wake = runtime.wakeups.setdefault(uid, asyncio.Event())
+    exited = runtime.exited.setdefault(uid, asyncio.Event())
+    exited.clear()
+
+    def emit(type_: str, reason: str, message: str) -> None:
+        kopf.event(body, type=type_, reason=reason, message=message[:1024])
+
+    reconciler = PairReconciler(runtime, body, emit, logger)
+    failures = 0
+    last_error = ""
+    try:
+        while not stopped:
+            wake.clear()
+            try:
+                delay = await reconciler.reconcile_once(list(pair_pods.get(uid, ())))
+                failures, last_error = 0, ""
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # 409s, apiserver restarts, bad specs: report, back off, redo the pass
+                failures += 1
+                delay = min(30.0, 0.5 * 2 ** min(failures, 6))
+                text = f"{type(exc).__name__}: {str(exc)[:500]}"
+                if api_status(exc) == 409 or "Connection" in type(exc).__name__:
+                    logger.info("reconcile pass failed (%s); retrying in %.1fs", text, delay)
+                else:
+                    logger.warning("reconcile pass failed (%s); retrying in %.1fs", text, delay)
+                    if text != last_error:
+                        emit("Warning", "ReconcileError", text)
+                last_error = text
+            await _sleep(wake, stopped, delay)
+    finally:
+        exited.set()
+        runtime.wakeups.pop(uid, None)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, id="release-ports")
+async def release_ports(body: kopf.Body, uid: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    runtime: Runtime = memo["runtime"]
+    exited = runtime.exited.get(uid)
+    if exited is not None and not exited.is_set():
+        try:  # a daemon still claiming would re-create leases after we release them
+            await asyncio.wait_for(exited.wait(), DAEMON_STOP_WAIT)
+        except asyncio.TimeoutError:
+            logger.warning("the pair's daemon did not stop within %.0fs; releasing anyway", DAEMON_STOP_WAIT)
+    released = await runtime.leaser.release_pair(uid)
+    runtime.exited.pop(uid, None)
+    runtime.health_reasons.pop(uid, None)
+    kopf.event(body, type="Normal", reason="PortsReleased", message=f"released {released} port leases")
+    logger.info("released %d port leases", released)
+
+
+async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float) -> None:
+    async def stop_wait() -> None:
+        await stopped.wait()
+
+    waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stop_wait())]
+    try:
+        await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
+async def _pair_alive(runtime: Runtime, namespace: str, name: str, uid: str) -> bool:
+    if not (namespace and name and uid):
+        return False
+    try:
+        pair = await asyncio.to_thread(
+            runtime.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name
+        )
+    except Exception as exc:
+        if api_status(exc) == 404:
+            return False
+        raise
+    return (pair.get("metadata") or {}).get("uid") == uid
+
+
+async def _sweep_forever(runtime: Runtime) -> None:
+    while True:
+        try:
+            released = await runtime.leaser.sweep_orphans(
+                lambda ns, name, uid: _pair_alive(runtime, ns, name, uid)
+            )
+            if released:
+                log.info("orphan sweep released %d leases", released)
+            await runtime.leaser.refresh_taken()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("orphan sweep failed: %s", exc)
+        await asyncio.sleep(runtime.config.sweep_interval)
+
+
+def _start_metrics(config: OperatorConfig, leaser: PortLeaser) -> None:
+    """Serve the operator metrics if metrics.py (another module's job) offers a server."""
+    try:
+        from . import metrics
+    except ImportError:
+        log.warning("pdpair.operator.metrics is missing: no operator metrics endpoint")
+        return
+    serve = getattr(metrics, "serve", None)
+    if serve is not None:
+        serve(config.metrics_port, pool_size=config.port_pool.size, pool_free=leaser.free_count)

@@ -1,0 +1,429 @@
+"""Port leasing: one coordination.k8s.io/v1 Lease per claimed port, created if absent.
+
+The API server makes "create if absent" atomic, so a 409 means another pair holds the port and we try the next.
+The leases are the truth and `status.ports` is a copy: after a crash the operator lists the leases by pair uid and
+adopts them. The pure planner (`required_blocks`, `choose_run`, `match_existing`) is apart from the API calls
+(`PortLeaser`), so it can be table-tested.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from pdpair.contract import (
+    LABEL_PAIR,
+    LABEL_PAIR_NAMESPACE,
+    LABEL_PAIR_UID,
+    LABEL_PORT_LEASE,
+    LABEL_PURPOSE,
+    LABEL_ROLE,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    ROLE_ROUTER,
+)
+
+from .config import PortPool
+
+PURPOSE_SIDECHANNEL = "sidechannel"
+PURPOSE_METRICS = "metrics"
+PURPOSE_HTTP = "http"
+PURPOSES = (PURPOSE_SIDECHANNEL, PURPOSE_METRICS, PURPOSE_HTTP)
+
+LEASE_NAME_PREFIX = "pdpair-port-"
+LABEL_VALUE_MAX = 63
+
+log = logging.getLogger(__name__)
+
+
+def lease_name(port: int) -> str:
+    return f"{LEASE_NAME_PREFIX}{port}"
+
+
+# --- pure planning --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PortBlock:
+    """A run of ports one (role, purpose) needs; side channels are contiguous (base + rank)."""
+
+    role: str
+    purpose: str
+    count: int
+    contiguous: bool = False
+    fixed: int | None = None  # a user-chosen port (spec.router.port), leased the same way, even outside the pool
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.role, self.purpose)
+
+
+@dataclass(frozen=True, order=True)
+class PortAssignment:
+    role: str
+    purpose: str
+    rank: int  # offset inside the block: for side channels, tp_rank * portsPerRank + k
+    port: int
+
+    @property
+    def name(self) -> str:
+        """The status.ports list-map key the CRD defines: <role>-<purpose>-<index>."""
+        return f"{self.role}-{self.purpose}-{self.rank}"
+
+    def as_status(self) -> dict[str, Any]:
+        return {"name": self.name, "role": self.role, "purpose": self.purpose, "rank": self.rank, "port": self.port}
+
+
+def required_blocks(spec: Mapping[str, Any]) -> tuple[PortBlock, ...]:
+    """Every port block a pair needs, given its spec (defaults as in the CRD)."""
+    network = spec.get("network") or {}
+    per_rank = int(network.get("portsPerRank", 1))
+    if per_rank < 1:
+        raise ValueError(f"spec.network.portsPerRank must be >= 1, got {per_rank}")
+    blocks: list[PortBlock] = []
+    for role in (ROLE_DECODE, ROLE_PREFILL):
+        tp = int((spec.get(role) or {}).get("tensorParallelSize", 1))
+        if tp < 1:
+            raise ValueError(f"spec.{role}.tensorParallelSize must be >= 1, got {tp}")
+        blocks.append(PortBlock(role, PURPOSE_SIDECHANNEL, tp * per_rank, contiguous=True))
+        blocks.append(PortBlock(role, PURPOSE_METRICS, 1))
+        blocks.append(PortBlock(role, PURPOSE_HTTP, 1))
+    router = spec.get("router") or {}
+    if router.get("enabled", True):
+        fixed = router.get("port")
+        blocks.append(PortBlock(ROLE_ROUTER, PURPOSE_HTTP, 1, fixed=int(fixed) if fixed else None))
+    return tuple(blocks)
+
+
+def ports_needed(blocks: Iterable[PortBlock]) -> int:
+    """Ports a pair takes from the pool (a fixed port is not the pool's)."""
+    return sum(b.count for b in blocks if b.fixed is None)
+
+
+def choose_run(pool: PortPool, taken: set[int] | frozenset[int], count: int, start_at: int | None = None) -> int | None:
+    """Lowest first port of `count` free contiguous ports in the pool (from `start_at`), or None."""
+    port = pool.first if start_at is None else max(pool.first, start_at)
+    while port + count - 1 <= pool.last:
+        clash = next((p for p in range(port + count - 1, port - 1, -1) if p in taken), None)
+        if clash is None:
+            return port
+        port = clash + 1
+    return None
+
+
+def assign(block: PortBlock, first_port: int) -> list[PortAssignment]:
+    return [PortAssignment(block.role, block.purpose, r, first_port + r) for r in range(block.count)]
+
+
+def match_existing(
+    blocks: Iterable[PortBlock], held: Mapping[tuple[str, str], list[int]]
+) -> tuple[list[PortAssignment], list[int]]:
+    """Split ports a pair already holds into ones that still fit a block (kept) and ones to release.
+
+    A block is kept whole or not at all: its ports must be exactly `count` and contiguous when required.
+    """
+    keep: list[PortAssignment] = []
+    release: list[int] = []
+    wanted = {b.key: b for b in blocks}
+    for key, ports in held.items():
+        ports = sorted(ports)
+        block = wanted.get(key)
+        if block is not None and _fits(block, ports):
+            keep.extend(assign(block, ports[0]))
+        else:
+            release.extend(ports)
+    return keep, release
+
+
+def _fits(block: PortBlock, ports: list[int]) -> bool:
+    if len(ports) != block.count:
+        return False
+    if block.fixed is not None and ports != [block.fixed]:
+        return False
+    return not block.contiguous or ports == list(range(ports[0], ports[0] + block.count))
+
+
+def missing_blocks(blocks: Iterable[PortBlock], have: Iterable[PortAssignment]) -> list[PortBlock]:
+    held = {(a.role, a.purpose) for a in have}
+    return [b for b in blocks if b.key not in held]
+
+
+def status_ports(assignments: Iterable[PortAssignment]) -> list[dict[str, Any]]:
+    return [a.as_status() for a in sorted(assignments)]
+
+
+def port_of(ports: Iterable[Mapping[str, Any]], role: str, purpose: str, rank: int = 0) -> int | None:
+    """Look a port up in a status.ports-shaped list."""
+    for p in ports:
+        if p.get("role") == role and p.get("purpose") == purpose and int(p.get("rank", 0)) == rank:
+            return int(p["port"])
+    return None
+
+
+def ports_of(ports: Iterable[Mapping[str, Any]], role: str, purpose: str) -> list[int]:
+    return sorted(int(p["port"]) for p in ports if p.get("role") == role and p.get("purpose") == purpose)
+
+
+# --- the API side ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PairRef:
+    namespace: str
+    name: str
+    uid: str
+
+    @property
+    def holder(self) -> str:
+        return f"{self.namespace}/{self.name}/{self.uid}"
+
+
+@dataclass
+class LeaseOutcome:
+    assignments: list[PortAssignment] = field(default_factory=list)
+    exhausted: bool = False
+    adopted: int = 0
+    claimed: int = 0
+    released: int = 0
+    message: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return not self.exhausted and bool(self.assignments)
+
+
+class PoolExhausted(Exception):
+    pass
+
+
+class PortLeaser:
+    """Claims and releases port Leases with the official kubernetes client, off the event loop.
+
+    `taken` is this process's best knowledge of held ports; the apiserver's 409 stays the arbiter, so a stale
+    `taken` only costs a retry. Candidate picking is under an asyncio lock so concurrent pairs in this process
+    don't race each other for the same port.
+    """
+
+    def __init__(self, coordination_api: Any, namespace: str, pool: PortPool) -> None:
+        self.api = coordination_api
+        self.namespace = namespace
+        self.pool = pool
+        self.taken: set[int] = set()
+        self._reserved: set[int] = set()  # picked by a claim in flight, not yet created
+        self._lock = asyncio.Lock()
+
+    # - low-level calls, each in a thread ------------------------------------------------------------
+    async def _call(self, fn, *args, **kwargs):
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def list_leases(self, label_selector: str) -> list[Any]:
+        items: list[Any] = []
+        token = None
+        while True:
+            resp = await self._call(
+                self.api.list_namespaced_lease,
+                self.namespace,
+                label_selector=label_selector,
+                limit=500,
+                _continue=token,
+            )
+            items.extend(resp.items)
+            token = getattr(resp.metadata, "var_continue", None)
+            if not token:
+                return items
+
+    async def refresh_taken(self) -> int:
+        """Reload every held port from the apiserver (start-up, and before declaring the pool exhausted)."""
+        leases = await self.list_leases(f"{LABEL_PORT_LEASE}=true")
+        ports = {p for p in (_lease_port(l) for l in leases) if p is not None}
+        async with self._lock:
+            self.taken = ports | self._reserved  # the apiserver is the truth, plus claims in flight
+        return len(ports)
+
+    def free_count(self) -> int:
+        return self.pool.size - len([p for p in self.taken if p in self.pool])
+
+    async def leases_of(self, pair_uid: str) -> list[Any]:
+        return await self.list_leases(f"{LABEL_PORT_LEASE}=true,{LABEL_PAIR_UID}={pair_uid}")
+
+    async def _create(self, pair: PairRef, role: str, purpose: str, port: int) -> Any | None:
+        """Create the lease; None when another holder has it (409)."""
+        from kubernetes.client import V1Lease, V1LeaseSpec, V1ObjectMeta
+        from kubernetes.client.exceptions import ApiException
+
+        body = V1Lease(
+            metadata=V1ObjectMeta(
+                name=lease_name(port),
+                namespace=self.namespace,
+                labels={
+                    LABEL_PORT_LEASE: "true",
+                    LABEL_PAIR: pair.name,
+                    LABEL_PAIR_NAMESPACE: pair.namespace,
+                    LABEL_PAIR_UID: pair.uid,
+                    LABEL_ROLE: role,
+                    LABEL_PURPOSE: purpose,
+                },
+            ),
+            spec=V1LeaseSpec(holder_identity=pair.holder),
+        )
+        try:
+            return await self._call(self.api.create_namespaced_lease, self.namespace, body)
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            raise
+
+    async def _delete(self, name: str, uid: str | None) -> bool:
+        """Delete one lease, only if it is still the one we mean (uid precondition); 404/409 are fine."""
+        from kubernetes.client import V1DeleteOptions, V1Preconditions
+        from kubernetes.client.exceptions import ApiException
+
+        opts = V1DeleteOptions(preconditions=V1Preconditions(uid=uid) if uid else None)
+        try:
+            await self._call(self.api.delete_namespaced_lease, name, self.namespace, body=opts)
+            return True
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+
+    # - the pair-level operations --------------------------------------------------------------------
+    async def ensure(self, pair: PairRef, blocks: tuple[PortBlock, ...]) -> LeaseOutcome:
+        """Make the pair hold exactly `blocks`: adopt what fits, release what doesn't, claim the rest.
+
+        When the pool cannot satisfy every block, the partial claim (and what was adopted) is released,
+        so a waiting pair hoards nothing; the caller reports PoolExhausted and retries later.
+        """
+        for value in (pair.name, pair.namespace, pair.uid):
+            if len(value) > LABEL_VALUE_MAX:
+                raise ValueError(f"name {value!r} is longer than {LABEL_VALUE_MAX} characters (a label value)")
+        outcome = LeaseOutcome()
+        existing = await self.leases_of(pair.uid)
+        held: dict[tuple[str, str], list[int]] = defaultdict(list)
+        uids: dict[int, str] = {}
+        for lease in existing:
+            port = _lease_port(lease)
+            if port is None:
+                continue
+            labels = lease.metadata.labels or {}
+            held[(labels.get(LABEL_ROLE, ""), labels.get(LABEL_PURPOSE, ""))].append(port)
+            uids[port] = lease.metadata.uid
+        keep, release = match_existing(blocks, held)
+        outcome.adopted = len(keep)
+        for port in release:
+            outcome.released += await self._release_port(port, uids.get(port))
+        async with self._lock:
+            self.taken.update(a.port for a in keep)
+        new: list[tuple[PortAssignment, str]] = []
+        try:
+            for block in missing_blocks(blocks, keep):
+                got = await self._claim_block(pair, block)
+                new.extend(got)
+        except PoolExhausted as exc:
+            outcome.exhausted = True
+            outcome.message = str(exc)
+            for assignment, uid in new:
+                outcome.released += await self._release_port(assignment.port, uid)
+            for assignment in keep:
+                outcome.released += await self._release_port(assignment.port, uids.get(assignment.port))
+            return outcome
+        outcome.claimed = len(new)
+        outcome.assignments = sorted(keep + [a for a, _ in new])
+        return outcome
+
+    async def _claim_block(self, pair: PairRef, block: PortBlock) -> list[tuple[PortAssignment, str]]:
+        if block.fixed is not None:
+            lease = await self._create(pair, block.role, block.purpose, block.fixed)
+            if lease is None:
+                raise PoolExhausted(f"port {block.fixed} ({block.role} {block.purpose}) is leased by another pair")
+            async with self._lock:
+                self.taken.add(block.fixed)
+            return [(PortAssignment(block.role, block.purpose, 0, block.fixed), lease.metadata.uid)]
+        refreshed = False
+        start_at: int | None = None
+        while True:
+            async with self._lock:
+                first = choose_run(self.pool, self.taken, block.count, start_at)
+                if first is not None:
+                    run = set(range(first, first + block.count))
+                    self.taken.update(run)  # reserve before the API calls
+                    self._reserved.update(run)
+            if first is None:
+                if refreshed:
+                    raise PoolExhausted(
+                        f"no {block.count} free{' contiguous' if block.count > 1 else ''} port(s) for "
+                        f"{block.role} {block.purpose} in pool {self.pool.first}-{self.pool.last} "
+                        f"({self.free_count()} free)"
+                    )
+                await self.refresh_taken()  # our view may be stale (ports freed elsewhere)
+                refreshed, start_at = True, None
+                continue
+            got: list[tuple[PortAssignment, str]] = []
+            clash = None
+            try:
+                for assignment in assign(block, first):
+                    lease = await self._create(pair, block.role, block.purpose, assignment.port)
+                    if lease is None:
+                        clash = assignment.port
+                        break
+                    got.append((assignment, lease.metadata.uid))
+            except BaseException:
+                # An apiserver error or cancellation: what was created carries the pair uid, so the next
+                # ensure() adopts or releases it; just forget the reservation.
+                async with self._lock:
+                    self._reserved.difference_update(range(first, first + block.count))
+                    self.taken.difference_update(range(first + len(got), first + block.count))
+                raise
+            async with self._lock:
+                self._reserved.difference_update(range(first, first + block.count))
+            if clash is None:
+                return got
+            # Someone else holds `clash`: give back this run's claims and unreserved ports, try after it.
+            for assignment, uid in got:
+                await self._release_port(assignment.port, uid)
+            async with self._lock:
+                self.taken.difference_update(p for p in range(first, first + block.count) if p != clash)
+                self.taken.add(clash)
+            start_at = clash + 1
+
+    async def _release_port(self, port: int, uid: str | None) -> int:
+        deleted = await self._delete(lease_name(port), uid)
+        async with self._lock:
+            self.taken.discard(port)
+        return int(deleted)
+
+    async def release_pair(self, pair_uid: str) -> int:
+        """Delete every lease of one pair (finalizer)."""
+        released = 0
+        for lease in await self.leases_of(pair_uid):
+            port = _lease_port(lease)
+            if port is not None:
+                released += await self._release_port(port, lease.metadata.uid)
+        return released
+
+    async def sweep_orphans(self, pair_uid_alive) -> int:
+        """Delete leases whose pair no longer exists. `pair_uid_alive(namespace, name, uid)` is awaited."""
+        leases = await self.list_leases(f"{LABEL_PORT_LEASE}=true")
+        by_pair: dict[tuple[str, str, str], list[Any]] = defaultdict(list)
+        for lease in leases:
+            labels = lease.metadata.labels or {}
+            by_pair[(labels.get(LABEL_PAIR_NAMESPACE, ""), labels.get(LABEL_PAIR, ""), labels.get(LABEL_PAIR_UID, ""))].append(lease)
+        released = 0
+        for (namespace, name, uid), group in by_pair.items():
+            if await pair_uid_alive(namespace, name, uid):
+                continue
+            for lease in group:
+                port = _lease_port(lease)
+                if port is not None:
+                    released += await self._release_port(port, lease.metadata.uid)
+            log.info("released %d orphaned port leases of %s/%s (uid %s)", len(group), namespace, name, uid)
+        return released
+
+
+def _lease_port(lease: Any) -> int | None:
+    name = lease.metadata.name or ""
+    if not name.startswith(LEASE_NAME_PREFIX):
+        return None
+    try:
+        return int(name[len(LEASE_NAME_PREFIX):])
+    except ValueError:
+        return None

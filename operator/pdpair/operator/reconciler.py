@@ -1,0 +1,344 @@
+"""The executor: observe one pair, ask the planner (desired.py) for the next step, apply it, write status.
+
+One `PairReconciler` lives in each pair's kopf daemon (handlers.py). Every pass is level-triggered: it starts from
+what the apiserver and the pod index say now, so a pass that dies half-way (SIGKILL, 409, apiserver restart) is
+simply redone. Intent is written to status before acting (pairGeneration before deleting old pods). Every pod
+deletion and creation is an Event. All API calls run in threads (`asyncio.to_thread`); the event loop never waits
+on the network except through awaits with deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from pdpair.contract import (
+    COND_READY,
+    GROUP,
+    PHASE_FAILED,
+    PHASE_RESTARTING,
+    PLURAL,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    ROLE_ROUTER,
+    VERSION,
+)
+
+from . import desired as d
+from .config import OperatorConfig
+from .lifecycle import probe_ranks
+from .pods import ManifestError, engine_pod, pod_name, router_pod
+from .ports import PURPOSE_SIDECHANNEL, PairRef, PortLeaser, required_blocks, status_ports, ports_of
+from .restart_policy import Action, RestartPolicy, decide, prune
+from .status import FALSE, Condition, apply_conditions, now_rfc3339, status_diff
+
+log = logging.getLogger(__name__)
+
+ANNOTATION_RESTART_TIMES = "pdpair.io/restart-times"  # epoch seconds of the restarts inside the window (JSON list)
+
+# Emit(type, reason, message): posts a Kubernetes Event on the pair (kopf.event in production).
+Emit = Callable[[str, str, str], None]
+
+
+@dataclass
+class Runtime:
+    """Process-wide things every pair shares."""
+
+    config: OperatorConfig
+    core: Any  # kubernetes.client.CoreV1Api
+    custom: Any  # kubernetes.client.CustomObjectsApi
+    leaser: PortLeaser
+    wakeups: dict[str, asyncio.Event] = field(default_factory=dict)
+    exited: dict[str, asyncio.Event] = field(default_factory=dict)
+    # pair uid -> reason, filled by the health watch (health.py); consumed by the reconciler
+    health_reasons: dict[str, str] = field(default_factory=dict)
+
+    def wake(self, uid: str) -> None:
+        event = self.wakeups.get(uid)
+        if event is not None:
+            event.set()
+
+
+def api_status(exc: BaseException) -> int | None:
+    return getattr(exc, "status", None)
+
+
+class PairReconciler:
+    def __init__(self, rt: Runtime, body: Mapping[str, Any], emit: Emit, logger: logging.Logger | None = None):
+        self.rt = rt
+        self.body = body  # kopf's live body: spec and metadata follow the watch
+        self.emit = emit
+        self.log = logger or log
+        meta = body["metadata"]
+        self.ref = PairRef(meta["namespace"], meta["name"], meta["uid"])
+        self.status: dict[str, Any] = json.loads(json.dumps(dict(body.get("status") or {})))
+        self.ports: list[dict[str, Any]] | None = None  # leased, as status.ports
+        self.blocks: tuple | None = None
+        self.pool_message = ""
+        self.next_lease_try = 0.0
+        self.listening_pods: set[str] = set()  # pod uids whose listener accepted on every rank
+        self.probe_message = ""
+        self.last_step = ""
+        self.restart_times: list[float] = self._read_restart_times()
+
+    # --- observation --------------------------------------------------------------------------------
+    def _read_restart_times(self) -> list[float]:
+        raw = ((self.body.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_RESTART_TIMES, "[]")
+        try:
+            return [float(t) for t in json.loads(raw)]
+        except (ValueError, TypeError):
+            return []
+
+    async def ensure_ports(self, spec: Mapping[str, Any]) -> None:
+        blocks = required_blocks(spec)
+        if self.ports is not None and blocks == self.blocks:
+            return
+        if self.ports is None and self.pool_message and time.monotonic() < self.next_lease_try:
+            return
+        outcome = await self.rt.leaser.ensure(self.ref, blocks)
+        if outcome.exhausted:
+            self.ports, self.blocks = None, None
+            if not self.pool_message:
+                self.emit("Warning", "PoolExhausted", outcome.message)
+            self.pool_message = outcome.message
+            self.next_lease_try = time.monotonic() + self.rt.config.pool_retry
+            return
+        self.ports, self.blocks, self.pool_message = status_ports(outcome.assignments), blocks, ""
+        if outcome.claimed or outcome.released:
+            self.emit(
+                "Normal",
+                "PortsLeased",
+                f"{len(outcome.assignments)} ports leased ({outcome.adopted} adopted, {outcome.claimed} claimed, "
+                f"{outcome.released} released); decode side channel "
+                f"{ports_of(self.ports, ROLE_DECODE, PURPOSE_SIDECHANNEL)}",
+            )
+
+    async def probe_decode(self, decode: d.PodView) -> bool:
+        if decode.uid in self.listening_pods:
+            return True
+        if not (decode.running and self.ports):
+            return False
+        ranks = ports_of(self.ports, ROLE_DECODE, PURPOSE_SIDECHANNEL)
+        result = await probe_ranks(decode.ip, ranks, self.rt.config.probe_timeout)
+        self.probe_message = result.describe()
+        if result.all_accept:
+            self.listening_pods.add(decode.uid)
+            self.emit("Normal", "DecodeListening", f"decode {decode.name}: {result.describe()}")
+        return result.all_accept
+
+    # --- one pass -----------------------------------------------------------------------------------
+    async def reconcile_once(self, pods: Iterable[d.PodView]) -> float:
+        """One level-triggered pass. Returns how long to sleep before the next one (a wakeup cuts it short)."""
+        started = time.monotonic()
+        spec = self.body["spec"]
+        meta_generation = int(self.body["metadata"].get("generation") or 0)
+        pods = tuple(pods)
+        cfg = self.rt.config
+
+        if self.status.get("phase") == PHASE_FAILED and self.status.get("observedGeneration") == meta_generation:
+            return cfg.resync_interval  # the restart budget is spent; only a spec change moves the pair again
+
+        await self.ensure_ports(spec)
+
+        generation = d.current_generation(self.status, pods)
+        decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation), None)
+        listening = bool(decode) and decode.running and await self.probe_decode(decode)
+
+        observed = d.Observed(
+            pods=pods,
+            ports_complete=self.ports is not None,
+            pool_exhausted=bool(self.pool_message),
+            pool_message=self.pool_message,
+            decode_listening=listening,
+            probe_message=self.probe_message,
+        )
+        plan = d.desired_state(spec, self.status, observed)
+
+        restart_reason = self._failure_reason(plan, pods, generation)
+        restart_times_changed = False
+        extra: dict[str, Any] = {}
+        if restart_reason:
+            decision = decide(
+                RestartPolicy.from_spec(spec.get("restartPolicy")),
+                self.restart_times,
+                time.time(),
+                pods_pending_scheduling=any(p.phase == "Pending" and not p.scheduled for p in pods),
+            )
+            if decision.action == Action.BUDGET_EXHAUSTED:
+                await self._fail(restart_reason, decision.message, meta_generation)
+                return cfg.resync_interval
+            if decision.action in (Action.WAIT, Action.PENDING_SCHEDULING):
+                await self._write_status(
+                    {"phase": PHASE_RESTARTING, "message": f"{restart_reason}; {decision.message}"},
+                    [Condition(COND_READY, FALSE, "RestartBackoff", decision.message)],
+                    meta_generation,
+                )
+                wait = (decision.not_before - time.time()) if decision.not_before else cfg.probe_interval
+                return max(0.2, min(wait, cfg.resync_interval))
+            # RESTART_NOW: a new generation, the ordered replacement follows from the plan
+            self.rt.health_reasons.pop(self.ref.uid, None)
+            self.restart_times = prune(
+                RestartPolicy.from_spec(spec.get("restartPolicy")), self.restart_times + [time.time()], time.time()
+            )
+            restart_times_changed = True
+            plan = d.desired_state(spec, self.status, dataclasses.replace(observed, restart_reason=restart_reason))
+            self.emit("Warning", "Restarting", f"ordered restart to generation {plan.pair_generation}: {restart_reason}")
+            extra["restarts"] = int(self.status.get("restarts") or 0) + 1
+            extra["lastRestart"] = {"time": now_rfc3339(), "reason": restart_reason[:1024]}
+            self._count_restart(restart_reason)
+
+        if restart_times_changed:
+            await self._patch_meta({ANNOTATION_RESTART_TIMES: json.dumps(self.restart_times)})
+
+        if plan.rolled_out:
+            self.emit("Normal", "RollingOut", f"spec changed: rolling out generation {plan.pair_generation}, decode first")
+
+        # Intent first: status carries the generation before any pod is touched.
+        await self._write_status({**self._status_fields(plan, pods), **extra}, plan.conditions, meta_generation)
+        if plan.step != self.last_step:
+            self.log.info("pair %s/%s: %s (%s)", self.ref.namespace, self.ref.name, plan.step, plan.message)
+            self.last_step = plan.step
+
+        await self._act(plan, pods)
+        self._observe_duration(time.monotonic() - started)
+
+        if plan.step == d.STEP_READY:
+            return cfg.resync_interval
+        if plan.step == d.STEP_POOL_EXHAUSTED:
+            return cfg.pool_retry
+        return cfg.probe_interval
+
+    def _failure_reason(self, plan: d.Plan, pods: tuple[d.PodView, ...], generation: int) -> str | None:
+        if plan.step == d.STEP_BROKEN:
+            return plan.broken_reason
+        reason = self.rt.health_reasons.get(self.ref.uid)
+        if reason:
+            return reason
+        return None
+
+    def _status_fields(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> dict[str, Any]:
+        names = {
+            role: pod_name(self.ref.name, role, plan.pair_generation) for role in (ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER)
+        }
+        present = {p.role for p in pods if p.generation == plan.pair_generation}
+        fields: dict[str, Any] = {
+            "phase": plan.phase,
+            "pairGeneration": plan.pair_generation,
+            "message": plan.message[:32768],
+            "pods": {role: name for role, name in names.items() if role in present},
+        }
+        if self.ports is not None:
+            fields["ports"] = self.ports
+        return fields
+
+    # --- actions ------------------------------------------------------------------------------------
+    async def _act(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> None:
+        for name in plan.delete:
+            pod = next((p for p in pods if p.name == name), None)
+            await self._delete_pod(name, pod.uid if pod else None)
+            self.emit("Normal", "PodDeleted", f"deleted {pod.role if pod else 'pod'} {name} ({plan.step})")
+        if plan.create:
+            manifest = self._manifest(plan, pods)
+            created = await self._create_pod(manifest)
+            name = manifest["metadata"]["name"]
+            if created:
+                self.emit("Normal", "PodCreated", f"created {plan.create} {name} (generation {plan.pair_generation})")
+
+    def _manifest(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> dict[str, Any]:
+        body = {"metadata": dict(self.body["metadata"]), "spec": self.body["spec"]}
+        spec_hash = d.spec_fingerprint(self.body["spec"])
+        current = {p.role: p for p in pods if p.generation == plan.pair_generation}
+        assert self.ports is not None
+        if plan.create == ROLE_DECODE:
+            return engine_pod(body, ROLE_DECODE, plan.pair_generation, self.ports, spec_hash)
+        if plan.create == ROLE_PREFILL:
+            decode = current.get(ROLE_DECODE)
+            return engine_pod(body, ROLE_PREFILL, plan.pair_generation, self.ports, spec_hash,
+                              peer_host=decode.ip if decode else None)
+        if plan.create == ROLE_ROUTER:
+            decode, prefill = current.get(ROLE_DECODE), current.get(ROLE_PREFILL)
+            return router_pod(body, plan.pair_generation, self.ports, spec_hash,
+                              prefill.ip if prefill else "", decode.ip if decode else "")
+        raise ManifestError(f"unknown role {plan.create!r}")
+
+    async def _create_pod(self, manifest: dict[str, Any]) -> bool:
+        from kubernetes.client import V1Pod
+
+        try:
+            await asyncio.to_thread(
+                self.rt.core.create_namespaced_pod, manifest["metadata"]["namespace"], V1Pod.from_dict(manifest)
+            )
+            return True
+        except Exception as exc:
+            if api_status(exc) == 409:  # made by an earlier pass; the index had not caught up
+                return False
+            raise
+
+    async def _delete_pod(self, name: str, uid: str | None) -> None:
+        from kubernetes.client import V1DeleteOptions, V1Preconditions
+
+        opts = V1DeleteOptions(preconditions=V1Preconditions(uid=uid) if uid else None)
+        try:
+            await asyncio.to_thread(self.rt.core.delete_namespaced_pod, name, self.ref.namespace, body=opts)
+        except Exception as exc:
+            if api_status(exc) not in (404, 409):
+                raise
+
+    # --- status -------------------------------------------------------------------------------------
+    async def _write_status(
+        self, fields: Mapping[str, Any], conditions: Iterable[Condition], meta_generation: int
+    ) -> bool:
+        new = dict(self.status)
+        new.update(fields)
+        new["observedGeneration"] = meta_generation
+        new["conditions"], cond_changed = apply_conditions(self.status.get("conditions"), conditions)
+        patch = status_diff(self.status, new)
+        if not patch:
+            return False
+        await asyncio.to_thread(
+            self.rt.custom.patch_namespaced_custom_object_status,
+            GROUP, VERSION, self.ref.namespace, PLURAL, self.ref.name, {"status": patch},
+        )
+        self.status = new
+        return True
+
+    async def _patch_meta(self, annotations: Mapping[str, str]) -> None:
+        await asyncio.to_thread(
+            self.rt.custom.patch_namespaced_custom_object,
+            GROUP, VERSION, self.ref.namespace, PLURAL, self.ref.name, {"metadata": {"annotations": dict(annotations)}},
+        )
+
+    async def _fail(self, reason: str, budget_message: str, meta_generation: int) -> None:
+        message = f"restart budget spent ({budget_message}); last failure: {reason}"
+        changed = await self._write_status(
+            {"phase": PHASE_FAILED, "message": message[:32768]},
+            [Condition(COND_READY, FALSE, "RestartBudgetExhausted", message[:32768])],
+            meta_generation,
+        )
+        if changed:
+            self.emit("Warning", "RestartBudgetExhausted", message)
+            self.log.warning("pair %s/%s failed: %s", self.ref.namespace, self.ref.name, message)
+
+    # --- metrics hooks (metrics.py is optional at import time) --------------------------------------
+    def _count_restart(self, reason: str) -> None:
+        try:
+            from . import metrics
+        except ImportError:
+            return
+        hook = getattr(metrics, "record_restart", None)
+        if hook:
+            hook(self.ref.namespace, self.ref.name, reason)
+
+    def _observe_duration(self, seconds: float) -> None:
+        try:
+            from . import metrics
+        except ImportError:
+            return
+        hook = getattr(metrics, "observe_reconcile", None)
+        if hook:
+            hook(seconds)

@@ -1,0 +1,106 @@
+"""Status helpers: metav1.Condition setter that reports "changed", and timestamps.
+
+lastTransitionTime moves only when the condition's status really flips; a reason or message change alone keeps
+it. Callers write status only when something changed, so an idle pair causes no API writes.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Iterable, Mapping
+
+TRUE = "True"
+FALSE = "False"
+UNKNOWN = "Unknown"
+
+
+def now_rfc3339(now: datetime | None = None) -> str:
+    now = now or datetime.now(timezone.utc)
+    return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: str
+    reason: str
+    message: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in (TRUE, FALSE, UNKNOWN):
+            raise ValueError(f"condition {self.type}: status must be True/False/Unknown, got {self.status!r}")
+        if not self.reason or not self.reason[0].isalpha():
+            raise ValueError(f"condition {self.type}: reason must be a CamelCase word, got {self.reason!r}")
+
+
+def set_condition(
+    conditions: list[dict[str, Any]],
+    cond: Condition,
+    *,
+    observed_generation: int | None = None,
+    now: str | None = None,
+) -> bool:
+    """Set `cond` in the list in place. Returns True when anything changed."""
+    now = now or now_rfc3339()
+    for existing in conditions:
+        if existing.get("type") != cond.type:
+            continue
+        changed = False
+        if existing.get("status") != cond.status:
+            existing["status"] = cond.status
+            existing["lastTransitionTime"] = now
+            changed = True
+        for key, value in (("reason", cond.reason), ("message", cond.message)):
+            if existing.get(key) != value:
+                existing[key] = value
+                changed = True
+        if observed_generation is not None and existing.get("observedGeneration") != observed_generation:
+            existing["observedGeneration"] = observed_generation
+            changed = True
+        return changed
+    new: dict[str, Any] = {
+        "type": cond.type,
+        "status": cond.status,
+        "reason": cond.reason,
+        "message": cond.message,
+        "lastTransitionTime": now,
+    }
+    if observed_generation is not None:
+        new["observedGeneration"] = observed_generation
+    conditions.append(new)
+    return True
+
+
+def apply_conditions(
+    conditions: Iterable[Mapping[str, Any]] | None,
+    updates: Iterable[Condition],
+    *,
+    observed_generation: int | None = None,
+    now: str | None = None,
+) -> tuple[list[dict[str, Any]], bool]:
+    """A copy of `conditions` with `updates` set, and whether anything changed."""
+    result = [dict(c) for c in copy.deepcopy(list(conditions or []))]
+    changed = False
+    for cond in updates:
+        changed |= set_condition(result, cond, observed_generation=observed_generation, now=now)
+    return result, changed
+
+
+def get_condition(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> Mapping[str, Any] | None:
+    return next((c for c in conditions or () if c.get("type") == type_), None)
+
+
+def is_true(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> bool:
+    cond = get_condition(conditions, type_)
+    return bool(cond) and cond.get("status") == TRUE
+
+
+def status_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch that turns `old` status into `new` (top-level keys only; lists are replaced whole)."""
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        if old.get(key) != value:
+            patch[key] = value
+    return patch

@@ -1,0 +1,137 @@
+"""Table tests of the pure planner, and whole rollouts simulated until Ready."""
+
+import pytest
+
+from pdpair.operator import desired as d
+from pdpair.operator.desired import Observed, PodView, SimWorld, desired_state, simulate_until_ready, spec_fingerprint
+
+SPEC = {"model": "m", "image": "img:1", "router": {"enabled": True}}
+H = spec_fingerprint(SPEC)
+
+
+def pod(role, gen=1, phase="Running", ready=True, ip="10.0.0.1", deleting=False, spec_hash=H, scheduled=True):
+    return PodView(f"p-{role}-{gen}", role, gen, spec_hash, phase, ready, ip if phase == "Running" else None,
+                   deleting, scheduled, uid=f"uid-{role}-{gen}")
+
+
+CASES = [
+    # name, status, observed, expected step, create, delete, phase
+    ("no ports yet", {}, Observed(), d.STEP_LEASE_PORTS, None, (), "Pending"),
+    ("pool exhausted", {}, Observed(pool_exhausted=True, pool_message="full"), d.STEP_POOL_EXHAUSTED, None, (), "Pending"),
+    ("leased, nothing runs", {}, Observed(ports_complete=True), d.STEP_CREATE_DECODE, "decode", (), "DecodeStarting"),
+    ("decode pending", {"pairGeneration": 1},
+     Observed((pod("decode", phase="Pending", scheduled=False),), ports_complete=True),
+     d.STEP_WAIT_DECODE_RUNNING, None, (), "DecodeStarting"),
+    ("decode runs, not listening", {"pairGeneration": 1},
+     Observed((pod("decode"),), ports_complete=True, decode_listening=False),
+     d.STEP_WAIT_LISTENER, None, (), "DecodeStarting"),
+    ("decode listens", {"pairGeneration": 1},
+     Observed((pod("decode"),), ports_complete=True, decode_listening=True),
+     d.STEP_CREATE_PREFILL, "prefill", (), "PrefillStarting"),
+    ("prefill not ready", {"pairGeneration": 1},
+     Observed((pod("decode"), pod("prefill", ready=False)), ports_complete=True, decode_listening=True),
+     d.STEP_WAIT_PREFILL_READY, None, (), "PrefillStarting"),
+    ("router missing", {"pairGeneration": 1},
+     Observed((pod("decode"), pod("prefill")), ports_complete=True, decode_listening=True),
+     d.STEP_CREATE_ROUTER, "router", (), "PrefillStarting"),
+    ("all ready", {"pairGeneration": 1},
+     Observed((pod("decode"), pod("prefill"), pod("router")), ports_complete=True, decode_listening=True),
+     d.STEP_READY, None, (), "Ready"),
+    ("old generation: prefill and router go first", {"pairGeneration": 2},
+     Observed((pod("decode", 1), pod("prefill", 1), pod("router", 1)), ports_complete=True),
+     d.STEP_DELETE_PREFILL, None, ("p-router-1", "p-prefill-1"), "Pending"),
+    ("old prefill still terminating: decode waits", {"pairGeneration": 2},
+     Observed((pod("decode", 1), pod("prefill", 1, deleting=True)), ports_complete=True),
+     d.STEP_WAIT_GONE, None, (), "Pending"),
+    ("old prefill gone: decode goes", {"pairGeneration": 2},
+     Observed((pod("decode", 1),), ports_complete=True),
+     d.STEP_DELETE_DECODE, None, ("p-decode-1",), "Pending"),
+    ("old decode terminating: nothing new yet", {"pairGeneration": 2, "phase": "Restarting"},
+     Observed((pod("decode", 1, deleting=True),), ports_complete=True),
+     d.STEP_WAIT_GONE, None, (), "Restarting"),
+    ("decode failed while prefill runs", {"pairGeneration": 1},
+     Observed((pod("decode", phase="Failed"), pod("prefill")), ports_complete=True, decode_listening=True),
+     d.STEP_BROKEN, None, (), "Restarting"),
+    ("decode vanished while prefill runs", {"pairGeneration": 1},
+     Observed((pod("prefill"),), ports_complete=True),
+     d.STEP_BROKEN, None, (), "Restarting"),
+]
+
+
+@pytest.mark.parametrize("name, status, observed, step, create, delete, phase", CASES, ids=[c[0] for c in CASES])
+def test_next_step(name, status, observed, step, create, delete, phase):
+    plan = desired_state(SPEC, status, observed)
+    assert (plan.step, plan.create, plan.delete, plan.phase) == (step, create, delete, phase)
+
+
+def test_prefill_never_created_before_listener():
+    # Whatever else holds, no plan creates prefill while decode does not accept.
+    for decode in (None, pod("decode", phase="Pending"), pod("decode")):
+        pods = (decode,) if decode else ()
+        plan = desired_state(SPEC, {"pairGeneration": 1}, Observed(pods, ports_complete=True, decode_listening=False))
+        assert plan.create != "prefill"
+
+
+def test_spec_change_bumps_generation_and_replaces_in_order():
+    new_spec = {**SPEC, "image": "img:2"}
+    world = SimWorld(new_spec, status={"pairGeneration": 1})
+    for role in ("decode", "prefill", "router"):
+        world.pods[f"p-{role}-1"] = pod(role, 1)
+    plans = simulate_until_ready(world)
+    assert plans[0].rolled_out and plans[0].pair_generation == 2
+    assert world.log == [
+        "delete p-router-1", "delete p-prefill-1", "delete p-decode-1",
+        "create p-decode-2", "create p-prefill-2", "create p-router-2",
+    ]
+    assert plans[-1].step == d.STEP_READY and world.status["pairGeneration"] == 2
+
+
+def test_restartpolicy_change_is_not_a_rollout():
+    assert spec_fingerprint({**SPEC, "restartPolicy": {"maxRestarts": 1}}) == H
+    assert spec_fingerprint({**SPEC, "decode": {"tensorParallelSize": 2}}) != H
+
+
+def test_fresh_pair_reaches_ready_decode_first():
+    world = SimWorld(SPEC)
+    plans = simulate_until_ready(world)
+    assert [p.step for p in plans] == [
+        d.STEP_CREATE_DECODE, d.STEP_CREATE_PREFILL, d.STEP_CREATE_ROUTER, d.STEP_READY,
+    ]
+    assert world.status["pairGeneration"] == 1
+
+
+def test_gate_holds_until_listening():
+    world = SimWorld({**SPEC, "router": {"enabled": False}}, listening=lambda p: False)
+    plans = simulate_until_ready(world)
+    assert plans[-1].step == d.STEP_WAIT_LISTENER
+    assert not any(p.role == "prefill" for p in world.pods.values())
+
+
+def test_restart_request_replaces_in_order():
+    world = SimWorld(SPEC, status={"pairGeneration": 3})
+    for role in ("decode", "prefill", "router"):
+        world.pods[f"p-{role}-3"] = pod(role, 3)
+    plans = simulate_until_ready(world, restart_reason="decode hung")
+    assert plans[0].pair_generation == 4 and plans[0].phase == "Restarting"
+    assert world.log[:3] == ["delete p-router-3", "delete p-prefill-3", "delete p-decode-3"]
+    assert world.log[3] == "create p-decode-4" and plans[-1].step == d.STEP_READY
+
+
+def test_status_lag_after_crash_uses_pod_generation():
+    # status says 1 but pods of generation 2 exist (SIGKILL between create and status write)
+    plan = desired_state(SPEC, {"pairGeneration": 1},
+                         Observed((pod("decode", 2),), ports_complete=True, decode_listening=True))
+    assert plan.pair_generation == 2 and plan.step == d.STEP_CREATE_PREFILL
+
+
+def test_podview_from_pod():
+    raw = {
+        "metadata": {"name": "x", "uid": "u", "labels": {"pdpair.io/role": "decode", "pdpair.io/generation": "3"},
+                     "annotations": {d.ANNOTATION_SPEC_HASH: "h"}},
+        "spec": {"nodeName": "n1"},
+        "status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}],
+                   "containerStatuses": [{"restartCount": 2}]},
+    }
+    view = PodView.from_pod(raw)
+    assert (view.role, view.generation, view.ready, view.ip, view.scheduled, view.restarts) == (
+        "decode", 3, True, "127.0.0.1", True, 2)

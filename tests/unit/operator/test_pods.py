@@ -1,0 +1,89 @@
+"""Pod manifests: the contract's env, labels, owner, command, and the peer address only for prefill."""
+
+import json
+
+import pytest
+
+from pdpair import contract as c
+from pdpair.operator.pods import ManifestError, engine_pod, pod_name, router_pod
+from pdpair.operator.ports import PortBlock, assign, required_blocks, status_ports
+
+PAIR = {
+    "metadata": {"name": "demo", "namespace": "ns1", "uid": "uid-1"},
+    "spec": {
+        "model": "tiny", "image": "img:1", "servedModelName": "t",
+        "decode": {"tensorParallelSize": 2, "env": [{"name": "FOO", "value": "1"}], "args": ["--dtype", "float32"],
+                   "tolerations": [{"key": "k", "operator": "Exists"}]},
+        "prefill": {"tensorParallelSize": 2},
+        "connector": {"transport": "tcp", "hangTimeoutSeconds": 30},
+        "network": {"hostNetwork": True},
+    },
+}
+
+
+def leased():
+    ports, nxt = [], 20000
+    for block in required_blocks(PAIR["spec"]):
+        ports += assign(block, nxt)
+        nxt += block.count
+    return status_ports(ports)
+
+
+def env_of(pod):
+    return {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_decode_pod():
+    pod = engine_pod(PAIR, "decode", 4, leased(), "hash")
+    env = env_of(pod)
+    assert env[c.ENV_ROLE] == "decode" and env[c.ENV_GENERATION] == "4" and env[c.ENV_PAIR] == "demo"
+    assert env[c.ENV_LISTEN_PORT_BASE] == "20000" and env[c.ENV_TRANSPORT] == "tcp"
+    assert env[c.ENV_HANG_TIMEOUT_SECONDS] == "30" and env["FOO"] == "1"
+    assert c.ENV_PEER_HOST not in env
+    assert pod["metadata"]["name"] == "demo-decode-g4"
+    labels = pod["metadata"]["labels"]
+    assert labels[c.LABEL_PAIR_UID] == "uid-1" and labels[c.LABEL_GENERATION] == "4" and labels[c.LABEL_ROLE] == "decode"
+    owner = pod["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == (c.KIND, "uid-1", True)
+    assert pod["spec"]["hostNetwork"] is True and pod["spec"]["restartPolicy"] == "Never"
+    assert pod["spec"]["tolerations"] == [{"key": "k", "operator": "Exists"}]
+    cmd = pod["spec"]["containers"][0]["command"]
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv == {"kv_connector": "PdPairConnector", "kv_connector_module_path": "pdpair.connector",
+                  "kv_role": "kv_consumer"}
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and cmd[-2:] == ["--dtype", "float32"]
+    assert cmd[cmd.index("--port") + 1] == f"$({c.ENV_HTTP_PORT})"
+    side = [p["containerPort"] for p in pod["spec"]["containers"][0]["ports"] if p["name"].startswith("side-")]
+    assert side == [20000, 20001]
+
+
+def test_prefill_pod_has_the_peer():
+    pod = engine_pod(PAIR, "prefill", 4, leased(), "hash", peer_host="127.0.0.1")
+    env = env_of(pod)
+    assert env[c.ENV_PEER_HOST] == "127.0.0.1" and env[c.ENV_PEER_PORT_BASE] == "20000"
+    assert env[c.ENV_LISTEN_PORT_BASE] != env[c.ENV_PEER_PORT_BASE]
+    assert "kv_producer" in " ".join(pod["spec"]["containers"][0]["command"])
+
+
+def test_prefill_without_peer_is_refused():
+    with pytest.raises(ManifestError, match="decode"):
+        engine_pod(PAIR, "prefill", 1, leased(), "h")
+
+
+def test_missing_ports_are_named():
+    with pytest.raises(ManifestError, match="side-channel"):
+        engine_pod(PAIR, "decode", 1, [], "h")
+
+
+def test_router_pod():
+    pod = router_pod(PAIR, 1, leased(), "h", "10.0.0.2", "10.0.0.1")
+    cmd = pod["spec"]["containers"][0]["command"]
+    assert cmd[:3] == ["python", "-m", "pdpair.router"]
+    assert cmd[cmd.index("--prefill") + 1].startswith("http://10.0.0.2:")
+    assert cmd[cmd.index("--decode") + 1].startswith("http://10.0.0.1:")
+
+
+def test_long_names_stay_within_63():
+    name = pod_name("x" * 60, "prefill", 123)
+    assert len(name) <= 63 and name.endswith("-prefill-g123")
+    assert pod_name("x" * 60, "prefill", 123) != pod_name("x" * 59 + "y", "prefill", 123)
