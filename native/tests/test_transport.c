@@ -1,0 +1,641 @@
+/* C tests of the transport. Usage: test_transport [test-name ...] (all tests when none is named).
+ * `test_transport --peer-sender PORT` is the child process of the peer_killed test. */
+#define _GNU_SOURCE
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "harness.h"
+
+/* --- a married pair with one region on each side ---------------------------------------------------------------- */
+struct pair {
+    pdpair_context *ctx_a, *ctx_b;
+    pdpair_conn *a, *b; /* a: accepted side, b: connecting side */
+    uint8_t *mem_a, *mem_b;
+    size_t size;
+    uint16_t port;
+};
+
+static void pair_open(struct pair *p, size_t region_size, uint32_t slots)
+{
+    memset(p, 0, sizeof *p);
+    p->size = region_size;
+    p->ctx_a = new_context(slots, 7);
+    p->ctx_b = new_context(slots, 7);
+    p->mem_a = calloc(1, region_size);
+    p->mem_b = calloc(1, region_size);
+    CHECK(p->mem_a && p->mem_b);
+    uint32_t ra = 99, rb = 99;
+    CHECK_OK(pdpair_context_register(p->ctx_a, p->mem_a, region_size, &ra), NULL);
+    CHECK_OK(pdpair_context_register(p->ctx_b, p->mem_b, region_size, &rb), NULL);
+    CHECK(ra == 0 && rb == 0);
+    marry(p->ctx_a, p->ctx_b, &p->port, &p->a, &p->b);
+    /* regions registered before the connection arrive in the handshake */
+    CHECK(pdpair_conn_remote_region_count(p->a) == 1);
+    CHECK(pdpair_conn_remote_region_count(p->b) == 1);
+}
+
+static void pair_close(struct pair *p)
+{
+    if (p->a) CHECK_OK(pdpair_conn_close(p->a), NULL);
+    if (p->b) CHECK_OK(pdpair_conn_close(p->b), NULL);
+    CHECK_OK(pdpair_context_destroy(p->ctx_a), NULL);
+    CHECK_OK(pdpair_context_destroy(p->ctx_b), NULL);
+    free(p->mem_a);
+    free(p->mem_b);
+}
+
+static pdpair_conn_stats stats_of(pdpair_conn *c)
+{
+    pdpair_conn_stats s;
+    CHECK_OK(pdpair_conn_get_stats(c, &s, sizeof s), c);
+    return s;
+}
+
+/* --- tests ------------------------------------------------------------------------------------------------------ */
+static void test_status_strings(void)
+{
+    int codes[] = {PDPAIR_OK, PDPAIR_TIMEOUT, PDPAIR_IN_PROGRESS, PDPAIR_INVALID_ARGUMENT, PDPAIR_PEER_CLOSED,
+                   PDPAIR_CONNECTION_ERROR, PDPAIR_CLOSED, PDPAIR_REMOTE_REJECTED, PDPAIR_PROTOCOL_ERROR,
+                   PDPAIR_CONNECTION_REFUSED, PDPAIR_ADDRESS_IN_USE, PDPAIR_EXHAUSTED, PDPAIR_NO_MEMORY,
+                   PDPAIR_SYSTEM};
+    for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++) {
+        const char *s = pdpair_strerror(codes[i]);
+        CHECK(s && *s && strcmp(s, "unknown pdpair status") != 0);
+        const char *n = pdpair_status_name(codes[i]);
+        CHECK(n && strncmp(n, "PDPAIR_", 7) == 0 && strcmp(n, "PDPAIR_UNKNOWN") != 0);
+    }
+    int unknown[] = {-1, 14, 999, INT_MIN, INT_MAX};
+    for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++) {
+        CHECK(strcmp(pdpair_strerror(unknown[i]), "unknown pdpair status") == 0);
+        CHECK(strcmp(pdpair_status_name(unknown[i]), "PDPAIR_UNKNOWN") == 0);
+    }
+    CHECK(pdpair_version() == PDPAIR_VERSION);
+    CHECK(strcmp(pdpair_version_string(), "0.1.0") == 0);
+    char buf[8] = "junk";
+    CHECK(pdpair_conn_last_error(NULL, buf, sizeof buf) == 0 && buf[0] == '\0');
+}
+
+static void test_basic_put_signal(void)
+{
+    struct pair p;
+    pair_open(&p, 1 << 20, 0);
+    for (size_t i = 0; i < 4096; i++) p.mem_b[i] = (uint8_t)(i * 7 + 1);
+
+    uint64_t req = 0, v = 0;
+    CHECK_OK(pdpair_put(p.b, 0, 0, 0, 100, 4096, &req), p.b);
+    CHECK(req == 1);
+    CHECK_OK(pdpair_conn_wait(p.b, req, 5000), p.b);
+    CHECK(memcmp(p.mem_a + 100, p.mem_b, 4096) == 0);
+
+    CHECK_OK(pdpair_put_signal(p.b, 0, 0, 0, 8192, 4096, 3, &req), p.b);
+    CHECK(req == 2);
+    CHECK_OK(pdpair_conn_wait_signal(p.a, 3, 1, 5000, &v), p.a);
+    CHECK(v == 1);
+    CHECK(memcmp(p.mem_a + 8192, p.mem_b, 4096) == 0);
+
+    CHECK_OK(pdpair_signal(p.b, 3, &req), p.b);
+    CHECK_OK(pdpair_conn_wait_signal(p.a, 3, 2, 5000, &v), p.a);
+    CHECK(v == 2);
+    CHECK_OK(pdpair_conn_flush(p.b, 5000), p.b);
+    CHECK_OK(pdpair_conn_test(p.b, req), p.b);
+    CHECK_OK(pdpair_conn_read_signal(p.a, 3, &v), p.a);
+    CHECK(v == 2);
+    CHECK_OK(pdpair_conn_reset_signal(p.a, 3), p.a);
+    CHECK_OK(pdpair_conn_read_signal(p.a, 3, &v), p.a);
+    CHECK(v == 0);
+
+    /* zero-length put is legal and completes */
+    CHECK_OK(pdpair_put(p.b, 0, 0, 0, p.size, 0, &req), p.b);
+    CHECK_OK(pdpair_conn_wait(p.b, req, 5000), p.b);
+
+    /* both directions work on one connection */
+    memset(p.mem_a, 0xab, 64);
+    CHECK_OK(pdpair_put_signal(p.a, 0, 0, 0, 0, 64, 0, NULL), p.a);
+    CHECK_OK(pdpair_conn_wait_signal(p.b, 0, 1, 5000, &v), p.b);
+    for (int i = 0; i < 64; i++) CHECK(p.mem_b[i] == 0xab);
+
+    pdpair_conn_stats s = stats_of(p.b);
+    CHECK(s.slots == 256 && s.posted == 4 && s.completed == 4 && s.inflight == 0 && s.queued == 0);
+    CHECK(s.signals_sent == 2 && s.bytes_sent == 8192 && s.requeues == 0 && s.remote_regions == 1);
+    s = stats_of(p.a);
+    CHECK(s.signals_received == 2 && s.bytes_received == 8192);
+
+    /* signal slot allocation hands out distinct, zeroed slots */
+    uint32_t s1, s2;
+    CHECK_OK(pdpair_conn_alloc_signal(p.a, &s1), p.a);
+    CHECK_OK(pdpair_conn_alloc_signal(p.a, &s2), p.a);
+    CHECK(s1 != s2);
+    CHECK_OK(pdpair_conn_free_signal(p.a, s1), p.a);
+    CHECK_STATUS(pdpair_conn_free_signal(p.a, s1), PDPAIR_INVALID_ARGUMENT, p.a);
+    CHECK(pdpair_conn_signal_slots(p.a) == 4096);
+    pair_close(&p);
+}
+
+static void test_invalid_arguments(void)
+{
+    struct pair p;
+    pair_open(&p, 4096, 0);
+    uint64_t v;
+    char err[256];
+    /* local range outside the local region */
+    CHECK_STATUS(pdpair_put(p.b, 0, 4000, 0, 0, 200, NULL), PDPAIR_INVALID_ARGUMENT, p.b);
+    CHECK(pdpair_conn_last_error(p.b, err, sizeof err) > 0 && strstr(err, "local range"));
+    /* remote range outside the peer's region, unknown regions, offset overflow */
+    CHECK_STATUS(pdpair_put(p.b, 0, 0, 0, 4000, 200, NULL), PDPAIR_INVALID_ARGUMENT, p.b);
+    CHECK_STATUS(pdpair_put(p.b, 0, 0, 1, 0, 1, NULL), PDPAIR_INVALID_ARGUMENT, p.b);
+    CHECK_STATUS(pdpair_put(p.b, 1, 0, 0, 0, 1, NULL), PDPAIR_INVALID_ARGUMENT, p.b);
+    CHECK_STATUS(pdpair_put(p.b, 0, 0, 0, UINT64_MAX, 2, NULL), PDPAIR_INVALID_ARGUMENT, p.b);
+    /* signal slot out of range */
+    CHECK_STATUS(pdpair_signal(p.b, 4096, NULL), PDPAIR_INVALID_ARGUMENT, p.b);
+    CHECK_STATUS(pdpair_conn_wait_signal(p.a, 4096, 1, 10, &v), PDPAIR_INVALID_ARGUMENT, p.a);
+    /* no deadline = refused */
+    CHECK_STATUS(pdpair_conn_wait_signal(p.a, 0, 1, -1, &v), PDPAIR_INVALID_ARGUMENT, p.a);
+    CHECK_STATUS(pdpair_conn_flush(p.a, -1), PDPAIR_INVALID_ARGUMENT, p.a);
+    /* a request id never posted */
+    CHECK_STATUS(pdpair_conn_test(p.b, 12345), PDPAIR_INVALID_ARGUMENT, p.b);
+    /* nothing was posted by the refused calls */
+    CHECK(stats_of(p.b).posted == 0);
+    CHECK_STATUS(pdpair_context_register(p.ctx_a, NULL, 10, NULL), PDPAIR_INVALID_ARGUMENT, NULL);
+    CHECK_STATUS(pdpair_context_register(p.ctx_a, p.mem_a, 0, NULL), PDPAIR_INVALID_ARGUMENT, NULL);
+    pdpair_context_options bad;
+    pdpair_context_options_init(&bad);
+    bad.reserved = 1;
+    pdpair_context *ctx = NULL;
+    CHECK_STATUS(pdpair_context_create(&bad, &ctx), PDPAIR_INVALID_ARGUMENT, NULL);
+    CHECK(ctx == NULL);
+    pair_close(&p);
+}
+
+static void test_region_announced_after_connect(void)
+{
+    struct pair p;
+    pair_open(&p, 4096, 0);
+    uint8_t *late = calloc(1, 1 << 16);
+    uint32_t idx = 0;
+    CHECK_OK(pdpair_context_register(p.ctx_a, late, 1 << 16, &idx), NULL);
+    CHECK(idx == 1);
+    CHECK_OK(pdpair_conn_wait_remote_regions(p.b, 2, 5000), p.b);
+    uint64_t size = 0;
+    CHECK_OK(pdpair_conn_remote_region_size(p.b, 1, &size), p.b);
+    CHECK(size == 1 << 16);
+    memset(p.mem_b, 0x5a, 4096);
+    CHECK_OK(pdpair_put_signal(p.b, 0, 0, 1, 60000, 4096, 9, NULL), p.b);
+    uint64_t v;
+    CHECK_OK(pdpair_conn_wait_signal(p.a, 9, 1, 5000, &v), p.a);
+    for (int i = 0; i < 4096; i++) CHECK(late[60000 + i] == 0x5a);
+    /* waiting for a region that never comes times out */
+    uint64_t t0 = now_ms();
+    CHECK_STATUS(pdpair_conn_wait_remote_regions(p.b, 3, 100), PDPAIR_TIMEOUT, p.b);
+    CHECK(now_ms() - t0 >= 99);
+    pair_close(&p);
+    free(late);
+}
+
+/* The receiver's own bounds check: with the sender's check disabled (TEST ONLY), an out-of-bounds put is
+ * refused by the peer, nothing outside the region is written, and the connection stays usable. */
+static void test_receiver_bounds_check(void)
+{
+    pdpair_context *ctx_a = new_context(0, 0), *ctx_b = new_context(0, 0);
+    uint8_t *arena = malloc(3 * 4096); /* [guard][region][guard] */
+    uint8_t *src = malloc(8192);
+    memset(arena, 0xee, 3 * 4096);
+    memset(src, 0x11, 8192);
+    CHECK_OK(pdpair_context_register(ctx_a, arena + 4096, 4096, NULL), NULL);
+    CHECK_OK(pdpair_context_register(ctx_b, src, 8192, NULL), NULL);
+    pdpair_conn *a, *b;
+    uint16_t port = 0;
+    marry(ctx_a, ctx_b, &port, &a, &b);
+    CHECK_OK(pdpair_conn_set_fault(b, PDPAIR_FAULT_SKIP_SENDER_BOUNDS_CHECK, 1), b);
+    uint64_t r1, r2, r3, r4, v;
+    CHECK_OK(pdpair_put_signal(b, 0, 0, 0, 4000, 200, 0, &r1), b);   /* runs past the end */
+    CHECK_OK(pdpair_put_signal(b, 0, 0, 5, 0, 10, 0, &r2), b);       /* unknown region */
+    CHECK_OK(pdpair_put_signal(b, 0, 0, 0, 0, 10, 999999, &r3), b);  /* unknown signal slot */
+    CHECK_OK(pdpair_put_signal(b, 0, 0, 0, 0, 4096, 0, &r4), b);     /* fine */
+    CHECK_STATUS(pdpair_conn_wait(b, r1, 5000), PDPAIR_REMOTE_REJECTED, b);
+    CHECK_STATUS(pdpair_conn_wait(b, r2, 5000), PDPAIR_REMOTE_REJECTED, b);
+    CHECK_STATUS(pdpair_conn_wait(b, r3, 5000), PDPAIR_REMOTE_REJECTED, b);
+    CHECK_OK(pdpair_conn_wait(b, r4, 5000), b);
+    CHECK_STATUS(pdpair_conn_flush(b, 5000), PDPAIR_REMOTE_REJECTED, b);
+    CHECK_OK(pdpair_conn_flush(b, 5000), b); /* rejections are reported once */
+    CHECK_OK(pdpair_conn_wait_signal(a, 0, 1, 5000, &v), a);
+    CHECK(v == 1); /* only the good put signalled */
+    for (int i = 0; i < 4096; i++) CHECK(arena[i] == 0xee && arena[8192 + i] == 0xee);
+    for (int i = 0; i < 4096; i++) CHECK(arena[4096 + i] == 0x11);
+    pdpair_conn_stats s = stats_of(b);
+    CHECK(s.rejected == 3 && s.completed == 4);
+    CHECK_OK(pdpair_conn_state(b), b);
+    CHECK_OK(pdpair_conn_close(a), NULL);
+    CHECK_OK(pdpair_conn_close(b), NULL);
+    pdpair_context_destroy(ctx_a);
+    pdpair_context_destroy(ctx_b);
+    free(arena);
+    free(src);
+}
+
+/* The receiver never sees a signal before the bytes: a checker thread spins on read_signal and verifies every
+ * chunk the counter claims is complete. Chunks are large, so each arrives in several recv() calls. */
+#define ORDER_CHUNK (96 * 1024 + 13)
+#define ORDER_CHUNKS 160
+
+struct order_check {
+    pdpair_conn *conn;
+    const uint8_t *mem;
+    atomic_int failures;
+    uint64_t observed_values;
+};
+
+static uint8_t pattern(size_t chunk, size_t i) { return (uint8_t)(chunk * 131 + i * 7 + 1); }
+
+static void *order_checker(void *arg)
+{
+    struct order_check *oc = arg;
+    uint64_t verified = 0, deadline = now_ms() + 60000;
+    while (verified < ORDER_CHUNKS && now_ms() < deadline) {
+        uint64_t v;
+        CHECK_OK(pdpair_conn_read_signal(oc->conn, 1, &v), oc->conn);
+        if (v > verified) oc->observed_values++;
+        for (; verified < v; verified++) {
+            const uint8_t *c = oc->mem + verified * ORDER_CHUNK;
+            for (size_t i = 0; i < ORDER_CHUNK; i += 61) /* sampled; last byte always checked below */
+                if (c[i] != pattern(verified, i)) atomic_fetch_add(&oc->failures, 1);
+            if (c[ORDER_CHUNK - 1] != pattern(verified, ORDER_CHUNK - 1)) atomic_fetch_add(&oc->failures, 1);
+        }
+    }
+    CHECK_MSG(verified == ORDER_CHUNKS, "checker saw only %llu chunks", (unsigned long long)verified);
+    return NULL;
+}
+
+static void test_signal_after_data(void)
+{
+    struct pair p;
+    pair_open(&p, (size_t)ORDER_CHUNK * ORDER_CHUNKS, 0);
+    for (size_t c = 0; c < ORDER_CHUNKS; c++)
+        for (size_t i = 0; i < ORDER_CHUNK; i++) p.mem_b[c * ORDER_CHUNK + i] = pattern(c, i);
+    struct order_check oc = {.conn = p.a, .mem = p.mem_a};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, order_checker, &oc) == 0);
+    for (size_t c = 0; c < ORDER_CHUNKS; c++) {
+        CHECK_OK(pdpair_put_signal(p.b, 0, c * ORDER_CHUNK, 0, c * ORDER_CHUNK, ORDER_CHUNK, 1, NULL), p.b);
+        if (c % 8 == 7) sleep_ms(1); /* let the checker race the receiver at many points */
+    }
+    pthread_join(t, NULL);
+    CHECK_MSG(atomic_load(&oc.failures) == 0, "%d sampled bytes were visible as signalled before they landed",
+              atomic_load(&oc.failures));
+    CHECK(oc.observed_values > 1);
+    uint64_t v;
+    CHECK_OK(pdpair_conn_wait_signal(p.a, 1, ORDER_CHUNKS, 5000, &v), p.a);
+    CHECK(memcmp(p.mem_a, p.mem_b, p.size) == 0);
+    pair_close(&p);
+}
+
+/* 10x more outstanding requests than slots, 100k puts: none lost, the wait ends exactly at the count,
+ * inflight never exceeds the slots, and the deferrals are counted. */
+static void test_oversubscription(void)
+{
+    const uint32_t slots = 256;
+    const uint64_t total = 100000, window = 10 * slots;
+    struct pair p;
+    pair_open(&p, 1 << 20, slots);
+    for (size_t i = 0; i < p.size; i++) p.mem_b[i] = (uint8_t)i;
+    uint64_t req = 0, max_outstanding = 0, max_inflight = 0;
+    for (uint64_t i = 0; i < total; i++) {
+        uint64_t off = (i * 512) % p.size;
+        CHECK_OK(pdpair_put_signal(p.b, 0, off, 0, off, 512, 2, &req), p.b);
+        if (i % 64 == 0) {
+            pdpair_conn_stats s = stats_of(p.b);
+            uint64_t outstanding = s.posted - s.completed;
+            if (outstanding > max_outstanding) max_outstanding = outstanding;
+            if (s.inflight > max_inflight) max_inflight = s.inflight;
+            CHECK(s.inflight <= slots);
+        }
+        if (req > window) CHECK_OK(pdpair_conn_wait(p.b, req - window, 30000), p.b);
+    }
+    uint64_t v = 0;
+    CHECK_OK(pdpair_conn_wait_signal(p.a, 2, total, 60000, &v), p.a);
+    CHECK_MSG(v == total, "wait returned at %llu, expected exactly %llu", (unsigned long long)v,
+              (unsigned long long)total);
+    CHECK_OK(pdpair_conn_flush(p.b, 30000), p.b);
+    /* exactly total: one more never arrives */
+    CHECK_STATUS(pdpair_conn_wait_signal(p.a, 2, total + 1, 200, &v), PDPAIR_TIMEOUT, p.a);
+    CHECK(v == total);
+    pdpair_conn_stats s = stats_of(p.b);
+    CHECK(s.posted == total && s.completed == total && s.signals_sent == total);
+    CHECK(stats_of(p.a).signals_received == total);
+    CHECK_MSG(s.requeues > 0, "no post was ever deferred");
+    CHECK_MSG(max_outstanding >= window - 64, "outstanding peaked at %llu", (unsigned long long)max_outstanding);
+    CHECK(max_inflight <= slots);
+    CHECK(memcmp(p.mem_a, p.mem_b, p.size) == 0);
+    printf("    oversubscription: %llu puts, slots %u, max outstanding %llu, max inflight %llu, requeues %llu\n",
+           (unsigned long long)total, slots, (unsigned long long)max_outstanding, (unsigned long long)max_inflight,
+           (unsigned long long)s.requeues);
+    pair_close(&p);
+}
+
+/* Fault injection (TEST ONLY): every 10th signal is dropped, so the wait must end in TIMEOUT at its deadline. */
+static void test_fault_drop_signal_times_out(void)
+{
+    struct pair p;
+    pair_open(&p, 1 << 16, 0);
+    CHECK_OK(pdpair_conn_set_fault(p.b, PDPAIR_FAULT_DROP_EVERY_NTH_SIGNAL, 10), p.b);
+    for (int i = 0; i < 100; i++) CHECK_OK(pdpair_put_signal(p.b, 0, 0, 0, (uint64_t)i * 64, 64, 5, NULL), p.b);
+    CHECK_OK(pdpair_conn_flush(p.b, 5000), p.b); /* every put completed: the deficit is real */
+    uint64_t v = 0, t0 = now_ms();
+    CHECK_STATUS(pdpair_conn_wait_signal(p.a, 5, 100, 300, &v), PDPAIR_TIMEOUT, p.a);
+    uint64_t took = now_ms() - t0;
+    CHECK_MSG(took >= 299 && took < 1300, "timeout after %llu ms (deadline 300 ms)", (unsigned long long)took);
+    CHECK(v == 90);
+    CHECK(stats_of(p.b).signals_dropped_by_fault == 10);
+    CHECK_OK(pdpair_conn_state(p.a), p.a); /* a timeout leaves the connection usable */
+    pair_close(&p);
+
+    /* the environment switch does the same for new connections */
+    setenv("PDPAIR_TEST_DROP_SIGNAL_EVERY", "3", 1);
+    pair_open(&p, 1 << 16, 0);
+    unsetenv("PDPAIR_TEST_DROP_SIGNAL_EVERY");
+    for (int i = 0; i < 9; i++) CHECK_OK(pdpair_signal(p.b, 0, NULL), p.b);
+    CHECK_OK(pdpair_conn_flush(p.b, 5000), p.b);
+    CHECK_STATUS(pdpair_conn_wait_signal(p.a, 0, 9, 50, &v), PDPAIR_TIMEOUT, p.a);
+    CHECK(v == 6);
+    pair_close(&p);
+}
+
+/* The child of test_peer_killed: connect and stream 1 MiB put_signals until killed. */
+static int run_peer_sender(uint16_t port)
+{
+    pdpair_context *ctx = new_context(0, 7);
+    size_t size = 1 << 20;
+    uint8_t *mem = calloc(1, size);
+    CHECK_OK(pdpair_context_register(ctx, mem, size, NULL), NULL);
+    pdpair_conn *c = NULL;
+    CHECK_OK(pdpair_connect(ctx, "127.0.0.1", port, 5000, &c), NULL);
+    for (uint64_t i = 0;; i++) {
+        if (pdpair_put_signal(c, 0, 0, 0, 0, size, 0, NULL) != PDPAIR_OK) break;
+        if (i % 16 == 15 && pdpair_conn_flush(c, 10000) != PDPAIR_OK) break;
+    }
+    return 2; /* only reached if the parent went away first */
+}
+
+struct waiter {
+    pdpair_conn *conn;
+    pdpair_status st;
+    uint64_t value, returned_ms;
+};
+
+static void *wait_forever_ish(void *arg)
+{
+    struct waiter *w = arg;
+    w->st = pdpair_conn_wait_signal(w->conn, 0, UINT64_MAX, 20000, &w->value);
+    w->returned_ms = now_ms();
+    return NULL;
+}
+
+static void test_peer_killed(void)
+{
+    pdpair_context *ctx = new_context(0, 7);
+    size_t size = 1 << 20;
+    uint8_t *mem = calloc(1, size);
+    CHECK_OK(pdpair_context_register(ctx, mem, size, NULL), NULL);
+    pdpair_listener *lis;
+    CHECK_OK(pdpair_listen(ctx, "127.0.0.1", 0, &lis), NULL);
+    char port[16];
+    snprintf(port, sizeof port, "%u", pdpair_listener_port(lis));
+    pid_t child = fork();
+    CHECK(child >= 0);
+    if (child == 0) { /* a fresh process image: no threads or sanitizer state carried over */
+        execl("/proc/self/exe", "test_transport", "--peer-sender", port, (char *)NULL);
+        _exit(127);
+    }
+    pdpair_conn *c = NULL;
+    CHECK_OK(pdpair_accept(lis, 10000, &c), NULL);
+    uint64_t v;
+    CHECK_OK(pdpair_conn_wait_signal(c, 0, 5, 10000, &v), c); /* the transfer is running */
+    struct waiter w = {.conn = c};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, wait_forever_ish, &w) == 0);
+    sleep_ms(100);
+    uint64_t killed_ms = now_ms();
+    CHECK(kill(child, SIGKILL) == 0);
+    pthread_join(t, NULL);
+    int wstatus;
+    CHECK(waitpid(child, &wstatus, 0) == child && WIFSIGNALED(wstatus));
+    uint64_t took = w.returned_ms - killed_ms;
+    CHECK_MSG(w.st == PDPAIR_PEER_CLOSED || w.st == PDPAIR_CONNECTION_ERROR, "waiter got %s",
+              pdpair_status_name(w.st));
+    CHECK_MSG(took < 2000, "waiter returned %llu ms after the kill", (unsigned long long)took);
+    printf("    peer killed: waiter returned %s %llu ms after SIGKILL (signal value %llu)\n",
+           pdpair_status_name(w.st), (unsigned long long)took, (unsigned long long)w.value);
+    /* future waits and posts fail at once too */
+    uint64_t t0 = now_ms();
+    CHECK_STATUS(pdpair_conn_wait_signal(c, 0, UINT64_MAX, 10000, &v), w.st, c);
+    CHECK(now_ms() - t0 < 100);
+    CHECK_STATUS(pdpair_signal(c, 0, NULL), w.st, c);
+    CHECK_STATUS(pdpair_conn_state(c), w.st, c);
+    CHECK_OK(pdpair_conn_close(c), NULL);
+    CHECK_OK(pdpair_listener_close(lis), NULL);
+    pdpair_context_destroy(ctx);
+    free(mem);
+}
+
+/* An orderly close by one side: the other side's waiters wake with PEER_CLOSED; a local waiter gets CLOSED. */
+static void test_close_wakes_waiters(void)
+{
+    struct pair p;
+    pair_open(&p, 4096, 0);
+    struct waiter remote = {.conn = p.a}, local = {.conn = p.b};
+    pthread_t t1, t2;
+    CHECK(pthread_create(&t1, NULL, wait_forever_ish, &remote) == 0);
+    CHECK(pthread_create(&t2, NULL, wait_forever_ish, &local) == 0);
+    sleep_ms(50);
+    uint64_t t0 = now_ms();
+    CHECK_OK(pdpair_conn_close(p.b), NULL); /* returns only after its own waiter has left */
+    p.b = NULL;
+    pthread_join(t2, NULL);
+    pthread_join(t1, NULL);
+    CHECK_MSG(local.st == PDPAIR_CLOSED, "local waiter got %s", pdpair_status_name(local.st));
+    CHECK_MSG(remote.st == PDPAIR_PEER_CLOSED, "remote waiter got %s", pdpair_status_name(remote.st));
+    CHECK(remote.returned_ms - t0 < 2000);
+    pair_close(&p);
+}
+
+/* Close everything and listen on the same port again in the same process: it works at once. */
+static void test_relisten_same_port(void)
+{
+    uint16_t port = 0;
+    for (int round = 0; round < 3; round++) {
+        pdpair_context *ctx_a = new_context(0, 0), *ctx_b = new_context(0, 0);
+        uint8_t mem_a[256] = {0}, mem_b[256];
+        memset(mem_b, round + 1, sizeof mem_b);
+        CHECK_OK(pdpair_context_register(ctx_a, mem_a, sizeof mem_a, NULL), NULL);
+        CHECK_OK(pdpair_context_register(ctx_b, mem_b, sizeof mem_b, NULL), NULL);
+        pdpair_conn *a, *b;
+        uint16_t want = port;
+        marry(ctx_a, ctx_b, &port, &a, &b); /* round 0 picks a port, later rounds reuse it */
+        CHECK(round == 0 || port == want);
+        uint64_t v;
+        CHECK_OK(pdpair_put_signal(b, 0, 0, 0, 0, sizeof mem_b, 0, NULL), b);
+        CHECK_OK(pdpair_conn_wait_signal(a, 0, 1, 5000, &v), a);
+        CHECK(mem_a[255] == round + 1);
+        if (round == 1) { /* the accepted side closes first this time */
+            CHECK_OK(pdpair_conn_close(a), NULL);
+            CHECK_OK(pdpair_conn_close(b), NULL);
+        } else {
+            CHECK_OK(pdpair_conn_close(b), NULL);
+            CHECK_OK(pdpair_conn_close(a), NULL);
+        }
+        pdpair_context_destroy(ctx_a);
+        pdpair_context_destroy(ctx_b);
+    }
+}
+
+static void test_listen_connect_errors(void)
+{
+    pdpair_context *ctx = new_context(0, 0);
+    pdpair_listener *lis, *dup;
+    CHECK_OK(pdpair_listen(ctx, "127.0.0.1", 0, &lis), NULL);
+    uint16_t port = pdpair_listener_port(lis);
+    char err[256];
+    CHECK_STATUS(pdpair_listen(ctx, "127.0.0.1", port, &dup), PDPAIR_ADDRESS_IN_USE, NULL);
+    CHECK(pdpair_context_last_error(ctx, err, sizeof err) > 0 && strstr(err, "bind"));
+    /* accept without a peer: TIMEOUT at the deadline */
+    pdpair_conn *c = NULL;
+    uint64_t t0 = now_ms();
+    CHECK_STATUS(pdpair_accept(lis, 150, &c), PDPAIR_TIMEOUT, NULL);
+    uint64_t took = now_ms() - t0;
+    CHECK(took >= 149 && took < 1000 && c == NULL);
+    CHECK_STATUS(pdpair_accept(lis, -5, &c), PDPAIR_INVALID_ARGUMENT, NULL);
+    CHECK_OK(pdpair_listener_close(lis), NULL);
+    /* nobody listens there now */
+    CHECK_STATUS(pdpair_connect(ctx, "127.0.0.1", port, 1000, &c), PDPAIR_CONNECTION_REFUSED, NULL);
+    CHECK_STATUS(pdpair_connect(ctx, "", port, 1000, &c), PDPAIR_INVALID_ARGUMENT, NULL);
+    CHECK_STATUS(pdpair_connect(ctx, "no-such-host.invalid", port, 1000, &c), PDPAIR_INVALID_ARGUMENT, NULL);
+    pdpair_context_destroy(ctx);
+}
+
+/* A peer with a different token (e.g. a stale generation) is refused on both ends. */
+struct accept_job {
+    pdpair_listener *lis;
+    pdpair_conn *conn;
+    pdpair_status st;
+};
+
+static void *accept_once(void *arg)
+{
+    struct accept_job *job = arg;
+    job->st = pdpair_accept(job->lis, 5000, &job->conn);
+    return NULL;
+}
+
+static void test_token_mismatch(void)
+{
+    pdpair_context *ctx_a = new_context(0, 1), *ctx_b = new_context(0, 2);
+    struct accept_job job = {0};
+    CHECK_OK(pdpair_listen(ctx_a, "127.0.0.1", 0, &job.lis), NULL);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, accept_once, &job) == 0);
+    pdpair_conn *c = NULL;
+    CHECK_STATUS(pdpair_connect(ctx_b, "127.0.0.1", pdpair_listener_port(job.lis), 5000, &c),
+                 PDPAIR_PROTOCOL_ERROR, NULL);
+    pthread_join(t, NULL);
+    CHECK_STATUS(job.st, PDPAIR_PROTOCOL_ERROR, NULL);
+    CHECK(c == NULL && job.conn == NULL);
+    char err[256];
+    pdpair_context_last_error(ctx_b, err, sizeof err);
+    CHECK_MSG(strstr(err, "token"), "error text: %s", err);
+    /* a listener blocked in accept is woken by shutdown from another thread */
+    job.conn = NULL;
+    CHECK(pthread_create(&t, NULL, accept_once, &job) == 0);
+    sleep_ms(50);
+    uint64_t t0 = now_ms();
+    CHECK_OK(pdpair_listener_shutdown(job.lis), NULL);
+    pthread_join(t, NULL);
+    CHECK_STATUS(job.st, PDPAIR_CLOSED, NULL);
+    CHECK(now_ms() - t0 < 1000);
+    CHECK_OK(pdpair_listener_close(job.lis), NULL);
+    pdpair_context_destroy(ctx_a);
+    pdpair_context_destroy(ctx_b);
+}
+
+/* Several threads post on one connection at once (data race check under TSan). */
+struct poster {
+    pdpair_conn *conn;
+    uint32_t slot;
+};
+
+static void *post_many(void *arg)
+{
+    struct poster *ps = arg;
+    for (uint64_t i = 0; i < 2000; i++)
+        CHECK_OK(pdpair_put_signal(ps->conn, 0, ps->slot * 256, 0, ps->slot * 256, 256, ps->slot, NULL), ps->conn);
+    return NULL;
+}
+
+static void test_concurrent_posters(void)
+{
+    struct pair p;
+    pair_open(&p, 4 * 256, 16);
+    struct poster ps[4];
+    pthread_t t[4];
+    for (uint32_t i = 0; i < 4; i++) {
+        ps[i] = (struct poster){p.b, i};
+        CHECK(pthread_create(&t[i], NULL, post_many, &ps[i]) == 0);
+    }
+    uint64_t v;
+    for (uint32_t i = 0; i < 4; i++) CHECK_OK(pdpair_conn_wait_signal(p.a, i, 2000, 30000, &v), p.a);
+    for (int i = 0; i < 4; i++) pthread_join(t[i], NULL);
+    CHECK_OK(pdpair_conn_flush(p.b, 30000), p.b);
+    pdpair_conn_stats s = stats_of(p.b);
+    CHECK(s.posted == 8000 && s.completed == 8000 && s.requeues > 0);
+    pair_close(&p);
+}
+
+/* --- runner ----------------------------------------------------------------------------------------------------- */
+struct test {
+    const char *name;
+    void (*fn)(void);
+};
+
+static const struct test TESTS[] = {
+    {"status_strings", test_status_strings},
+    {"basic_put_signal", test_basic_put_signal},
+    {"invalid_arguments", test_invalid_arguments},
+    {"region_announced_after_connect", test_region_announced_after_connect},
+    {"receiver_bounds_check", test_receiver_bounds_check},
+    {"signal_after_data", test_signal_after_data},
+    {"oversubscription", test_oversubscription},
+    {"fault_drop_signal_times_out", test_fault_drop_signal_times_out},
+    {"peer_killed", test_peer_killed},
+    {"close_wakes_waiters", test_close_wakes_waiters},
+    {"relisten_same_port", test_relisten_same_port},
+    {"listen_connect_errors", test_listen_connect_errors},
+    {"token_mismatch", test_token_mismatch},
+    {"concurrent_posters", test_concurrent_posters},
+};
+
+int main(int argc, char **argv)
+{
+    if (argc == 3 && strcmp(argv[1], "--peer-sender") == 0) return run_peer_sender((uint16_t)atoi(argv[2]));
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    size_t ntests = sizeof TESTS / sizeof TESTS[0];
+    int ran = 0;
+    for (size_t i = 0; i < ntests; i++) {
+        bool wanted = argc == 1;
+        for (int a = 1; a < argc; a++) wanted |= strcmp(argv[a], TESTS[i].name) == 0;
+        if (!wanted) continue;
+        uint64_t t0 = now_ms();
+        TESTS[i].fn();
+        printf("ok   %-34s %6llu ms\n", TESTS[i].name, (unsigned long long)(now_ms() - t0));
+        ran++;
+    }
+    if (ran == 0) {
+        fprintf(stderr, "no test matched\n");
+        return 1;
+    }
+    printf("%d tests passed\n", ran);
+    return 0;
+}
