@@ -1,0 +1,202 @@
+"""The rendered chart applies server-side to a real apiserver (RBAC on), and the operator's ServiceAccount can do
+exactly what the operator needs: every needed verb is allowed, a set of others is denied.
+
+Checks go through `kubectl auth can-i --as=system:serviceaccount:<ns>:<sa>` (the apiserver's own authorizer),
+and a few through real requests made with the ServiceAccount's token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdpair import contract
+from tests.cluster.localcluster import helm_path
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "pdpair"
+CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+
+pytestmark = pytest.mark.cluster
+
+
+def helm_template(release: str, namespace: str, *args: str) -> str:
+    home = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdpair-helm-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, **{f"HELM_{k}_HOME": str(home / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}}
+    proc = subprocess.run([str(helm_path()), "template", release, str(CHART), "--namespace", namespace, *args],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def release(local_cluster):
+    """The chart (CRD included) applied for real in a fresh namespace; cluster-scoped RBAC removed afterwards."""
+    namespace = f"pdpair-{uuid.uuid4().hex[:8]}"
+    name = f"r{uuid.uuid4().hex[:6]}"
+    local_cluster.create_namespace(namespace)
+    rendered = helm_template(name, namespace, "--include-crds")
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    proc = local_cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=pdpair-tests",
+                                 "-f", "-", input=rendered)
+    yield {"namespace": namespace, "name": name, "docs": docs, "apply_output": proc.stdout}
+    for doc in docs:
+        if doc["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+            local_cluster.kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"], "--wait=false", check=False)
+    local_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def service_account(release) -> str:
+    [sa] = [d for d in release["docs"] if d["kind"] == "ServiceAccount"]
+    return f"system:serviceaccount:{release['namespace']}:{sa['metadata']['name']}"
+
+
+@pytest.fixture(scope="module")
+def other_namespace(local_cluster):
+    name = f"other-{uuid.uuid4().hex[:8]}"
+    local_cluster.create_namespace(name)
+    yield name
+    local_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def qualified(doc: dict) -> str:
+    """kind.group/name as kubectl prints and accepts it, e.g. deployment.apps/x, serviceaccount/x."""
+    group = doc["apiVersion"].rpartition("/")[0]
+    return f"{doc['kind'].lower()}{'.' + group if group else ''}/{doc['metadata']['name']}"
+
+
+def test_every_rendered_object_was_applied(release, local_cluster):
+    kinds = {d["kind"] for d in release["docs"]}
+    assert kinds == {"CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
+                     "RoleBinding", "Deployment", "Service"}
+    for doc in release["docs"]:
+        assert f"{qualified(doc)} serverside-applied" in release["apply_output"], release["apply_output"]
+        namespace = ["-n", release["namespace"]] if "namespace" in doc["metadata"] else []
+        local_cluster.kubectl("get", qualified(doc), *namespace)
+
+
+def test_crd_from_the_chart_is_established(local_cluster, release):
+    crd = json.loads(local_cluster.kubectl("get", "crd", f"{contract.PLURAL}.{contract.GROUP}", "-o", "json").stdout)
+    conditions = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
+    assert conditions.get("Established") == "True" and conditions.get("NamesAccepted") == "True", conditions
+
+
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "defaults" if v is None else v.name)
+def test_every_scenario_passes_a_server_side_dry_run(local_cluster, release, values):
+    rendered = helm_template("dry", release["namespace"], *(["-f", str(values)] if values else []))
+    if not rendered.strip():
+        assert values is not None and "crd-only" in values.name
+        return
+    proc = local_cluster.kubectl("apply", "--server-side", "--dry-run=server", "--field-manager=pdpair-tests",
+                                 "-f", "-", input=rendered)
+    assert "(server dry run)" in proc.stdout, proc.stdout
+
+
+def can_i(cluster, who: str, verb: str, resource: str, namespace: str | None, subresource: str | None = None) -> bool:
+    args = ["auth", "can-i", verb, resource, f"--as={who}"]
+    args += ["-n", namespace] if namespace else ["--all-namespaces"]
+    if subresource:
+        args.append(f"--subresource={subresource}")
+    proc = cluster.kubectl(*args, check=False)
+    answer = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert answer in ("yes", "no"), f"kubectl {' '.join(args)}: {proc.stdout}{proc.stderr}"
+    return answer == "yes"
+
+
+PAIRS = f"{contract.PLURAL}.{contract.GROUP}"
+ANY = "any"  # a namespace the operator has no special relation to (pairs live anywhere)
+OWN = "own"  # the release namespace (port leases)
+
+# (verb, resource, subresource, where)
+ALLOWED = [
+    *[(v, PAIRS, None, ANY) for v in ("get", "list", "watch", "patch", "update")],
+    *[(v, PAIRS, None, None) for v in ("list", "watch")],  # cluster-wide
+    ("patch", PAIRS, "status", ANY),
+    ("update", PAIRS, "status", ANY),
+    ("update", PAIRS, "finalizers", ANY),
+    *[(v, "pods", None, ANY) for v in ("get", "list", "watch", "create", "delete")],
+    *[(v, "pods", None, None) for v in ("list", "watch")],
+    *[(v, "events", None, ANY) for v in ("create", "patch")],
+    *[(v, "events.events.k8s.io", None, ANY) for v in ("create", "patch")],
+    *[(v, "namespaces", None, None) for v in ("list", "watch")],
+    *[(v, "customresourcedefinitions.apiextensions.k8s.io", None, None) for v in ("list", "watch")],
+    *[(v, "leases.coordination.k8s.io", None, OWN) for v in ("get", "list", "watch", "create", "delete", "update",
+                                                              "patch")],
+]
+
+DENIED = [
+    ("get", "secrets", None, OWN),
+    ("list", "secrets", None, ANY),
+    ("get", "configmaps", None, ANY),
+    ("create", PAIRS, None, ANY),
+    ("delete", PAIRS, None, ANY),
+    ("get", PAIRS, "status", ANY),
+    ("update", "pods", None, ANY),
+    ("patch", "pods", None, ANY),
+    ("create", "pods", "exec", ANY),
+    ("get", "pods", "log", ANY),
+    ("get", "pods.metrics.k8s.io", None, ANY),
+    ("create", "deployments.apps", None, ANY),
+    ("create", "services", None, ANY),
+    ("delete", "nodes", None, None),
+    ("get", "nodes", None, None),
+    ("create", "leases.coordination.k8s.io", None, ANY),
+    ("delete", "leases.coordination.k8s.io", None, ANY),
+    ("delete", "events", None, ANY),
+    ("create", "namespaces", None, None),
+    ("delete", "namespaces", None, None),
+    ("get", "namespaces", None, None),
+    ("create", "customresourcedefinitions.apiextensions.k8s.io", None, None),
+    ("update", "customresourcedefinitions.apiextensions.k8s.io", None, None),
+    ("create", "clusterroles.rbac.authorization.k8s.io", None, None),
+    ("create", "rolebindings.rbac.authorization.k8s.io", None, OWN),
+    ("create", "serviceaccounts", "token", OWN),
+    ("impersonate", "serviceaccounts", None, ANY),
+]
+
+
+def where(case_where: str | None, release: dict, other: str) -> str | None:
+    return {ANY: other, OWN: release["namespace"], None: None}[case_where]
+
+
+def case_id(case) -> str:
+    verb, resource, sub, at = case
+    return f"{verb}-{resource}{'/' + sub if sub else ''}-{at or 'cluster'}"
+
+
+@pytest.mark.parametrize("case", ALLOWED, ids=[case_id(c) for c in ALLOWED])
+def test_operator_is_allowed(local_cluster, release, service_account, other_namespace, case):
+    verb, resource, sub, at = case
+    assert can_i(local_cluster, service_account, verb, resource, where(at, release, other_namespace), sub)
+
+
+@pytest.mark.parametrize("case", DENIED, ids=[case_id(c) for c in DENIED])
+def test_operator_is_denied(local_cluster, release, service_account, other_namespace, case):
+    verb, resource, sub, at = case
+    assert not can_i(local_cluster, service_account, verb, resource, where(at, release, other_namespace), sub)
+
+
+def test_service_account_token_does_real_work_and_nothing_more(local_cluster, release, other_namespace):
+    """The same answers from real requests made with the ServiceAccount's token (not impersonation)."""
+    [sa] = [d for d in release["docs"] if d["kind"] == "ServiceAccount"]
+    kubeconfig = local_cluster.service_account_kubeconfig(release["namespace"], sa["metadata"]["name"])
+    ns = release["namespace"]
+    lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+             "metadata": {"name": "pdpair-port-20000", "namespace": ns, "labels": {contract.LABEL_PORT_LEASE: "true"}},
+             "spec": {"holderIdentity": "ns/pair/uid"}}
+    local_cluster.kubectl("create", "-f", "-", input=json.dumps(lease), kubeconfig=kubeconfig)
+    local_cluster.kubectl("delete", "lease", "pdpair-port-20000", "-n", ns, kubeconfig=kubeconfig)
+    local_cluster.kubectl("get", PAIRS, "--all-namespaces", kubeconfig=kubeconfig)
+    local_cluster.kubectl("get", "pods", "-n", other_namespace, kubeconfig=kubeconfig)
+    denied = local_cluster.kubectl("get", "secrets", "-n", ns, kubeconfig=kubeconfig, check=False)
+    assert denied.returncode != 0 and "Forbidden" in denied.stderr, denied.stderr
+    denied = local_cluster.kubectl("create", "-f", "-", input=json.dumps({**lease, "metadata": {
+        **lease["metadata"], "namespace": other_namespace}}), kubeconfig=kubeconfig, check=False)
+    assert denied.returncode != 0 and "Forbidden" in denied.stderr, denied.stderr

@@ -1,0 +1,409 @@
+"""The InferencePair CRD on a real kube-apiserver: bad specs are refused at create time with a message that names
+the field, good specs are accepted and come back defaulted, status is validated, and the printer columns work.
+
+Everything here runs against tests/cluster's local control plane (etcd + kube-apiserver); no operator runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+from pdpair import contract
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_PATH = REPO / "charts" / "pdpair" / "crds" / "inferencepairs.pdpair.io.yaml"
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+pytestmark = pytest.mark.cluster
+
+
+def install_crd(cluster) -> None:
+    """Server-side apply of the chart's CRD, then wait until the apiserver serves it."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=pdpair-tests", "-f", str(CRD_PATH))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                    f"crd/{contract.PLURAL}.{contract.GROUP}")
+
+
+@pytest.fixture(scope="module")
+def crd_namespace(local_cluster):
+    import uuid
+
+    install_crd(local_cluster)
+    name = f"crd-{uuid.uuid4().hex[:8]}"
+    local_cluster.create_namespace(name)
+    yield name
+    local_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def custom_api(local_cluster):
+    from kubernetes import client
+
+    return client.CustomObjectsApi(local_cluster.api_client())
+
+
+def minimal(name: str) -> dict:
+    return {
+        "apiVersion": contract.API_VERSION,
+        "kind": contract.KIND,
+        "metadata": {"name": name},
+        "spec": {"model": "/models/tiny", "image": "ghcr.io/pdpair/pdpair:0.1.0"},
+    }
+
+
+def create(custom_api, namespace: str, body: dict) -> dict:
+    # Strict: unknown fields are errors, as `kubectl apply` does by default.
+    return custom_api.create_namespaced_custom_object(contract.GROUP, contract.VERSION, namespace, contract.PLURAL,
+                                                      body, field_validation="Strict")
+
+
+def create_error(custom_api, namespace: str, body: dict) -> str:
+    from kubernetes.client.rest import ApiException
+
+    try:
+        created = create(custom_api, namespace, body)
+    except ApiException as exc:
+        assert exc.status in (400, 422), f"unexpected HTTP {exc.status}: {exc.body}"
+        return json.loads(exc.body)["message"]
+    custom_api.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, namespace, contract.PLURAL,
+                                               created["metadata"]["name"])
+    raise AssertionError(f"the apiserver accepted a bad spec: {json.dumps(body['spec'])[:600]}")
+
+
+# --- the table of bad specs --------------------------------------------------------------------------------------
+# Each case: an id, a function that breaks a fresh minimal object, and substrings the apiserver's message must
+# contain. The first substring is always the field path, so the message names the field.
+
+def at(path: str, value: Any) -> Callable[[dict], None]:
+    """Sets spec.<path> (dotted; created as needed)."""
+    def mutate(obj: dict) -> None:
+        node = obj["spec"]
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return mutate
+
+
+def drop(path: str) -> Callable[[dict], None]:
+    def mutate(obj: dict) -> None:
+        if path == "spec":
+            del obj["spec"]
+        else:
+            del obj["spec"][path]
+    return mutate
+
+
+def both(*mutations: Callable[[dict], None]) -> Callable[[dict], None]:
+    def mutate(obj: dict) -> None:
+        for m in mutations:
+            m(obj)
+    return mutate
+
+
+def rename(name: str) -> Callable[[dict], None]:
+    def mutate(obj: dict) -> None:
+        obj["metadata"]["name"] = name
+    return mutate
+
+
+OWNED = "operator-owned flag"
+RESERVED = "PDPAIR_* variables are set by the operator"
+KEY_REF = {"name": "hf", "key": "token"}
+
+BAD_SPECS: list[tuple[str, Callable[[dict], None], tuple[str, ...]]] = [
+    ("spec-missing", drop("spec"), ("spec: Required value",)),
+    ("model-missing", drop("model"), ("spec.model: Required value",)),
+    ("image-missing", drop("image"), ("spec.image: Required value",)),
+    ("model-empty", at("model", ""), ("spec.model", "at least 1 chars")),
+    ("model-whitespace", at("model", "my model"), ("spec.model", "should match")),
+    ("model-too-long", at("model", "m" * 513), ("spec.model", "Too long")),
+    ("image-whitespace", at("image", "ghcr.io/x y"), ("spec.image", "should match")),
+    ("served-model-name-too-long", at("servedModelName", "n" * 257), ("spec.servedModelName", "Too long")),
+    ("tp-zero", at("prefill.tensorParallelSize", 0), ("spec.prefill.tensorParallelSize", "greater than or equal to 1")),
+    ("tp-too-big", both(at("prefill.tensorParallelSize", 16), at("decode.tensorParallelSize", 16)),
+     ("spec.decode.tensorParallelSize", "less than or equal to 8")),
+    ("tp-string", at("decode.tensorParallelSize", "2"), ("spec.decode.tensorParallelSize", "must be of type integer")),
+    ("tp-heterogeneous", both(at("prefill.tensorParallelSize", 2), at("decode.tensorParallelSize", 1)),
+     ("spec.prefill.tensorParallelSize", "(2) must equal spec.decode.tensorParallelSize (1)", "heterogeneous")),
+    ("args-port", at("decode.args", ["--port", "8000"]), ("spec.decode.args[0]", "--port", OWNED)),
+    ("args-port-equals", at("prefill.args", ["--dtype", "float32", "--port=8000"]), ("spec.prefill.args[2]", OWNED)),
+    ("args-host", at("decode.args", ["--host=0.0.0.0"]), ("spec.decode.args[0]", OWNED)),
+    ("args-model", at("decode.args", ["--model", "other"]), ("spec.decode.args[0]", OWNED)),
+    ("args-kv-transfer-config", at("prefill.args", ["--kv-transfer-config", "{}"]), ("spec.prefill.args[0]", OWNED)),
+    ("args-kv-transfer-config-underscores", at("prefill.args", ['--kv_transfer_config={"kv_role":"kv_both"}']),
+     ("spec.prefill.args[0]", OWNED)),
+    ("args-served-model-name", at("decode.args", ["--served-model-name", "x"]), ("spec.decode.args[0]", OWNED)),
+    ("args-tp-long", at("decode.args", ["--tensor-parallel-size=2"]), ("spec.decode.args[0]", OWNED)),
+    ("args-tp-short", at("prefill.args", ["-tp", "2"]), ("spec.prefill.args[0]", OWNED)),
+    ("args-pipeline-parallel", at("decode.args", ["--pipeline-parallel-size", "2"]),
+     ("spec.decode.args[0]", "--pipeline-parallel-size")),
+    ("args-data-parallel-short", at("decode.args", ["-dp=2"]), ("spec.decode.args[0]", "--data-parallel-size")),
+    ("args-empty-entry", at("decode.args", [""]), ("spec.decode.args[0]", "at least 1 chars")),
+    ("args-too-many", at("decode.args", ["--enforce-eager"] * 65), ("spec.decode.args", "Too many")),
+    ("env-reserved-role", at("decode.env", [{"name": "PDPAIR_ROLE", "value": "prefill"}]),
+     ("spec.decode.env[0].name", "PDPAIR_ROLE", RESERVED)),
+    ("env-reserved-peer", at("prefill.env", [{"name": "A", "value": "1"}, {"name": "PDPAIR_PEER_HOST", "value": "h"}]),
+     ("spec.prefill.env[1].name", RESERVED)),
+    ("env-duplicate-name", at("decode.env", [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]),
+     ("spec.decode.env[1]", "Duplicate value")),
+    ("env-bad-name", at("decode.env", [{"name": "1BAD", "value": "x"}]), ("spec.decode.env[0].name", "should match")),
+    ("env-name-missing", at("decode.env", [{"value": "x"}]), ("spec.decode.env[0].name", "Required value")),
+    ("env-value-and-valueFrom", at("decode.env", [{"name": "T", "value": "x", "valueFrom": {"secretKeyRef": KEY_REF}}]),
+     ("spec.decode.env[0].valueFrom", "mutually exclusive")),
+    ("env-valueFrom-empty", at("decode.env", [{"name": "T", "valueFrom": {}}]),
+     ("spec.decode.env[0].valueFrom", "exactly one of secretKeyRef and configMapKeyRef")),
+    ("env-valueFrom-both-refs", at("decode.env", [{"name": "T", "valueFrom": {"secretKeyRef": KEY_REF,
+                                                                             "configMapKeyRef": KEY_REF}}]),
+     ("spec.decode.env[0].valueFrom", "exactly one of secretKeyRef and configMapKeyRef")),
+    ("env-secret-key-missing", at("decode.env", [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "hf"}}}]),
+     ("spec.decode.env[0].valueFrom.secretKeyRef.key", "Required value")),
+    ("transport-unknown", at("connector.transport", "rdma"),
+     ("spec.connector.transport", 'Unsupported value: "rdma"', '"flagcx", "tcp"')),
+    ("hang-timeout-zero", at("connector.hangTimeoutSeconds", 0),
+     ("spec.connector.hangTimeoutSeconds", "greater than or equal to 5")),
+    ("hang-timeout-too-long", at("connector.hangTimeoutSeconds", 7200),
+     ("spec.connector.hangTimeoutSeconds", "less than or equal to 3600")),
+    ("slots-over-flagcx-pool", both(at("connector.transport", "flagcx"), at("connector.slots", 512)),
+     ("spec.connector.slots", "<= 256 when spec.connector.transport is flagcx")),
+    ("slots-zero", at("connector.slots", 0), ("spec.connector.slots", "greater than or equal to 1")),
+    ("ports-per-rank-too-many", at("network.portsPerRank", 9), ("spec.network.portsPerRank", "less than or equal to 8")),
+    ("host-network-string", at("network.hostNetwork", "yes"), ("spec.network.hostNetwork", "must be of type boolean")),
+    ("max-backoff-below-backoff", both(at("restartPolicy.backoffSeconds", 60), at("restartPolicy.maxBackoffSeconds", 30)),
+     ("spec.restartPolicy.maxBackoffSeconds", "(30) must be >= spec.restartPolicy.backoffSeconds (60)")),
+    ("max-restarts-negative", at("restartPolicy.maxRestarts", -1),
+     ("spec.restartPolicy.maxRestarts", "greater than or equal to 0")),
+    ("backoff-zero", at("restartPolicy.backoffSeconds", 0),
+     ("spec.restartPolicy.backoffSeconds", "greater than or equal to 1")),
+    ("window-shorter-than-hang-timeout", both(at("connector.hangTimeoutSeconds", 600), at("restartPolicy.windowSeconds", 300)),
+     ("spec.restartPolicy.windowSeconds", "must be >= spec.connector.hangTimeoutSeconds")),
+    ("router-port-without-router", both(at("router.enabled", False), at("router.port", 18000)),
+     ("spec.router.port", "spec.router.enabled is false")),
+    ("router-port-privileged", at("router.port", 80), ("spec.router.port", "greater than or equal to 1024")),
+    ("toleration-exists-with-value", at("decode.tolerations", [{"key": "gpu", "operator": "Exists", "value": "x"}]),
+     ("spec.decode.tolerations[0].value", "must be empty when tolerations[].operator is Exists")),
+    ("toleration-bad-effect", at("prefill.tolerations", [{"key": "gpu", "effect": "Evict"}]),
+     ("spec.prefill.tolerations[0].effect", "Unsupported value")),
+    ("resources-bad-quantity", at("decode.resources", {"requests": {"cpu": "lots"}}),
+     ("spec.decode.resources.requests.cpu", "should match")),
+    ("node-selector-value-too-long", at("prefill.nodeSelector", {"pool": "v" * 64}),
+     ("spec.prefill.nodeSelector.pool", "Too long")),
+    ("unknown-field", at("replicas", 2), ('unknown field "spec.replicas"',)),
+    ("unknown-nested-field", at("connector.transports", "tcp"), ('unknown field "spec.connector.transports"',)),
+    ("name-too-long", rename("p" * 46), ("metadata.name must be at most 45 characters",)),
+    ("name-not-dns-1035", rename("9-pair"), ("metadata.name must be a DNS-1035 label",)),
+]
+
+
+def test_table_has_enough_distinct_cases():
+    ids = [case_id for case_id, _, _ in BAD_SPECS]
+    assert len(ids) == len(set(ids)) and len(ids) >= 35
+
+
+@pytest.mark.parametrize("mutate,expected", [(m, e) for _, m, e in BAD_SPECS], ids=[i for i, _, _ in BAD_SPECS])
+def test_bad_spec_is_refused_with_a_message_naming_the_field(custom_api, crd_namespace, mutate, expected, request):
+    obj = minimal(f"bad-{abs(hash(request.node.name)) % 10**8}")
+    mutate(obj)
+    message = create_error(custom_api, crd_namespace, obj)
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} not in the apiserver's message:\n{message}"
+
+
+# --- good specs --------------------------------------------------------------------------------------------------
+
+def test_minimal_spec_comes_back_fully_defaulted(custom_api, crd_namespace):
+    created = create(custom_api, crd_namespace, minimal("defaults"))
+    spec = created["spec"]
+    for role in contract.ROLES:
+        assert spec[role] == {"tensorParallelSize": 1}
+    assert spec["connector"] == {"transport": contract.TRANSPORT_FLAGCX, "hangTimeoutSeconds": 60, "slots": 256}
+    assert spec["network"] == {"hostNetwork": True, "portsPerRank": 1}
+    assert spec["restartPolicy"] == {"maxRestarts": 5, "windowSeconds": 1800, "backoffSeconds": 10,
+                                     "maxBackoffSeconds": 300}
+    assert spec["router"] == {"enabled": True}
+    # and the same on a fresh read (defaults are also applied when reading from etcd)
+    read = custom_api.get_namespaced_custom_object(contract.GROUP, contract.VERSION, crd_namespace, contract.PLURAL,
+                                                   "defaults")
+    assert read["spec"] == spec
+
+
+def test_partial_sections_are_defaulted_field_by_field(custom_api, crd_namespace):
+    obj = minimal("partial")
+    obj["spec"]["connector"] = {"transport": "tcp"}
+    obj["spec"]["restartPolicy"] = {"maxRestarts": 0}
+    obj["spec"]["decode"] = {"args": ["--enforce-eager"]}
+    spec = create(custom_api, crd_namespace, obj)["spec"]
+    assert spec["connector"] == {"transport": "tcp", "hangTimeoutSeconds": 60, "slots": 256}
+    assert spec["restartPolicy"]["maxRestarts"] == 0 and spec["restartPolicy"]["backoffSeconds"] == 10
+    assert spec["decode"] == {"args": ["--enforce-eager"], "tensorParallelSize": 1}
+
+
+GOOD_SPECS: list[tuple[str, Callable[[dict], None]]] = [
+    ("lookalike-flags-are-not-owned", at("decode.args", ["--model-impl", "vllm", "--hostname-ignored", "--portable",
+                                                         "--max-model-len", "512", "--enable-prefix-caching"])),
+    ("user-env-and-secret-ref", at("decode.env", [{"name": "FLAGCX_IB_HCA", "value": "mlx5_0"},
+                                                  {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": KEY_REF}},
+                                                  {"name": "MY_PDPAIR_NOTE", "value": "prefix elsewhere is fine"}])),
+    ("tp-8-both", both(at("prefill.tensorParallelSize", 8), at("decode.tensorParallelSize", 8))),
+    ("tcp-allows-many-slots", both(at("connector.transport", "tcp"), at("connector.slots", 4096))),
+    ("flagcx-at-pool-size", both(at("connector.transport", "flagcx"), at("connector.slots", 256))),
+    ("router-disabled", at("router.enabled", False)),
+    ("router-fixed-port", at("router.port", 18000)),
+    ("toleration-exists", at("decode.tolerations", [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                                     "effect": "NoSchedule"}])),
+    ("resources-and-placement", both(
+        at("decode.resources", {"requests": {"cpu": "500m", "memory": "2Gi", "nvidia.com/gpu": 1},
+                                "limits": {"memory": "4Gi"}}),
+        at("decode.nodeSelector", {"kubernetes.io/os": "linux"}),
+        at("decode.affinity", {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}}))),
+    ("name-at-45", rename("p" * 45)),
+    ("window-equals-hang-timeout", both(at("connector.hangTimeoutSeconds", 600), at("restartPolicy.windowSeconds", 600))),
+]
+
+
+@pytest.mark.parametrize("mutate", [m for _, m in GOOD_SPECS], ids=[i for i, _ in GOOD_SPECS])
+def test_good_spec_is_accepted_as_written(custom_api, crd_namespace, mutate, request):
+    obj = minimal(f"good-{abs(hash(request.node.name)) % 10**8}")
+    mutate(obj)
+    created = create(custom_api, crd_namespace, obj)
+    # nothing the user wrote was pruned or changed; the apiserver only added defaults
+    for key, value in obj["spec"].items():
+        if isinstance(value, dict):
+            assert value.items() <= created["spec"][key].items(), key
+        else:
+            assert created["spec"][key] == value, key
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_apply_server_side(local_cluster, crd_namespace, example):
+    docs = [d for d in yaml.safe_load_all(example.read_text()) if d]
+    assert docs, f"{example} holds no objects"
+    for doc in docs:
+        doc["metadata"]["namespace"] = crd_namespace
+    proc = local_cluster.kubectl("apply", "--server-side", "--field-manager=pdpair-tests", "-f", "-",
+                                 input=yaml.safe_dump_all(docs))
+    assert "serverside-applied" in proc.stdout, proc.stdout
+
+
+def test_kubectl_apply_shows_the_field_in_its_error(local_cluster, crd_namespace):
+    obj = minimal("kubectl-bad")
+    obj["metadata"]["namespace"] = crd_namespace
+    obj["spec"]["decode"] = {"env": [{"name": "PDPAIR_TRANSPORT", "value": "tcp"}]}
+    proc = local_cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(obj), check=False)
+    assert proc.returncode != 0
+    assert "spec.decode.env[0].name" in proc.stderr and RESERVED in proc.stderr, proc.stderr
+
+
+# --- status subresource and printer columns ----------------------------------------------------------------------
+
+def good_status() -> dict:
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return {
+        "phase": contract.PHASE_READY,
+        "observedGeneration": 1,
+        "pairGeneration": 2,
+        "restarts": 1,
+        "lastRestart": {"time": now, "reason": "decode hung"},
+        "pods": {"decode": "p-decode-2", "prefill": "p-prefill-2", "router": "p-router-2"},
+        "ports": [
+            {"name": "decode-sidechannel-0", "role": "decode", "purpose": "sidechannel", "rank": 0, "port": 20001},
+            {"name": "decode-sidechannel-1", "role": "decode", "purpose": "sidechannel", "rank": 1, "port": 20002},
+            {"name": "prefill-sidechannel-0", "role": "prefill", "purpose": "sidechannel", "rank": 0, "port": 20010},
+            {"name": "decode-metrics-0", "role": "decode", "purpose": "metrics", "rank": 0, "port": 20003},
+        ],
+        "conditions": [
+            {"type": c, "status": "True", "reason": "Done", "message": "", "lastTransitionTime": now,
+             "observedGeneration": 1}
+            for c in contract.CONDITIONS
+        ],
+        "message": "serving",
+    }
+
+
+@pytest.fixture
+def pair_with_status(custom_api, crd_namespace, request):
+    name = f"st-{abs(hash(request.node.name)) % 10**8}"
+    create(custom_api, crd_namespace, minimal(name))
+    return name
+
+
+def patch_status(custom_api, namespace: str, name: str, status: dict) -> dict:
+    return custom_api.patch_namespaced_custom_object_status(contract.GROUP, contract.VERSION, namespace,
+                                                            contract.PLURAL, name, {"status": status})
+
+
+def test_status_is_written_only_through_the_subresource(custom_api, crd_namespace, pair_with_status):
+    # status sent with the main resource is dropped ...
+    custom_api.patch_namespaced_custom_object(contract.GROUP, contract.VERSION, crd_namespace, contract.PLURAL,
+                                              pair_with_status, {"status": {"phase": "Ready"}})
+    read = custom_api.get_namespaced_custom_object(contract.GROUP, contract.VERSION, crd_namespace, contract.PLURAL,
+                                                   pair_with_status)
+    assert "status" not in read or "phase" not in read["status"]
+    # ... and kept through /status
+    written = patch_status(custom_api, crd_namespace, pair_with_status, good_status())
+    assert written["status"]["ports"][0]["port"] == 20001
+    assert written["metadata"]["generation"] == 1  # a status write does not bump the spec generation
+
+
+def test_printer_columns_show_phase_ready_restarts_and_decode_port(local_cluster, custom_api, crd_namespace,
+                                                                  pair_with_status):
+    patch_status(custom_api, crd_namespace, pair_with_status, good_status())
+    proc = local_cluster.kubectl("get", contract.SHORT_NAME, pair_with_status, "-n", crd_namespace)
+    header, row = proc.stdout.strip().splitlines()
+    assert header.split() == ["NAME", "PHASE", "READY", "RESTARTS", "DECODE", "PORT", "AGE"]
+    assert row.split()[:5] == [pair_with_status, "Ready", "True", "1", "20001"]
+    wide = local_cluster.kubectl("get", f"{contract.PLURAL}.{contract.GROUP}", pair_with_status, "-n", crd_namespace,
+                                 "-o", "wide").stdout
+    assert "TRANSPORT" in wide and "flagcx" in wide
+
+
+BAD_STATUS: list[tuple[str, Callable[[dict], None], tuple[str, ...]]] = [
+    ("phase-unknown", lambda s: s.update(phase="Running"), ("status.phase", 'Unsupported value: "Running"')),
+    ("condition-type-unknown", lambda s: s["conditions"][0].update(type="Healthy"),
+     ("status.conditions[0].type", "Unsupported value")),
+    ("condition-missing-reason", lambda s: s["conditions"][1].pop("reason"),
+     ("status.conditions[1].reason", "Required value")),
+    ("port-name-mismatch", lambda s: s["ports"][0].update(name="prefill-sidechannel-9"),
+     ("status.ports[0].name", "<role>-<purpose>-<index>")),
+    ("port-out-of-range", lambda s: s["ports"][1].update(port=70000), ("status.ports[1].port", "less than or equal")),
+    ("port-duplicate-name", lambda s: s["ports"].append(dict(s["ports"][0])), ("status.ports[4]", "Duplicate value")),
+    ("restarts-negative", lambda s: s.update(restarts=-1), ("status.restarts", "greater than or equal to 0")),
+]
+
+
+@pytest.mark.parametrize("mutate,expected", [(m, e) for _, m, e in BAD_STATUS], ids=[i for i, _, _ in BAD_STATUS])
+def test_bad_status_is_refused(custom_api, crd_namespace, pair_with_status, mutate, expected):
+    from kubernetes.client.rest import ApiException
+
+    status = good_status()
+    mutate(status)
+    with pytest.raises(ApiException) as caught:
+        patch_status(custom_api, crd_namespace, pair_with_status, status)
+    message = json.loads(caught.value.body)["message"]
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} not in:\n{message}"
+
+
+def test_spec_update_is_validated_too(custom_api, crd_namespace):
+    """Rules hold on update, not only on create: a valid pair cannot be patched into an invalid one."""
+    from kubernetes.client.rest import ApiException
+
+    create(custom_api, crd_namespace, minimal("upd"))
+    with pytest.raises(ApiException) as caught:
+        custom_api.patch_namespaced_custom_object(contract.GROUP, contract.VERSION, crd_namespace, contract.PLURAL,
+                                                  "upd", {"spec": {"prefill": {"tensorParallelSize": 4}}})
+    assert "spec.prefill.tensorParallelSize" in json.loads(caught.value.body)["message"]
+    # a valid change (a TP rollout on both roles) is accepted and bumps the generation
+    updated = custom_api.patch_namespaced_custom_object(
+        contract.GROUP, contract.VERSION, crd_namespace, contract.PLURAL, "upd",
+        {"spec": {"prefill": {"tensorParallelSize": 4}, "decode": {"tensorParallelSize": 4}}})
+    assert updated["metadata"]["generation"] == 2
+    assert copy.deepcopy(updated["spec"]["decode"]) == {"tensorParallelSize": 4}
