@@ -197,8 +197,8 @@ BAD_SPECS: list[tuple[str, Callable[[dict], None], tuple[str, ...]]] = [
      ("spec.prefill.nodeSelector.pool", "Too long")),
     ("unknown-field", at("replicas", 2), ('unknown field "spec.replicas"',)),
     ("unknown-nested-field", at("connector.transports", "tcp"), ('unknown field "spec.connector.transports"',)),
-    ("name-too-long", rename("p" * 46), ("metadata.name must be at most 45 characters",)),
-    ("name-not-dns-1035", rename("9-pair"), ("metadata.name must be a DNS-1035 label",)),
+    ("name-too-long", rename("p" * 46), ("metadata.name", "Too long", "45")),
+    ("name-not-dns-1035", rename("9-pair"), ("metadata.name", "should match")),
 ]
 
 
