@@ -202,43 +202,49 @@ def test_bad_values_are_refused(helm, args, expected):
     assert expected in error, error
 
 
-def _leaf_paths(values: dict, prefix: str = "") -> list[str]:
-    paths = []
-    for key, value in values.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and value and key not in ("resources", "podSecurityContext", "securityContext",
-                                                            "livenessProbe", "requests", "limits"):
-            paths += _leaf_paths(value, path + ".")
-        else:
-            paths.append(path)
-    return paths
+def _values_keys() -> list[dict]:
+    """Every key of values.yaml with its dotted path, its comment kind and whether a mapping follows.
 
-
-def test_every_value_is_documented_in_the_readme():
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    readme = (CHART / "README.md").read_text()
-    missing = [p for p in _leaf_paths(values) if f"`{p}`" not in readme]
-    assert missing == []
-
-
-# Block values whose inner keys are an example of the block, documented by the block's own comment.
-EXAMPLE_BLOCKS = {"resources", "podSecurityContext", "securityContext", "livenessProbe"}
+    Convention: a comment block starting with "# --" documents a value (a scalar, or a block such as resources whose
+    inner keys are its example); a plain "#" comment introduces a section whose keys carry their own comments.
+    """
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    stack: list[tuple[int, str, bool]] = []  # (indent, key, documented) of the enclosing keys
+    keys = []
+    for i, line in enumerate(lines):
+        match = re.match(r"^(\s*)([A-Za-z][A-Za-z0-9]*):(.*)$", line)
+        if not match:
+            continue
+        indent, key, rest = len(match.group(1)), match.group(2), match.group(3).strip()
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        j = i - 1
+        while j >= 0 and lines[j].strip().startswith("#"):
+            j -= 1
+        comment = [line.strip() for line in lines[j + 1:i]]
+        kind = None if not comment else ("doc" if comment[0].startswith("# --") else "plain")
+        inside_doc = any(documented for _, _, documented in stack)
+        keys.append({"path": ".".join([k for _, k, _ in stack] + [key]), "line": line.strip(), "comment": kind,
+                     "inside_doc": inside_doc, "mapping": rest == "" or rest.startswith("#")})
+        stack.append((indent, key, kind == "doc"))
+    return keys
 
 
 def test_every_value_is_commented_in_values_yaml():
-    """Each key line is preceded by a comment line, except keys inside an example block such as resources."""
-    lines = (CHART / "values.yaml").read_text().splitlines()
-    stack: list[tuple[int, str]] = []  # (indent, key) of the enclosing keys
-    uncommented = []
-    for i, line in enumerate(lines):
-        match = re.match(r"^(\s*)([A-Za-z][A-Za-z0-9]*):", line)
-        if not match:
+    problems = []
+    for key in _values_keys():
+        if key["inside_doc"]:
             continue
-        indent, key = len(match.group(1)), match.group(2)
-        while stack and stack[-1][0] >= indent:
-            stack.pop()
-        inside_example = any(k in EXAMPLE_BLOCKS for _, k in stack)
-        stack.append((indent, key))
-        if not inside_example and not (i > 0 and lines[i - 1].strip().startswith("#")):
-            uncommented.append(line.strip())
-    assert uncommented == []
+        if key["comment"] is None:
+            problems.append(f"{key['path']}: no comment above it")
+        elif not key["mapping"] and key["comment"] != "doc":
+            problems.append(f"{key['path']}: a value needs a '# --' comment")
+    assert problems == []
+
+
+def test_every_value_is_documented_in_the_readme():
+    readme = (CHART / "README.md").read_text()
+    documented = [k["path"] for k in _values_keys() if k["comment"] == "doc" and not k["inside_doc"]]
+    assert len(documented) >= 40
+    missing = [path for path in documented if f"`{path}`" not in readme]
+    assert missing == []
