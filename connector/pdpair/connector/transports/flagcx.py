@@ -1,0 +1,688 @@
+"""`flagcx` transport: a ctypes binding of libflagcx's one-sided put-with-signal API.
+
+API generation bound: the one-sided "MR index" API (FlagCX PR #443, 2026-04, up to PR #494, 2026-06):
+`flagcxOneSideRegister`, `flagcxOneSideSignalRegister`, `flagcxPutSignal(comm, peer, srcOff, dstOff, size, sigOff,
+srcMr, dstMr, sigValue)`, `flagcxReadCounter`. Why this one and not the NCCL-aligned window API that replaced it:
+- its signal buffer is ours and may live in host memory (`FLAGCX_PTR_HOST`), so the receiver waits on the HOST with a
+  deadline by polling the 64-bit counter; the window API only offers `flagcxWaitSignal` on a device stream, which
+  has no timeout (one lost signal hangs the stream forever);
+- signals address a slot (byte offset), so each request gets its own counter; the window API counts per peer only;
+- it is the generation the deployed pods and the seed's bug report use.
+`flagcxGetVersion` returns 10000 (1.0.0) in both generations, and both export the same symbol names, so the version
+check alone cannot tell them apart: a probe call (`flagcxWaitSignal` with a NULL comm: the old one refuses it, the
+window API's `nDesc == 0` no-op accepts it) refuses the wrong generation at load.
+
+Semantics kept here (see base.py): exactly +1 per put; at most `slots` puts in flight (counted with
+`flagcxReadCounter`, the number of this rank's completed one-sided ops), beyond that `put_signal` waits for a
+completion and counts a requeue, never drops; an `flagcxInternalError` from a post ("NET/IB : unable to allocate
+requests") is treated the same way. Blocking C calls that take no timeout (`flagcxCommInitRank`, the collective
+registrations) run in a helper thread so the caller's deadline holds; a call that overruns leaves the comm unusable.
+
+Library: `FLAGCX_LIB_PATH` (the .so file, or a directory holding libflagcx.so), else `FLAGCX_PATH` (a FlagCX tree:
+build/lib/libflagcx.so or lib/libflagcx.so). Tests load a fake of this ABI (tests/flagcx_abi/), never the real one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdpair.connector.transports.base import (
+    DEFAULT_SIGNAL_SLOTS,
+    RANK_DECODE,
+    RANK_PREFILL,
+    PairComm,
+    PairTransport,
+    SignalWaitTimeout,
+    TransportCounters,
+    TransportError,
+    seconds_left,
+)
+from pdpair.contract import ENV_HANG_TIMEOUT_SECONDS, TRANSPORT_FLAGCX
+
+log = logging.getLogger(__name__)
+
+ENV_LIB_PATH = "FLAGCX_LIB_PATH"
+ENV_FLAGCX_PATH = "FLAGCX_PATH"
+ENV_TRANSPORT_SLOTS = "PDPAIR_TRANSPORT_SLOTS"
+
+LIBRARY_NAME = "libflagcx.so"
+# flagcxGetVersion() = MAJOR*10000 + MINOR*100 + PATCH; upstream reports 1.0.0 for the whole bound generation.
+SUPPORTED_VERSION_MIN = 10000
+SUPPORTED_VERSION_MAX = 10099
+
+# FlagCX's IB adaptor has 256 request slots per connection and its RMA proxy ring holds 256 descriptors.
+DEFAULT_SLOTS = 256
+DEFAULT_BLOCKING_CALL_SECONDS = 60.0
+UNIQUE_ID_BYTES = 256
+FLAGCX_PTR_HOST = 0x1
+SIGNAL_BYTES = 8
+
+RESULT_NAMES = {
+    0: "flagcxSuccess",
+    1: "flagcxUnhandledDeviceError",
+    2: "flagcxSystemError",
+    3: "flagcxInternalError",
+    4: "flagcxInvalidArgument",
+    5: "flagcxInvalidUsage",
+    6: "flagcxRemoteError",
+    7: "flagcxInProgress",
+    8: "flagcxUnhandledCCLError",
+    9: "flagcxNotSupported",
+}
+RESULT_MEANINGS = {
+    0: "success",
+    1: "unhandled device (CUDA) error",
+    2: "system error",
+    3: "internal error",
+    4: "invalid argument",
+    5: "invalid usage",
+    6: "remote error",
+    7: "in progress",
+    8: "unhandled CCL error",
+    9: "not supported",
+}
+SUCCESS = 0
+INTERNAL_ERROR = 3
+INVALID_ARGUMENT = 4
+NOT_SUPPORTED = 9
+
+
+def result_name(code: int) -> str:
+    """The flagcxResult_t name of `code` (never fails)."""
+    return RESULT_NAMES.get(code, f"unknown flagcxResult_t {code}")
+
+
+class FlagcxLibraryError(TransportError):
+    """libflagcx could not be used: not found, wrong version or API generation, or a missing symbol."""
+
+
+class FlagcxError(TransportError):
+    """A libflagcx call returned a non-success flagcxResult_t."""
+
+    def __init__(self, call: str, code: int, detail: str = ""):
+        self.call = call
+        self.code = code
+        self.result_name = result_name(code)
+        hint = ""
+        if code == NOT_SUPPORTED and call.startswith(("flagcxPut", "flagcxOneSide")):
+            hint = " (one-sided ops need the IB RDMA net adaptor: is FLAGCX_FORCE_NET_SOCKET set, or no HCA found?)"
+        meaning = RESULT_MEANINGS.get(code, "unknown code")
+        super().__init__(
+            f"{call} failed: {self.result_name} ({code}, {meaning}){': ' + detail if detail else ''}{hint}"
+        )
+
+
+# --- loading -----------------------------------------------------------------------------------------------------
+
+
+def find_library_path(environ: dict[str, str] | os._Environ[str] | None = None) -> str:
+    """Where libflagcx.so is, from FLAGCX_LIB_PATH or FLAGCX_PATH; FlagcxLibraryError naming the variable if not."""
+    env = os.environ if environ is None else environ
+    lib_path = env.get(ENV_LIB_PATH, "")
+    if lib_path:
+        candidate = os.path.join(lib_path, LIBRARY_NAME) if os.path.isdir(lib_path) else lib_path
+        if not os.path.isfile(candidate):
+            raise FlagcxLibraryError(f"{ENV_LIB_PATH}={lib_path!r}: no such file ({candidate})")
+        return candidate
+    root = env.get(ENV_FLAGCX_PATH, "")
+    if root:
+        tried = [os.path.join(root, "build", "lib", LIBRARY_NAME), os.path.join(root, "lib", LIBRARY_NAME)]
+        for candidate in tried:
+            if os.path.isfile(candidate):
+                return candidate
+        raise FlagcxLibraryError(f"{ENV_FLAGCX_PATH}={root!r}: no {LIBRARY_NAME} at {' or '.join(tried)}")
+    raise FlagcxLibraryError(
+        f"libflagcx not configured: set {ENV_LIB_PATH} to libflagcx.so (or its directory) or {ENV_FLAGCX_PATH} "
+        f"to a FlagCX build tree (transport {TRANSPORT_FLAGCX!r})"
+    )
+
+
+_c_int_p = ctypes.POINTER(ctypes.c_int)
+_c_uint64_p = ctypes.POINTER(ctypes.c_uint64)
+_c_void_p_p = ctypes.POINTER(ctypes.c_void_p)
+
+# symbol -> (restype, argtypes). Declared from the upstream header of the bound generation.
+_PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
+    "flagcxGetVersion": (ctypes.c_int, [_c_int_p]),
+    "flagcxGetErrorString": (ctypes.c_char_p, [ctypes.c_int]),
+    "flagcxGetLastError": (ctypes.c_char_p, [ctypes.c_void_p]),
+    # flagcxGetUniqueId: argtypes depend on the variant, set in FlagcxLibrary.__init__
+    "flagcxGetUniqueId": (ctypes.c_int, [ctypes.c_void_p]),
+    "flagcxCommInitRank": (ctypes.c_int, [_c_void_p_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]),
+    "flagcxCommDestroy": (ctypes.c_int, [ctypes.c_void_p]),
+    "flagcxOneSideRegister": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]),
+    "flagcxOneSideSignalRegister": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]),
+    "flagcxPutSignal": (
+        ctypes.c_int,
+        [
+            ctypes.c_void_p,  # comm
+            ctypes.c_int,  # peer
+            ctypes.c_size_t,  # srcOffset
+            ctypes.c_size_t,  # dstOffset
+            ctypes.c_size_t,  # size
+            ctypes.c_size_t,  # signalOffset
+            ctypes.c_int,  # srcMrIdx
+            ctypes.c_int,  # dstMrIdx
+            ctypes.c_uint64,  # signalValue
+        ],
+    ),
+    # used only as the generation probe (comm NULL)
+    "flagcxWaitSignal": (
+        ctypes.c_int,
+        [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_void_p],
+    ),
+    "flagcxReadCounter": (ctypes.c_int, [ctypes.c_void_p, _c_uint64_p]),
+}
+# Present in the bound generation but only as a hint: upstream answers NotSupported for hetero comms.
+_OPTIONAL_PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
+    "flagcxCommGetAsyncError": (ctypes.c_int, [ctypes.c_void_p, _c_int_p]),
+}
+# Added together with the caller-allocated flagcxGetUniqueId (PR #480); before it the library allocated the id.
+_CALLER_ALLOCATED_UID_MARKER = "flagcxDeviceHandleInit"
+
+
+class FlagcxLibrary:
+    """A loaded, checked libflagcx with its prototypes declared."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self.cdll = ctypes.CDLL(path)
+        except OSError as exc:
+            raise FlagcxLibraryError(f"cannot load {path}: {exc}") from exc
+        missing = [name for name in _PROTOTYPES if not hasattr(self.cdll, name)]
+        if missing:
+            raise FlagcxLibraryError(
+                f"{path} lacks symbol(s) {', '.join(missing)} of the one-sided FlagCX API; "
+                f"this binding needs a FlagCX build with one-sided RDMA support (PR #443 .. #494)"
+            )
+        self.fn: dict[str, Any] = {}
+        for name, (restype, argtypes) in {**_PROTOTYPES, **_OPTIONAL_PROTOTYPES}.items():
+            if not hasattr(self.cdll, name):
+                continue
+            func = getattr(self.cdll, name)
+            func.restype = restype
+            func.argtypes = argtypes
+            self.fn[name] = func
+        self.caller_allocated_uid = hasattr(self.cdll, _CALLER_ALLOCATED_UID_MARKER)
+        self.fn["flagcxGetUniqueId"].argtypes = [ctypes.c_void_p if self.caller_allocated_uid else _c_void_p_p]
+        self.version = self._check_version()
+        self._check_generation()
+
+    def _check_version(self) -> int:
+        version = ctypes.c_int(-1)
+        code = self.fn["flagcxGetVersion"](ctypes.byref(version))
+        if code != SUCCESS:
+            raise FlagcxLibraryError(f"{self.path}: flagcxGetVersion failed: {result_name(code)} ({code})")
+        if not SUPPORTED_VERSION_MIN <= version.value <= SUPPORTED_VERSION_MAX:
+            raise FlagcxLibraryError(
+                f"{self.path}: flagcxGetVersion reports {version.value} ({_version_text(version.value)}); "
+                f"this binding supports {SUPPORTED_VERSION_MIN}..{SUPPORTED_VERSION_MAX} "
+                f"({_version_text(SUPPORTED_VERSION_MIN)} to {_version_text(SUPPORTED_VERSION_MAX)})"
+            )
+        return version.value
+
+    def _check_generation(self) -> None:
+        # Old generation: flagcxWaitSignal(comm=NULL, ...) -> flagcxInvalidArgument. Window API: the same registers
+        # read as flagcxWaitSignal(nDesc=0, ...) -> flagcxSuccess. No pointer is dereferenced by either.
+        code = self.fn["flagcxWaitSignal"](None, 0, 0, 0, None)
+        if code == SUCCESS:
+            raise FlagcxLibraryError(
+                f"{self.path} has the NCCL-aligned window API (flagcxPutSignal(localbuff, count, dtype, peer, "
+                f"peerWin, ...), FlagCX PR #494 and later); this binding needs the one-sided MR-index API "
+                f"(flagcxPutSignal(comm, peer, srcOff, dstOff, size, sigOff, srcMr, dstMr, sigValue))"
+            )
+        if code != INVALID_ARGUMENT:
+            raise FlagcxLibraryError(
+                f"{self.path}: generation probe flagcxWaitSignal(NULL comm) returned {result_name(code)} ({code}), "
+                f"expected flagcxInvalidArgument; unknown FlagCX API generation"
+            )
+
+    def last_error(self, comm: int | None) -> str:
+        text = self.fn["flagcxGetLastError"](comm)
+        return text.decode(errors="replace") if text else ""
+
+    def check(self, call: str, code: int, comm: int | None = None) -> None:
+        if code != SUCCESS:
+            raise FlagcxError(call, code, self.last_error(comm))
+
+
+def _version_text(version: int) -> str:
+    return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+
+
+_libraries: dict[str, FlagcxLibrary] = {}
+_libraries_lock = threading.Lock()
+
+
+def load_library(path: str | None = None) -> FlagcxLibrary:
+    """Load and check libflagcx (path from the environment when None). Version and generation are checked on
+    every call, so a changed library is noticed; the handle is loaded once per path."""
+    resolved = os.path.realpath(path or find_library_path())
+    with _libraries_lock:
+        lib = _libraries.get(resolved)
+        if lib is None:
+            lib = FlagcxLibrary(resolved)
+            _libraries[resolved] = lib
+            log.info("loaded %s (flagcxGetVersion %d)", resolved, lib.version)
+        else:
+            lib.version = lib._check_version()
+        return lib
+
+
+# --- blocking calls with a deadline ------------------------------------------------------------------------------
+
+
+def _call_with_deadline(what: str, deadline: float, fn: Callable[[], int]) -> int:
+    """Run a C call that has no timeout of its own in a helper thread; TransportError if it overruns `deadline`.
+    ctypes releases the GIL during the call. An overrunning call keeps its thread (it cannot be cancelled)."""
+    result: list[int] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            error.append(exc)
+
+    worker = threading.Thread(target=run, name=f"flagcx-{what}", daemon=True)
+    worker.start()
+    worker.join(seconds_left(deadline))
+    if worker.is_alive():
+        raise TransportError(f"{what} did not return by its deadline; the communicator is unusable")
+    if error:
+        raise error[0]
+    return result[0]
+
+
+class _Backoff:
+    """Sleep that grows from `first` to `cap` seconds, never past the deadline."""
+
+    def __init__(self, deadline: float, first: float = 20e-6, cap: float = 2e-3):
+        self.deadline = deadline
+        self.delay = first
+        self.cap = cap
+
+    def sleep(self) -> bool:
+        """Sleep once; False once the deadline has passed."""
+        left = seconds_left(self.deadline)
+        if left <= 0:
+            return False
+        time.sleep(min(self.delay, left))
+        self.delay = min(self.delay * 2, self.cap)
+        return True
+
+
+# --- region tables -----------------------------------------------------------------------------------------------
+
+_TABLE_MAGIC = b"PDFX"
+_TABLE_HEADER = struct.Struct("<4sHIQ")  # magic, format version, region count, signal slots
+_TABLE_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class _PeerTable:
+    region_sizes: tuple[int, ...]
+    signal_slots: int
+
+
+def _encode_table(region_sizes: list[int], signal_slots: int) -> bytes:
+    header = _TABLE_HEADER.pack(_TABLE_MAGIC, _TABLE_FORMAT_VERSION, len(region_sizes), signal_slots)
+    return header + struct.pack(f"<{len(region_sizes)}Q", *region_sizes)
+
+
+def _decode_table(table: bytes) -> _PeerTable:
+    if len(table) < _TABLE_HEADER.size:
+        raise TransportError(f"flagcx peer region table too short ({len(table)} bytes)")
+    magic, fmt, count, slots = _TABLE_HEADER.unpack_from(table)
+    if magic != _TABLE_MAGIC or fmt != _TABLE_FORMAT_VERSION:
+        raise TransportError(f"not a flagcx region table (magic {magic!r}, format {fmt}); is the peer on tcp?")
+    if len(table) != _TABLE_HEADER.size + 8 * count:
+        raise TransportError(f"flagcx peer region table: {count} regions but {len(table)} bytes")
+    sizes = struct.unpack_from(f"<{count}Q", table, _TABLE_HEADER.size)
+    return _PeerTable(tuple(sizes), slots)
+
+
+# --- the transport -----------------------------------------------------------------------------------------------
+
+
+def _slots_from_env() -> int:
+    raw = os.environ.get(ENV_TRANSPORT_SLOTS, "")
+    if not raw:
+        return DEFAULT_SLOTS
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_TRANSPORT_SLOTS}={raw!r} is not an integer") from None
+
+
+def _blocking_seconds_from_env() -> float:
+    raw = os.environ.get(ENV_HANG_TIMEOUT_SECONDS, "")
+    if not raw:
+        return DEFAULT_BLOCKING_CALL_SECONDS
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_HANG_TIMEOUT_SECONDS}={raw!r} is not a number") from None
+
+
+class FlagcxTransport(PairTransport):
+    """Pair communicators over libflagcx's one-sided API.
+
+    slots: most puts in flight towards the peer (default PDPAIR_TRANSPORT_SLOTS or 256; keep it <= 256, FlagCX's IB
+        request pool and RMA ring size). blocking_seconds: bound on a put waiting for a slot, a flush, and a
+        collective registration (default PDPAIR_HANG_TIMEOUT_SECONDS or 60).
+    """
+
+    name = TRANSPORT_FLAGCX
+
+    def __init__(
+        self,
+        library_path: str | None = None,
+        slots: int | None = None,
+        num_signal_slots: int = DEFAULT_SIGNAL_SLOTS,
+        blocking_seconds: float | None = None,
+    ):
+        self.slots = _slots_from_env() if slots is None else slots
+        if self.slots < 1:
+            raise ValueError(f"flagcx slots must be >= 1, got {self.slots}")
+        if self.slots > DEFAULT_SLOTS:
+            log.warning("flagcx slots=%d exceeds FlagCX's 256 request slots per connection", self.slots)
+        if num_signal_slots < 1:
+            raise ValueError(f"num_signal_slots must be >= 1, got {num_signal_slots}")
+        self.num_signal_slots = num_signal_slots
+        self.blocking_seconds = _blocking_seconds_from_env() if blocking_seconds is None else blocking_seconds
+        if self.blocking_seconds <= 0:
+            raise ValueError(f"blocking_seconds must be > 0, got {self.blocking_seconds}")
+        self.lib = load_library(library_path)
+
+    def create_unique_id(self) -> bytes:
+        fn = self.lib.fn["flagcxGetUniqueId"]
+        if self.lib.caller_allocated_uid:
+            buf = ctypes.create_string_buffer(UNIQUE_ID_BYTES)
+            self.lib.check("flagcxGetUniqueId", fn(ctypes.addressof(buf)))
+            return buf.raw
+        ptr = ctypes.c_void_p()
+        self.lib.check("flagcxGetUniqueId", fn(ctypes.byref(ptr)))
+        try:
+            return ctypes.string_at(ptr.value, UNIQUE_ID_BYTES)
+        finally:
+            _libc_free(ptr.value)  # the library calloc'ed it
+
+    def init_pair(self, unique_id: bytes, rank: int, deadline: float) -> FlagcxPairComm:
+        if rank not in (RANK_PREFILL, RANK_DECODE):
+            raise ValueError(f"rank must be {RANK_PREFILL} (prefill) or {RANK_DECODE} (decode), got {rank}")
+        if len(unique_id) != UNIQUE_ID_BYTES:
+            raise ValueError(f"a FlagCX unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+        uid = ctypes.create_string_buffer(unique_id, UNIQUE_ID_BYTES)
+        comm = ctypes.c_void_p()
+        fn = self.lib.fn["flagcxCommInitRank"]
+        code = _call_with_deadline(
+            f"flagcxCommInitRank(rank={rank})", deadline, lambda: fn(ctypes.byref(comm), 2, ctypes.addressof(uid), rank)
+        )
+        self.lib.check(f"flagcxCommInitRank(rank={rank})", code, None)
+        if not comm.value:
+            raise FlagcxError(f"flagcxCommInitRank(rank={rank})", INVALID_ARGUMENT, "returned a NULL communicator")
+        return FlagcxPairComm(self, comm.value, rank)
+
+
+def _libc_free(ptr: int | None) -> None:
+    if ptr:
+        libc = ctypes.CDLL(None)
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.free.restype = None
+        libc.free(ptr)
+
+
+# Signal buffers of communicators that could not be destroyed; never unmapped (see FlagcxPairComm.close).
+_abandoned: list[tuple[mmap.mmap, ctypes.Array]] = []
+
+
+class FlagcxPairComm(PairComm):
+    """One flagcx pair communicator. Thread-safe; puts are serialised (they are cheap posts)."""
+
+    def __init__(self, transport: FlagcxTransport, comm: int, rank: int):
+        self._lib = transport.lib
+        self._comm: int | None = comm
+        self.rank = rank
+        self.peer = 1 - rank
+        self.slots = transport.slots
+        self.num_signal_slots = transport.num_signal_slots
+        self._blocking_seconds = transport.blocking_seconds
+        self._lock = threading.Lock()  # puts, registration, close
+        self._regions: list[tuple[int, int]] = []  # (ptr, size)
+        self._peer: _PeerTable | None = None
+        self._posted = 0
+        self._requeues = 0
+        self._broken: str | None = None
+        # Signal counters in host memory: the peer's RDMA atomics land here and we poll them (FLAGCX_PTR_HOST).
+        # mmap gives page-aligned memory, as IB registration likes.
+        self._signal_map = mmap.mmap(-1, self.num_signal_slots * SIGNAL_BYTES)
+        self._signals = (ctypes.c_uint64 * self.num_signal_slots).from_buffer(self._signal_map)
+        self._completed_base = 0
+        self._completed_base = self._read_completions()
+
+    # -- helpers --
+
+    def _live_comm(self) -> int:
+        if self._comm is None:
+            raise TransportError("flagcx communicator is closed")
+        if self._broken is not None:
+            raise TransportError(f"flagcx communicator is unusable: {self._broken}")
+        return self._comm
+
+    def _read_completions(self) -> int:
+        comm = self._live_comm()
+        count = ctypes.c_uint64()
+        self._lib.check("flagcxReadCounter", self._lib.fn["flagcxReadCounter"](comm, ctypes.byref(count)), comm)
+        return count.value - self._completed_base
+
+    def _inflight(self) -> int:
+        return self._posted - self._read_completions()
+
+    def _check_async_error(self) -> None:
+        fn = self._lib.fn.get("flagcxCommGetAsyncError")
+        if fn is None:
+            return
+        comm = self._live_comm()
+        async_error = ctypes.c_int(0)
+        code = fn(comm, ctypes.byref(async_error))
+        if code == SUCCESS and async_error.value != SUCCESS:
+            raise FlagcxError("flagcxCommGetAsyncError", async_error.value, self._lib.last_error(comm))
+        # NotSupported (what upstream answers for hetero comms) and other codes only mean "no information".
+
+    def _collective(self, what: str, fn: Callable[[], int]) -> None:
+        deadline = time.monotonic() + self._blocking_seconds
+        try:
+            code = _call_with_deadline(what, deadline, fn)
+        except TransportError as exc:
+            self._broken = f"{what} overran {self._blocking_seconds:.0f}s (is the peer registering the same regions?)"
+            raise TransportError(f"{exc}: {self._broken}") from exc
+        self._lib.check(what, code, self._comm)
+
+    # -- PairComm --
+
+    def register_region(self, ptr: int, size: int) -> int:
+        """Collective in FlagCX: the peer must register its region with the same index at about the same time."""
+        if ptr <= 0 or size <= 0:
+            raise ValueError(f"register_region needs ptr > 0 and size > 0, got ptr={ptr:#x} size={size}")
+        with self._lock:
+            comm = self._live_comm()
+            if any(base == ptr for base, _ in self._regions):
+                # FlagCX would return success without a new index, shifting every later index by one.
+                raise ValueError(f"address {ptr:#x} is already registered on this flagcx communicator")
+            index = len(self._regions)
+            reg = self._lib.fn["flagcxOneSideRegister"]
+            self._collective(f"flagcxOneSideRegister(region {index})", lambda: reg(comm, ptr, size))
+            self._regions.append((ptr, size))
+            if index == 0:  # FlagCX builds its connections with the first data region; the signal buffer follows.
+                sig = self._lib.fn["flagcxOneSideSignalRegister"]
+                addr = ctypes.addressof(self._signals)
+                nbytes = self.num_signal_slots * SIGNAL_BYTES
+                self._collective(
+                    "flagcxOneSideSignalRegister", lambda: sig(comm, addr, nbytes, FLAGCX_PTR_HOST)
+                )
+            return index
+
+    def local_region_table(self) -> bytes:
+        with self._lock:
+            return _encode_table([size for _, size in self._regions], self.num_signal_slots)
+
+    def set_peer_region_table(self, table: bytes) -> None:
+        peer = _decode_table(table)
+        with self._lock:
+            self._peer = peer
+
+    def put_signal(
+        self,
+        src_region: int,
+        src_offset: int,
+        dst_region: int,
+        dst_offset: int,
+        size: int,
+        signal_slot: int,
+    ) -> None:
+        with self._lock:
+            comm = self._live_comm()
+            self._check_put(src_region, src_offset, dst_region, dst_offset, size, signal_slot)
+            deadline = time.monotonic() + self._blocking_seconds
+            waited = False
+            post = self._lib.fn["flagcxPutSignal"]
+            while True:
+                if self._inflight() >= self.slots:
+                    waited = True
+                    self._wait_for_slot(deadline)
+                code = post(
+                    comm, self.peer, src_offset, dst_offset, size, signal_slot * SIGNAL_BYTES, src_region,
+                    dst_region, 1,  # exactly +1 per put, never a running total
+                )
+                if code == SUCCESS:
+                    self._posted += 1
+                    break
+                if code != INTERNAL_ERROR:
+                    raise FlagcxError("flagcxPutSignal", code, self._lib.last_error(comm))
+                # "NET/IB : unable to allocate requests": the pool is fuller than our count says. Back off, retry.
+                waited = True
+                if not _Backoff(deadline, first=200e-6).sleep():
+                    raise FlagcxError(
+                        "flagcxPutSignal", code, f"still refused after {self._blocking_seconds:.0f}s of retries: "
+                        f"{self._lib.last_error(comm)}"
+                    )
+            if waited:
+                self._requeues += 1
+
+    def _check_put(
+        self, src_region: int, src_offset: int, dst_region: int, dst_offset: int, size: int, signal_slot: int
+    ) -> None:
+        if self._peer is None:
+            raise TransportError("put_signal before set_peer_region_table: the peer's regions are unknown")
+        if size < 0 or src_offset < 0 or dst_offset < 0:
+            raise ValueError(f"negative size/offset: size={size} src_offset={src_offset} dst_offset={dst_offset}")
+        if not 0 <= src_region < len(self._regions):
+            raise ValueError(f"src_region {src_region} not registered here ({len(self._regions)} regions)")
+        if src_offset + size > self._regions[src_region][1]:
+            raise ValueError(
+                f"source range {src_offset}+{size} exceeds local region {src_region} "
+                f"({self._regions[src_region][1]} bytes)"
+            )
+        if not 0 <= dst_region < len(self._peer.region_sizes):
+            raise ValueError(f"dst_region {dst_region} unknown to the peer ({len(self._peer.region_sizes)} regions)")
+        if dst_offset + size > self._peer.region_sizes[dst_region]:
+            raise ValueError(
+                f"destination range {dst_offset}+{size} exceeds peer region {dst_region} "
+                f"({self._peer.region_sizes[dst_region]} bytes)"
+            )
+        if not 0 <= signal_slot < self._peer.signal_slots:
+            raise ValueError(f"signal_slot {signal_slot} outside the peer's {self._peer.signal_slots} slots")
+
+    def _wait_for_slot(self, deadline: float) -> None:
+        backoff = _Backoff(deadline)
+        while self._inflight() >= self.slots:
+            self._check_async_error()
+            if not backoff.sleep():
+                raise TransportError(
+                    f"flagcx: {self.slots} puts in flight towards rank {self.peer} and none completed in "
+                    f"{self._blocking_seconds:.0f}s (completion counter stuck at {self._read_completions()})"
+                )
+
+    def flush(self, deadline: float) -> None:
+        with self._lock:
+            backoff = _Backoff(deadline)
+            while self._inflight() > 0:
+                self._check_async_error()
+                if not backoff.sleep():
+                    raise TransportError(
+                        f"flagcx flush: {self._inflight()} of {self._posted} puts still in flight at the deadline"
+                    )
+
+    def wait_signal(self, signal_slot: int, expected: int, deadline: float) -> None:
+        self._check_slot(signal_slot)
+        if expected < 0:
+            raise ValueError(f"expected must be >= 0, got {expected}")
+        started = time.monotonic()
+        backoff = _Backoff(deadline)
+        polls = 0
+        while True:
+            observed = self.read_signal(signal_slot)
+            if observed >= expected:
+                return
+            polls += 1
+            if polls % 64 == 0:
+                self._check_async_error()
+            if not backoff.sleep():
+                observed = self.read_signal(signal_slot)
+                if observed >= expected:
+                    return
+                raise SignalWaitTimeout(signal_slot, expected, observed, time.monotonic() - started)
+
+    def read_signal(self, signal_slot: int) -> int:
+        self._check_slot(signal_slot)
+        if self._comm is None:
+            raise TransportError("flagcx communicator is closed")
+        return int(self._signals[signal_slot])  # one aligned 64-bit load
+
+    def _check_slot(self, signal_slot: int) -> None:
+        if not 0 <= signal_slot < self.num_signal_slots:
+            raise ValueError(f"signal_slot {signal_slot} outside 0..{self.num_signal_slots - 1}")
+
+    def counters(self) -> TransportCounters:
+        # No lock: a put waiting for a slot holds it, and a metrics scrape must not wait behind it.
+        try:
+            inflight = self._inflight()
+        except TransportError:
+            inflight = 0
+        return TransportCounters(inflight=inflight, slots=self.slots, requeues=self._requeues)
+
+    def close(self) -> None:
+        with self._lock:
+            comm, self._comm = self._comm, None
+            if comm is None:
+                return
+            if self._broken is not None:
+                # A helper thread may still be inside libflagcx with this comm, and the library may still write
+                # into the signal buffer: keep it mapped for the life of the process.
+                log.warning("flagcx comm left open because it is unusable: %s", self._broken)
+                _abandoned.append((self._signal_map, self._signals))
+                return
+            code = self._lib.fn["flagcxCommDestroy"](comm)
+            if code != SUCCESS:
+                log.warning("flagcxCommDestroy: %s (%d)", result_name(code), code)
+                _abandoned.append((self._signal_map, self._signals))  # the library may still write into it
+                return
+            del self._signals
+            self._signal_map.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass

@@ -1,0 +1,395 @@
+"""The flagcx transport's ctypes layer against the test-only fake libflagcx (tests/flagcx_abi/, built on the native
+TCP core). Real FlagCX needs CUDA+NCCL+InfiniBand and cannot run here; the fake exports the same C symbols."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "tests"))
+
+from transport_suite import TRANSFER_SECONDS, TransportSuite, connect_pair, fill_random  # noqa: E402
+
+from pdpair.connector.transports import make_transport  # noqa: E402
+from pdpair.connector.transports.base import (  # noqa: E402
+    RANK_DECODE,
+    RANK_PREFILL,
+    SignalWaitTimeout,
+    TransportError,
+    deadline_in,
+)
+from pdpair.connector.transports.flagcx import (  # noqa: E402
+    ENV_FLAGCX_PATH,
+    ENV_LIB_PATH,
+    RESULT_NAMES,
+    FlagcxError,
+    FlagcxLibraryError,
+    FlagcxTransport,
+    result_name,
+)
+
+FAKE_DIR = REPO / "tests" / "flagcx_abi"
+FAKE_ENV_KNOBS = (
+    "FAKE_FLAGCX_VERSION",
+    "FAKE_FLAGCX_REQUEST_POOL",
+    "FAKE_FLAGCX_POOL_FULL",
+    "FAKE_FLAGCX_FAIL_PUT_WITH",
+    "FAKE_FLAGCX_TIMEOUT_MS",
+)
+
+
+@pytest.fixture(scope="session")
+def fake_libs() -> dict[str, str]:
+    """Build the fake libflagcx variants (make -C tests/flagcx_abi); a build failure fails the tests."""
+    proc = subprocess.run(["make", "-C", str(FAKE_DIR)], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"make -C {FAKE_DIR} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    libs = {v: str(FAKE_DIR / "build" / v / "libflagcx.so") for v in ("default", "uid-ptr", "window-api", "no-put-signal")}
+    for path in libs.values():
+        assert os.path.isfile(path), f"make did not produce {path}"
+    return libs
+
+
+@pytest.fixture(autouse=True)
+def flagcx_env(fake_libs, monkeypatch):
+    """Point the binding at the default fake and clear the fake's knobs."""
+    monkeypatch.setenv(ENV_LIB_PATH, fake_libs["default"])
+    monkeypatch.delenv(ENV_FLAGCX_PATH, raising=False)
+    for knob in FAKE_ENV_KNOBS:
+        monkeypatch.delenv(knob, raising=False)
+    return fake_libs
+
+
+class TestFlagcxSharedSuite(TransportSuite):
+    """The transfer tests the tcp transport passes, through ctypes and the fake library."""
+
+    def new_transport(self, slots: int) -> FlagcxTransport:
+        return FlagcxTransport(slots=slots, blocking_seconds=TRANSFER_SECONDS)
+
+
+def flagcx_pair(slots: int = 256, src_size: int = 4096, dst_size: int | None = None, **kwargs):
+    t0 = FlagcxTransport(slots=slots, **kwargs)
+    t1 = FlagcxTransport(slots=slots, **kwargs)
+    return connect_pair(t0, t1, src_size, src_size if dst_size is None else dst_size)
+
+
+# --- loading: library path, version, generation, symbols ---------------------------------------------------------
+
+
+def test_missing_library_names_both_env_vars(monkeypatch):
+    monkeypatch.delenv(ENV_LIB_PATH)
+    with pytest.raises(FlagcxLibraryError) as info:
+        FlagcxTransport()
+    assert ENV_LIB_PATH in str(info.value) and ENV_FLAGCX_PATH in str(info.value)
+    with pytest.raises(FlagcxLibraryError, match=ENV_LIB_PATH):
+        make_transport("flagcx")
+
+
+def test_lib_path_to_nothing_names_var_and_path(monkeypatch, tmp_path):
+    missing = tmp_path / "nope" / "libflagcx.so"
+    monkeypatch.setenv(ENV_LIB_PATH, str(missing))
+    with pytest.raises(FlagcxLibraryError, match=rf"{ENV_LIB_PATH}=.*nope"):
+        FlagcxTransport()
+
+
+def test_flagcx_path_tree_is_searched(monkeypatch, tmp_path, fake_libs):
+    (tmp_path / "build" / "lib").mkdir(parents=True)
+    (tmp_path / "build" / "lib" / "libflagcx.so").symlink_to(fake_libs["default"])
+    monkeypatch.delenv(ENV_LIB_PATH)
+    monkeypatch.setenv(ENV_FLAGCX_PATH, str(tmp_path))
+    assert FlagcxTransport().lib.path == os.path.realpath(fake_libs["default"])
+    monkeypatch.setenv(ENV_FLAGCX_PATH, str(tmp_path / "empty"))
+    with pytest.raises(FlagcxLibraryError, match=ENV_FLAGCX_PATH):
+        FlagcxTransport()
+
+
+def test_lib_path_may_be_a_directory(monkeypatch, fake_libs):
+    monkeypatch.setenv(ENV_LIB_PATH, os.path.dirname(fake_libs["uid-ptr"]))
+    assert FlagcxTransport().lib.path == os.path.realpath(fake_libs["uid-ptr"])
+
+
+def test_not_a_shared_library(monkeypatch, tmp_path):
+    bogus = tmp_path / "libflagcx.so"
+    bogus.write_text("not an ELF file")
+    monkeypatch.setenv(ENV_LIB_PATH, str(bogus))
+    with pytest.raises(FlagcxLibraryError, match="cannot load"):
+        FlagcxTransport()
+
+
+@pytest.mark.parametrize("reported", ["20000", "9999", "10100"])
+def test_version_outside_supported_range_is_refused(monkeypatch, reported):
+    monkeypatch.setenv("FAKE_FLAGCX_VERSION", reported)
+    with pytest.raises(FlagcxLibraryError) as info:
+        FlagcxTransport()
+    message = str(info.value)
+    assert f"reports {reported}" in message and "supports 10000..10099" in message
+
+
+def test_version_in_range_loads(monkeypatch):
+    monkeypatch.setenv("FAKE_FLAGCX_VERSION", "10003")
+    assert FlagcxTransport().lib.version == 10003
+
+
+def test_missing_symbol_is_named(monkeypatch, fake_libs):
+    monkeypatch.setenv(ENV_LIB_PATH, fake_libs["no-put-signal"])
+    with pytest.raises(FlagcxLibraryError) as info:
+        FlagcxTransport()
+    assert "flagcxPutSignal" in str(info.value)
+    assert "flagcxReadCounter" not in str(info.value)
+
+
+def test_window_api_generation_is_refused(monkeypatch, fake_libs):
+    monkeypatch.setenv(ENV_LIB_PATH, fake_libs["window-api"])
+    with pytest.raises(FlagcxLibraryError, match="window API"):
+        FlagcxTransport()
+
+
+def test_library_allocated_unique_id_variant_transfers(monkeypatch, fake_libs):
+    monkeypatch.setenv(ENV_LIB_PATH, fake_libs["uid-ptr"])
+    transport = FlagcxTransport()
+    assert transport.lib.caller_allocated_uid is False
+    pair = flagcx_pair(src_size=1 << 16)
+    try:
+        data = fill_random(pair.src)
+        pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, len(data), signal_slot=0)
+        pair.receiver.wait_signal(0, 1, deadline_in(TRANSFER_SECONDS))
+        assert bytes(pair.dst) == data
+    finally:
+        pair.close()
+
+
+# --- error codes -------------------------------------------------------------------------------------------------
+
+
+def test_result_names_cover_every_code():
+    assert [RESULT_NAMES[c] for c in range(10)] == [
+        "flagcxSuccess",
+        "flagcxUnhandledDeviceError",
+        "flagcxSystemError",
+        "flagcxInternalError",
+        "flagcxInvalidArgument",
+        "flagcxInvalidUsage",
+        "flagcxRemoteError",
+        "flagcxInProgress",
+        "flagcxUnhandledCCLError",
+        "flagcxNotSupported",
+    ]
+    assert result_name(42) == "unknown flagcxResult_t 42"
+
+
+@pytest.mark.parametrize("code", [1, 2, 4, 5, 6, 8, 9])
+def test_put_error_code_becomes_named_exception(monkeypatch, code):
+    monkeypatch.setenv("FAKE_FLAGCX_FAIL_PUT_WITH", str(code))
+    pair = flagcx_pair()
+    try:
+        with pytest.raises(FlagcxError) as info:
+            pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, 8, signal_slot=0)
+        assert info.value.code == code
+        assert info.value.result_name == RESULT_NAMES[code]
+        assert RESULT_NAMES[code] in str(info.value) and "flagcxPutSignal" in str(info.value)
+        assert "FAKE_FLAGCX_FAIL_PUT_WITH" in str(info.value)  # the library's last-error text is carried along
+        assert pair.sender.counters().inflight == 0  # a refused post is not counted in flight
+    finally:
+        pair.close()
+
+
+def test_internal_error_retried_until_deadline_then_named(monkeypatch):
+    monkeypatch.setenv("FAKE_FLAGCX_FAIL_PUT_WITH", "3")
+    pair = flagcx_pair(blocking_seconds=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(FlagcxError) as info:
+            pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, 8, signal_slot=0)
+        assert 0.4 < time.monotonic() - started < 5
+        assert info.value.result_name == "flagcxInternalError"
+    finally:
+        pair.close()
+
+
+def test_garbage_unique_id_is_invalid_argument():
+    transport = FlagcxTransport()
+    with pytest.raises(FlagcxError) as info:
+        transport.init_pair(b"\x01" * 256, RANK_DECODE, deadline_in(5))
+    assert info.value.result_name == "flagcxInvalidArgument"
+    with pytest.raises(ValueError, match="256 bytes"):
+        transport.init_pair(b"short", RANK_DECODE, deadline_in(5))
+
+
+# --- the upstream request-pool bug -------------------------------------------------------------------------------
+
+
+def _burst(pair, puts: int, size: int = 32) -> bytes:
+    data = fill_random(pair.src)
+    for k in range(puts):
+        pair.sender.put_signal(pair.src_region, k * size, pair.dst_region, k * size, size, signal_slot=0)
+    return data
+
+
+def test_slot_cap_avoids_the_request_pool_drop_bug(monkeypatch):
+    """The fake drops puts silently once 8 are outstanding (upstream between PR #443 and #446); 8 slots keep us
+    below that, so all 3000 puts and signals arrive."""
+    monkeypatch.setenv("FAKE_FLAGCX_REQUEST_POOL", "8")
+    monkeypatch.setenv("FAKE_FLAGCX_POOL_FULL", "drop")
+    puts, size = 3000, 32
+    pair = flagcx_pair(slots=8, src_size=puts * size)
+    try:
+        data = _burst(pair, puts, size)
+        pair.receiver.wait_signal(0, puts, deadline_in(TRANSFER_SECONDS))
+        assert bytes(pair.dst) == data
+        assert pair.receiver.read_signal(0) == puts
+        assert pair.sender.counters().requeues > 0
+    finally:
+        pair.close()
+
+
+def test_without_the_cap_the_simulated_bug_loses_signals(monkeypatch):
+    """Control for the test above: with more slots than the pool, the fake really drops puts and the wait fails
+    at its deadline (instead of hanging)."""
+    monkeypatch.setenv("FAKE_FLAGCX_REQUEST_POOL", "8")
+    monkeypatch.setenv("FAKE_FLAGCX_POOL_FULL", "drop")
+    puts, size = 3000, 32
+    pair = flagcx_pair(slots=256, src_size=puts * size, blocking_seconds=2)
+    try:
+        try:
+            _burst(pair, puts, size)
+        except TransportError:
+            pass  # once 256 dropped puts count as in flight forever, the cap itself gives up at its deadline
+        with pytest.raises(SignalWaitTimeout) as info:
+            pair.receiver.wait_signal(0, puts, deadline_in(1))
+        assert info.value.observed < puts
+    finally:
+        pair.close()
+
+
+def test_pool_exhausted_error_is_requeued_not_dropped(monkeypatch):
+    """flagcxInternalError ("unable to allocate requests") from a post is backpressure: retried, never lost."""
+    monkeypatch.setenv("FAKE_FLAGCX_REQUEST_POOL", "8")
+    monkeypatch.setenv("FAKE_FLAGCX_POOL_FULL", "error")
+    puts, size = 3000, 32
+    pair = flagcx_pair(slots=64, src_size=puts * size)
+    try:
+        data = _burst(pair, puts, size)
+        pair.receiver.wait_signal(0, puts, deadline_in(TRANSFER_SECONDS))
+        pair.sender.flush(deadline_in(TRANSFER_SECONDS))
+        assert bytes(pair.dst) == data
+        assert pair.receiver.read_signal(0) == puts
+        assert pair.sender.counters().requeues > 0
+    finally:
+        pair.close()
+
+
+# --- deadlines on calls that have none upstream ------------------------------------------------------------------
+
+
+def test_init_pair_deadline_when_peer_never_joins(monkeypatch):
+    monkeypatch.setenv("FAKE_FLAGCX_TIMEOUT_MS", "3000")  # lets the fake's helper thread end soon after
+    transport = FlagcxTransport()
+    uid = transport.create_unique_id()
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="flagcxCommInitRank"):
+        transport.init_pair(uid, RANK_DECODE, deadline_in(0.5))
+    assert time.monotonic() - started < 3
+
+
+def test_mismatched_registration_hits_deadline_and_breaks_comm(monkeypatch):
+    monkeypatch.setenv("FAKE_FLAGCX_TIMEOUT_MS", "3000")
+    pair = flagcx_pair(blocking_seconds=0.5)
+    extra = (ctypes.c_char * 64)()
+    try:
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="same regions"):
+            pair.sender.register_region(ctypes.addressof(extra), 64)  # the receiver registers nothing more
+        assert time.monotonic() - started < 3
+        with pytest.raises(TransportError, match="unusable"):
+            pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, 8, signal_slot=0)
+    finally:
+        time.sleep(3)  # let the fake's bounded wait end before the comm's memory goes
+        pair.close()
+
+
+def test_duplicate_registration_refused():
+    pair = flagcx_pair()
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            pair.sender.register_region(ctypes.addressof(pair.src), 16)
+    finally:
+        pair.close()
+
+
+def test_peer_table_must_be_a_flagcx_table():
+    pair = flagcx_pair()
+    try:
+        with pytest.raises(TransportError, match="not a flagcx region table"):
+            pair.sender.set_peer_region_table(b"TCPX" + bytes(20))
+    finally:
+        pair.close()
+
+
+def test_put_before_peer_table_refused():
+    t0, t1 = FlagcxTransport(), FlagcxTransport()
+    pair = connect_pair(t0, t1, 64, 64)
+    try:
+        fresh = FlagcxTransport()
+        assert fresh.slots == 256  # default: FlagCX's request pool per connection
+        pair.sender._peer = None  # as right after init, before the handshake sent the table
+        with pytest.raises(TransportError, match="set_peer_region_table"):
+            pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, 8, signal_slot=0)
+    finally:
+        pair.close()
+
+
+def test_slots_from_environment(monkeypatch):
+    monkeypatch.setenv("PDPAIR_TRANSPORT_SLOTS", "32")
+    assert FlagcxTransport().slots == 32
+    monkeypatch.setenv("PDPAIR_TRANSPORT_SLOTS", "0")
+    with pytest.raises(ValueError, match="slots"):
+        FlagcxTransport()
+
+
+# --- two processes -----------------------------------------------------------------------------------------------
+
+
+def test_transfer_between_two_processes(fake_libs):
+    env = {**os.environ, ENV_LIB_PATH: fake_libs["default"]}
+    peer = subprocess.Popen(
+        [sys.executable, str(FAKE_DIR / "peer_process.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        transport = FlagcxTransport(blocking_seconds=30)
+        uid = transport.create_unique_id()
+        peer.stdin.write(uid.hex() + "\n")
+        peer.stdin.flush()
+        comm = transport.init_pair(uid, RANK_PREFILL, deadline_in(30))
+        chunk, count = 1 << 16, 64
+        src = (ctypes.c_char * (chunk * count))()
+        data = fill_random(src)
+        comm.register_region(ctypes.addressof(src), len(src))
+        comm.set_peer_region_table(bytes.fromhex(peer.stdout.readline().strip()))
+        peer.stdin.write(comm.local_region_table().hex() + "\n")
+        peer.stdin.write(f"{count} {len(data)}\n")
+        peer.stdin.flush()
+        for k in range(count):
+            comm.put_signal(0, k * chunk, 0, k * chunk, chunk, signal_slot=0)
+        answer = peer.stdout.readline().strip()
+        assert answer == hashlib.sha256(data).hexdigest()
+        comm.flush(deadline_in(30))
+        peer.stdin.write("done\n")
+        peer.stdin.flush()
+        assert peer.wait(30) == 0
+        comm.close()
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
