@@ -479,6 +479,8 @@ class LocalCluster:
             "--authorization-mode=Node,RBAC",
             f"--token-auth-file={w / 'tokens.csv'}",
             "--allow-privileged=true",
+            # The `kubernetes` Service cannot point at a loopback address; clients here use the kubeconfig.
+            "--endpoint-reconciler-type=none",
             "--profiling=false",
         ], f"{self.server}/readyz")
         kcm_kubeconfig = str(w / "kube-controller-manager.kubeconfig")
@@ -665,6 +667,10 @@ class LocalCluster:
             from kubernetes import config
             self._api_client = config.new_client_from_config(config_file=str(self.kubeconfig))
         return self._api_client
+
+    def env(self, kubeconfig: str | os.PathLike | None = None) -> dict[str, str]:
+        """os.environ plus KUBECONFIG (admin, or the given one, e.g. a ServiceAccount's) for a subprocess."""
+        return {**os.environ, "KUBECONFIG": str(kubeconfig or self.kubeconfig)}
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60,
                 kubeconfig: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
