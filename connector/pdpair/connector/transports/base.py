@@ -129,6 +129,10 @@ class PairTransport(ABC):
         """Join the pair named by `unique_id` as `rank` (0 prefill, 1 decode), like `flagcxCommInitRank(2, uid,
         rank)`. Both sides call it concurrently; raises TransportError if the peer has not joined by `deadline`."""
 
+    def set_local_address(self, host: str) -> None:  # noqa: B027 - optional hook
+        """The address the peer reaches this process at; prefill learns it from its side-channel connection to
+        decode and calls this before `create_unique_id`. Transports whose id already carries it ignore it."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release process-wide resources (a loaded library, a listener). Idempotent."""
 

@@ -1,0 +1,142 @@
+"""Connector settings: the pod environment (names from pdpair.contract) plus vLLM's kv_transfer_config, validated once
+at construction so a misconfigured pod fails at start with a message naming the variable."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdpair import contract
+
+KV_ROLE_TO_ROLE = {"kv_producer": contract.ROLE_PREFILL, "kv_consumer": contract.ROLE_DECODE}
+
+DEFAULT_HANG_TIMEOUT_SECONDS = 60.0
+# How long prefill keeps a finished request's blocks for decode to claim; past it they are freed (and a late pull
+# is refused). Several hang timeouts, so a slow decode is never served freed blocks.
+SEND_LEASE_FACTOR = 4.0
+
+
+class ConfigError(ValueError):
+    """A setting is missing or invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class PdPairConfig:
+    role: str  # contract.ROLE_PREFILL | contract.ROLE_DECODE
+    generation: int
+    pair: str
+    namespace: str
+    transport: str
+    hang_timeout_seconds: float
+    metrics_port: int | None  # None: no pod metrics server (e.g. several engines in one test process)
+    listen_host: str
+    listen_port_base: int | None  # decode
+    peer_host: str | None  # prefill
+    peer_port_base: int | None  # prefill
+    # Test-only knobs, from kv_connector_extra_config; never set by the operator.
+    test_corrupt_kv_file: str | None = None  # decode: while this file exists, received KV is overwritten
+    test_drop_signals_file: str | None = None  # prefill: while it exists, the native sender drops every N-th signal
+
+    @property
+    def send_lease_seconds(self) -> float:
+        return SEND_LEASE_FACTOR * self.hang_timeout_seconds
+
+    def listen_port(self, tp_rank: int) -> int:
+        assert self.listen_port_base is not None
+        return self.listen_port_base + tp_rank
+
+    def peer_port(self, tp_rank: int) -> int:
+        assert self.peer_port_base is not None
+        return self.peer_port_base + tp_rank
+
+    @classmethod
+    def from_env(
+        cls, kv_role: str, extra_config: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    ) -> PdPairConfig:
+        env = os.environ if environ is None else environ
+        extra = dict(extra_config or {})
+        role = KV_ROLE_TO_ROLE.get(kv_role)
+        if role is None:
+            raise ConfigError(
+                f"kv_role {kv_role!r} is not supported by PdPairConnector: use kv_producer (prefill) or "
+                "kv_consumer (decode)"
+            )
+        env_role = env.get(contract.ENV_ROLE)
+        if env_role and env_role != role:
+            raise ConfigError(f"{contract.ENV_ROLE}={env_role!r} contradicts kv_role={kv_role!r} (means {role!r})")
+
+        transport = env.get(contract.ENV_TRANSPORT, contract.TRANSPORT_TCP)
+        if transport not in contract.TRANSPORTS:
+            raise ConfigError(f"{contract.ENV_TRANSPORT}={transport!r}: use one of {', '.join(contract.TRANSPORTS)}")
+
+        generation = _int(env, contract.ENV_GENERATION, default=0, minimum=0)
+        hang = _float(env, contract.ENV_HANG_TIMEOUT_SECONDS, default=DEFAULT_HANG_TIMEOUT_SECONDS)
+        metrics_port = _port(env, contract.ENV_METRICS_PORT, required=False)
+        listen_base = _port(env, contract.ENV_LISTEN_PORT_BASE, required=role == contract.ROLE_DECODE)
+        peer_host = env.get(contract.ENV_PEER_HOST) or None
+        peer_base = _port(env, contract.ENV_PEER_PORT_BASE, required=role == contract.ROLE_PREFILL)
+        if role == contract.ROLE_PREFILL and not peer_host:
+            raise ConfigError(f"{contract.ENV_PEER_HOST} is required on prefill (the decode pod's address)")
+
+        corrupt = extra.pop("test_corrupt_kv_file", None)
+        drop = extra.pop("test_drop_signals_file", None)
+        if extra:
+            raise ConfigError(f"unknown kv_connector_extra_config keys for PdPairConnector: {sorted(extra)}")
+        return cls(
+            role=role,
+            generation=generation,
+            pair=env.get(contract.ENV_PAIR, ""),
+            namespace=env.get(contract.ENV_NAMESPACE, ""),
+            transport=transport,
+            hang_timeout_seconds=hang,
+            metrics_port=metrics_port,
+            listen_host="0.0.0.0",
+            listen_port_base=listen_base,
+            peer_host=peer_host,
+            peer_port_base=peer_base,
+            test_corrupt_kv_file=str(corrupt) if corrupt else None,
+            test_drop_signals_file=str(drop) if drop else None,
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{name}={raw!r} must be a finite number of seconds > 0")
+    return value
+
+
+def _port(env: Mapping[str, str], name: str, required: bool) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if required:
+            raise ConfigError(f"{name} is required for this role")
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise ConfigError(f"{name}={value} is not a port in 1..65535")
+    return value

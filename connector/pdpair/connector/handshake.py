@@ -1,0 +1,465 @@
+"""The side channel: decode listens first, prefill connects, sends its unique id, both init the pair, decode says OK.
+
+One named daemon thread per side and TP rank owns the ZMQ socket (ZMQ sockets are not thread-safe). Other threads
+talk to it through `post()`, which queues an encoded message and wakes the thread through an inproc socket. Every
+blocking call has a deadline or a receive timeout, so `stop()` always joins the thread and frees the port.
+
+- `DecodeSideChannel`: ROUTER bound on PDPAIR_LISTEN_PORT_BASE + tp_rank, started from register_kv_caches. On a
+  Hello it checks generation and transport (a mismatch is refused with a log line naming both values), answers
+  Accepted, inits its side of the pair, registers its regions (callback), waits for prefill's Regions and answers
+  Welcome. Afterwards it forwards PullDone / PullFailed to the worker.
+- `PrefillSideChannel`: DEALER to PDPAIR_PEER_HOST:PDPAIR_PEER_PORT_BASE + tp_rank. While decode does not accept TCP
+  connections it retries with capped exponential backoff and logs each attempt; it never blocks engine start-up.
+  Afterwards it hands each Pull to the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from pdpair import contract
+from pdpair.connector.metadata import (
+    Accepted,
+    CompatibilityError,
+    Hello,
+    Message,
+    Pull,
+    PullDone,
+    PullFailed,
+    Refused,
+    Regions,
+    Welcome,
+    decode,
+    encode,
+)
+from pdpair.connector.transports.base import RANK_DECODE, RANK_PREFILL, PairComm, PairTransport, TransportError
+
+logger = logging.getLogger("pdpair.connector.handshake")
+
+POLL_MS = 100  # receive timeout of the side-channel loop: bounds how long stop() waits
+READY_TIMEOUT_SECONDS = 10.0
+RETRY_INITIAL_SECONDS = 0.2
+RETRY_MAX_SECONDS = 5.0
+# The Hello exchange must answer quickly; init_pair and region registration get the hang timeout.
+HELLO_REPLY_TIMEOUT_SECONDS = 5.0
+
+# (comm) -> (region table, region indices, num_blocks): the worker registers its KV regions on the new comm.
+RegisterRegions = Callable[[PairComm], tuple[bytes, list[int], int]]
+
+
+class HandshakeError(RuntimeError):
+    pass
+
+
+class _SideChannel(threading.Thread):
+    """Shared plumbing: context, inproc wake-up, outgoing queue, stop/ready events."""
+
+    def __init__(self, name: str, local_hash: str, accounts) -> None:
+        super().__init__(name=name, daemon=True)
+        self.local_hash = local_hash
+        self.accounts = accounts
+        self.ready = threading.Event()
+        self.stopped = threading.Event()
+        self.connected = threading.Event()
+        self.error: BaseException | None = None
+        self._ctx = zmq.Context()
+        self._outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._wake_addr = f"inproc://pdpair-wake-{id(self)}"
+        self._wake_rx = self._ctx.socket(zmq.PULL)
+        self._wake_rx.bind(self._wake_addr)
+        self._wake_tx = self._ctx.socket(zmq.PUSH)
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
+        self._wake_tx.connect(self._wake_addr)
+        self._wake_lock = threading.Lock()
+        self.comm: PairComm | None = None
+
+    def post(self, message: Message | None = None) -> None:
+        """Queue a message for the peer (None only wakes the loop); safe from any thread."""
+        if message is not None:
+            self._outbox.put(message)
+        with self._wake_lock:
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a wake-up is already pending
+            except zmq.ZMQError:
+                pass  # closed during shutdown
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stopped.set()
+        self.post()
+        if self.is_alive():
+            self.join(timeout)
+            if self.is_alive():
+                raise RuntimeError(f"side-channel thread {self.name} did not stop within {timeout}s")
+        with self._wake_lock:
+            self._wake_tx.close(linger=0)
+        self._wake_rx.close(linger=0)
+        self._ctx.term()
+
+    def _drain_wake(self) -> None:
+        while True:
+            try:
+                self._wake_rx.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _close_comm(self) -> None:
+        comm, self.comm = self.comm, None
+        self.connected.clear()
+        if comm is not None:
+            try:
+                comm.close()
+            except Exception:  # noqa: BLE001 - closing must not kill the loop
+                logger.exception("%s: closing the pair communicator failed", self.name)
+
+
+class DecodeSideChannel(_SideChannel):
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        tp_rank: int,
+        generation: int,
+        transport: PairTransport,
+        hang_timeout_seconds: float,
+        local_hash: str,
+        factors: dict,
+        register_regions: RegisterRegions,
+        on_pull_done: Callable[[PullDone], None],
+        on_pull_failed: Callable[[PullFailed], None],
+        on_disconnect: Callable[[str], None],
+        accounts,
+    ) -> None:
+        super().__init__(f"pdpair-sidechannel-decode-r{tp_rank}", local_hash, accounts)
+        self.host, self.port, self.tp_rank = host, port, tp_rank
+        self.generation = generation
+        self.transport = transport
+        self.hang_timeout_seconds = hang_timeout_seconds
+        self.factors = factors
+        self.register_regions = register_regions
+        self.on_pull_done = on_pull_done
+        self.on_pull_failed = on_pull_failed
+        self.on_disconnect = on_disconnect
+        self.peer_label = f"prefill-r{tp_rank}"
+        self._peer_identity: bytes | None = None
+
+    def start_and_wait(self) -> None:
+        """Start the thread; return once the port is bound, or raise the bind error (e.g. EADDRINUSE)."""
+        self.start()
+        if not self.ready.wait(READY_TIMEOUT_SECONDS):
+            raise HandshakeError(f"{self.name}: listener not ready within {READY_TIMEOUT_SECONDS}s")
+        if self.error is not None:
+            raise HandshakeError(f"{self.name}: cannot listen on {self.host}:{self.port}: {self.error}") from self.error
+
+    def run(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(f"tcp://{self.host}:{self.port}")
+        except zmq.ZMQError as exc:
+            self.error = exc
+            sock.close(linger=0)
+            self.ready.set()
+            return
+        logger.info("%s: side-channel listener on %s:%d (generation %d)", self.name, self.host, self.port, self.generation)
+        self.accounts.set_listener_ready(self.tp_rank, True)
+        self.ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        try:
+            while not self.stopped.is_set():
+                events = dict(poller.poll(POLL_MS))
+                if self._wake_rx in events:
+                    self._drain_wake()
+                self._flush_outbox(sock)
+                if sock in events:
+                    self._receive(sock)
+        except Exception:  # noqa: BLE001 - the thread must report, not vanish
+            logger.exception("%s: side-channel loop failed", self.name)
+        finally:
+            self.accounts.set_listener_ready(self.tp_rank, False)
+            self._close_comm()
+            sock.close(linger=0)
+            logger.info("%s: listener on port %d closed", self.name, self.port)
+
+    def _flush_outbox(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                message = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if self._peer_identity is None:
+                logger.error("%s: dropping %s: no prefill connected", self.name, type(message).__name__)
+                if isinstance(message, Pull):
+                    self.on_pull_failed(PullFailed(message.transfer_id, "no prefill connected to the side channel"))
+                continue
+            sock.send_multipart([self._peer_identity, *encode(message, self.local_hash)])
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, body = frames[0], frames[1:]
+            try:
+                message = decode(body, self.local_hash)
+            except CompatibilityError as exc:
+                peer_factors = body[2].decode("utf-8", "replace") if len(body) > 2 else "(not sent)"
+                logger.error(
+                    "%s: refusing an incompatible prefill: %s. local factors %s; peer factors %s",
+                    self.name, exc, json.dumps(self.factors, sort_keys=True), peer_factors,
+                )
+                self.accounts.on_handshake("refused")
+                sock.send_multipart([identity, *encode(Refused(str(exc)), self.local_hash)])
+                continue
+            except Exception as exc:  # noqa: BLE001 - a malformed frame must not kill the listener
+                logger.error("%s: undecodable side-channel message: %s", self.name, exc)
+                continue
+            if isinstance(message, Hello):
+                self._handshake(sock, identity, message)
+            elif identity != self._peer_identity:
+                logger.warning("%s: %s from a peer that is not the paired prefill; ignored", self.name, type(message).__name__)
+            elif isinstance(message, PullDone):
+                self.on_pull_done(message)
+            elif isinstance(message, PullFailed):
+                self.on_pull_failed(message)
+            else:
+                logger.warning("%s: unexpected %s; ignored", self.name, type(message).__name__)
+
+    def _refuse(self, sock: zmq.Socket, identity: bytes, reason: str, outcome: str = "refused") -> None:
+        logger.error("%s: handshake refused: %s", self.name, reason)
+        self.accounts.on_handshake(outcome)
+        sock.send_multipart([identity, *encode(Refused(reason), self.local_hash)])
+
+    def _handshake(self, sock: zmq.Socket, identity: bytes, hello: Hello) -> None:
+        if hello.generation != self.generation:
+            self._refuse(
+                sock, identity,
+                f"generation mismatch: prefill {hello.pair or '?'} rank {hello.tp_rank} has {contract.ENV_GENERATION}="
+                f"{hello.generation}, this decode has {self.generation} (a stale peer from another pair generation)",
+            )
+            return
+        if hello.transport != self.transport.name:
+            self._refuse(sock, identity, f"transport mismatch: prefill uses {hello.transport!r}, decode uses {self.transport.name!r}")
+            return
+        if hello.tp_rank != self.tp_rank:
+            self._refuse(sock, identity, f"rank mismatch: prefill rank {hello.tp_rank} reached decode rank {self.tp_rank}")
+            return
+        if self.comm is not None:
+            logger.warning("%s: a new prefill replaces the paired one; closing the old pair", self.name)
+            self._close_comm()
+            self.on_disconnect("replaced by a new prefill")
+        self._peer_identity = None
+        sock.send_multipart([identity, *encode(Accepted(), self.local_hash)])
+        deadline = time.monotonic() + self.hang_timeout_seconds
+        try:
+            comm = self.transport.init_pair(hello.unique_id, RANK_DECODE, deadline)
+        except TransportError as exc:
+            self._refuse(sock, identity, f"transport init as rank {RANK_DECODE} failed: {exc}", outcome="error")
+            return
+        try:
+            table, indices, num_blocks = self.register_regions(comm)
+            regions = self._await_regions(sock, identity, deadline)
+            comm.set_peer_region_table(regions.table)
+        except Exception as exc:  # noqa: BLE001 - any failure here refuses this prefill, the listener lives on
+            comm.close()
+            self._refuse(sock, identity, f"pair setup failed: {exc}", outcome="error")
+            return
+        self.comm = comm
+        self._peer_identity = identity
+        sock.send_multipart([identity, *encode(Welcome(table, indices, num_blocks), self.local_hash)])
+        self.accounts.on_handshake(contract.OUTCOME_OK)
+        self.connected.set()
+        logger.info(
+            "%s: paired with prefill %s rank %d (generation %d, transport %s)",
+            self.name, hello.pair or "?", hello.tp_rank, hello.generation, hello.transport,
+        )
+
+    def _await_regions(self, sock: zmq.Socket, identity: bytes, deadline: float) -> Regions:
+        while not self.stopped.is_set():
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                raise TimeoutError("prefill's region table did not arrive before the deadline")
+            if not sock.poll(min(left_ms, POLL_MS)):
+                continue
+            frames = sock.recv_multipart()
+            if frames[0] != identity:
+                logger.warning("%s: message from another peer during a handshake; ignored", self.name)
+                continue
+            message = decode(frames[1:], self.local_hash)
+            if isinstance(message, Regions):
+                return message
+            raise HandshakeError(f"expected Regions, got {type(message).__name__}")
+        raise HandshakeError("stopping")
+
+
+class PrefillSideChannel(_SideChannel):
+    def __init__(
+        self,
+        *,
+        peer_host: str,
+        peer_port: int,
+        tp_rank: int,
+        generation: int,
+        pair: str,
+        transport: PairTransport,
+        hang_timeout_seconds: float,
+        local_hash: str,
+        factors: dict,
+        register_regions: RegisterRegions,
+        on_pull: Callable[[Pull], Message | None],
+        on_tick: Callable[[], list[Message]],
+        on_connected: Callable[[Welcome], None],
+        accounts,
+    ) -> None:
+        super().__init__(f"pdpair-sidechannel-prefill-r{tp_rank}", local_hash, accounts)
+        self.peer_host, self.peer_port, self.tp_rank = peer_host, peer_port, tp_rank
+        self.generation, self.pair = generation, pair
+        self.transport = transport
+        self.hang_timeout_seconds = hang_timeout_seconds
+        self.factors = factors
+        self.register_regions = register_regions
+        self.on_pull = on_pull
+        self.on_tick = on_tick
+        self.on_connected = on_connected
+        self.attempts = 0
+        self.peer_label = f"{peer_host}:{peer_port}"
+
+    def run(self) -> None:
+        self.ready.set()
+        backoff = RETRY_INITIAL_SECONDS
+        while not self.stopped.is_set():
+            self.attempts += 1
+            outcome = self._attempt()
+            if outcome is None:  # stopped
+                break
+            if outcome == "connected":
+                self._serve()
+                if self.stopped.is_set():
+                    break
+                backoff = RETRY_INITIAL_SECONDS
+                continue
+            logger.warning(
+                "%s: handshake attempt %d with decode %s:%d did not complete (%s); retrying in %.1fs",
+                self.name, self.attempts, self.peer_host, self.peer_port, outcome, backoff,
+            )
+            self.stopped.wait(backoff)
+            backoff = min(backoff * 2, RETRY_MAX_SECONDS)
+        self._close_comm()
+        logger.info("%s: stopped", self.name)
+
+    def _attempt(self) -> str | None:
+        """One handshake; returns 'connected', None when stopping, or the reason it failed."""
+        try:
+            with socket.create_connection((self.peer_host, self.peer_port), timeout=1.0) as probe:
+                # Decode accepts TCP: its listener is up. Our end of this connection is the address decode reaches.
+                self.transport.set_local_address(probe.getsockname()[0])
+        except OSError as exc:
+            self.accounts.on_handshake("retry")
+            return f"decode not listening: {exc}"
+        self._sock = sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{self.peer_host}:{self.peer_port}")
+        try:
+            uid = self.transport.create_unique_id()
+            hello = Hello(self.generation, self.pair, self.tp_rank, self.transport.name, uid)
+            sock.send_multipart([*encode(hello, self.local_hash), json.dumps(self.factors, sort_keys=True).encode()])
+            reply = self._recv(sock, time.monotonic() + HELLO_REPLY_TIMEOUT_SECONDS)
+            if reply is None:
+                return None if self.stopped.is_set() else self._failed(sock, "timeout", "no answer to Hello")
+            if isinstance(reply, Refused):
+                logger.error("%s: decode refused the handshake: %s", self.name, reply.reason)
+                return self._failed(sock, "refused", f"refused: {reply.reason}")
+            if not isinstance(reply, Accepted):
+                return self._failed(sock, contract.OUTCOME_ERROR, f"unexpected {type(reply).__name__}")
+            deadline = time.monotonic() + self.hang_timeout_seconds
+            comm = self.transport.init_pair(uid, RANK_PREFILL, deadline)
+            try:
+                table, indices, _ = self.register_regions(comm)
+                sock.send_multipart(encode(Regions(table, indices), self.local_hash))
+                welcome = self._recv(sock, deadline)
+                if not isinstance(welcome, Welcome):
+                    reason = welcome.reason if isinstance(welcome, Refused) else f"got {type(welcome).__name__}"
+                    raise HandshakeError(f"no Welcome from decode: {reason}")
+                comm.set_peer_region_table(welcome.table)
+                self.on_connected(welcome)
+            except BaseException:
+                comm.close()
+                raise
+        except CompatibilityError as exc:
+            logger.error("%s: decode is incompatible: %s; local factors %s", self.name, exc, json.dumps(self.factors))
+            return self._failed(sock, "refused", str(exc))
+        except (TransportError, HandshakeError, TimeoutError) as exc:
+            return self._failed(sock, contract.OUTCOME_ERROR, str(exc))
+        self.comm = comm
+        self.accounts.on_handshake(contract.OUTCOME_OK)
+        self.connected.set()
+        logger.info(
+            "%s: paired with decode %s:%d after %d attempt(s) (generation %d, transport %s)",
+            self.name, self.peer_host, self.peer_port, self.attempts, self.generation, self.transport.name,
+        )
+        return "connected"
+
+    def _failed(self, sock: zmq.Socket, outcome: str, reason: str) -> str:
+        self.accounts.on_handshake(outcome)
+        sock.close(linger=0)
+        return reason
+
+    def _recv(self, sock: zmq.Socket, deadline: float) -> Message | None:
+        while not self.stopped.is_set():
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                return None
+            if sock.poll(min(left_ms, POLL_MS)):
+                return decode(sock.recv_multipart(), self.local_hash)
+        return None
+
+    def _serve(self) -> None:
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        try:
+            while not self.stopped.is_set():
+                events = dict(poller.poll(POLL_MS))
+                if self._wake_rx in events:
+                    self._drain_wake()
+                replies: list[Message] = list(self.on_tick())
+                if sock in events:
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        try:
+                            message = decode(frames, self.local_hash)
+                        except Exception as exc:  # noqa: BLE001
+                            logger.error("%s: undecodable message from decode: %s", self.name, exc)
+                            continue
+                        if isinstance(message, Pull):
+                            reply = self.on_pull(message)
+                            if reply is not None:
+                                replies.append(reply)
+                        else:
+                            logger.warning("%s: unexpected %s from decode; ignored", self.name, type(message).__name__)
+                while True:
+                    try:
+                        replies.append(self._outbox.get_nowait())
+                    except queue.Empty:
+                        break
+                for reply in replies:
+                    sock.send_multipart(encode(reply, self.local_hash))
+        finally:
+            sock.close(linger=0)

@@ -1,0 +1,172 @@
+"""Scheduler side: request accounts only (no sockets, no transport). Runs in vLLM's EngineCore process.
+
+Prefill (kv_producer): a request sent with kv_transfer_params {do_remote_decode: true} keeps its blocks when it
+finishes (request_finished returns True) and answers with kv_transfer_params that carry ITS request id
+(`remote_request_id`; decode's internal id differs), its pair and generation. The block ids go to the workers in the
+next step's metadata; the blocks are freed when a worker reports the send finished (or its lease expired).
+
+Decode (kv_consumer): a request with {do_remote_prefill: true} reports the prompt's tokens beyond its local prefix
+cache as loadable asynchronously; after allocation the workers get (decode request id, prefill request id, first
+prefill block, local block ids) and do the Pull. A stale or foreign generation is recomputed locally instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from pdpair import contract
+from pdpair.connector.config import PdPairConfig
+from pdpair.connector.metadata import (
+    PARAM_CONNECTOR_VERSION,
+    PARAM_DO_REMOTE_DECODE,
+    PARAM_DO_REMOTE_PREFILL,
+    PARAM_REMOTE_GENERATION,
+    PARAM_REMOTE_NUM_BLOCKS,
+    PARAM_REMOTE_NUM_TOKENS,
+    PARAM_REMOTE_PAIR,
+    PARAM_REMOTE_REQUEST_ID,
+    PDPAIR_CONNECTOR_VERSION,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("pdpair.connector.scheduler")
+
+
+@dataclass(frozen=True)
+class RecvRequest:
+    """Decode: load `len(block_ids)` blocks of prefill request `remote_request_id`, from its block `first_block`."""
+
+    request_id: str
+    remote_request_id: str
+    first_block: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class SendRequest:
+    """Prefill: the finished request's blocks, held for decode until `expires_at` (time.monotonic())."""
+
+    request_id: str
+    block_ids: list[int]
+    expires_at: float
+
+
+@dataclass
+class PdPairConnectorMetadata(KVConnectorMetadata):
+    reqs_to_recv: list[RecvRequest] = field(default_factory=list)
+    # decode: prefill request ids whose blocks decode will never pull (full local hit, abort): free them
+    reqs_to_release: list[str] = field(default_factory=list)
+    reqs_to_send: list[SendRequest] = field(default_factory=list)
+
+
+class PdPairScheduler:
+    def __init__(self, config: PdPairConfig, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self._recv: list[RecvRequest] = []
+        self._release: list[str] = []
+        self._new_sends: list[SendRequest] = []
+        self._pending_sends: dict[str, float] = {}  # prefill request id -> expiry
+
+    @property
+    def is_decode(self) -> bool:
+        return self.config.role == contract.ROLE_DECODE
+
+    # --- decode ----------------------------------------------------------------------------------
+    def _loadable(self, params: dict[str, Any] | None) -> bool:
+        if not params or not params.get(PARAM_DO_REMOTE_PREFILL):
+            return False
+        missing = [k for k in (PARAM_REMOTE_REQUEST_ID, PARAM_REMOTE_GENERATION) if k not in params]
+        if missing:
+            logger.warning("kv_transfer_params without %s; computing the prompt locally", missing)
+            return False
+        if params[PARAM_REMOTE_GENERATION] != self.config.generation:
+            logger.warning(
+                "kv_transfer_params from prefill generation %s, this decode is generation %d; computing locally",
+                params[PARAM_REMOTE_GENERATION], self.config.generation,
+            )
+            return False
+        return True
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.is_decode or not self._loadable(request.kv_transfer_params):
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not self.is_decode or not self._loadable(params):
+            return
+        assert params is not None
+        params[PARAM_DO_REMOTE_PREFILL] = False  # a re-entry after the load must not load again
+        remote_id = params[PARAM_REMOTE_REQUEST_ID]
+        if num_external_tokens <= 0:
+            self._release.append(remote_id)
+            return
+        (group,) = blocks.blocks  # one KV cache group (no hybrid allocator with this connector)
+        cached = sum(1 for b in group if b.block_hash is not None and not b.is_null)
+        new_ids = [b.block_id for b in group if b.block_hash is None and not b.is_null]
+        self._recv.append(RecvRequest(request.request_id, remote_id, cached, new_ids))
+
+    # --- prefill ---------------------------------------------------------------------------------
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if self.is_decode:
+            if params.get(PARAM_DO_REMOTE_PREFILL) and self._loadable(params):
+                # Finished (aborted) before its blocks were allocated: let prefill free its copy now.
+                params[PARAM_DO_REMOTE_PREFILL] = False
+                self._release.append(params[PARAM_REMOTE_REQUEST_ID])
+            return False, None
+        if not params.get(PARAM_DO_REMOTE_DECODE):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted or failed: nothing to hand over
+        if not block_ids:
+            return False, None
+        expires = time.monotonic() + self.config.send_lease_seconds
+        self._pending_sends[request.request_id] = expires
+        self._new_sends.append(SendRequest(request.request_id, list(block_ids), expires))
+        return True, {
+            PARAM_DO_REMOTE_PREFILL: True,
+            PARAM_DO_REMOTE_DECODE: False,
+            PARAM_REMOTE_REQUEST_ID: request.request_id,
+            PARAM_REMOTE_PAIR: self.config.pair,
+            PARAM_REMOTE_GENERATION: self.config.generation,
+            PARAM_REMOTE_NUM_TOKENS: request.num_computed_tokens,
+            PARAM_REMOTE_NUM_BLOCKS: len(block_ids),
+            PARAM_CONNECTOR_VERSION: PDPAIR_CONNECTOR_VERSION,
+        }
+
+    # --- both ------------------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdPairConnectorMetadata:
+        meta = PdPairConnectorMetadata(self._recv, self._release, self._new_sends)
+        self._recv, self._release, self._new_sends = [], [], []
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for request_id in connector_output.finished_sending or ():
+            self._pending_sends.pop(request_id, None)
+        now = time.monotonic()
+        # The worker reports expired leases itself; this only bounds our own bookkeeping if it never does.
+        for request_id in [r for r, exp in self._pending_sends.items() if exp + 60 < now]:
+            del self._pending_sends[request_id]
+
+    def has_pending_push_work(self) -> bool:
+        # Keep the engine stepping while prefill holds blocks for decode, so the worker learns the block ids and
+        # the scheduler learns when they are free.
+        return bool(self._pending_sends or self._new_sends)

@@ -1,0 +1,509 @@
+"""Worker side: KV regions, the side channel, transfers and signal accounting. Runs in each vLLM worker (TP rank).
+
+Decode: `register_kv_caches` registers nothing yet (regions belong to a pair communicator) but starts the side-channel
+listener at once, so the operator's TCP probe sees it before prefill starts. For each request to load it takes a
+signal slot, opens a wait for exactly layers x blocks signals with deadline PDPAIR_HANG_TIMEOUT_SECONDS, sends the
+Pull and lets a waiter thread wait on the host. Success -> finished_recving; timeout, prefill's PullFailed or a broken
+pair -> failed_recving, which vLLM turns into an error or a recompute (kv_load_failure_policy). A timed-out wait
+stays open in the pod metrics (its deficit is real: signals went missing on this pair) and its slot is never reused,
+so /healthz reports the pod hung until the pair is restarted or the late signals arrive.
+
+Prefill: learns each finished request's blocks from the scheduler metadata, serves Pulls on the side-channel thread
+(put_signal per layer and block, then flush) and reports the request's send finished, which frees its blocks. A Pull
+that arrives before the metadata waits (bounded); blocks nobody pulls are freed when their lease expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from pdpair import contract
+from pdpair.connector.config import PdPairConfig
+from pdpair.connector.handshake import DecodeSideChannel, PrefillSideChannel
+from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
+from pdpair.connector.metrics import MetricsServer, SignalAccounts, serve
+from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
+from pdpair.connector.stats import PdPairKVConnectorStats
+from pdpair.connector.transports import PairComm, PairTransport, SignalWaitTimeout, TransportError, make_transport
+
+logger = logging.getLogger("pdpair.connector.worker")
+
+WAIT_SLICE_SECONDS = 0.05  # a waiter re-checks cancellation and reports progress this often
+MAX_WAITERS = 64
+
+
+@dataclass(frozen=True)
+class KvRegions:
+    """One region per layer: base address and bytes of one block, in the model's layer order."""
+
+    layer_names: list[str]
+    ptrs: list[int]
+    chunk_bytes: list[int]
+    num_blocks: int
+
+    @classmethod
+    def from_kv_caches(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KvRegions:
+        names, ptrs, chunks = [], [], []
+        for name, tensor in kv_caches.items():
+            if tensor.shape[0] != num_blocks:
+                raise ValueError(
+                    f"KV cache of {name} has shape {tuple(tensor.shape)}; PdPairConnector needs the block dimension "
+                    f"first ({num_blocks} blocks)"
+                )
+            if not tensor[0].is_contiguous():
+                raise ValueError(f"KV cache of {name}: one block is not contiguous (strides {tensor.stride()})")
+            names.append(name)
+            ptrs.append(tensor.data_ptr())
+            chunks.append(tensor.stride(0) * tensor.element_size())
+        return cls(names, ptrs, chunks, num_blocks)
+
+    def region_size(self, layer: int) -> int:
+        return self.chunk_bytes[layer] * self.num_blocks
+
+    def register(self, comm: PairComm) -> list[int]:
+        return [comm.register_region(self.ptrs[i], self.region_size(i)) for i in range(len(self.ptrs))]
+
+
+@dataclass
+class _Wait:
+    recv: RecvRequest
+    slot: int
+    base: int
+    expected: int
+    nbytes: int
+    started: float
+    deadline: float
+    comm: PairComm
+    failed_reason: str | None = None  # set by PullFailed
+
+
+class _Worker:
+    def __init__(self, config: PdPairConfig, tp_rank: int, tp_size: int, block_size: int, vllm_version: str) -> None:
+        self.config = config
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.block_size = block_size
+        self.vllm_version = vllm_version
+        self.transport: PairTransport = make_transport(config.transport)
+        self.accounts = SignalAccounts(config.role, config.hang_timeout_seconds, generation=config.generation)
+        self.metrics_server: MetricsServer | None = None
+        if config.metrics_port is not None and tp_rank == 0:
+            self.metrics_server = serve(config.metrics_port, self.accounts)
+        self.regions: KvRegions | None = None
+        self.layout: KvLayout | None = None
+        self.local_hash = ""
+        self.factors: dict = {}
+        self.stats = PdPairKVConnectorStats()
+        self._lock = threading.Lock()
+
+    def _prepare(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        self.regions = KvRegions.from_kv_caches(kv_caches, num_blocks)
+        first = next(iter(kv_caches.values()))
+        self.layout = KvLayout(
+            self.regions.layer_names, self.regions.chunk_bytes, self.block_size, str(first.dtype), self.tp_size
+        )
+        self.factors = compatibility_factors(self.layout, self.vllm_version)
+        self.local_hash = compatibility_hash(self.factors)
+
+    def _register(self, comm: PairComm) -> tuple[bytes, list[int], int]:
+        assert self.regions is not None
+        indices = self.regions.register(comm)
+        return comm.local_region_table(), indices, self.regions.num_blocks
+
+    def _publish_transport_counters(self, comm: PairComm | None, peer: str) -> None:
+        if comm is None:
+            return
+        try:
+            c = comm.counters()
+        except TransportError:
+            return
+        self.accounts.set_transport_counters(peer, c.inflight, c.slots, c.requeues)
+
+    def shutdown(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
+        self.transport.close()
+
+
+class DecodeWorker(_Worker):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.side: DecodeSideChannel | None = None
+        self.peer_indices: list[int] = []
+        self._waits: dict[str, _Wait] = {}
+        self._finished: set[str] = set()
+        self._failed: set[str] = set()
+        self._free_slots: list[int] = []
+        self._abandoned: dict[str, _Wait] = {}  # timed out, still open in the metrics
+        self._waiters = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix=f"pdpair-signal-wait-r{tp_rank_of(args, kwargs)}")
+        self._comm_id: int | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        self._prepare(kv_caches, num_blocks)
+        self.side = DecodeSideChannel(
+            host=self.config.listen_host,
+            port=self.config.listen_port(self.tp_rank),
+            tp_rank=self.tp_rank,
+            generation=self.config.generation,
+            transport=self.transport,
+            hang_timeout_seconds=self.config.hang_timeout_seconds,
+            local_hash=self.local_hash,
+            factors=self.factors,
+            register_regions=self._register,
+            on_pull_done=self._on_pull_done,
+            on_pull_failed=self._on_pull_failed,
+            on_disconnect=self._on_disconnect,
+            accounts=self.accounts,
+        )
+        self.side.start_and_wait()
+
+    def _register(self, comm: PairComm) -> tuple[bytes, list[int], int]:
+        result = super()._register(comm)
+        with self._lock:
+            self._free_slots = list(range(comm.num_signal_slots - 1, -1, -1))
+            self._comm_id = id(comm)
+        return result
+
+    # --- per step --------------------------------------------------------------------------------
+    def start_load_kv(self, meta: PdPairConnectorMetadata) -> None:
+        side = self.side
+        assert side is not None
+        for remote_id in meta.reqs_to_release:
+            side.post(Pull(f"release-{remote_id}", remote_id, 0, [], 0, 0))
+        for recv in meta.reqs_to_recv:
+            self._start_recv(side, recv)
+
+    def _start_recv(self, side: DecodeSideChannel, recv: RecvRequest) -> None:
+        assert self.regions is not None
+        comm = side.comm
+        if comm is None or not side.connected.is_set():
+            logger.error("request %s: cannot load KV: no prefill is paired on the side channel", recv.request_id)
+            self._fail(recv.request_id, timed_out=False)
+            return
+        with self._lock:
+            if not self._free_slots:
+                logger.error("request %s: no free signal slot (all %d busy or quarantined)", recv.request_id, comm.num_signal_slots)
+                self._fail(recv.request_id, timed_out=False)
+                return
+            slot = self._free_slots.pop()
+        layers = len(self.regions.ptrs)
+        expected = layers * len(recv.block_ids)
+        nbytes = sum(self.regions.chunk_bytes) * len(recv.block_ids)
+        now = time.monotonic()
+        wait = _Wait(recv, slot, comm.read_signal(slot), expected, nbytes, now, now + self.config.hang_timeout_seconds, comm)
+        with self._lock:
+            self._waits[recv.request_id] = wait
+        self.accounts.open_wait(recv.request_id, side.peer_label, expected, wait.deadline)
+        side.post(Pull(recv.request_id, recv.remote_request_id, recv.first_block, recv.block_ids, slot, expected))
+        self._waiters.submit(self._wait_for_signals, wait)
+
+    def _wait_for_signals(self, wait: _Wait) -> None:
+        request_id = wait.recv.request_id
+        target = wait.base + wait.expected
+        received = 0
+        try:
+            while True:
+                now = time.monotonic()
+                if wait.failed_reason is not None:
+                    raise TransportError(f"prefill could not serve the pull: {wait.failed_reason}")
+                try:
+                    wait.comm.wait_signal(wait.slot, target, min(wait.deadline, now + WAIT_SLICE_SECONDS))
+                    break
+                except SignalWaitTimeout as exc:
+                    got = exc.observed - wait.base
+                    if got != received:
+                        received = got
+                        self.accounts.on_signals(request_id, received)
+                    if time.monotonic() >= wait.deadline:
+                        self._on_timeout(wait, received)
+                        return
+        except TransportError as exc:
+            logger.error("request %s: KV load failed: %s", request_id, exc)
+            self._close(wait, contract.OUTCOME_ERROR, received)
+            self._fail(request_id, timed_out=False)
+            return
+        except Exception:  # noqa: BLE001 - a waiter must always settle its request
+            logger.exception("request %s: KV wait crashed", request_id)
+            self._close(wait, contract.OUTCOME_ERROR, received)
+            self._fail(request_id, timed_out=False)
+            return
+        self.accounts.on_signals(request_id, wait.expected)
+        seconds = time.monotonic() - wait.started
+        self._maybe_corrupt(wait)
+        self._close(wait, contract.OUTCOME_OK, wait.expected, seconds=seconds, release_slot=True)
+        with self._lock:
+            self.stats.record_transfer(seconds, wait.nbytes)
+            self._finished.add(request_id)
+
+    def _on_timeout(self, wait: _Wait, received: int) -> None:
+        request_id = wait.recv.request_id
+        logger.error(
+            "request %s: KV transfer from prefill request %s timed out after %.1fs (%s=%s): expected %d signals on "
+            "slot %d, received %d, missing %d; failing the load (vLLM kv_load_failure_policy decides: error or "
+            "recompute). The slot is quarantined and the deficit stays visible until the pair restarts.",
+            request_id, wait.recv.remote_request_id, self.config.hang_timeout_seconds,
+            contract.ENV_HANG_TIMEOUT_SECONDS, self.config.hang_timeout_seconds, wait.expected, wait.slot,
+            received, wait.expected - received,
+        )
+        self.accounts.health()  # counts the timeout now, without waiting for a scrape
+        with self._lock:
+            self._waits.pop(request_id, None)
+            self._abandoned[request_id] = wait
+        self._fail(request_id, timed_out=True)
+
+    def _close(self, wait: _Wait, outcome: str, received: int, seconds: float | None = None, release_slot: bool = False) -> None:
+        request_id = wait.recv.request_id
+        with self._lock:
+            self._waits.pop(request_id, None)
+            if release_slot and self._comm_id == id(wait.comm):
+                self._free_slots.append(wait.slot)
+        took = time.monotonic() - wait.started if seconds is None else seconds
+        self.accounts.close_wait(request_id, outcome, wait.nbytes if outcome == contract.OUTCOME_OK else 0, took)
+
+    def _fail(self, request_id: str, timed_out: bool) -> None:
+        with self._lock:
+            self.stats.record_failure(timed_out)
+            self._failed.add(request_id)
+            self._finished.add(request_id)
+
+    def _maybe_corrupt(self, wait: _Wait) -> None:
+        """TEST ONLY: overwrite the received blocks while the knob file exists, to prove the output uses them."""
+        path = self.config.test_corrupt_kv_file
+        if not path or not os.path.exists(path):
+            return
+        assert self.regions is not None
+        logger.warning("request %s: TEST KNOB %s present: corrupting the received KV", wait.recv.request_id, path)
+        for layer, ptr in enumerate(self.regions.ptrs):
+            chunk = self.regions.chunk_bytes[layer]
+            for block in wait.recv.block_ids:
+                view = _byte_view(ptr + block * chunk, chunk)
+                view.copy_(torch.randint(0, 256, (chunk,), dtype=torch.uint8))
+
+    def _on_pull_done(self, done: PullDone) -> None:
+        pass  # completion is the signal count, not this message
+
+    def _on_pull_failed(self, failed: PullFailed) -> None:
+        if failed.transfer_id.startswith("release-"):
+            return
+        with self._lock:
+            wait = self._waits.get(failed.transfer_id)
+        if wait is not None:
+            wait.failed_reason = failed.reason
+        else:
+            logger.warning("PullFailed for unknown transfer %s: %s", failed.transfer_id, failed.reason)
+
+    def _on_disconnect(self, reason: str) -> None:
+        with self._lock:
+            waits = list(self._waits.values())
+        for wait in waits:
+            wait.failed_reason = f"pair closed: {reason}"
+
+    def _check_abandoned(self) -> None:
+        with self._lock:
+            abandoned = list(self._abandoned.values())
+        for wait in abandoned:
+            try:
+                value = wait.comm.read_signal(wait.slot)
+            except TransportError:
+                continue
+            received = min(value - wait.base, wait.expected)
+            self.accounts.on_signals(wait.recv.request_id, received)
+            if received >= wait.expected:
+                logger.warning("request %s: the late signals arrived; closing its wait", wait.recv.request_id)
+                with self._lock:
+                    self._abandoned.pop(wait.recv.request_id, None)
+                self._close(wait, contract.OUTCOME_TIMEOUT, received, release_slot=True)
+
+    def get_transfer_results(self) -> tuple[set[str], set[str]]:
+        if self._abandoned:
+            self._check_abandoned()
+        if self.side is not None:
+            self._publish_transport_counters(self.side.comm, self.side.peer_label)
+        with self._lock:
+            finished, failed = self._finished, self._failed
+            self._finished, self._failed = set(), set()
+        return finished, failed
+
+    def shutdown(self) -> None:
+        if self.side is not None:
+            with self._lock:
+                for wait in self._waits.values():
+                    wait.failed_reason = "shutting down"
+            self.side.stop()
+        self._waiters.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            open_waits = list(self._waits.values()) + list(self._abandoned.values())
+            self._waits.clear()
+            self._abandoned.clear()
+        for wait in open_waits:
+            try:
+                self.accounts.close_wait(wait.recv.request_id, contract.OUTCOME_ERROR, 0, time.monotonic() - wait.started)
+            except ValueError:
+                pass
+        super().shutdown()
+
+
+class PrefillWorker(_Worker):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.side: PrefillSideChannel | None = None
+        self.peer_indices: list[int] = []
+        self._sends: dict[str, tuple[list[int], float]] = {}  # request id -> (block ids, lease expiry)
+        self._parked: dict[str, tuple[Pull, float]] = {}  # pulls that came before their metadata
+        self._finished_sending: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        self._prepare(kv_caches, num_blocks)
+        assert self.config.peer_host is not None
+        self.side = PrefillSideChannel(
+            peer_host=self.config.peer_host,
+            peer_port=self.config.peer_port(self.tp_rank),
+            tp_rank=self.tp_rank,
+            generation=self.config.generation,
+            pair=self.config.pair,
+            transport=self.transport,
+            hang_timeout_seconds=self.config.hang_timeout_seconds,
+            local_hash=self.local_hash,
+            factors=self.factors,
+            register_regions=self._register,
+            on_pull=self._on_pull,
+            on_tick=self._on_tick,
+            on_connected=self._on_connected,
+            accounts=self.accounts,
+        )
+        self.side.start()
+
+    def _on_connected(self, welcome: Welcome) -> None:
+        assert self.regions is not None
+        if len(welcome.region_indices) != len(self.regions.ptrs):
+            raise ValueError(f"decode has {len(welcome.region_indices)} KV regions, prefill {len(self.regions.ptrs)}")
+        self.peer_indices = list(welcome.region_indices)
+        self.peer_num_blocks = welcome.num_blocks
+
+    # --- per step (engine thread) -----------------------------------------------------------------
+    def start_load_kv(self, meta: PdPairConnectorMetadata) -> None:
+        if not meta.reqs_to_send:
+            return
+        with self._lock:
+            for send in meta.reqs_to_send:
+                self._sends[send.request_id] = (send.block_ids, send.expires_at)
+        if self.side is not None:
+            self.side.post()  # parked pulls may be servable now
+
+    def get_transfer_results(self) -> set[str]:
+        now = time.monotonic()
+        with self._lock:
+            for request_id in [r for r, (_, exp) in self._sends.items() if exp < now]:
+                logger.warning("request %s: decode never pulled its KV within the lease; freeing the blocks", request_id)
+                del self._sends[request_id]
+                self._finished_sending.add(request_id)
+            finished, self._finished_sending = self._finished_sending, set()
+        if self.side is not None:
+            self._publish_transport_counters(self.side.comm, self.side.peer_label)
+        return finished
+
+    # --- side-channel thread -------------------------------------------------------------------------
+    def _on_pull(self, pull: Pull) -> Message | None:
+        with self._lock:
+            entry = self._sends.get(pull.remote_request_id)
+        if entry is None:
+            self._parked[pull.transfer_id] = (pull, time.monotonic() + self.config.hang_timeout_seconds)
+            return None
+        return self._serve(pull, entry[0])
+
+    def _on_tick(self) -> list[Message]:
+        replies: list[Message] = []
+        now = time.monotonic()
+        for transfer_id, (pull, deadline) in list(self._parked.items()):
+            with self._lock:
+                entry = self._sends.get(pull.remote_request_id)
+            if entry is not None:
+                del self._parked[transfer_id]
+                replies.append(self._serve(pull, entry[0]))
+            elif now > deadline:
+                del self._parked[transfer_id]
+                replies.append(PullFailed(transfer_id, f"prefill holds no KV for request {pull.remote_request_id} "
+                                                       "(unknown, expired or already sent)"))
+        return replies
+
+    def _serve(self, pull: Pull, block_ids: list[int]) -> Message:
+        assert self.regions is not None and self.side is not None
+        try:
+            if pull.dst_block_ids:
+                return self._push(pull, block_ids)
+            return PullDone(pull.transfer_id, 0)
+        finally:
+            with self._lock:
+                self._sends.pop(pull.remote_request_id, None)
+                self._finished_sending.add(pull.remote_request_id)
+
+    def _push(self, pull: Pull, block_ids: list[int]) -> Message:
+        assert self.regions is not None and self.side is not None
+        comm = self.side.comm
+        layers = len(self.regions.ptrs)
+        count = len(pull.dst_block_ids)
+        if pull.first_block < 0 or pull.first_block + count > len(block_ids):
+            return PullFailed(pull.transfer_id, f"decode asks for blocks [{pull.first_block}, {pull.first_block + count}) "
+                                                f"but prefill request {pull.remote_request_id} has {len(block_ids)}")
+        if pull.expected_signals != layers * count:
+            return PullFailed(pull.transfer_id, f"decode expects {pull.expected_signals} signals, prefill sends "
+                                                f"{layers * count} ({layers} layers x {count} blocks)")
+        if comm is None:
+            return PullFailed(pull.transfer_id, "prefill has no pair communicator")
+        nbytes = 0
+        try:
+            self._apply_drop_knob(comm)
+            for i, dst_block in enumerate(pull.dst_block_ids):
+                src_block = block_ids[pull.first_block + i]
+                for layer in range(layers):
+                    chunk = self.regions.chunk_bytes[layer]
+                    comm.put_signal(self.regions_local[layer], src_block * chunk, self.peer_indices[layer],
+                                    dst_block * chunk, chunk, pull.signal_slot)
+                    nbytes += chunk
+            comm.flush(time.monotonic() + self.config.hang_timeout_seconds)
+        except TransportError as exc:
+            logger.error("transfer %s (prefill request %s) failed: %s", pull.transfer_id, pull.remote_request_id, exc)
+            return PullFailed(pull.transfer_id, f"prefill transport error: {exc}")
+        return PullDone(pull.transfer_id, nbytes)
+
+    def _apply_drop_knob(self, comm: PairComm) -> None:
+        """TEST ONLY: while the knob file exists (content: N, default 1), the native sender drops every N-th signal."""
+        path = self.config.test_drop_signals_file
+        if not path or not hasattr(comm, "set_signal_drop_fault"):
+            return
+        every = 0
+        if os.path.exists(path):
+            text = open(path).read().strip()
+            every = int(text) if text else 1
+            logger.warning("TEST KNOB %s present: the transport drops every %d-th signal", path, every)
+        comm.set_signal_drop_fault(every)
+
+    def _register(self, comm: PairComm) -> tuple[bytes, list[int], int]:
+        table, indices, num_blocks = super()._register(comm)
+        self.regions_local = indices
+        return table, indices, num_blocks
+
+    def shutdown(self) -> None:
+        if self.side is not None:
+            self.side.stop()
+        super().shutdown()
+
+
+def tp_rank_of(args: tuple, kwargs: dict) -> int:
+    return kwargs.get("tp_rank", args[1] if len(args) > 1 else 0)
+
+
+def _byte_view(address: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over host memory we own (the KV cache), for the test-only corruption knob."""
+    import ctypes
+
+    buffer = (ctypes.c_uint8 * nbytes).from_address(address)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
