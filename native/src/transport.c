@@ -424,6 +424,9 @@ static void *sender_main(void *arg)
             pthread_cond_wait(&c->send_cv, &c->mu);
             continue;
         }
+        /* Counted when committed to the socket, so they are current before any ack of these frames. */
+        c->stats.bytes_sent += payload;
+        c->stats.signals_sent += signals;
         pthread_mutex_unlock(&c->mu);
         int err = 0;
         pdpair_status st = send_iov(c, iov, niov, &err);
@@ -432,8 +435,6 @@ static void *sender_main(void *arg)
             conn_break_locked(c, st, "send failed: %s", strerror(err));
             break;
         }
-        c->stats.bytes_sent += payload;
-        c->stats.signals_sent += signals;
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;

@@ -1,0 +1,336 @@
+"""Tests of pdpair.native, the cffi binding of native/: real sockets over loopback, real processes."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+
+from pdpair import native
+from pdpair.native import Closed, Context, Fault, PeerClosed, RemoteRejected, Status, TransportError, WaitTimeout
+
+TIMEOUT = 10.0
+
+
+@dataclass
+class Pair:
+    ctx_a: Context
+    ctx_b: Context
+    a: native.Connection  # accepted side
+    b: native.Connection  # connecting side
+    mem_a: bytearray
+    mem_b: bytearray
+    port: int
+
+
+def marry(ctx_a: Context, ctx_b: Context, port: int = 0) -> tuple[native.Connection, native.Connection, int]:
+    with ctx_a.listen("127.0.0.1", port) as listener, ThreadPoolExecutor(1) as pool:
+        accepted = pool.submit(listener.accept, timeout=TIMEOUT)
+        b = ctx_b.connect("127.0.0.1", listener.port, timeout=TIMEOUT)
+        return accepted.result(), b, listener.port
+
+
+@pytest.fixture
+def pair():
+    ctx_a, ctx_b = Context(token=5), Context(token=5)
+    mem_a, mem_b = bytearray(1 << 20), bytearray(1 << 20)
+    ctx_a.register(mem_a)
+    ctx_b.register(mem_b)
+    a, b, port = marry(ctx_a, ctx_b)
+    yield Pair(ctx_a, ctx_b, a, b, mem_a, mem_b, port)
+    a.close()
+    b.close()
+    ctx_a.close()
+    ctx_b.close()
+
+
+def test_version_and_status_names():
+    assert native.version() == "0.1.0"
+    assert Status.OK == 0 and Status.TIMEOUT != Status.PEER_CLOSED
+    err = TransportError(12345)
+    assert err.status_name == "PDPAIR_UNKNOWN" and "unknown pdpair status" in str(err)
+    assert TransportError(Status.PEER_CLOSED).status_name == "PDPAIR_PEER_CLOSED"
+
+
+def test_put_signal_roundtrip(pair: Pair):
+    pair.mem_b[:4096] = bytes(range(256)) * 16
+    req = pair.b.put_signal(0, 0, 0, 1000, 4096, signal_slot=3)
+    assert pair.a.wait_signal(3, 1, timeout=TIMEOUT) == 1
+    assert pair.mem_a[1000:5096] == pair.mem_b[:4096]
+    pair.b.wait(req, timeout=TIMEOUT)
+    assert pair.b.test(req) is True
+    req2 = pair.b.put(pair.ctx_b.regions[0], 10, 0, 0, 5)
+    pair.b.signal(3)
+    pair.b.flush(timeout=TIMEOUT)
+    assert pair.b.test(req2) and req2 == req + 1
+    assert pair.a.read_signal(3) == 2
+    assert pair.mem_a[:5] == pair.mem_b[10:15]
+    pair.a.reset_signal(3)
+    assert pair.a.read_signal(3) == 0
+    stats = pair.b.stats()
+    assert (stats.slots, stats.posted, stats.completed, stats.signals_sent, stats.bytes_sent) == (256, 3, 3, 2, 4101)
+    assert pair.a.stats().signals_received == 2
+    assert pair.a.remote_regions == [1 << 20] and pair.a.state == Status.OK
+
+
+def test_register_pointer_and_late_region(pair: Pair):
+    raw = ctypes.create_string_buffer(8192)
+    region = pair.ctx_a.register_pointer(ctypes.addressof(raw), 8192, keepalive=raw)
+    assert region.index == 1 and region.size == 8192
+    pair.b.wait_remote_regions(2, timeout=TIMEOUT)
+    assert pair.b.remote_regions == [1 << 20, 8192]
+    pair.mem_b[:100] = b"x" * 100
+    pair.b.put_signal(0, 0, 1, 8000, 100, signal_slot=0)
+    pair.a.wait_signal(0, 1, timeout=TIMEOUT)
+    assert raw.raw[8000:8100] == b"x" * 100
+
+
+def test_bad_arguments_fail_early(pair: Pair):
+    with pytest.raises(TransportError) as info:
+        pair.b.put(0, 0, 0, (1 << 20) - 10, 11)  # past the peer's region end
+    assert info.value.status == Status.INVALID_ARGUMENT and "remote range" in info.value.detail
+    with pytest.raises(TransportError):
+        pair.b.put(7, 0, 0, 0, 1)  # unknown local region
+    with pytest.raises(ValueError):
+        pair.a.wait_signal(0, 1, timeout=-1)
+    with pytest.raises(TypeError):
+        pair.a.wait_signal(0, 1, timeout=None)
+    with pytest.raises(ValueError):
+        pair.a.wait_signal(0, 1, timeout=float("inf"))
+    with pytest.raises(ValueError):
+        pair.b.put(0, -1, 0, 0, 1)
+    with pytest.raises(TypeError):
+        pair.ctx_a.register(b"immutable bytes")
+    with pytest.raises(ValueError):
+        Context(request_slots=0)
+    assert pair.b.stats().posted == 0
+
+
+def test_receiver_rejects_out_of_bounds_put(pair: Pair):
+    pair.b.set_fault(Fault.SKIP_SENDER_BOUNDS_CHECK, 1)  # TEST ONLY: let the peer's own check decide
+    bad = pair.b.put_signal(0, 0, 0, (1 << 20) - 10, 100, signal_slot=1)
+    good = pair.b.put_signal(0, 0, 0, 0, 100, signal_slot=1)
+    with pytest.raises(RemoteRejected):
+        pair.b.wait(bad, timeout=TIMEOUT)
+    pair.b.wait(good, timeout=TIMEOUT)
+    assert pair.a.wait_signal(1, 1, timeout=TIMEOUT) == 1
+    with pytest.raises(RemoteRejected):
+        pair.b.flush(timeout=TIMEOUT)
+    assert pair.b.stats().rejected == 1 and pair.b.state == Status.OK
+
+
+def test_fault_injection_wait_times_out_at_deadline(pair: Pair):
+    pair.b.set_fault(Fault.DROP_EVERY_NTH_SIGNAL, 4)
+    for i in range(40):
+        pair.b.put_signal(0, i * 64, 0, i * 64, 64, signal_slot=2)
+    pair.b.flush(timeout=TIMEOUT)
+    start = time.monotonic()
+    with pytest.raises(WaitTimeout) as info:
+        pair.a.wait_signal(2, 40, timeout=0.3)
+    took = time.monotonic() - start
+    assert 0.29 <= took < 1.5, took
+    assert info.value.value == 30 and isinstance(info.value, TimeoutError)
+    assert pair.b.stats().signals_dropped_by_fault == 10
+    assert pair.a.state == Status.OK
+
+
+def test_oversubscription_no_signal_lost():
+    # 16 slots: Python posts slower than C drains, so a small pool is what lets 10x of it pile up here
+    # (the C test does the same with the default 256 slots).
+    ctx_a, ctx_b = Context(request_slots=16), Context(request_slots=16)
+    mem_a, mem_b = bytearray(1 << 20), bytearray(os.urandom(1 << 20))
+    ctx_a.register(mem_a)
+    ctx_b.register(mem_b)
+    a, b, _ = marry(ctx_a, ctx_b)
+    pair = Pair(ctx_a, ctx_b, a, b, mem_a, mem_b, 0)
+    total, slots = 100_000, pair.b.stats().slots
+    assert slots == 16
+    window = 10 * slots
+    max_outstanding = 0
+    for i in range(total):
+        off = (i * 256) % (1 << 20)
+        req = pair.b.put_signal(0, off, 0, off, 256, signal_slot=9)
+        if i % 500 == 0:
+            s = pair.b.stats()
+            assert s.inflight <= slots
+            max_outstanding = max(max_outstanding, s.posted - s.completed)
+        if req > window:
+            pair.b.wait(req - window, timeout=TIMEOUT)
+    assert pair.a.wait_signal(9, total, timeout=60) == total
+    pair.b.flush(timeout=TIMEOUT)
+    with pytest.raises(WaitTimeout):
+        pair.a.wait_signal(9, total + 1, timeout=0.2)
+    stats = pair.b.stats()
+    assert stats.requeues > 0 and stats.completed == total and stats.signals_sent == total
+    assert max_outstanding > 5 * slots, max_outstanding
+    assert mem_a == mem_b
+    a.close()
+    b.close()
+
+
+def test_blocking_wait_releases_the_gil(pair: Pair):
+    result: list[object] = []
+    waiter = threading.Thread(target=lambda: result.append(pair.a.wait_signal(4, 1, timeout=TIMEOUT)))
+    waiter.start()
+    spins, deadline = 0, time.monotonic() + 0.3
+    while time.monotonic() < deadline:  # Python keeps running while the waiter sits in C
+        spins += 1
+    pair.b.signal(4)
+    waiter.join(TIMEOUT)
+    assert result == [1] and spins > 1000
+
+
+def test_close_wakes_local_and_remote_waiters(pair: Pair):
+    errors: dict[str, BaseException] = {}
+
+    def wait(name: str, conn: native.Connection) -> None:
+        try:
+            conn.wait_signal(0, 1, timeout=30)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertions
+            errors[name] = exc
+
+    threads = [threading.Thread(target=wait, args=("local", pair.b)), threading.Thread(target=wait,
+                                                                                      args=("remote", pair.a))]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    start = time.monotonic()
+    pair.b.close()
+    for t in threads:
+        t.join(5)
+    assert time.monotonic() - start < 2
+    assert isinstance(errors["local"], Closed)
+    assert isinstance(errors["remote"], PeerClosed) and errors["remote"].status_name == "PDPAIR_PEER_CLOSED"
+    with pytest.raises(Closed):
+        pair.b.signal(0)
+    with pytest.raises(PeerClosed):
+        pair.a.signal(0)
+
+
+PEER_SENDER = """
+import sys
+from pdpair.native import Context
+ctx = Context(token=5)
+mem = bytearray(1 << 20)
+ctx.register(mem)
+conn = ctx.connect("127.0.0.1", int(sys.argv[1]), timeout=10)
+i = 0
+while True:
+    conn.put_signal(0, 0, 0, 0, len(mem), signal_slot=0)
+    i += 1
+    if i % 16 == 0:
+        conn.flush(timeout=10)
+"""
+
+
+def test_peer_killed_mid_transfer_errors_within_2s():
+    ctx = Context(token=5)
+    mem = bytearray(1 << 20)
+    ctx.register(mem)
+    with ctx.listen("127.0.0.1", 0) as listener:
+        child = subprocess.Popen([sys.executable, "-c", PEER_SENDER, str(listener.port)])
+        try:
+            conn = listener.accept(timeout=30)
+            conn.wait_signal(0, 5, timeout=30)  # data is flowing
+            outcome: list[object] = []
+
+            def wait_long() -> None:
+                try:
+                    conn.wait_signal(0, 2**63, timeout=30)
+                except TransportError as exc:
+                    outcome.append((exc, time.monotonic()))
+
+            waiter = threading.Thread(target=wait_long)
+            waiter.start()
+            time.sleep(0.1)
+            killed = time.monotonic()
+            os.kill(child.pid, signal.SIGKILL)
+            waiter.join(10)
+        finally:
+            child.kill()
+            child.wait(10)
+    assert outcome, "the waiter did not return"
+    exc, returned = outcome[0]
+    assert exc.status in (Status.PEER_CLOSED, Status.CONNECTION_ERROR)
+    assert returned - killed < 2.0
+    with pytest.raises(TransportError):  # and later waits fail at once
+        conn.wait_signal(0, 2**63, timeout=30)
+    conn.close()
+    ctx.close()
+
+
+def test_relisten_on_same_port_after_close():
+    port = 0
+    for round_ in range(3):
+        ctx_a, ctx_b = Context(), Context()
+        mem_a, mem_b = bytearray(64), bytearray([round_ + 1]) * 64
+        ctx_a.register(mem_a)
+        ctx_b.register(mem_b)
+        a, b, used = marry(ctx_a, ctx_b, port)
+        assert round_ == 0 or used == port
+        port = used
+        b.put_signal(0, 0, 0, 0, 64, signal_slot=0)
+        a.wait_signal(0, 1, timeout=TIMEOUT)
+        assert mem_a == mem_b
+        a.close()
+        b.close()
+        ctx_a.close()
+        ctx_b.close()
+
+
+def test_accept_timeout_and_refused_connect():
+    ctx = Context()
+    listener = ctx.listen("127.0.0.1", 0)
+    start = time.monotonic()
+    with pytest.raises(WaitTimeout):
+        listener.accept(timeout=0.15)
+    assert 0.14 <= time.monotonic() - start < 1.0
+    with pytest.raises(TransportError) as info:
+        ctx.listen("127.0.0.1", listener.port)
+    assert info.value.status == Status.ADDRESS_IN_USE
+    port = listener.port
+    listener.close()
+    with pytest.raises(TransportError) as info:
+        ctx.connect("127.0.0.1", port, timeout=2)
+    assert info.value.status == Status.CONNECTION_REFUSED
+    with pytest.raises(Closed):
+        listener.accept(timeout=1)
+    ctx.close()
+
+
+def test_token_mismatch_is_refused():
+    ctx_a, ctx_b = Context(token=1), Context(token=2)
+    with ctx_a.listen("127.0.0.1", 0) as listener, ThreadPoolExecutor(1) as pool:
+        accepted = pool.submit(listener.accept, timeout=TIMEOUT)
+        with pytest.raises(TransportError) as info:
+            ctx_b.connect("127.0.0.1", listener.port, timeout=TIMEOUT)
+        assert info.value.status == Status.PROTOCOL_ERROR and "token" in info.value.detail
+        with pytest.raises(TransportError):
+            accepted.result()
+
+
+def test_signal_slot_allocation(pair: Pair):
+    slots = {pair.a.alloc_signal() for _ in range(10)}
+    assert len(slots) == 10 and all(0 <= s < pair.a.signal_slots for s in slots)
+    for s in slots:
+        pair.a.free_signal(s)
+    with pytest.raises(TransportError):
+        pair.a.free_signal(next(iter(slots)))
+    small = Context(signal_slots=2)
+    small.register(bytearray(16))
+    a, b, _ = marry(small, Context())
+    a.alloc_signal()
+    a.alloc_signal()
+    with pytest.raises(TransportError) as info:
+        a.alloc_signal()
+    assert info.value.status == Status.EXHAUSTED
+    a.close()
+    b.close()
