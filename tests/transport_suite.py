@@ -230,10 +230,15 @@ class TransportSuite:
 
     def test_bad_signal_slot_refused(self, pair_factory):
         pair = pair_factory(64)
+        fill_random(pair.src)
         with pytest.raises((ValueError, TransportError)):
             pair.receiver.wait_signal(pair.receiver.num_signal_slots, 1, deadline_in(1))
         with pytest.raises((ValueError, TransportError)):
+            pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, 8, signal_slot=pair.receiver.num_signal_slots)
+        with pytest.raises((ValueError, TransportError)):
             pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, 8, signal_slot=-1)
+        time.sleep(0.1)
+        assert bytes(pair.dst) == bytes(len(pair.dst))  # nothing was written by the refused puts
 
     def test_close_is_idempotent(self, pair_factory):
         pair = pair_factory(64)
