@@ -1,0 +1,195 @@
+"""The router against real aiohttp servers standing in for the two vLLM engines (their HTTP side only)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from pdpair.router.app import REQUEST_ID_HEADER, RouterConfig, make_app
+
+PARAMS = {"do_remote_prefill": True, "remote_request_id": "cmpl-prefill-1", "remote_generation": 0}
+
+
+class Engine:
+    """A tiny HTTP engine that records what it received and answers as told."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.received: list[tuple[str, dict, dict]] = []
+        self.status = 200
+        self.delay = 0.0
+        self.params: dict | None = PARAMS
+        self.stream_chunks = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n', b"data: [DONE]\n\n"]
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append((request.path, body, request.headers.copy()))
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.status != 200:
+            return web.json_response({"error": f"{self.name} failed"}, status=self.status)
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for chunk in self.stream_chunks:
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+        answer = {"id": f"{self.name}-answer", "choices": [{"text": self.name}]}
+        if self.params is not None:
+            answer["kv_transfer_params"] = self.params
+        return web.json_response(answer)
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def _engine_server(engine: Engine) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/v1/completions", engine.handle)
+    app.router.add_post("/v1/chat/completions", engine.handle)
+    return await _serve(app)
+
+
+@pytest_asyncio.fixture
+async def stack():
+    prefill, decode = Engine("prefill"), Engine("decode")
+    runners = []
+    p_runner, p_url = await _engine_server(prefill)
+    d_runner, d_url = await _engine_server(decode)
+    runners += [p_runner, d_runner]
+
+    async def start_router(**overrides):
+        config = RouterConfig(overrides.pop("prefill_url", p_url), overrides.pop("decode_url", d_url), **overrides)
+        runner, url = await _serve(make_app(config))
+        runners.append(runner)
+        return url
+
+    async with aiohttp.ClientSession() as client:
+        yield prefill, decode, start_router, client
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_completion_goes_prefill_then_decode_with_returned_params(stack):
+    prefill, decode, start_router, client = stack
+    router = await start_router()
+    body = {"model": "m", "prompt": "hi", "max_tokens": 7, "temperature": 0}
+    async with client.post(router + "/v1/completions", json=body, headers={REQUEST_ID_HEADER: "req-42"}) as resp:
+        assert resp.status == 200
+        assert resp.headers[REQUEST_ID_HEADER] == "req-42"
+        assert (await resp.json())["id"] == "decode-answer"
+    (p_path, p_body, p_headers), = prefill.received
+    assert p_path == "/v1/completions"
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert p_headers[REQUEST_ID_HEADER] == "req-42"
+    (d_path, d_body, d_headers), = decode.received
+    assert d_body["max_tokens"] == 7 and d_body["prompt"] == "hi"
+    assert d_body["kv_transfer_params"] == PARAMS
+    assert d_headers[REQUEST_ID_HEADER] == "req-42"
+
+
+@pytest.mark.asyncio
+async def test_chat_streaming_relays_every_chunk_and_makes_a_request_id(stack):
+    prefill, decode, start_router, client = stack
+    router = await start_router()
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with client.post(router + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        request_id = resp.headers[REQUEST_ID_HEADER]
+        data = await resp.read()
+    assert data == b"".join(decode.stream_chunks)
+    p_body = prefill.received[0][1]
+    assert p_body["max_tokens"] == 1 and p_body["max_completion_tokens"] == 1 and p_body["stream"] is False
+    assert "stream_options" not in p_body
+    d_body = decode.received[0][1]
+    assert d_body["stream"] is True and d_body["max_completion_tokens"] == 5
+    assert prefill.received[0][2][REQUEST_ID_HEADER] == request_id == decode.received[0][2][REQUEST_ID_HEADER]
+
+
+@pytest.mark.asyncio
+async def test_unreachable_prefill_is_502_naming_it(stack):
+    _, decode, start_router, client = stack
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, never listening: connection refused
+        router = await start_router(prefill_url=dead)
+        async with client.post(router + "/v1/completions", json={"prompt": "x"}) as resp:
+            assert resp.status == 502
+            error = (await resp.json())["error"]
+    assert error["peer"] == "prefill" and "unreachable" in error["message"]
+    assert decode.received == []
+
+
+@pytest.mark.asyncio
+async def test_slow_prefill_is_504(stack):
+    prefill, decode, start_router, client = stack
+    prefill.delay = 2.0
+    router = await start_router(prefill_timeout_seconds=0.3)
+    async with client.post(router + "/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 504
+        assert "did not answer within" in (await resp.json())["error"]["message"]
+    assert decode.received == []
+
+
+@pytest.mark.asyncio
+async def test_slow_decode_is_504(stack):
+    prefill, decode, start_router, client = stack
+    decode.delay = 2.0
+    router = await start_router(decode_timeout_seconds=0.3)
+    async with client.post(router + "/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 504
+        assert (await resp.json())["error"]["peer"] == "decode"
+
+
+@pytest.mark.asyncio
+async def test_decode_5xx_is_502_and_prefill_4xx_passes_through(stack):
+    prefill, decode, start_router, client = stack
+    router = await start_router()
+    decode.status = 500
+    async with client.post(router + "/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 502
+        assert "decode" in (await resp.json())["error"]["message"]
+    prefill.status = 400
+    async with client.post(router + "/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["peer"] == "prefill"
+
+
+@pytest.mark.asyncio
+async def test_prefill_without_kv_transfer_params_is_502(stack):
+    prefill, decode, start_router, client = stack
+    prefill.params = None
+    router = await start_router()
+    async with client.post(router + "/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 502
+        assert "kv_transfer_params" in (await resp.json())["error"]["message"]
+    assert decode.received == []
+
+
+@pytest.mark.asyncio
+async def test_non_json_body_is_400(stack):
+    _, _, start_router, client = stack
+    router = await start_router()
+    async with client.post(router + "/v1/completions", data=b"not json") as resp:
+        assert resp.status == 400
+
+
+def test_bad_url_is_refused_at_start():
+    with pytest.raises(ValueError, match="--prefill must be an http"):
+        make_app(RouterConfig("localhost:8000", "http://x"))
