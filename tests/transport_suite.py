@@ -234,7 +234,8 @@ class TransportSuite:
         with pytest.raises((ValueError, TransportError)):
             pair.receiver.wait_signal(pair.receiver.num_signal_slots, 1, deadline_in(1))
         with pytest.raises((ValueError, TransportError)):
-            pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, 8, signal_slot=pair.receiver.num_signal_slots)
+            too_far = pair.receiver.num_signal_slots
+            pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, 8, signal_slot=too_far)
         with pytest.raises((ValueError, TransportError)):
             pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, 8, signal_slot=-1)
         time.sleep(0.1)

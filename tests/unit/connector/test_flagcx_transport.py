@@ -52,7 +52,8 @@ def fake_libs() -> dict[str, str]:
     proc = subprocess.run(["make", "-C", str(FAKE_DIR)], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"make -C {FAKE_DIR} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    libs = {v: str(FAKE_DIR / "build" / v / "libflagcx.so") for v in ("default", "uid-ptr", "window-api", "no-put-signal")}
+    variants = ("default", "uid-ptr", "window-api", "no-put-signal")
+    libs = {v: str(FAKE_DIR / "build" / v / "libflagcx.so") for v in variants}
     for path in libs.values():
         assert os.path.isfile(path), f"make did not produce {path}"
     return libs
@@ -393,3 +394,34 @@ def test_transfer_between_two_processes(fake_libs):
         if peer.poll() is None:
             peer.kill()
             peer.wait()
+
+
+# --- a peer that goes away ---------------------------------------------------------------------------------------
+
+
+def test_wait_fails_early_when_the_peer_is_gone():
+    """The host-side wait checks the comm's async error, so a dead peer fails the wait long before its deadline."""
+    pair = flagcx_pair()
+    try:
+        pair.sender.close()
+        started = time.monotonic()
+        with pytest.raises(FlagcxError) as info:
+            pair.receiver.wait_signal(0, 1, deadline_in(20))
+        assert time.monotonic() - started < 5
+        assert info.value.result_name == "flagcxRemoteError"
+    finally:
+        pair.close()
+
+
+def test_put_to_a_closed_peer_is_a_named_error():
+    pair = flagcx_pair()
+    try:
+        pair.receiver.close()
+        deadline = deadline_in(10)
+        with pytest.raises(FlagcxError) as info:
+            while time.monotonic() < deadline:  # the close reaches the sender asynchronously
+                pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, 8, signal_slot=0)
+                time.sleep(0.01)
+        assert info.value.result_name == "flagcxRemoteError"
+    finally:
+        pair.close()

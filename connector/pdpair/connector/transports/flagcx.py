@@ -470,6 +470,7 @@ class FlagcxPairComm(PairComm):
         self._signals = (ctypes.c_uint64 * self.num_signal_slots).from_buffer(self._signal_map)
         self._completed_base = 0
         self._completed_base = self._read_completions()
+        self._completed_seen = 0  # completions at the last read; posted - seen bounds in-flight from above
 
     # -- helpers --
 
@@ -487,7 +488,8 @@ class FlagcxPairComm(PairComm):
         return count.value - self._completed_base
 
     def _inflight(self) -> int:
-        return self._posted - self._read_completions()
+        self._completed_seen = self._read_completions()
+        return self._posted - self._completed_seen
 
     def _check_async_error(self) -> None:
         fn = self._lib.fn.get("flagcxCommGetAsyncError")
@@ -505,9 +507,13 @@ class FlagcxPairComm(PairComm):
         try:
             code = _call_with_deadline(what, deadline, fn)
         except TransportError as exc:
-            self._broken = f"{what} overran {self._blocking_seconds:.0f}s (is the peer registering the same regions?)"
+            self._broken = f"{what} overran {self._blocking_seconds:g}s (is the peer registering the same regions?)"
             raise TransportError(f"{exc}: {self._broken}") from exc
-        self._lib.check(what, code, self._comm)
+        if code != SUCCESS:
+            # The ranks' region indices may now disagree; nothing later on this comm can be trusted.
+            error = FlagcxError(what, code, self._lib.last_error(self._comm))
+            self._broken = str(error)
+            raise error
 
     # -- PairComm --
 
@@ -558,7 +564,8 @@ class FlagcxPairComm(PairComm):
             waited = False
             post = self._lib.fn["flagcxPutSignal"]
             while True:
-                if self._inflight() >= self.slots:
+                # Read the counter only when the cached bound says we might be full (saves a C call per put).
+                if self._posted - self._completed_seen >= self.slots and self._inflight() >= self.slots:
                     waited = True
                     self._wait_for_slot(deadline)
                 code = post(
