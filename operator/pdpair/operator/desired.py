@@ -48,6 +48,10 @@ ANNOTATION_SPEC_HASH = "pdpair.io/spec-hash"
 POD_SPEC_FIELDS = ("model", "servedModelName", "image", "prefill", "decode", "connector", "network", "router")
 
 
+def _plain(value: Any) -> Any:
+    return dict(value) if isinstance(value, Mapping) else list(value)
+
+
 def spec_fingerprint(spec: Mapping[str, Any]) -> str:
     relevant = {k: spec.get(k) for k in POD_SPEC_FIELDS}
     text = json.dumps(relevant, sort_keys=True, separators=(",", ":"), default=str)
@@ -72,6 +76,7 @@ class PodView:
     scheduled: bool = False
     restarts: int = 0
     uid: str = ""
+    raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)  # the API object, for health.py
 
     @property
     def running(self) -> bool:
@@ -106,6 +111,7 @@ class PodView:
             scheduled=cond.get("PodScheduled") == "True" or bool((pod.get("spec") or {}).get("nodeName")),
             restarts=restarts,
             uid=meta.get("uid", ""),
+            raw=json.loads(json.dumps(dict(pod), default=_plain)),
         )
 
 

@@ -67,7 +67,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     runtime = Runtime(config, kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api), leaser)
     memo["runtime"] = runtime
     memo["sweeper"] = asyncio.create_task(_sweep_forever(runtime), name="pdpair-lease-sweep")
-    _start_metrics(config, leaser)
+    memo["metrics_server"] = _start_metrics(runtime)
     logger.info(
         "pdpair operator: pool %d-%d (%d held), leases in %s, probe every %.1fs",
         config.port_pool.first, config.port_pool.last, held, config.namespace, config.probe_interval,
@@ -79,6 +79,9 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     sweeper = memo.get("sweeper")
     if sweeper is not None:
         sweeper.cancel()
+    server = memo.get("metrics_server")
+    if server is not None:
+        server.stop()
 
 
 @kopf.on.probe(id="pairs")
@@ -159,6 +162,8 @@ async def release_ports(body: kopf.Body, uid: str, memo: kopf.Memo, logger: logg
     released = await runtime.leaser.release_pair(uid)
     runtime.exited.pop(uid, None)
     runtime.health_reasons.pop(uid, None)
+    if runtime.metrics is not None:
+        runtime.metrics.forget_pair(body["metadata"]["namespace"], body["metadata"]["name"])
     kopf.event(body, type="Normal", reason="PortsReleased", message=f"released {released} port leases")
     logger.info("released %d port leases", released)
 
@@ -205,13 +210,12 @@ async def _sweep_forever(runtime: Runtime) -> None:
         await asyncio.sleep(runtime.config.sweep_interval)
 
 
-def _start_metrics(config: OperatorConfig, leaser: PortLeaser) -> None:
-    """Serve the operator metrics if metrics.py (another module's job) offers a server."""
-    try:
-        from . import metrics
-    except ImportError:
-        log.warning("pdpair.operator.metrics is missing: no operator metrics endpoint")
-        return
-    serve = getattr(metrics, "serve", None)
-    if serve is not None:
-        serve(config.metrics_port, pool_size=config.port_pool.size, pool_free=leaser.free_count)
+def _start_metrics(runtime: Runtime) -> Any:
+    """Serve the operator metrics (metrics.py) on the configured port."""
+    from .metrics import OperatorMetrics, serve
+
+    runtime.metrics = OperatorMetrics()
+    runtime.metrics.set_port_pool(max(0, runtime.leaser.free_count()), runtime.config.port_pool.size)
+    server = serve(runtime.config.metrics_port, runtime.metrics)
+    log.info("operator metrics on port %d", server.port)
+    return server

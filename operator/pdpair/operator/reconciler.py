@@ -30,6 +30,7 @@ from pdpair.contract import (
 )
 
 from . import desired as d
+from . import health
 from .config import OperatorConfig
 from .lifecycle import probe_ranks
 from .pods import ManifestError, engine_pod, pod_name, router_pod
@@ -55,8 +56,9 @@ class Runtime:
     leaser: PortLeaser
     wakeups: dict[str, asyncio.Event] = field(default_factory=dict)
     exited: dict[str, asyncio.Event] = field(default_factory=dict)
-    # pair uid -> reason, filled by the health watch (health.py); consumed by the reconciler
-    health_reasons: dict[str, str] = field(default_factory=dict)
+    metrics: Any = None  # metrics.OperatorMetrics, when served
+    # pair uid -> (reason code, message), filled by the health watch (health.py); consumed by the reconciler
+    health_reasons: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def wake(self, uid: str) -> None:
         event = self.wakeups.get(uid)
@@ -159,7 +161,8 @@ class PairReconciler:
         )
         plan = d.desired_state(spec, self.status, observed)
 
-        restart_reason = self._failure_reason(plan, pods, generation)
+        failure = self._failure_reason(plan, pods, generation)
+        reason_code, restart_reason = failure if failure else (None, None)
         restart_times_changed = False
         extra: dict[str, Any] = {}
         if restart_reason:
@@ -190,7 +193,7 @@ class PairReconciler:
             self.emit("Warning", "Restarting", f"ordered restart to generation {plan.pair_generation}: {restart_reason}")
             extra["restarts"] = int(self.status.get("restarts") or 0) + 1
             extra["lastRestart"] = {"time": now_rfc3339(), "reason": restart_reason[:1024]}
-            self._count_restart(restart_reason)
+            self._count_restart(reason_code)
 
         if restart_times_changed:
             await self._patch_meta({ANNOTATION_RESTART_TIMES: json.dumps(self.restart_times)})
@@ -213,13 +216,16 @@ class PairReconciler:
             return cfg.pool_retry
         return cfg.probe_interval
 
-    def _failure_reason(self, plan: d.Plan, pods: tuple[d.PodView, ...], generation: int) -> str | None:
+    def _failure_reason(self, plan: d.Plan, pods: tuple[d.PodView, ...], generation: int) -> tuple[str, str] | None:
+        """(reason code as in health.RESTART_REASONS, message) when the pair needs an ordered restart."""
         if plan.step == d.STEP_BROKEN:
-            return plan.broken_reason
-        reason = self.rt.health_reasons.get(self.ref.uid)
-        if reason:
-            return reason
-        return None
+            for pod in pods:
+                if pod.generation == generation and pod.raw is not None:
+                    fact = health.pod_fact(pod.role, pod.raw)
+                    if fact.reason:
+                        return fact.reason, fact.message
+            return health.REASON_POD_VANISHED, plan.broken_reason or "a pair pod vanished"
+        return self.rt.health_reasons.get(self.ref.uid)
 
     def _status_fields(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> dict[str, Any]:
         names = {
@@ -324,21 +330,13 @@ class PairReconciler:
             self.emit("Warning", "RestartBudgetExhausted", message)
             self.log.warning("pair %s/%s failed: %s", self.ref.namespace, self.ref.name, message)
 
-    # --- metrics hooks (metrics.py is optional at import time) --------------------------------------
-    def _count_restart(self, reason: str) -> None:
-        try:
-            from . import metrics
-        except ImportError:
-            return
-        hook = getattr(metrics, "record_restart", None)
-        if hook:
-            hook(self.ref.namespace, self.ref.name, reason)
+    # --- metrics -----------------------------------------------------------------------------------
+    def _count_restart(self, reason_code: str) -> None:
+        if self.rt.metrics is not None:
+            self.rt.metrics.pair_restarted(self.ref.namespace, self.ref.name, reason_code)
 
     def _observe_duration(self, seconds: float) -> None:
-        try:
-            from . import metrics
-        except ImportError:
-            return
-        hook = getattr(metrics, "observe_reconcile", None)
-        if hook:
-            hook(seconds)
+        if self.rt.metrics is not None:
+            self.rt.metrics.observe_reconcile(seconds)
+            self.rt.metrics.set_pair_phase(self.ref.namespace, self.ref.name, self.status.get("phase") or "Pending")
+            self.rt.metrics.set_port_pool(max(0, self.rt.leaser.free_count()), self.rt.leaser.pool.size)

@@ -1,0 +1,150 @@
+"""Run the operator for real on a local control plane: install the chart's CRD and RBAC, start
+`python -m pdpair.operator` as a subprocess under the chart's ServiceAccount. Used by the e2e tests and the demo.
+
+`cluster` is a tests.cluster.localcluster.LocalCluster (duck-typed: kubectl(), service_account_kubeconfig(),
+create_namespace()); `helm` is the path of a helm binary.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+import yaml
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
+CHART_DIR = REPO_ROOT / "charts" / "pdpair"
+CRD_DIR = pathlib.Path(os.environ.get("PDPAIR_CRD_DIR") or CHART_DIR / "crds")  # override: try an edited CRD
+RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def install_crd(cluster: Any) -> None:
+    for path in sorted(CRD_DIR.glob("*.yaml")):
+        cluster.kubectl("apply", "--server-side", "-f", str(path))
+        name = yaml.safe_load(path.read_text())["metadata"]["name"]
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+
+
+def render_rbac(helm: str | os.PathLike, namespace: str, release: str = "pdpair") -> tuple[str, str]:
+    """The chart's RBAC objects for `namespace` as YAML, and the operator ServiceAccount's name."""
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": "/tmp/pdpair-helm/cache",
+        "HELM_CONFIG_HOME": "/tmp/pdpair-helm/config",
+        "HELM_DATA_HOME": "/tmp/pdpair-helm/data",
+    }
+    proc = subprocess.run(
+        [str(helm), "template", release, str(CHART_DIR), "--namespace", namespace],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"helm template {CHART_DIR} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d and d.get("kind") in RBAC_KINDS]
+    accounts = [d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"]
+    if len(accounts) != 1:
+        raise RuntimeError(f"expected one ServiceAccount in the rendered chart, found {accounts}")
+    return yaml.safe_dump_all(docs), accounts[0]
+
+
+def install_operator_rbac(cluster: Any, helm: str | os.PathLike, namespace: str) -> pathlib.Path:
+    """Creates the namespace, applies the chart's RBAC, returns a kubeconfig of the operator ServiceAccount."""
+    if cluster.kubectl("get", "namespace", namespace, check=False).returncode != 0:
+        cluster.create_namespace(namespace)
+    manifest, account = render_rbac(helm, namespace)
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=manifest)
+    return cluster.service_account_kubeconfig(namespace, account)
+
+
+class OperatorProcess:
+    """`python -m pdpair.operator` in a subprocess; its log goes to `log_path`."""
+
+    def __init__(
+        self,
+        kubeconfig: str | os.PathLike,
+        namespace: str,
+        port_pool: str,
+        log_path: str | os.PathLike,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.liveness_port = free_port()
+        self.metrics_port = free_port()
+        self.log_path = pathlib.Path(log_path)
+        self.env = {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig),
+            "PDPAIR_OPERATOR_NAMESPACE": namespace,
+            "PDPAIR_PORT_POOL": port_pool,
+            "PDPAIR_LIVENESS_PORT": str(self.liveness_port),
+            "PDPAIR_OPERATOR_METRICS_PORT": str(self.metrics_port),
+            "PDPAIR_PROBE_INTERVAL_SECONDS": "0.5",
+            "PDPAIR_RESYNC_INTERVAL_SECONDS": "10",
+            "PDPAIR_POOL_RETRY_SECONDS": "2",
+            "PDPAIR_SWEEP_INTERVAL_SECONDS": "10",
+            **(extra_env or {}),
+        }
+        self.env.pop("KUBERNETES_SERVICE_HOST", None)  # never mistake this for in-cluster
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, ready_timeout: float = 60.0) -> "OperatorProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdpair.operator"], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            cwd=str(REPO_ROOT),
+        )
+        log.close()
+        deadline = time.monotonic() + ready_timeout
+        url = f"http://127.0.0.1:{self.liveness_port}/healthz"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the operator exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"the operator's liveness endpoint did not answer within {ready_timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, limit: int = 6000) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return text[-limit:]
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup handlers run (the crash the leases must survive)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if not self.proc or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __enter__(self) -> "OperatorProcess":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,432 @@
+"""The operator on the real control plane (issue 2 "Done when"), under the chart's ServiceAccount and RBAC.
+
+Every test starts its own operator subprocess (`python -m pdpair.operator`) that watches only the test's namespace
+and leases from a pool of its own, on kwok nodes whose IP is 127.0.0.1, so the test can open the real decode
+listener the operator probes.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import json
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+
+from pdpair.contract import (
+    API_VERSION,
+    COND_DECODE_LISTENING,
+    COND_PORTS_LEASED,
+    ENV_GENERATION,
+    ENV_PEER_HOST,
+    ENV_PEER_PORT_BASE,
+    GROUP,
+    KIND,
+    LABEL_PAIR_NAMESPACE,
+    LABEL_PAIR_UID,
+    LABEL_PORT_LEASE,
+    LABEL_ROLE,
+    PLURAL,
+    VERSION,
+)
+from pdpair.operator import devrun
+from tests.cluster.localcluster import helm_path
+
+pytestmark = pytest.mark.cluster
+
+OPERATOR_NS = "pdpair-system"
+PORTS_PER_PAIR_NO_ROUTER = 6  # side channel + metrics + http, for decode and prefill (TP 1)
+
+
+# --- fixtures and helpers --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def platform(local_cluster):
+    """CRD + chart RBAC installed, kwok nodes with IP 127.0.0.1, the operator's kubeconfig."""
+    devrun.install_crd(local_cluster)
+    kubeconfig = devrun.install_operator_rbac(local_cluster, helm_path(), OPERATOR_NS)
+    for i in range(2):
+        name = f"kwok-op-{i}"
+        if local_cluster.kubectl("get", "node", name, check=False).returncode != 0:
+            local_cluster.add_node(name, ip="127.0.0.1", capacity={"pods": "1000"})
+    return local_cluster, kubeconfig
+
+
+class Api:
+    def __init__(self, cluster):
+        from kubernetes import client
+
+        api = cluster.api_client()
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self.coord = client.CoordinationV1Api(api)
+
+    def create_pair(self, ns, name, **spec_overrides):
+        spec = {"model": "m", "image": "img:1", "network": {"hostNetwork": True}, "router": {"enabled": False}}
+        spec.update(spec_overrides)
+        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": spec}
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body)
+
+    def pairs(self, ns):
+        return self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
+
+    def pair(self, ns, name):
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+
+    def delete_pair(self, ns, name):
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def pods(self, ns):
+        return [p.to_dict() for p in self.core.list_namespaced_pod(ns).items]
+
+    def leases(self, pair_ns=None):
+        selector = f"{LABEL_PORT_LEASE}=true" + (f",{LABEL_PAIR_NAMESPACE}={pair_ns}" if pair_ns else "")
+        return self.coord.list_namespaced_lease(OPERATOR_NS, label_selector=selector).items
+
+    def events(self, ns):
+        return self.core.list_namespaced_event(ns).items
+
+
+def wait_for(predicate, timeout, what, interval=0.25):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def condition(pair, type_):
+    return next((c for c in (pair.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def pool_of_free_ports(size):
+    """A range of `size` ports where nothing listens on 127.0.0.1 now (the probe must not hit a stranger)."""
+    for start in range(41000, 60000 - size, size):
+        if all(_bindable(p) for p in range(start, start + size)):
+            return f"{start}-{start + size - 1}"
+    raise AssertionError(f"no free range of {size} ports for the pool")
+
+
+def _bindable(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@contextlib.contextmanager
+def operator(platform, ns, pool, tmp_path, name="operator"):
+    cluster, kubeconfig = platform
+    proc = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / f"{name}.log",
+                                  extra_env={"PDPAIR_WATCH_NAMESPACES": ns})
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def cleanup_pairs(api, ns, timeout=120):
+    """Delete every pair (while the operator runs, so its finalizer releases the leases) and wait until gone."""
+    for pair in api.pairs(ns):
+        api.delete_pair(ns, pair["metadata"]["name"])
+    wait_for(lambda: not api.pairs(ns), timeout, f"pairs in {ns} to be gone")
+
+
+def create_many(api, ns, names, threads=16):
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda n: api.create_pair(ns, n), names))
+
+
+def check_leases_match_status(api, ns, expected_pairs, ports_per_pair):
+    """Every lease's pair exists and lists the port; every pair's status ports are exactly its leases."""
+    pairs = {p["metadata"]["uid"]: p for p in api.pairs(ns)}
+    assert len(pairs) == expected_pairs
+    leases = api.leases(ns)
+    lease_ports = collections.defaultdict(set)
+    for lease in leases:
+        port = int(lease.metadata.name.rsplit("-", 1)[1])
+        uid = lease.metadata.labels[LABEL_PAIR_UID]
+        assert uid in pairs, f"lease {lease.metadata.name} belongs to a pair that does not exist ({uid})"
+        pair = pairs[uid]
+        assert lease.spec.holder_identity.endswith(uid)
+        lease_ports[uid].add(port)
+    all_status_ports = []
+    for uid, pair in pairs.items():
+        status_ports = {p["port"] for p in (pair.get("status") or {}).get("ports") or []}
+        assert status_ports == lease_ports[uid], f"{pair['metadata']['name']}: status {status_ports} vs leases {lease_ports[uid]}"
+        assert len(status_ports) == ports_per_pair
+        all_status_ports += list(status_ports)
+    duplicates = [p for p, n in collections.Counter(all_status_ports).items() if n > 1]
+    assert duplicates == [], f"duplicate ports: {duplicates}"
+    assert len(leases) == expected_pairs * ports_per_pair
+    return len(leases)
+
+
+# --- 1. the decode-before-prefill gate -------------------------------------------------------------------------
+def test_prefill_waits_for_decode_listener(platform, cluster_namespace, tmp_path):
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    with operator(platform, ns, pool_of_free_ports(20), tmp_path):
+        api.create_pair(ns, "gate", router={"enabled": True})
+        decode = wait_for(lambda: next((p for p in api.pods(ns) if p["metadata"]["labels"][LABEL_ROLE] == "decode"
+                                        and p["status"].get("pod_ip")), None), 60, "a running decode pod")
+        pair = api.pair(ns, "gate")
+        side = [p["port"] for p in pair["status"]["ports"] if p["role"] == "decode" and p["purpose"] == "sidechannel"]
+        assert len(side) == 1
+        env = {e["name"]: e["value"] for e in decode["spec"]["containers"][0]["env"]}
+        assert env[ENV_GENERATION] == str(pair["status"]["pairGeneration"])
+        assert decode["metadata"]["owner_references"][0]["uid"] == pair["metadata"]["uid"]
+        assert decode["spec"]["host_network"] is True and decode["status"]["pod_ip"] == "127.0.0.1"
+
+        # Nothing listens: prefill must not appear (watch it for several seconds).
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            roles = {p["metadata"]["labels"][LABEL_ROLE] for p in api.pods(ns)}
+            assert "prefill" not in roles, "prefill was created before decode's listener accepted"
+            time.sleep(0.2)
+        pair = api.pair(ns, "gate")
+        assert pair["status"]["phase"] == "DecodeStarting"
+        assert condition(pair, COND_DECODE_LISTENING)["status"] == "False"
+
+        with socket.socket() as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", side[0]))
+            listener.listen(16)
+            opened = time.monotonic()
+            prefill = wait_for(lambda: next((p for p in api.pods(ns) if p["metadata"]["labels"][LABEL_ROLE] == "prefill"),
+                                            None), 15, "the prefill pod after the listener opened", interval=0.05)
+            latency = time.monotonic() - opened
+            print(f"\nprefill pod appeared {latency:.2f}s after the decode listener opened")
+            assert latency < 5.0
+            penv = {e["name"]: e["value"] for e in prefill["spec"]["containers"][0]["env"]}
+            assert penv[ENV_PEER_HOST] == "127.0.0.1" and penv[ENV_PEER_PORT_BASE] == str(side[0])
+            ready = wait_for(lambda: (lambda p: p if p["status"].get("phase") == "Ready" else None)(api.pair(ns, "gate")),
+                             30, "phase Ready")
+            assert condition(ready, COND_DECODE_LISTENING)["status"] == "True"
+            assert set(ready["status"]["pods"]) == {"decode", "prefill", "router"}
+        reasons = [e.reason for e in api.events(ns) if e.involved_object.kind == KIND]
+        for reason in ("PortsLeased", "PodCreated", "DecodeListening"):
+            assert reason in reasons, f"no {reason} Event (saw {sorted(set(reasons))})"
+        cleanup_pairs(api, ns)
+        assert api.leases(ns) == []
+
+
+# --- 2. 200 pairs at once --------------------------------------------------------------------------------------
+def test_200_pairs_concurrently_no_duplicate_ports(platform, cluster_namespace, tmp_path):
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    n = 200
+    with operator(platform, ns, "30000-31499", tmp_path):
+        started = time.monotonic()
+        create_many(api, ns, [f"p{i:03d}" for i in range(n)])
+        created = time.monotonic() - started
+
+        def all_leased():
+            pairs = api.pairs(ns)
+            done = [p for p in pairs if condition(p, COND_PORTS_LEASED).get("status") == "True"
+                    and len((p.get("status") or {}).get("ports") or []) == PORTS_PER_PAIR_NO_ROUTER]
+            return len(done) == n
+
+        wait_for(all_leased, 300, f"{n} pairs leased", interval=1)
+        elapsed = time.monotonic() - started
+        count = check_leases_match_status(api, ns, n, PORTS_PER_PAIR_NO_ROUTER)
+        print(f"\n{n} pairs created in {created:.1f}s, all leased ({count} leases, 0 duplicates) after {elapsed:.1f}s")
+
+        # 4 at scale: deleting the pairs releases every lease
+        started = time.monotonic()
+        cleanup_pairs(api, ns, timeout=300)
+        wait_for(lambda: api.leases(ns) == [], 60, "every lease released")
+        print(f"{n} pairs deleted and their leases released in {time.monotonic() - started:.1f}s")
+
+
+# --- 3. SIGKILL mid-leasing ------------------------------------------------------------------------------------
+def test_sigkill_mid_leasing_leaks_nothing(platform, cluster_namespace, tmp_path):
+    cluster, kubeconfig = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    n = 200
+    pool = "32000-33499"
+    first = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / "first.log",
+                                   extra_env={"PDPAIR_WATCH_NAMESPACES": ns}).start()
+    try:
+        creator = threading.Thread(target=create_many, args=(api, ns, [f"k{i:03d}" for i in range(n)]))
+        creator.start()
+        held = wait_for(lambda: (lambda k: k if k >= 150 else 0)(len(api.leases(ns))), 180, "leasing under way",
+                        interval=0.1)
+        first.kill()
+        creator.join()
+    finally:
+        first.kill()
+    leases_at_kill = len(api.leases(ns))
+    leased_pairs = sum(1 for p in api.pairs(ns) if condition(p, COND_PORTS_LEASED).get("status") == "True")
+    print(f"\nSIGKILL with {held}+ leases held ({leases_at_kill} after the kill), {leased_pairs}/{n} pairs with status")
+    assert leased_pairs < n, "the kill came too late to interrupt leasing"
+
+    with operator(platform, ns, pool, tmp_path, name="second"):
+        def all_leased():
+            return all(condition(p, COND_PORTS_LEASED).get("status") == "True"
+                       and len((p.get("status") or {}).get("ports") or []) == PORTS_PER_PAIR_NO_ROUTER
+                       for p in api.pairs(ns))
+
+        wait_for(all_leased, 300, "every pair leased after the restart", interval=1)
+        check_leases_match_status(api, ns, n, PORTS_PER_PAIR_NO_ROUTER)
+        cleanup_pairs(api, ns, timeout=300)
+        wait_for(lambda: api.leases(ns) == [], 60, "every lease released")
+
+
+# --- 4. deletion: pods by ownerReference GC, leases by the finalizer --------------------------------------------
+def test_delete_pairs_removes_pods_and_leases(platform, cluster_namespace, tmp_path):
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    with operator(platform, ns, pool_of_free_ports(60), tmp_path):
+        for i in range(5):
+            api.create_pair(ns, f"d{i}")
+        wait_for(lambda: len([p for p in api.pods(ns) if p["status"].get("phase") == "Running"]) == 5, 60,
+                 "5 decode pods running")
+        assert len(api.leases(ns)) == 5 * PORTS_PER_PAIR_NO_ROUTER
+        for i in range(5):
+            api.delete_pair(ns, f"d{i}")
+        wait_for(lambda: not api.pairs(ns), 60, "the pairs gone")
+        wait_for(lambda: api.leases(ns) == [], 30, "their leases gone")
+        wait_for(lambda: api.pods(ns) == [], 60, "their pods gone (garbage collector)")
+
+
+# --- 5. spec change: a new generation, decode first, prefill after the gate -------------------------------------
+class PodRecorder:
+    """Records pod creations and deletions in a namespace through a watch, in order."""
+
+    def __init__(self, api, ns):
+        from kubernetes import watch
+
+        self.events: list[tuple[float, str, str]] = []
+        self._seen_deleting: set[str] = set()
+        self._watch = watch.Watch()
+        self._thread = threading.Thread(target=self._run, args=(api, ns), daemon=True)
+        self._thread.start()
+        time.sleep(0.5)
+
+    def _run(self, api, ns):
+        try:
+            self._stream(api, ns)
+        except Exception:  # the stream ends when stop() closes it
+            pass
+
+    def _stream(self, api, ns):
+        for ev in self._watch.stream(api.core.list_namespaced_pod, ns, timeout_seconds=600):
+            pod = ev["object"]
+            name = pod.metadata.name
+            if ev["type"] == "ADDED":
+                self.events.append((time.monotonic(), "create", name))
+            elif pod.metadata.deletion_timestamp and name not in self._seen_deleting or ev["type"] == "DELETED":
+                if name not in self._seen_deleting:
+                    self._seen_deleting.add(name)
+                    self.events.append((time.monotonic(), "delete", name))
+
+    def stop(self):
+        self._watch.stop()
+
+    def order(self):
+        return [f"{kind} {name}" for _, kind, name in self.events]
+
+
+def test_spec_change_rolls_out_decode_first(platform, cluster_namespace, tmp_path):
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    with operator(platform, ns, pool_of_free_ports(20), tmp_path):
+        api.create_pair(ns, "roll")
+        pair = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("ports") else None)(api.pair(ns, "roll")),
+                        30, "ports")
+        side = next(p["port"] for p in pair["status"]["ports"] if p["name"] == "decode-sidechannel-0")
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", side))
+        listener.listen(16)
+        ready = wait_for(lambda: (lambda p: p if p["status"].get("phase") == "Ready" else None)(api.pair(ns, "roll")),
+                         30, "generation 1 Ready")
+        gen1 = ready["status"]["pairGeneration"]
+        listener.close()  # the new decode "starts" without a listener: prefill must wait for it
+
+        recorder = PodRecorder(api, ns)
+        try:
+            api.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "roll", {"spec": {"image": "img:2"}})
+            decode2 = wait_for(lambda: next((p for p in api.pods(ns) if p["metadata"]["labels"][LABEL_ROLE] == "decode"
+                                             and p["metadata"]["labels"]["pdpair.io/generation"] == str(gen1 + 1)
+                                             and p["status"].get("pod_ip")), None), 60, "the new decode pod running")
+            assert decode2["spec"]["containers"][0]["image"] == "img:2"
+            time.sleep(3)
+            assert not any(p["metadata"]["labels"][LABEL_ROLE] == "prefill" for p in api.pods(ns)), \
+                "the new prefill came before the new decode listened"
+            listener = socket.socket()
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", side))
+            listener.listen(16)
+            opened = time.monotonic()
+            ready = wait_for(lambda: (lambda p: p if p["status"].get("phase") == "Ready"
+                                      and p["status"]["pairGeneration"] == gen1 + 1 else None)(api.pair(ns, "roll")),
+                             30, "generation 2 Ready")
+            created_after = [t for t, kind, name in recorder.events if kind == "create" and "prefill" in name]
+            assert created_after and created_after[-1] >= opened
+        finally:
+            recorder.stop()
+            listener.close()
+        order = recorder.order()
+        print("\nrollout order: " + ", ".join(order))
+        g1, g2 = gen1, gen1 + 1
+        expected = [f"delete roll-prefill-g{g1}", f"delete roll-decode-g{g1}", f"create roll-decode-g{g2}",
+                    f"create roll-prefill-g{g2}"]
+        assert [o for o in order if o in expected] == expected
+        reasons = [e.reason for e in api.events(ns) if e.involved_object.kind == KIND]
+        assert "RollingOut" in reasons and "PodDeleted" in reasons
+        cleanup_pairs(api, ns)
+
+
+# --- 6. pool exhaustion ------------------------------------------------------------------------------------------
+def test_pool_exhaustion_is_a_condition_then_recovers(platform, cluster_namespace, tmp_path):
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    pool = pool_of_free_ports(2 * PORTS_PER_PAIR_NO_ROUTER)  # room for exactly two pairs
+    with operator(platform, ns, pool, tmp_path) as proc:
+        for name in ("a", "b"):
+            api.create_pair(ns, name)
+        wait_for(lambda: all(condition(api.pair(ns, n), COND_PORTS_LEASED).get("status") == "True" for n in ("a", "b")),
+                 30, "a and b leased")
+        api.create_pair(ns, "c")
+        starved = wait_for(lambda: (lambda p: p if condition(p, COND_PORTS_LEASED).get("reason") == "PoolExhausted"
+                                    else None)(api.pair(ns, "c")), 30, "c to report PoolExhausted")
+        cond = condition(starved, COND_PORTS_LEASED)
+        assert cond["status"] == "False" and "pool" in cond["message"]
+        assert starved["status"]["phase"] == "Pending"
+        uid_c = starved["metadata"]["uid"]
+        time.sleep(3)
+        assert [l for l in api.leases(ns) if l.metadata.labels[LABEL_PAIR_UID] == uid_c] == []  # no partial claim
+        assert proc.proc.poll() is None, "the operator died"
+        assert "PoolExhausted" in [e.reason for e in api.events(ns) if e.involved_object.name == "c"]
+
+        api.delete_pair(ns, "a")
+        started = time.monotonic()
+        wait_for(lambda: condition(api.pair(ns, "c"), COND_PORTS_LEASED).get("status") == "True", 30,
+                 "c leased once a is gone")
+        print(f"\nc got its ports {time.monotonic() - started:.1f}s after a was deleted")
+        check_leases_match_status(api, ns, 2, PORTS_PER_PAIR_NO_ROUTER)
+        cleanup_pairs(api, ns)
