@@ -118,6 +118,7 @@ OWN = "own"  # the release namespace (port leases)
 ALLOWED = [
     *[(v, PAIRS, None, ANY) for v in ("get", "list", "watch", "patch", "update")],
     *[(v, PAIRS, None, None) for v in ("list", "watch")],  # cluster-wide
+    ("get", PAIRS, "status", ANY),
     ("patch", PAIRS, "status", ANY),
     ("update", PAIRS, "status", ANY),
     ("update", PAIRS, "finalizers", ANY),
@@ -137,7 +138,6 @@ DENIED = [
     ("get", "configmaps", None, ANY),
     ("create", PAIRS, None, ANY),
     ("delete", PAIRS, None, ANY),
-    ("get", PAIRS, "status", ANY),
     ("update", "pods", None, ANY),
     ("patch", "pods", None, ANY),
     ("create", "pods", "exec", ANY),
@@ -199,4 +199,38 @@ def test_service_account_token_does_real_work_and_nothing_more(local_cluster, re
     assert denied.returncode != 0 and "Forbidden" in denied.stderr, denied.stderr
     denied = local_cluster.kubectl("create", "-f", "-", input=json.dumps({**lease, "metadata": {
         **lease["metadata"], "namespace": other_namespace}}), kubeconfig=kubeconfig, check=False)
+    assert denied.returncode != 0 and "Forbidden" in denied.stderr, denied.stderr
+
+
+def test_service_account_runs_the_operator_steps_on_a_pair(local_cluster, release, other_namespace):
+    """What the operator does to a pair, done with its token: finalizer, status, an owned pod, cleanup."""
+    [sa] = [d for d in release["docs"] if d["kind"] == "ServiceAccount"]
+    kubeconfig = local_cluster.service_account_kubeconfig(release["namespace"], sa["metadata"]["name"])
+    pair = {"apiVersion": contract.API_VERSION, "kind": contract.KIND,
+            "metadata": {"name": "rbac-pair", "namespace": other_namespace},
+            "spec": {"model": "/models/tiny", "image": "ghcr.io/pdpair/pdpair:0.1.0"}}
+    created = json.loads(local_cluster.kubectl("create", "-o", "json", "-f", "-", input=json.dumps(pair)).stdout)
+    as_operator = {"kubeconfig": kubeconfig}
+    ns = ["-n", other_namespace]
+
+    local_cluster.kubectl("patch", PAIRS, "rbac-pair", *ns, "--type=merge", "-p",
+                          json.dumps({"metadata": {"finalizers": [contract.FINALIZER]}}), **as_operator)
+    local_cluster.kubectl("patch", PAIRS, "rbac-pair", *ns, "--subresource=status", "--type=merge", "-p",
+                          json.dumps({"status": {"phase": contract.PHASE_PENDING, "pairGeneration": 1}}), **as_operator)
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "rbac-pair-decode-1", "namespace": other_namespace,
+                        "labels": {contract.LABEL_PAIR: "rbac-pair", contract.LABEL_ROLE: contract.ROLE_DECODE},
+                        # what kopf.adopt() writes
+                        "ownerReferences": [{"apiVersion": contract.API_VERSION, "kind": contract.KIND,
+                                             "name": "rbac-pair", "uid": created["metadata"]["uid"],
+                                             "controller": True, "blockOwnerDeletion": True}]},
+           "spec": {"containers": [{"name": "engine", "image": "ghcr.io/pdpair/pdpair:0.1.0"}]}}
+    local_cluster.kubectl("create", "-f", "-", input=json.dumps(pod), **as_operator)
+    local_cluster.kubectl("delete", "pod", "rbac-pair-decode-1", *ns, "--wait=false", **as_operator)
+    local_cluster.kubectl("patch", PAIRS, "rbac-pair", *ns, "--type=json", "-p",
+                          json.dumps([{"op": "remove", "path": "/metadata/finalizers"}]), **as_operator)
+    read = json.loads(local_cluster.kubectl("get", PAIRS, "rbac-pair", *ns, "-o", "json").stdout)
+    assert read["status"]["phase"] == contract.PHASE_PENDING
+    # but the operator cannot delete the pair itself
+    denied = local_cluster.kubectl("delete", PAIRS, "rbac-pair", *ns, check=False, **as_operator)
     assert denied.returncode != 0 and "Forbidden" in denied.stderr, denied.stderr
