@@ -341,3 +341,39 @@ def test_metrics_demo_process_goes_hung_after_the_timeout_and_stops_on_sigterm()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_metrics_demo_native_source_drops_signals_through_the_real_transport():
+    """The deficit comes from pdpair.native's test-only signal drop, seen through a real signal wait."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdpair.connector.metrics_demo", "--source", "native", "--hang-timeout", "0.5",
+         "--deficit", "3", "--expected", "8", "--ok-every", "0.1"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line, f"metrics_demo printed nothing (exit {proc.poll()})"
+        assert json.loads(line)["source"] == "native"
+        port = json.loads(line)["port"]
+        deadline = time.monotonic() + 10
+        code, body = healthz(port)
+        while code != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            code, body = healthz(port)
+        assert code == 503, body
+        peer = body["transfer"]["peer"]
+        assert (body["transfer"]["expected"], body["transfer"]["received"]) == (8, 5)
+        assert samples(port, "pdpair_signal_deficit") == {(("peer", peer), ("role", "decode")): 3.0}
+        assert samples(port, "pdpair_signal_wait_timeouts_total") == {(("role", "decode"),): 1.0}
+        # complete transfers still flow on the same connection while the stuck one stays open
+        ok = samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), ("role", "decode"))]
+        time.sleep(0.5)
+        assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), ("role", "decode"))] > ok
+        assert samples(port, "pdpair_transport_slots") == {(("peer", peer),): 256.0}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
