@@ -22,6 +22,8 @@
  *                       =drop   ... or is silently dropped while returning success (upstream between PR #443 and
  *                                #446: the proxy thread freed the descriptor, losing the put and its signal).
  *   FAKE_FLAGCX_FAIL_PUT_WITH=C  every flagcxPutSignal returns code C (to test error-code mapping).
+ *   FAKE_FLAGCX_HOMOGENEOUS=1    behave like a homogeneous comm (FLAGCX_USE_HETERO_COMM unset): no RMA proxy, so
+ *                                flagcxReadCounter answers flagcxInvalidArgument.
  *   FAKE_FLAGCX_HOST=ADDR        address put in the uid and listened on (default 127.0.0.1).
  *   FAKE_FLAGCX_TIMEOUT_MS=N     bound of the fake's own blocking calls (default 600000); upstream has none.
  */
@@ -77,6 +79,7 @@ struct flagcxComm {
     uint64_t request_pool; /* 0 = unlimited */
     pool_full_mode pool_full;
     int fail_put_with;
+    bool homogeneous; /* upstream gives only heterogeneous comms an RMA proxy */
     uint64_t dropped; /* puts lost by the simulated pool bug */
 };
 
@@ -268,6 +271,7 @@ FLAGCX_API flagcxResult_t flagcxCommInitRank(flagcxComm_t *out, int nranks, flag
     const char *mode = getenv("FAKE_FLAGCX_POOL_FULL");
     comm->pool_full = (mode != NULL && strcmp(mode, "drop") == 0) ? POOL_FULL_DROP : POOL_FULL_ERROR;
     comm->fail_put_with = (int)env_ll("FAKE_FLAGCX_FAIL_PUT_WITH", 0);
+    comm->homogeneous = env_ll("FAKE_FLAGCX_HOMOGENEOUS", 0) != 0;
 
     pdpair_status st;
     if (rank == 0) {
@@ -488,6 +492,7 @@ FLAGCX_API flagcxResult_t flagcxWaitSignal(flagcxComm_t comm, int peer, size_t s
 
 FLAGCX_API flagcxResult_t flagcxReadCounter(flagcxComm_t comm, uint64_t *count) {
     if (comm == NULL || count == NULL) return fail(comm, flagcxInvalidArgument, "flagcxReadCounter: NULL argument");
+    if (comm->homogeneous) return flagcxInvalidArgument; /* upstream: heteroComm/rmaProxy NULL, no message */
     pdpair_conn_stats stats;
     pdpair_status st = pdpair_conn_get_stats(comm->conn, &stats, sizeof(stats));
     if (st != PDPAIR_OK) return fail_native(comm, st, "reading completions");

@@ -43,6 +43,7 @@ FAKE_ENV_KNOBS = (
     "FAKE_FLAGCX_POOL_FULL",
     "FAKE_FLAGCX_FAIL_PUT_WITH",
     "FAKE_FLAGCX_TIMEOUT_MS",
+    "FAKE_FLAGCX_HOMOGENEOUS",
 )
 
 
@@ -425,3 +426,11 @@ def test_put_to_a_closed_peer_is_a_named_error():
         assert info.value.result_name == "flagcxRemoteError"
     finally:
         pair.close()
+
+
+def test_homogeneous_comm_fails_at_init_with_a_hint(monkeypatch):
+    monkeypatch.setenv("FAKE_FLAGCX_HOMOGENEOUS", "1")
+    with pytest.raises(FlagcxError) as info:
+        flagcx_pair()
+    assert info.value.call == "flagcxReadCounter" and info.value.result_name == "flagcxInvalidArgument"
+    assert "FLAGCX_USE_HETERO_COMM=1" in str(info.value)

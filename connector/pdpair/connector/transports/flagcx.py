@@ -115,6 +115,9 @@ class FlagcxError(TransportError):
         hint = ""
         if code == NOT_SUPPORTED and call.startswith(("flagcxPut", "flagcxOneSide")):
             hint = " (one-sided ops need the IB RDMA net adaptor: is FLAGCX_FORCE_NET_SOCKET set, or no HCA found?)"
+        elif code == INVALID_ARGUMENT and call == "flagcxReadCounter":
+            # Only heterogeneous comms get the RMA proxy; on a homogeneous one every one-sided call is a no-op.
+            hint = " (one-sided ops need a heterogeneous communicator: set FLAGCX_USE_HETERO_COMM=1)"
         meaning = RESULT_MEANINGS.get(code, "unknown code")
         super().__init__(
             f"{call} failed: {self.result_name} ({code}, {meaning}){': ' + detail if detail else ''}{hint}"
@@ -432,7 +435,11 @@ class FlagcxTransport(PairTransport):
         self.lib.check(f"flagcxCommInitRank(rank={rank})", code, None)
         if not comm.value:
             raise FlagcxError(f"flagcxCommInitRank(rank={rank})", INVALID_ARGUMENT, "returned a NULL communicator")
-        return FlagcxPairComm(self, comm.value, rank)
+        try:
+            return FlagcxPairComm(self, comm.value, rank)
+        except BaseException:
+            self.lib.fn["flagcxCommDestroy"](comm.value)
+            raise
 
 
 def _libc_free(ptr: int | None) -> None:
@@ -469,7 +476,11 @@ class FlagcxPairComm(PairComm):
         self._signal_map = mmap.mmap(-1, self.num_signal_slots * SIGNAL_BYTES)
         self._signals = (ctypes.c_uint64 * self.num_signal_slots).from_buffer(self._signal_map)
         self._completed_base = 0
-        self._completed_base = self._read_completions()
+        try:
+            self._completed_base = self._read_completions()
+        except BaseException:
+            self._comm = None  # init_pair destroys it; keep __del__ from doing so twice
+            raise
         self._completed_seen = 0  # completions at the last read; posted - seen bounds in-flight from above
 
     # -- helpers --
