@@ -21,7 +21,9 @@ COPY connector connector
 RUN python -m venv /opt/pdpair \
  && /opt/pdpair/bin/pip install --upgrade pip setuptools wheel \
  && /opt/pdpair/bin/pip install ".[operator,connector]"
-# Fail the build here, not in the cluster, if a package or the native extension does not load.
+# Fail the build here, not in the cluster, if a package or the native extension does not load. Run from / so the
+# installed packages are imported, not the source folders (/src/operator would shadow nothing, but be sure).
+WORKDIR /
 RUN /opt/pdpair/bin/python -c "import pdpair.contract, pdpair.operator, pdpair.connector, pdpair.router, pdpair.native, kopf, kubernetes"
 
 FROM ${PYTHON_IMAGE} AS runtime
