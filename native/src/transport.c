@@ -168,7 +168,7 @@ struct pdpair_conn {
 
     /* fault injection (TEST ONLY) */
     uint64_t fault_drop_every, fault_signal_count;
-    bool fault_skip_bounds;
+    bool fault_skip_bounds, fault_hold_sends;
 
     pdpair_conn_stats stats;
 };
@@ -405,8 +405,8 @@ static void *sender_main(void *arg)
             wire_encode(headers[nf], &f);
             iov[niov++] = (struct iovec){headers[nf++], WIRE_FRAME_SIZE};
         }
-        while (c->q_len > 0 && c->sent_seq - c->acked_seq < c->slots && nf < SEND_BATCH_FRAMES &&
-               payload < SEND_BATCH_BYTES) {
+        while (c->q_len > 0 && !c->fault_hold_sends && c->sent_seq - c->acked_seq < c->slots &&
+               nf < SEND_BATCH_FRAMES && payload < SEND_BATCH_BYTES) {
             struct op *o = &c->queue[c->q_head];
             c->q_head = (c->q_head + 1) % c->q_cap;
             c->q_len--;
@@ -1363,6 +1363,8 @@ pdpair_status pdpair_conn_set_fault(pdpair_conn *c, int fault, uint64_t n)
     case PDPAIR_FAULT_NONE:
         c->fault_drop_every = 0;
         c->fault_skip_bounds = false;
+        c->fault_hold_sends = false;
+        pthread_cond_signal(&c->send_cv);
         break;
     case PDPAIR_FAULT_DROP_EVERY_NTH_SIGNAL:
         c->fault_drop_every = n;
@@ -1370,6 +1372,10 @@ pdpair_status pdpair_conn_set_fault(pdpair_conn *c, int fault, uint64_t n)
         break;
     case PDPAIR_FAULT_SKIP_SENDER_BOUNDS_CHECK:
         c->fault_skip_bounds = n != 0;
+        break;
+    case PDPAIR_FAULT_HOLD_SENDS:
+        c->fault_hold_sends = n != 0;
+        pthread_cond_signal(&c->send_cv);
         break;
     default:
         snprintf(c->err, sizeof c->err, "unknown fault kind %d", fault);

@@ -96,7 +96,8 @@ typedef struct pdpair_conn_stats {
 typedef enum pdpair_fault {
     PDPAIR_FAULT_NONE = 0,
     PDPAIR_FAULT_DROP_EVERY_NTH_SIGNAL = 1, /* the sender omits the signal of every n-th put_signal/signal */
-    PDPAIR_FAULT_SKIP_SENDER_BOUNDS_CHECK = 2 /* n != 0: posts skip the local check, so the peer's check runs */
+    PDPAIR_FAULT_SKIP_SENDER_BOUNDS_CHECK = 2, /* n != 0: posts skip the local check, so the peer's check runs */
+    PDPAIR_FAULT_HOLD_SENDS = 3 /* n != 0: the sender sends no new request (a stalled link); n = 0 resumes */
 } pdpair_fault;
 
 /* Library version (PDPAIR_VERSION of the build) and a static version string. */
