@@ -88,7 +88,7 @@ POD_ENV = (
 METRICS_PATH = "/metrics"
 HEALTHZ_PATH = "/healthz"
 # containerPort name of PDPAIR_METRICS_PORT on pair pods; the chart's PodMonitor scrapes the port by this name.
-METRICS_PORT_NAME = "pdpair-metrics"
+METRICS_PORT_NAME = "metrics"
 
 
 # --- metrics -------------------------------------------------------------------------------------
