@@ -211,10 +211,38 @@ def helm_path() -> pathlib.Path:
 # Cluster
 # ---------------------------------------------------------------------------------------------------------------
 
+_handed_out_ports: set[int] = set()
+
+
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now, chosen below the kernel's ephemeral range.
+
+    bind(0) would hand out an ephemeral port, and the many outgoing connections a starting control plane opens
+    (apiserver -> etcd, controllers -> apiserver) draw from that same range, so such a port can be taken before
+    the component binds it. Clashes with other clusters are still possible; start() retries on new ports.
+    """
+    low, _ = _ephemeral_port_range()
+    rng = secrets.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10000, low) if low > 11000 else rng.randrange(low // 2, low)
+        if port in _handed_out_ports:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out_ports.add(port)
+        return port
+    raise ClusterError("no free loopback port found below the ephemeral range after 200 tries")
 
 
 def _die_with_parent() -> None:
@@ -445,6 +473,8 @@ class LocalCluster:
                 if "address already in use" in str(exc) and attempt < 2 and time.monotonic() < deadline:
                     self._log(f"[cluster] port clash, retrying on new ports: {str(exc).splitlines()[0]}")
                     shutil.rmtree(self.workdir / "etcd-data", ignore_errors=True)
+                    os.replace(self.logs_dir, self.workdir / f"logs.failed-attempt-{attempt + 1}")
+                    self.logs_dir.mkdir()
                     continue
                 raise
         raise AssertionError("unreachable")
@@ -551,15 +581,15 @@ class LocalCluster:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _stop_processes(self) -> None:
-        # Reverse order: clients before the apiserver, the apiserver before etcd.
-        for component in reversed(self._components):
-            if component.process and component.process.poll() is None:
-                component.process.terminate()
+        # One by one in reverse order: clients before the apiserver, the apiserver before etcd. Stopping them all
+        # at once leaves the apiserver draining requests against a dead etcd (seconds lost per cluster).
         for component in reversed(self._components):
             if not component.process:
                 continue
+            if component.process.poll() is None:
+                component.process.terminate()
             try:
-                component.process.wait(timeout=15)
+                component.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 component.process.kill()
                 component.process.wait(timeout=10)

@@ -15,7 +15,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from tests.cluster import localcluster
-from tests.cluster.localcluster import KUBERNETES_VERSION, LocalCluster, helm_path, kubectl_path
+from tests.cluster.localcluster import KUBERNETES_VERSION, ClusterError, LocalCluster, helm_path, kubectl_path
 
 pytestmark = pytest.mark.cluster
 
@@ -218,3 +218,26 @@ def _alive(pid: int) -> bool:
         return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_start_past_its_deadline_fails_with_log_tail_and_leaves_nothing_running(tmp_path: pathlib.Path):
+    workdir = tmp_path / "too-slow"
+    cluster = LocalCluster(workdir, start_timeout=0.2)
+    with pytest.raises(ClusterError, match=r"not healthy at .* before the deadline") as failed:
+        cluster.start()
+    assert "log " in str(failed.value) and str(workdir / "logs") in str(failed.value)
+    leftovers = [pid for pid in _pids_with_arg_containing(str(workdir)) if _alive(pid)]
+    assert leftovers == [], f"processes of the failed cluster still running: {leftovers}"
+
+
+def _pids_with_arg_containing(text: str) -> list[int]:
+    pids = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if text.encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
