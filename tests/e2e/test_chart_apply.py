@@ -234,3 +234,31 @@ def test_service_account_runs_the_operator_steps_on_a_pair(local_cluster, releas
     # but the operator cannot delete the pair itself
     denied = local_cluster.kubectl("delete", PAIRS, "rbac-pair", *ns, check=False, **as_operator)
     assert denied.returncode != 0 and "Forbidden" in denied.stderr, denied.stderr
+
+
+def test_helm_install_then_uninstall_keeps_the_crd(local_cluster, release):
+    """Real `helm install`/`helm uninstall` against the apiserver: the release's objects come and go, the CRD
+    (crds/) stays, as charts/pdpair/README.md promises."""
+    namespace = f"helm-{uuid.uuid4().hex[:8]}"
+    name = f"h{uuid.uuid4().hex[:6]}"
+    home = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdpair-helm-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "KUBECONFIG": str(local_cluster.kubeconfig),
+           **{f"HELM_{k}_HOME": str(home / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}}
+
+    def helm(*args: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([str(helm_path()), *args], capture_output=True, text=True, env=env, timeout=180)
+        assert proc.returncode == 0, f"helm {' '.join(args)}:\n{proc.stdout}{proc.stderr}"
+        return proc
+
+    helm("install", name, str(CHART), "--namespace", namespace, "--create-namespace")
+    try:
+        status = json.loads(helm("status", name, "--namespace", namespace, "-o", "json").stdout)
+        assert status["info"]["status"] == "deployed"
+        local_cluster.kubectl("get", "deployment", f"{name}-pdpair-operator", "-n", namespace)
+        local_cluster.kubectl("get", "clusterrole", f"{name}-pdpair-operator")
+    finally:
+        helm("uninstall", name, "--namespace", namespace)
+    gone = local_cluster.kubectl("get", "clusterrole", f"{name}-pdpair-operator", check=False)
+    assert gone.returncode != 0 and "NotFound" in gone.stderr, gone.stderr
+    local_cluster.kubectl("get", "crd", f"{contract.PLURAL}.{contract.GROUP}")
+    local_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
