@@ -46,13 +46,12 @@ from pdpair.connector.transports.base import (
     TransportError,
     seconds_left,
 )
-from pdpair.contract import ENV_HANG_TIMEOUT_SECONDS, TRANSPORT_FLAGCX
+from pdpair.contract import ENV_HANG_TIMEOUT_SECONDS, ENV_TRANSPORT_SLOTS, TRANSPORT_FLAGCX
 
 log = logging.getLogger(__name__)
 
 ENV_LIB_PATH = "FLAGCX_LIB_PATH"
 ENV_FLAGCX_PATH = "FLAGCX_PATH"
-ENV_TRANSPORT_SLOTS = "PDPAIR_TRANSPORT_SLOTS"
 
 LIBRARY_NAME = "libflagcx.so"
 # flagcxGetVersion() = MAJOR*10000 + MINOR*100 + PATCH; upstream reports 1.0.0 for the whole bound generation.
