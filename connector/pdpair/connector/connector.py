@@ -32,6 +32,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pdpair.connector")
 
+
+def _configure_logging() -> None:
+    """vLLM configures only the `vllm` logger; give ours a handler in the same style so INFO lines show."""
+    root = logging.getLogger("pdpair")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("(pdpair pid=%(process)d) %(levelname)s %(asctime)s [%(name)s] %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+
+
+_configure_logging()
+
 SUPPORTED_VLLM_VERSION = "0.32.0"
 
 
