@@ -208,6 +208,14 @@ def test_bad_input_is_refused_with_a_clear_error(call, message):
         call(accounts)
 
 
+def test_any_request_id_is_a_valid_transfer_id(served):
+    accounts, port = served
+    accounts.open_wait("chat cmpl/ünïcode id#1", "peer-a", 1, deadline=1e9)
+    accounts.on_signals("chat cmpl/ünïcode id#1", 1)
+    accounts.close_wait("chat cmpl/ünïcode id#1", "ok", nbytes=1, seconds=0.0)
+    assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), ("role", "decode"))] == 1.0
+
+
 def test_received_total_may_not_go_down():
     accounts = SignalAccounts("decode", 1.0)
     accounts.open_wait("t", "p", 4, 1e9)

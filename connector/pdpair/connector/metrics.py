@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import threading
 import time
@@ -74,6 +75,13 @@ _DERIVED = (contract.SIGNAL_DEFICIT, contract.SIGNAL_WAIT_OLDEST_SECONDS)
 def _check_label(what: str, value: str) -> str:
     if not isinstance(value, str) or not _LABEL_VALUE.match(value):
         raise ValueError(f"{what} must be a non-empty string of [A-Za-z0-9_.:-[]/] (max 128), got {value!r}")
+    return value
+
+
+def _check_transfer_id(value: str) -> str:
+    # Not a label (only /healthz shows it), so any request id vLLM or a client chose is fine.
+    if not isinstance(value, str) or not value or len(value) > 1024:
+        raise ValueError(f"transfer_id must be a non-empty string of at most 1024 characters, got {value!r}")
     return value
 
 
@@ -204,7 +212,7 @@ class SignalAccounts:
     # --- transfers -------------------------------------------------------------------------------
     def open_wait(self, transfer_id: str, peer: str, expected_signals: int, deadline: float) -> None:
         """Start waiting for `expected_signals` from `peer`; `deadline` is a time.monotonic() value."""
-        _check_label("transfer_id", transfer_id)
+        _check_transfer_id(transfer_id)
         _check_label("peer", peer)
         _check_count("expected_signals", expected_signals)
         if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
@@ -432,8 +440,6 @@ def serve(
 
 def accounts_from_env(environ: dict[str, str] | None = None, registry: CollectorRegistry | None = None) -> SignalAccounts:
     """Build accounts from PDPAIR_ROLE, PDPAIR_HANG_TIMEOUT_SECONDS and PDPAIR_GENERATION (as the operator sets them)."""
-    import os
-
     env = os.environ if environ is None else environ
     missing = [n for n in (contract.ENV_ROLE, contract.ENV_HANG_TIMEOUT_SECONDS) if not env.get(n)]
     if missing:
