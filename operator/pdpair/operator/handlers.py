@@ -17,11 +17,12 @@ from typing import Any
 
 import kopf
 
-from pdpair.contract import FINALIZER, GROUP, LABEL_PAIR_UID, PLURAL, VERSION
+from pdpair.contract import FINALIZER, GROUP, LABEL_PAIR_UID, PHASE_READY, PLURAL, ROLES, VERSION
 
+from . import health
 from .config import OperatorConfig
 from .desired import PodView
-from .ports import PortLeaser
+from .ports import PURPOSE_METRICS, PortLeaser, port_of
 from .reconciler import PairReconciler, Runtime, api_status
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,64 @@ async def reconcile(
         runtime.wakeups.pop(uid, None)
 
 
+@kopf.daemon(GROUP, VERSION, PLURAL, id="health", cancellation_backoff=2.0, cancellation_timeout=5.0)
+async def watch_health(
+    body: kopf.Body, uid: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, logger: logging.Logger,
+    pair_pods: kopf.Index, **_: Any,
+) -> None:
+    """Every health interval, scrape the Ready pair's pods and hand a verdict to the reconciler."""
+    runtime: Runtime = memo["runtime"]
+    interval = runtime.config.health_interval
+    tracker = health.UnreachableTracker()
+    judged_generation = None
+    while not stopped:
+        await _sleep(asyncio.Event(), stopped, interval)
+        if stopped:
+            break
+        status = body.get("status") or {}
+        generation = int(status.get("pairGeneration") or 0)
+        if status.get("phase") != PHASE_READY or not generation:
+            continue  # a pair still starting (or restarting) has nothing to judge yet
+        if generation != judged_generation:
+            tracker, judged_generation = health.UnreachableTracker(), generation
+        try:
+            verdict = await _judge_pair(body, generation, list(pair_pods.get(uid, ())), tracker, interval)
+        except Exception as exc:  # a bug here must not stop the watch
+            logger.warning("health check failed: %s: %s", type(exc).__name__, exc)
+            continue
+        previous = runtime.health_verdicts.get(uid)
+        runtime.health_verdicts[uid] = (generation, verdict)
+        if verdict.restart:
+            if verdict.hung and runtime.metrics is not None:
+                runtime.metrics.hang_detected()
+            kopf.event(body, type="Warning", reason="Unhealthy", message=f"{verdict.reason}: {verdict.message}"[:1024])
+            logger.warning("pair unhealthy (%s): %s", verdict.reason, verdict.message)
+            runtime.wake(uid)
+        elif previous is None or previous[1].restart != verdict.restart:
+            runtime.wake(uid)  # SignalsHealthy flips
+
+
+async def _judge_pair(
+    body: kopf.Body, generation: int, pods: list[PodView], tracker: Any, interval: float
+) -> Any:
+    spec = body.get("spec") or {}
+    ports = (body.get("status") or {}).get("ports") or []
+    current = {p.role: p for p in pods if p.generation == generation and p.role in ROLES}
+    targets = []
+    for role, pod in current.items():
+        port = port_of(ports, role, PURPOSE_METRICS)
+        if pod.ip and port:
+            targets.append(health.ScrapeTarget(role, pod.name, pod.ip, port))
+    scrapes = await health.scrape_pods(
+        targets,
+        expected_generation=generation,
+        hang_timeout_seconds=float((spec.get("connector") or {}).get("hangTimeoutSeconds", 60)),
+        timeout=max(0.2, min(2.0, interval / 2)),
+    )
+    facts = {role: (current[role].raw if role in current else None) for role in ROLES}
+    return health.pair_verdict(scrapes, pods=facts, unreachable=tracker)
+
+
 @kopf.on.delete(GROUP, VERSION, PLURAL, id="release-ports")
 async def release_ports(body: kopf.Body, uid: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     runtime: Runtime = memo["runtime"]
@@ -161,7 +220,7 @@ async def release_ports(body: kopf.Body, uid: str, memo: kopf.Memo, logger: logg
             logger.warning("the pair's daemon did not stop within %.0fs; releasing anyway", DAEMON_STOP_WAIT)
     released = await runtime.leaser.release_pair(uid)
     runtime.exited.pop(uid, None)
-    runtime.health_reasons.pop(uid, None)
+    runtime.health_verdicts.pop(uid, None)
     if runtime.metrics is not None:
         runtime.metrics.forget_pair(body["metadata"]["namespace"], body["metadata"]["name"])
     kopf.event(body, type="Normal", reason="PortsReleased", message=f"released {released} port leases")

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from pdpair.contract import (
     COND_READY,
+    COND_SIGNALS_HEALTHY,
     GROUP,
     PHASE_FAILED,
     PHASE_RESTARTING,
@@ -36,7 +37,7 @@ from .lifecycle import probe_ranks
 from .pods import ManifestError, engine_pod, pod_name, router_pod
 from .ports import PURPOSE_SIDECHANNEL, PairRef, PortLeaser, required_blocks, status_ports, ports_of
 from .restart_policy import Action, RestartPolicy, decide, prune
-from .status import FALSE, Condition, apply_conditions, now_rfc3339, status_diff
+from .status import FALSE, TRUE, Condition, apply_conditions, now_rfc3339, status_diff
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +58,17 @@ class Runtime:
     wakeups: dict[str, asyncio.Event] = field(default_factory=dict)
     exited: dict[str, asyncio.Event] = field(default_factory=dict)
     metrics: Any = None  # metrics.OperatorMetrics, when served
-    # pair uid -> (reason code, message), filled by the health watch (health.py); consumed by the reconciler
-    health_reasons: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # pair uid -> (pairGeneration judged, verdict), written by the health watch (handlers.watch_health)
+    health_verdicts: dict[str, tuple[int, Any]] = field(default_factory=dict)
 
     def wake(self, uid: str) -> None:
         event = self.wakeups.get(uid)
         if event is not None:
             event.set()
+
+
+def _camel(code: str | None) -> str:
+    return "".join(part.capitalize() for part in (code or "unhealthy").split("_"))
 
 
 def api_status(exc: BaseException) -> int | None:
@@ -184,7 +189,7 @@ class PairReconciler:
                 wait = (decision.not_before - time.time()) if decision.not_before else cfg.probe_interval
                 return max(0.2, min(wait, cfg.resync_interval))
             # RESTART_NOW: a new generation, the ordered replacement follows from the plan
-            self.rt.health_reasons.pop(self.ref.uid, None)
+            self.rt.health_verdicts.pop(self.ref.uid, None)
             self.restart_times = prune(
                 RestartPolicy.from_spec(spec.get("restartPolicy")), self.restart_times + [time.time()], time.time()
             )
@@ -202,7 +207,11 @@ class PairReconciler:
             self.emit("Normal", "RollingOut", f"spec changed: rolling out generation {plan.pair_generation}, decode first")
 
         # Intent first: status carries the generation before any pod is touched.
-        await self._write_status({**self._status_fields(plan, pods), **extra}, plan.conditions, meta_generation)
+        await self._write_status(
+            {**self._status_fields(plan, pods), **extra},
+            list(plan.conditions) + self._signals_condition(plan.pair_generation),
+            meta_generation,
+        )
         if plan.step != self.last_step:
             self.log.info("pair %s/%s: %s (%s)", self.ref.namespace, self.ref.name, plan.step, plan.message)
             self.last_step = plan.step
@@ -225,7 +234,21 @@ class PairReconciler:
                     if fact.reason:
                         return fact.reason, fact.message
             return health.REASON_POD_VANISHED, plan.broken_reason or "a pair pod vanished"
-        return self.rt.health_reasons.get(self.ref.uid)
+        judged = self.rt.health_verdicts.get(self.ref.uid)
+        if judged and judged[0] == generation and judged[1].restart:
+            return judged[1].reason, judged[1].message
+        return None
+
+    def _signals_condition(self, generation: int) -> list[Condition]:
+        judged = self.rt.health_verdicts.get(self.ref.uid)
+        if not judged or judged[0] != generation:
+            return []
+        verdict = judged[1]
+        if verdict.pending:
+            return []
+        if verdict.restart:
+            return [Condition(COND_SIGNALS_HEALTHY, FALSE, _camel(verdict.reason), verdict.message[:32768])]
+        return [Condition(COND_SIGNALS_HEALTHY, TRUE, "Healthy", verdict.message[:32768])]
 
     def _status_fields(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> dict[str, Any]:
         names = {

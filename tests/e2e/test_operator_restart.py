@@ -1,0 +1,223 @@
+"""Hang detection and the ordered pair restart (issue 5) on the real control plane.
+
+The pods are kwok pods (hostNetwork, node IP 127.0.0.1); their /metrics are real processes on the leased metrics
+ports: `python -m pdpair.connector.metrics_demo`, the connector's own exporter (SignalAccounts), made hung on
+purpose with SIGUSR1. The decode side-channel listener is a real socket the test opens and closes.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pdpair.contract import COND_SIGNALS_HEALTHY, KIND
+from test_operator_lifecycle import (  # tests/e2e is on sys.path (pytest's rootdir-relative import)
+    Api,
+    PodRecorder,
+    cleanup_pairs,
+    condition,
+    operator,
+    platform,  # noqa: F401  (fixture)
+    pool_of_free_ports,
+    wait_for,
+)
+
+pytestmark = pytest.mark.cluster
+
+HEALTH_INTERVAL = 1.0
+HANG_TIMEOUT = 5  # the CRD's minimum
+FAST_HEALTH = {"PDPAIR_HEALTH_INTERVAL_SECONDS": str(HEALTH_INTERVAL)}
+
+
+class Exporter:
+    """A real pod metrics exporter on 127.0.0.1:port (the connector's metrics_demo)."""
+
+    def __init__(self, port, role, generation, *args):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdpair.connector.metrics_demo", "--port", str(port), "--role", role,
+             "--generation", str(generation), "--hang-timeout", str(HANG_TIMEOUT), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"metrics_demo did not start: {self.proc.stderr.read()[-2000:]}")
+        assert json.loads(line)["port"] == port
+
+    def hang(self):
+        self.proc.send_signal(signal.SIGUSR1)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+class Listener:
+    def __init__(self, port):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.sock.listen(16)
+
+    def close(self):
+        self.sock.close()
+
+
+def ports_of(pair):
+    return {p["name"]: p["port"] for p in pair["status"]["ports"]}
+
+
+def phase_is(api, ns, name, phase, generation=None):
+    def check():
+        pair = api.pair(ns, name)
+        status = pair.get("status") or {}
+        if status.get("phase") == phase and (generation is None or status.get("pairGeneration") == generation):
+            return pair
+        return None
+    return check
+
+
+def start_pair(api, ns, name, **restart_policy):
+    api.create_pair(ns, name, connector={"transport": "tcp", "hangTimeoutSeconds": HANG_TIMEOUT},
+                    restartPolicy={"maxRestarts": 5, "windowSeconds": 600, "backoffSeconds": 1,
+                                   "maxBackoffSeconds": 4, **restart_policy})
+    pair = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("ports") else None)(api.pair(ns, name)),
+                    30, "ports leased")
+    return ports_of(pair)
+
+
+def test_hang_detected_and_pair_restarted_in_order(platform, cluster_namespace, tmp_path):
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    exporters = []
+    with operator(platform, ns, pool_of_free_ports(20), tmp_path, env=FAST_HEALTH):
+        ports = start_pair(api, ns, "hang")
+        listener = Listener(ports["decode-sidechannel-0"])
+        try:
+            decode_x = Exporter(ports["decode-metrics-0"], "decode", 1, "--deficit", "3", "--deficit-on-sigusr1")
+            prefill_x = Exporter(ports["prefill-metrics-0"], "prefill", 1)
+            exporters += [decode_x, prefill_x]
+            ready = wait_for(phase_is(api, ns, "hang", "Ready", 1), 30, "generation 1 Ready")
+            wait_for(lambda: condition(api.pair(ns, "hang"), COND_SIGNALS_HEALTHY).get("status") == "True", 10,
+                     "SignalsHealthy True")
+            recorder = PodRecorder(api, ns)
+            hung_at = time.monotonic()
+            decode_x.hang()  # the stuck transfer opens now; it is hung HANG_TIMEOUT seconds later
+
+            # Detection: the first step of the restart (the prefill pod's deletion) shows up in the watch.
+            wait_for(lambda: any(k == "delete" and "prefill" in n for _, k, n in recorder.events), 30,
+                     "the restart to begin", interval=0.05)
+            detected_at = next(t for t, k, n in recorder.events if k == "delete" and "prefill" in n)
+            detection = detected_at - hung_at
+            budget = HANG_TIMEOUT + 2 * HEALTH_INTERVAL
+            print(f"\nhang detected and restart begun {detection:.2f}s after the transfer got stuck "
+                  f"(hang timeout {HANG_TIMEOUT}s, bound {budget:.1f}s + the first scrape's timing)")
+            assert detection <= budget + 1.0
+
+            # The old "engines" go away with their pods; the new decode starts without a listener.
+            listener.close()
+            for x in exporters:
+                x.stop()
+            exporters.clear()
+            wait_for(lambda: any(k == "create" and n == "hang-decode-g2" for _, k, n in recorder.events), 30,
+                     "the new decode pod")
+            time.sleep(2.5)
+            assert not any(k == "create" and n == "hang-prefill-g2" for _, k, n in recorder.events), \
+                "prefill g2 was created before decode g2 listened"
+            exporters += [Exporter(ports["decode-metrics-0"], "decode", 2),
+                          Exporter(ports["prefill-metrics-0"], "prefill", 2)]
+            listener = Listener(ports["decode-sidechannel-0"])
+            opened = time.monotonic()
+            recovered = wait_for(phase_is(api, ns, "hang", "Ready", 2), 30, "generation 2 Ready")
+            print(f"recovered (generation 2 Ready) {time.monotonic() - detected_at:.2f}s after the restart began, "
+                  f"of which the test held the listener closed for {opened - detected_at:.2f}s")
+            recorder.stop()
+            order = recorder.order()
+            print("restart order: " + ", ".join(order))
+            assert [o for o in order if not o.startswith("create hang-") or o.endswith("-g2")][:4] == [
+                "delete hang-prefill-g1", "delete hang-decode-g1", "create hang-decode-g2", "create hang-prefill-g2"]
+            prefill_created = next(t for t, k, n in recorder.events if k == "create" and n == "hang-prefill-g2")
+            assert prefill_created >= opened
+            status = recovered["status"]
+            assert status["restarts"] == 1 and "hung" in status["lastRestart"]["reason"]
+            events = [e for e in api.events(ns) if e.involved_object.kind == KIND]
+            reasons = [e.reason for e in events]
+            assert "Unhealthy" in reasons and "Restarting" in reasons and "PodDeleted" in reasons
+        finally:
+            for x in exporters:
+                x.stop()
+            listener.close()
+        cleanup_pairs(api, ns)
+
+
+def test_stale_generation_leads_to_restart(platform, cluster_namespace, tmp_path):
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    with operator(platform, ns, pool_of_free_ports(20), tmp_path, env=FAST_HEALTH):
+        ports = start_pair(api, ns, "stale")
+        listener = Listener(ports["decode-sidechannel-0"])
+        exporters = [Exporter(ports["decode-metrics-0"], "decode", 7),  # a pod of another generation
+                     Exporter(ports["prefill-metrics-0"], "prefill", 1)]
+        try:
+            restarted = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("restarts") else None)(
+                api.pair(ns, "stale")), 30, "a restart")
+            assert restarted["status"]["pairGeneration"] >= 2
+            assert "generation" in restarted["status"]["lastRestart"]["reason"]
+        finally:
+            for x in exporters:
+                x.stop()
+            listener.close()
+        cleanup_pairs(api, ns)
+
+
+def test_budget_exhaustion_fails_the_pair_and_stops(platform, cluster_namespace, tmp_path):
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    with operator(platform, ns, pool_of_free_ports(20), tmp_path, env=FAST_HEALTH):
+        # Nothing serves the pods' /metrics: after 3 unreachable scrapes the pair is restarted, again and again.
+        ports = start_pair(api, ns, "budget", maxRestarts=1)
+        listener = Listener(ports["decode-sidechannel-0"])
+        try:
+            failed = wait_for(phase_is(api, ns, "budget", "Failed"), 60, "phase Failed")
+            generation = failed["status"]["pairGeneration"]
+            assert failed["status"]["restarts"] == 1
+            assert "budget" in failed["status"]["message"]
+            time.sleep(6 * HEALTH_INTERVAL)
+            later = api.pair(ns, "budget")["status"]
+            assert later["phase"] == "Failed" and later["pairGeneration"] == generation and later["restarts"] == 1
+            reasons = [e.reason for e in api.events(ns) if e.involved_object.name == "budget"]
+            assert "RestartBudgetExhausted" in reasons
+        finally:
+            listener.close()
+        cleanup_pairs(api, ns)
+
+
+def test_healthy_pair_is_never_restarted(platform, cluster_namespace, tmp_path):
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    with operator(platform, ns, pool_of_free_ports(20), tmp_path, env=FAST_HEALTH):
+        ports = start_pair(api, ns, "calm")
+        listener = Listener(ports["decode-sidechannel-0"])
+        exporters = [Exporter(ports["decode-metrics-0"], "decode", 1, "--ok-every", "0.3"),
+                     Exporter(ports["prefill-metrics-0"], "prefill", 1, "--ok-every", "0.3")]
+        try:
+            wait_for(phase_is(api, ns, "calm", "Ready", 1), 30, "Ready")
+            time.sleep(8 * HEALTH_INTERVAL)
+            status = api.pair(ns, "calm")["status"]
+            assert status["phase"] == "Ready" and status["pairGeneration"] == 1 and not status.get("restarts")
+            assert condition(api.pair(ns, "calm"), COND_SIGNALS_HEALTHY)["status"] == "True"
+        finally:
+            for x in exporters:
+                x.stop()
+            listener.close()
+        cleanup_pairs(api, ns)
