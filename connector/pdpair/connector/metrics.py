@@ -312,7 +312,7 @@ class SignalAccounts:
                 deficits[wait.peer] += missing
                 if oldest is None or wait.opened_at < oldest.opened_at:
                     oldest = wait
-                if now > wait.deadline and not wait.timeout_counted:
+                if now >= wait.deadline and not wait.timeout_counted:
                     wait.timeout_counted = True
                     self._timeouts.inc()
             total = sum(deficits.values())
