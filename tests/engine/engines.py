@@ -33,13 +33,17 @@ ENGINE_ARGS = [
 START_TIMEOUT_SECONDS = 300.0
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(count: int = 1) -> int:
-    """A port p such that p .. p+count-1 are free right now (binding them all, then releasing)."""
+    """A port p such that p .. p+count-1 are free right now (binding them all, then releasing), never one this
+    process handed out before (two engines must not be given the same port)."""
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        if base + count > 65535:
+        if base + count > 65535 or _HANDED_OUT & set(range(base, base + count)):
             continue
         socks = []
         try:
@@ -47,6 +51,7 @@ def free_port(count: int = 1) -> int:
                 sock = socket.socket()
                 sock.bind(("127.0.0.1", port))
                 socks.append(sock)
+            _HANDED_OUT.update(range(base, base + count))
             return base
         except OSError:
             continue

