@@ -196,9 +196,9 @@ async def scrape_pod(
                     return done(PodState.UNREACHABLE, f"{target.url()} answered HTTP {resp.status}")
             try:
                 metrics = parse_pod_metrics(body)
+                state, message = _judge(target, metrics, expected_generation, hang_timeout_seconds)
             except ValueError as exc:
                 return done(PodState.UNREACHABLE, f"{target.url()}: {exc}")
-            state, message = _judge(target, metrics, expected_generation, hang_timeout_seconds)
             details: dict[str, Any] = {}
             if state is PodState.HUNG:
                 details = {"deficit_by_peer": metrics.deficit_by_peer, "oldest_wait_seconds": metrics.oldest_wait_seconds}

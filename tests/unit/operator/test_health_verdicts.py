@@ -175,6 +175,13 @@ def test_one_silent_pod_delays_no_other_and_never_blocks_the_loop(pods, silent_p
     assert worst_gap < 0.25, worst_gap
 
 
+def test_no_hang_timeout_anywhere_is_a_clear_unreachable_verdict(fixed_server):
+    body = b'pdpair_pair_generation 1\npdpair_signal_wait_oldest_seconds{role="decode"} 0\n'
+    target = ScrapeTarget("decode", "old-pod", "127.0.0.1", fixed_server(200, body))
+    (s,) = run(scrape_pods([target], expected_generation=1))
+    assert s.state is PodState.UNREACHABLE and "no hang timeout" in s.message
+
+
 def test_parse_refuses_a_non_integer_generation():
     with pytest.raises(ValueError, match="not an integer"):
         parse_pod_metrics("pdpair_pair_generation 1.5\npdpair_signal_wait_oldest_seconds{role=\"decode\"} 0\n")
