@@ -1,0 +1,164 @@
+"""The side channel with real threads, real ZMQ sockets and the real tcp transport (pdpair.native): decode listens,
+prefill connects (retrying while decode is absent), both init the pair and exchange regions, Pulls flow, generation
+mismatches are refused, and stop() joins the threads and frees the port."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from pdpair.connector.handshake import DecodeSideChannel, HandshakeError, PrefillSideChannel
+from pdpair.connector.metadata import KvLayout, Pull, PullDone, compatibility_factors, compatibility_hash
+from pdpair.connector.metrics import SignalAccounts
+from pdpair.connector.transports.tcp import TcpTransport
+
+FACTORS = compatibility_factors(KvLayout(["l0"], [4096], 32, "torch.float32", 1), "0.32.0")
+HASH = compatibility_hash(FACTORS)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+            return True
+        except OSError:
+            return False
+
+
+class Side:
+    """One side's KV buffer and callbacks, recording what happened."""
+
+    def __init__(self, fill: float) -> None:
+        self.buffer = torch.full((1024,), fill, dtype=torch.float32)
+        self.pulls: list[Pull] = []
+        self.done: list[PullDone] = []
+        self.failed = []
+        self.indices: list[int] = []
+        self.got_pull = threading.Event()
+        self.got_done = threading.Event()
+
+    def register(self, comm):
+        self.indices = [comm.register_region(self.buffer.data_ptr(), 4096)]
+        return comm.local_region_table(), self.indices, 1
+
+
+def make_decode(port: int, side: Side, generation: int = 4, host: str = "127.0.0.1"):
+    accounts = SignalAccounts("decode", 5.0, generation=generation)
+    channel = DecodeSideChannel(
+        host=host, port=port, tp_rank=0, generation=generation, transport=TcpTransport(), hang_timeout_seconds=5.0,
+        local_hash=HASH, factors=FACTORS, register_regions=side.register,
+        on_pull_done=lambda d: (side.done.append(d), side.got_done.set()),
+        on_pull_failed=side.failed.append, on_disconnect=lambda reason: None, accounts=accounts,
+    )
+    return channel, accounts
+
+
+def make_prefill(port: int, side: Side, generation: int = 4):
+    accounts = SignalAccounts("prefill", 5.0, generation=generation)
+
+    def on_pull(pull: Pull):
+        side.pulls.append(pull)
+        comm = channel.comm
+        comm.put_signal(side.indices[0], 0, side.peer_indices[0], 0, 4096, pull.signal_slot)
+        comm.flush(time.monotonic() + 5)
+        side.got_pull.set()
+        return PullDone(pull.transfer_id, 4096)
+
+    def on_connected(welcome):
+        side.peer_indices = welcome.region_indices
+
+    channel = PrefillSideChannel(
+        peer_host="127.0.0.1", peer_port=port, tp_rank=0, generation=generation, pair="p", transport=TcpTransport(),
+        hang_timeout_seconds=5.0, local_hash=HASH, factors=FACTORS, register_regions=side.register, on_pull=on_pull,
+        on_tick=lambda: [], on_connected=on_connected, accounts=accounts,
+    )
+    return channel, accounts
+
+
+def handshakes(accounts: SignalAccounts, outcome: str) -> float:
+    value = accounts.registry.get_sample_value("pdpair_handshakes_total", {"role": accounts.role, "outcome": outcome})
+    return value or 0.0
+
+
+def test_prefill_first_retries_then_pairs_and_moves_bytes():
+    port = free_port()
+    decode_side, prefill_side = Side(0.0), Side(7.0)
+    prefill, prefill_accounts = make_prefill(port, prefill_side)
+    decode, decode_accounts = make_decode(port, decode_side)
+    prefill.start()
+    try:
+        time.sleep(1.0)
+        assert prefill.attempts >= 2 and not prefill.connected.is_set()
+        assert handshakes(prefill_accounts, "retry") >= 2
+        decode.start_and_wait()
+        assert decode_accounts.registry.get_sample_value("pdpair_listener_ready", {"role": "decode", "rank": "0"}) == 1
+        assert prefill.connected.wait(15) and decode.connected.wait(5)
+        assert handshakes(decode_accounts, "ok") == 1 and handshakes(prefill_accounts, "ok") == 1
+
+        slot = 3
+        base = decode.comm.read_signal(slot)
+        decode.post(Pull("d-1", "p-1", 0, [0], slot, 1))
+        assert prefill_side.got_pull.wait(10)
+        decode.comm.wait_signal(slot, base + 1, time.monotonic() + 5)
+        assert torch.equal(decode_side.buffer, prefill_side.buffer)
+        assert decode_side.got_done.wait(5) and decode_side.done[0].nbytes == 4096
+    finally:
+        prefill.stop()
+        decode.stop()
+    assert not prefill.is_alive() and not decode.is_alive()
+    assert port_is_free(port)
+
+
+def test_generation_mismatch_is_refused_with_a_clear_log_line(caplog):
+    port = free_port()
+    decode, decode_accounts = make_decode(port, Side(0.0), generation=5)
+    prefill, prefill_accounts = make_prefill(port, Side(1.0), generation=4)
+    decode.start_and_wait()
+    with caplog.at_level(logging.ERROR, logger="pdpair"):
+        prefill.start()
+        try:
+            deadline = time.monotonic() + 10
+            while handshakes(decode_accounts, "refused") < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
+            assert not prefill.connected.is_set() and not decode.connected.is_set()
+        finally:
+            prefill.stop()
+            decode.stop()
+    assert handshakes(decode_accounts, "refused") >= 1 and handshakes(prefill_accounts, "refused") >= 1
+    text = caplog.text
+    assert "generation mismatch" in text and "PDPAIR_GENERATION=4" in text and "this decode has 5" in text
+
+
+def test_listener_on_a_taken_port_fails_at_start_naming_it():
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        decode, _ = make_decode(port, Side(0.0), host="0.0.0.0")
+        with pytest.raises(HandshakeError, match=f"cannot listen on 0.0.0.0:{port}"):
+            decode.start_and_wait()
+        decode.stop()
+
+
+def test_stop_joins_the_listener_and_frees_the_port_for_the_next_one():
+    port = free_port()
+    for _ in range(3):
+        decode, _ = make_decode(port, Side(0.0))
+        decode.start_and_wait()
+        assert not port_is_free(port)
+        started = time.monotonic()
+        decode.stop()
+        assert time.monotonic() - started < 2.0
+        assert not decode.is_alive() and port_is_free(port)

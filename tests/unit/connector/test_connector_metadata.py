@@ -1,0 +1,48 @@
+"""Side-channel wire types: the compatibility hash is checked before the body is decoded."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdpair.connector.metadata import (
+    CompatibilityError,
+    Hello,
+    KvLayout,
+    Pull,
+    compatibility_factors,
+    compatibility_hash,
+    decode,
+    encode,
+)
+
+LAYOUT = KvLayout(["l0", "l1"], [16384, 16384], 32, "torch.float32", 1)
+
+
+def test_roundtrip_with_matching_hash():
+    local = compatibility_hash(compatibility_factors(LAYOUT, "0.32.0"))
+    pull = Pull("decode-1", "prefill-1", 2, [5, 6, 7], 9, 6)
+    assert decode(encode(pull, local), local) == pull
+    hello = Hello(3, "pair", 0, "tcp", b"\x00uid")
+    assert decode(encode(hello, local), local) == hello
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        compatibility_factors(KvLayout(["l0", "l1"], [8192, 8192], 32, "torch.float32", 1), "0.32.0"),
+        compatibility_factors(KvLayout(["l0", "l1"], [16384, 16384], 16, "torch.float32", 1), "0.32.0"),
+        compatibility_factors(LAYOUT, "0.33.0"),
+    ],
+)
+def test_any_factor_change_is_a_clear_mismatch_not_a_decode_error(other):
+    local = compatibility_hash(compatibility_factors(LAYOUT, "0.32.0"))
+    peer = compatibility_hash(other)
+    assert peer != local
+    frames = encode(Pull("d", "p", 0, [1], 0, 2), peer)
+    with pytest.raises(CompatibilityError, match=f"peer compatibility hash {peer} != local {local}"):
+        decode(frames, local)
+
+
+def test_malformed_message_is_refused():
+    with pytest.raises(CompatibilityError, match="1 frame"):
+        decode([b"only-one"], "x")
