@@ -26,8 +26,11 @@
 #define MAX_TIMEOUT_MS 1000000000000LL   /* ~31 years: keeps deadline arithmetic far from overflow */
 #define SEND_BATCH_FRAMES 64              /* frames per sendmsg */
 #define SEND_BATCH_BYTES (4u << 20)       /* payload bytes per sendmsg, so acks are not starved */
-#define RECV_BUFFER_BYTES (256u << 10)
-#define RECV_DIRECT_BYTES (16u << 10)     /* payload remainders this large go straight into the region */
+/* Headers and small payloads are read through a staging buffer (many small frames per recv). The fill is kept
+ * small so it never swallows much of a large payload, which would then cost a second copy: remainders of at
+ * least RECV_DIRECT_BYTES are received straight into the destination region. */
+#define RECV_BUFFER_BYTES (8u << 10)
+#define RECV_DIRECT_BYTES (8u << 10)
 
 /* --- small helpers ----------------------------------------------------------------------------------------- */
 uint64_t pdpair_now_ns(void)
@@ -117,6 +120,30 @@ struct pdpair_listener {
     char err[PDPAIR_ERRLEN];
 };
 
+/* A thread blocked in wait_signal / wait / flush, on the stack of that thread, linked under conn->mu, so the
+ * receiver wakes waiters only when one of them is satisfied (not once per frame). */
+struct waiter {
+    struct waiter *next;
+    uint32_t slot;   /* wait_signal: slot and expected value */
+    uint64_t target; /* wait_signal: expected value; wait/flush: request id */
+};
+
+static void waiter_add(struct waiter **list, struct waiter *w)
+{
+    w->next = *list;
+    *list = w;
+}
+
+static void waiter_remove(struct waiter **list, struct waiter *w)
+{
+    for (; *list; list = &(*list)->next) {
+        if (*list == w) {
+            *list = w->next;
+            return;
+        }
+    }
+}
+
 struct op {
     const uint8_t *src;
     uint64_t seq, remote_offset, length;
@@ -135,7 +162,8 @@ struct pdpair_conn {
     pthread_cond_t done_cv;   /* completion, remote regions, state changes */
     pthread_cond_t sig_cv;    /* signal counters changed */
     pthread_cond_t idle_cv;   /* close: the last API caller left */
-    int users, done_waiters, sig_waiters;
+    int users;
+    struct waiter *done_waiting, *sig_waiting;
     bool closing;
     pdpair_status state;      /* OK until the connection breaks; sticky afterwards */
     char err[PDPAIR_ERRLEN];
@@ -543,7 +571,13 @@ static void handle_data(pdpair_conn *c, struct reader *r, const struct wire_fram
         c->stats.bytes_received += f->length;
         if (has_signal) {
             c->stats.signals_received++;
-            if (c->sig_waiters) pthread_cond_broadcast(&c->sig_cv);
+            uint64_t v = atomic_load_explicit(&c->signals[f->slot], memory_order_relaxed);
+            for (struct waiter *w = c->sig_waiting; w; w = w->next) {
+                if (w->slot == f->slot && v >= w->target) {
+                    pthread_cond_broadcast(&c->sig_cv);
+                    break;
+                }
+            }
         }
     }
     pthread_cond_signal(&c->send_cv);
@@ -583,7 +617,12 @@ static void *receiver_main(void *arg)
             }
             c->stats.completed += f.seq - c->acked_seq;
             c->acked_seq = f.seq;
-            if (c->done_waiters) pthread_cond_broadcast(&c->done_cv);
+            for (struct waiter *w = c->done_waiting; w; w = w->next) {
+                if (c->acked_seq >= w->target) {
+                    pthread_cond_broadcast(&c->done_cv);
+                    break;
+                }
+            }
             if (c->q_len) pthread_cond_signal(&c->send_cv);
             break;
         case WIRE_REJECT:
@@ -1162,9 +1201,10 @@ static pdpair_status wait_acked_locked(pdpair_conn *c, uint64_t request, uint64_
         pdpair_status st = request_status_locked(c, request);
         if (st != PDPAIR_IN_PROGRESS) return st;
         if (pdpair_now_ns() >= deadline) return PDPAIR_TIMEOUT;
-        c->done_waiters++;
+        struct waiter w = {.target = request};
+        waiter_add(&c->done_waiting, &w);
         pdpair_cond_wait_until(&c->done_cv, &c->mu, deadline);
-        c->done_waiters--;
+        waiter_remove(&c->done_waiting, &w);
     }
 }
 
@@ -1284,9 +1324,10 @@ pdpair_status pdpair_conn_wait_signal(pdpair_conn *c, uint32_t slot, uint64_t ex
                      (unsigned long long)v, (unsigned long long)expected);
             break;
         }
-        c->sig_waiters++;
+        struct waiter w = {.slot = slot, .target = expected};
+        waiter_add(&c->sig_waiting, &w);
         pdpair_cond_wait_until(&c->sig_cv, &c->mu, deadline);
-        c->sig_waiters--;
+        waiter_remove(&c->sig_waiting, &w);
     }
     if (value_out) *value_out = v;
     conn_leave(c);

@@ -30,11 +30,11 @@ def _cdef_from_header(header: Path) -> str:
 
 
 def _relative(path: Path) -> str:
-    # setuptools prefers source paths relative to setup.py (the working directory during a build).
-    try:
-        return os.path.relpath(path, os.getcwd())
-    except ValueError:
-        return str(path)
+    # setuptools wants paths relative to setup.py when it builds from the repo root (pip install, sdist);
+    # anything else (ffibuilder.compile(), which changes into its tmpdir) needs absolute paths.
+    if Path.cwd().resolve() == REPO_ROOT:
+        return os.path.relpath(path, REPO_ROOT)
+    return str(path)
 
 
 ffibuilder = FFI()
