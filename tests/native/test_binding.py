@@ -77,6 +77,7 @@ def test_put_signal_roundtrip(pair: Pair):
     assert pair.a.read_signal(3) == 0
     stats = pair.b.stats()
     assert (stats.slots, stats.posted, stats.completed, stats.signals_sent, stats.bytes_sent) == (256, 3, 3, 2, 4101)
+    assert stats.outstanding == 0
     assert pair.a.stats().signals_received == 2
     assert pair.a.remote_regions == [1 << 20] and pair.a.state == Status.OK
 
@@ -157,7 +158,7 @@ def test_oversubscription_no_signal_lost(pair: Pair):
             pair.b.put_signal(0, off, 0, off, 256, signal_slot=9)
             posted += 1
         s = pair.b.stats()
-        assert (s.queued, s.inflight) == (burst, 0)
+        assert (s.queued, s.inflight, s.outstanding) == (burst, 0, burst)
         expected_requeues += max(0, burst - slots)
         pair.b.set_fault(Fault.HOLD_SENDS, 0)
         while (s := pair.b.stats()).completed < posted:

@@ -189,6 +189,11 @@ class Stats:
     signals_dropped_by_fault: int
     remote_regions: int
 
+    @property
+    def outstanding(self) -> int:
+        """Posted and not completed (inflight + queued): the contract's pdpair_transport_inflight."""
+        return self.posted - self.completed
+
 
 _STATS_FIELDS = [f.name for f in fields(Stats)]
 assert _STATS_FIELDS == [name for name, _ in ffi.typeof("pdpair_conn_stats").fields], "Stats drifted from C"
