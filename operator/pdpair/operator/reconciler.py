@@ -260,6 +260,7 @@ class PairReconciler:
             "pairGeneration": plan.pair_generation,
             "message": plan.message[:32768],
             "pods": {role: name for role, name in names.items() if role in present},
+            "restarts": int(self.status.get("restarts") or 0),
         }
         if self.ports is not None:
             fields["ports"] = self.ports
