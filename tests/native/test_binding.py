@@ -333,3 +333,34 @@ def test_signal_slot_allocation(pair: Pair):
     assert info.value.status == Status.EXHAUSTED
     a.close()
     b.close()
+
+
+def test_listener_close_wakes_blocked_accept():
+    ctx = Context()
+    listener = ctx.listen("127.0.0.1", 0)
+    with ThreadPoolExecutor(1) as pool:
+        blocked = pool.submit(listener.accept, timeout=30)
+        time.sleep(0.1)
+        start = time.monotonic()
+        listener.close()
+        with pytest.raises(Closed):
+            blocked.result(timeout=5)
+        assert time.monotonic() - start < 2
+    relisten = ctx.listen("127.0.0.1", listener.port)  # the port is free again at once
+    relisten.close()
+    ctx.close()
+
+
+def test_dropped_connection_is_closed_by_its_finalizer():
+    import gc
+
+    ctx_a, ctx_b = Context(), Context()
+    ctx_a.register(bytearray(64))
+    a, b, _ = marry(ctx_a, ctx_b)
+    del b
+    gc.collect()
+    start = time.monotonic()
+    with pytest.raises(PeerClosed):
+        a.wait_signal(0, 1, timeout=10)
+    assert time.monotonic() - start < 2
+    a.close()
