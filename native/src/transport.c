@@ -1005,10 +1005,17 @@ pdpair_status pdpair_accept(pdpair_listener *l, int64_t timeout_ms, pdpair_conn 
         st = PDPAIR_INVALID_ARGUMENT;
     }
     uint64_t deadline = pdpair_deadline_ns(timeout_ms < 0 ? 0 : timeout_ms);
-    int fd = -1;
+    unsigned probes = 0;
     while (st == PDPAIR_OK) {
-        fd = accept4(l->fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (fd >= 0) break;
+        int fd = accept4(l->fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd >= 0) {
+            st = conn_establish(l->ctx, fd, l->wake_fd, deadline, err, out);
+            if (st != PDPAIR_PEER_CLOSED) break;
+            /* It hung up before finishing its hello: a TCP probe or port scan, not a peer. Keep waiting. */
+            probes++;
+            st = PDPAIR_OK;
+            continue;
+        }
         if (errno == EINTR || errno == ECONNABORTED) continue;
         if (errno != EAGAIN && errno != EWOULDBLOCK) {
             pdpair_format_error(err, "accept: %s", strerror(errno));
@@ -1020,15 +1027,15 @@ pdpair_status pdpair_accept(pdpair_listener *l, int64_t timeout_ms, pdpair_conn 
         if (n < 0 && errno != EINTR) {
             pdpair_format_error(err, "accept poll: %s", strerror(errno));
             st = PDPAIR_SYSTEM;
-        } else if (p[1].revents) {
+        } else if (n > 0 && p[1].revents) {
             pdpair_format_error(err, "listener closed");
             st = PDPAIR_CLOSED;
         } else if (n == 0) {
-            pdpair_format_error(err, "no peer connected before the deadline");
+            pdpair_format_error(err, "no peer connected before the deadline (%u connection(s) hung up before "
+                                "the handshake)", probes);
             st = PDPAIR_TIMEOUT;
         }
     }
-    if (st == PDPAIR_OK) st = conn_establish(l->ctx, fd, l->wake_fd, deadline, err, out);
 
     pthread_mutex_lock(&l->mu);
     if (st != PDPAIR_OK) memcpy(l->err, err, sizeof err);

@@ -7,6 +7,9 @@
 #include <stdbool.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -568,6 +571,58 @@ static void test_token_mismatch(void)
     pdpair_context_destroy(ctx_b);
 }
 
+/* A plain TCP socket to 127.0.0.1:port (what a health probe or a stranger would open). */
+static int raw_connect(uint16_t port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    CHECK(fd >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    CHECK(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+    return fd;
+}
+
+/* TCP probes (connect, close) are skipped by accept, which goes on waiting for the real peer; a stranger that
+ * sends a wrong hello is refused with PROTOCOL_ERROR and the listener stays usable. */
+static void test_accept_skips_probes(void)
+{
+    pdpair_context *ctx_a = new_context(0, 3), *ctx_b = new_context(0, 3);
+    struct accept_job job = {0};
+    CHECK_OK(pdpair_listen(ctx_a, "127.0.0.1", 0, &job.lis), NULL);
+    uint16_t port = pdpair_listener_port(job.lis);
+    close(raw_connect(port));
+    close(raw_connect(port));
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, accept_once, &job) == 0);
+    sleep_ms(50); /* accept has met both probes by now */
+    pdpair_conn *b = NULL;
+    CHECK_OK(pdpair_connect(ctx_b, "127.0.0.1", port, 5000, &b), NULL);
+    pthread_join(t, NULL);
+    CHECK_STATUS(job.st, PDPAIR_OK, NULL);
+    CHECK_OK(pdpair_conn_close(job.conn), NULL);
+    CHECK_OK(pdpair_conn_close(b), NULL);
+
+    int stranger = raw_connect(port);
+    uint8_t junk[64];
+    memset(junk, 'x', sizeof junk);
+    CHECK(send(stranger, junk, sizeof junk, 0) == (ssize_t)sizeof junk);
+    pdpair_conn *c = NULL;
+    CHECK_STATUS(pdpair_accept(job.lis, 5000, &c), PDPAIR_PROTOCOL_ERROR, NULL);
+    char err[256];
+    pdpair_listener_last_error(job.lis, err, sizeof err);
+    CHECK_MSG(strstr(err, "magic"), "error text: %s", err);
+    close(stranger);
+    /* still usable: a probe that stays silent only costs accept its deadline */
+    int silent = raw_connect(port);
+    uint64_t t0 = now_ms();
+    CHECK_STATUS(pdpair_accept(job.lis, 200, &c), PDPAIR_TIMEOUT, NULL);
+    CHECK(now_ms() - t0 < 1200);
+    close(silent);
+    CHECK_OK(pdpair_listener_close(job.lis), NULL);
+    pdpair_context_destroy(ctx_a);
+    pdpair_context_destroy(ctx_b);
+}
+
 /* Several threads post on one connection at once (data race check under TSan). */
 struct poster {
     pdpair_conn *conn;
@@ -626,6 +681,7 @@ static const struct test TESTS[] = {
     {"relisten_same_port", test_relisten_same_port},
     {"listen_connect_errors", test_listen_connect_errors},
     {"token_mismatch", test_token_mismatch},
+    {"accept_skips_probes", test_accept_skips_probes},
     {"concurrent_posters", test_concurrent_posters},
 };
 

@@ -126,7 +126,8 @@ size_t pdpair_context_last_error(pdpair_context *ctx, char *buf, size_t len);
 pdpair_status pdpair_listen(pdpair_context *ctx, const char *host, uint16_t port, pdpair_listener **out);
 uint16_t pdpair_listener_port(pdpair_listener *lis);
 /* Wait up to timeout_ms for one peer and run the handshake (within the same deadline). TIMEOUT if no peer came.
- * A peer that fails the handshake gives PROTOCOL_ERROR (the listener stays usable). */
+ * Connections that hang up before finishing the handshake (TCP probes, port scans) are skipped and the wait goes
+ * on. A peer that sends a wrong hello (magic, version, token) gives PROTOCOL_ERROR; the listener stays usable. */
 pdpair_status pdpair_accept(pdpair_listener *lis, int64_t timeout_ms, pdpair_conn **out);
 size_t pdpair_listener_last_error(pdpair_listener *lis, char *buf, size_t len);
 /* Make every blocked and future accept() return CLOSED; the handle stays valid until pdpair_listener_close. */
