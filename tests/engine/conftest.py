@@ -1,4 +1,4 @@
-"""Engine-test fixtures: one tiny model per session, and one session-wide stack of real vLLM servers:
+"""Engine-test fixtures: one tiny model per session, and one module-wide stack of real vLLM servers:
 a plain single engine (the baseline), a pdpair prefill started BEFORE its decode, the decode, and the router.
 
 Engines take ~30 s each to start on 2 cores, so every test shares this stack; tests that change it (knob files) put
@@ -54,7 +54,7 @@ class Stack:
         return f"http://127.0.0.1:{self.decode_metrics_port}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory) -> Stack:
     logs = tmp_path_factory.mktemp("engine-logs")
     knobs = tmp_path_factory.mktemp("knobs")

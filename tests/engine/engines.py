@@ -164,6 +164,7 @@ def engine(
     extra_config: dict | None = None,
     kv_transfer_config: dict | None = None,
     extra_env: dict[str, str] | None = None,
+    failure_policy: str | None = None,
 ) -> Process:
     """A vLLM server; with kv_role it runs PdPairConnector, with kv_transfer_config any connector, else none."""
     port = free_port()
@@ -176,6 +177,8 @@ def engine(
             "kv_role": kv_role,
             "kv_connector_extra_config": extra_config or {},
         }
+        if failure_policy is not None:
+            kv_transfer_config["kv_load_failure_policy"] = failure_policy
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDPAIR_")}

@@ -197,8 +197,14 @@ class DecodeWorker(_Worker):
         layers = len(self.regions.ptrs)
         expected = layers * len(recv.block_ids)
         nbytes = sum(self.regions.chunk_bytes) * len(recv.block_ids)
+        try:
+            base = comm.read_signal(slot)
+        except TransportError as exc:
+            logger.error("request %s: cannot load KV: the pair is broken: %s", recv.request_id, exc)
+            self._fail(recv.request_id, timed_out=False)
+            return
         now = time.monotonic()
-        wait = _Wait(recv, slot, comm.read_signal(slot), expected, nbytes, now, now + self.config.hang_timeout_seconds, comm)
+        wait = _Wait(recv, slot, base, expected, nbytes, now, now + self.config.hang_timeout_seconds, comm)
         with self._lock:
             self._waits[recv.request_id] = wait
         self.accounts.open_wait(recv.request_id, side.peer_label, expected, wait.deadline)
