@@ -440,3 +440,73 @@ def test_pool_exhaustion_is_a_condition_then_recovers(platform, cluster_namespac
         print(f"\nc got its ports {time.monotonic() - started:.1f}s after a was deleted")
         check_leases_match_status(api, ns, 2, PORTS_PER_PAIR_NO_ROUTER)
         cleanup_pairs(api, ns)
+
+
+# --- level-triggered restarts of the operator and of the apiserver ---------------------------------------------
+def test_operator_restart_causes_no_churn(platform, cluster_namespace, tmp_path):
+    """A Ready pair survives an operator SIGKILL + restart untouched: same pods, generation, leases, phase."""
+    cluster, kubeconfig = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    pool = pool_of_free_ports(20)
+    first = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / "first.log",
+                                   extra_env={"PDPAIR_WATCH_NAMESPACES": ns, **NO_HEALTH}).start()
+    try:
+        api.create_pair(ns, "steady")
+        pair = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("ports") else None)(api.pair(ns, "steady")),
+                        30, "ports")
+        side = next(p["port"] for p in pair["status"]["ports"] if p["name"] == "decode-sidechannel-0")
+        with socket.socket() as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", side))
+            listener.listen(16)
+            before = wait_for(lambda: (lambda p: p if p["status"].get("phase") == "Ready" else None)(
+                api.pair(ns, "steady")), 30, "Ready")
+    finally:
+        first.kill()
+    pods_before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in api.pods(ns)}
+    leases_before = sorted(l.metadata.uid for l in api.leases(ns))
+    # The listener is closed now: a restarted operator must not re-gate a pair whose prefill already exists.
+    with operator(platform, ns, pool, tmp_path, name="second"):
+        time.sleep(6)
+        after = api.pair(ns, "steady")
+        assert after["status"]["phase"] == "Ready"
+        assert after["status"]["pairGeneration"] == before["status"]["pairGeneration"]
+        assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in api.pods(ns)} == pods_before
+        assert sorted(l.metadata.uid for l in api.leases(ns)) == leases_before
+        cleanup_pairs(api, ns)
+
+
+def _restart_apiserver(cluster, down_seconds=3.0):
+    """SIGKILL the kube-apiserver and start it again on the same port, etcd and certificates."""
+    component = next(c for c in cluster._components if c.name == "kube-apiserver")
+    component.process.kill()
+    component.process.wait(10)
+    cluster._components.remove(component)
+    time.sleep(down_seconds)
+    cluster._launch(component)
+    cluster._wait_healthy(component, time.monotonic() + 60)
+
+
+def test_operator_survives_apiserver_restart(platform, cluster_namespace, tmp_path):
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    with operator(platform, ns, pool_of_free_ports(20), tmp_path) as proc:
+        api.create_pair(ns, "before")
+        pair = wait_for(lambda: (lambda p: p if p.get("status", {}).get("phase") == "DecodeStarting"
+                                 and p["status"].get("ports") else None)(api.pair(ns, "before")), 30, "gated")
+        side = next(p["port"] for p in pair["status"]["ports"] if p["name"] == "decode-sidechannel-0")
+        _restart_apiserver(cluster)
+        assert proc.proc.poll() is None, "the operator died with the apiserver"
+        with socket.socket() as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", side))
+            listener.listen(16)
+            wait_for(lambda: (api.pair(ns, "before").get("status") or {}).get("phase") == "Ready", 60,
+                     "the gated pair Ready after the apiserver came back")
+        api.create_pair(ns, "after")  # watches resumed: a new pair is served
+        wait_for(lambda: condition(api.pair(ns, "after"), COND_PORTS_LEASED).get("status") == "True", 60,
+                 "a pair created after the restart leased")
+        check_leases_match_status(api, ns, 2, PORTS_PER_PAIR_NO_ROUTER)
+        cleanup_pairs(api, ns)

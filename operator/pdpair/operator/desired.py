@@ -280,7 +280,8 @@ def desired_state(spec: Mapping[str, Any], status: Mapping[str, Any] | None, obs
             [leased, _listening(FALSE, "DecodeNotRunning", why), _prefill(FALSE, "WaitingForDecode"),
              _not_ready("DecodeStarting")],
         )
-    if not observed.decode_listening:
+    # A current prefill exists only because the gate was passed; don't re-gate it (e.g. after an operator restart).
+    if not observed.decode_listening and prefill is None:
         msg = observed.probe_message or f"probing decode {decode.ip} side-channel ports"
         return plan(
             STEP_WAIT_LISTENER,
@@ -290,7 +291,10 @@ def desired_state(spec: Mapping[str, Any], status: Mapping[str, Any] | None, obs
              _not_ready("DecodeStarting")],
             probe_decode=True,
         )
-    listening = _listening(TRUE, "Accepting", observed.probe_message or f"decode {decode.ip} accepts on every rank")
+    listening = _listening(
+        TRUE, "Accepting",
+        (observed.probe_message if observed.decode_listening else "") or f"decode {decode.ip} accepted on every rank",
+    )
 
     # 5. prefill
     if prefill is None:

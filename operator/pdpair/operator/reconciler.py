@@ -154,7 +154,8 @@ class PairReconciler:
 
         generation = d.current_generation(self.status, pods)
         decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation), None)
-        listening = bool(decode) and decode.running and await self.probe_decode(decode)
+        gated = any(p.role == ROLE_PREFILL and p.generation == generation for p in pods)  # gate already passed
+        listening = bool(decode) and decode.running and not gated and await self.probe_decode(decode)
 
         observed = d.Observed(
             pods=pods,
