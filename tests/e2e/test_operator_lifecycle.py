@@ -510,3 +510,64 @@ def test_operator_survives_apiserver_restart(platform, cluster_namespace, tmp_pa
                  "a pair created after the restart leased")
         check_leases_match_status(api, ns, 2, PORTS_PER_PAIR_NO_ROUTER)
         cleanup_pairs(api, ns)
+
+
+# --- orphan sweep -------------------------------------------------------------------------------------------------
+def test_orphaned_leases_are_swept(platform, cluster_namespace, tmp_path):
+    """Leases whose pair uid no longer exists (a pair deleted while no operator ran) are deleted by the sweep."""
+    from kubernetes import client
+
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    pool = pool_of_free_ports(20)
+    first_port = int(pool.split("-")[0])
+    with operator(platform, ns, pool, tmp_path):
+        api.create_pair(ns, "alive")
+        alive = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("ports") else None)(api.pair(ns, "alive")),
+                         30, "ports")
+        alive_uid = alive["metadata"]["uid"]
+
+        def orphan(port, pair_name, uid):
+            labels = {LABEL_PORT_LEASE: "true", "pdpair.io/pair": pair_name, LABEL_PAIR_NAMESPACE: ns,
+                      LABEL_PAIR_UID: uid, LABEL_ROLE: "decode", "pdpair.io/purpose": "http"}
+            body = client.V1Lease(metadata=client.V1ObjectMeta(name=f"pdpair-port-{port}", labels=labels),
+                                  spec=client.V1LeaseSpec(holder_identity=f"{ns}/{pair_name}/{uid}"))
+            api.coord.create_namespaced_lease(OPERATOR_NS, body)
+
+        orphan(first_port + 15, "ghost", str(uuid.uuid4()))  # the pair is gone
+        orphan(first_port + 16, "alive", str(uuid.uuid4()))  # same name, an older incarnation (another uid)
+        started = time.monotonic()
+        wait_for(lambda: {int(l.metadata.name.rsplit("-", 1)[1]) for l in api.leases(ns)}.isdisjoint(
+            {first_port + 15, first_port + 16}), 30, "the orphaned leases swept")
+        print(f"\norphaned leases swept {time.monotonic() - started:.1f}s after they appeared (sweep every 10s)")
+        kept = [l for l in api.leases(ns) if l.metadata.labels[LABEL_PAIR_UID] == alive_uid]
+        assert len(kept) == PORTS_PER_PAIR_NO_ROUTER, "the sweep touched a live pair's leases"
+        cleanup_pairs(api, ns)
+
+
+# --- operator metrics ---------------------------------------------------------------------------------------------
+def test_operator_metrics_endpoint(platform, cluster_namespace, tmp_path):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pdpair.contract import OPERATOR_PAIRS, OPERATOR_PORT_POOL_FREE, OPERATOR_PORT_POOL_SIZE
+
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    with operator(platform, ns, pool_of_free_ports(20), tmp_path) as proc:
+        api.create_pair(ns, "metered")
+        wait_for(lambda: (api.pair(ns, "metered").get("status") or {}).get("phase") == "DecodeStarting", 30, "gated")
+
+        def scrape():
+            text = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5).read().decode()
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+        samples = wait_for(lambda: (lambda s: s if s.get((OPERATOR_PAIRS.name, (("phase", "DecodeStarting"),))) == 1
+                                    else None)(scrape()), 15, "pdpair_operator_pairs{phase=DecodeStarting} 1")
+        assert samples[(OPERATOR_PORT_POOL_SIZE.name, ())] == 20
+        assert samples[(OPERATOR_PORT_POOL_FREE.name, ())] == 20 - PORTS_PER_PAIR_NO_ROUTER
+        cleanup_pairs(api, ns)

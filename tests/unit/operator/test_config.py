@@ -1,0 +1,40 @@
+"""Operator configuration: a clear error naming the variable, at start."""
+
+import subprocess
+import sys
+
+import pytest
+
+from pdpair.operator.config import ConfigError, OperatorConfig
+
+BASE = {"PDPAIR_OPERATOR_NAMESPACE": "pdpair-system"}
+
+
+def test_defaults():
+    cfg = OperatorConfig.from_env(BASE)
+    assert cfg.namespace == "pdpair-system" and cfg.port_pool.size == 10000 and cfg.watch_namespaces == ()
+
+
+def test_values():
+    cfg = OperatorConfig.from_env({**BASE, "PDPAIR_PORT_POOL": "100-199", "PDPAIR_WATCH_NAMESPACES": "a, b,",
+                                   "PDPAIR_PROBE_INTERVAL_SECONDS": "0.25"})
+    assert (cfg.port_pool.first, cfg.port_pool.last, cfg.watch_namespaces, cfg.probe_interval) == (
+        100, 199, ("a", "b"), 0.25)
+
+
+@pytest.mark.parametrize("env, variable", [
+    ({}, "PDPAIR_OPERATOR_NAMESPACE"),
+    ({**BASE, "PDPAIR_PORT_POOL": "x"}, "PDPAIR_PORT_POOL"),
+    ({**BASE, "PDPAIR_PROBE_INTERVAL_SECONDS": "0"}, "PDPAIR_PROBE_INTERVAL_SECONDS"),
+    ({**BASE, "PDPAIR_PROBE_TIMEOUT_SECONDS": "soon"}, "PDPAIR_PROBE_TIMEOUT_SECONDS"),
+    ({**BASE, "PDPAIR_LIVENESS_PORT": "70000"}, "PDPAIR_LIVENESS_PORT"),
+])
+def test_errors_name_the_variable(env, variable):
+    with pytest.raises(ConfigError, match=variable):
+        OperatorConfig.from_env(env)
+
+
+def test_main_exits_2_with_the_message():
+    proc = subprocess.run([sys.executable, "-m", "pdpair.operator"], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "PDPAIR_PORT_POOL": "1-2"})
+    assert proc.returncode == 2 and "PDPAIR_OPERATOR_NAMESPACE" in proc.stderr
