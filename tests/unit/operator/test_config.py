@@ -38,3 +38,17 @@ def test_main_exits_2_with_the_message():
     proc = subprocess.run([sys.executable, "-m", "pdpair.operator"], capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/bin:/bin", "PDPAIR_PORT_POOL": "1-2"})
     assert proc.returncode == 2 and "PDPAIR_OPERATOR_NAMESPACE" in proc.stderr
+
+
+def test_chart_deployment_sets_only_variables_the_operator_reads():
+    import pathlib
+    import re
+
+    from pdpair.operator import config
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    template = (root / "charts" / "pdpair" / "templates" / "operator" / "deployment.yaml").read_text()
+    in_chart = set(re.findall(r"PDPAIR_[A-Z_]+", template))
+    read = {v for k, v in vars(config).items() if k.startswith("ENV_") and isinstance(v, str)}
+    assert in_chart, "the chart's deployment sets no PDPAIR_* variable"
+    assert in_chart <= read, f"the chart sets variables the operator ignores: {sorted(in_chart - read)}"
