@@ -88,6 +88,7 @@ class PairReconciler:
         self.blocks: tuple | None = None
         self.pool_message = ""
         self.next_lease_try = 0.0
+        self.leases_checked_at = 0.0
         self.listening_pods: set[str] = set()  # pod uids whose listener accepted on every rank
         self.probe_message = ""
         self.last_step = ""
@@ -103,11 +104,13 @@ class PairReconciler:
 
     async def ensure_ports(self, spec: Mapping[str, Any]) -> None:
         blocks = required_blocks(spec)
-        if self.ports is not None and blocks == self.blocks:
-            return
+        fresh = time.monotonic() - self.leases_checked_at < self.rt.config.resync_interval
+        if self.ports is not None and blocks == self.blocks and fresh:
+            return  # re-read the leases (the truth) once per resync interval, or when the blocks change
         if self.ports is None and self.pool_message and time.monotonic() < self.next_lease_try:
             return
         outcome = await self.rt.leaser.ensure(self.ref, blocks)
+        self.leases_checked_at = time.monotonic()
         if outcome.exhausted:
             self.ports, self.blocks = None, None
             if not self.pool_message:
