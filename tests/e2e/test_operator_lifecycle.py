@@ -571,3 +571,30 @@ def test_operator_metrics_endpoint(platform, cluster_namespace, tmp_path):
         assert samples[(OPERATOR_PORT_POOL_SIZE.name, ())] == 20
         assert samples[(OPERATOR_PORT_POOL_FREE.name, ())] == 20 - PORTS_PER_PAIR_NO_ROUTER
         cleanup_pairs(api, ns)
+
+
+def test_tensor_parallel_change_releases_old_ports_after_old_pods(platform, cluster_namespace, tmp_path):
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    with operator(platform, ns, pool_of_free_ports(30), tmp_path):
+        api.create_pair(ns, "tp")
+        wait_for(lambda: any(p["status"].get("phase") == "Running" for p in api.pods(ns)), 30, "decode g1 running")
+        old_ports = {p["port"] for p in api.pair(ns, "tp")["status"]["ports"]}
+        api.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "tp", {
+            "spec": {"decode": {"tensorParallelSize": 2}, "prefill": {"tensorParallelSize": 2}}})
+
+        def new_decode():
+            return next((p for p in api.pods(ns) if p["metadata"]["labels"][LABEL_ROLE] == "decode"
+                         and p["metadata"]["labels"]["pdpair.io/generation"] == "2"), None)
+
+        decode = wait_for(new_decode, 60, "decode g2")
+        pair = api.pair(ns, "tp")
+        side = sorted(p["port"] for p in pair["status"]["ports"] if p["role"] == "decode" and p["purpose"] == "sidechannel")
+        assert len(side) == 2 and side[1] == side[0] + 1
+        env = {e["name"]: e["value"] for e in decode["spec"]["containers"][0]["env"]}
+        assert env["PDPAIR_LISTEN_PORT_BASE"] == str(side[0])
+        assert [p["metadata"]["name"] for p in api.pods(ns)] == ["tp-decode-g2"]  # g1 pods gone before g2
+        check_leases_match_status(api, ns, 1, PORTS_PER_PAIR_NO_ROUTER + 2)
+        print(f"\nTP 1 -> 2: ports {sorted(old_ports)} -> {sorted(p['port'] for p in pair['status']['ports'])}")
+        cleanup_pairs(api, ns)

@@ -102,8 +102,12 @@ class PairReconciler:
         except (ValueError, TypeError):
             return []
 
-    async def ensure_ports(self, spec: Mapping[str, Any]) -> None:
+    async def ensure_ports(self, spec: Mapping[str, Any], pods: tuple[d.PodView, ...] = ()) -> None:
         blocks = required_blocks(spec)
+        if self.ports is not None and blocks != self.blocks:
+            want = d.spec_fingerprint(spec)
+            if any(p.spec_hash != want for p in pods):
+                return  # pods built for the old blocks still run: re-lease once they are gone (no port reuse race)
         fresh = time.monotonic() - self.leases_checked_at < self.rt.config.resync_interval
         if self.ports is not None and blocks == self.blocks and fresh:
             return  # re-read the leases (the truth) once per resync interval, or when the blocks change
@@ -153,7 +157,7 @@ class PairReconciler:
         if self.status.get("phase") == PHASE_FAILED and self.status.get("observedGeneration") == meta_generation:
             return cfg.resync_interval  # the restart budget is spent; only a spec change moves the pair again
 
-        await self.ensure_ports(spec)
+        await self.ensure_ports(spec, pods)
 
         generation = d.current_generation(self.status, pods)
         decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation), None)
