@@ -23,11 +23,13 @@ from pdpair.contract import (
     ENV_PEER_PORT_BASE,
     ENV_ROLE,
     ENV_TRANSPORT,
+    ENV_TRANSPORT_SLOTS,
     KIND,
     LABEL_GENERATION,
     LABEL_PAIR,
     LABEL_PAIR_UID,
     LABEL_ROLE,
+    METRICS_PORT_NAME,
     ROLE_DECODE,
     ROLE_PREFILL,
     ROLE_ROUTER,
@@ -42,6 +44,9 @@ CONNECTOR_MODULE = "pdpair.connector"
 POD_NAME_MAX = 63  # keeps the pod hostname equal to its name
 ENGINE_CONTAINER = "engine"
 ROUTER_CONTAINER = "router"
+# The CRD's defaults (the apiserver applies them; these only cover a body that bypassed it, e.g. a unit test).
+# tests/unit/operator/test_pods.py checks them against the CRD file.
+CONNECTOR_DEFAULTS = {"transport": "flagcx", "hangTimeoutSeconds": 60, "slots": 256}
 
 
 class ManifestError(ValueError):
@@ -170,8 +175,10 @@ def engine_pod(
         {"name": ENV_LISTEN_PORT_BASE, "value": str(side[0])},
         {"name": ENV_METRICS_PORT, "value": str(metrics)},
         {"name": ENV_HTTP_PORT, "value": str(http)},
-        {"name": ENV_HANG_TIMEOUT_SECONDS, "value": str(connector.get("hangTimeoutSeconds", 60))},
-        {"name": ENV_TRANSPORT, "value": str(connector.get("transport", "flagcx"))},
+        {"name": ENV_HANG_TIMEOUT_SECONDS, "value": str(connector.get("hangTimeoutSeconds",
+                                                                      CONNECTOR_DEFAULTS["hangTimeoutSeconds"]))},
+        {"name": ENV_TRANSPORT, "value": str(connector.get("transport", CONNECTOR_DEFAULTS["transport"]))},
+        {"name": ENV_TRANSPORT_SLOTS, "value": str(connector.get("slots", CONNECTOR_DEFAULTS["slots"]))},
     ]
     if role == ROLE_PREFILL:
         if not peer_host:
@@ -185,7 +192,7 @@ def engine_pod(
         ]
     container_ports = [
         {"name": "http", "containerPort": http, "protocol": "TCP"},
-        {"name": "metrics", "containerPort": metrics, "protocol": "TCP"},
+        {"name": METRICS_PORT_NAME, "containerPort": metrics, "protocol": "TCP"},
     ] + [{"name": f"side-{rank}", "containerPort": port, "protocol": "TCP"} for rank, port in enumerate(side)]
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,

@@ -1,12 +1,16 @@
 """Pod manifests: the contract's env, labels, owner, command, and the peer address only for prefill."""
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from pdpair import contract as c
-from pdpair.operator.pods import ManifestError, engine_pod, pod_name, router_pod
+from pdpair.operator.pods import CONNECTOR_DEFAULTS, ManifestError, engine_pod, pod_name, router_pod
 from pdpair.operator.ports import PortBlock, assign, required_blocks, status_ports
+
+REPO = Path(__file__).resolve().parents[3]
 
 PAIR = {
     "metadata": {"name": "demo", "namespace": "ns1", "uid": "uid-1"},
@@ -15,7 +19,7 @@ PAIR = {
         "decode": {"tensorParallelSize": 2, "env": [{"name": "FOO", "value": "1"}], "args": ["--dtype", "float32"],
                    "tolerations": [{"key": "k", "operator": "Exists"}]},
         "prefill": {"tensorParallelSize": 2},
-        "connector": {"transport": "tcp", "hangTimeoutSeconds": 30},
+        "connector": {"transport": "tcp", "hangTimeoutSeconds": 30, "slots": 64},
         "network": {"hostNetwork": True},
     },
 }
@@ -81,6 +85,30 @@ def test_router_pod():
     assert cmd[:3] == ["python", "-m", "pdpair.router"]
     assert cmd[cmd.index("--prefill") + 1].startswith("http://10.0.0.2:")
     assert cmd[cmd.index("--decode") + 1].startswith("http://10.0.0.1:")
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_engine_pods_carry_the_transport_slots(role):
+    pod = engine_pod(PAIR, role, 1, leased(), "h", peer_host="127.0.0.1")
+    assert env_of(pod)[c.ENV_TRANSPORT_SLOTS] == "64"
+
+
+def test_connector_fallbacks_are_the_crd_defaults():
+    crd = yaml.safe_load((REPO / "charts" / "pdpair" / "crds" / "inferencepairs.pdpair.io.yaml").read_text())
+    [version] = [v for v in crd["spec"]["versions"] if v["name"] == c.VERSION]
+    connector = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["connector"]["properties"]
+    assert CONNECTOR_DEFAULTS == {key: connector[key]["default"] for key in CONNECTOR_DEFAULTS}
+    pair = {**PAIR, "spec": {**PAIR["spec"], "connector": {}}}
+    env = env_of(engine_pod(pair, "decode", 1, leased(), "h"))
+    assert env[c.ENV_TRANSPORT_SLOTS] == str(connector["slots"]["default"])
+    assert env[c.ENV_TRANSPORT] == connector["transport"]["default"]
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_metrics_container_port_has_the_podmonitor_name(role):
+    pod = engine_pod(PAIR, role, 1, leased(), "h", peer_host="127.0.0.1")
+    by_name = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert by_name[c.METRICS_PORT_NAME] == int(env_of(pod)[c.ENV_METRICS_PORT])
 
 
 def test_long_names_stay_within_63():
