@@ -167,6 +167,7 @@ class PdPairScheduler:
             del self._pending_sends[request_id]
 
     def has_pending_push_work(self) -> bool:
-        # Keep the engine stepping while prefill holds blocks for decode, so the worker learns the block ids and
-        # the scheduler learns when they are free.
-        return bool(self._pending_sends or self._new_sends)
+        # Keep the engine stepping only until the worker has the new block ids (one step). Freed sends are then
+        # reported at the next step that happens anyway: an idle prefill holding finished blocks a little longer is
+        # harmless, while stepping through the whole lease would spin a CPU core the decode engine needs.
+        return bool(self._new_sends)
