@@ -23,24 +23,35 @@ from pdpair.contract import (
     COND_DECODE_LISTENING,
     COND_PORTS_LEASED,
     ENV_GENERATION,
+    ENV_LISTEN_PORT_BASE,
     ENV_PEER_HOST,
     ENV_PEER_PORT_BASE,
     GROUP,
     KIND,
+    LABEL_GENERATION,
+    LABEL_PAIR,
     LABEL_PAIR_NAMESPACE,
     LABEL_PAIR_UID,
     LABEL_PORT_LEASE,
+    LABEL_PURPOSE,
     LABEL_ROLE,
+    LEASE_NAME_PREFIX,
     PLURAL,
+    PURPOSE_HTTP,
+    PURPOSE_SIDECHANNEL,
+    ROLE_DECODE,
     VERSION,
+    status_port_name,
 )
 from pdpair.operator import devrun
+from pdpair.operator.config import ENV_HEALTH_INTERVAL, ENV_WATCH_NAMESPACES
 from tests.cluster.localcluster import helm_path
 
 pytestmark = pytest.mark.cluster
 
 OPERATOR_NS = "pdpair-system"
 PORTS_PER_PAIR_NO_ROUTER = 6  # side channel + metrics + http, for decode and prefill (TP 1)
+DECODE_SIDECHANNEL_0 = status_port_name(ROLE_DECODE, PURPOSE_SIDECHANNEL, 0)
 
 
 # --- fixtures and helpers --------------------------------------------------------------------------------------
@@ -131,14 +142,14 @@ def _bindable(port):
 
 # kwok pods run no engine, so nothing serves their /metrics: these tests (issue 2) keep the health watch
 # (issue 5, tests/e2e/test_operator_restart.py) out of the way with a very long interval.
-NO_HEALTH = {"PDPAIR_HEALTH_INTERVAL_SECONDS": "3600"}
+NO_HEALTH = {ENV_HEALTH_INTERVAL: "3600"}
 
 
 @contextlib.contextmanager
 def operator(platform, ns, pool, tmp_path, name="operator", env=None):
     cluster, kubeconfig = platform
     proc = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / f"{name}.log",
-                                  extra_env={"PDPAIR_WATCH_NAMESPACES": ns, **(NO_HEALTH if env is None else env)})
+                                  extra_env={ENV_WATCH_NAMESPACES: ns, **(NO_HEALTH if env is None else env)})
     proc.start()
     try:
         yield proc
@@ -165,7 +176,7 @@ def check_leases_match_status(api, ns, expected_pairs, ports_per_pair):
     leases = api.leases(ns)
     lease_ports = collections.defaultdict(set)
     for lease in leases:
-        port = int(lease.metadata.name.rsplit("-", 1)[1])
+        port = int(lease.metadata.name.removeprefix(LEASE_NAME_PREFIX))
         uid = lease.metadata.labels[LABEL_PAIR_UID]
         assert uid in pairs, f"lease {lease.metadata.name} belongs to a pair that does not exist ({uid})"
         pair = pairs[uid]
@@ -193,7 +204,7 @@ def test_prefill_waits_for_decode_listener(platform, cluster_namespace, tmp_path
         decode = wait_for(lambda: next((p for p in api.pods(ns) if p["metadata"]["labels"][LABEL_ROLE] == "decode"
                                         and p["status"].get("pod_ip")), None), 60, "a running decode pod")
         pair = api.pair(ns, "gate")
-        side = [p["port"] for p in pair["status"]["ports"] if p["role"] == "decode" and p["purpose"] == "sidechannel"]
+        side = [p["port"] for p in pair["status"]["ports"] if p["role"] == ROLE_DECODE and p["purpose"] == PURPOSE_SIDECHANNEL]
         assert len(side) == 1
         env = {e["name"]: e["value"] for e in decode["spec"]["containers"][0]["env"]}
         assert env[ENV_GENERATION] == str(pair["status"]["pairGeneration"])
@@ -270,7 +281,7 @@ def test_sigkill_mid_leasing_leaks_nothing(platform, cluster_namespace, tmp_path
     n = 200
     pool = "32000-33499"
     first = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / "first.log",
-                                   extra_env={"PDPAIR_WATCH_NAMESPACES": ns, **NO_HEALTH}).start()
+                                   extra_env={ENV_WATCH_NAMESPACES: ns, **NO_HEALTH}).start()
     try:
         creator = threading.Thread(target=create_many, args=(api, ns, [f"k{i:03d}" for i in range(n)]))
         creator.start()
@@ -366,7 +377,7 @@ def test_spec_change_rolls_out_decode_first(platform, cluster_namespace, tmp_pat
         api.create_pair(ns, "roll")
         pair = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("ports") else None)(api.pair(ns, "roll")),
                         30, "ports")
-        side = next(p["port"] for p in pair["status"]["ports"] if p["name"] == "decode-sidechannel-0")
+        side = next(p["port"] for p in pair["status"]["ports"] if p["name"] == DECODE_SIDECHANNEL_0)
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", side))
@@ -380,7 +391,7 @@ def test_spec_change_rolls_out_decode_first(platform, cluster_namespace, tmp_pat
         try:
             api.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "roll", {"spec": {"image": "img:2"}})
             decode2 = wait_for(lambda: next((p for p in api.pods(ns) if p["metadata"]["labels"][LABEL_ROLE] == "decode"
-                                             and p["metadata"]["labels"]["pdpair.io/generation"] == str(gen1 + 1)
+                                             and p["metadata"]["labels"][LABEL_GENERATION] == str(gen1 + 1)
                                              and p["status"].get("pod_ip")), None), 60, "the new decode pod running")
             assert decode2["spec"]["containers"][0]["image"] == "img:2"
             time.sleep(3)
@@ -450,12 +461,12 @@ def test_operator_restart_causes_no_churn(platform, cluster_namespace, tmp_path)
     ns = cluster_namespace
     pool = pool_of_free_ports(20)
     first = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / "first.log",
-                                   extra_env={"PDPAIR_WATCH_NAMESPACES": ns, **NO_HEALTH}).start()
+                                   extra_env={ENV_WATCH_NAMESPACES: ns, **NO_HEALTH}).start()
     try:
         api.create_pair(ns, "steady")
         pair = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("ports") else None)(api.pair(ns, "steady")),
                         30, "ports")
-        side = next(p["port"] for p in pair["status"]["ports"] if p["name"] == "decode-sidechannel-0")
+        side = next(p["port"] for p in pair["status"]["ports"] if p["name"] == DECODE_SIDECHANNEL_0)
         with socket.socket() as listener:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind(("127.0.0.1", side))
@@ -496,7 +507,7 @@ def test_operator_survives_apiserver_restart(platform, cluster_namespace, tmp_pa
         api.create_pair(ns, "before")
         pair = wait_for(lambda: (lambda p: p if p.get("status", {}).get("phase") == "DecodeStarting"
                                  and p["status"].get("ports") else None)(api.pair(ns, "before")), 30, "gated")
-        side = next(p["port"] for p in pair["status"]["ports"] if p["name"] == "decode-sidechannel-0")
+        side = next(p["port"] for p in pair["status"]["ports"] if p["name"] == DECODE_SIDECHANNEL_0)
         _restart_apiserver(cluster)
         assert proc.proc.poll() is None, "the operator died with the apiserver"
         with socket.socket() as listener:
@@ -529,16 +540,16 @@ def test_orphaned_leases_are_swept(platform, cluster_namespace, tmp_path):
         alive_uid = alive["metadata"]["uid"]
 
         def orphan(port, pair_name, uid):
-            labels = {LABEL_PORT_LEASE: "true", "pdpair.io/pair": pair_name, LABEL_PAIR_NAMESPACE: ns,
-                      LABEL_PAIR_UID: uid, LABEL_ROLE: "decode", "pdpair.io/purpose": "http"}
-            body = client.V1Lease(metadata=client.V1ObjectMeta(name=f"pdpair-port-{port}", labels=labels),
+            labels = {LABEL_PORT_LEASE: "true", LABEL_PAIR: pair_name, LABEL_PAIR_NAMESPACE: ns,
+                      LABEL_PAIR_UID: uid, LABEL_ROLE: ROLE_DECODE, LABEL_PURPOSE: PURPOSE_HTTP}
+            body = client.V1Lease(metadata=client.V1ObjectMeta(name=f"{LEASE_NAME_PREFIX}{port}", labels=labels),
                                   spec=client.V1LeaseSpec(holder_identity=f"{ns}/{pair_name}/{uid}"))
             api.coord.create_namespaced_lease(OPERATOR_NS, body)
 
         orphan(first_port + 15, "ghost", str(uuid.uuid4()))  # the pair is gone
         orphan(first_port + 16, "alive", str(uuid.uuid4()))  # same name, an older incarnation (another uid)
         started = time.monotonic()
-        wait_for(lambda: {int(l.metadata.name.rsplit("-", 1)[1]) for l in api.leases(ns)}.isdisjoint(
+        wait_for(lambda: {int(l.metadata.name.removeprefix(LEASE_NAME_PREFIX)) for l in api.leases(ns)}.isdisjoint(
             {first_port + 15, first_port + 16}), 30, "the orphaned leases swept")
         print(f"\norphaned leases swept {time.monotonic() - started:.1f}s after they appeared (sweep every 10s)")
         kept = [l for l in api.leases(ns) if l.metadata.labels[LABEL_PAIR_UID] == alive_uid]
@@ -586,14 +597,15 @@ def test_tensor_parallel_change_releases_old_ports_after_old_pods(platform, clus
 
         def new_decode():
             return next((p for p in api.pods(ns) if p["metadata"]["labels"][LABEL_ROLE] == "decode"
-                         and p["metadata"]["labels"]["pdpair.io/generation"] == "2"), None)
+                         and p["metadata"]["labels"][LABEL_GENERATION] == "2"), None)
 
         decode = wait_for(new_decode, 60, "decode g2")
         pair = api.pair(ns, "tp")
-        side = sorted(p["port"] for p in pair["status"]["ports"] if p["role"] == "decode" and p["purpose"] == "sidechannel")
+        side = sorted(p["port"] for p in pair["status"]["ports"]
+                      if p["role"] == ROLE_DECODE and p["purpose"] == PURPOSE_SIDECHANNEL)
         assert len(side) == 2 and side[1] == side[0] + 1
         env = {e["name"]: e["value"] for e in decode["spec"]["containers"][0]["env"]}
-        assert env["PDPAIR_LISTEN_PORT_BASE"] == str(side[0])
+        assert env[ENV_LISTEN_PORT_BASE] == str(side[0])
         assert [p["metadata"]["name"] for p in api.pods(ns)] == ["tp-decode-g2"]  # g1 pods gone before g2
         check_leases_match_status(api, ns, 1, PORTS_PER_PAIR_NO_ROUTER + 2)
         print(f"\nTP 1 -> 2: ports {sorted(old_ports)} -> {sorted(p['port'] for p in pair['status']['ports'])}")

@@ -16,7 +16,16 @@ import time
 
 import pytest
 
-from pdpair.contract import COND_SIGNALS_HEALTHY, KIND
+from pdpair.contract import (
+    COND_SIGNALS_HEALTHY,
+    KIND,
+    PURPOSE_METRICS,
+    PURPOSE_SIDECHANNEL,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    status_port_name,
+)
+from pdpair.operator.config import ENV_HEALTH_INTERVAL
 from test_operator_lifecycle import (  # tests/e2e is on sys.path (pytest's rootdir-relative import)
     Api,
     PodRecorder,
@@ -32,7 +41,10 @@ pytestmark = pytest.mark.cluster
 
 HEALTH_INTERVAL = 1.0
 HANG_TIMEOUT = 5  # the CRD's minimum
-FAST_HEALTH = {"PDPAIR_HEALTH_INTERVAL_SECONDS": str(HEALTH_INTERVAL)}
+FAST_HEALTH = {ENV_HEALTH_INTERVAL: str(HEALTH_INTERVAL)}
+DECODE_SIDECHANNEL = status_port_name(ROLE_DECODE, PURPOSE_SIDECHANNEL, 0)
+DECODE_METRICS = status_port_name(ROLE_DECODE, PURPOSE_METRICS, 0)
+PREFILL_METRICS = status_port_name(ROLE_PREFILL, PURPOSE_METRICS, 0)
 
 
 class Exporter:
@@ -99,10 +111,10 @@ def test_hang_detected_and_pair_restarted_in_order(platform, cluster_namespace, 
     exporters = []
     with operator(platform, ns, pool_of_free_ports(20), tmp_path, env=FAST_HEALTH):
         ports = start_pair(api, ns, "hang")
-        listener = Listener(ports["decode-sidechannel-0"])
+        listener = Listener(ports[DECODE_SIDECHANNEL])
         try:
-            decode_x = Exporter(ports["decode-metrics-0"], "decode", 1, "--deficit", "3", "--deficit-on-sigusr1")
-            prefill_x = Exporter(ports["prefill-metrics-0"], "prefill", 1)
+            decode_x = Exporter(ports[DECODE_METRICS], "decode", 1, "--deficit", "3", "--deficit-on-sigusr1")
+            prefill_x = Exporter(ports[PREFILL_METRICS], "prefill", 1)
             exporters += [decode_x, prefill_x]
             ready = wait_for(phase_is(api, ns, "hang", "Ready", 1), 30, "generation 1 Ready")
             wait_for(lambda: condition(api.pair(ns, "hang"), COND_SIGNALS_HEALTHY).get("status") == "True", 10,
@@ -131,9 +143,9 @@ def test_hang_detected_and_pair_restarted_in_order(platform, cluster_namespace, 
             time.sleep(2.5)
             assert not any(k == "create" and n == "hang-prefill-g2" for _, k, n in recorder.events), \
                 "prefill g2 was created before decode g2 listened"
-            exporters += [Exporter(ports["decode-metrics-0"], "decode", 2),
-                          Exporter(ports["prefill-metrics-0"], "prefill", 2)]
-            listener = Listener(ports["decode-sidechannel-0"])
+            exporters += [Exporter(ports[DECODE_METRICS], "decode", 2),
+                          Exporter(ports[PREFILL_METRICS], "prefill", 2)]
+            listener = Listener(ports[DECODE_SIDECHANNEL])
             opened = time.monotonic()
             recovered = wait_for(phase_is(api, ns, "hang", "Ready", 2), 30, "generation 2 Ready")
             print(f"recovered (generation 2 Ready) {time.monotonic() - detected_at:.2f}s after the restart began, "
@@ -163,9 +175,9 @@ def test_stale_generation_leads_to_restart(platform, cluster_namespace, tmp_path
     ns = cluster_namespace
     with operator(platform, ns, pool_of_free_ports(20), tmp_path, env=FAST_HEALTH):
         ports = start_pair(api, ns, "stale")
-        listener = Listener(ports["decode-sidechannel-0"])
-        exporters = [Exporter(ports["decode-metrics-0"], "decode", 7),  # a pod of another generation
-                     Exporter(ports["prefill-metrics-0"], "prefill", 1)]
+        listener = Listener(ports[DECODE_SIDECHANNEL])
+        exporters = [Exporter(ports[DECODE_METRICS], "decode", 7),  # a pod of another generation
+                     Exporter(ports[PREFILL_METRICS], "prefill", 1)]
         try:
             restarted = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("restarts") else None)(
                 api.pair(ns, "stale")), 30, "a restart")
@@ -185,7 +197,7 @@ def test_budget_exhaustion_fails_the_pair_and_stops(platform, cluster_namespace,
     with operator(platform, ns, pool_of_free_ports(20), tmp_path, env=FAST_HEALTH):
         # Nothing serves the pods' /metrics: after 3 unreachable scrapes the pair is restarted, again and again.
         ports = start_pair(api, ns, "budget", maxRestarts=1)
-        listener = Listener(ports["decode-sidechannel-0"])
+        listener = Listener(ports[DECODE_SIDECHANNEL])
         try:
             failed = wait_for(phase_is(api, ns, "budget", "Failed"), 60, "phase Failed")
             generation = failed["status"]["pairGeneration"]
@@ -207,9 +219,9 @@ def test_healthy_pair_is_never_restarted(platform, cluster_namespace, tmp_path):
     ns = cluster_namespace
     with operator(platform, ns, pool_of_free_ports(20), tmp_path, env=FAST_HEALTH):
         ports = start_pair(api, ns, "calm")
-        listener = Listener(ports["decode-sidechannel-0"])
-        exporters = [Exporter(ports["decode-metrics-0"], "decode", 1, "--ok-every", "0.3"),
-                     Exporter(ports["prefill-metrics-0"], "prefill", 1, "--ok-every", "0.3")]
+        listener = Listener(ports[DECODE_SIDECHANNEL])
+        exporters = [Exporter(ports[DECODE_METRICS], "decode", 1, "--ok-every", "0.3"),
+                     Exporter(ports[PREFILL_METRICS], "prefill", 1, "--ok-every", "0.3")]
         try:
             wait_for(phase_is(api, ns, "calm", "Ready", 1), 30, "Ready")
             time.sleep(8 * HEALTH_INTERVAL)

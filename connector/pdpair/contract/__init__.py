@@ -58,6 +58,21 @@ LABEL_GENERATION = "pdpair.io/generation"
 LABEL_PORT_LEASE = "pdpair.io/port-lease"
 LABEL_PURPOSE = "pdpair.io/purpose"
 FINALIZER = "pdpair.io/finalizer"
+ANNOTATION_SPEC_HASH = "pdpair.io/spec-hash"  # on pair pods: fingerprint of the spec they were built from
+ANNOTATION_RESTART_TIMES = "pdpair.io/restart-times"  # on the pair: JSON list of restart epochs inside the window
+
+# --- ports the operator leases (status.ports[].purpose, Lease label pdpair.io/purpose) --------------
+PURPOSE_SIDECHANNEL = "sidechannel"
+PURPOSE_METRICS = "metrics"
+PURPOSE_HTTP = "http"
+PURPOSES = (PURPOSE_SIDECHANNEL, PURPOSE_METRICS, PURPOSE_HTTP)
+LEASE_NAME_PREFIX = "pdpair-port-"  # one coordination.k8s.io Lease per port: pdpair-port-<port>
+
+
+def status_port_name(role: str, purpose: str, index: int) -> str:
+    """status.ports[].name: `<role>-<purpose>-<index>` (the CRD's Decode Port column reads decode-sidechannel-0)."""
+    return f"{role}-{purpose}-{index}"
+
 
 # --- environment the operator sets on pair pods ------------------------------------------------
 ENV_ROLE = "PDPAIR_ROLE"
@@ -91,6 +106,8 @@ METRICS_PATH = "/metrics"
 HEALTHZ_PATH = "/healthz"
 # containerPort name of PDPAIR_METRICS_PORT on pair pods; the chart's PodMonitor scrapes the port by this name.
 METRICS_PORT_NAME = "metrics"
+# containerPort name of PDPAIR_HTTP_PORT on every pair pod; the router's Service targets it by this name.
+HTTP_PORT_NAME = "http"
 
 
 # --- metrics -------------------------------------------------------------------------------------

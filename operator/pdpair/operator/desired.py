@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from pdpair.contract import (
+    ANNOTATION_SPEC_HASH,
     COND_DECODE_LISTENING,
     COND_PORTS_LEASED,
     COND_PREFILL_READY,
@@ -41,8 +42,6 @@ from pdpair.contract import (
 )
 
 from .status import FALSE, TRUE, Condition
-
-ANNOTATION_SPEC_HASH = "pdpair.io/spec-hash"
 
 # The spec fields pods are built from; a change to any of them is a rollout (restartPolicy is not).
 POD_SPEC_FIELDS = ("model", "servedModelName", "image", "prefill", "decode", "connector", "network", "router")

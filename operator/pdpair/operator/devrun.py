@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from . import config
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 CHART_DIR = REPO_ROOT / "charts" / "pdpair"
 CRD_DIR = pathlib.Path(os.environ.get("PDPAIR_CRD_DIR") or CHART_DIR / "crds")  # override: try an edited CRD
@@ -85,14 +87,14 @@ class OperatorProcess:
         self.env = {
             **os.environ,
             "KUBECONFIG": str(kubeconfig),
-            "PDPAIR_OPERATOR_NAMESPACE": namespace,
-            "PDPAIR_PORT_POOL": port_pool,
-            "PDPAIR_LIVENESS_PORT": str(self.liveness_port),
-            "PDPAIR_OPERATOR_METRICS_PORT": str(self.metrics_port),
-            "PDPAIR_PROBE_INTERVAL_SECONDS": "0.5",
-            "PDPAIR_RESYNC_INTERVAL_SECONDS": "10",
-            "PDPAIR_POOL_RETRY_SECONDS": "2",
-            "PDPAIR_SWEEP_INTERVAL_SECONDS": "10",
+            config.ENV_OPERATOR_NAMESPACE: namespace,
+            config.ENV_PORT_POOL: port_pool,
+            config.ENV_LIVENESS_PORT: str(self.liveness_port),
+            config.ENV_METRICS_PORT: str(self.metrics_port),
+            config.ENV_PROBE_INTERVAL: "0.5",
+            config.ENV_RESYNC_INTERVAL: "10",
+            config.ENV_POOL_RETRY: "2",
+            config.ENV_SWEEP_INTERVAL: "10",
             **(extra_env or {}),
         }
         self.env.pop("KUBERNETES_SERVICE_HOST", None)  # never mistake this for in-cluster

@@ -17,12 +17,12 @@ from typing import Any
 
 import kopf
 
-from pdpair.contract import FINALIZER, GROUP, LABEL_PAIR_UID, PHASE_READY, PLURAL, ROLES, VERSION
+from pdpair.contract import FINALIZER, GROUP, LABEL_PAIR_UID, PHASE_READY, PLURAL, PURPOSE_METRICS, ROLES, VERSION
 
 from . import health
 from .config import OperatorConfig
 from .desired import PodView
-from .ports import PURPOSE_METRICS, PortLeaser, port_of
+from .ports import PortLeaser, port_of
 from .reconciler import PairReconciler, Runtime, api_status
 
 log = logging.getLogger(__name__)

@@ -11,6 +11,7 @@ import json
 from typing import Any, Mapping
 
 from pdpair.contract import (
+    ANNOTATION_SPEC_HASH,
     API_VERSION,
     ENV_GENERATION,
     ENV_HANG_TIMEOUT_SECONDS,
@@ -28,15 +29,18 @@ from pdpair.contract import (
     LABEL_GENERATION,
     LABEL_PAIR,
     LABEL_PAIR_UID,
+    HTTP_PORT_NAME,
     LABEL_ROLE,
     METRICS_PORT_NAME,
+    PURPOSE_HTTP,
+    PURPOSE_METRICS,
+    PURPOSE_SIDECHANNEL,
     ROLE_DECODE,
     ROLE_PREFILL,
     ROLE_ROUTER,
 )
 
-from .desired import ANNOTATION_SPEC_HASH
-from .ports import PURPOSE_HTTP, PURPOSE_METRICS, PURPOSE_SIDECHANNEL, port_of, ports_of
+from .ports import port_of, ports_of
 
 KV_ROLE = {ROLE_PREFILL: "kv_producer", ROLE_DECODE: "kv_consumer"}
 CONNECTOR_CLASS = "PdPairConnector"
@@ -191,7 +195,7 @@ def engine_pod(
             {"name": ENV_PEER_PORT_BASE, "value": str(decode_side[0])},
         ]
     container_ports = [
-        {"name": "http", "containerPort": http, "protocol": "TCP"},
+        {"name": HTTP_PORT_NAME, "containerPort": http, "protocol": "TCP"},
         {"name": METRICS_PORT_NAME, "containerPort": metrics, "protocol": "TCP"},
     ] + [{"name": f"side-{rank}", "containerPort": port, "protocol": "TCP"} for rank, port in enumerate(side)]
     container: dict[str, Any] = {
@@ -235,7 +239,7 @@ def router_pod(
             "--decode", f"http://{_host(decode_host)}:{decode_http}",
         ],
         "env": _identity_env(pair, ROLE_ROUTER, generation) + [{"name": ENV_HTTP_PORT, "value": str(router_port)}],
-        "ports": [{"name": "http", "containerPort": router_port, "protocol": "TCP"}],
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": router_port, "protocol": "TCP"}],
     }
     pod = _base_pod(pair, ROLE_ROUTER, generation, spec_hash)
     pod["spec"]["containers"] = [container]

@@ -21,19 +21,18 @@ from pdpair.contract import (
     LABEL_PORT_LEASE,
     LABEL_PURPOSE,
     LABEL_ROLE,
+    LEASE_NAME_PREFIX,
+    PURPOSE_HTTP,
+    PURPOSE_METRICS,
+    PURPOSE_SIDECHANNEL,
     ROLE_DECODE,
     ROLE_PREFILL,
     ROLE_ROUTER,
+    status_port_name,
 )
 
 from .config import PortPool
 
-PURPOSE_SIDECHANNEL = "sidechannel"
-PURPOSE_METRICS = "metrics"
-PURPOSE_HTTP = "http"
-PURPOSES = (PURPOSE_SIDECHANNEL, PURPOSE_METRICS, PURPOSE_HTTP)
-
-LEASE_NAME_PREFIX = "pdpair-port-"
 LABEL_VALUE_MAX = 63
 
 log = logging.getLogger(__name__)
@@ -69,7 +68,7 @@ class PortAssignment:
     @property
     def name(self) -> str:
         """The status.ports list-map key the CRD defines: <role>-<purpose>-<index>."""
-        return f"{self.role}-{self.purpose}-{self.rank}"
+        return status_port_name(self.role, self.purpose, self.rank)
 
     def as_status(self) -> dict[str, Any]:
         return {"name": self.name, "role": self.role, "purpose": self.purpose, "rank": self.rank, "port": self.port}

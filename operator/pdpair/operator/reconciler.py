@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from pdpair.contract import (
+    ANNOTATION_RESTART_TIMES,
     COND_READY,
     COND_SIGNALS_HEALTHY,
     GROUP,
     PHASE_FAILED,
     PHASE_RESTARTING,
     PLURAL,
+    PURPOSE_SIDECHANNEL,
     ROLE_DECODE,
     ROLE_PREFILL,
     ROLE_ROUTER,
@@ -35,13 +37,11 @@ from . import health
 from .config import OperatorConfig
 from .lifecycle import probe_ranks
 from .pods import ManifestError, engine_pod, pod_name, router_pod
-from .ports import PURPOSE_SIDECHANNEL, PairRef, PortLeaser, required_blocks, status_ports, ports_of
+from .ports import PairRef, PortLeaser, required_blocks, status_ports, ports_of
 from .restart_policy import Action, RestartPolicy, decide, prune
 from .status import FALSE, TRUE, Condition, apply_conditions, now_rfc3339, status_diff
 
 log = logging.getLogger(__name__)
-
-ANNOTATION_RESTART_TIMES = "pdpair.io/restart-times"  # epoch seconds of the restarts inside the window (JSON list)
 
 # Emit(type, reason, message): posts a Kubernetes Event on the pair (kopf.event in production).
 Emit = Callable[[str, str, str], None]

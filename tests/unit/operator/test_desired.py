@@ -2,6 +2,7 @@
 
 import pytest
 
+from pdpair.contract import ANNOTATION_SPEC_HASH, LABEL_GENERATION, LABEL_ROLE
 from pdpair.operator import desired as d
 from pdpair.operator.desired import Observed, PodView, SimWorld, desired_state, simulate_until_ready, spec_fingerprint
 
@@ -129,8 +130,8 @@ def test_status_lag_after_crash_uses_pod_generation():
 
 def test_podview_from_pod():
     raw = {
-        "metadata": {"name": "x", "uid": "u", "labels": {"pdpair.io/role": "decode", "pdpair.io/generation": "3"},
-                     "annotations": {d.ANNOTATION_SPEC_HASH: "h"}},
+        "metadata": {"name": "x", "uid": "u", "labels": {LABEL_ROLE: "decode", LABEL_GENERATION: "3"},
+                     "annotations": {ANNOTATION_SPEC_HASH: "h"}},
         "spec": {"nodeName": "n1"},
         "status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}],
                    "containerStatuses": [{"restartCount": 2}]},

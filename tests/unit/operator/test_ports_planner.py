@@ -2,11 +2,9 @@
 
 import pytest
 
+from pdpair.contract import PURPOSE_HTTP, PURPOSE_METRICS, PURPOSE_SIDECHANNEL
 from pdpair.operator.config import ConfigError, PortPool
 from pdpair.operator.ports import (
-    PURPOSE_HTTP,
-    PURPOSE_METRICS,
-    PURPOSE_SIDECHANNEL,
     PortBlock,
     assign,
     choose_run,
