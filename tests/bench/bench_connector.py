@@ -3,8 +3,9 @@ the CPU, kv_buffer_device cpu), same machine, same tiny model, one run; plus a s
 
     .venv/bin/python tests/bench/bench_connector.py [--requests 20] [--prompt-tokens 448] [--out results.json]
 
-Each setup is started, warmed up, measured with the same prompts one request at a time (streaming; TTFT = time to
-the first non-empty token chunk at the client), then stopped, so the setups never share the 2 cores. Both P/D setups
+All setups are started, warmed up, then measured with the same prompts one request at a time, round robin over the
+setups (streaming; TTFT = time to the first non-empty token chunk at the client), so each sees the same load on a
+shared machine and only one is busy at a time. Both P/D setups
 go through the same pdpair router. Transfer time is the decode side's own per-transfer histogram:
 pdpair_kv_transfer_seconds (Pull sent -> last signal) and vllm:nixl_xfer_time_seconds (READ posted -> done).
 """
@@ -86,58 +87,57 @@ def histogram(url: str, name: str) -> tuple[float, float]:
     return total, count
 
 
-def measure(name: str, url: str, texts: list[str], max_tokens: int, transfer=None) -> dict:
-    # Warm-up, retried: a connector's first request also pays its peer handshake (NIXL's can time out here).
-    warm_errors = 0
-    for attempt in range(6):
+class Setup:
+    def __init__(self, name: str, url: str, transfer=None) -> None:
+        self.name, self.url, self.transfer = name, url, transfer
+        self.ttfts: list[float] = []
+        self.totals: list[float] = []
+        self.errors = 0
+        self.warm_errors = 0
+        self.before = (0.0, 0.0)
+
+    def warm_up(self) -> None:
+        # Retried: a connector's first request also pays its peer handshake (NIXL's can time out under load).
+        for attempt in range(6):
+            try:
+                ttft_stream(self.url, f"warm up {attempt} " * 40, 4)
+                ttft_stream(self.url, f"warm up again {attempt} " * 30, 4)
+                return
+            except RuntimeError as exc:
+                self.warm_errors += 1
+                print(f"{self.name}: warm-up attempt {attempt} failed: {exc}", file=sys.stderr)
+        raise RuntimeError(f"{self.name}: warm-up failed 6 times")
+
+    def one(self, text: str, max_tokens: int) -> None:
         try:
-            ttft_stream(url, f"warm up {attempt} " * 40, 4)
-            ttft_stream(url, f"warm up again {attempt} " * 30, 4)
-            break
+            first, total = ttft_stream(self.url, text, max_tokens)
         except RuntimeError as exc:
-            warm_errors += 1
-            print(f"{name}: warm-up attempt {attempt} failed: {exc}", file=sys.stderr)
-    before = transfer() if transfer else None
-    ttfts, totals, errors = [], [], 0
-    for text in texts:
-        try:
-            first, total = ttft_stream(url, text, max_tokens)
-        except RuntimeError as exc:
-            errors += 1
-            print(f"{name}: request failed: {exc}", file=sys.stderr)
-            continue
-        ttfts.append(first)
-        totals.append(total)
-    if not ttfts:
-        raise RuntimeError(f"{name}: every measured request failed")
-    result = {
-        "setup": name,
-        "requests": len(ttfts),
-        "failed_requests": errors,
-        "failed_warmups": warm_errors,
-        "ttft_ms_median": round(1000 * statistics.median(ttfts), 2),
-        "ttft_ms_p90": round(1000 * sorted(ttfts)[int(0.9 * (len(ttfts) - 1))], 2),
-        "ttft_ms_mean": round(1000 * statistics.mean(ttfts), 2),
-        "e2e_ms_median": round(1000 * statistics.median(totals), 2),
-    }
-    if transfer:
-        after = transfer()
-        n = after[1] - before[1]
-        result["transfers"] = int(n)
-        result["transfer_ms_mean"] = round(1000 * (after[0] - before[0]) / n, 3) if n else None
-    return result
+            self.errors += 1
+            print(f"{self.name}: request failed: {exc}", file=sys.stderr)
+            return
+        self.ttfts.append(first)
+        self.totals.append(total)
 
-
-def run_setup(procs: list[Process], ready: list[Process]) -> None:
-    for proc in procs:
-        proc.start()
-    for proc in ready:
-        proc.wait_healthy()
-
-
-def stop_all(procs: list[Process]) -> None:
-    for proc in reversed(procs):
-        proc.stop()
+    def result(self) -> dict:
+        if not self.ttfts:
+            raise RuntimeError(f"{self.name}: every measured request failed")
+        ttfts = sorted(self.ttfts)
+        result = {
+            "setup": self.name,
+            "requests": len(ttfts),
+            "failed_requests": self.errors,
+            "failed_warmups": self.warm_errors,
+            "ttft_ms_median": round(1000 * statistics.median(ttfts), 2),
+            "ttft_ms_p90": round(1000 * ttfts[int(0.9 * (len(ttfts) - 1))], 2),
+            "ttft_ms_mean": round(1000 * statistics.mean(ttfts), 2),
+            "e2e_ms_median": round(1000 * statistics.median(self.totals), 2),
+        }
+        if self.transfer:
+            after = self.transfer()
+            n = after[1] - self.before[1]
+            result["transfers"] = int(n)
+            result["transfer_ms_mean"] = round(1000 * (after[0] - self.before[0]) / n, 3) if n else None
+        return result
 
 
 def main() -> int:
@@ -147,6 +147,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--setups", default="single,pdpair,nixl")
+    parser.add_argument("--ucx-tls", default="", help="UCX_TLS for the NIXL engines (default: UCX chooses)")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="pdpair-bench-"))
@@ -154,62 +155,74 @@ def main() -> int:
     logs = work / "logs"
     logs.mkdir()
     texts = prompts(args.requests, args.prompt_tokens, model)
-    results = []
-    setups = args.setups.split(",")
-
-    if "single" in setups:
-        single = engine("single", model, logs)
-        try:
-            run_setup([single], [single])
-            results.append(measure("single engine (no connector)", single.url, texts, args.max_tokens))
-        finally:
-            stop_all([single])
-
-    if "pdpair" in setups:
-        listen, d_metrics = free_port(), free_port()
-        decode = engine("pdpair-decode", model, logs, kv_role="kv_consumer",
-                        pdpair_env=pair_env("decode", generation=1, listen_base=listen, metrics_port=d_metrics,
-                                            hang_timeout=30))
-        prefill = engine("pdpair-prefill", model, logs, kv_role="kv_producer",
-                         pdpair_env=pair_env("prefill", generation=1, peer_base=listen, hang_timeout=30))
-        procs = [decode, prefill]
-        try:
-            run_setup(procs, procs)
+    wanted = args.setups.split(",")
+    procs: list[Process] = []
+    setups: list[Setup] = []
+    try:
+        if "single" in wanted:
+            single = engine("single", model, logs)
+            procs.append(single.start())
+            single.wait_healthy()
+            setups.append(Setup("single engine (no connector)", single.url))
+        if "pdpair" in wanted:
+            listen, d_metrics = free_port(), free_port()
+            decode = engine("pdpair-decode", model, logs, kv_role="kv_consumer",
+                            pdpair_env=pair_env("decode", generation=1, listen_base=listen, metrics_port=d_metrics,
+                                                hang_timeout=30))
+            prefill = engine("pdpair-prefill", model, logs, kv_role="kv_producer",
+                             pdpair_env=pair_env("prefill", generation=1, peer_base=listen, hang_timeout=30))
+            procs += [decode.start(), prefill.start()]
+            decode.wait_healthy()
+            prefill.wait_healthy()
             prefill.wait_log("paired with decode", 60)
-            rtr = router(logs, prefill.url, decode.url).start()
-            procs.append(rtr)
+            rtr = router(logs, prefill.url, decode.url)
+            procs.append(rtr.start())
             rtr.wait_healthy(60)
             metrics = f"http://127.0.0.1:{d_metrics}/metrics"
-            results.append(measure("pdpair (tcp transport) via router", rtr.url, texts, args.max_tokens,
-                                   transfer=lambda: histogram(metrics, "pdpair_kv_transfer_seconds")))
-        finally:
-            stop_all(procs)
-
-    if "nixl" in setups:
-        procs = []
-        try:
+            setups.append(Setup("pdpair (tcp transport) via router", rtr.url,
+                                lambda: histogram(metrics, "pdpair_kv_transfer_seconds")))
+        if "nixl" in wanted:
+            pair = []
             for role in ("decode", "prefill"):
                 config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
                 proc = engine(f"nixl-{role}", model, logs, kv_transfer_config=config,
                               extra_env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                                          "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-                                         "UCX_TLS": "tcp,self,sm"})
-                procs.append(proc)
-            run_setup(procs, procs)
-            decode, prefill = procs
-            rtr = router(logs, prefill.url, decode.url).start()
-            procs.append(rtr)
+                                         **({"UCX_TLS": args.ucx_tls} if args.ucx_tls else {})})
+                procs.append(proc.start())
+                pair.append(proc)
+            for proc in pair:
+                proc.wait_healthy()
+            nixl_decode, nixl_prefill = pair
+            rtr = router(logs, nixl_prefill.url, nixl_decode.url)
+            rtr.name = "nixl-router"
+            rtr.log_path = logs / "nixl-router.log"
+            procs.append(rtr.start())
             rtr.wait_healthy(60)
-            results.append(measure("vLLM NixlConnector (UCX, CPU) via router", rtr.url, texts, args.max_tokens,
-                                   transfer=lambda: histogram(decode.url + "/metrics", "vllm:nixl_xfer_time_seconds")))
-        finally:
-            stop_all(procs)
+            setups.append(Setup("vLLM NixlConnector (UCX, CPU) via router", rtr.url,
+                                lambda: histogram(nixl_decode.url + "/metrics", "vllm:nixl_xfer_time_seconds")))
+        for setup in setups:
+            setup.warm_up()
+        time.sleep(12)  # vLLM publishes connector stats to /metrics on its logging interval
+        for setup in setups:
+            if setup.transfer:
+                setup.before = setup.transfer()
+        # Round robin, one request at a time: every setup sees the same (shared, noisy) machine.
+        for text in texts:
+            for setup in setups:
+                setup.one(text, args.max_tokens)
+        time.sleep(12)  # vLLM publishes connector stats to /metrics on its logging interval
+        results = [setup.result() for setup in setups]
+    finally:
+        stop_all(procs)
 
     report = {
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores, no GPU",
         "model": "tiny random Llama (2 layers, hidden 64, 2 KV heads x 32, float32, block 32)",
         "prompt_tokens_approx": args.prompt_tokens,
         "max_tokens": args.max_tokens,
+        "ucx_tls": args.ucx_tls or "(UCX default)",
+        "load_average_after": __import__("os").getloadavg(),
         "results": results,
         "logs": str(logs),
     }

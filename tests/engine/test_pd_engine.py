@@ -97,6 +97,12 @@ def test_router_outputs_equal_single_engine_token_for_token(stack):
         assert via_pair["choices"][0]["text"] == single["choices"][0]["text"]
     assert ok_transfers(stack) == before + len(PROMPTS), "every request must have moved its KV over the pair"
     assert metric(stack.decode_metrics, "pdpair_kv_transfer_bytes_total") > bytes_before
+    # The vLLM-native view (KVConnectorStats -> build_prom_metrics) on vLLM's own /metrics.
+    deadline = time.monotonic() + 30
+    while metric(stack.decode.url, "vllm:pdpair_kv_transfers_total", {"outcome": "ok"}) < len(PROMPTS):
+        assert time.monotonic() < deadline, "vllm:pdpair_kv_transfers_total did not reach the transfer count"
+        time.sleep(1)
+    assert metric(stack.decode.url, "vllm:pdpair_kv_transfer_seconds_count") >= len(PROMPTS)
 
 
 def test_chat_streaming_and_request_id_through_router(stack):
