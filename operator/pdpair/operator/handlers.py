@@ -2,8 +2,9 @@
 
 - startup: settings (finalizer and progress storage in pdpair.io, posting level, watch timeouts), API clients,
   the port leaser, the orphan-lease sweep.
-- index `pair_pods`: the pods of each pair (by the pair-uid label), kept live by the watch.
-- events on pairs and their pods wake that pair's daemon, so reaction is immediate, not per poll.
+- index `pair_pods`: the pods of each pair (by the pair-uid label), kept live by the watch; `pair_services` the same
+  for the router Service.
+- events on pairs, their pods and their Service wake that pair's daemon, so reaction is immediate, not per poll.
 - daemon `reconcile`: one per pair, loops PairReconciler.reconcile_once (it also drives the probe gate).
 - delete: waits for the daemon to stop, then releases the pair's leases (the pods go by ownerReference GC).
 """
@@ -24,6 +25,7 @@ from .config import OperatorConfig
 from .desired import PodView
 from .ports import PortLeaser, port_of
 from .reconciler import PairReconciler, Runtime, api_status
+from .service import ServiceView
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = 60
     settings.watching.label_selectors["pods"] = LABEL_PAIR_UID  # only pods we made reach the operator
+    settings.watching.label_selectors["services"] = LABEL_PAIR_UID  # and only Services we made
 
     asyncio.get_running_loop().set_default_executor(
         concurrent.futures.ThreadPoolExecutor(max_workers=config.api_threads, thread_name_prefix="pdpair-api")
@@ -103,6 +106,18 @@ async def pod_changed(labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
         runtime.wake(labels[LABEL_PAIR_UID])
 
 
+@kopf.index("v1", "services", labels={LABEL_PAIR_UID: kopf.PRESENT})
+async def pair_services(body: kopf.Body, labels: kopf.Labels, **_: Any) -> dict[str, ServiceView]:
+    return {labels[LABEL_PAIR_UID]: ServiceView.from_service(body)}
+
+
+@kopf.on.event("v1", "services", labels={LABEL_PAIR_UID: kopf.PRESENT})
+async def service_changed(labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    runtime: Runtime | None = memo.get("runtime")
+    if runtime:
+        runtime.wake(labels[LABEL_PAIR_UID])  # e.g. someone deleted the router Service: recreate it now
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def pair_changed(uid: str, memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime | None = memo.get("runtime")
@@ -113,7 +128,7 @@ async def pair_changed(uid: str, memo: kopf.Memo, **_: Any) -> None:
 @kopf.daemon(GROUP, VERSION, PLURAL, id="reconcile", cancellation_backoff=5.0, cancellation_timeout=5.0)
 async def reconcile(
     body: kopf.Body, uid: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, logger: logging.Logger,
-    pair_pods: kopf.Index, **_: Any,
+    pair_pods: kopf.Index, pair_services: kopf.Index, **_: Any,
 ) -> None:
     runtime: Runtime = memo["runtime"]
     wake = runtime.wakeups.setdefault(uid, asyncio.Event())
@@ -130,7 +145,7 @@ async def reconcile(
         while not stopped:
             wake.clear()
             try:
-                delay = await reconciler.reconcile_once(list(pair_pods.get(uid, ())))
+                delay = await reconciler.reconcile_once(list(pair_pods.get(uid, ())), list(pair_services.get(uid, ())))
                 failures, last_error = 0, ""
             except asyncio.CancelledError:
                 raise

@@ -39,6 +39,7 @@ from .lifecycle import probe_ranks
 from .pods import ManifestError, engine_pod, pod_name, router_pod
 from .ports import PairRef, PortLeaser, required_blocks, status_ports, ports_of
 from .restart_policy import Action, RestartPolicy, decide, prune
+from .service import ACTION_CREATE, ACTION_DELETE, ACTION_PATCH, ServiceView, plan_service, router_service, service_name
 from .status import FALSE, TRUE, Condition, apply_conditions, now_rfc3339, status_diff
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,10 @@ def api_status(exc: BaseException) -> int | None:
     return getattr(exc, "status", None)
 
 
+def _service_port(manifest: Mapping[str, Any]) -> int:
+    return int(manifest["spec"]["ports"][0]["port"])
+
+
 class PairReconciler:
     def __init__(self, rt: Runtime, body: Mapping[str, Any], emit: Emit, logger: logging.Logger | None = None):
         self.rt = rt
@@ -92,6 +97,8 @@ class PairReconciler:
         self.listening_pods: set[str] = set()  # pod uids whose listener accepted on every rank
         self.probe_message = ""
         self.last_step = ""
+        self.service: str | None = (self.status.get("service") or None)  # the router Service we own, by name
+        self.service_problem = ""  # the last Service error reported as an Event (reported once, not per pass)
         self.restart_times: list[float] = self._read_restart_times()
 
     # --- observation --------------------------------------------------------------------------------
@@ -145,8 +152,80 @@ class PairReconciler:
             self.emit("Normal", "DecodeListening", f"decode {decode.name}: {result.describe()}")
         return result.all_accept
 
+    async def ensure_service(self, services: Iterable[ServiceView]) -> None:
+        """The router Service (service.py): created, corrected or deleted to match spec.router.enabled and the
+        router's leased port. A failure here is reported and retried next pass; it never stops the pods' steps."""
+        body = {"metadata": self.body["metadata"], "spec": self.body["spec"]}
+        desired = router_service(body, self.ports)
+        if desired is None and d.router_enabled(self.body["spec"]):
+            return  # the router port is not leased yet: leave whatever exists alone
+        name = service_name(self.ref.name)
+        observed = next((s for s in services if s.name == name), None)
+        action = plan_service(desired, observed, self.ref.uid)
+        try:
+            if action == ACTION_CREATE:
+                await self._create_service(desired)
+            elif action == ACTION_PATCH:
+                await asyncio.to_thread(
+                    self.rt.core.patch_namespaced_service, name, self.ref.namespace,
+                    [{"op": "test", "path": "/metadata/uid", "value": observed.uid},
+                     {"op": "replace", "path": "/spec/selector", "value": desired["spec"]["selector"]},
+                     {"op": "replace", "path": "/spec/ports", "value": desired["spec"]["ports"]}],
+                    _content_type="application/json-patch+json",
+                )
+                self.emit("Normal", "ServiceUpdated", f"service {name}: port {_service_port(desired)}")
+            elif action == ACTION_DELETE:
+                await self._delete_service(name, observed.uid)
+                self.emit("Normal", "ServiceDeleted", f"deleted service {name} (router disabled)")
+        except Exception as exc:  # RBAC, a foreign Service of that name, apiserver down: reported, retried
+            self._service_problem(f"service {name}: {type(exc).__name__}: {str(exc)[:500]}")
+            return
+        if desired is None:
+            self.service = None
+        elif action == ACTION_CREATE or (observed is not None and self.ref.uid in observed.owner_uids):
+            self.service = name
+            self.service_problem = ""
+
+    async def _create_service(self, manifest: dict[str, Any]) -> None:
+        from kubernetes.client import V1Service
+
+        name = manifest["metadata"]["name"]
+        try:
+            await asyncio.to_thread(self.rt.core.create_namespaced_service, self.ref.namespace,
+                                    V1Service.from_dict(manifest))
+        except Exception as exc:
+            if api_status(exc) != 409:
+                raise
+            # Made by an earlier pass (the watch had not caught up), or someone else's Service of that name.
+            existing = await asyncio.to_thread(self.rt.core.read_namespaced_service, name, self.ref.namespace)
+            owners = [o.uid for o in existing.metadata.owner_references or ()]
+            if self.ref.uid not in owners:
+                raise RuntimeError(
+                    f"a Service named {name} exists and is not owned by this pair; the router Service cannot be "
+                    f"created (delete or rename that Service)"
+                ) from None
+            return
+        self.emit("Normal", "ServiceCreated", f"created service {name} (port {_service_port(manifest)})")
+
+    async def _delete_service(self, name: str, uid: str) -> None:
+        from kubernetes.client import V1DeleteOptions, V1Preconditions
+
+        try:
+            await asyncio.to_thread(self.rt.core.delete_namespaced_service, name, self.ref.namespace,
+                                    body=V1DeleteOptions(preconditions=V1Preconditions(uid=uid)))
+        except Exception as exc:
+            if api_status(exc) not in (404, 409):
+                raise
+
+    def _service_problem(self, message: str) -> None:
+        self.service = None
+        if message != self.service_problem:
+            self.emit("Warning", "ServiceError", message)
+            self.log.warning("pair %s/%s: %s", self.ref.namespace, self.ref.name, message)
+        self.service_problem = message
+
     # --- one pass -----------------------------------------------------------------------------------
-    async def reconcile_once(self, pods: Iterable[d.PodView]) -> float:
+    async def reconcile_once(self, pods: Iterable[d.PodView], services: Iterable[ServiceView] = ()) -> float:
         """One level-triggered pass. Returns how long to sleep before the next one (a wakeup cuts it short)."""
         started = time.monotonic()
         spec = self.body["spec"]
@@ -158,6 +237,7 @@ class PairReconciler:
             return cfg.resync_interval  # the restart budget is spent; only a spec change moves the pair again
 
         await self.ensure_ports(spec, pods)
+        await self.ensure_service(services)
 
         generation = d.current_generation(self.status, pods)
         decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation), None)
@@ -269,6 +349,7 @@ class PairReconciler:
             "message": plan.message[:32768],
             "pods": {role: name for role, name in names.items() if role in present},
             "restarts": int(self.status.get("restarts") or 0),
+            "service": self.service,  # None removes the field (merge patch)
         }
         if self.ports is not None:
             fields["ports"] = self.ports

@@ -98,9 +98,15 @@ def is_true(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> bool:
 
 
 def status_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """The merge patch that turns `old` status into `new` (top-level keys only; lists are replaced whole)."""
+    """The merge patch (RFC 7386) that turns `old` status into `new`. Lists are replaced whole; a merge patch merges
+    maps, so a key gone from a map (e.g. pods.router once the router is disabled) is sent as null."""
     patch: dict[str, Any] = {}
     for key, value in new.items():
-        if old.get(key) != value:
+        before = old.get(key)
+        if before == value:
+            continue
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            patch[key] = {**dict(value), **{k: None for k in before if k not in value}}
+        else:
             patch[key] = value
     return patch

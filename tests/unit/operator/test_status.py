@@ -48,3 +48,12 @@ def test_bad_conditions_are_refused(status, reason):
 def test_status_diff_is_minimal():
     assert status_diff({"a": 1, "b": [1]}, {"a": 1, "b": [1, 2], "c": 3}) == {"b": [1, 2], "c": 3}
     assert status_diff({"a": 1}, {"a": 1}) == {}
+
+
+def test_status_diff_removes_a_key_gone_from_a_map():
+    """A merge patch merges maps: pods.router must be sent as null once the router is gone, or it stays."""
+    old = {"pods": {"decode": "p-decode-g1", "prefill": "p-prefill-g1", "router": "p-router-g1"}}
+    new = {"pods": {"decode": "p-decode-g2", "prefill": "p-prefill-g2"}}
+    assert status_diff(old, new) == {"pods": {"decode": "p-decode-g2", "prefill": "p-prefill-g2", "router": None}}
+    assert status_diff({"service": "p"}, {"service": None}) == {"service": None}
+    assert status_diff({}, {"service": None}) == {}
