@@ -693,6 +693,30 @@ class LocalCluster:
             raise
 
     # -- API for tests ---------------------------------------------------------------------------------------
+    def restart(self, component: str, *, down_seconds: float = 0.0, timeout: float = 60.0) -> None:
+        """SIGKILL one component (a crash, not a clean stop), keep it down `down_seconds`, start it again with the
+        same arguments (ports, etcd data, certificates) and wait until it is healthy again.
+
+        `component` is one of etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok.
+        """
+        index = next((i for i, c in enumerate(self._components) if c.name == component), None)
+        if index is None:
+            raise ValueError(f"no running component {component!r}; running: {[c.name for c in self._components]}")
+        target = self._components.pop(index)
+        if target.process is not None and target.process.poll() is None:
+            target.process.kill()
+            target.process.wait(timeout=10)
+        time.sleep(down_seconds)
+        self._launch(target)
+        # Back to its place: stop() goes in reverse start order (clients before the apiserver before etcd).
+        self._components.remove(target)
+        self._components.insert(index, target)
+        if target.health_url is not None:
+            self._wait_healthy(target, time.monotonic() + timeout)
+        else:
+            time.sleep(0.5)
+            self._check_alive(target)
+
     def api_client(self):
         """A kubernetes.client.ApiClient authenticated as the admin (system:masters)."""
         if self._api_client is None:

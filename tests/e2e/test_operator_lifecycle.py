@@ -2,15 +2,11 @@
 
 Every test starts its own operator subprocess (`python -m pdpair.operator`) that watches only the test's namespace
 and leases from a pool of its own, on kwok nodes whose IP is 127.0.0.1, so the test can open the real decode
-listener the operator probes.
+listener the operator probes. Fixtures and helpers: operator_helpers.py.
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import contextlib
-import json
 import socket
 import threading
 import time
@@ -19,7 +15,6 @@ import uuid
 import pytest
 
 from pdpair.contract import (
-    API_VERSION,
     COND_DECODE_LISTENING,
     COND_PORTS_LEASED,
     ENV_GENERATION,
@@ -27,6 +22,7 @@ from pdpair.contract import (
     ENV_PEER_HOST,
     ENV_PEER_PORT_BASE,
     GROUP,
+    HTTP_PORT_NAME,
     KIND,
     LABEL_GENERATION,
     LABEL_PAIR,
@@ -40,158 +36,30 @@ from pdpair.contract import (
     PURPOSE_HTTP,
     PURPOSE_SIDECHANNEL,
     ROLE_DECODE,
+    ROLE_ROUTER,
     VERSION,
-    status_port_name,
 )
 from pdpair.operator import devrun
-from pdpair.operator.config import ENV_HEALTH_INTERVAL, ENV_WATCH_NAMESPACES
-from tests.cluster.localcluster import helm_path
+from pdpair.operator.config import ENV_WATCH_NAMESPACES
+from tests.e2e.operator_helpers import (
+    DECODE_SIDECHANNEL_0,
+    NO_HEALTH,
+    OPERATOR_NS,
+    PORTS_PER_PAIR_NO_ROUTER,
+    ROUTER_HTTP_0,
+    Api,
+    PodRecorder,
+    check_leases_match_status,
+    cleanup_pairs,
+    condition,
+    create_many,
+    operator,
+    platform,  # noqa: F401  (fixture)
+    pool_of_free_ports,
+    wait_for,
+)
 
 pytestmark = pytest.mark.cluster
-
-OPERATOR_NS = "pdpair-system"
-PORTS_PER_PAIR_NO_ROUTER = 6  # side channel + metrics + http, for decode and prefill (TP 1)
-DECODE_SIDECHANNEL_0 = status_port_name(ROLE_DECODE, PURPOSE_SIDECHANNEL, 0)
-
-
-# --- fixtures and helpers --------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def platform(local_cluster):
-    """CRD + chart RBAC installed, kwok nodes with IP 127.0.0.1, the operator's kubeconfig."""
-    devrun.install_crd(local_cluster)
-    kubeconfig = devrun.install_operator_rbac(local_cluster, helm_path(), OPERATOR_NS)
-    for i in range(2):
-        name = f"kwok-op-{i}"
-        if local_cluster.kubectl("get", "node", name, check=False).returncode != 0:
-            local_cluster.add_node(name, ip="127.0.0.1", capacity={"pods": "1000"})
-    return local_cluster, kubeconfig
-
-
-class Api:
-    def __init__(self, cluster):
-        from kubernetes import client
-
-        api = cluster.api_client()
-        self.core = client.CoreV1Api(api)
-        self.custom = client.CustomObjectsApi(api)
-        self.coord = client.CoordinationV1Api(api)
-
-    def create_pair(self, ns, name, **spec_overrides):
-        spec = {"model": "m", "image": "img:1", "network": {"hostNetwork": True}, "router": {"enabled": False}}
-        spec.update(spec_overrides)
-        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": spec}
-        return self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body)
-
-    def pairs(self, ns):
-        return self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
-
-    def pair(self, ns, name):
-        return self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
-
-    def delete_pair(self, ns, name):
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            self.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-
-    def pods(self, ns):
-        return [p.to_dict() for p in self.core.list_namespaced_pod(ns).items]
-
-    def leases(self, pair_ns=None):
-        selector = f"{LABEL_PORT_LEASE}=true" + (f",{LABEL_PAIR_NAMESPACE}={pair_ns}" if pair_ns else "")
-        return self.coord.list_namespaced_lease(OPERATOR_NS, label_selector=selector).items
-
-    def events(self, ns):
-        return self.core.list_namespaced_event(ns).items
-
-
-def wait_for(predicate, timeout, what, interval=0.25):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-
-
-def condition(pair, type_):
-    return next((c for c in (pair.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
-
-
-def pool_of_free_ports(size):
-    """A range of `size` ports where nothing listens on 127.0.0.1 now (the probe must not hit a stranger)."""
-    for start in range(41000, 60000 - size, size):
-        if all(_bindable(p) for p in range(start, start + size)):
-            return f"{start}-{start + size - 1}"
-    raise AssertionError(f"no free range of {size} ports for the pool")
-
-
-def _bindable(port):
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-# kwok pods run no engine, so nothing serves their /metrics: these tests (issue 2) keep the health watch
-# (issue 5, tests/e2e/test_operator_restart.py) out of the way with a very long interval.
-NO_HEALTH = {ENV_HEALTH_INTERVAL: "3600"}
-
-
-@contextlib.contextmanager
-def operator(platform, ns, pool, tmp_path, name="operator", env=None):
-    cluster, kubeconfig = platform
-    proc = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / f"{name}.log",
-                                  extra_env={ENV_WATCH_NAMESPACES: ns, **(NO_HEALTH if env is None else env)})
-    proc.start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-def cleanup_pairs(api, ns, timeout=120):
-    """Delete every pair (while the operator runs, so its finalizer releases the leases) and wait until gone."""
-    for pair in api.pairs(ns):
-        api.delete_pair(ns, pair["metadata"]["name"])
-    wait_for(lambda: not api.pairs(ns), timeout, f"pairs in {ns} to be gone")
-
-
-def create_many(api, ns, names, threads=16):
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda n: api.create_pair(ns, n), names))
-
-
-def check_leases_match_status(api, ns, expected_pairs, ports_per_pair):
-    """Every lease's pair exists and lists the port; every pair's status ports are exactly its leases."""
-    pairs = {p["metadata"]["uid"]: p for p in api.pairs(ns)}
-    assert len(pairs) == expected_pairs
-    leases = api.leases(ns)
-    lease_ports = collections.defaultdict(set)
-    for lease in leases:
-        port = int(lease.metadata.name.removeprefix(LEASE_NAME_PREFIX))
-        uid = lease.metadata.labels[LABEL_PAIR_UID]
-        assert uid in pairs, f"lease {lease.metadata.name} belongs to a pair that does not exist ({uid})"
-        pair = pairs[uid]
-        assert lease.spec.holder_identity.endswith(uid)
-        lease_ports[uid].add(port)
-    all_status_ports = []
-    for uid, pair in pairs.items():
-        status_ports = {p["port"] for p in (pair.get("status") or {}).get("ports") or []}
-        assert status_ports == lease_ports[uid], f"{pair['metadata']['name']}: status {status_ports} vs leases {lease_ports[uid]}"
-        assert len(status_ports) == ports_per_pair
-        all_status_ports += list(status_ports)
-    duplicates = [p for p, n in collections.Counter(all_status_ports).items() if n > 1]
-    assert duplicates == [], f"duplicate ports: {duplicates}"
-    assert len(leases) == expected_pairs * ports_per_pair
-    return len(leases)
 
 
 # --- 1. the decode-before-prefill gate -------------------------------------------------------------------------
@@ -331,44 +199,85 @@ def test_delete_pairs_removes_pods_and_leases(platform, cluster_namespace, tmp_p
         wait_for(lambda: api.pods(ns) == [], 60, "their pods gone (garbage collector)")
 
 
-# --- 5. spec change: a new generation, decode first, prefill after the gate -------------------------------------
-class PodRecorder:
-    """Records pod creations and deletions in a namespace through a watch, in order."""
+# --- 4b. the router Service: follows spec.router.enabled, selects the router, goes with the pair -----------------
+def test_router_service(platform, cluster_namespace, tmp_path):
+    from kubernetes.client.exceptions import ApiException
 
-    def __init__(self, api, ns):
-        from kubernetes import watch
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
 
-        self.events: list[tuple[float, str, str]] = []
-        self._seen_deleting: set[str] = set()
-        self._watch = watch.Watch()
-        self._thread = threading.Thread(target=self._run, args=(api, ns), daemon=True)
-        self._thread.start()
-        time.sleep(0.5)
-
-    def _run(self, api, ns):
+    def service():
         try:
-            self._stream(api, ns)
-        except Exception:  # the stream ends when stop() closes it
-            pass
+            return api.core.read_namespaced_service("svc", ns)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
 
-    def _stream(self, api, ns):
-        for ev in self._watch.stream(api.core.list_namespaced_pod, ns, timeout_seconds=600):
-            pod = ev["object"]
-            name = pod.metadata.name
-            if ev["type"] == "ADDED":
-                self.events.append((time.monotonic(), "create", name))
-            elif pod.metadata.deletion_timestamp and name not in self._seen_deleting or ev["type"] == "DELETED":
-                if name not in self._seen_deleting:
-                    self._seen_deleting.add(name)
-                    self.events.append((time.monotonic(), "delete", name))
+    def ready(generation):
+        return lambda: (lambda p: p if p["status"].get("phase") == "Ready"
+                        and p["status"]["pairGeneration"] == generation else None)(api.pair(ns, "svc"))
 
-    def stop(self):
-        self._watch.stop()
+    with operator(platform, ns, pool_of_free_ports(20), tmp_path):
+        api.create_pair(ns, "svc", router={"enabled": True})
+        pair = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("ports") else None)(api.pair(ns, "svc")),
+                        30, "ports")
+        side = next(p["port"] for p in pair["status"]["ports"] if p["name"] == DECODE_SIDECHANNEL_0)
+        router_port = next(p["port"] for p in pair["status"]["ports"] if p["name"] == ROUTER_HTTP_0)
+        with socket.socket() as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", side))
+            listener.listen(16)
+            g1 = wait_for(ready(1), 30, "generation 1 Ready")
+            assert g1["status"]["service"] == "svc"
+            svc = service()
+            assert svc is not None and svc.spec.type == "ClusterIP" and svc.spec.cluster_ip
+            assert svc.spec.selector == {LABEL_PAIR: "svc", LABEL_ROLE: ROLE_ROUTER}
+            assert [(p.port, p.target_port) for p in svc.spec.ports] == [(router_port, HTTP_PORT_NAME)]
+            assert svc.metadata.labels[LABEL_PAIR_UID] == pair["metadata"]["uid"]
+            [owner] = svc.metadata.owner_references
+            assert (owner.kind, owner.uid, owner.controller) == (KIND, pair["metadata"]["uid"], True)
 
-    def order(self):
-        return [f"{kind} {name}" for _, kind, name in self.events]
+            # The selector and the named target port resolve to the router pod and its port. (The EndpointSlice
+            # controller would show the same, but it refuses the kwok nodes' loopback address, so the test resolves
+            # them itself.)
+            selected = api.core.list_namespaced_pod(
+                ns, label_selector=",".join(f"{k}={v}" for k, v in svc.spec.selector.items())).items
+            assert [p.metadata.name for p in selected] == [g1["status"]["pods"]["router"]]
+            named = {p.name: p.container_port for c in selected[0].spec.containers for p in c.ports or ()}
+            assert named[HTTP_PORT_NAME] == router_port
+
+            # Deleted by hand: the watch sees it and the operator recreates it.
+            api.core.delete_namespaced_service("svc", ns)
+            wait_for(lambda: (lambda s: s and s.metadata.uid != svc.metadata.uid)(service()), 15,
+                     "the Service recreated")
+
+            # Router disabled: the Service goes (the new generation runs without a router).
+            api.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "svc",
+                                                      {"spec": {"router": {"enabled": False}}})
+            g2 = wait_for(ready(2), 60, "generation 2 Ready (no router)")
+            wait_for(lambda: service() is None, 30, "the Service deleted")
+            assert "service" not in api.pair(ns, "svc")["status"]
+            assert "router" not in g2["status"]["pods"]
+
+            # Enabled again: back, on the router's port.
+            api.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "svc",
+                                                      {"spec": {"router": {"enabled": True}}})
+            wait_for(ready(3), 60, "generation 3 Ready (router again)")
+            back = wait_for(service, 30, "the Service back")
+            assert [p.port for p in back.spec.ports] == [router_port]
+            assert api.pair(ns, "svc")["status"]["service"] == "svc"
+        reasons = [e.reason for e in api.events(ns) if e.involved_object.kind == KIND]
+        assert "ServiceCreated" in reasons and "ServiceDeleted" in reasons
+
+        # Pair deleted: the garbage collector removes the Service (ownerReference).
+        api.delete_pair(ns, "svc")
+        wait_for(lambda: not api.pairs(ns), 60, "the pair gone")
+        wait_for(lambda: service() is None, 60, "the Service gone (garbage collector)")
 
 
+# --- 5. spec change: a new generation, decode first, prefill after the gate -------------------------------------
 def test_spec_change_rolls_out_decode_first(platform, cluster_namespace, tmp_path):
     cluster, _ = platform
     api = Api(cluster)
@@ -488,17 +397,6 @@ def test_operator_restart_causes_no_churn(platform, cluster_namespace, tmp_path)
         cleanup_pairs(api, ns)
 
 
-def _restart_apiserver(cluster, down_seconds=3.0):
-    """SIGKILL the kube-apiserver and start it again on the same port, etcd and certificates."""
-    component = next(c for c in cluster._components if c.name == "kube-apiserver")
-    component.process.kill()
-    component.process.wait(10)
-    cluster._components.remove(component)
-    time.sleep(down_seconds)
-    cluster._launch(component)
-    cluster._wait_healthy(component, time.monotonic() + 60)
-
-
 def test_operator_survives_apiserver_restart(platform, cluster_namespace, tmp_path):
     cluster, _ = platform
     api = Api(cluster)
@@ -508,7 +406,7 @@ def test_operator_survives_apiserver_restart(platform, cluster_namespace, tmp_pa
         pair = wait_for(lambda: (lambda p: p if p.get("status", {}).get("phase") == "DecodeStarting"
                                  and p["status"].get("ports") else None)(api.pair(ns, "before")), 30, "gated")
         side = next(p["port"] for p in pair["status"]["ports"] if p["name"] == DECODE_SIDECHANNEL_0)
-        _restart_apiserver(cluster)
+        cluster.restart("kube-apiserver", down_seconds=3.0)  # SIGKILL, same port, etcd and certificates
         assert proc.proc.poll() is None, "the operator died with the apiserver"
         with socket.socket() as listener:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

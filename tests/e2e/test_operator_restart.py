@@ -26,7 +26,7 @@ from pdpair.contract import (
     status_port_name,
 )
 from pdpair.operator.config import ENV_HEALTH_INTERVAL
-from test_operator_lifecycle import (  # tests/e2e is on sys.path (pytest's rootdir-relative import)
+from tests.e2e.operator_helpers import (
     Api,
     PodRecorder,
     cleanup_pairs,

@@ -1,0 +1,219 @@
+"""Shared by the operator e2e tests (test_operator_lifecycle.py, test_operator_restart.py): the `platform` fixture,
+an API wrapper, the operator subprocess, waits, and a pod-event recorder. Not a test module.
+
+The operator runs as `python -m pdpair.operator` under the chart's ServiceAccount and RBAC, watches only the test's
+namespace and leases from a pool of its own; the kwok nodes have IP 127.0.0.1, so a test can open the real decode
+listener the operator probes.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import socket
+import threading
+import time
+
+import pytest
+
+from pdpair.contract import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    LABEL_PAIR_NAMESPACE,
+    LABEL_PAIR_UID,
+    LABEL_PORT_LEASE,
+    LEASE_NAME_PREFIX,
+    PLURAL,
+    PURPOSE_HTTP,
+    PURPOSE_SIDECHANNEL,
+    ROLE_DECODE,
+    ROLE_ROUTER,
+    VERSION,
+    status_port_name,
+)
+from pdpair.operator import devrun
+from pdpair.operator.config import ENV_HEALTH_INTERVAL, ENV_WATCH_NAMESPACES
+from tests.cluster.localcluster import helm_path
+
+OPERATOR_NS = "pdpair-system"
+PORTS_PER_PAIR_NO_ROUTER = 6  # side channel + metrics + http, for decode and prefill (TP 1)
+DECODE_SIDECHANNEL_0 = status_port_name(ROLE_DECODE, PURPOSE_SIDECHANNEL, 0)
+ROUTER_HTTP_0 = status_port_name(ROLE_ROUTER, PURPOSE_HTTP, 0)
+
+
+@pytest.fixture(scope="module")
+def platform(local_cluster):
+    """CRD + chart RBAC installed, kwok nodes with IP 127.0.0.1, the operator's kubeconfig."""
+    devrun.install_crd(local_cluster)
+    kubeconfig = devrun.install_operator_rbac(local_cluster, helm_path(), OPERATOR_NS)
+    for i in range(2):
+        name = f"kwok-op-{i}"
+        if local_cluster.kubectl("get", "node", name, check=False).returncode != 0:
+            local_cluster.add_node(name, ip="127.0.0.1", capacity={"pods": "1000"})
+    return local_cluster, kubeconfig
+
+
+class Api:
+    def __init__(self, cluster):
+        from kubernetes import client
+
+        api = cluster.api_client()
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self.coord = client.CoordinationV1Api(api)
+
+    def create_pair(self, ns, name, **spec_overrides):
+        spec = {"model": "m", "image": "img:1", "network": {"hostNetwork": True}, "router": {"enabled": False}}
+        spec.update(spec_overrides)
+        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": spec}
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body)
+
+    def pairs(self, ns):
+        return self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
+
+    def pair(self, ns, name):
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+
+    def delete_pair(self, ns, name):
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def pods(self, ns):
+        return [p.to_dict() for p in self.core.list_namespaced_pod(ns).items]
+
+    def leases(self, pair_ns=None):
+        selector = f"{LABEL_PORT_LEASE}=true" + (f",{LABEL_PAIR_NAMESPACE}={pair_ns}" if pair_ns else "")
+        return self.coord.list_namespaced_lease(OPERATOR_NS, label_selector=selector).items
+
+    def events(self, ns):
+        return self.core.list_namespaced_event(ns).items
+
+
+def wait_for(predicate, timeout, what, interval=0.25):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def condition(pair, type_):
+    return next((c for c in (pair.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def pool_of_free_ports(size):
+    """A range of `size` ports where nothing listens on 127.0.0.1 now (the probe must not hit a stranger)."""
+    for start in range(41000, 60000 - size, size):
+        if all(_bindable(p) for p in range(start, start + size)):
+            return f"{start}-{start + size - 1}"
+    raise AssertionError(f"no free range of {size} ports for the pool")
+
+
+def _bindable(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+# kwok pods run no engine, so nothing serves their /metrics: these tests (issue 2) keep the health watch
+# (issue 5, tests/e2e/test_operator_restart.py) out of the way with a very long interval.
+NO_HEALTH = {ENV_HEALTH_INTERVAL: "3600"}
+
+
+@contextlib.contextmanager
+def operator(platform, ns, pool, tmp_path, name="operator", env=None):
+    cluster, kubeconfig = platform
+    proc = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / f"{name}.log",
+                                  extra_env={ENV_WATCH_NAMESPACES: ns, **(NO_HEALTH if env is None else env)})
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def cleanup_pairs(api, ns, timeout=120):
+    """Delete every pair (while the operator runs, so its finalizer releases the leases) and wait until gone."""
+    for pair in api.pairs(ns):
+        api.delete_pair(ns, pair["metadata"]["name"])
+    wait_for(lambda: not api.pairs(ns), timeout, f"pairs in {ns} to be gone")
+
+
+def create_many(api, ns, names, threads=16):
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda n: api.create_pair(ns, n), names))
+
+
+def check_leases_match_status(api, ns, expected_pairs, ports_per_pair):
+    """Every lease's pair exists and lists the port; every pair's status ports are exactly its leases."""
+    pairs = {p["metadata"]["uid"]: p for p in api.pairs(ns)}
+    assert len(pairs) == expected_pairs
+    leases = api.leases(ns)
+    lease_ports = collections.defaultdict(set)
+    for lease in leases:
+        port = int(lease.metadata.name.removeprefix(LEASE_NAME_PREFIX))
+        uid = lease.metadata.labels[LABEL_PAIR_UID]
+        assert uid in pairs, f"lease {lease.metadata.name} belongs to a pair that does not exist ({uid})"
+        pair = pairs[uid]
+        assert lease.spec.holder_identity.endswith(uid)
+        lease_ports[uid].add(port)
+    all_status_ports = []
+    for uid, pair in pairs.items():
+        status_ports = {p["port"] for p in (pair.get("status") or {}).get("ports") or []}
+        assert status_ports == lease_ports[uid], f"{pair['metadata']['name']}: status {status_ports} vs leases {lease_ports[uid]}"
+        assert len(status_ports) == ports_per_pair
+        all_status_ports += list(status_ports)
+    duplicates = [p for p, n in collections.Counter(all_status_ports).items() if n > 1]
+    assert duplicates == [], f"duplicate ports: {duplicates}"
+    assert len(leases) == expected_pairs * ports_per_pair
+    return len(leases)
+
+
+class PodRecorder:
+    """Records pod creations and deletions in a namespace through a watch, in order."""
+
+    def __init__(self, api, ns):
+        from kubernetes import watch
+
+        self.events: list[tuple[float, str, str]] = []
+        self._seen_deleting: set[str] = set()
+        self._watch = watch.Watch()
+        self._thread = threading.Thread(target=self._run, args=(api, ns), daemon=True)
+        self._thread.start()
+        time.sleep(0.5)
+
+    def _run(self, api, ns):
+        try:
+            self._stream(api, ns)
+        except Exception:  # the stream ends when stop() closes it
+            pass
+
+    def _stream(self, api, ns):
+        for ev in self._watch.stream(api.core.list_namespaced_pod, ns, timeout_seconds=600):
+            pod = ev["object"]
+            name = pod.metadata.name
+            if ev["type"] == "ADDED":
+                self.events.append((time.monotonic(), "create", name))
+            elif pod.metadata.deletion_timestamp and name not in self._seen_deleting or ev["type"] == "DELETED":
+                if name not in self._seen_deleting:
+                    self._seen_deleting.add(name)
+                    self.events.append((time.monotonic(), "delete", name))
+
+    def stop(self):
+        self._watch.stop()
+
+    def order(self):
+        return [f"{kind} {name}" for _, kind, name in self.events]
