@@ -116,7 +116,7 @@ def test_hang_detected_and_pair_restarted_in_order(platform, cluster_namespace, 
             decode_x = Exporter(ports[DECODE_METRICS], "decode", 1, "--deficit", "3", "--deficit-on-sigusr1")
             prefill_x = Exporter(ports[PREFILL_METRICS], "prefill", 1)
             exporters += [decode_x, prefill_x]
-            ready = wait_for(phase_is(api, ns, "hang", "Ready", 1), 30, "generation 1 Ready")
+            wait_for(phase_is(api, ns, "hang", "Ready", 1), 30, "generation 1 Ready")
             wait_for(lambda: condition(api.pair(ns, "hang"), COND_SIGNALS_HEALTHY).get("status") == "True", 10,
                      "SignalsHealthy True")
             recorder = PodRecorder(api, ns)

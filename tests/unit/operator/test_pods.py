@@ -8,7 +8,7 @@ import yaml
 
 from pdpair import contract as c
 from pdpair.operator.pods import CONNECTOR_DEFAULTS, ManifestError, engine_pod, pod_name, router_pod
-from pdpair.operator.ports import PortBlock, assign, required_blocks, status_ports
+from pdpair.operator.ports import assign, required_blocks, status_ports
 
 REPO = Path(__file__).resolve().parents[3]
 
