@@ -140,6 +140,11 @@ class Setup:
         return result
 
 
+def stop_all(procs: list[Process]) -> None:
+    for proc in reversed(procs):
+        proc.stop()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20)
