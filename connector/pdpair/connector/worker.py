@@ -102,6 +102,7 @@ class _Worker:
         self.factors: dict = {}
         self.stats = PdPairKVConnectorStats()
         self._lock = threading.Lock()
+        self._counters_warned = False
 
     def _prepare(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self.regions = KvRegions.from_kv_caches(kv_caches, num_blocks)
@@ -122,9 +123,12 @@ class _Worker:
             return
         try:
             c = comm.counters()
-        except TransportError:
-            return
-        self.accounts.set_transport_counters(peer, c.inflight, c.slots, c.requeues)
+            self.accounts.set_transport_counters(peer, c.inflight, c.slots, c.requeues)
+        except Exception as exc:  # noqa: BLE001 - metrics must never take the engine step down
+            if not self._counters_warned:
+                self._counters_warned = True
+                logger.warning("transport counters not exported (%s: %s); further failures are not logged",
+                               type(exc).__name__, exc)
 
     def shutdown(self) -> None:
         if self.metrics_server is not None:
