@@ -427,13 +427,22 @@ class PrefillSideChannel(_SideChannel):
         return None
 
     def _serve(self) -> None:
+        """Serve Pulls until stopped, or until decode's side channel drops (decode restarted): then close the pair
+        and return, so `run` handshakes again (a restarted decode with the same generation pairs anew)."""
         sock = self._sock
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while not self.stopped.is_set():
                 events = dict(poller.poll(POLL_MS))
+                if monitor in events:
+                    logger.warning("%s: decode %s:%d closed the side channel; closing the pair and handshaking again",
+                                   self.name, self.peer_host, self.peer_port)
+                    self._close_comm()
+                    return
                 if self._wake_rx in events:
                     self._drain_wake()
                 replies: list[Message] = list(self.on_tick())
@@ -462,4 +471,6 @@ class PrefillSideChannel(_SideChannel):
                 for reply in replies:
                     sock.send_multipart(encode(reply, self.local_hash))
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)

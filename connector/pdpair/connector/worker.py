@@ -147,7 +147,7 @@ class DecodeWorker(_Worker):
         self._failed: set[str] = set()
         self._free_slots: list[int] = []
         self._abandoned: dict[str, _Wait] = {}  # timed out, still open in the metrics
-        self._waiters = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix=f"pdpair-signal-wait-r{tp_rank_of(args, kwargs)}")
+        self._waiters = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix=f"pdpair-signal-wait-r{self.tp_rank}")
         self._comm_id: int | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
@@ -505,10 +505,6 @@ class PrefillWorker(_Worker):
         if self.side is not None:
             self.side.stop()
         super().shutdown()
-
-
-def tp_rank_of(args: tuple, kwargs: dict) -> int:
-    return kwargs.get("tp_rank", args[1] if len(args) > 1 else 0)
 
 
 def _byte_view(address: int, nbytes: int) -> torch.Tensor:

@@ -162,3 +162,36 @@ def test_stop_joins_the_listener_and_frees_the_port_for_the_next_one():
         decode.stop()
         assert time.monotonic() - started < 2.0
         assert not decode.is_alive() and port_is_free(port)
+
+
+def test_prefill_pairs_again_with_a_restarted_decode():
+    port = free_port()
+    prefill_side = Side(3.0)
+    prefill, prefill_accounts = make_prefill(port, prefill_side)
+    first, _ = make_decode(port, Side(0.0))
+    first.start_and_wait()
+    prefill.start()
+    try:
+        assert prefill.connected.wait(15)
+        old_comm = prefill.comm
+        first.stop()  # decode's process restarts (same generation, same port)
+        deadline = time.monotonic() + 10
+        while prefill.connected.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not prefill.connected.is_set(), "prefill must notice that decode went away"
+        second_side = Side(0.0)
+        second, _ = make_decode(port, second_side)
+        second.start_and_wait()
+        try:
+            assert prefill.connected.wait(20) and second.connected.wait(5)
+            assert prefill.comm is not old_comm
+            assert handshakes(prefill_accounts, "ok") == 2
+            slot = 1
+            base = second.comm.read_signal(slot)
+            second.post(Pull("d-2", "p-2", 0, [0], slot, 1))
+            second.comm.wait_signal(slot, base + 1, time.monotonic() + 5)
+            assert torch.equal(second_side.buffer, prefill_side.buffer)
+        finally:
+            second.stop()
+    finally:
+        prefill.stop()
