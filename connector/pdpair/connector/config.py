@@ -16,6 +16,11 @@ DEFAULT_HANG_TIMEOUT_SECONDS = 60.0
 # How long prefill keeps a finished request's blocks for decode to claim; past it they are freed (and a late pull
 # is refused). Several hang timeouts, so a slow decode is never served freed blocks.
 SEND_LEASE_FACTOR = 4.0
+# PDPAIR_TRANSPORT_SLOTS (spec.connector.slots): request slots per peer connection. Same default and bounds as the
+# CRD; flagcx is capped lower because FlagCX's IB request pool per connection holds 256 (more would drop puts).
+DEFAULT_TRANSPORT_SLOTS = 256
+MAX_TRANSPORT_SLOTS = 4096
+MAX_FLAGCX_TRANSPORT_SLOTS = 256
 
 
 class ConfigError(ValueError):
@@ -35,6 +40,7 @@ class PdPairConfig:
     listen_port_base: int | None  # decode
     peer_host: str | None  # prefill
     peer_port_base: int | None  # prefill
+    transport_slots: int = DEFAULT_TRANSPORT_SLOTS  # request slots per peer connection (puts in flight)
     # Test-only knobs, from kv_connector_extra_config; never set by the operator.
     test_corrupt_kv_file: str | None = None  # decode: while this file exists, received KV is overwritten
     test_drop_signals_file: str | None = None  # prefill: while it exists, the native sender drops every N-th signal
@@ -72,6 +78,7 @@ class PdPairConfig:
             raise ConfigError(f"{contract.ENV_TRANSPORT}={transport!r}: use one of {', '.join(contract.TRANSPORTS)}")
 
         generation = _int(env, contract.ENV_GENERATION, default=0, minimum=0)
+        transport_slots = _transport_slots(env, transport)
         hang = _float(env, contract.ENV_HANG_TIMEOUT_SECONDS, default=DEFAULT_HANG_TIMEOUT_SECONDS)
         metrics_port = _port(env, contract.ENV_METRICS_PORT, required=False)
         listen_base = _port(env, contract.ENV_LISTEN_PORT_BASE, required=role == contract.ROLE_DECODE)
@@ -96,6 +103,7 @@ class PdPairConfig:
             listen_port_base=listen_base,
             peer_host=peer_host,
             peer_port_base=peer_base,
+            transport_slots=transport_slots,
             test_corrupt_kv_file=str(corrupt) if corrupt else None,
             test_drop_signals_file=str(drop) if drop else None,
         )
@@ -111,6 +119,25 @@ def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
         raise ConfigError(f"{name}={raw!r} is not an integer") from None
     if value < minimum:
         raise ConfigError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _transport_slots(env: Mapping[str, str], transport: str) -> int:
+    name = contract.ENV_TRANSPORT_SLOTS
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_TRANSPORT_SLOTS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer (request slots per peer connection)") from None
+    if not 1 <= value <= MAX_TRANSPORT_SLOTS:
+        raise ConfigError(f"{name}={value} must be in 1..{MAX_TRANSPORT_SLOTS} (request slots per peer connection)")
+    if transport == contract.TRANSPORT_FLAGCX and value > MAX_FLAGCX_TRANSPORT_SLOTS:
+        raise ConfigError(
+            f"{name}={value} must be <= {MAX_FLAGCX_TRANSPORT_SLOTS} with {contract.ENV_TRANSPORT}="
+            f"{contract.TRANSPORT_FLAGCX}: FlagCX's IB request pool per connection holds {MAX_FLAGCX_TRANSPORT_SLOTS}"
+        )
     return value
 
 

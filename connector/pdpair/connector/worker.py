@@ -91,7 +91,7 @@ class _Worker:
         self.tp_size = tp_size
         self.block_size = block_size
         self.vllm_version = vllm_version
-        self.transport: PairTransport = make_transport(config.transport)
+        self.transport: PairTransport = make_transport(config.transport, slots=config.transport_slots)
         self.accounts = SignalAccounts(config.role, config.hang_timeout_seconds, generation=config.generation)
         self.metrics_server: MetricsServer | None = None
         if config.metrics_port is not None and tp_rank == 0:

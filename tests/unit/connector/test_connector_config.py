@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from pdpair import contract
-from pdpair.connector.config import ConfigError, PdPairConfig
+from pdpair.connector.config import DEFAULT_TRANSPORT_SLOTS, ConfigError, PdPairConfig
+from pdpair.connector.transports import make_transport
+from pdpair.connector.transports.base import deadline_in
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from transport_suite import connect_pair  # noqa: E402
 
 DECODE = {contract.ENV_LISTEN_PORT_BASE: "20000", contract.ENV_GENERATION: "3", contract.ENV_HANG_TIMEOUT_SECONDS: "12"}
 PREFILL = {contract.ENV_PEER_HOST: "10.0.0.9", contract.ENV_PEER_PORT_BASE: "20000"}
@@ -40,8 +48,58 @@ def test_prefill_config_from_env():
         ("kv_consumer", {**DECODE, contract.ENV_LISTEN_PORT_BASE: "70000"}, {}, "not a port in 1..65535"),
         ("kv_consumer", {**DECODE, contract.ENV_ROLE: "prefill"}, {}, "contradicts kv_role"),
         ("kv_consumer", DECODE, {"surprise": 1}, "unknown kv_connector_extra_config keys"),
+        ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT_SLOTS: "many"}, {}, "PDPAIR_TRANSPORT_SLOTS='many' is not an"),
+        ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT_SLOTS: "0"}, {}, "PDPAIR_TRANSPORT_SLOTS=0 must be in 1..4096"),
+        ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT_SLOTS: "-3"}, {}, "PDPAIR_TRANSPORT_SLOTS=-3 must be in"),
+        ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT_SLOTS: "4097"}, {}, "PDPAIR_TRANSPORT_SLOTS=4097 must be in"),
+        (
+            "kv_consumer",
+            {**DECODE, contract.ENV_TRANSPORT: "flagcx", contract.ENV_TRANSPORT_SLOTS: "257"},
+            {},
+            "PDPAIR_TRANSPORT_SLOTS=257 must be <= 256 with PDPAIR_TRANSPORT=flagcx",
+        ),
     ],
 )
 def test_bad_settings_fail_with_the_variable_named(kv_role, env, extra, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         PdPairConfig.from_env(kv_role, extra, env)
+
+
+def test_transport_slots_default_and_bounds():
+    assert PdPairConfig.from_env("kv_consumer", {}, DECODE).transport_slots == DEFAULT_TRANSPORT_SLOTS == 256
+    for raw, slots in (("1", 1), ("32", 32), ("4096", 4096), ("", 256)):
+        env = {**DECODE, contract.ENV_TRANSPORT_SLOTS: raw}
+        assert PdPairConfig.from_env("kv_consumer", {}, env).transport_slots == slots
+    flagcx = {**DECODE, contract.ENV_TRANSPORT: "flagcx", contract.ENV_TRANSPORT_SLOTS: "256"}
+    assert PdPairConfig.from_env("kv_consumer", {}, flagcx).transport_slots == 256
+
+
+@pytest.mark.parametrize("slots", [3, 700])
+def test_tcp_transport_gets_the_configured_request_slots(slots):
+    """PDPAIR_TRANSPORT_SLOTS reaches the native core: the connection reports it and never has more in flight."""
+    config = PdPairConfig.from_env("kv_producer", {}, {**PREFILL, contract.ENV_TRANSPORT_SLOTS: str(slots)})
+    puts, size = 1500, 16
+    pair = connect_pair(
+        make_transport(config.transport, slots=config.transport_slots),
+        make_transport(config.transport, slots=config.transport_slots),
+        puts * size,
+        puts * size,
+    )
+    try:
+        assert pair.sender.counters().slots == slots
+        assert pair.receiver.counters().slots == slots
+        max_inflight = 0
+        for k in range(puts):
+            pair.sender.put_signal(pair.src_region, k * size, pair.dst_region, k * size, size, signal_slot=0)
+            max_inflight = max(max_inflight, pair.sender.counters().inflight)
+        pair.receiver.wait_signal(0, puts, deadline_in(60))
+        assert max_inflight <= slots
+        if slots == 3:
+            assert pair.sender.counters().requeues > 0, "1500 puts through 3 slots never waited: the cap is not set"
+    finally:
+        pair.close()
+
+
+def test_tcp_transport_refuses_bad_slots():
+    with pytest.raises(ValueError, match="request_slots must be an int >= 1"):
+        make_transport(contract.TRANSPORT_TCP, slots=0)

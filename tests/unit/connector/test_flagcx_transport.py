@@ -356,6 +356,24 @@ def test_slots_from_environment(monkeypatch):
         FlagcxTransport()
 
 
+def test_make_transport_passes_the_configured_slots(monkeypatch):
+    """PdPairConfig.transport_slots reaches the flagcx comm (the env is set to something else to prove it)."""
+    monkeypatch.setenv("PDPAIR_TRANSPORT_SLOTS", "200")
+    t0, t1 = make_transport("flagcx", slots=5), make_transport("flagcx", slots=5)
+    assert t0.slots == 5
+    pair = connect_pair(t0, t1, 64, 64)
+    try:
+        assert pair.sender.counters().slots == 5
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("slots", [0, 257, 4096])
+def test_flagcx_slots_beyond_the_request_pool_are_refused(slots):
+    with pytest.raises(ValueError, match=r"PDPAIR_TRANSPORT_SLOTS\) must be in 1..256"):
+        make_transport("flagcx", slots=slots)
+
+
 # --- two processes -----------------------------------------------------------------------------------------------
 
 

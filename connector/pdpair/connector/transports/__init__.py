@@ -19,16 +19,19 @@ from pdpair.connector.transports.base import (
 from pdpair.contract import ENV_TRANSPORT, TRANSPORT_FLAGCX, TRANSPORT_TCP, TRANSPORTS
 
 
-def make_transport(name: str) -> PairTransport:
-    """The transport named `name` (a value of PDPAIR_TRANSPORT); a clear error for any other name."""
+def make_transport(name: str, slots: int | None = None) -> PairTransport:
+    """The transport named `name` (a value of PDPAIR_TRANSPORT); a clear error for any other name.
+
+    slots: request slots per peer connection (PDPAIR_TRANSPORT_SLOTS, validated by PdPairConfig); None keeps the
+    transport's default (tcp: the native default 256; flagcx: PDPAIR_TRANSPORT_SLOTS or 256)."""
     if name == TRANSPORT_TCP:
         from pdpair.connector.transports.tcp import TcpTransport
 
-        return TcpTransport()
+        return TcpTransport() if slots is None else TcpTransport(request_slots=slots)
     if name == TRANSPORT_FLAGCX:
         from pdpair.connector.transports.flagcx import FlagcxTransport
 
-        return FlagcxTransport()
+        return FlagcxTransport(slots=slots)
     raise ValueError(f"{ENV_TRANSPORT}={name!r} is not a known transport; use one of {', '.join(TRANSPORTS)}")
 
 

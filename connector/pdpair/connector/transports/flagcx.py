@@ -380,7 +380,7 @@ def _blocking_seconds_from_env() -> float:
 class FlagcxTransport(PairTransport):
     """Pair communicators over libflagcx's one-sided API.
 
-    slots: most puts in flight towards the peer (default PDPAIR_TRANSPORT_SLOTS or 256; keep it <= 256, FlagCX's IB
+    slots: most puts in flight towards the peer (default PDPAIR_TRANSPORT_SLOTS or 256; at most 256, FlagCX's IB
         request pool and RMA ring size). blocking_seconds: bound on a put waiting for a slot, a flush, and a
         collective registration (default PDPAIR_HANG_TIMEOUT_SECONDS or 60).
     """
@@ -395,10 +395,12 @@ class FlagcxTransport(PairTransport):
         blocking_seconds: float | None = None,
     ):
         self.slots = _slots_from_env() if slots is None else slots
-        if self.slots < 1:
-            raise ValueError(f"flagcx slots must be >= 1, got {self.slots}")
-        if self.slots > DEFAULT_SLOTS:
-            log.warning("flagcx slots=%d exceeds FlagCX's 256 request slots per connection", self.slots)
+        if not 1 <= self.slots <= DEFAULT_SLOTS:
+            # More slots than FlagCX's request pool is the upstream drop bug this cap exists to avoid.
+            raise ValueError(
+                f"flagcx slots ({ENV_TRANSPORT_SLOTS}) must be in 1..{DEFAULT_SLOTS} (FlagCX's IB request pool per "
+                f"connection), got {self.slots}"
+            )
         if num_signal_slots < 1:
             raise ValueError(f"num_signal_slots must be >= 1, got {num_signal_slots}")
         self.num_signal_slots = num_signal_slots

@@ -113,11 +113,19 @@ class TcpTransport(PairTransport):
     name = "tcp"
 
     def __init__(self, signal_slots: int = DEFAULT_SIGNAL_SLOTS, request_slots: int = native.DEFAULT_REQUEST_SLOTS) -> None:
+        for what, value in (("signal_slots", signal_slots), ("request_slots", request_slots)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"tcp transport {what} must be an int >= 1, got {value!r}")
         self._signal_slots = signal_slots
         self._request_slots = request_slots
         self._local_host = "127.0.0.1"
         self._pending: dict[bytes, tuple[native.Context, native.Listener]] = {}
         self._lock = threading.Lock()
+
+    @property
+    def request_slots(self) -> int:
+        """Request slots per connection (PDPAIR_TRANSPORT_SLOTS); posts beyond them queue in the native core."""
+        return self._request_slots
 
     def set_local_address(self, host: str) -> None:
         self._local_host = host
