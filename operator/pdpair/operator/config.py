@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -18,6 +19,7 @@ ENV_LIVENESS_PORT = "PDPAIR_LIVENESS_PORT"
 ENV_METRICS_PORT = "PDPAIR_OPERATOR_METRICS_PORT"
 ENV_API_THREADS = "PDPAIR_API_THREADS"
 ENV_HEALTH_INTERVAL = "PDPAIR_HEALTH_INTERVAL_SECONDS"
+ENV_API_TIMEOUT = "PDPAIR_API_TIMEOUT_SECONDS"  # deadline of one Kubernetes API call (api.py)
 
 DEFAULT_PORT_POOL = "20000-29999"
 
@@ -70,6 +72,13 @@ class OperatorConfig:
     metrics_port: int = 9090
     api_threads: int = 32
     health_interval: float = 10.0
+    api_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.liveness_port and self.liveness_port == self.metrics_port:
+            raise ConfigError(
+                f"{ENV_LIVENESS_PORT} and {ENV_METRICS_PORT} are both {self.metrics_port}: they must differ"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorConfig":
@@ -89,8 +98,9 @@ class OperatorConfig:
             pool_retry=_positive_float(env, ENV_POOL_RETRY, 5.0),
             liveness_port=_port(env, ENV_LIVENESS_PORT, 8080),
             metrics_port=_port(env, ENV_METRICS_PORT, 9090),
-            api_threads=int(_positive_float(env, ENV_API_THREADS, 32)),
+            api_threads=_positive_int(env, ENV_API_THREADS, 32),
             health_interval=_positive_float(env, ENV_HEALTH_INTERVAL, 10.0),
+            api_timeout=_positive_float(env, ENV_API_TIMEOUT, 30.0),
         )
 
 
@@ -102,8 +112,21 @@ def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{name}: expected a number, got {raw!r}") from None
-    if not value > 0:
-        raise ConfigError(f"{name}: must be > 0, got {raw!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name}: must be a finite number > 0, got {raw!r}")
+    return value
+
+
+def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: expected a whole number >= 1, got {raw!r}") from None
+    if value < 1:
+        raise ConfigError(f"{name}: must be >= 1, got {raw!r}")
     return value
 
 

@@ -21,6 +21,7 @@ import kopf
 from pdpair.contract import FINALIZER, GROUP, LABEL_PAIR_UID, PHASE_READY, PLURAL, PURPOSE_METRICS, ROLES, VERSION
 
 from . import health
+from .api import TimedApi
 from .config import OperatorConfig
 from .desired import PodView
 from .ports import PortLeaser, port_of
@@ -66,9 +67,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
         concurrent.futures.ThreadPoolExecutor(max_workers=config.api_threads, thread_name_prefix="pdpair-api")
     )
     api = _load_kube_config(config.api_threads)
-    leaser = PortLeaser(kubernetes.client.CoordinationV1Api(api), config.namespace, config.port_pool)
+    timeout = config.api_timeout  # every blocking API call below gets this deadline (api.py)
+    coordination = TimedApi(kubernetes.client.CoordinationV1Api(api), timeout)
+    leaser = PortLeaser(coordination, config.namespace, config.port_pool)
     held = await leaser.refresh_taken()
-    runtime = Runtime(config, kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api), leaser)
+    core = TimedApi(kubernetes.client.CoreV1Api(api), timeout)
+    custom = TimedApi(kubernetes.client.CustomObjectsApi(api), timeout)
+    runtime = Runtime(config, core, custom, leaser)
     memo["runtime"] = runtime
     memo["sweeper"] = asyncio.create_task(_sweep_forever(runtime), name="pdpair-lease-sweep")
     memo["metrics_server"] = _start_metrics(runtime)

@@ -34,6 +34,35 @@ def test_errors_name_the_variable(env, variable):
         OperatorConfig.from_env(env)
 
 
+@pytest.mark.parametrize("raw", ["0.5", "0", "-3", "1e3", "many"])
+def test_api_threads_is_a_whole_number_at_least_one(raw):
+    with pytest.raises(ConfigError, match="PDPAIR_API_THREADS"):
+        OperatorConfig.from_env({**BASE, "PDPAIR_API_THREADS": raw})
+
+
+def test_api_threads_and_timeout_are_read():
+    cfg = OperatorConfig.from_env({**BASE, "PDPAIR_API_THREADS": "4", "PDPAIR_API_TIMEOUT_SECONDS": "2.5"})
+    assert (cfg.api_threads, cfg.api_timeout) == (4, 2.5)
+
+
+@pytest.mark.parametrize("variable", ["PDPAIR_PROBE_INTERVAL_SECONDS", "PDPAIR_HEALTH_INTERVAL_SECONDS",
+                                      "PDPAIR_API_TIMEOUT_SECONDS"])
+@pytest.mark.parametrize("raw", ["inf", "-inf", "nan", "Infinity", "0", "-1"])
+def test_durations_must_be_finite_and_positive(variable, raw):
+    with pytest.raises(ConfigError, match=f"{variable}: must be a finite number > 0"):
+        OperatorConfig.from_env({**BASE, variable: raw})
+
+
+def test_liveness_and_metrics_ports_must_differ():
+    with pytest.raises(ConfigError, match="PDPAIR_LIVENESS_PORT and PDPAIR_OPERATOR_METRICS_PORT are both 9100"):
+        OperatorConfig.from_env({**BASE, "PDPAIR_LIVENESS_PORT": "9100", "PDPAIR_OPERATOR_METRICS_PORT": "9100"})
+    with pytest.raises(ConfigError, match="both 9090"):  # the default metrics port
+        OperatorConfig.from_env({**BASE, "PDPAIR_LIVENESS_PORT": "9090"})
+    # 0 means "pick a free port" for each, so two zeros do not collide
+    cfg = OperatorConfig.from_env({**BASE, "PDPAIR_LIVENESS_PORT": "0", "PDPAIR_OPERATOR_METRICS_PORT": "0"})
+    assert (cfg.liveness_port, cfg.metrics_port) == (0, 0)
+
+
 def test_main_exits_2_with_the_message():
     proc = subprocess.run([sys.executable, "-m", "pdpair.operator"], capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/bin:/bin", "PDPAIR_PORT_POOL": "1-2"})
@@ -52,3 +81,4 @@ def test_chart_deployment_sets_only_variables_the_operator_reads():
     read = {v for k, v in vars(config).items() if k.startswith("ENV_") and isinstance(v, str)}
     assert in_chart, "the chart's deployment sets no PDPAIR_* variable"
     assert in_chart <= read, f"the chart sets variables the operator ignores: {sorted(in_chart - read)}"
+    assert read <= in_chart, f"the operator reads variables the chart cannot set: {sorted(read - in_chart)}"

@@ -1,0 +1,38 @@
+"""Every call of the official kubernetes client gets a deadline, here and nowhere else.
+
+The client blocks a thread until the apiserver answers; without `_request_timeout` a half-open connection would
+hold that thread (and the pair waiting on it) forever. `TimedApi` wraps an API object (CoreV1Api, ...) so each
+method call gets `_request_timeout=(connect, read)` unless the caller gave one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+CONNECT_TIMEOUT_CAP = 5.0  # a TCP connect to the apiserver that takes longer than this is not coming
+
+
+def request_timeout(seconds: float) -> tuple[float, float]:
+    """(connect, read) for urllib3: connect is capped, read gets the whole budget."""
+    return (min(CONNECT_TIMEOUT_CAP, seconds), seconds)
+
+
+class TimedApi:
+    """Proxy of a kubernetes API object whose public methods always carry `_request_timeout`."""
+
+    def __init__(self, api: Any, timeout_seconds: float) -> None:
+        self._api = api
+        self._timeout = request_timeout(timeout_seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._api, name)
+        if name.startswith("_") or not callable(attr):
+            return attr
+
+        @functools.wraps(attr)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            kwargs.setdefault("_request_timeout", self._timeout)
+            return attr(*args, **kwargs)
+
+        return call
