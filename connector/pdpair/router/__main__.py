@@ -7,18 +7,48 @@ import logging
 
 from aiohttp import web
 
-from pdpair.router.app import RouterConfig, make_app
+from pdpair.router.app import RouterConfig, check_timeout, make_app
+
+
+def _port(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port in 0..65535")
+    return value
+
+
+def _seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
+    try:
+        return check_timeout("the timeout", value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{raw!r}: must be a finite number of seconds > 0") from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdpair-router", description=__doc__)
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    parser.add_argument("--port", type=_port, required=True, help="port to listen on, 0..65535 (0: kernel picks)")
+    parser.add_argument("--prefill", required=True, help="prefill engine base URL, e.g. http://10.0.0.5:8000")
+    parser.add_argument("--decode", required=True, help="decode engine base URL")
+    parser.add_argument("--prefill-timeout", type=_seconds, default=120.0, help="seconds for the prefill answer (default 120)")
+    parser.add_argument(
+        "--decode-timeout", type=_seconds, default=600.0, help="seconds for the whole decode answer (default 600)"
+    )
+    parser.add_argument(
+        "--connect-timeout", type=_seconds, default=10.0, help="seconds to connect to either engine (default 10)"
+    )
+    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pdpair-router", description=__doc__)
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--prefill", required=True, help="prefill engine base URL, e.g. http://10.0.0.5:8000")
-    parser.add_argument("--decode", required=True, help="decode engine base URL")
-    parser.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for the prefill answer")
-    parser.add_argument("--decode-timeout", type=float, default=600.0, help="seconds for the whole decode answer")
-    parser.add_argument("--connect-timeout", type=float, default=10.0)
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -13,6 +13,7 @@ import asyncio
 import copy
 import json
 import logging
+import math
 import uuid
 from dataclasses import dataclass
 
@@ -158,10 +159,23 @@ async def _models(request: web.Request) -> web.Response:
         return PeerError(502, "decode", f"decode unreachable: {exc}").response("-")
 
 
+def check_timeout(flag: str, seconds: float) -> float:
+    """`seconds` if it is a finite number > 0, else a ValueError naming `flag`. aiohttp reads 0 or a negative
+    timeout as "no deadline", and nan/inf are no deadline either; the router never waits without one."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise ValueError(f"{flag} must be a number of seconds, got {seconds!r}")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{flag} must be a finite number of seconds > 0, got {seconds!r}")
+    return float(seconds)
+
+
 def make_app(config: RouterConfig) -> web.Application:
     for name, url in (("prefill", config.prefill_url), ("decode", config.decode_url)):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--{name} must be an http(s) URL, got {url!r}")
+    check_timeout("--prefill-timeout", config.prefill_timeout_seconds)
+    check_timeout("--decode-timeout", config.decode_timeout_seconds)
+    check_timeout("--connect-timeout", config.connect_timeout_seconds)
     app = web.Application(client_max_size=64 * 2**20)
     app[_CONFIG] = RouterConfig(
         config.prefill_url.rstrip("/"), config.decode_url.rstrip("/"), config.prefill_timeout_seconds,

@@ -11,6 +11,8 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from pdpair.router.__main__ import build_parser
+from pdpair.router.__main__ import main as router_main
 from pdpair.router.app import REQUEST_ID_HEADER, RouterConfig, make_app
 
 PARAMS = {"do_remote_prefill": True, "remote_request_id": "cmpl-prefill-1", "remote_generation": 0}
@@ -193,3 +195,52 @@ async def test_non_json_body_is_400(stack):
 def test_bad_url_is_refused_at_start():
     with pytest.raises(ValueError, match="--prefill must be an http"):
         make_app(RouterConfig("localhost:8000", "http://x"))
+
+
+@pytest.mark.parametrize("field", ["prefill_timeout_seconds", "decode_timeout_seconds", "connect_timeout_seconds"])
+@pytest.mark.parametrize("seconds", [0, -1.0, float("nan"), float("inf"), float("-inf")])
+def test_timeouts_without_a_deadline_are_refused(field, seconds):
+    """aiohttp reads <= 0 as no deadline; nan and inf are none either."""
+    flag = "--" + field.removesuffix("_seconds").replace("_", "-")
+    config = RouterConfig("http://p", "http://d", **{field: seconds})
+    with pytest.raises(ValueError, match=f"{flag} must be a finite number of seconds > 0"):
+        make_app(config)
+
+
+def _cli_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        router_main(argv)
+    assert info.value.code == 2  # argparse's usage error, not a traceback
+    return capsys.readouterr().err
+
+
+BASE_ARGS = ["--prefill", "http://p:1", "--decode", "http://d:2"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "70000"], "argument --port: 70000 is not a port in 0..65535"),
+        (["--port", "-1"], "argument --port: -1 is not a port in 0..65535"),
+        (["--port", "99999999999999999999"], "is not a port in 0..65535"),
+        (["--port", "http"], "argument --port: 'http' is not a port number"),
+        (["--port", "8000", "--prefill-timeout", "0"], "argument --prefill-timeout: '0': must be a finite number"),
+        (["--port", "8000", "--decode-timeout", "-5"], "argument --decode-timeout: '-5': must be a finite number"),
+        (["--port", "8000", "--connect-timeout", "nan"], "argument --connect-timeout: 'nan': must be a finite"),
+        (["--port", "8000", "--decode-timeout", "inf"], "argument --decode-timeout: 'inf': must be a finite"),
+        (["--port", "8000", "--prefill-timeout", "soon"], "argument --prefill-timeout: 'soon' is not a number"),
+    ],
+)
+def test_cli_bad_port_or_timeout_is_a_usage_error(capsys, argv, message):
+    assert message in _cli_error(capsys, [*argv, *BASE_ARGS])
+
+
+def test_cli_bad_url_is_a_usage_error(capsys):
+    err = _cli_error(capsys, ["--port", "8000", "--prefill", "p:1", "--decode", "http://d:2"])
+    assert "--prefill must be an http(s) URL" in err
+
+
+def test_cli_accepts_the_edge_values():
+    args = build_parser().parse_args(["--port", "0", "--connect-timeout", "0.001", *BASE_ARGS])
+    assert args.port == 0 and args.connect_timeout == 0.001 and args.decode_timeout == 600.0
+    assert build_parser().parse_args(["--port", "65535", *BASE_ARGS]).port == 65535
