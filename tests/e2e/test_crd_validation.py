@@ -282,6 +282,12 @@ def test_good_spec_is_accepted_as_written(custom_api, crd_namespace, mutate, req
             assert created["spec"][key] == value, key
 
 
+def test_examples_exist():
+    # an empty parameter set would make the next test vanish without failing
+    assert EXAMPLES, f"no examples/*.yaml under {REPO}: the server-side apply test would check nothing"
+    assert any(p.name == "inferencepair.yaml" for p in EXAMPLES), [p.name for p in EXAMPLES]
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_examples_apply_server_side(local_cluster, crd_namespace, example):
     docs = [d for d in yaml.safe_load_all(example.read_text()) if d]
