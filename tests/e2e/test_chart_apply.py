@@ -18,6 +18,7 @@ import yaml
 
 from pdpair import contract
 from tests.cluster.localcluster import helm_path
+from tests.cluster.monitoring_crds import install_prometheus_operator_crds
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "pdpair"
@@ -88,25 +89,38 @@ def test_crd_from_the_chart_is_established(local_cluster, release):
     assert conditions.get("Established") == "True" and conditions.get("NamesAccepted") == "True", conditions
 
 
-# prometheus-operator's API: the local apiserver has no such CRDs, so these objects cannot be dry-run here;
-# tests for templates/monitoring/ check them with promtool instead.
-NOT_SERVED_HERE = {"monitoring.coreos.com/v1"}
+# A scenario with every monitoring object on (no charts/pdpair/ci/ file turns monitoring on).
+MONITORING_ON = [f"--set=monitoring.{piece}.enabled=true"
+                 for piece in ("podMonitor", "serviceMonitor", "prometheusRule", "dashboard")]
 
 
-@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "defaults" if v is None else v.name)
-def test_every_scenario_passes_a_server_side_dry_run(local_cluster, release, values):
-    rendered = helm_template("dry", release["namespace"], *(["-f", str(values)] if values else []))
+@pytest.fixture(scope="module")
+def monitoring_crds(local_cluster) -> list[str]:
+    """prometheus-operator's real CRDs (monitoring.coreos.com/v1), so PodMonitor, ServiceMonitor and PrometheusRule
+    are validated by the apiserver against upstream's schema like every other object (tests/e2e/
+    test_monitoring_apply.py has the detailed checks)."""
+    return install_prometheus_operator_crds(local_cluster)
+
+
+@pytest.mark.parametrize("values", [None, *CI_VALUES, MONITORING_ON],
+                         ids=lambda v: "defaults" if v is None else "monitoring-on" if v is MONITORING_ON else v.name)
+def test_every_scenario_passes_a_server_side_dry_run(local_cluster, release, monitoring_crds, values):
+    args = MONITORING_ON if values is MONITORING_ON else ["-f", str(values)] if values else []
+    rendered = helm_template("dry", release["namespace"], *args)
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     if not docs:
         assert values is not None and "crd-only" in values.name, "only the CRD-only scenario renders nothing"
         return
     served = set(local_cluster.kubectl("api-versions").stdout.split())
     unserved = {d["apiVersion"] for d in docs} - served
-    assert unserved <= NOT_SERVED_HERE, f"rendered objects of API versions the apiserver does not serve: {unserved}"
-    docs = [d for d in docs if d["apiVersion"] in served]
-    proc = local_cluster.kubectl("apply", "--server-side", "--dry-run=server", "--field-manager=pdpair-tests",
-                                 "-f", "-", input=yaml.safe_dump_all(docs))
+    assert not unserved, f"rendered objects of API versions the apiserver does not serve: {unserved}"
+    if values is MONITORING_ON:
+        assert {"PodMonitor", "ServiceMonitor", "PrometheusRule"} <= {d["kind"] for d in docs}
+    # fieldValidation=Strict: an unknown or duplicate field is an error, not silently pruned.
+    proc = local_cluster.kubectl("apply", "--server-side", "--dry-run=server", "--validate=strict",
+                                 "--field-manager=pdpair-tests", "-f", "-", input=yaml.safe_dump_all(docs))
     assert proc.stdout.count("(server dry run)") == len(docs), proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr
 
 
 def can_i(cluster, who: str, verb: str, resource: str, namespace: str | None, subresource: str | None = None) -> bool:
