@@ -129,9 +129,11 @@ def test_hang_detected_and_pair_restarted_in_order(platform, cluster_namespace, 
             detected_at = next(t for t, k, n in recorder.events if k == "delete" and "prefill" in n)
             detection = detected_at - hung_at
             budget = HANG_TIMEOUT + 2 * HEALTH_INTERVAL
+            # hung_at is taken before the signal, so the pod's wait starts after it and the watch reports the
+            # deletion after it happened: both make `detection` an upper bound of the true delay.
             print(f"\nhang detected and restart begun {detection:.2f}s after the transfer got stuck "
-                  f"(hang timeout {HANG_TIMEOUT}s, bound {budget:.1f}s + the first scrape's timing)")
-            assert detection <= budget + 1.0
+                  f"(hang timeout {HANG_TIMEOUT}s, bound hangTimeout + 2 x health interval = {budget:.1f}s)")
+            assert detection <= budget
 
             # The old "engines" go away with their pods; the new decode starts without a listener.
             listener.close()

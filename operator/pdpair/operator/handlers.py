@@ -181,8 +181,13 @@ async def watch_health(
     interval = runtime.config.health_interval
     tracker = health.UnreachableTracker()
     judged_generation = None
+    loop = asyncio.get_running_loop()
+    next_scrape = loop.time()
     while not stopped:
-        await _sleep(asyncio.Event(), stopped, interval)
+        # Fixed rate, not "sleep after each scrape": scrape time must not stretch the period, so a hang is seen
+        # within hangTimeout + one interval (plus the restart's own latency). After a stall, no burst of catch-ups.
+        next_scrape = max(next_scrape + interval, loop.time())
+        await _sleep(asyncio.Event(), stopped, next_scrape - loop.time())
         if stopped:
             break
         status = body.get("status") or {}
