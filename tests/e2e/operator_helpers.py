@@ -183,26 +183,35 @@ def check_leases_match_status(api, ns, expected_pairs, ports_per_pair):
 
 
 class PodRecorder:
-    """Records pod creations and deletions in a namespace through a watch, in order."""
+    """Records pod creations and deletions in a namespace through a watch, in order.
 
-    def __init__(self, api, ns):
+    only_new: start the watch at the current resourceVersion, so pods that already exist are not reported as
+    created (otherwise the watch's initial list shows up as "create" events).
+    """
+
+    def __init__(self, api, ns, only_new=False):
         from kubernetes import watch
 
         self.events: list[tuple[float, str, str]] = []
+        self.error: BaseException | None = None
         self._seen_deleting: set[str] = set()
         self._watch = watch.Watch()
-        self._thread = threading.Thread(target=self._run, args=(api, ns), daemon=True)
+        self._stopping = False
+        since = api.core.list_namespaced_pod(ns).metadata.resource_version if only_new else None
+        self._thread = threading.Thread(target=self._run, args=(api, ns, since), daemon=True)
         self._thread.start()
         time.sleep(0.5)
 
-    def _run(self, api, ns):
+    def _run(self, api, ns, since):
         try:
-            self._stream(api, ns)
-        except Exception:  # the stream ends when stop() closes it
-            pass
+            self._stream(api, ns, since)
+        except Exception as exc:  # the stream ends when stop() closes it; anything else is kept for the test
+            if not self._stopping:
+                self.error = exc
 
-    def _stream(self, api, ns):
-        for ev in self._watch.stream(api.core.list_namespaced_pod, ns, timeout_seconds=600):
+    def _stream(self, api, ns, since):
+        extra = {"resource_version": since} if since else {}
+        for ev in self._watch.stream(api.core.list_namespaced_pod, ns, timeout_seconds=600, **extra):
             pod = ev["object"]
             name = pod.metadata.name
             if ev["type"] == "ADDED":
@@ -213,7 +222,11 @@ class PodRecorder:
                     self.events.append((time.monotonic(), "delete", name))
 
     def stop(self):
+        self._stopping = True
         self._watch.stop()
+
+    def created(self):
+        return [name for _, kind, name in self.events if kind == "create"]
 
     def order(self):
         return [f"{kind} {name}" for _, kind, name in self.events]

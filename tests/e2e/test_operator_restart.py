@@ -205,7 +205,16 @@ def test_budget_exhaustion_fails_the_pair_and_stops(platform, cluster_namespace,
             generation = failed["status"]["pairGeneration"]
             assert failed["status"]["restarts"] == 1
             assert "budget" in failed["status"]["message"]
+            recorder = PodRecorder(api, ns, only_new=True)
             time.sleep(6 * HEALTH_INTERVAL)
+            quiet_creations = recorder.created()
+            # Prove the watch was live through the quiet period: a pod made now must be seen.
+            api.core.create_namespaced_pod(ns, {"metadata": {"name": "recorder-probe"},
+                                                "spec": {"containers": [{"name": "c", "image": "none"}]}})
+            wait_for(lambda: "recorder-probe" in recorder.created(), 10, "the recorder to see its probe pod")
+            recorder.stop()
+            assert recorder.error is None, f"the pod watch failed: {recorder.error!r}"
+            assert quiet_creations == [], f"pods created after the pair Failed: {quiet_creations}"
             later = api.pair(ns, "budget")["status"]
             assert later["phase"] == "Failed" and later["pairGeneration"] == generation and later["restarts"] == 1
             reasons = [e.reason for e in api.events(ns) if e.involved_object.name == "budget"]
