@@ -51,4 +51,6 @@ ensure_tools() {
 ensure_controlplane() {
   log "control plane binaries (built from Go modules, cached by version)"
   "$PY" "$PDPAIR_ROOT/tests/cluster/localcluster.py" build
+  log "prometheus-operator CRDs (from the Go module proxy, cached) for server-side checks of the monitoring objects"
+  "$PY" "$PDPAIR_ROOT/tests/cluster/monitoring_crds.py" >/dev/null
 }
