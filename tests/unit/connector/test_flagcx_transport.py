@@ -8,6 +8,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -452,3 +453,31 @@ def test_homogeneous_comm_fails_at_init_with_a_hint(monkeypatch):
         flagcx_pair()
     assert info.value.call == "flagcxReadCounter" and info.value.result_name == "flagcxInvalidArgument"
     assert "FLAGCX_USE_HETERO_COMM=1" in str(info.value)
+
+
+def test_counters_during_puts_are_always_within_zero_and_slots():
+    """counters() (a metrics scrape, another thread) once saw inflight=-1: it read posted and completed while a put
+    was between its post and its count. Hammer it during a burst through 4 slots; every sample must be 0..slots."""
+    slots, puts, size = 4, 20000, 8
+    pair = flagcx_pair(slots=slots, src_size=puts * size)
+    samples: list[int] = []
+    done = threading.Event()
+
+    def scrape() -> None:
+        while not done.is_set():
+            samples.append(pair.sender.counters().inflight)
+
+    scraper = threading.Thread(target=scrape, name="test-counters-scraper")
+    try:
+        scraper.start()
+        _burst(pair, puts, size)
+        pair.receiver.wait_signal(0, puts, deadline_in(TRANSFER_SECONDS))
+        pair.sender.flush(deadline_in(TRANSFER_SECONDS))
+    finally:
+        done.set()
+        scraper.join(10)
+        pair.close()
+    assert len(samples) > 1000, f"the scraper only ran {len(samples)} times: the test proves nothing"
+    bad = sorted({value for value in samples if not 0 <= value <= slots})
+    assert not bad, f"inflight outside 0..{slots}: {bad[:10]}"
+    assert max(samples) > 0, "no put was ever seen in flight: the scraper did not overlap the burst"

@@ -467,6 +467,10 @@ class FlagcxPairComm(PairComm):
         self.num_signal_slots = transport.num_signal_slots
         self._blocking_seconds = transport.blocking_seconds
         self._lock = threading.Lock()  # puts, registration, close
+        # Guards _posted together with the completion-counter read, so posted - completed is one consistent snapshot
+        # (>= 0: nothing completes before its post is counted). Held only for a post or a counter read, never while
+        # waiting, so counters() (a metrics scrape) never waits behind a put that waits for a slot.
+        self._count_lock = threading.Lock()
         self._regions: list[tuple[int, int]] = []  # (ptr, size)
         self._peer: _PeerTable | None = None
         self._posted = 0
@@ -500,8 +504,9 @@ class FlagcxPairComm(PairComm):
         return count.value - self._completed_base
 
     def _inflight(self) -> int:
-        self._completed_seen = self._read_completions()
-        return self._posted - self._completed_seen
+        with self._count_lock:
+            self._completed_seen = self._read_completions()
+            return self._posted - self._completed_seen
 
     def _check_async_error(self) -> None:
         fn = self._lib.fn.get("flagcxCommGetAsyncError")
@@ -580,12 +585,14 @@ class FlagcxPairComm(PairComm):
                 if self._posted - self._completed_seen >= self.slots and self._inflight() >= self.slots:
                     waited = True
                     self._wait_for_slot(deadline)
-                code = post(
-                    comm, self.peer, src_offset, dst_offset, size, signal_slot * SIGNAL_BYTES, src_region,
-                    dst_region, 1,  # exactly +1 per put, never a running total
-                )
+                with self._count_lock:  # the post and its count are one step for _inflight()
+                    code = post(
+                        comm, self.peer, src_offset, dst_offset, size, signal_slot * SIGNAL_BYTES, src_region,
+                        dst_region, 1,  # exactly +1 per put, never a running total
+                    )
+                    if code == SUCCESS:
+                        self._posted += 1
                 if code == SUCCESS:
-                    self._posted += 1
                     break
                 if code != INTERNAL_ERROR:
                     raise FlagcxError("flagcxPutSignal", code, self._lib.last_error(comm))
@@ -674,7 +681,8 @@ class FlagcxPairComm(PairComm):
             raise ValueError(f"signal_slot {signal_slot} outside 0..{self.num_signal_slots - 1}")
 
     def counters(self) -> TransportCounters:
-        # No lock: a put waiting for a slot holds it, and a metrics scrape must not wait behind it.
+        # Not self._lock: a put waiting for a slot holds it, and a metrics scrape must not wait behind it.
+        # _inflight() takes only _count_lock, so posted and completed are read as one snapshot (never negative).
         try:
             inflight = self._inflight()
         except TransportError:
