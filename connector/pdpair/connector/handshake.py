@@ -2,7 +2,10 @@
 
 One named daemon thread per side and TP rank owns the ZMQ socket (ZMQ sockets are not thread-safe). Other threads
 talk to it through `post()`, which queues an encoded message and wakes the thread through an inproc socket. Every
-blocking call has a deadline or a receive timeout, so `stop()` always joins the thread and frees the port.
+blocking call has a deadline or a receive timeout, so `stop()` always joins the thread and frees the port. Both
+sockets carry SNDTIMEO/RCVTIMEO (SEND_TIMEOUT_SECONDS): a peer that stops reading (its queue at the high-water mark)
+makes a send fail after that long instead of blocking the thread forever; decode's ROUTER is ROUTER_MANDATORY, so a
+message to a prefill that is gone fails loudly (a Pull becomes a PullFailed) instead of being dropped silently.
 
 - `DecodeSideChannel`: ROUTER bound on PDPAIR_LISTEN_PORT_BASE + tp_rank, started from register_kv_caches. On a
   Hello it checks generation and transport (a mismatch is refused with a log line naming both values), answers
@@ -50,6 +53,18 @@ RETRY_INITIAL_SECONDS = 0.2
 RETRY_MAX_SECONDS = 5.0
 # The Hello exchange must answer quickly; init_pair and region registration get the hang timeout.
 HELLO_REPLY_TIMEOUT_SECONDS = 5.0
+# Longest a side-channel send (or a receive) may block, e.g. when the peer stopped reading and the high-water mark
+# is reached. Read when a socket is made.
+SEND_TIMEOUT_SECONDS = 5.0
+
+
+def _bounded_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    timeout_ms = max(1, int(SEND_TIMEOUT_SECONDS * 1000))
+    sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    return sock
 
 # (comm) -> (region table, region indices, num_blocks): the worker registers its KV regions on the new comm.
 RegisterRegions = Callable[[PairComm], tuple[bytes, list[int], int]]
@@ -103,7 +118,7 @@ class _SideChannel(threading.Thread):
         with self._wake_lock:
             self._wake_tx.close(linger=0)
         self._wake_rx.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # the thread is gone; closes anything it left open, so this cannot block
 
     def _drain_wake(self) -> None:
         while True:
@@ -162,8 +177,8 @@ class DecodeSideChannel(_SideChannel):
             raise HandshakeError(f"{self.name}: cannot listen on {self.host}:{self.port}: {self.error}") from self.error
 
     def run(self) -> None:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = _bounded_socket(self._ctx, zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> EHOSTUNREACH, never a silent drop
         try:
             sock.bind(f"tcp://{self.host}:{self.port}")
         except zmq.ZMQError as exc:
@@ -204,7 +219,21 @@ class DecodeSideChannel(_SideChannel):
                 if isinstance(message, Pull):
                     self.on_pull_failed(PullFailed(message.transfer_id, "no prefill connected to the side channel"))
                 continue
-            sock.send_multipart([self._peer_identity, *encode(message, self.local_hash)])
+            failure = self._send(sock, self._peer_identity, message)
+            if failure is not None and isinstance(message, Pull):
+                self.on_pull_failed(PullFailed(message.transfer_id, f"Pull not delivered to prefill: {failure}"))
+
+    def _send(self, sock: zmq.Socket, identity: bytes, message: Message) -> str | None:
+        """Send to one prefill; None on success, else why it was not sent (logged). Bounded by SNDTIMEO."""
+        try:
+            sock.send_multipart([identity, *encode(message, self.local_hash)])
+            return None
+        except zmq.Again:
+            reason = f"prefill did not take it within {SEND_TIMEOUT_SECONDS:g}s (its queue is full: not reading)"
+        except zmq.ZMQError as exc:
+            reason = f"prefill is gone ({exc})" if exc.errno == zmq.EHOSTUNREACH else f"send failed: {exc}"
+        logger.error("%s: %s not sent: %s", self.name, type(message).__name__, reason)
+        return reason
 
     def _receive(self, sock: zmq.Socket) -> None:
         while True:
@@ -222,7 +251,7 @@ class DecodeSideChannel(_SideChannel):
                     self.name, exc, json.dumps(self.factors, sort_keys=True), peer_factors,
                 )
                 self.accounts.on_handshake("refused")
-                sock.send_multipart([identity, *encode(Refused(str(exc)), self.local_hash)])
+                self._send(sock, identity, Refused(str(exc)))
                 continue
             except Exception as exc:  # noqa: BLE001 - a malformed frame must not kill the listener
                 logger.error("%s: undecodable side-channel message: %s", self.name, exc)
@@ -241,7 +270,7 @@ class DecodeSideChannel(_SideChannel):
     def _refuse(self, sock: zmq.Socket, identity: bytes, reason: str, outcome: str = "refused") -> None:
         logger.error("%s: handshake refused: %s", self.name, reason)
         self.accounts.on_handshake(outcome)
-        sock.send_multipart([identity, *encode(Refused(reason), self.local_hash)])
+        self._send(sock, identity, Refused(reason))
 
     def _handshake(self, sock: zmq.Socket, identity: bytes, hello: Hello) -> None:
         if hello.generation != self.generation:
@@ -262,7 +291,9 @@ class DecodeSideChannel(_SideChannel):
             self._close_comm()
             self.on_disconnect("replaced by a new prefill")
         self._peer_identity = None
-        sock.send_multipart([identity, *encode(Accepted(), self.local_hash)])
+        if self._send(sock, identity, Accepted()) is not None:
+            self.accounts.on_handshake(contract.OUTCOME_ERROR)
+            return
         deadline = time.monotonic() + self.hang_timeout_seconds
         try:
             comm = self.transport.init_pair(hello.unique_id, RANK_DECODE, deadline)
@@ -277,9 +308,12 @@ class DecodeSideChannel(_SideChannel):
             comm.close()
             self._refuse(sock, identity, f"pair setup failed: {exc}", outcome="error")
             return
+        if self._send(sock, identity, Welcome(table, indices, num_blocks)) is not None:
+            comm.close()
+            self.accounts.on_handshake(contract.OUTCOME_ERROR)
+            return
         self.comm = comm
         self._peer_identity = identity
-        sock.send_multipart([identity, *encode(Welcome(table, indices, num_blocks), self.local_hash)])
         self.accounts.on_handshake(contract.OUTCOME_OK)
         self.connected.set()
         logger.info(
@@ -294,7 +328,7 @@ class DecodeSideChannel(_SideChannel):
                 raise TimeoutError("prefill's region table did not arrive before the deadline")
             if not sock.poll(min(left_ms, POLL_MS)):
                 continue
-            frames = sock.recv_multipart()
+            frames = sock.recv_multipart(zmq.NOBLOCK)  # poll said a whole message is there
             if frames[0] != identity:
                 logger.warning("%s: message from another peer during a handshake; ignored", self.name)
                 continue
@@ -369,8 +403,7 @@ class PrefillSideChannel(_SideChannel):
         except OSError as exc:
             self.accounts.on_handshake("retry")
             return f"decode not listening: {exc}"
-        self._sock = sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        self._sock = sock = _bounded_socket(self._ctx, zmq.DEALER)
         sock.connect(f"tcp://{self.peer_host}:{self.peer_port}")
         try:
             uid = self.transport.create_unique_id()
@@ -378,7 +411,10 @@ class PrefillSideChannel(_SideChannel):
             sock.send_multipart([*encode(hello, self.local_hash), json.dumps(self.factors, sort_keys=True).encode()])
             reply = self._recv(sock, time.monotonic() + HELLO_REPLY_TIMEOUT_SECONDS)
             if reply is None:
-                return None if self.stopped.is_set() else self._failed(sock, "timeout", "no answer to Hello")
+                if self.stopped.is_set():
+                    sock.close(linger=0)  # a socket left open would make stop()'s context term wait forever
+                    return None
+                return self._failed(sock, "timeout", "no answer to Hello")
             if isinstance(reply, Refused):
                 logger.error("%s: decode refused the handshake: %s", self.name, reply.reason)
                 return self._failed(sock, "refused", f"refused: {reply.reason}")
@@ -403,6 +439,10 @@ class PrefillSideChannel(_SideChannel):
             return self._failed(sock, "refused", str(exc))
         except (TransportError, HandshakeError, TimeoutError) as exc:
             return self._failed(sock, contract.OUTCOME_ERROR, str(exc))
+        except zmq.Again:
+            return self._failed(sock, contract.OUTCOME_ERROR, f"decode took no message for {SEND_TIMEOUT_SECONDS:g}s")
+        except zmq.ZMQError as exc:
+            return self._failed(sock, contract.OUTCOME_ERROR, f"side-channel send failed: {exc}")
         self.comm = comm
         self.accounts.on_handshake(contract.OUTCOME_OK)
         self.connected.set()
@@ -423,7 +463,7 @@ class PrefillSideChannel(_SideChannel):
             if left_ms <= 0:
                 return None
             if sock.poll(min(left_ms, POLL_MS)):
-                return decode(sock.recv_multipart(), self.local_hash)
+                return decode(sock.recv_multipart(zmq.NOBLOCK), self.local_hash)  # poll said it is there
         return None
 
     def _serve(self) -> None:
@@ -468,8 +508,18 @@ class PrefillSideChannel(_SideChannel):
                         replies.append(self._outbox.get_nowait())
                     except queue.Empty:
                         break
-                for reply in replies:
-                    sock.send_multipart(encode(reply, self.local_hash))
+                for sent, reply in enumerate(replies):
+                    try:
+                        sock.send_multipart(encode(reply, self.local_hash))
+                    except zmq.ZMQError as exc:  # zmq.Again: SNDTIMEO passed with decode's queue full
+                        why = f"decode took nothing for {SEND_TIMEOUT_SECONDS:g}s" if isinstance(exc, zmq.Again) else exc
+                        logger.error(
+                            "%s: side channel to decode %s:%d is stuck (%s); %d reply(ies) not sent, decode's waits "
+                            "for them end at their deadline; closing the pair and handshaking again",
+                            self.name, self.peer_host, self.peer_port, why, len(replies) - sent,
+                        )
+                        self._close_comm()
+                        return
         finally:
             sock.disable_monitor()
             monitor.close(linger=0)

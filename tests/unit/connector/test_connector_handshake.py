@@ -195,3 +195,62 @@ def test_prefill_pairs_again_with_a_restarted_decode():
             second.stop()
     finally:
         prefill.stop()
+
+
+def test_prefill_send_to_a_decode_that_stopped_reading_times_out_instead_of_blocking(monkeypatch, caplog):
+    """Decode's side-channel thread hangs (its PullDone callback never returns), so it stops reading; prefill keeps
+    sending until ZMQ's high-water mark and the kernel buffers are full. The send must fail after SNDTIMEO and
+    prefill must drop the pair and handshake again, not block its thread forever."""
+    monkeypatch.setattr("pdpair.connector.handshake.SEND_TIMEOUT_SECONDS", 1.0)
+    port = free_port()
+    decode_side, prefill_side = Side(0.0), Side(2.0)
+    release = threading.Event()
+    decode, _ = make_decode(port, decode_side)
+    decode.on_pull_done = lambda done: release.wait(60)  # decode's loop is stuck from the first PullDone on
+    flood = threading.Event()
+    prefill, prefill_accounts = make_prefill(port, prefill_side)
+    prefill.on_tick = lambda: [PullDone(f"t-{k}", 4096) for k in range(20000)] if flood.is_set() else []
+    decode.start_and_wait()
+    prefill.start()
+    try:
+        assert prefill.connected.wait(15) and decode.connected.wait(5)
+        with caplog.at_level(logging.ERROR, logger="pdpair"):
+            flood.set()
+            deadline = time.monotonic() + 60
+            while prefill.connected.is_set() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            flood.clear()
+            assert not prefill.connected.is_set(), "prefill's send blocked past its timeout (or never filled up)"
+        assert "side channel to decode" in caplog.text and "is stuck (decode took nothing for 1s)" in caplog.text
+        assert prefill.comm is None
+    finally:
+        started = time.monotonic()
+        prefill.stop()
+        assert time.monotonic() - started < 5, "prefill's thread must stop promptly, no send may block it"
+        release.set()
+        decode.on_pull_done = lambda done: None
+        decode.stop(timeout=30)
+
+
+def test_decode_pull_to_a_prefill_that_is_gone_fails_at_once():
+    """ROUTER_MANDATORY: a Pull for a prefill whose connection is gone becomes a PullFailed now, not a silent drop
+    that decode only notices at its hang timeout."""
+    port = free_port()
+    decode_side = Side(0.0)
+    decode, _ = make_decode(port, decode_side)
+    prefill, _ = make_prefill(port, Side(1.0))
+    decode.start_and_wait()
+    prefill.start()
+    try:
+        assert prefill.connected.wait(15) and decode.connected.wait(5)
+        prefill.stop()
+        time.sleep(0.5)  # the ROUTER learns of the disconnect
+        decode.post(Pull("d-gone", "p-gone", 0, [0], 2, 1))
+        deadline = time.monotonic() + 5
+        while not decode_side.failed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [f.transfer_id for f in decode_side.failed] == ["d-gone"]
+        assert "Pull not delivered to prefill: prefill is gone" in decode_side.failed[0].reason
+    finally:
+        prefill.stop()
+        decode.stop()
