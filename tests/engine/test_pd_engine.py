@@ -132,23 +132,37 @@ def test_chat_streaming_and_request_id_through_router(stack):
     assert "".join(pieces) == single_stream["choices"][0]["message"]["content"]
 
 
+def first_token_logprob(payload: dict) -> float:
+    values = payload["choices"][0].get("logprobs", {}).get("token_logprobs") or []
+    assert values and values[0] is not None, f"no token_logprobs in {json.dumps(payload)[:300]}"
+    return float(values[0])
+
+
 def test_corrupted_kv_changes_the_output(stack):
+    """The decode worker overwrites every received KV block with one fixed byte (deterministic, finite values). Each
+    prompt spans several full blocks, so every prompt's first decoded token is computed over corrupted KV: all
+    outputs must change, and so must the first token's log-probability (the corrupted KV is used at once)."""
     expected = {}
     for prompt in CORRUPT_PROMPTS:
-        status, single = completion(stack.baseline.url, prompt)
+        status, single = completion(stack.baseline.url, prompt, logprobs=1)
         assert status == 200, single
-        expected[prompt] = tokens(single)
+        expected[prompt] = (tokens(single), first_token_logprob(single))
     stack.corrupt_knob.write_text("1")
     try:
-        changed = 0
+        observed = {}
         for prompt in CORRUPT_PROMPTS:
-            status, via_pair = completion(stack.router.url, prompt)
+            status, via_pair = completion(stack.router.url, prompt, logprobs=1)
             assert status == 200, via_pair
-            changed += tokens(via_pair) != expected[prompt]
+            observed[prompt] = (tokens(via_pair), first_token_logprob(via_pair))
     finally:
         stack.corrupt_knob.unlink()
-    assert "corrupting the received KV" in stack.decode.log()
-    assert changed >= len(CORRUPT_PROMPTS) - 1, "overwriting the transferred KV must change decode's output"
+    assert stack.decode.log().count("corrupting the received KV") >= len(CORRUPT_PROMPTS)
+    unchanged = [p[:30] for p in CORRUPT_PROMPTS if observed[p][0] == expected[p][0]]
+    assert not unchanged, f"overwriting the transferred KV must change decode's output; unchanged for {unchanged}"
+    same_logprob = [
+        (p[:30], expected[p][1], observed[p][1]) for p in CORRUPT_PROMPTS if abs(observed[p][1] - expected[p][1]) < 1e-4
+    ]
+    assert not same_logprob, f"the first decoded token's logprob did not change: {same_logprob}"
 
 
 def test_dropped_signals_fail_the_request_within_the_deadline(stack):

@@ -33,6 +33,8 @@ from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
 from pdpair.connector.stats import PdPairKVConnectorStats
 from pdpair.connector.transports import PairComm, PairTransport, SignalWaitTimeout, TransportError, make_transport
 
+# TEST ONLY (test_corrupt_kv_file): the byte the corruption knob writes over every received KV block.
+TEST_CORRUPT_KV_BYTE = 0x3F
 logger = logging.getLogger("pdpair.connector.worker")
 
 WAIT_SLICE_SECONDS = 0.05  # a waiter re-checks cancellation and reports progress this often
@@ -285,7 +287,11 @@ class DecodeWorker(_Worker):
             self._finished.add(request_id)
 
     def _maybe_corrupt(self, wait: _Wait) -> None:
-        """TEST ONLY: overwrite the received blocks while the knob file exists, to prove the output uses them."""
+        """TEST ONLY: overwrite the received blocks while the knob file exists, to prove the output uses them.
+
+        A fixed byte, not random bytes: random bytes read as floats hold NaN/inf, which makes the outcome depend on
+        how a backend propagates NaN. 0x3F in every byte is a finite value in float32/bf16/fp16, so every key and
+        value of the received prompt becomes the same finite number (uniform attention, constant values)."""
         path = self.config.test_corrupt_kv_file
         if not path or not os.path.exists(path):
             return
@@ -295,7 +301,7 @@ class DecodeWorker(_Worker):
             chunk = self.regions.chunk_bytes[layer]
             for block in wait.recv.block_ids:
                 view = _byte_view(ptr + block * chunk, chunk)
-                view.copy_(torch.randint(0, 256, (chunk,), dtype=torch.uint8))
+                view.fill_(TEST_CORRUPT_KV_BYTE)
 
     def _on_pull_done(self, done: PullDone) -> None:
         pass  # completion is the signal count, not this message
