@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from pdpair import contract
 from pdpair.operator.health import RESTART_REASONS  # the `reason` label values
+from pdpair.connector.metrics import MetricsServer
 
 __all__ = ["OperatorMetrics", "OperatorMetricsServer", "serve", "RESTART_REASONS"]
 
@@ -119,18 +120,8 @@ def _check_name(what: str, value: str) -> None:
         raise ValueError(f"{what} must be a non-empty string, got {value!r}")
 
 
-class OperatorMetricsServer:
-    def __init__(self, httpd, thread: threading.Thread) -> None:
-        self._httpd = httpd
-        self._thread = thread
-        self.port: int = httpd.server_address[1]
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise RuntimeError(f"operator metrics server on port {self.port} did not stop within {timeout}s")
+# The pod exporter's server class already frees its port and joins its thread on stop(); one implementation serves both.
+OperatorMetricsServer = MetricsServer
 
 
 def serve(port: int, metrics: OperatorMetrics, addr: str = "0.0.0.0") -> OperatorMetricsServer:
