@@ -11,8 +11,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from pdpair import contract
 
@@ -213,3 +215,25 @@ def router(log_dir: Path, prefill_url: str, decode_url: str, decode_timeout: flo
     argv = [sys.executable, "-m", "pdpair.router", "--host", "127.0.0.1", "--port", str(port),
             "--prefill", prefill_url, "--decode", decode_url, "--decode-timeout", str(decode_timeout)]
     return Process("router", argv, dict(os.environ), log_dir / "router.log", port)
+
+
+@contextmanager
+def running_pair(decode: Process, prefill: Process, log_dir: Path, decode_timeout: float = 60.0) -> Iterator[Process]:
+    """Start decode and prefill, wait until they are healthy and paired, put a router in front; yield the router.
+
+    Every process that was started is stopped on the way out, in reverse order, even when a start fails.
+    """
+    started: list[Process] = []
+    try:
+        for proc in (decode, prefill):
+            started.append(proc.start())
+        for proc in (decode, prefill):
+            proc.wait_healthy()
+        prefill.wait_log("paired with decode", 60)
+        rtr = router(log_dir, prefill.url, decode.url, decode_timeout=decode_timeout)
+        started.append(rtr.start())
+        rtr.wait_healthy(60)
+        yield rtr
+    finally:
+        for proc in reversed(started):
+            proc.stop()

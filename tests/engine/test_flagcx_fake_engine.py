@@ -12,7 +12,7 @@ import pytest
 from pdpair import contract
 
 from conftest import GENERATION, HANG_TIMEOUT_SECONDS
-from engines import engine, free_port, pair_env, router
+from engines import engine, free_port, pair_env, running_pair
 from test_pd_engine import completion, metric, tokens
 
 FAKE_DIR = Path(__file__).resolve().parents[1] / "flagcx_abi"
@@ -29,27 +29,15 @@ def flagcx_pair(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("flagcx-logs")
     listen, metrics_port = free_port(), free_port()
     extra_env = {"FLAGCX_LIB_PATH": str(lib)}
-    procs = []
-    try:
-        for role, kv_role, env in (
-            ("decode", "kv_consumer", pair_env("decode", generation=GENERATION, listen_base=listen,
-                                               metrics_port=metrics_port, hang_timeout=HANG_TIMEOUT_SECONDS)),
-            ("prefill", "kv_producer", pair_env("prefill", generation=GENERATION, peer_base=listen,
-                                                hang_timeout=HANG_TIMEOUT_SECONDS)),
-        ):
-            env[contract.ENV_TRANSPORT] = contract.TRANSPORT_FLAGCX
-            procs.append(engine(role, tiny_model, logs, kv_role=kv_role, pdpair_env=env, extra_env=extra_env).start())
-        decode, prefill = procs
-        for proc in procs:
-            proc.wait_healthy()
-        prefill.wait_log("paired with decode", 60)
-        rtr = router(logs, prefill.url, decode.url, decode_timeout=60).start()
-        procs.append(rtr)
-        rtr.wait_healthy(60)
+    decode_env = pair_env("decode", generation=GENERATION, listen_base=listen, metrics_port=metrics_port,
+                          hang_timeout=HANG_TIMEOUT_SECONDS)
+    prefill_env = pair_env("prefill", generation=GENERATION, peer_base=listen, hang_timeout=HANG_TIMEOUT_SECONDS)
+    for env in (decode_env, prefill_env):
+        env[contract.ENV_TRANSPORT] = contract.TRANSPORT_FLAGCX
+    decode = engine("decode", tiny_model, logs, kv_role="kv_consumer", pdpair_env=decode_env, extra_env=extra_env)
+    prefill = engine("prefill", tiny_model, logs, kv_role="kv_producer", pdpair_env=prefill_env, extra_env=extra_env)
+    with running_pair(decode, prefill, logs) as rtr:
         yield decode, prefill, rtr, f"http://127.0.0.1:{metrics_port}"
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
 
 
 def test_prefill_to_decode_over_the_flagcx_binding(flagcx_pair):

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import GENERATION, HANG_TIMEOUT_SECONDS
-from engines import engine, free_port, pair_env, router
+from engines import engine, free_port, pair_env, running_pair
 from test_pd_engine import completion, metric, tokens
 
 
@@ -23,20 +23,8 @@ def recompute_pair(tiny_model, tmp_path_factory):
     prefill = engine("prefill", tiny_model, logs, kv_role="kv_producer", extra_config={"test_drop_signals_file": str(drop)},
                      pdpair_env=pair_env("prefill", generation=GENERATION, peer_base=listen,
                                          hang_timeout=HANG_TIMEOUT_SECONDS))
-    procs = [decode, prefill]
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.wait_healthy()
-        prefill.wait_log("paired with decode", 60)
-        rtr = router(logs, prefill.url, decode.url, decode_timeout=60).start()
-        procs.append(rtr)
-        rtr.wait_healthy(60)
+    with running_pair(decode, prefill, logs) as rtr:
         yield decode, rtr, drop, f"http://127.0.0.1:{metrics_port}"
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
 
 
 def test_lost_signals_are_recomputed_not_failed(recompute_pair):
