@@ -104,40 +104,28 @@ class OperatorConfig:
         )
 
 
-def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
+def _parse(env: Mapping[str, str], name: str, default, convert, expected: str, valid, rule: str):
+    """One env setting: the default when unset, else `convert(raw)`; a clear error naming the variable otherwise."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
-        value = float(raw)
+        value = convert(raw)
     except ValueError:
-        raise ConfigError(f"{name}: expected a number, got {raw!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{name}: must be a finite number > 0, got {raw!r}")
+        raise ConfigError(f"{name}: expected {expected}, got {raw!r}") from None
+    if not valid(value):
+        raise ConfigError(f"{name}: must be {rule}, got {raw!r}")
     return value
+
+
+def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
+    return _parse(env, name, default, float, "a number", lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 
 
 def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}: expected a whole number >= 1, got {raw!r}") from None
-    if value < 1:
-        raise ConfigError(f"{name}: must be >= 1, got {raw!r}")
-    return value
+    return _parse(env, name, default, int, "a whole number >= 1", lambda v: v >= 1, ">= 1")
 
 
 def _port(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}: expected a port number, got {raw!r}") from None
-    if not 0 <= value <= 65535:  # 0 = pick a free port (tests)
-        raise ConfigError(f"{name}: must be 0..65535, got {raw!r}")
-    return value
+    # 0 = pick a free port (tests)
+    return _parse(env, name, default, int, "a port number", lambda v: 0 <= v <= 65535, "0..65535")
