@@ -147,7 +147,7 @@ def test_sigkill_mid_leasing_leaks_nothing(platform, cluster_namespace, tmp_path
     api = Api(cluster)
     ns = cluster_namespace
     n = 200
-    pool = "32000-33499"
+    pool = "26000-27499"  # below the ephemeral range, apart from the 200-pair test's
     first = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / "first.log",
                                    extra_env={ENV_WATCH_NAMESPACES: ns, **NO_HEALTH}).start()
     try:

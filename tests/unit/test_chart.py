@@ -181,6 +181,13 @@ BAD_VALUES = [
     ("pool without dash", ["--set-string", "operator.portPool=20000"], "/operator/portPool"),
     ("pool reversed", ["--set-string", "operator.portPool=30000-20000"], 'operator.portPool "30000-20000"'),
     ("pool below 1024", ["--set-string", "operator.portPool=1000-2000"], 'operator.portPool "1000-2000"'),
+    ("pool overlaps the ephemeral range", ["--set-string", "operator.portPool=30000-33000"],
+     "overlaps the nodes' ephemeral port range"),
+    ("pool inside a custom ephemeral range", ["--set-string", "operator.portPool=20000-20100",
+                                              "--set-string", "operator.nodeEphemeralPortRange=20050-30000"],
+     "overlaps the nodes' ephemeral port range \"20050-30000\""),
+    ("bad ephemeral range", ["--set-string", "operator.nodeEphemeralPortRange=32768"],
+     "/operator/nodeEphemeralPortRange"),
     ("metrics port out of range", ["--set", "operator.metricsPort=70000"], "/operator/metricsPort"),
     ("liveness equals metrics", ["--set", "operator.livenessPort=9090"], "operator.livenessPort and operator.metricsPort"),
     ("pull policy", ["--set", "image.pullPolicy=Sometimes"], "/image/pullPolicy"),
@@ -248,3 +255,14 @@ def test_every_value_is_documented_in_the_readme():
     assert len(documented) >= 40
     missing = [path for path in documented if f"`{path}`" not in readme]
     assert missing == []
+
+
+def test_pool_above_the_ephemeral_range_renders_when_the_check_is_set_or_off(helm):
+    """The ephemeral-range check refuses overlaps only: a pool beside a custom range, or with the check off, renders."""
+    for args in (["--set-string", "operator.portPool=40000-40100", "--set-string",
+                  "operator.nodeEphemeralPortRange=50000-60000"],
+                 ["--set-string", "operator.portPool=40000-40100", "--set-string", "operator.nodeEphemeralPortRange="]):
+        docs = helm.template(*args)
+        deployment = next(d for d in docs if d["kind"] == "Deployment")
+        env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["PDPAIR_PORT_POOL"] == "40000-40100"

@@ -101,5 +101,11 @@ so a bad pool fails at install time instead of at operator start. Renders the po
 {{- if or (lt $first 1024) (gt $last 65535) (gt $first $last) }}
 {{- fail (printf "operator.portPool %q: need FIRST-LAST with 1024 <= FIRST <= LAST <= 65535" $pool) }}
 {{- end }}
+{{- with .Values.operator.nodeEphemeralPortRange }}
+{{- $eph := splitList "-" . }}
+{{- if and (le $first (index $eph 1 | atoi)) (ge $last (index $eph 0 | atoi)) }}
+{{- fail (printf "operator.portPool %q overlaps the nodes' ephemeral port range %q (operator.nodeEphemeralPortRange): the kernel gives those ports to outgoing connections, so leased ports could be taken; move the pool below it" $pool .) }}
+{{- end }}
+{{- end }}
 {{- $pool }}
 {{- end }}

@@ -20,6 +20,8 @@ ENV_METRICS_PORT = "PDPAIR_OPERATOR_METRICS_PORT"
 ENV_API_THREADS = "PDPAIR_API_THREADS"
 ENV_HEALTH_INTERVAL = "PDPAIR_HEALTH_INTERVAL_SECONDS"
 ENV_API_TIMEOUT = "PDPAIR_API_TIMEOUT_SECONDS"  # deadline of one Kubernetes API call (api.py)
+# How long a deleted pair keeps its port leases while its pods terminate (handlers.release_ports).
+ENV_POD_GONE_TIMEOUT = "PDPAIR_POD_GONE_TIMEOUT_SECONDS"
 
 DEFAULT_PORT_POOL = "20000-29999"
 
@@ -73,6 +75,7 @@ class OperatorConfig:
     api_threads: int = 32
     health_interval: float = 10.0
     api_timeout: float = 30.0
+    pod_gone_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if self.liveness_port and self.liveness_port == self.metrics_port:
@@ -101,6 +104,7 @@ class OperatorConfig:
             api_threads=_positive_int(env, ENV_API_THREADS, 32),
             health_interval=_positive_float(env, ENV_HEALTH_INTERVAL, 10.0),
             api_timeout=_positive_float(env, ENV_API_TIMEOUT, 30.0),
+            pod_gone_timeout=_positive_float(env, ENV_POD_GONE_TIMEOUT, 600.0),
         )
 
 

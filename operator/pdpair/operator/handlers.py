@@ -6,19 +6,35 @@
   for the router Service.
 - events on pairs, their pods and their Service wake that pair's daemon, so reaction is immediate, not per poll.
 - daemon `reconcile`: one per pair, loops PairReconciler.reconcile_once (it also drives the probe gate).
-- delete: waits for the daemon to stop, then releases the pair's leases (the pods go by ownerReference GC).
+- delete: waits for the daemon to stop, deletes the pair's pods (prefill and router first) and waits until they are
+  gone (deleted AND terminated: a pod object disappears only once the kubelet has stopped it), then stops listing
+  the ports in status and releases the leases. A port is never leased again while a process may still hold it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
+import time
+from datetime import datetime, timezone
 from typing import Any
 
 import kopf
 
-from pdpair.contract import FINALIZER, GROUP, LABEL_PAIR_UID, PHASE_READY, PLURAL, PURPOSE_METRICS, ROLES, VERSION
+from pdpair.contract import (
+    FINALIZER,
+    GROUP,
+    LABEL_PAIR_UID,
+    LABEL_ROLE,
+    PHASE_READY,
+    PLURAL,
+    PURPOSE_METRICS,
+    ROLE_DECODE,
+    ROLES,
+    VERSION,
+)
 
 from . import health
 from .api import TimedApi
@@ -243,6 +259,17 @@ async def release_ports(body: kopf.Body, uid: str, memo: kopf.Memo, logger: logg
             await asyncio.wait_for(exited.wait(), DAEMON_STOP_WAIT)
         except asyncio.TimeoutError:
             logger.warning("the pair's daemon did not stop within %.0fs; releasing anyway", DAEMON_STOP_WAIT)
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    left = await _pods_gone(runtime, body, uid, logger)
+    if left:
+        kopf.event(body, type="Warning", reason="PortsReleasedWithPodsLeft",
+                   message=(f"pods {', '.join(left)} were not gone {runtime.config.pod_gone_timeout:.0f}s after the "
+                            f"pair's deletion; releasing its port leases anyway")[:1024])
+    if (body.get("status") or {}).get("ports"):
+        # Stop listing the ports before the leases go: no moment where two pairs list one port.
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(runtime.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace,
+                                    PLURAL, name, {"status": {"ports": []}})
     released = await runtime.leaser.release_pair(uid)
     runtime.exited.pop(uid, None)
     runtime.health_verdicts.pop(uid, None)
@@ -250,6 +277,55 @@ async def release_ports(body: kopf.Body, uid: str, memo: kopf.Memo, logger: logg
         runtime.metrics.forget_pair(body["metadata"]["namespace"], body["metadata"]["name"])
     kopf.event(body, type="Normal", reason="PortsReleased", message=f"released {released} port leases")
     logger.info("released %d port leases", released)
+
+
+POD_GONE_POLL = 1.0
+POD_GONE_SLOW = 30.0  # a wait this long gets an Event saying what it waits for
+
+
+async def _pods_gone(runtime: Runtime, body: kopf.Body, uid: str, logger: logging.Logger) -> list[str]:
+    """Delete the pair's pods (prefill and router before decode) and wait until none is left, at most
+    config.pod_gone_timeout after the pair's deletion began. Returns the names still there at the deadline."""
+    from kubernetes.client import V1DeleteOptions, V1Preconditions
+
+    namespace = body["metadata"]["namespace"]
+    began = _parse_time(body["metadata"].get("deletionTimestamp")) or time.time()
+    deadline = began + runtime.config.pod_gone_timeout
+    told_slow = False
+    while True:
+        listed = await asyncio.to_thread(runtime.core.list_namespaced_pod, namespace,
+                                         label_selector=f"{LABEL_PAIR_UID}={uid}")
+        pods = sorted(listed.items, key=lambda p: (p.metadata.labels or {}).get(LABEL_ROLE) == ROLE_DECODE)
+        if not pods:
+            return []
+        live = [p for p in pods if not p.metadata.deletion_timestamp]
+        front = [p for p in live if (p.metadata.labels or {}).get(LABEL_ROLE) != ROLE_DECODE]
+        for pod in front or live:  # decode goes only after prefill and router are already going
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(
+                    runtime.core.delete_namespaced_pod, pod.metadata.name, namespace,
+                    body=V1DeleteOptions(preconditions=V1Preconditions(uid=pod.metadata.uid)),
+                )
+        names = [p.metadata.name for p in pods]
+        now = time.time()
+        if now >= deadline:
+            return names
+        if not told_slow and now - began >= POD_GONE_SLOW:
+            told_slow = True
+            kopf.event(body, type="Normal", reason="WaitingForPods",
+                       message=(f"holding the port leases until pods {', '.join(names)} are gone (at most "
+                                f"{max(0.0, deadline - now):.0f}s more)")[:1024])
+            logger.info("waiting for pods %s to be gone before releasing the ports", names)
+        await asyncio.sleep(POD_GONE_POLL)
+
+
+def _parse_time(text: str | None) -> float | None:
+    if not text:
+        return None
+    try:
+        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return None
 
 
 async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float) -> None:

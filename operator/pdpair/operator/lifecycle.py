@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -31,16 +32,31 @@ def _ports(ports: tuple[int, ...]) -> str:
     return ", ".join(str(p) for p in ports)
 
 
-async def accepts(host: str, port: int, timeout: float) -> bool:
-    """True when a TCP connection to host:port is accepted within `timeout` seconds."""
+async def accepts(host: str, port: int, timeout: float, *, local_addr: tuple[str, int] | None = None) -> bool:
+    """True when a listener on host:port accepts a TCP connection within `timeout` seconds.
+
+    A connection to itself is not a listener: when the operator shares decode's IP (an operator on hostNetwork,
+    a test on loopback) and nothing listens on an ephemeral-range port, the kernel can pick that very port as the
+    source, and the SYN meets itself (TCP simultaneous open), so connect() succeeds with nobody listening.
+    `local_addr` pins the source address (tests use it to make that happen on purpose).
+    """
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=local_addr), timeout)
     except (OSError, asyncio.TimeoutError):
         return False
-    writer.close()
-    with contextlib.suppress(OSError, asyncio.TimeoutError):
-        await asyncio.wait_for(writer.wait_closed(), timeout)
-    return True
+    try:
+        return not connected_to_itself(writer.get_extra_info("sockname"), writer.get_extra_info("peername"))
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError, asyncio.TimeoutError):
+            await asyncio.wait_for(writer.wait_closed(), timeout)
+
+
+def connected_to_itself(sockname: Any, peername: Any) -> bool:
+    """A self-connect: the local and peer (address, port) are the same (IPv6 flow info and scope ignored)."""
+    if not sockname or not peername:
+        return True  # no addresses: nothing we can call a listener
+    return tuple(sockname[:2]) == tuple(peername[:2])
 
 
 async def probe_ranks(host: str, ports: list[int] | tuple[int, ...], timeout: float) -> ProbeResult:

@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from pdpair.contract import (
     LABEL_PAIR,
@@ -286,28 +286,52 @@ class PortLeaser:
             raise
 
     # - the pair-level operations --------------------------------------------------------------------
-    async def ensure(self, pair: PairRef, blocks: tuple[PortBlock, ...]) -> LeaseOutcome:
-        """Make the pair hold exactly `blocks`: adopt what fits, release what doesn't, claim the rest.
-
-        When the pool cannot satisfy every block, the partial claim (and what was adopted) is released,
-        so a waiting pair hoards nothing; the caller reports PoolExhausted and retries later.
-        """
-        for value in (pair.name, pair.namespace, pair.uid):
-            if len(value) > LABEL_VALUE_MAX:
-                raise ValueError(f"name {value!r} is longer than {LABEL_VALUE_MAX} characters (a label value)")
-        outcome = LeaseOutcome()
-        existing = await self.leases_of(pair.uid)
+    async def _held(self, pair_uid: str) -> tuple[dict[tuple[str, str], list[int]], dict[int, str]]:
+        """The pair's leased ports by (role, purpose), and each lease's uid."""
         held: dict[tuple[str, str], list[int]] = defaultdict(list)
         uids: dict[int, str] = {}
-        for lease in existing:
+        for lease in await self.leases_of(pair_uid):
             port = _lease_port(lease)
             if port is None:
                 continue
             labels = lease.metadata.labels or {}
             held[(labels.get(LABEL_ROLE, ""), labels.get(LABEL_PURPOSE, ""))].append(port)
             uids[port] = lease.metadata.uid
+        return held, uids
+
+    async def held(self, pair: PairRef) -> list[PortAssignment]:
+        """What the pair holds now, changing nothing (ranks by port order within each role and purpose)."""
+        held, _ = await self._held(pair.uid)
+        async with self._lock:
+            self.taken.update(p for ports in held.values() for p in ports)
+        return sorted(
+            PortAssignment(role, purpose, rank, port)
+            for (role, purpose), ports in held.items()
+            for rank, port in enumerate(sorted(ports))
+        )
+
+    async def ensure(
+        self,
+        pair: PairRef,
+        blocks: tuple[PortBlock, ...],
+        before_release: Callable[[set[int]], Awaitable[None]] | None = None,
+    ) -> LeaseOutcome:
+        """Make the pair hold exactly `blocks`: adopt what fits, release what doesn't, claim the rest.
+
+        When the pool cannot satisfy every block, the partial claim (and what was adopted) is released,
+        so a waiting pair hoards nothing; the caller reports PoolExhausted and retries later.
+        `before_release(ports)` is awaited before any of the pair's ports is released, so the caller can stop
+        listing them first (status.ports never names a port the pair no longer holds).
+        """
+        for value in (pair.name, pair.namespace, pair.uid):
+            if len(value) > LABEL_VALUE_MAX:
+                raise ValueError(f"name {value!r} is longer than {LABEL_VALUE_MAX} characters (a label value)")
+        outcome = LeaseOutcome()
+        held, uids = await self._held(pair.uid)
         keep, release = match_existing(blocks, held)
         outcome.adopted = len(keep)
+        if release and before_release is not None:
+            await before_release(set(release))
         for port in release:
             outcome.released += await self._release_port(port, uids.get(port))
         async with self._lock:
@@ -320,6 +344,8 @@ class PortLeaser:
         except PoolExhausted as exc:
             outcome.exhausted = True
             outcome.message = str(exc)
+            if before_release is not None:
+                await before_release({a.port for a, _ in new} | {a.port for a in keep})
             for assignment, uid in new:
                 outcome.released += await self._release_port(assignment.port, uid)
             for assignment in keep:

@@ -40,7 +40,7 @@ from .pods import ManifestError, engine_pod, pod_name, router_pod
 from .ports import PairRef, PortLeaser, required_blocks, status_ports, ports_of
 from .restart_policy import Action, RestartPolicy, decide, prune
 from .service import ACTION_CREATE, ACTION_DELETE, ACTION_PATCH, ServiceView, plan_service, router_service, service_name
-from .status import FALSE, TRUE, Condition, apply_conditions, now_rfc3339, status_diff
+from .status import FALSE, TRUE, UNKNOWN, Condition, apply_conditions, now_rfc3339, status_diff
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,37 @@ def api_status(exc: BaseException) -> int | None:
     return getattr(exc, "status", None)
 
 
+# The API server refused the object itself (validation, admission, quota): retrying the same manifest at once
+# cannot succeed, so it is retried with backoff and reported, not hammered.
+REJECTED_STATUSES = (400, 403, 422)
+REJECTION_BACKOFF_FIRST = 2.0
+REJECTION_BACKOFF_MAX = 300.0
+
+
+def api_reason(exc: BaseException) -> tuple[str, str]:
+    """(reason, message) of an API error, as the API server's Status says them (the message names the field)."""
+    body = getattr(exc, "body", None)
+    try:
+        status = json.loads(body) if body else {}
+    except (TypeError, ValueError):
+        status = {}
+    if not isinstance(status, dict):
+        status = {}
+    reason = str(status.get("reason") or getattr(exc, "reason", "") or type(exc).__name__)
+    message = str(status.get("message") or str(exc))
+    return reason, message
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """The API server refused to create a role's pod for this spec; retried no sooner than `not_before`."""
+
+    spec_hash: str
+    attempts: int
+    not_before: float  # time.monotonic()
+    message: str
+
+
 def _service_port(manifest: Mapping[str, Any]) -> int:
     return int(manifest["spec"]["ports"][0]["port"])
 
@@ -100,6 +131,7 @@ class PairReconciler:
         self.service: str | None = (self.status.get("service") or None)  # the router Service we own, by name
         self.service_problem = ""  # the last Service error reported as an Event (reported once, not per pass)
         self.restart_times: list[float] = self._read_restart_times()
+        self.rejections: dict[str, Rejection] = {}  # role -> the API server's last refusal (a backoff, not a decision)
 
     # --- observation --------------------------------------------------------------------------------
     def _read_restart_times(self) -> list[float]:
@@ -110,17 +142,26 @@ class PairReconciler:
             return []
 
     async def ensure_ports(self, spec: Mapping[str, Any], pods: tuple[d.PodView, ...] = ()) -> None:
+        """Lease what the spec needs; `self.ports` then mirrors the pair's leases exactly ([] or None: none held).
+
+        One rule for rollouts, TP changes and operator restarts alike: while any pod built from another spec still
+        exists (running or terminating), the leases are left as they are, because that pod may still be bound to
+        them. They are re-leased only once every such pod is gone.
+        """
         blocks = required_blocks(spec)
-        if self.ports is not None and blocks != self.blocks:
-            want = d.spec_fingerprint(spec)
-            if any(p.spec_hash != want for p in pods):
-                return  # pods built for the old blocks still run: re-lease once they are gone (no port reuse race)
         fresh = time.monotonic() - self.leases_checked_at < self.rt.config.resync_interval
+        want = d.spec_fingerprint(spec)
+        if any(p.spec_hash != want for p in pods):
+            if self.ports is None or not fresh:
+                self.ports = status_ports(await self.rt.leaser.held(self.ref))
+                self.blocks = None  # unknown: re-leased (adopting what fits) once the old pods are gone
+                self.leases_checked_at = time.monotonic()
+            return
         if self.ports is not None and blocks == self.blocks and fresh:
             return  # re-read the leases (the truth) once per resync interval, or when the blocks change
         if self.ports is None and self.pool_message and time.monotonic() < self.next_lease_try:
             return
-        outcome = await self.rt.leaser.ensure(self.ref, blocks)
+        outcome = await self.rt.leaser.ensure(self.ref, blocks, before_release=self._unlist_ports)
         self.leases_checked_at = time.monotonic()
         if outcome.exhausted:
             self.ports, self.blocks = None, None
@@ -138,6 +179,14 @@ class PairReconciler:
                 f"{outcome.released} released); decode side channel "
                 f"{ports_of(self.ports, ROLE_DECODE, PURPOSE_SIDECHANNEL)}",
             )
+
+    async def _unlist_ports(self, ports: set[int]) -> None:
+        """Drop ports from status.ports before their leases go, so no two pairs ever list one port."""
+        listed = self.status.get("ports") or []
+        kept = [p for p in listed if int(p.get("port", -1)) not in ports]
+        if len(kept) != len(listed):
+            await self._patch_status({"ports": kept})
+        self.ports = None
 
     async def probe_decode(self, decode: d.PodView) -> bool:
         if decode.uid in self.listening_pods:
@@ -295,18 +344,23 @@ class PairReconciler:
             self.emit("Normal", "RollingOut", f"spec changed: rolling out generation {plan.pair_generation}, decode first")
 
         # Intent first: status carries the generation before any pod is touched.
+        rejection = self._rejection(plan)
         await self._write_status(
-            {**self._status_fields(plan, pods), **extra},
-            list(plan.conditions) + self._signals_condition(plan.pair_generation),
+            {**self._status_fields(plan, pods), **extra, **({"message": rejection.message} if rejection else {})},
+            list(plan.conditions) + self._signals_condition(plan.pair_generation)
+            + ([self._rejected_condition(rejection)] if rejection else []),
             meta_generation,
         )
         if plan.step != self.last_step:
             self.log.info("pair %s/%s: %s (%s)", self.ref.namespace, self.ref.name, plan.step, plan.message)
             self.last_step = plan.step
 
-        await self._act(plan, pods)
+        await self._act(plan, pods, meta_generation)
         self._observe_duration(time.monotonic() - started)
 
+        rejection = self._rejection(plan)
+        if rejection is not None:
+            return max(0.2, min(rejection.not_before - time.monotonic(), cfg.resync_interval))
         if plan.step == d.STEP_READY:
             return cfg.resync_interval
         if plan.step == d.STEP_POOL_EXHAUSTED:
@@ -328,12 +382,17 @@ class PairReconciler:
         return None
 
     def _signals_condition(self, generation: int) -> list[Condition]:
+        """SignalsHealthy for the current generation. A new generation starts Unknown, so a verdict about an older
+        one (e.g. False from the hang that caused this restart) is never left standing; a restarted operator that
+        has not judged yet leaves the written condition alone."""
         judged = self.rt.health_verdicts.get(self.ref.uid)
-        if not judged or judged[0] != generation:
+        if not judged or judged[0] != generation or judged[1].pending:
+            new_generation = int(self.status.get("pairGeneration") or 0) != generation
+            if new_generation or (judged and judged[0] != generation):
+                return [Condition(COND_SIGNALS_HEALTHY, UNKNOWN, "NotJudged",
+                                  f"no signal-health verdict for generation {generation} yet")]
             return []
         verdict = judged[1]
-        if verdict.pending:
-            return []
         if verdict.restart:
             return [Condition(COND_SIGNALS_HEALTHY, FALSE, _camel(verdict.reason), verdict.message[:32768])]
         return [Condition(COND_SIGNALS_HEALTHY, TRUE, "Healthy", verdict.message[:32768])]
@@ -350,23 +409,60 @@ class PairReconciler:
             "pods": {role: name for role, name in names.items() if role in present},
             "restarts": int(self.status.get("restarts") or 0),
             "service": self.service,  # None removes the field (merge patch)
+            "ports": self.ports or [],  # the leases exactly: none held is an empty list, not the last list seen
         }
-        if self.ports is not None:
-            fields["ports"] = self.ports
         return fields
 
     # --- actions ------------------------------------------------------------------------------------
-    async def _act(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> None:
+    async def _act(self, plan: d.Plan, pods: tuple[d.PodView, ...], meta_generation: int = 0) -> None:
         for name in plan.delete:
             pod = next((p for p in pods if p.name == name), None)
             await self._delete_pod(name, pod.uid if pod else None)
             self.emit("Normal", "PodDeleted", f"deleted {pod.role if pod else 'pod'} {name} ({plan.step})")
         if plan.create:
+            rejection = self._rejection(plan)
+            if rejection is not None and time.monotonic() < rejection.not_before:
+                return  # refused before for this very spec: wait out the backoff
             manifest = self._manifest(plan, pods)
-            created = await self._create_pod(manifest)
             name = manifest["metadata"]["name"]
+            try:
+                created = await self._create_pod(manifest)
+            except Exception as exc:
+                if api_status(exc) not in REJECTED_STATUSES:
+                    raise
+                await self._rejected(plan, name, exc, meta_generation)
+                return
+            self.rejections.pop(plan.create, None)
             if created:
                 self.emit("Normal", "PodCreated", f"created {plan.create} {name} (generation {plan.pair_generation})")
+
+    def _rejection(self, plan: d.Plan) -> Rejection | None:
+        """The standing refusal of the pod this plan creates, if the spec is still the one refused."""
+        if not plan.create:
+            return None
+        rejection = self.rejections.get(plan.create)
+        if rejection is None or rejection.spec_hash != d.spec_fingerprint(self.body["spec"]):
+            return None
+        return rejection
+
+    @staticmethod
+    def _rejected_condition(rejection: Rejection) -> Condition:
+        return Condition(COND_READY, FALSE, "PodRejected", rejection.message[:32768])
+
+    async def _rejected(self, plan: d.Plan, name: str, exc: BaseException, meta_generation: int) -> None:
+        reason, api_message = api_reason(exc)
+        spec_hash = d.spec_fingerprint(self.body["spec"])
+        previous = self._rejection(plan)
+        attempts = previous.attempts + 1 if previous else 1
+        delay = min(REJECTION_BACKOFF_MAX, REJECTION_BACKOFF_FIRST * 2 ** (attempts - 1))
+        message = (f"the API server refused {plan.create} pod {name} ({api_status(exc)} {reason}): {api_message}; "
+                   f"fix the pair's spec; retrying in {delay:.0f}s")
+        self.rejections[plan.create] = Rejection(spec_hash, attempts, time.monotonic() + delay, message)
+        if previous is None or previous.message.split("; retrying")[0] != message.split("; retrying")[0]:
+            self.emit("Warning", "PodRejected", message)
+            self.log.warning("pair %s/%s: %s", self.ref.namespace, self.ref.name, message)
+        await self._write_status({"message": message[:32768]}, [self._rejected_condition(self.rejections[plan.create])],
+                                 meta_generation)
 
     def _manifest(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> dict[str, Any]:
         body = {"metadata": dict(self.body["metadata"]), "spec": self.body["spec"]}
@@ -419,12 +515,16 @@ class PairReconciler:
         patch = status_diff(self.status, new)
         if not patch:
             return False
-        await asyncio.to_thread(
-            self.rt.custom.patch_namespaced_custom_object_status,
-            GROUP, VERSION, self.ref.namespace, PLURAL, self.ref.name, {"status": patch},
-        )
+        await self._patch_status(patch)
         self.status = new
         return True
+
+    async def _patch_status(self, patch: Mapping[str, Any]) -> None:
+        await asyncio.to_thread(
+            self.rt.custom.patch_namespaced_custom_object_status,
+            GROUP, VERSION, self.ref.namespace, PLURAL, self.ref.name, {"status": dict(patch)},
+        )
+        self.status.update(patch)
 
     async def _patch_meta(self, annotations: Mapping[str, str]) -> None:
         await asyncio.to_thread(
