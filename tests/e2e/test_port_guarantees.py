@@ -15,8 +15,10 @@ from __future__ import annotations
 import collections
 import random
 import re
+import ssl
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -250,8 +252,11 @@ REFUSED_SPECS = [
 
 def _pod_create_rejections(cluster) -> float:
     """The apiserver's own count of refused pod creations (apiserver_request_total, POST pods, 4xx)."""
-    text = cluster.api_client().call_api("/metrics", "GET", auth_settings=["BearerToken"], _preload_content=False,
-                                         response_type="str")[0].data.decode()
+    ctx = ssl.create_default_context(cafile=str(cluster.ca_file))
+    request = urllib.request.Request(cluster.server + "/metrics",
+                                     headers={"Authorization": f"Bearer {cluster.admin_token}"})
+    with urllib.request.urlopen(request, timeout=10, context=ctx) as resp:
+        text = resp.read().decode()
     total = 0.0
     for line in text.splitlines():
         if line.startswith("apiserver_request_total{") and 'resource="pods"' in line and 'verb="POST"' in line \
@@ -331,25 +336,30 @@ def test_status_ports_disjoint_and_equal_to_leases_under_churn_and_sigkills(plat
     watcher = DisjointWatcher(api, ns)
     steps = []
     try:
-        for round_ in range(3):
+        # Every round: three actions, the operator SIGKILLed at a random moment after the third.
+        script = [["create", "create", "create"], ["tp", "delete", "create"], ["tp", "create", "delete"],
+                  ["create", "tp", "tp"]]
+        for round_, actions in enumerate(script):
             with operator(platform, ns, pool, tmp_path, name=f"op{round_}") as proc:
-                for step in range(4):
-                    existing = [p["metadata"]["name"] for p in api.pairs(ns)]
-                    action = rng.choice(["create", "tp", "delete"] if existing else ["create"])
-                    if action == "create" or len(existing) < 2:
-                        missing = [n for n in names if n not in existing]
-                        if missing:
-                            api.create_pair(ns, rng.choice(missing))
-                            action = "create"
-                    if action == "tp" and existing:
-                        target = rng.choice(existing)
-                        tp = rng.choice([1, 2])
+                for step, action in enumerate(actions):
+                    existing = {p["metadata"]["name"]: p for p in api.pairs(ns)}
+                    missing = [n for n in names if n not in existing]
+                    if action == "create" and missing:
+                        target = rng.choice(missing)
+                        api.create_pair(ns, target)
+                    elif action == "tp" and existing:
+                        target = rng.choice(sorted(existing))
+                        tp = 1 if (existing[target]["spec"].get("decode") or {}).get("tensorParallelSize", 1) == 2 else 2
                         api.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, target, {
                             "spec": {"decode": {"tensorParallelSize": tp}, "prefill": {"tensorParallelSize": tp}}})
-                    if action == "delete" and existing:
-                        api.delete_pair(ns, rng.choice(existing))
-                    steps.append(action)
-                    if step == 2:
+                        action = f"tp{tp}"
+                    elif action == "delete" and existing:
+                        target = rng.choice(sorted(existing))
+                        api.delete_pair(ns, target)
+                    else:
+                        continue
+                    steps.append(f"{action} {target}")
+                    if step == len(actions) - 1:
                         time.sleep(rng.uniform(0.2, 1.5))
                         proc.kill()  # SIGKILL mid-flight; the next round's operator picks up
                         break

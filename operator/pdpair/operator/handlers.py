@@ -280,7 +280,7 @@ async def release_ports(body: kopf.Body, uid: str, memo: kopf.Memo, logger: logg
 
 
 POD_GONE_POLL = 1.0
-POD_GONE_SLOW = 30.0  # a wait this long gets an Event saying what it waits for
+POD_GONE_SLOW = 30.0  # a wait this long (or half the bound, if less) gets an Event saying what it waits for
 
 
 async def _pods_gone(runtime: Runtime, body: kopf.Body, uid: str, logger: logging.Logger) -> list[str]:
@@ -310,7 +310,7 @@ async def _pods_gone(runtime: Runtime, body: kopf.Body, uid: str, logger: loggin
         now = time.time()
         if now >= deadline:
             return names
-        if not told_slow and now - began >= POD_GONE_SLOW:
+        if not told_slow and now - began >= min(POD_GONE_SLOW, runtime.config.pod_gone_timeout / 2):
             told_slow = True
             kopf.event(body, type="Normal", reason="WaitingForPods",
                        message=(f"holding the port leases until pods {', '.join(names)} are gone (at most "

@@ -456,7 +456,7 @@ class PairReconciler:
         attempts = previous.attempts + 1 if previous else 1
         delay = min(REJECTION_BACKOFF_MAX, REJECTION_BACKOFF_FIRST * 2 ** (attempts - 1))
         message = (f"the API server refused {plan.create} pod {name} ({api_status(exc)} {reason}): {api_message}; "
-                   f"fix the pair's spec; retrying in {delay:.0f}s")
+                   f"retrying in {delay:.0f}s, at once after a spec change")
         self.rejections[plan.create] = Rejection(spec_hash, attempts, time.monotonic() + delay, message)
         if previous is None or previous.message.split("; retrying")[0] != message.split("; retrying")[0]:
             self.emit("Warning", "PodRejected", message)
