@@ -331,7 +331,7 @@ def test_status_ports_disjoint_and_equal_to_leases_under_churn_and_sigkills(plat
     api = Api(cluster)
     ns = cluster_namespace
     rng = random.Random(8)
-    pool = pool_of_free_ports(4 * PORTS_PER_PAIR_NO_ROUTER + 2)  # tight: TP changes and newcomers must wait
+    pool = pool_of_free_ports(3 * PORTS_PER_PAIR_NO_ROUTER + 1)  # tight: a TP change or a 4th pair must wait
     names = [f"p{i}" for i in range(4)]
     watcher = DisjointWatcher(api, ns)
     steps = []

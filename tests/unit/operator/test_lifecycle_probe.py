@@ -27,10 +27,16 @@ async def _self_connect_succeeds(port: int) -> bool:
 
 
 def test_a_self_connect_is_not_a_listener():
-    port = _unused_port()
     # The kernel really completes the connection with nobody listening: the old probe said "accepting" here.
-    assert asyncio.run(_self_connect_succeeds(port)) is True
+    assert asyncio.run(_self_connect_succeeds(_unused_port())) is True
+    # A fresh port (the first one sits in TIME_WAIT now, and binding it again would fail for another reason).
+    port = _unused_port()
     assert asyncio.run(accepts("127.0.0.1", port, 5, local_addr=("127.0.0.1", port))) is False
+    # ... and only the self-connect guard said no: a listener on a self-bound source still counts.
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        assert asyncio.run(accepts("127.0.0.1", server.getsockname()[1], 5, local_addr=("127.0.0.1", _unused_port())))
 
 
 def test_a_listener_accepts_and_a_closed_port_refuses():
