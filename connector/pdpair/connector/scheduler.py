@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from pdpair import contract
+from pdpair.connector import timeline
 from pdpair.connector.config import PdPairConfig
 from pdpair.connector.metadata import (
     PARAM_CONNECTOR_VERSION,
@@ -77,6 +78,8 @@ class PdPairScheduler:
         self._release: list[str] = []
         self._new_sends: list[SendRequest] = []
         self._pending_sends: dict[str, float] = {}  # prefill request id -> expiry
+        # decode, timeline log only: request id -> [allocated, load reported finished] wall-clock stamps
+        self._loads: dict[str, list[float | None]] = {}
 
     @property
     def is_decode(self) -> bool:
@@ -118,6 +121,8 @@ class PdPairScheduler:
         cached = sum(1 for b in group if b.block_hash is not None and not b.is_null)
         new_ids = [b.block_id for b in group if b.block_hash is None and not b.is_null]
         self._recv.append(RecvRequest(request.request_id, remote_id, cached, new_ids))
+        if timeline.enabled():
+            self._loads[request.request_id] = [timeline.now(), None]
 
     # --- prefill ---------------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -127,6 +132,7 @@ class PdPairScheduler:
         if not params:
             return False, None
         if self.is_decode:
+            self._loads.pop(request.request_id, None)
             if params.get(PARAM_DO_REMOTE_PREFILL) and self._loadable(params):
                 # Finished (aborted) before its blocks were allocated: let prefill free its copy now.
                 params[PARAM_DO_REMOTE_PREFILL] = False
@@ -138,6 +144,7 @@ class PdPairScheduler:
             return False, None  # aborted or failed: nothing to hand over
         if not block_ids:
             return False, None
+        timeline.log("prefill-scheduler", request.request_id, finished=timeline.now())
         expires = time.monotonic() + self.config.send_lease_seconds
         self._pending_sends[request.request_id] = expires
         self._new_sends.append(SendRequest(request.request_id, list(block_ids), expires))
@@ -154,11 +161,26 @@ class PdPairScheduler:
 
     # --- both ------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdPairConnectorMetadata:
+        if self._loads:
+            self._log_scheduled(scheduler_output)
         meta = PdPairConnectorMetadata(self._recv, self._release, self._new_sends)
         self._recv, self._release, self._new_sends = [], [], []
         return meta
 
+    def _log_scheduled(self, scheduler_output: SchedulerOutput) -> None:
+        """Timeline: a loaded request's first step (it is new to the workers: it never ran before its load)."""
+        now = timeline.now()
+        for new in scheduler_output.scheduled_new_reqs:
+            stamps = self._loads.get(new.req_id)
+            if stamps is not None and stamps[1] is not None:
+                del self._loads[new.req_id]
+                timeline.log("decode-scheduler", new.req_id, allocated=stamps[0], load_reported=stamps[1], scheduled=now)
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for request_id in connector_output.finished_recving or ():
+            stamps = self._loads.get(request_id)
+            if stamps is not None:
+                stamps[1] = timeline.now()
         for request_id in connector_output.finished_sending or ():
             self._pending_sends.pop(request_id, None)
         now = time.monotonic()

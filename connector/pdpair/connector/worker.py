@@ -8,9 +8,11 @@ pair -> failed_recving, which vLLM turns into an error or a recompute (kv_load_f
 stays open in the pod metrics (its deficit is real: signals went missing on this pair) and its slot is never reused,
 so /healthz reports the pod hung until the pair is restarted or the late signals arrive.
 
-Prefill: learns each finished request's blocks from the scheduler metadata, serves Pulls on the side-channel thread
-(put_signal per layer and block, then flush) and reports the request's send finished, which frees its blocks. A Pull
-that arrives before the metadata waits (bounded); blocks nobody pulls are freed when their lease expires.
+Prefill: learns each finished request's blocks from the scheduler metadata, serves each Pull on a pool of
+PUSH_WORKERS threads (put_signal per layer and block, then flush; the reply goes back through the side channel's
+outbox) and reports the request's send finished, which frees its blocks. The side-channel thread only hands Pulls to
+the pool, so transfers of concurrent requests overlap and the loop keeps watching for a disconnect. A Pull that
+arrives before the metadata waits (bounded); blocks nobody pulls are freed when their lease expires.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pdpair import contract
+from pdpair.connector import timeline
 from pdpair.connector.config import PdPairConfig
 from pdpair.connector.handshake import DecodeSideChannel, PrefillSideChannel
 from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
@@ -39,6 +42,10 @@ logger = logging.getLogger("pdpair.connector.worker")
 
 WAIT_SLICE_SECONDS = 0.05  # a waiter re-checks cancellation and reports progress this often
 MAX_WAITERS = 64
+# Prefill: threads that serve Pulls (puts + flush), so concurrent requests' transfers overlap and the side-channel
+# thread only routes messages. The queue in front of them is bounded by decode's signal slots: each Pull in flight
+# holds one until its signals are in.
+PUSH_WORKERS = 4
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,13 @@ class _Wait:
     deadline: float
     comm: PairComm
     failed_reason: str | None = None  # set by PullFailed
+    first_signal: float | None = None  # time.monotonic() stamps, for the timeline
+    last_signal: float | None = None
+
+
+def _wall(monotonic: float | None) -> float | None:
+    """A time.monotonic() stamp as time.time(), for timeline lines that other processes' lines join."""
+    return None if monotonic is None else monotonic + (time.time() - time.monotonic())
 
 
 class _Worker:
@@ -151,6 +165,7 @@ class DecodeWorker(_Worker):
         self._abandoned: dict[str, _Wait] = {}  # timed out, still open in the metrics
         self._waiters = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix=f"pdpair-signal-wait-r{self.tp_rank}")
         self._comm_id: int | None = None
+        self._done_waits: list[_Wait] = []  # finished since the last get_transfer_results, for the timeline
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self._prepare(kv_caches, num_blocks)
@@ -219,24 +234,16 @@ class DecodeWorker(_Worker):
 
     def _wait_for_signals(self, wait: _Wait) -> None:
         request_id = wait.recv.request_id
-        target = wait.base + wait.expected
         received = 0
         try:
-            while True:
-                now = time.monotonic()
-                if wait.failed_reason is not None:
-                    raise TransportError(f"prefill could not serve the pull: {wait.failed_reason}")
-                try:
-                    wait.comm.wait_signal(wait.slot, target, min(wait.deadline, now + WAIT_SLICE_SECONDS))
-                    break
-                except SignalWaitTimeout as exc:
-                    got = exc.observed - wait.base
-                    if got != received:
-                        received = got
-                        self.accounts.on_signals(request_id, received)
-                    if time.monotonic() >= wait.deadline:
-                        self._on_timeout(wait, received)
-                        return
+            # Two waits, so the timeline has the first signal's arrival; each returns as soon as its count is reached.
+            for target in (wait.base + 1, wait.base + wait.expected):
+                received = self._wait_until(wait, target, received)
+                if received < 0:
+                    return  # timed out (reported)
+                if wait.first_signal is None:
+                    wait.first_signal = time.monotonic()
+            wait.last_signal = time.monotonic()
         except TransportError as exc:
             logger.error("request %s: KV load failed: %s", request_id, exc)
             self._close(wait, contract.OUTCOME_ERROR, received)
@@ -248,12 +255,35 @@ class DecodeWorker(_Worker):
             self._fail(request_id, timed_out=False)
             return
         self.accounts.on_signals(request_id, wait.expected)
-        seconds = time.monotonic() - wait.started
+        seconds = wait.last_signal - wait.started
         self._maybe_corrupt(wait)
         self._close(wait, contract.OUTCOME_OK, wait.expected, seconds=seconds, release_slot=True)
         with self._lock:
             self.stats.record_transfer(seconds, wait.nbytes)
+            self.stats.record_stage("pull_to_first_signal", wait.first_signal - wait.started)
+            self.stats.record_stage("first_to_last_signal", wait.last_signal - wait.first_signal)
+            self._done_waits.append(wait)
             self._finished.add(request_id)
+
+    def _wait_until(self, wait: _Wait, target: int, received: int) -> int:
+        """Block until the slot reaches `target`; return the signals received, or -1 after reporting a timeout.
+        The native wait wakes on the signal itself; the slices only bound how late a PullFailed or a closed pair
+        (set by the side-channel thread) is noticed."""
+        while True:
+            if wait.failed_reason is not None:
+                raise TransportError(f"prefill could not serve the pull: {wait.failed_reason}")
+            now = time.monotonic()
+            try:
+                wait.comm.wait_signal(wait.slot, target, min(wait.deadline, now + WAIT_SLICE_SECONDS))
+                return target - wait.base
+            except SignalWaitTimeout as exc:
+                got = exc.observed - wait.base
+                if got != received:
+                    received = got
+                    self.accounts.on_signals(wait.recv.request_id, received)
+                if time.monotonic() >= wait.deadline:
+                    self._on_timeout(wait, received)
+                    return -1
 
     def _on_timeout(self, wait: _Wait, received: int) -> None:
         request_id = wait.recv.request_id
@@ -346,6 +376,14 @@ class DecodeWorker(_Worker):
         with self._lock:
             finished, failed = self._finished, self._failed
             self._finished, self._failed = set(), set()
+            done, self._done_waits = self._done_waits, []
+            handed = time.monotonic()
+            for wait in done:
+                self.stats.record_stage("last_signal_to_engine", handed - wait.last_signal)
+        for wait in done:
+            timeline.log("decode-worker", wait.recv.request_id, pull_sent=_wall(wait.started),
+                         first_signal=_wall(wait.first_signal), last_signal=_wall(wait.last_signal),
+                         handed_to_engine=_wall(handed))
         return finished, failed
 
     def shutdown(self) -> None:
@@ -375,6 +413,8 @@ class PrefillWorker(_Worker):
         self._sends: dict[str, tuple[list[int], float]] = {}  # request id -> (block ids, lease expiry)
         self._parked: dict[str, tuple[Pull, float]] = {}  # pulls that came before their metadata
         self._finished_sending: set[str] = set()
+        self._pull_received: dict[str, float] = {}  # parked pulls: when they came (time.monotonic()), for the timeline
+        self._pushers = ThreadPoolExecutor(PUSH_WORKERS, thread_name_prefix=f"pdpair-push-r{self.tp_rank}")
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self._prepare(kv_caches, num_blocks)
@@ -432,8 +472,10 @@ class PrefillWorker(_Worker):
             entry = self._sends.get(pull.remote_request_id)
         if entry is None:
             self._parked[pull.transfer_id] = (pull, time.monotonic() + self.config.hang_timeout_seconds)
+            self._pull_received[pull.transfer_id] = time.monotonic()
             return None
-        return self._serve(pull, entry[0])
+        self._submit(pull, entry[0], time.monotonic())
+        return None
 
     def _on_tick(self) -> list[Message]:
         replies: list[Message] = []
@@ -443,27 +485,49 @@ class PrefillWorker(_Worker):
                 entry = self._sends.get(pull.remote_request_id)
             if entry is not None:
                 del self._parked[transfer_id]
-                replies.append(self._serve(pull, entry[0]))
+                self._submit(pull, entry[0], self._pull_received.pop(transfer_id, now))
             elif now > deadline:
                 del self._parked[transfer_id]
+                self._pull_received.pop(transfer_id, None)
                 replies.append(PullFailed(transfer_id, f"prefill holds no KV for request {pull.remote_request_id} "
                                                        "(unknown, expired or already sent)"))
         return replies
 
-    def _serve(self, pull: Pull, block_ids: list[int]) -> Message:
+    def _submit(self, pull: Pull, block_ids: list[int], received: float) -> None:
+        """Side-channel thread: hand the Pull to a push worker; its reply goes out through the side channel. The pair
+        it came on is captured here: if decode re-pairs meanwhile, the push fails on the old, closed pair instead of
+        writing into the new decode's blocks."""
+        assert self.side is not None
+        route = (self.side.comm, list(self.peer_indices), list(getattr(self, "regions_local", [])))
+        try:
+            self._pushers.submit(self._serve_and_reply, pull, block_ids, received, route)
+        except RuntimeError:  # shutting down: the pool takes no more work
+            assert self.side is not None
+            self.side.post(PullFailed(pull.transfer_id, "prefill is shutting down"))
+
+    def _serve_and_reply(self, pull: Pull, block_ids: list[int], received: float, route) -> None:
+        try:
+            reply = self._serve(pull, block_ids, received, route)
+        except Exception as exc:  # noqa: BLE001 - decode must hear back, not wait for its deadline
+            logger.exception("transfer %s (prefill request %s) crashed", pull.transfer_id, pull.remote_request_id)
+            reply = PullFailed(pull.transfer_id, f"prefill push crashed: {type(exc).__name__}: {exc}")
+        assert self.side is not None
+        self.side.post(reply)
+
+    def _serve(self, pull: Pull, block_ids: list[int], received: float, route) -> Message:
         assert self.regions is not None and self.side is not None
         try:
             if pull.dst_block_ids:
-                return self._push(pull, block_ids)
+                return self._push(pull, block_ids, received, *route)
             return PullDone(pull.transfer_id, 0)
         finally:
             with self._lock:
                 self._sends.pop(pull.remote_request_id, None)
                 self._finished_sending.add(pull.remote_request_id)
 
-    def _push(self, pull: Pull, block_ids: list[int]) -> Message:
-        assert self.regions is not None and self.side is not None
-        comm = self.side.comm
+    def _push(self, pull: Pull, block_ids: list[int], received: float, comm: PairComm | None,
+              peer_indices: list[int], local_indices: list[int]) -> Message:
+        assert self.regions is not None
         layers = len(self.regions.ptrs)
         count = len(pull.dst_block_ids)
         if pull.first_block < 0 or pull.first_block + count > len(block_ids):
@@ -477,17 +541,25 @@ class PrefillWorker(_Worker):
         nbytes = 0
         try:
             self._apply_drop_knob(comm)
+            first_put = time.monotonic()
             for i, dst_block in enumerate(pull.dst_block_ids):
                 src_block = block_ids[pull.first_block + i]
                 for layer in range(layers):
                     chunk = self.regions.chunk_bytes[layer]
-                    comm.put_signal(self.regions_local[layer], src_block * chunk, self.peer_indices[layer],
+                    comm.put_signal(local_indices[layer], src_block * chunk, peer_indices[layer],
                                     dst_block * chunk, chunk, pull.signal_slot)
                     nbytes += chunk
-            comm.flush(time.monotonic() + self.config.hang_timeout_seconds)
+            last_put = time.monotonic()
+            comm.flush(last_put + self.config.hang_timeout_seconds)
         except TransportError as exc:
             logger.error("transfer %s (prefill request %s) failed: %s", pull.transfer_id, pull.remote_request_id, exc)
             return PullFailed(pull.transfer_id, f"prefill transport error: {exc}")
+        flushed = time.monotonic()
+        with self._lock:
+            self.stats.record_stage("pull_to_first_put", first_put - received)
+            self.stats.record_stage("push", flushed - first_put)
+        timeline.log("prefill-worker", pull.remote_request_id, pull_received=_wall(received), first_put=_wall(first_put),
+                     last_put=_wall(last_put), flushed=_wall(flushed))
         return PullDone(pull.transfer_id, nbytes)
 
     def _apply_drop_knob(self, comm: PairComm) -> None:
@@ -509,7 +581,8 @@ class PrefillWorker(_Worker):
 
     def shutdown(self) -> None:
         if self.side is not None:
-            self.side.stop()
+            self.side.stop()  # closes the pair: a push still running fails fast instead of waiting for its flush
+        self._pushers.shutdown(wait=True, cancel_futures=True)
         super().shutdown()
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from pdpair.connector import timeline
+
 logger = logging.getLogger("pdpair.router")
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -82,6 +84,7 @@ async def _post_json(session: aiohttp.ClientSession, peer: str, url: str, body: 
 
 
 async def _proxy(request: web.Request) -> web.StreamResponse:
+    received = timeline.now()
     config = request.app[_CONFIG]
     session = request.app[_CLIENT]
     request_id = request.headers.get(REQUEST_ID_HEADER) or f"pdpair-{uuid.uuid4().hex}"
@@ -108,6 +111,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     except PeerError as exc:
         logger.error("request %s: %s", request_id, exc.message)
         return exc.response(request_id)
+    prefill_answered = timeline.now()
 
     decode_body = copy.deepcopy(body)
     decode_body["kv_transfer_params"] = params
@@ -122,15 +126,22 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
                 status = 502 if resp.status >= 500 else resp.status
                 raise PeerError(status, "decode", f"decode {url} answered {resp.status}: {text[:500]}")
             if not stream:
+                timeline.log("router", request_id, received=received, prefill_answered=prefill_answered,
+                             done=timeline.now())
                 return web.Response(
                     body=await resp.read(), status=resp.status,
                     content_type=resp.content_type, headers=headers,
                 )
             response = web.StreamResponse(status=resp.status, headers={**headers, "Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
             await response.prepare(request)
+            first_chunk = None
             async for chunk in resp.content.iter_any():
+                if first_chunk is None:
+                    first_chunk = timeline.now()
                 await response.write(chunk)
             await response.write_eof()
+            timeline.log("router", request_id, received=received, prefill_answered=prefill_answered,
+                         decode_first_chunk=first_chunk, done=timeline.now())
             return response
     except asyncio.TimeoutError:
         error = PeerError(504, "decode", f"decode {url} did not finish within {config.decode_timeout_seconds:.0f}s")
