@@ -153,7 +153,7 @@ def timeline_report(log_dir: Path) -> dict:
 def vllm_bench(url: str, model_dir: Path, concurrency: int, prompts: int, input_len: int, output_len: int,
                result_dir: Path, label: str) -> dict:
     filename = f"{label}-c{concurrency}.json"
-    argv = [sys.executable, "-c", VLLM_BENCH, "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
+    argv = [sys.executable, "-c", VLLM_BENCH, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
             "--model", "tiny", "--tokenizer", str(model_dir), "--dataset-name", "random",
             "--random-input-len", str(input_len), "--random-output-len", str(output_len), "--ignore-eos",
             "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
