@@ -122,10 +122,12 @@ class PdPairConnector(KVConnectorBase_V1):
         assert self._worker is not None
         from pdpair.connector.worker import DecodeWorker
 
+        meta = self._connector_metadata  # bound for this step; None outside one
+        idle = isinstance(meta, PdPairConnectorMetadata) and meta.idle_step
         if isinstance(self._worker, DecodeWorker):
-            finished, failed = self._worker.get_transfer_results()
+            finished, failed = self._worker.get_transfer_results(idle)
             return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
-        return KVConnectorTransferResults(finished_sending=self._worker.get_transfer_results())
+        return KVConnectorTransferResults(finished_sending=self._worker.get_transfer_results(idle))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

@@ -68,6 +68,8 @@ class PdPairConnectorMetadata(KVConnectorMetadata):
     # decode: prefill request ids whose blocks decode will never pull (full local hit, abort): free them
     reqs_to_release: list[str] = field(default_factory=list)
     reqs_to_send: list[SendRequest] = field(default_factory=list)
+    # the step runs no model (nothing scheduled): the workers may wait briefly for a transfer (worker.IDLE_WAIT_SECONDS)
+    idle_step: bool = False
 
 
 class PdPairScheduler:
@@ -163,7 +165,8 @@ class PdPairScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdPairConnectorMetadata:
         if self._loads:
             self._log_scheduled(scheduler_output)
-        meta = PdPairConnectorMetadata(self._recv, self._release, self._new_sends)
+        meta = PdPairConnectorMetadata(self._recv, self._release, self._new_sends,
+                                       idle_step=scheduler_output.total_num_scheduled_tokens == 0)
         self._recv, self._release, self._new_sends = [], [], []
         return meta
 

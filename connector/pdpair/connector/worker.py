@@ -46,6 +46,10 @@ MAX_WAITERS = 64
 # thread only routes messages. The queue in front of them is bounded by decode's signal slots: each Pull in flight
 # holds one until its signals are in.
 PUSH_WORKERS = 4
+# An engine step that ran no model (only waiting on transfers) blocks in get_finished until a transfer settles, at
+# most this long, instead of returning at once: vLLM would otherwise spin empty steps (1 ms apart) that take the CPU
+# and the GIL from the very threads that move the KV. It bounds how late an idle engine sees a new request.
+IDLE_WAIT_SECONDS = 0.01
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ class _Worker:
         self.factors: dict = {}
         self.stats = PdPairKVConnectorStats()
         self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)  # notified (under _lock) when a transfer settles
         self._counters_warned = False
 
     def _prepare(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
@@ -264,6 +269,7 @@ class DecodeWorker(_Worker):
             self.stats.record_stage("first_to_last_signal", wait.last_signal - wait.first_signal)
             self._done_waits.append(wait)
             self._finished.add(request_id)
+            self._progress.notify_all()
 
     def _wait_until(self, wait: _Wait, target: int, received: int) -> int:
         """Block until the slot reaches `target`; return the signals received, or -1 after reporting a timeout.
@@ -315,6 +321,7 @@ class DecodeWorker(_Worker):
             self.stats.record_failure(timed_out)
             self._failed.add(request_id)
             self._finished.add(request_id)
+            self._progress.notify_all()
 
     def _maybe_corrupt(self, wait: _Wait) -> None:
         """TEST ONLY: overwrite the received blocks while the knob file exists, to prove the output uses them.
@@ -368,7 +375,13 @@ class DecodeWorker(_Worker):
                     self._abandoned.pop(wait.recv.request_id, None)
                 self._close(wait, contract.OUTCOME_TIMEOUT, received, release_slot=True)
 
-    def get_transfer_results(self) -> tuple[set[str], set[str]]:
+    def get_transfer_results(self, idle: bool = False) -> tuple[set[str], set[str]]:
+        """Requests whose load settled since the last call. idle: this step ran no model; wait (bounded by
+        IDLE_WAIT_SECONDS) for an open load to settle rather than return empty."""
+        if idle:
+            with self._lock:
+                if self._waits and not self._finished:
+                    self._progress.wait(IDLE_WAIT_SECONDS)
         if self._abandoned:
             self._check_abandoned()
         if self.side is not None:
@@ -454,7 +467,11 @@ class PrefillWorker(_Worker):
         if self.side is not None:
             self.side.post()  # parked pulls may be servable now
 
-    def get_transfer_results(self) -> set[str]:
+    def get_transfer_results(self, idle: bool = False) -> set[str]:
+        """Sends finished (or expired) since the last call. idle: as DecodeWorker's, waits for a held send."""
+        with self._lock:
+            if idle and self._sends and not self._finished_sending:
+                self._progress.wait(IDLE_WAIT_SECONDS)
         now = time.monotonic()
         with self._lock:
             for request_id in [r for r, (_, exp) in self._sends.items() if exp < now]:
@@ -524,6 +541,7 @@ class PrefillWorker(_Worker):
             with self._lock:
                 self._sends.pop(pull.remote_request_id, None)
                 self._finished_sending.add(pull.remote_request_id)
+                self._progress.notify_all()
 
     def _push(self, pull: Pull, block_ids: list[int], received: float, comm: PairComm | None,
               peer_indices: list[int], local_indices: list[int]) -> Message:

@@ -76,12 +76,12 @@ def recv(decode: DecodeWorker, request_id: str, remote_id: str, first_block: int
     decode.start_load_kv(PdPairConnectorMetadata(reqs_to_recv=[RecvRequest(request_id, remote_id, first_block, blocks)]))
 
 
-def settle(decode: DecodeWorker, wanted: set[str]) -> tuple[set[str], set[str]]:
+def settle(decode: DecodeWorker, wanted: set[str], idle: bool = False) -> tuple[set[str], set[str]]:
     """Poll get_transfer_results (as the engine does every step) until every wanted request has settled."""
     finished, failed = set(), set()
     deadline = time.monotonic() + DEADLINE
     while not wanted <= finished and time.monotonic() < deadline:
-        done, bad = decode.get_transfer_results()
+        done, bad = decode.get_transfer_results(idle)
         finished |= done
         failed |= bad
         time.sleep(0.01)
@@ -93,7 +93,7 @@ def test_a_pull_moves_every_block_and_records_the_stages(pair):
     decode, prefill, decode_kv, prefill_kv = pair
     send(prefill, "p1", [3, 4, 5])
     recv(decode, "d1", "p1", 1, [6, 7])  # blocks 4 and 5 of prefill's three
-    finished, failed = settle(decode, {"d1"})
+    finished, failed = settle(decode, {"d1"}, idle=True)  # idle steps wait on the transfer instead of spinning
     assert failed == set()
     for name in LAYERS:
         assert torch.equal(decode_kv[name][6], prefill_kv[name][4])
@@ -104,7 +104,7 @@ def test_a_pull_moves_every_block_and_records_the_stages(pair):
     assert len(stats["stage_pull_to_first_signal_seconds"]) == 1
     assert len(stats["stage_last_signal_to_engine_seconds"]) == 1
     deadline = time.monotonic() + DEADLINE
-    while "p1" not in prefill.get_transfer_results():  # the send is reported finished, freeing prefill's blocks
+    while "p1" not in prefill.get_transfer_results(idle=True):  # the send is reported finished, freeing prefill's blocks
         assert time.monotonic() < deadline, "prefill never reported p1's send finished"
         time.sleep(0.01)
     assert len(prefill.stats.data["stage_push_seconds"]) == 1
