@@ -333,7 +333,7 @@ def main() -> int:
             equal = {s.name: 0 for s in setups if s is not base}
             checked = 8
             for i in range(checked):
-                body = {"model": "tiny", "prompt": text_prompt(100 + i, 40 + 10 * i), "max_tokens": 16, "temperature": 0}
+                body = {"model": "tiny", "prompt": text_prompt(100 + i, 10 + 5 * i), "max_tokens": 16, "temperature": 0}
                 _, want, _ = http_post(base.url + "/v1/completions", body)
                 for setup in setups:
                     if setup is base:
