@@ -324,9 +324,11 @@ def main() -> int:
                 row["kv_transfer_ms_mean"] = transfer_ms[setup.name]
             seq[setup.name] = row
         report["sequential"] = {"prompt_words": args.prompt_words, "max_tokens": args.max_tokens, "setups": seq}
+        print(json.dumps({"sequential": report["sequential"]}), file=sys.stderr, flush=True)  # kept if stopped later
         if "pdpair" in wanted:
             time.sleep(1)  # log lines are flushed per line; give the last ones a moment
             report["pdpair_timeline"] = timeline_report(logs)
+            print(json.dumps({"pdpair_timeline": report["pdpair_timeline"]}), file=sys.stderr, flush=True)
 
         # 3. Greedy outputs equal to the single engine.
         if base is not None:
