@@ -330,20 +330,34 @@ def main() -> int:
             report["pdpair_timeline"] = timeline_report(logs)
             print(json.dumps({"pdpair_timeline": report["pdpair_timeline"]}), file=sys.stderr, flush=True)
 
-        # 3. Greedy outputs equal to the single engine.
+        # 3. Greedy outputs equal to the single engine (token ids; a mismatch is reported with its cause).
         if base is not None:
             equal = {s.name: 0 for s in setups if s is not base}
+            mismatches: list[str] = []
             checked = 8
             for i in range(checked):
-                body = {"model": "tiny", "prompt": text_prompt(100 + i, 10 + 5 * i), "max_tokens": 16, "temperature": 0}
-                _, want, _ = http_post(base.url + "/v1/completions", body)
+                body = {"model": "tiny", "prompt": text_prompt(100 + i, 10 + 5 * i), "max_tokens": 16,
+                        "temperature": 0, "return_token_ids": True}
+                status, want, _ = http_post(base.url + "/v1/completions", body)
+                if status != 200:
+                    mismatches.append(f"prompt {i}: single engine answered {status}: {str(want)[:200]}")
+                    continue
                 for setup in setups:
                     if setup is base:
                         continue
                     status, got, _ = http_post(setup.url + "/v1/completions", body)
-                    if status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"]:
+                    if status != 200:
+                        mismatches.append(f"prompt {i}: {setup.name} answered {status}: {str(got)[:200]}")
+                    elif got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]:
                         equal[setup.name] += 1
+                    else:
+                        a, b = want["choices"][0]["token_ids"], got["choices"][0]["token_ids"]
+                        at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                        mismatches.append(f"prompt {i}: {setup.name} differs from token {at}")
             report["greedy_equal_to_single"] = {name: f"{n}/{checked}" for name, n in equal.items()}
+            report["greedy_mismatches"] = mismatches
+            print(json.dumps({"greedy": report["greedy_equal_to_single"], "mismatches": mismatches}),
+                  file=sys.stderr, flush=True)
 
         # 4. Concurrency with vLLM's own client.
         levels = [int(c) for c in args.concurrency.split(",") if c]
