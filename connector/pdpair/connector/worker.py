@@ -242,7 +242,7 @@ class DecodeWorker(_Worker):
         received = 0
         try:
             # Two waits, so the timeline has the first signal's arrival; each returns as soon as its count is reached.
-            for target in (wait.base + 1, wait.base + wait.expected):
+            for target in (wait.base + min(1, wait.expected), wait.base + wait.expected):
                 received = self._wait_until(wait, target, received)
                 if received < 0:
                     return  # timed out (reported)
