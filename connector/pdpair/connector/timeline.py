@@ -8,8 +8,8 @@ Stages, in order (process that stamps it):
 
 Lines go to the `pdpair.timeline` logger, at INFO, only when PDPAIR_TIMELINE_LOG=1 (off by default: one line per
 request per process is too much for production logs). Stamps are `time.time()` seconds, so lines of different
-processes join by request id: vLLM's internal ids embed the router's X-Request-Id, and `pdpair-timeline-report`
-(tests/bench/timeline.py) joins them. The worker also records its stage durations in the vLLM connector stats
+processes join by request id: vLLM's internal ids embed the router's X-Request-Id, and
+tests/bench/bench_pd_latency.py (`timeline_report`) joins them. The worker also records its stage durations in the vLLM connector stats
 (`vllm:pdpair_stage_seconds{stage}`), without the knob.
 """
 
