@@ -94,23 +94,32 @@ def pod_labels(pair: Mapping[str, Any], role: str, generation: int) -> dict[str,
 
 
 def engine_command(spec: Mapping[str, Any], role: str) -> list[str]:
+    """vLLM's command line: the user's args, then the operator's own flags, so argparse keeps ours on a repeat.
+
+    Order cannot beat every spelling (vLLM appends --flag.key dotted keys last, --config reads a file); the CRD refuses
+    those, see pdpair.operator.engine_args.
+    """
     role_spec = spec.get(role) or {}
     kv_config = {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": KV_ROLE[role],
     }
-    cmd = [
-        "python", "-m", "vllm.entrypoints.openai.api_server",
+    # Every pinned flag of engine_args.OWNED_FLAGS, in that order; "" is vLLM's None (its default) for host and uds.
+    owned = [
         "--model", spec["model"],
+        "--served-model-name", spec.get("servedModelName") or spec["model"],
+        "--host", "",
+        "--uds", "",
         "--port", f"$({ENV_HTTP_PORT})",
         "--tensor-parallel-size", str(int(role_spec.get("tensorParallelSize", 1))),
+        "--pipeline-parallel-size", "1",
+        "--prefill-context-parallel-size", "1",
+        "--data-parallel-size", "1",
         "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
     ]
-    if spec.get("servedModelName"):
-        cmd += ["--served-model-name", spec["servedModelName"]]
-    cmd += [str(a) for a in role_spec.get("args") or []]
-    return cmd
+    user = [str(a) for a in role_spec.get("args") or []]
+    return ["python", "-m", "vllm.entrypoints.openai.api_server", *user, *owned]
 
 
 def _require(value: int | None, what: str) -> int:
