@@ -154,4 +154,16 @@ def _spellings_of(flag: OwnedFlag, option: str) -> Iterator[Spelling]:
 def generated_owned_spellings() -> tuple[Spelling, ...]:
     """Every non-empty prefix of every owned option string and alias, each as --p=V, --p V, --p.key=V, --p.key V and
     (for dashed names) with underscores."""
-    return tuple(s for flag in OWNED_FLAGS for option in (flag.option, *flag.aliases) for s in _spellings_of(flag, option))
+    return tuple(spelling for flag in OWNED_FLAGS for option in (flag.option, *flag.aliases)
+                 for spelling in _spellings_of(flag, option))
+
+
+def lookalike_spellings() -> tuple[Spelling, ...]:
+    """Longer names that start with an owned name (not prefixes of one): never refused. vLLM itself may not know them;
+    that is the engine's error to report, not admission's."""
+    out = []
+    for flag in OWNED_FLAGS:
+        for option in (flag.option, *flag.aliases):
+            for tail in ("x", "-x", "_x", "s=1"):
+                out.append(Spelling(f"{option}{tail}", (f"{option}{tail}",)))
+    return tuple(out)

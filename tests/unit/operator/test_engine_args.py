@@ -38,6 +38,7 @@ from tests.engine_args_corpus import (
     TRAILING_DOTTED_SPELLINGS,
     Spelling,
     generated_owned_spellings,
+    lookalike_spellings,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -170,6 +171,12 @@ def test_the_rule_catches_no_real_option_that_is_not_owned(vllm_parser, crd_refu
     spellings += [(f"{o}.key=1",) for o in others if o.startswith("--")]
     spellings += [("--" + o[2:].replace("-", "_"),) for o in others if o.startswith("--")]
     assert [s for s in spellings if crd_refuses(s)] == []
+
+
+def test_lookalikes_of_owned_names_are_not_refused(crd_refuses):
+    lookalikes = lookalike_spellings()
+    assert len(lookalikes) >= 4 * len(OWNED_OPTION_STRINGS)
+    assert [s.id for s in lookalikes if crd_refuses(s.args)] == []
 
 
 def test_engine_command_puts_every_pinned_owned_flag_after_the_user_args(vllm_parser):
