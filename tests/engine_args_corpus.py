@@ -167,3 +167,17 @@ def lookalike_spellings() -> tuple[Spelling, ...]:
             for tail in ("x", "-x", "_x", "s=1"):
                 out.append(Spelling(f"{option}{tail}", (f"{option}{tail}",)))
     return tuple(out)
+
+
+# The kubelet expands $(NAME) from the container's env after admission; `$$` is a literal `$`.
+ENV_REFERENCE_SPELLINGS: tuple[Spelling, ...] = (
+    Spelling("env-reference-as-flag", ("$(EXTRA_FLAG)",)),
+    Spelling("env-reference-as-value", ("--api-key", "$(API_KEY)")),
+    Spelling("env-reference-after-equals", ("--api-key=$(API_KEY)",)),
+    Spelling("env-reference-after-literal-dollar", ("$$$(EXTRA_FLAG)",)),
+)
+LITERAL_DOLLAR_SPELLINGS: tuple[Spelling, ...] = (
+    Spelling("escaped-env-reference", ("--api-key", "$$(API_KEY)")),
+    Spelling("dollar-without-parenthesis", ("--api-key", "pa$word")),
+    Spelling("dollar-brace", ("--api-key", "${API_KEY}")),
+)

@@ -18,7 +18,9 @@ import yaml
 from pdpair import contract
 from tests.engine_args_corpus import (
     BENIGN_SPELLINGS,
+    ENV_REFERENCE_SPELLINGS,
     ISSUE_SPELLINGS,
+    LITERAL_DOLLAR_SPELLINGS,
     OWNED_SPELLINGS,
     TRAILING_DOTTED_SPELLINGS,
     generated_owned_spellings,
@@ -278,8 +280,19 @@ def test_trailing_dotted_key_is_refused(custom_api, crd_namespace, spelling, req
     assert created["spec"]["decode"]["args"][-1] == spelling.args[-1] + "=1"
 
 
+@pytest.mark.parametrize("spelling", ENV_REFERENCE_SPELLINGS, ids=[s.id for s in ENV_REFERENCE_SPELLINGS])
+def test_env_reference_in_args_is_refused(custom_api, crd_namespace, spelling, request):
+    # e.g. env EXTRA_FLAG="--kv-transfer-config.kv_role=kv_both" with args ["$(EXTRA_FLAG)"] would pass the flag rule
+    obj = with_decode_args(f"env-{abs(hash(request.node.name)) % 10**8}", list(spelling.args))
+    obj["spec"]["decode"]["env"] = [{"name": "EXTRA_FLAG", "value": "--kv-transfer-config.kv_role=kv_both"}]
+    message = create_error(custom_api, crd_namespace, obj)
+    index = len(spelling.args) - 1
+    assert f"spec.decode.args[{index}]: Invalid value" in message, message
+    assert f"args entry {spelling.args[-1]} references an environment variable as $(NAME)" in message, message
+
+
 def test_benign_args_and_lookalikes_are_accepted(custom_api, crd_namespace):
-    spellings = [*BENIGN_SPELLINGS, *lookalike_spellings()]
+    spellings = [*BENIGN_SPELLINGS, *LITERAL_DOLLAR_SPELLINGS, *lookalike_spellings()]
     batch: list[str] = []
     sent = 0
     for spelling in [*spellings, None]:  # whole spellings per object: a flag stays with its value

@@ -103,7 +103,9 @@ def test_args_rules_are_the_generated_owned_flag_rules(spec_schema):
             {"rule": engine_args.LAST_ARG_RULE, "message": engine_args.LAST_ARG_MESSAGE}]
         assert args["items"]["x-kubernetes-validations"] == [
             {"rule": engine_args.ARG_RULE, "messageExpression": engine_args.ARG_MESSAGE_EXPRESSION,
-             "message": engine_args.ARG_MESSAGE}]
+             "message": engine_args.ARG_MESSAGE},
+            {"rule": engine_args.ENV_REFERENCE_RULE, "messageExpression": engine_args.ENV_REFERENCE_MESSAGE_EXPRESSION,
+             "message": engine_args.ENV_REFERENCE_MESSAGE}]
         # bounded, so the apiserver's cost estimate for the regex stays low
         assert args["maxItems"] <= 64 and args["items"]["maxLength"] <= 1024
     for flag in engine_args.OWNED_FLAGS:

@@ -15,9 +15,10 @@ Two guards, checked against vLLM's real parser by tests/unit/operator/test_engin
    positionals). Refusing every prefix, not just the unambiguous ones, keeps the rule independent of which other
    options a vLLM version has; the test checks no real non-owned option is caught. A second rule refuses args whose
    last entry is a dotted key without `=`: vLLM takes the next entry as its value, and the next entry is our first flag.
+   A third refuses `$(NAME)` references in args: the kubelet expands them after admission.
 
-tests/unit/test_crd_contract.py checks that the CRD holds exactly ARG_RULE, ARG_MESSAGE, LAST_ARG_RULE and
-LAST_ARG_MESSAGE; `python -m pdpair.operator.engine_args` prints them for pasting into the CRD.
+tests/unit/test_crd_contract.py checks that the CRD holds exactly these rules and messages;
+`python -m pdpair.operator.engine_args` prints them for pasting into the CRD.
 """
 
 from __future__ import annotations
@@ -100,6 +101,18 @@ LAST_ARG_MESSAGE = (
     "first flag, which follows args, as its value; write --flag.key=value"
 )
 
+# The kubelet expands $(NAME) in a container's command from the container's env after admission (`$$` is a literal
+# `$`), and the user's env values are free: an unescaped reference could carry any flag past ARG_RULE.
+ENV_REFERENCE_RULE = "!self.matches('(^|[^$])([$][$])*[$][(]')"
+ENV_REFERENCE_MESSAGE = (
+    "args entries must not reference an environment variable as $(NAME): the kubelet expands it after admission, so "
+    "it could carry an operator-owned flag; write $$(NAME) for a literal $(NAME)"
+)
+ENV_REFERENCE_MESSAGE_EXPRESSION = (
+    "'args entry ' + self + ' references an environment variable as $(NAME): the kubelet expands it after "
+    "admission, so it could carry an operator-owned flag; write $$(NAME) for a literal $(NAME)'"
+)
+
 
 def takes_next_entry(arg: str) -> bool:
     """True for an entry vLLM reads as a dotted key whose value is the next entry (LAST_ARG_RULE in Python)."""
@@ -118,6 +131,9 @@ def crd_fragment() -> str:
         f"      - rule: {json.dumps(ARG_RULE)}\n"
         f"        messageExpression: {json.dumps(ARG_MESSAGE_EXPRESSION)}\n"
         f"        message: {json.dumps(ARG_MESSAGE)}\n"
+        f"      - rule: {json.dumps(ENV_REFERENCE_RULE)}\n"
+        f"        messageExpression: {json.dumps(ENV_REFERENCE_MESSAGE_EXPRESSION)}\n"
+        f"        message: {json.dumps(ENV_REFERENCE_MESSAGE)}\n"
     )
 
 

@@ -33,7 +33,9 @@ from tests.engine_args_corpus import (
     BENIGN_SPELLINGS,
     CONFIG_FILE,
     CONFIG_FILE_TEXT,
+    ENV_REFERENCE_SPELLINGS,
     ISSUE_SPELLINGS,
+    LITERAL_DOLLAR_SPELLINGS,
     OWNED_SPELLINGS,
     TRAILING_DOTTED_SPELLINGS,
     Spelling,
@@ -133,13 +135,15 @@ def crd_refuses():
     crd = yaml.safe_load(CRD_PATH.read_text())
     args_schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
         ROLE_DECODE]["properties"]["args"]
-    [item_rule] = args_schema["items"]["x-kubernetes-validations"]
-    regex = re.fullmatch(r"!self\.matches\('(.*)'\)", item_rule["rule"]).group(1)
+    owned_rule, env_rule = args_schema["items"]["x-kubernetes-validations"]
+    regex = re.fullmatch(r"!self\.matches\('(.*)'\)", owned_rule["rule"]).group(1)
     assert regex.count("$") == 1
     owned = re.compile(regex.replace("$", r"\Z"))
+    env_reference = re.compile(re.fullmatch(r"!self\.matches\('(.*)'\)", env_rule["rule"]).group(1))
 
     def refuses(args: tuple[str, ...]) -> bool:
-        return any(owned.search(a) for a in args) or (bool(args) and engine_args.takes_next_entry(args[-1]))
+        return (any(owned.search(a) or env_reference.search(a) for a in args)
+                or (bool(args) and engine_args.takes_next_entry(args[-1])))
 
     return refuses
 
@@ -270,3 +274,9 @@ def test_trailing_dotted_key_would_eat_the_operators_first_flag_and_is_refused(s
 def test_trailing_dotted_key_silently_drops_the_model_in_the_new_order(engine_reads, baseline):
     new = engine_reads(argv(engine_command(with_args(("--hf-overrides.foo",)), ROLE_DECODE)))
     assert changed(new, baseline) == {"model"}  # vLLM's default model instead of spec.model: why the rule exists
+
+
+def test_env_references_are_refused_and_literal_dollars_are_not(crd_refuses):
+    # The kubelet's expansion is not run here; tests/e2e/test_crd_validation.py checks the rule on the apiserver.
+    assert [s.id for s in ENV_REFERENCE_SPELLINGS if not crd_refuses(s.args)] == []
+    assert [s.id for s in LITERAL_DOLLAR_SPELLINGS if crd_refuses(s.args)] == []
