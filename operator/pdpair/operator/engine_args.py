@@ -24,7 +24,9 @@ tests/unit/test_crd_contract.py checks that the CRD holds exactly these rules an
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,8 @@ LAST_ARG_MESSAGE = (
 
 # The kubelet expands $(NAME) in a container's command from the container's env after admission (`$$` is a literal
 # `$`), and the user's env values are free: an unescaped reference could carry any flag past ARG_RULE.
-ENV_REFERENCE_RULE = "!self.matches('(^|[^$])([$][$])*[$][(]')"
+ENV_REFERENCE_PATTERN = "(^|[^$])([$][$])*[$][(]"
+ENV_REFERENCE_RULE = f"!self.matches('{ENV_REFERENCE_PATTERN}')"
 ENV_REFERENCE_MESSAGE = (
     "args entries must not reference an environment variable as $(NAME): the kubelet expands it after admission, so "
     "it could carry an operator-owned flag; write $$(NAME) for a literal $(NAME)"
@@ -117,6 +120,22 @@ ENV_REFERENCE_MESSAGE_EXPRESSION = (
 def takes_next_entry(arg: str) -> bool:
     """True for an entry vLLM reads as a dotted key whose value is the next entry (LAST_ARG_RULE in Python)."""
     return arg.startswith("-") and "." in arg and "=" not in arg
+
+
+_OWNED_ARG = re.compile(owned_arg_pattern().replace("$", r"\Z"))  # RE2's `$` is Python's `\Z`
+_ENV_REFERENCE = re.compile(ENV_REFERENCE_PATTERN)
+
+
+def refused_args(args: Sequence[str]) -> list[str]:
+    """The CRD's three args rules in Python (same patterns), for specs an older CRD admitted: Helm never upgrades
+    CRDs. Empty when the CRD would accept args."""
+    problems = [f"args[{i}] {arg!r} is an operator-owned flag as vLLM reads it" for i, arg in enumerate(args)
+                if _OWNED_ARG.search(arg)]
+    problems += [f"args[{i}] {arg!r} references an environment variable as $(NAME)" for i, arg in enumerate(args)
+                 if _ENV_REFERENCE.search(arg)]
+    if args and takes_next_entry(args[-1]):
+        problems.append(f"args ends with the dotted key {args[-1]!r} without '=' (vLLM would take our first flag)")
+    return problems
 
 
 def crd_fragment() -> str:

@@ -28,7 +28,7 @@ import yaml
 from pdpair.contract import ENV_HTTP_PORT, ROLE_DECODE
 from pdpair.operator import engine_args
 from pdpair.operator.engine_args import OWNED_FLAGS, OWNED_OPTION_STRINGS
-from pdpair.operator.pods import engine_command
+from pdpair.operator.pods import ENGINE_ENTRYPOINT, engine_command, owned_engine_flags
 from tests.engine_args_corpus import (
     BENIGN_SPELLINGS,
     CONFIG_FILE,
@@ -74,6 +74,11 @@ def old_engine_command(spec: Mapping[str, Any], role: str) -> list[str]:
         cmd += ["--served-model-name", spec["servedModelName"]]
     cmd += [str(a) for a in role_spec.get("args") or []]
     return cmd
+
+
+def new_engine_command(spec: Mapping[str, Any], role: str) -> list[str]:
+    """engine_command's order without its own refusal (which the CRD's rules mirror), so refused args can be parsed."""
+    return [*ENGINE_ENTRYPOINT, *(spec[role].get("args") or []), *owned_engine_flags(spec, role)]
 
 
 def with_args(args: tuple[str, ...]) -> dict[str, Any]:
@@ -187,6 +192,7 @@ def test_lookalikes_of_owned_names_are_not_refused(crd_refuses):
 def test_engine_command_puts_every_pinned_owned_flag_after_the_user_args(vllm_parser):
     user = ("--max-model-len", "512", "--enforce-eager")
     command = argv(engine_command(with_args(user), ROLE_DECODE))
+    assert command == argv(new_engine_command(with_args(user), ROLE_DECODE))
     assert tuple(command[:len(user)]) == user
     owned = command[len(user):]
     flags = [a for a in owned if a.startswith("--")]
@@ -222,7 +228,7 @@ def test_every_refused_spelling_overrides_or_breaks_the_old_command(engine_reads
             not_refused.append(spelling.id)
             continue
         old = engine_reads(argv(old_engine_command(with_args(spelling.args), ROLE_DECODE)))
-        new = engine_reads(argv(engine_command(with_args(spelling.args), ROLE_DECODE)))
+        new = engine_reads(argv(new_engine_command(with_args(spelling.args), ROLE_DECODE)))
         # `--` is harmless at the end (old order) but turns the operator's flags into positionals in the new one.
         if isinstance(old, Failed) or isinstance(new, Failed) or changed(old, baseline) or changed(new, baseline):
             overridden |= changed(old, baseline)
@@ -237,7 +243,7 @@ def test_every_refused_spelling_overrides_or_breaks_the_old_command(engine_reads
 def test_new_order_keeps_owned_settings_except_for_dotted_keys_and_config(engine_reads, baseline):
     beaten_anyway = []
     for spelling in OWNED_SPELLINGS + generated_owned_spellings():
-        new = engine_reads(argv(engine_command(with_args(spelling.args), ROLE_DECODE)))
+        new = engine_reads(argv(new_engine_command(with_args(spelling.args), ROLE_DECODE)))
         if changed(new, baseline):
             beaten_anyway.append(spelling)
     # Only spellings no order can beat change an owned setting now; admission (the CRD) is what stops them.
@@ -268,12 +274,12 @@ def test_trailing_dotted_key_would_eat_the_operators_first_flag_and_is_refused(s
                                                                               crd_refuses):
     assert crd_refuses(spelling.args)
     assert not crd_refuses(spelling.args[:-1] + (spelling.args[-1] + "=1",))  # with its value it is fine
-    new = engine_reads(argv(engine_command(with_args(spelling.args), ROLE_DECODE)))
+    new = engine_reads(argv(new_engine_command(with_args(spelling.args), ROLE_DECODE)))
     assert isinstance(new, Failed) or changed(new, baseline), new
 
 
 def test_trailing_dotted_key_silently_drops_the_model_in_the_new_order(engine_reads, baseline):
-    new = engine_reads(argv(engine_command(with_args(("--hf-overrides.foo",)), ROLE_DECODE)))
+    new = engine_reads(argv(new_engine_command(with_args(("--hf-overrides.foo",)), ROLE_DECODE)))
     assert changed(new, baseline) == {"model"}  # vLLM's default model instead of spec.model: why the rule exists
 
 
@@ -281,3 +287,12 @@ def test_env_references_are_refused_and_literal_dollars_are_not(crd_refuses):
     # The kubelet's expansion is not run here; tests/e2e/test_crd_validation.py checks the rule on the apiserver.
     assert [s.id for s in ENV_REFERENCE_SPELLINGS if not crd_refuses(s.args)] == []
     assert [s.id for s in LITERAL_DOLLAR_SPELLINGS if crd_refuses(s.args)] == []
+
+
+def test_the_operators_own_check_agrees_with_the_crd_on_the_whole_corpus(crd_refuses):
+    """engine_command refuses what an older CRD admitted; it must refuse exactly what the current CRD refuses."""
+    corpus = [*OWNED_SPELLINGS, *generated_owned_spellings(), *BENIGN_SPELLINGS, *lookalike_spellings(),
+              *TRAILING_DOTTED_SPELLINGS, *ENV_REFERENCE_SPELLINGS, *LITERAL_DOLLAR_SPELLINGS]
+    disagree = [s.id for s in corpus if bool(engine_args.refused_args(s.args)) != crd_refuses(s.args)]
+    assert disagree == []
+    assert sum(bool(engine_args.refused_args(s.args)) for s in corpus) > 500

@@ -78,6 +78,17 @@ def test_served_model_name_defaults_to_the_model():
     assert cmd[cmd.index("--served-model-name") + 1] == "tiny" == cmd[cmd.index("--model") + 1]
 
 
+def test_args_an_older_crd_admitted_are_refused_naming_the_field():
+    pair = {**PAIR, "spec": {**PAIR["spec"], "decode": {**PAIR["spec"]["decode"],
+                                                        "args": ["--dtype", "float32", "--por=9999", "$(X)"]}}}
+    with pytest.raises(ManifestError) as caught:
+        engine_pod(pair, "decode", 1, leased(), "h")
+    message = str(caught.value)
+    assert "spec.decode.args[2] '--por=9999' is an operator-owned flag" in message
+    assert "spec.decode.args[3] '$(X)' references an environment variable" in message
+    assert "upgrade it" in message
+
+
 def test_prefill_without_peer_is_refused():
     with pytest.raises(ManifestError, match="decode"):
         engine_pod(PAIR, "prefill", 1, leased(), "h")
