@@ -7,7 +7,7 @@ vLLM's FlexibleArgumentParser reads much more than the flag as written, so refus
   argument, so it wins whatever the order (`--kv-transfer-config.kv_role=kv_both`);
 - `--config FILE` reads flags, dotted keys included, from a YAML file that admission never sees.
 
-Two guards, checked against vLLM's real parser by tests/unit/operator/test_engine_args.py:
+Three guards, checked against vLLM's real parser by tests/unit/operator/test_engine_args.py:
 1. engine_command (pods.py) puts the operator's flags after the user's args, and passes every pinnable owned flag,
    so for a plain repeated flag argparse keeps ours.
 2. The CRD refuses, per args entry, any `--x`, `--x=...` or `--x.key...` where x is a non-empty prefix of an owned
@@ -16,6 +16,8 @@ Two guards, checked against vLLM's real parser by tests/unit/operator/test_engin
    options a vLLM version has; the test checks no real non-owned option is caught. A second rule refuses args whose
    last entry is a dotted key without `=`: vLLM takes the next entry as its value, and the next entry is our first flag.
    A third refuses `$(NAME)` references in args: the kubelet expands them after admission.
+3. refused_args: the same rules in Python, applied by engine_command when it builds a pod, for specs that a
+   CRD older than the operator admitted (Helm never upgrades CRDs).
 
 tests/unit/test_crd_contract.py checks that the CRD holds exactly these rules and messages;
 `python -m pdpair.operator.engine_args` prints them for pasting into the CRD.
