@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from pdpair import contract
+from pdpair.operator import engine_args
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "charts" / "pdpair" / "crds" / "inferencepairs.pdpair.io.yaml"
@@ -92,6 +93,24 @@ def test_env_rule_reserves_the_prefix_of_every_contract_env_name(spec_schema):
     prefixes = {name.split("_", 1)[0] + "_" for name in contract.POD_ENV}
     assert prefixes == {"PDPAIR_"}
     assert "startsWith('PDPAIR_')" in rules
+
+
+def test_args_rules_are_the_generated_owned_flag_rules(spec_schema):
+    """The args rules are engine_args' (one source of truth); regenerate with python -m pdpair.operator.engine_args."""
+    for role in contract.ROLES:
+        args = spec_schema["properties"][role]["properties"]["args"]
+        assert args["x-kubernetes-validations"] == [
+            {"rule": engine_args.LAST_ARG_RULE, "message": engine_args.LAST_ARG_MESSAGE}]
+        assert args["items"]["x-kubernetes-validations"] == [
+            {"rule": engine_args.ARG_RULE, "messageExpression": engine_args.ARG_MESSAGE_EXPRESSION,
+             "message": engine_args.ARG_MESSAGE},
+            {"rule": engine_args.ENV_REFERENCE_RULE, "messageExpression": engine_args.ENV_REFERENCE_MESSAGE_EXPRESSION,
+             "message": engine_args.ENV_REFERENCE_MESSAGE}]
+        # bounded, so the apiserver's cost estimate for the regex stays low
+        assert args["maxItems"] <= 64 and args["items"]["maxLength"] <= 1024
+    for flag in engine_args.OWNED_FLAGS:
+        for option in (flag.option, *flag.aliases):
+            assert option in engine_args.ARG_MESSAGE and option in engine_args.ARG_MESSAGE_EXPRESSION
 
 
 def test_printer_columns(version):

@@ -40,6 +40,7 @@ from pdpair.contract import (
     ROLE_ROUTER,
 )
 
+from .engine_args import refused_args
 from .ports import port_of, ports_of
 
 KV_ROLE = {ROLE_PREFILL: "kv_producer", ROLE_DECODE: "kv_consumer"}
@@ -93,24 +94,43 @@ def pod_labels(pair: Mapping[str, Any], role: str, generation: int) -> dict[str,
     }
 
 
+ENGINE_ENTRYPOINT = ["python", "-m", "vllm.entrypoints.openai.api_server"]
+
+
 def engine_command(spec: Mapping[str, Any], role: str) -> list[str]:
+    """vLLM's command line: the user's args, then the operator's own flags, so argparse keeps ours on a repeat.
+
+    Order cannot beat every spelling (vLLM appends --flag.key dotted keys last, --config reads a file); the CRD refuses
+    those, see pdpair.operator.engine_args, and so does this function for a spec an older CRD admitted.
+    """
+    user = [str(a) for a in (spec.get(role) or {}).get("args") or []]
+    if refused := refused_args(user):
+        problems = "; ".join(f"spec.{role}.{problem}" for problem in refused)
+        raise ManifestError(f"{problems}: the cluster's CRD is older than the operator, upgrade it "
+                            "(charts/pdpair/README.md)")
+    return [*ENGINE_ENTRYPOINT, *user, *owned_engine_flags(spec, role)]
+
+
+def owned_engine_flags(spec: Mapping[str, Any], role: str) -> list[str]:
+    """Every pinned flag of engine_args.OWNED_FLAGS, in that order; "" is vLLM's None (its default) for host and uds."""
     role_spec = spec.get(role) or {}
     kv_config = {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": KV_ROLE[role],
     }
-    cmd = [
-        "python", "-m", "vllm.entrypoints.openai.api_server",
+    return [
         "--model", spec["model"],
+        "--served-model-name", spec.get("servedModelName") or spec["model"],
+        "--host", "",
+        "--uds", "",
         "--port", f"$({ENV_HTTP_PORT})",
         "--tensor-parallel-size", str(int(role_spec.get("tensorParallelSize", 1))),
+        "--pipeline-parallel-size", "1",
+        "--prefill-context-parallel-size", "1",
+        "--data-parallel-size", "1",
         "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
     ]
-    if spec.get("servedModelName"):
-        cmd += ["--served-model-name", spec["servedModelName"]]
-    cmd += [str(a) for a in role_spec.get("args") or []]
-    return cmd
 
 
 def _require(value: int | None, what: str) -> int:
