@@ -796,6 +796,22 @@ class LocalCluster:
                 self._check_alive(component)
             time.sleep(0.2)
 
+    def wait_crd_established(self, name: str, timeout: float = 60.0) -> dict:
+        """Polls until the CRD `name` is Established. (`kubectl wait` fails at once while a freshly applied CRD
+        has no status.conditions yet, which a large schema makes likely.)"""
+        from kubernetes import client
+
+        api = client.ApiextensionsV1Api(self.api_client())
+        deadline = time.monotonic() + timeout
+        while True:
+            crd = api.read_custom_resource_definition(name)
+            conditions = {c.type: c.status for c in ((crd.status and crd.status.conditions) or [])}
+            if conditions.get("Established") == "True":
+                return crd.to_dict()
+            if time.monotonic() > deadline:
+                raise ClusterError(f"CRD {name} not Established after {timeout}s (conditions {conditions})")
+            time.sleep(0.2)
+
     def create_namespace(self, name: str, timeout: float = 30.0) -> None:
         """Creates a namespace and waits for its default ServiceAccount (pods are refused until it exists)."""
         from kubernetes import client
