@@ -230,12 +230,17 @@ def region_text(name: str, schema: dict[str, Any], indent: str) -> list[str]:
 def regions(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
     engine = pod_template_schema(
         document, ENGINE, "put extra vLLM flags in spec.<role>.args (the operator owns the rest of the command)")
-    engine["description"] = ("core/v1 PodTemplateSpec of this role's pods. The container named engine runs vLLM "
-                             "(added if absent); see the owner table in docs/design.md.")
     router = pod_template_schema(document, ROUTER, "the operator builds the router's arguments from the spec")
-    router["description"] = ("core/v1 PodTemplateSpec of the router pod. The container named router runs "
-                             "pdpair.router (added if absent); see the owner table in docs/design.md.")
-    return {"engine-template": engine, "router-template": router}
+    return {
+        "engine-template": described(engine, "core/v1 PodTemplateSpec of this role's pods. The container named "
+                                             "engine runs vLLM (added if absent); see the owner table in docs/design.md."),
+        "router-template": described(router, "core/v1 PodTemplateSpec of the router pod. The container named router "
+                                             "runs pdpair.router (added if absent); see the owner table in docs/design.md."),
+    }
+
+
+def described(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"type": schema["type"], "description": description, **schema}
 
 
 def render(crd_text: str, document: dict[str, Any]) -> str:

@@ -294,3 +294,31 @@ def test_flagcx_env_respects_the_template():
     _engine(p["spec"]["decode"]["template"])["env"].append({"name": "FLAGCX_USE_HETERO_COMM", "value": "0"})
     values = [e["value"] for e in container(build(p), ENGINE_CONTAINER)["env"] if e["name"] == "FLAGCX_USE_HETERO_COMM"]
     assert values == ["0"]
+
+
+# --- each operator-owned template field has its admission rule in the CRD -----------------------------------
+def _rules(node):
+    return {(r.get("fieldPath"), r["message"].split(" must")[0]) for r in node.get("x-kubernetes-validations", [])}
+
+
+@pytest.mark.parametrize("role, main", [("prefill", ENGINE_CONTAINER), ("decode", ENGINE_CONTAINER),
+                                        ("router", ROUTER_CONTAINER)])
+def test_every_owned_template_field_has_a_cel_rule(role, main):
+    import yaml
+    from pathlib import Path
+
+    crd = yaml.safe_load((Path(__file__).resolve().parents[3] / "charts/pdpair/crds/inferencepairs.pdpair.io.yaml")
+                         .read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    template = spec[role]["properties"]["template"]
+    paths = {p for p, _ in _rules(template["properties"]["metadata"])}
+    assert paths == {".name", ".generateName", ".namespace", ".labels", ".annotations"}
+    paths = {p for p, _ in _rules(template["properties"]["spec"])}
+    assert paths == {".restartPolicy", ".hostNetwork", ".initContainers"}
+    assert "ephemeralContainers" not in template["properties"]["spec"]["properties"]
+    item_rules = _rules(template["properties"]["spec"]["properties"]["containers"]["items"])
+    assert {p for p, _ in item_rules} == {".command", ".args", ".image", ".ports", ".env"}
+    assert {m for _, m in item_rules} >= {f"containers[{main}].{f}" for f in ("command", "args", "image", "ports")}
+    if role != "router":  # the shorthand conflicts live on the role object
+        assert {p for p, _ in _rules(spec[role])} == {".resources", ".env", ".nodeSelector", ".tolerations",
+                                                     ".affinity"}
