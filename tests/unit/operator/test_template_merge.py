@@ -301,14 +301,19 @@ def _rules(node):
     return {(r.get("fieldPath"), r["message"].split(" must")[0]) for r in node.get("x-kubernetes-validations", [])}
 
 
-@pytest.mark.parametrize("role, main", [("prefill", ENGINE_CONTAINER), ("decode", ENGINE_CONTAINER),
-                                        ("router", ROUTER_CONTAINER)])
-def test_every_owned_template_field_has_a_cel_rule(role, main):
+@pytest.fixture(scope="module")
+def crd():
     import yaml
     from pathlib import Path
 
-    crd = yaml.safe_load((Path(__file__).resolve().parents[3] / "charts/pdpair/crds/inferencepairs.pdpair.io.yaml")
-                         .read_text())
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    path = Path(__file__).resolve().parents[3] / "charts/pdpair/crds/inferencepairs.pdpair.io.yaml"
+    return yaml.load(path.read_text(), Loader=loader)
+
+
+@pytest.mark.parametrize("role, main", [("prefill", ENGINE_CONTAINER), ("decode", ENGINE_CONTAINER),
+                                        ("router", ROUTER_CONTAINER)])
+def test_every_owned_template_field_has_a_cel_rule(crd, role, main):
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     template = spec[role]["properties"]["template"]
     paths = {p for p, _ in _rules(template["properties"]["metadata"])}
