@@ -4,9 +4,9 @@ Pods are named `<pair>-<role>-g<generation>` so a create after a crash meets 409
 restartPolicy is Never: a crashed engine must go through the ordered pair restart, not a lone kubelet restart.
 
 Each role may carry a core/v1 PodTemplateSpec (`spec.<role>.template`); the pod is that template with the
-operator's parts merged in (`_merge_template`). The owner table in docs/design.md says who owns which field; what
-the operator owns is refused in the template by the CRD's CEL rules, so the merge below only overwrites
-defensively (a body that bypassed the apiserver, e.g. a unit test).
+operator's parts merged in (`_base_pod` for the pod, `_main_container` for the engine or router container). The
+owner table in docs/design.md says who owns which field; what the operator owns is refused in the template by the
+CRD's CEL rules, so the merge only overwrites defensively (a body that bypassed the apiserver, e.g. a unit test).
 """
 
 from __future__ import annotations
