@@ -50,6 +50,7 @@ def template(role: str) -> dict:
                  "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
                                   {"name": "shm", "mountPath": "/dev/shm"}],
                  "readinessProbe": PROBE,
+                 "resources": {"limits": {"cpu": 1, "memory": "1Gi"}},  # a number, as users write it
                  "securityContext": {"runAsUser": 1000, "allowPrivilegeEscalation": False}},
                 SIDECAR,
             ],
@@ -143,6 +144,7 @@ def test_operator_pods_carry_the_templates_and_start_in_order(platform, cluster_
             assert engine["readinessProbe"]["periodSeconds"] == 7
             assert engine["startupProbe"]["httpGet"]["path"] == "/health"  # the default fills what the user left
             assert engine["startupProbe"]["periodSeconds"] * engine["startupProbe"]["failureThreshold"] == 1800
+            assert engine["resources"]["limits"] == {"cpu": "1", "memory": "1Gi"}
             assert engine["volumeMounts"][:2] == [{"name": "models", "mountPath": "/models", "readOnly": True},
                                                   {"name": "shm", "mountPath": "/dev/shm"}]
             # flagcx: the user's securityContext keeps its fields and gains IPC_LOCK; hetero comm is on

@@ -218,6 +218,45 @@ def _flagcx_defaults(container: dict[str, Any], env: list[dict[str, Any]]) -> li
     return env
 
 
+def _quantities_as_strings(pod: dict[str, Any]) -> dict[str, Any]:
+    """Writes every resource quantity of the pod as a string, in place.
+
+    The CRD takes quantities as int-or-string (`nvidia.com/gpu: 2`, like a pod does), but the kubernetes client's
+    V1Pod model, which the operator creates pods through, accepts only strings there.
+    """
+    def fix_map(node: Any, *keys: str) -> None:
+        for key in keys:
+            values = node.get(key) if isinstance(node, dict) else None
+            if isinstance(values, dict):
+                for name, value in values.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        values[name] = str(value)
+
+    def fix_value(node: Any, key: str) -> None:
+        if isinstance(node, dict) and isinstance(node.get(key), (int, float)) and not isinstance(node[key], bool):
+            node[key] = str(node[key])
+
+    def fix_downward(items: Any) -> None:
+        for item in items or []:
+            fix_value(item.get("resourceFieldRef"), "divisor")
+
+    spec = pod["spec"]
+    fix_map(spec.get("resources"), "limits", "requests")
+    fix_map(spec, "overhead")
+    for container in list(spec.get("containers") or []) + list(spec.get("initContainers") or []):
+        fix_map(container.get("resources"), "limits", "requests")
+        for env in container.get("env") or []:
+            fix_value((env.get("valueFrom") or {}).get("resourceFieldRef"), "divisor")
+    for volume in spec.get("volumes") or []:
+        fix_value(volume.get("emptyDir"), "sizeLimit")
+        claim = ((volume.get("ephemeral") or {}).get("volumeClaimTemplate") or {}).get("spec") or {}
+        fix_map(claim.get("resources"), "limits", "requests")
+        fix_downward((volume.get("downwardAPI") or {}).get("items"))
+        for source in (volume.get("projected") or {}).get("sources") or []:
+            fix_downward((source.get("downwardAPI") or {}).get("items"))
+    return pod
+
+
 def _identity_env(pair: Mapping[str, Any], role: str, generation: int) -> list[dict[str, str]]:
     meta = pair["metadata"]
     return [
@@ -286,12 +325,12 @@ def engine_pod(
         "ports": container_ports,
     })
     if role_spec.get("resources"):
-        container["resources"] = role_spec["resources"]
+        container["resources"] = copy.deepcopy(role_spec["resources"])
     _default_probes(container, startup_timeout_seconds(spec))
     for key in SCHEDULING_FIELDS:
         if role_spec.get(key):
-            pod["spec"][key] = role_spec[key]
-    return pod
+            pod["spec"][key] = copy.deepcopy(role_spec[key])
+    return _quantities_as_strings(pod)
 
 
 def router_pod(
@@ -333,7 +372,7 @@ def router_pod(
         value = decode_spec.get(key) or decode_template_spec.get(key)
         if value and key not in pod["spec"]:
             pod["spec"][key] = copy.deepcopy(value)
-    return pod
+    return _quantities_as_strings(pod)
 
 
 def _host(address: str) -> str:

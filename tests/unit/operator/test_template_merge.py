@@ -122,7 +122,7 @@ def test_every_user_engine_container_field_survives():
     engine = container(build(pair()), ENGINE_CONTAINER)
     assert engine["volumeMounts"] == [{"name": "models", "mountPath": "/models", "readOnly": True},
                                       {"name": "shm", "mountPath": "/dev/shm"}]
-    assert engine["resources"] == {"limits": {"nvidia.com/gpu": 2}}
+    assert engine["resources"] == {"limits": {"nvidia.com/gpu": "2"}}  # as a string: see the quantities test
     assert engine["securityContext"] == {"runAsUser": 1000}  # tcp: no FlagCX capability added
     assert engine["workingDir"] == "/work"
     assert env(engine)["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
@@ -327,3 +327,23 @@ def test_every_owned_template_field_has_a_cel_rule(crd, role, main):
     if role != "router":  # the shorthand conflicts live on the role object
         assert {p for p, _ in _rules(spec[role])} == {".resources", ".env", ".nodeSelector", ".tolerations",
                                                      ".affinity"}
+
+
+def test_quantities_become_strings_for_the_client_model():
+    """The CRD keeps `nvidia.com/gpu: 2` as a number; the client's V1Pod model takes only strings there."""
+    from kubernetes.client import V1Pod
+
+    p = pair()
+    tmpl = p["spec"]["decode"]["template"]["spec"]
+    tmpl["volumes"].append({"name": "scratch", "emptyDir": {"sizeLimit": 1073741824}})
+    tmpl["initContainers"][0]["resources"] = {"requests": {"cpu": 0.5}}
+    _engine(p["spec"]["decode"]["template"])["env"].append(
+        {"name": "MEM", "valueFrom": {"resourceFieldRef": {"resource": "limits.memory", "divisor": 1}}})
+    pod = build(p)
+    engine = container(pod, ENGINE_CONTAINER)
+    assert engine["resources"] == {"limits": {"nvidia.com/gpu": "2"}}
+    assert pod["spec"]["initContainers"][0]["resources"] == {"requests": {"cpu": "0.5"}}
+    assert pod["spec"]["volumes"][-1]["emptyDir"]["sizeLimit"] == "1073741824"
+    assert env(engine)["MEM"]["valueFrom"]["resourceFieldRef"]["divisor"] == "1"
+    V1Pod.from_dict(pod)  # raises on a number where the model wants a string
+    assert p["spec"]["decode"]["template"]["spec"]["containers"][1]["resources"] == {"limits": {"nvidia.com/gpu": 2}}
