@@ -168,7 +168,7 @@ FULL_TEMPLATE = {
 }
 
 
-def test_a_full_template_is_accepted_and_stored_as_written(custom_api, crd_namespace):
+def test_a_full_template_is_accepted_and_stored_as_written(local_cluster, custom_api, crd_namespace):
     obj = minimal("full-template")
     obj["spec"]["decode"] = {"template": copy.deepcopy(FULL_TEMPLATE)}
     obj["spec"]["prefill"] = {"template": copy.deepcopy(FULL_TEMPLATE)}
@@ -184,6 +184,9 @@ def test_a_full_template_is_accepted_and_stored_as_written(custom_api, crd_names
         assert stored == expected
         assert created["spec"]["startupTimeoutSeconds"] == 1800
         assert created["spec"]["router"]["template"]["spec"]["priorityClassName"] == "high"
+        # what admission looks up must exist: the ServiceAccount, the PriorityClass, the RuntimeClass
+        ensure_objects(local_cluster, crd_namespace)
+        dry_run_operator_pods(local_cluster, crd_namespace, created)
     finally:
         custom_api.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, crd_namespace, contract.PLURAL,
                                                    "full-template")
@@ -213,30 +216,52 @@ def _example_pairs() -> list[tuple[str, dict]]:
 def test_operator_pods_of_every_example_pass_pod_validation(local_cluster, custom_api, crd_namespace, example):
     """What the operator would create from each example (the apiserver-defaulted pair, merged by pods.py) is a pod
     the apiserver accepts: a server-side dry-run create runs the full pod validation and admission."""
+    body = copy.deepcopy(example)
+    body["metadata"] = {"name": example["metadata"]["name"]}
+    pair = create(custom_api, crd_namespace, body)
+    try:
+        dry_run_operator_pods(local_cluster, crd_namespace, pair)
+    finally:
+        custom_api.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, crd_namespace, contract.PLURAL,
+                                                   example["metadata"]["name"])
+
+
+def dry_run_operator_pods(cluster, namespace: str, pair: dict) -> None:
+    """Build the pair's pods as the operator does (pods.py, made-up leases) and have the apiserver validate them."""
     from kubernetes import client
 
     from pdpair.operator.pods import engine_pod, router_pod
     from pdpair.operator.ports import assign, required_blocks, status_ports
 
-    body = copy.deepcopy(example)
-    body["metadata"] = {"name": example["metadata"]["name"]}
-    pair = create(custom_api, crd_namespace, body)
-    try:
-        leased, port = [], 30000
-        for block in required_blocks(pair["spec"]):
-            leased += assign(block, port)
-            port += block.count
-        ports = status_ports(leased)
-        pods = [engine_pod(pair, "decode", 1, ports, "h"), engine_pod(pair, "prefill", 1, ports, "h", peer_host="10.0.0.2")]
-        if pair["spec"]["router"]["enabled"]:
-            pods.append(router_pod(pair, 1, ports, "h", "10.0.0.1", "10.0.0.2"))
-        core = client.CoreV1Api(local_cluster.api_client())
-        for pod in pods:
-            pod["metadata"].pop("ownerReferences")  # the dry run has no pair uid to point at
-            # through V1Pod.from_dict, as the operator's reconciler creates pods
-            created = core.create_namespaced_pod(crd_namespace, client.V1Pod.from_dict(pod), dry_run="All")
-            main = next(c for c in created.spec.containers if c.name in ("engine", "router"))
-            assert main.readiness_probe is not None and main.image == pair["spec"]["image"]
-    finally:
-        custom_api.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, crd_namespace, contract.PLURAL,
-                                                   example["metadata"]["name"])
+    leased, port = [], 30000
+    for block in required_blocks(pair["spec"]):
+        leased += assign(block, port)
+        port += block.count
+    ports = status_ports(leased)
+    pods = [engine_pod(pair, "decode", 1, ports, "h"), engine_pod(pair, "prefill", 1, ports, "h", peer_host="10.0.0.2")]
+    if pair["spec"]["router"]["enabled"]:
+        pods.append(router_pod(pair, 1, ports, "h", "10.0.0.1", "10.0.0.2"))
+    core = client.CoreV1Api(cluster.api_client())
+    for pod in pods:
+        pod["metadata"].pop("ownerReferences")  # the dry run has no pair uid to point at
+        # through V1Pod.from_dict, as the operator's reconciler creates pods
+        created = core.create_namespaced_pod(namespace, client.V1Pod.from_dict(pod), dry_run="All")
+        main = next(c for c in created.spec.containers if c.name in ("engine", "router"))
+        assert main.readiness_probe is not None and main.image == pair["spec"]["image"]
+
+
+def ensure_objects(cluster, namespace: str) -> None:
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    api = cluster.api_client()
+    for create_it in (
+        lambda: client.CoreV1Api(api).create_namespaced_service_account(namespace, {"metadata": {"name": "vllm"}}),
+        lambda: client.SchedulingV1Api(api).create_priority_class({"metadata": {"name": "high"}, "value": 100}),
+        lambda: client.NodeV1Api(api).create_runtime_class({"metadata": {"name": "nvidia"}, "handler": "nvidia"}),
+    ):
+        try:
+            create_it()
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
