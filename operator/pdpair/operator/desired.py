@@ -349,7 +349,8 @@ def desired_state(spec: Mapping[str, Any], status: Mapping[str, Any] | None, obs
         STEP_READY,
         PHASE_READY,
         f"generation {generation} is ready",
-        [leased, listening, prefill_ready, Condition(COND_READY, TRUE, "PairReady", "decode listens, prefill is ready")],
+        [leased, listening, prefill_ready,
+         Condition(COND_READY, TRUE, "PairReady", "decode and prefill are Ready (serving), and the router when enabled")],
     )
 
 
