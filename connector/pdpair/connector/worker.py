@@ -93,6 +93,11 @@ class _Worker:
         self.tp_size = tp_size
         self.block_size = block_size
         self.vllm_version = vllm_version
+        for name, value in config.transport_environment().items():
+            os.environ[name] = value  # read by the transport's C library, which is loaded next
+        if config.flagcx_use_hetero_comm not in (None, "1") and config.transport == contract.TRANSPORT_FLAGCX:
+            logger.warning("FLAGCX_USE_HETERO_COMM=%s set by the pod: one-sided puts need 1 on a same-vendor pair",
+                           config.flagcx_use_hetero_comm)
         self.transport: PairTransport = make_transport(config.transport, slots=config.transport_slots)
         self.accounts = SignalAccounts(config.role, config.hang_timeout_seconds, generation=config.generation)
         self.metrics_server: MetricsServer | None = None
