@@ -520,7 +520,7 @@ def test_timeout_says_when_the_library_cannot_report_async_errors(monkeypatch):
 # --- the worker's CUDA device ------------------------------------------------------------------------------------
 
 
-def _device_pair(device: int | None, **kwargs):
+def _device_pair(device: int | None, flushes: list[str] | None = None, **kwargs):
     lib = FlagcxTransport().lib.cdll
     lib.fakeFlagcxSetDevice.argtypes = [ctypes.c_int]
     calls: list[tuple[str, int]] = []
@@ -529,8 +529,11 @@ def _device_pair(device: int | None, **kwargs):
         calls.append((threading.current_thread().name, index))
         lib.fakeFlagcxSetDevice(index)
 
-    t0 = FlagcxTransport(device=device, device_setter=setter, **kwargs)
-    t1 = FlagcxTransport(device=device, device_setter=setter, **kwargs)
+    def flusher() -> None:
+        (flushes if flushes is not None else []).append(threading.current_thread().name)
+
+    t0 = FlagcxTransport(device=device, device_setter=setter, device_flusher=flusher, **kwargs)
+    t1 = FlagcxTransport(device=device, device_setter=setter, device_flusher=flusher, **kwargs)
     return connect_pair(t0, t1, 4096, 4096), calls
 
 
@@ -692,3 +695,20 @@ def test_window_generation_device_is_set_for_puts(window_lib, monkeypatch):
 
 def test_window_generation_two_processes(fake_libs, window_lib):
     _two_process_transfer(fake_libs["window-api"], count=1)
+
+
+def test_a_completed_wait_flushes_rdma_writes_on_a_device_comm(monkeypatch):
+    """Ordering of GPU data vs a host signal: once the counter is seen, the binding flushes GPUDirect RDMA writes
+    (cuFlushGPUDirectRDMAWrites on a GPU) before wait_signal returns; a timed-out wait does not."""
+    flushes: list[str] = []
+    pair, _ = _device_pair(0, flushes)
+    try:
+        with pytest.raises(SignalWaitTimeout):
+            pair.receiver.wait_signal(0, 1, deadline_in(0.1))
+        assert flushes == []
+        pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, 8, signal_slot=0)
+        pair.receiver.wait_signal(0, 1, deadline_in(TRANSFER_SECONDS))
+        assert flushes == [threading.current_thread().name]
+    finally:
+        pair.close()
+    assert FlagcxTransport().device.index is None  # a CPU process: nothing to flush, torch never imported for it

@@ -348,6 +348,28 @@ def _torch_set_device(index: int) -> None:
     torch.cuda.set_device(index)
 
 
+# CUDA driver API (libcuda.so.1 ships with the driver, whatever the runtime version): cuFlushGPUDirectRDMAWrites.
+CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX = 0
+CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER = 100
+_libcuda: Any = None
+
+
+def _driver_flush_rdma_writes() -> None:
+    """Make RDMA writes into the current device that happened before this call visible to that device's kernels.
+    A no-op on platforms whose GPUDirect RDMA writes are already ordered (the driver knows)."""
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuFlushGPUDirectRDMAWrites.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.cuFlushGPUDirectRDMAWrites.restype = ctypes.c_int
+        _libcuda = lib
+    code = _libcuda.cuFlushGPUDirectRDMAWrites(
+        CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX, CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER
+    )
+    if code != 0:
+        raise TransportError(f"cuFlushGPUDirectRDMAWrites failed: CUresult {code}")
+
+
 class DeviceBinding:
     """The CUDA device every libflagcx call must run on, made current in the calling thread before the call.
 
@@ -355,16 +377,30 @@ class DeviceBinding:
     begins on device 0, so without this every worker not on GPU 0 (every TP rank > 0) fails with "Duplicate GPU".
     index None: nothing is set (CPU-only process, or a library without devices)."""
 
-    def __init__(self, index: int | None = None, setter: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        index: int | None = None,
+        setter: Callable[[int], None] | None = None,
+        flusher: Callable[[], None] | None = None,
+    ):
         if index is not None and (not isinstance(index, int) or isinstance(index, bool) or index < 0):
             raise ValueError(f"CUDA device index must be an int >= 0, got {index!r}")
         self.index = index
         self._setter = setter or _torch_set_device
+        self._flusher = flusher or _driver_flush_rdma_writes
 
     def apply(self) -> None:
         """Make the device current in this thread (cheap when it already is)."""
         if self.index is not None:
             self._setter(self.index)
+
+    def flush_rdma_writes(self) -> None:
+        """After a signal was seen in HOST memory, before the GPU data it announces is used: the NIC's writes into
+        GPU memory and its atomic into host memory take different PCIe paths, so seeing the counter does not by
+        itself order the data for the GPU (NCCL flushes for the same reason)."""
+        if self.index is not None:
+            self.apply()
+            self._flusher()
 
 
 # --- blocking calls with a deadline ------------------------------------------------------------------------------
@@ -474,7 +510,8 @@ class FlagcxTransport(PairTransport):
         request pool and RMA ring size). blocking_seconds: bound on a put waiting for a slot, a flush, and a
         collective registration (default PDPAIR_HANG_TIMEOUT_SECONDS or 60). device: the worker's CUDA device
         (also settable later with `set_device`, before `init_pair`); device_setter: how to make it current in a
-        thread (default torch.cuda.set_device).
+        thread (default torch.cuda.set_device); device_flusher: how to flush GPUDirect RDMA writes after a wait
+        (default the driver's cuFlushGPUDirectRDMAWrites).
     """
 
     name = TRANSPORT_FLAGCX
@@ -488,6 +525,7 @@ class FlagcxTransport(PairTransport):
         blocking_seconds: float | None = None,
         device: int | None = None,
         device_setter: Callable[[int], None] | None = None,
+        device_flusher: Callable[[], None] | None = None,
     ):
         self.slots = _slots_from_env() if slots is None else slots
         if not 1 <= self.slots <= DEFAULT_SLOTS:
@@ -502,7 +540,7 @@ class FlagcxTransport(PairTransport):
         self.blocking_seconds = _blocking_seconds_from_env() if blocking_seconds is None else blocking_seconds
         if self.blocking_seconds <= 0:
             raise ValueError(f"blocking_seconds must be > 0, got {self.blocking_seconds}")
-        self.device = DeviceBinding(device, device_setter)
+        self.device = DeviceBinding(device, device_setter, device_flusher)
         self.lib = load_library(library_path)
 
     @property
@@ -510,7 +548,7 @@ class FlagcxTransport(PairTransport):
         return self.lib.generation
 
     def set_device(self, index: int) -> None:
-        self.device = DeviceBinding(index, self.device._setter)
+        self.device = DeviceBinding(index, self.device._setter, self.device._flusher)
 
     def create_unique_id(self) -> bytes:
         fn = self.lib.fn["flagcxGetUniqueId"]
@@ -819,6 +857,7 @@ class FlagcxPairComm(PairComm):
         while True:
             observed = self.read_signal(signal_slot)
             if observed >= expected:
+                self._device.flush_rdma_writes()  # GPU data seen through a host counter: order it for the GPU
                 return
             if polls % 64 == 0:
                 self._check_async_error()
@@ -826,6 +865,7 @@ class FlagcxPairComm(PairComm):
             if not backoff.sleep():
                 observed = self.read_signal(signal_slot)
                 if observed >= expected:
+                    self._device.flush_rdma_writes()
                     return
                 raise SignalWaitTimeout(
                     signal_slot, expected, observed, time.monotonic() - started, hint=self._timeout_hint()
