@@ -128,7 +128,7 @@ class FlagcxError(TransportError):
         self.code = code
         self.result_name = result_name(code)
         hint = ""
-        if code == NOT_SUPPORTED and call.startswith(("flagcxPut", "flagcxOneSide")):
+        if code == NOT_SUPPORTED and call.startswith(("flagcxPut", "flagcxOneSide", "flagcxCommWindowRegister")):
             hint = " (one-sided ops need the IB RDMA net adaptor: is FLAGCX_FORCE_NET_SOCKET set, or no HCA found?)"
         elif code == INTERNAL_ERROR and call.startswith("flagcxPut"):
             hint = (
