@@ -147,7 +147,7 @@ def child_flagcx(args: dict) -> None:
             out.update(pair=r["pair"], rank=r["rank"], device=r["device"])
             started = time.monotonic()
             try:
-                comm = t.init_pair(bytes.fromhex(all_uids[str(r["pair"])]), r["rank"], deadline_in(90))
+                comm = t.init_pair(bytes.fromhex(all_uids[str(r["pair"])]), r["rank"], deadline_in(args.get("init_seconds", 90)))
             except Exception as exc:  # noqa: BLE001 - reported
                 out.update(init="error", error=f"{type(exc).__name__}: {exc}", init_s=time.monotonic() - started)
                 return
@@ -176,7 +176,9 @@ def child_flagcx(args: dict) -> None:
 def flagcx_pairs(lib: str, a: list[dict], b: list[dict], register: bool, cycles: int = 1, bind_device: bool = True):
     """Run two child processes with the given rank threads; per cycle the rank-0 uids are swapped between them."""
     env = {"FLAGCX_USE_HETERO_COMM": "1"}
-    common = {"lib": lib, "register": register, "cycles": cycles, "bind_device": bind_device}
+    # Without the device binding init may hang instead of failing: give the control a short deadline.
+    common = {"lib": lib, "register": register, "cycles": cycles, "bind_device": bind_device,
+              "init_seconds": 90 if bind_device else 20}
     ca, cb = Child("flagcx", {**common, "ranks": a}, env), Child("flagcx", {**common, "ranks": b}, env)
     try:
         results = []
