@@ -173,12 +173,13 @@ def child_flagcx(args: dict) -> None:
     child_send({"counts": counts})
 
 
-def flagcx_pairs(lib: str, a: list[dict], b: list[dict], register: bool, cycles: int = 1, bind_device: bool = True):
+def flagcx_pairs(lib: str, a: list[dict], b: list[dict], register: bool, cycles: int = 1, bind_device: bool = True,
+                 init_seconds: float | None = None):
     """Run two child processes with the given rank threads; per cycle the rank-0 uids are swapped between them."""
     env = {"FLAGCX_USE_HETERO_COMM": "1"}
     # Without the device binding init may hang instead of failing: give the control a short deadline.
     common = {"lib": lib, "register": register, "cycles": cycles, "bind_device": bind_device,
-              "init_seconds": 90 if bind_device else 20}
+              "init_seconds": init_seconds or (90 if bind_device else 20)}
     ca, cb = Child("flagcx", {**common, "ranks": a}, env), Child("flagcx", {**common, "ranks": b}, env)
     try:
         results = []
@@ -327,8 +328,8 @@ def child_tcp_recv(args: dict) -> None:
     comm.close()
 
 
-def main_tcp_staging() -> None:
-    devices = ("cpu", "cpu") if DRY_RUN else ("cuda:0", "cuda:1")
+def main_tcp_staging(gpus: int = 2) -> None:
+    devices = ("cpu", "cpu") if DRY_RUN else ("cuda:0", "cuda:1" if gpus >= 2 else "cuda:0")
     send, recv = Child("tcp-send", {"device": devices[0]}), Child("tcp-recv", {"device": devices[1]})
     try:
         uid = send.recv()["uid"]
@@ -356,8 +357,8 @@ def main_tcp_staging() -> None:
         send.send({"bye": 1})
         recv.send({"bye": 1})
         same = digests == [hello["digest"]]
-        report("tcp-staging bytes", same, f"sha256 of {LAYERS}x{BLOCKS} blocks of {CHUNK} B after GPU0 -> host -> tcp -> "
-               f"host -> GPU1 {'equals' if same else 'DIFFERS from'} the sender's")
+        report("tcp-staging bytes", same, f"sha256 of {LAYERS}x{BLOCKS} blocks of {CHUNK} B after {devices[0]} -> host -> "
+               f"tcp -> host -> {devices[1]} (two processes) {'equals' if same else 'DIFFERS from'} the sender's")
         ratio = statistics.median(staged) / statistics.median(plain)
         note("tcp-staging throughput", f"staged {statistics.median(staged):.2f} GB/s, plain pinned copy + TCP stream "
              f"{statistics.median(plain):.2f} GB/s, ratio {ratio:.2f} (median of {TRIALS}; trials staged "
@@ -418,7 +419,7 @@ def build(tree: Path, nccl: Path, skip: bool) -> Path | None:
 # --- the checks per library ----------------------------------------------------------------------------------------
 
 
-def flagcx_checks(tree: Path, lib: Path, expected_generation: str | None) -> None:
+def flagcx_checks(tree: Path, lib: Path, expected_generation: str | None, gpus: int = 2) -> None:
     name = tree.name
     try:
         from pdpair.connector.transports.flagcx import FlagcxLibrary
@@ -429,6 +430,21 @@ def flagcx_checks(tree: Path, lib: Path, expected_generation: str | None) -> Non
                f"{'' if ok else f' (expected {expected_generation})'}, caller-allocated uid {loaded.caller_allocated_uid}")
     except Exception as exc:  # noqa: BLE001
         report(f"{name} load", False, f"{type(exc).__name__}: {exc}")
+        return
+
+    if gpus < 2:
+        # A FlagCX pair is an NCCL communicator underneath, and NCCL refuses two ranks on one GPU.
+        try:
+            (results,), _ = flagcx_pairs(str(lib), [{"pair": 0, "rank": 0, "device": 0}],
+                                         [{"pair": 0, "rank": 1, "device": 0}], register=False, bind_device=True,
+                                         init_seconds=30)
+            note(f"{name} one-gpu pair", "; ".join(f"rank {r['rank']} on GPU 0: {r.get('init')} {r.get('error', '')[:400]}"
+                                                  for r in results))
+        except Exception as exc:  # noqa: BLE001
+            note(f"{name} one-gpu pair", f"{type(exc).__name__}: {exc}")
+        for check in ("gpu1-pair init", "register NotSupported", "no-device control", "tp2 init", "leak"):
+            print(f"NOT RUN {name} {check}: needs 2 GPUs, this machine has {gpus}", flush=True)
+            RESULTS.append({"check": f"{name} {check}", "ok": None, "detail": f"not run: {gpus} GPU"})
         return
 
     # two processes, GPUs 0 and 1; then a GPU registration
@@ -485,16 +501,16 @@ def flagcx_checks(tree: Path, lib: Path, expected_generation: str | None) -> Non
         note(f"{name} leak", f"{type(exc).__name__}: {exc}")
 
 
-def rdma_flush_check() -> None:
+def rdma_flush_check(device: int) -> None:
     try:
         import torch
 
         from pdpair.connector.transports import flagcx
 
-        torch.cuda.set_device(1)
-        torch.zeros(1, device="cuda:1")
+        torch.cuda.set_device(device)
+        torch.zeros(1, device=f"cuda:{device}")
         flagcx._driver_flush_rdma_writes()
-        detail = "cuFlushGPUDirectRDMAWrites(current ctx, to owner) returned CUDA_SUCCESS on GPU 1"
+        detail = f"cuFlushGPUDirectRDMAWrites(current ctx, to owner) returned CUDA_SUCCESS on GPU {device}"
         try:
             from cuda.bindings import driver
 
@@ -502,7 +518,7 @@ def rdma_flush_check() -> None:
                       driver.CUflushGPUDirectRDMAWritesScope.CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER)
             values = tuple(int(c) for c in consts)
             ordering = driver.cuDeviceGetAttribute(
-                driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, 1)
+                driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, device)
             detail += f"; enum values {values} (binding uses (0, 100)); GPU_DIRECT_RDMA_WRITES_ORDERING = {ordering}"
             ok = values == (0, 100)
         except Exception as exc:  # noqa: BLE001
@@ -534,9 +550,9 @@ def main() -> int:
     import torch
 
     note("machine", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    if torch.cuda.device_count() < 2:
-        report("gpus", False, "needs 2 GPUs")
-        return 1
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        print(f"NOTE: {gpus} GPU: the pair checks need 2 and are listed as NOT RUN", flush=True)
     trees = [Path(p) for p in os.environ.get("FLAGCX_SRC", "").split(":") if p]
     if trees:
         workdir = Path("/tmp/pdpair-gpu-checks")
@@ -553,12 +569,12 @@ def main() -> int:
             if lib is not None:
                 expected = {"6493e5f8": "mr-index", "0c721293": "window"}
                 generation = next((g for c, g in expected.items() if c in tree.name), None)
-                flagcx_checks(tree, lib, generation)
+                flagcx_checks(tree, lib, generation, gpus)
     else:
         report("flagcx", False, "FLAGCX_SRC not set: no FlagCX tree to build")
-    rdma_flush_check()
+    rdma_flush_check(gpus - 1)
     try:
-        main_tcp_staging()
+        main_tcp_staging(gpus)
     except Exception as exc:  # noqa: BLE001
         report("tcp-staging", False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     return finish(opts)
