@@ -46,7 +46,7 @@ def sync() -> None:
     if not DRY_RUN:
         import torch
 
-        sync()
+        torch.cuda.synchronize()
 
 
 def report(check: str, ok: bool, detail: str) -> None:
@@ -407,6 +407,9 @@ def build(tree: Path, nccl: Path, skip: bool) -> Path | None:
     started = time.monotonic()
     cmd = ["make", "-C", str(tree), "-j", str(os.cpu_count() or 8), "USE_NVIDIA=1", f"DEVICE_HOME={device_home()}",
            f"CCL_HOME={nccl}"]
+    if Path("/usr/include/nlohmann/json.hpp").exists():
+        # The system's json.hpp wins over third-party/ for some includes: use it for all (no mixed versions).
+        cmd.append("JSON_INCLUDE_DIR=/usr/include")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     took = time.monotonic() - started
     if proc.returncode != 0 or not lib.exists():
