@@ -605,6 +605,16 @@ def _libc_free(ptr: int | None) -> None:
 # Signal buffers of communicators that could not be destroyed; never unmapped (see FlagcxPairComm.close).
 _abandoned: list[tuple[mmap.mmap, ctypes.Array]] = []
 
+# FlagCX before PR #522 (all mr-index builds) skips the one-sided teardown in flagcxCommDestroy when the comm is a
+# same-vendor one with FLAGCX_USE_HETERO_COMM=1: each closed comm keeps its RMA proxy thread, connections and
+# registrations. Counted per process so the log says how much has piled up.
+_leaky_closes = 0
+LEAKY_CLOSE_WARNING = (
+    "flagcx: closed communicator #%d of this process on an mr-index FlagCX build; builds before FlagCX PR #522 skip "
+    "the one-sided teardown of same-vendor hetero comms (proxy thread, connections and registrations stay), so each "
+    "re-pair leaks them until the process restarts (tests/gpu/run_gpu_checks.py measures it; docs/gpu.md)"
+)
+
 NO_ASYNC_ERRORS_HINT = (
     "libflagcx cannot report asynchronous errors on this communicator (flagcxCommGetAsyncError: {why}), so a failed "
     "transfer or a dead peer shows up only as this timeout; check the peer's log"
@@ -909,6 +919,10 @@ class FlagcxPairComm(PairComm):
                     log.warning("flagcxCommWindowDeregister: %s (%d)", result_name(code), code)
             self._windows = []
             code = self._lib.fn["flagcxCommDestroy"](comm)
+            if self.generation == GENERATION_MR_INDEX and self._regions:
+                global _leaky_closes
+                _leaky_closes += 1
+                log.warning(LEAKY_CLOSE_WARNING, _leaky_closes)
             if code != SUCCESS:
                 log.warning("flagcxCommDestroy: %s (%d)", result_name(code), code)
                 _abandoned.append((self._signal_map, self._signals))  # the library may still write into it
