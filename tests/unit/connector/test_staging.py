@@ -84,3 +84,24 @@ def test_tcp_declares_host_memory_only():
 def test_staging_refuses_mixed_devices_and_mismatched_sizes():
     with pytest.raises(ValueError, match="region sizes"):
         HostStaging([torch.zeros(4)], [])
+
+
+def test_worker_regions_register_the_host_mirrors_when_staging():
+    """KvRegions (worker.py) hands the transport the mirrors' addresses, not the KV tensors', when staging."""
+    from pdpair.connector.worker import KvRegions
+
+    kv = {f"layer.{i}": t for i, t in enumerate(_kv(2, 4, True))}
+    direct = KvRegions.from_kv_caches(kv, 4)
+    staged = KvRegions.from_kv_caches(kv, 4, stage_on_host=True)
+    assert direct.staging is None and staged.staging is not None
+    registered: list[tuple[int, int]] = []
+
+    class Recorder:
+        def register_region(self, ptr: int, size: int) -> int:
+            registered.append((ptr, size))
+            return len(registered) - 1
+
+    assert staged.register(Recorder()) == [0, 1]
+    assert [p for p, _ in registered] == staged.staging.host_ptrs
+    assert not set(staged.staging.host_ptrs) & set(direct.ptrs)
+    assert staged.runs([3, 1, 2]) == [[(direct.chunk_bytes[0], 3 * direct.chunk_bytes[0])]] * 2
