@@ -521,7 +521,10 @@ class PrefillWorker(_Worker):
                                     dst_block * chunk, chunk, pull.signal_slot)
                     nbytes += chunk
             comm.flush(time.monotonic() + self.config.hang_timeout_seconds)
-        except TransportError as exc:
+        except RuntimeError as exc:  # TransportError, or a CUDA error of the staging copies
+            if not isinstance(exc, TransportError):
+                logger.error("transfer %s: staging the KV to host memory failed: %s", pull.transfer_id, exc)
+                return PullFailed(pull.transfer_id, f"prefill could not stage its KV to host memory: {exc}")
             logger.error("transfer %s (prefill request %s) failed: %s", pull.transfer_id, pull.remote_request_id, exc)
             return PullFailed(pull.transfer_id, f"prefill transport error: {exc}")
         return PullDone(pull.transfer_id, nbytes)
