@@ -159,6 +159,20 @@ def child_flagcx(args: dict) -> None:
                     out.update(register="ok")
                 except Exception as exc:  # noqa: BLE001 - reported
                     out.update(register="error", register_error=f"{type(exc).__name__}: {exc}")
+                if out.get("register") == "ok" and args.get("try_put"):
+                    # Both ranks registered the same size, so our own table stands in for the peer's.
+                    comm.set_peer_region_table(comm.local_region_table())
+                    started = time.monotonic()
+                    try:
+                        if r["rank"] == 0:
+                            comm.put_signal(0, 0, 0, 0, 4096, signal_slot=0)
+                            comm.flush(deadline_in(10))
+                        else:
+                            comm.wait_signal(0, 1, deadline_in(10))
+                        out.update(put="ok")
+                    except Exception as exc:  # noqa: BLE001 - reported
+                        out.update(put=f"{type(exc).__name__}: {exc}")
+                    out.update(put_s=round(time.monotonic() - started, 2))
             comm.close()
 
         threads = [threading.Thread(target=run, args=(i,), name=f"rank-thread-{i}") for i in range(len(ranks))]
@@ -174,12 +188,12 @@ def child_flagcx(args: dict) -> None:
 
 
 def flagcx_pairs(lib: str, a: list[dict], b: list[dict], register: bool, cycles: int = 1, bind_device: bool = True,
-                 init_seconds: float | None = None):
+                 init_seconds: float | None = None, try_put: bool = False):
     """Run two child processes with the given rank threads; per cycle the rank-0 uids are swapped between them."""
     env = {"FLAGCX_USE_HETERO_COMM": "1"}
     # Without the device binding init may hang instead of failing: give the control a short deadline.
     common = {"lib": lib, "register": register, "cycles": cycles, "bind_device": bind_device,
-              "init_seconds": init_seconds or (90 if bind_device else 20)}
+              "init_seconds": init_seconds or (90 if bind_device else 20), "try_put": try_put}
     ca, cb = Child("flagcx", {**common, "ranks": a}, env), Child("flagcx", {**common, "ranks": b}, env)
     try:
         results = []
@@ -453,7 +467,7 @@ def flagcx_checks(tree: Path, lib: Path, expected_generation: str | None, gpus: 
     # two processes, GPUs 0 and 1; then a GPU registration
     try:
         (results,), _ = flagcx_pairs(str(lib), [{"pair": 0, "rank": 0, "device": 0}],
-                                     [{"pair": 0, "rank": 1, "device": 1}], register=True)
+                                     [{"pair": 0, "rank": 1, "device": 1}], register=True, try_put=True)
         inits = [r.get("init") == "ok" for r in results]
         report(f"{name} gpu1-pair init", all(inits), "; ".join(
             f"rank {r['rank']} on GPU {r['device']}: {r.get('init')} in {r.get('init_s')}s {r.get('error', '')}"
@@ -461,6 +475,9 @@ def flagcx_checks(tree: Path, lib: Path, expected_generation: str | None, gpus: 
         regs = [r.get("register_error", r.get("register", "")) for r in results]
         clear = all("flagcxNotSupported" in e and "one-sided" in e for e in regs)
         report(f"{name} register NotSupported", clear, " | ".join(regs))
+        puts = [f"rank {r['rank']}: {r['put']} ({r.get('put_s')}s)" for r in results if "put" in r]
+        if puts:
+            note(f"{name} put after a successful registration", " | ".join(puts))
     except Exception as exc:  # noqa: BLE001
         report(f"{name} gpu1-pair", False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
 
@@ -502,6 +519,18 @@ def flagcx_checks(tree: Path, lib: Path, expected_generation: str | None, gpus: 
              f"{b[-1]['threads']}, fds {b[0]['fds']} -> {b[1]['fds']} -> {b[-1]['fds']}")
     except Exception as exc:  # noqa: BLE001
         note(f"{name} leak", f"{type(exc).__name__}: {exc}")
+    if expected_generation == "window":  # its registration succeeds here, so close tears a registered comm down
+        try:
+            results, counts = flagcx_pairs(str(lib), [{"pair": 0, "rank": 0, "device": 0}],
+                                           [{"pair": 0, "rank": 1, "device": 1}], register=True, cycles=cycles)
+            ok = all(r.get("register") == "ok" for cycle in results for r in cycle)
+            a, b = counts
+            note(f"{name} leak with registration", f"{cycles} init/register/close cycles ({'all registered' if ok else 'SOME FAILED'}): "
+                 f"rank 0 threads {a[0]['threads']} -> {a[1]['threads']} -> {a[-1]['threads']}, fds {a[0]['fds']} -> "
+                 f"{a[1]['fds']} -> {a[-1]['fds']}; rank 1 threads {b[0]['threads']} -> {b[1]['threads']} -> "
+                 f"{b[-1]['threads']}, fds {b[0]['fds']} -> {b[1]['fds']} -> {b[-1]['fds']}")
+        except Exception as exc:  # noqa: BLE001
+            note(f"{name} leak with registration", f"{type(exc).__name__}: {exc}")
 
 
 def rdma_flush_check(device: int) -> None:
