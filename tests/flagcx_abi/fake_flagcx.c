@@ -31,6 +31,9 @@
  *                                thread (a new thread is on device 0, as in CUDA).
  *   FAKE_FLAGCX_ASYNC_ERROR=unsupported  flagcxCommGetAsyncError answers flagcxNotSupported, as upstream does for
  *                                hetero comms.
+ *   FAKE_FLAGCX_NO_RDMA=1        like upstream without an RDMA HCA: flagcxOneSideRegister answers flagcxNotSupported,
+ *                                and (window API) flagcxCommWindowRegister makes a window with no registration, on
+ *                                which flagcxPutSignal answers flagcxInvalidArgument.
  *
  * FAKE_WINDOW_API builds the window generation: flagcxCommWindowRegister gives window k = native region k, and
  * flagcxPutSignal(localbuff, count, dtype, peer, peerWin, offset, flags, comm, stream) finds the source region by
@@ -91,6 +94,7 @@ struct flagcxComm {
     int fail_put_with;
     bool homogeneous; /* upstream gives only heterogeneous comms an RMA proxy */
     bool async_unsupported;
+    bool no_rdma; /* FAKE_FLAGCX_NO_RDMA: like upstream without an RDMA HCA */
     int require_device; /* -1: any */
     uint64_t dropped; /* puts lost by the simulated pool bug */
 };
@@ -314,6 +318,7 @@ FLAGCX_API flagcxResult_t flagcxCommInitRank(flagcxComm_t *out, int nranks, flag
     const char *async_mode = getenv("FAKE_FLAGCX_ASYNC_ERROR");
     comm->async_unsupported = async_mode != NULL && strcmp(async_mode, "unsupported") == 0;
     comm->require_device = (int)env_ll("FAKE_FLAGCX_REQUIRE_DEVICE", -1);
+    comm->no_rdma = env_ll("FAKE_FLAGCX_NO_RDMA", 0) != 0;
 
     pdpair_status st;
     if (rank == 0) {
@@ -445,6 +450,7 @@ static flagcxResult_t register_region(flagcxComm_t comm, void *buff, size_t size
 }
 
 FLAGCX_API flagcxResult_t flagcxOneSideRegister(flagcxComm_t comm, void *buff, size_t size) {
+    if (comm != NULL && comm->no_rdma) return flagcxNotSupported; /* upstream: no iput in the net adaptor */
     uint32_t index;
     return register_region(comm, buff, size, "flagcxOneSideRegister", &index);
 }
@@ -459,6 +465,15 @@ FLAGCX_API flagcxResult_t flagcxCommWindowRegister(flagcxComm_t comm, void *buff
         return flagcxSuccess;
     }
     uint32_t index;
+    if (comm != NULL && comm->no_rdma) {
+        /* Upstream without RDMA: a symmetric window is made, but without a memory registration (mrIndex -1). */
+        struct flagcxWindow *w = calloc(1, sizeof(*w));
+        if (w == NULL) return fail(comm, flagcxSystemError, "fake flagcx: out of memory");
+        w->index = UINT32_MAX;
+        w->size = size;
+        *win = w;
+        return flagcxSuccess;
+    }
     flagcxResult_t r = register_region(comm, buff, size, "flagcxCommWindowRegister", &index);
     if (r != flagcxSuccess) return r;
     if (index == UINT32_MAX) return fail(comm, flagcxInvalidUsage, "fake flagcx: buffer already has a window");
@@ -587,6 +602,7 @@ FLAGCX_API flagcxResult_t flagcxPutSignal(const void *localbuff, size_t count, i
                     comm->fail_put_with);
     if (peer != 1 - comm->rank)
         return fail(comm, flagcxInvalidArgument, "flagcxPutSignal: peer %d out of range (nRanks=2)", peer);
+    if (peer_win->index == UINT32_MAX) return flagcxInvalidArgument; /* upstream: dstMrIdx < 0, no message */
     size_t elem = datatype_bytes(datatype);
     if (elem == 0) return fail(comm, flagcxInvalidArgument, "flagcxPutSignal: datatype %d", datatype);
     size_t size = count * elem;

@@ -43,6 +43,7 @@ FAKE_DIR = REPO / "tests" / "flagcx_abi"
 FAKE_ENV_KNOBS = (
     "FAKE_FLAGCX_REQUIRE_DEVICE",
     "FAKE_FLAGCX_ASYNC_ERROR",
+    "FAKE_FLAGCX_NO_RDMA",
     "FAKE_FLAGCX_VERSION",
     "FAKE_FLAGCX_REQUEST_POOL",
     "FAKE_FLAGCX_POOL_FULL",
@@ -728,3 +729,17 @@ def test_closing_an_mr_index_comm_warns_about_the_upstream_teardown_leak(caplog,
     with caplog.at_level("WARNING", logger="pdpair.connector.transports.flagcx"):
         pair.close()
     assert not [r for r in caplog.records if "PR #522" in r.getMessage()]
+
+
+@pytest.mark.parametrize("variant", ["default", "window-api"])
+def test_without_rdma_registration_reports_not_supported(variant, monkeypatch, fake_libs):
+    """What the real libraries do on our GPU machines (no RDMA HCA): the mr-index API answers NotSupported at
+    registration; the window API registers a window WITHOUT a memory registration and fails only at the put with
+    InvalidArgument. The binding probes the window and reports NotSupported at registration for both."""
+    monkeypatch.setenv(ENV_LIB_PATH, fake_libs[variant])
+    monkeypatch.setenv("FAKE_FLAGCX_NO_RDMA", "1")
+    with pytest.raises(FlagcxError) as info:
+        flagcx_pair()
+    assert info.value.result_name == "flagcxNotSupported" and "one-sided ops need the IB RDMA net adaptor" in str(info.value)
+    expected_call = "flagcxOneSideRegister" if variant == "default" else "flagcxCommWindowRegister"
+    assert str(info.value).startswith(expected_call)

@@ -130,6 +130,8 @@ class FlagcxError(TransportError):
         hint = ""
         if code == NOT_SUPPORTED and call.startswith(("flagcxPut", "flagcxOneSide", "flagcxCommWindowRegister")):
             hint = " (one-sided ops need the IB RDMA net adaptor: is FLAGCX_FORCE_NET_SOCKET set, or no HCA found?)"
+        elif code == INVALID_ARGUMENT and call == "flagcxPutSignal (window API)":
+            hint = " (a window without an RDMA memory registration gives this: is there an RDMA HCA?)"
         elif code == INTERNAL_ERROR and call.startswith("flagcxPut"):
             hint = (
                 " (permanent: upstream returns it when the communicator has no RMA proxy, i.e. one-sided setup did "
@@ -210,6 +212,8 @@ _GENERATION_PROTOTYPES: dict[str, dict[str, tuple[Any, list[Any]]]] = {
         ),
     },
     GENERATION_WINDOW: {
+        # Used only as a probe after flagcxCommWindowRegister (see FlagcxPairComm._register_window).
+        "flagcxOneSideRegister": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]),
         # The allocator argument came with the NVSHMEM windows; a build without it ignores the extra register.
         "flagcxCommWindowRegister": (
             ctypes.c_int,
@@ -758,6 +762,12 @@ class FlagcxPairComm(PairComm):
                 "success but no window: one-sided windows need a heterogeneous communicator (FLAGCX_USE_HETERO_COMM=1)",
             )
         self._windows.append(win.value)
+        # Upstream registers a symmetric window even when the net adaptor cannot do one-sided ops (no RDMA HCA): the
+        # window then has no memory registration and every put answers flagcxInvalidArgument. flagcxOneSideRegister
+        # on the same buffer tells the cases apart without side effects: it answers NotSupported at once when the
+        # adaptor has no one-sided support, and success at once (duplicate address) when the window registered it.
+        probe = self._lib.fn["flagcxOneSideRegister"]
+        self._collective(f"{what}: flagcxOneSideRegister probe", lambda: probe(comm, ptr, size))
 
     def local_region_table(self) -> bytes:
         with self._lock:
@@ -805,7 +815,8 @@ class FlagcxPairComm(PairComm):
                     self._posted += 1
             if code != SUCCESS:
                 # No retry: InternalError is permanent upstream (no RMA proxy); a full ring blocks in the library.
-                raise FlagcxError("flagcxPutSignal", code, self._lib.last_error(comm))
+                call = "flagcxPutSignal (window API)" if self.generation == GENERATION_WINDOW else "flagcxPutSignal"
+                raise FlagcxError(call, code, self._lib.last_error(comm))
             if waited:
                 self._requeues += 1
 
