@@ -519,13 +519,14 @@ def flagcx_checks(tree: Path, lib: Path, expected_generation: str | None, gpus: 
              f"{b[-1]['threads']}, fds {b[0]['fds']} -> {b[1]['fds']} -> {b[-1]['fds']}")
     except Exception as exc:  # noqa: BLE001
         note(f"{name} leak", f"{type(exc).__name__}: {exc}")
-    if expected_generation == "window":  # its registration succeeds here, so close tears a registered comm down
+    if True:  # the path a pod on these machines takes: init, registration answers NotSupported, close, re-pair
         try:
             results, counts = flagcx_pairs(str(lib), [{"pair": 0, "rank": 0, "device": 0}],
                                            [{"pair": 0, "rank": 1, "device": 1}], register=True, cycles=cycles)
-            ok = all(r.get("register") == "ok" for cycle in results for r in cycle)
+            outcome = sorted({str(r.get("register")) + ":" + r.get("register_error", "")[:60] for cycle in results
+                              for r in cycle})
             a, b = counts
-            note(f"{name} leak with registration", f"{cycles} init/register/close cycles ({'all registered' if ok else 'SOME FAILED'}): "
+            note(f"{name} leak with registration", f"{cycles} init/register/close cycles (registration: {outcome}): "
                  f"rank 0 threads {a[0]['threads']} -> {a[1]['threads']} -> {a[-1]['threads']}, fds {a[0]['fds']} -> "
                  f"{a[1]['fds']} -> {a[-1]['fds']}; rank 1 threads {b[0]['threads']} -> {b[1]['threads']} -> "
                  f"{b[-1]['threads']}, fds {b[0]['fds']} -> {b[1]['fds']} -> {b[-1]['fds']}")

@@ -743,3 +743,31 @@ def test_without_rdma_registration_reports_not_supported(variant, monkeypatch, f
     assert info.value.result_name == "flagcxNotSupported" and "one-sided ops need the IB RDMA net adaptor" in str(info.value)
     expected_call = "flagcxOneSideRegister" if variant == "default" else "flagcxCommWindowRegister"
     assert str(info.value).startswith(expected_call)
+
+
+def test_a_comm_that_failed_with_an_error_code_is_destroyed_not_leaked(monkeypatch, caplog):
+    """Only a call that never returned leaves a comm open; NotSupported at registration (our GPU machines) must not
+    leak a comm per re-pair."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pdpair.connector.transports.flagcx as flagcx_module
+
+    monkeypatch.setenv("FAKE_FLAGCX_NO_RDMA", "1")
+    t0, t1 = FlagcxTransport(), FlagcxTransport()
+    uid = t0.create_unique_id()
+    buffers = [(ctypes.c_char * 64)() for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        comms = [f.result() for f in [pool.submit(t0.init_pair, uid, RANK_PREFILL, deadline_in(30)),
+                                      pool.submit(t1.init_pair, uid, RANK_DECODE, deadline_in(30))]]
+        for comm, buf in zip(comms, buffers):
+            with pytest.raises(FlagcxError, match="flagcxNotSupported"):
+                comm.register_region(ctypes.addressof(buf), 64)
+    destroyed: list[int] = []
+    real_destroy = comms[0]._lib.fn["flagcxCommDestroy"]
+    monkeypatch.setitem(comms[0]._lib.fn, "flagcxCommDestroy", lambda c: destroyed.append(c) or real_destroy(c))
+    handles = [comm._comm for comm in comms]
+    with caplog.at_level("WARNING", logger=flagcx_module.__name__):
+        for comm in comms:
+            comm.close()
+    assert destroyed == handles
+    assert not [r for r in caplog.records if "never returned" in r.getMessage()]

@@ -654,6 +654,7 @@ class FlagcxPairComm(PairComm):
         self._posted = 0
         self._requeues = 0
         self._broken: str | None = None
+        self._stuck = False  # a call overran its deadline: its helper thread may still be inside libflagcx
         self._async_errors: str | None = None  # why the library cannot report async errors, once known
         # Signal counters in host memory: the peer's RDMA atomics land here and we poll them (FLAGCX_PTR_HOST).
         # mmap gives page-aligned memory, as IB registration likes.
@@ -712,6 +713,7 @@ class FlagcxPairComm(PairComm):
         try:
             code = _call_with_deadline(what, deadline, fn, self._device)
         except TransportError as exc:
+            self._stuck = True
             self._broken = f"{what} overran {self._blocking_seconds:g}s (is the peer registering the same regions?)"
             raise TransportError(f"{exc}: {self._broken}") from exc
         if code != SUCCESS:
@@ -916,10 +918,10 @@ class FlagcxPairComm(PairComm):
             comm, self._comm = self._comm, None
             if comm is None:
                 return
-            if self._broken is not None:
+            if self._stuck:
                 # A helper thread may still be inside libflagcx with this comm, and the library may still write
                 # into the signal buffer: keep it mapped for the life of the process.
-                log.warning("flagcx comm left open because it is unusable: %s", self._broken)
+                log.warning("flagcx comm left open because a call into it never returned: %s", self._broken)
                 _abandoned.append((self._signal_map, self._signals))
                 return
             self._device.apply()
@@ -930,6 +932,12 @@ class FlagcxPairComm(PairComm):
                     log.warning("flagcxCommWindowDeregister: %s (%d)", result_name(code), code)
             self._windows = []
             code = self._lib.fn["flagcxCommDestroy"](comm)
+            if self._broken is not None:
+                # Failed with an error code (e.g. NotSupported at registration): every call has returned, so the
+                # comm is destroyed (not leaked per re-pair); the small signal buffer stays mapped in case the
+                # peer's registration of it outlives ours.
+                _abandoned.append((self._signal_map, self._signals))
+                return
             if self.generation == GENERATION_MR_INDEX and self._regions:
                 global _leaky_closes
                 _leaky_closes += 1
