@@ -30,6 +30,7 @@ from pdpair.connector.handshake import DecodeSideChannel, PrefillSideChannel
 from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
 from pdpair.connector.metrics import MetricsServer, SignalAccounts, serve
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
+from pdpair.connector.staging import HostStaging, block_runs
 from pdpair.connector.stats import PdPairKVConnectorStats
 from pdpair.connector.transports import PairComm, PairTransport, SignalWaitTimeout, TransportError, make_transport
 
@@ -43,15 +44,17 @@ MAX_WAITERS = 64
 
 @dataclass(frozen=True)
 class KvRegions:
-    """One region per layer: base address and bytes of one block, in the model's layer order."""
+    """One region per layer: base address and bytes of one block, in the model's layer order. `staging`: pinned host
+    mirrors the transport moves instead, when the KV is on a GPU and the transport takes host memory only (tcp)."""
 
     layer_names: list[str]
     ptrs: list[int]
     chunk_bytes: list[int]
     num_blocks: int
+    staging: HostStaging | None = None
 
     @classmethod
-    def from_kv_caches(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KvRegions:
+    def from_kv_caches(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int, stage_on_host: bool = False) -> KvRegions:
         names, ptrs, chunks = [], [], []
         for name, tensor in kv_caches.items():
             if tensor.shape[0] != num_blocks:
@@ -64,13 +67,21 @@ class KvRegions:
             names.append(name)
             ptrs.append(tensor.data_ptr())
             chunks.append(tensor.stride(0) * tensor.element_size())
-        return cls(names, ptrs, chunks, num_blocks)
+        staging = None
+        if stage_on_host:
+            staging = HostStaging(list(kv_caches.values()), [chunk * num_blocks for chunk in chunks])
+        return cls(names, ptrs, chunks, num_blocks, staging)
 
     def region_size(self, layer: int) -> int:
         return self.chunk_bytes[layer] * self.num_blocks
 
     def register(self, comm: PairComm) -> list[int]:
-        return [comm.register_region(self.ptrs[i], self.region_size(i)) for i in range(len(self.ptrs))]
+        ptrs = self.staging.host_ptrs if self.staging is not None else self.ptrs
+        return [comm.register_region(ptrs[i], self.region_size(i)) for i in range(len(ptrs))]
+
+    def runs(self, block_ids: list[int]) -> list[list[tuple[int, int]]]:
+        """Per layer, the byte ranges of these blocks (adjacent blocks merged)."""
+        return [block_runs(block_ids, chunk) for chunk in self.chunk_bytes]
 
 
 @dataclass
@@ -93,6 +104,11 @@ class _Worker:
         self.tp_size = tp_size
         self.block_size = block_size
         self.vllm_version = vllm_version
+        for name, value in config.transport_environment().items():
+            os.environ[name] = value  # read by the transport's C library, which is loaded next
+        if config.flagcx_use_hetero_comm not in (None, "1") and config.transport == contract.TRANSPORT_FLAGCX:
+            logger.warning("FLAGCX_USE_HETERO_COMM=%s set by the pod: one-sided puts need 1 on a same-vendor pair",
+                           config.flagcx_use_hetero_comm)
         self.transport: PairTransport = make_transport(config.transport, slots=config.transport_slots)
         self.accounts = SignalAccounts(config.role, config.hang_timeout_seconds, generation=config.generation)
         self.metrics_server: MetricsServer | None = None
@@ -107,8 +123,16 @@ class _Worker:
         self._counters_warned = False
 
     def _prepare(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        self.regions = KvRegions.from_kv_caches(kv_caches, num_blocks)
         first = next(iter(kv_caches.values()))
+        on_gpu = first.device.type == "cuda"
+        if on_gpu:
+            # FlagCX/NCCL bind to the calling thread's device; the transport makes this one current in its threads.
+            self.transport.set_device(first.device.index if first.device.index is not None else torch.cuda.current_device())
+        stage = on_gpu and not self.transport.supports_device_memory
+        self.regions = KvRegions.from_kv_caches(kv_caches, num_blocks, stage_on_host=stage)
+        if stage:
+            logger.info("KV caches on %s, transport %s moves host memory: staging through %.1f GiB of pinned host "
+                        "memory", first.device, self.config.transport, self.regions.staging.nbytes / 2**30)
         self.layout = KvLayout(
             self.regions.layer_names, self.regions.chunk_bytes, self.block_size, str(first.dtype), self.tp_size
         )
@@ -248,6 +272,14 @@ class DecodeWorker(_Worker):
             self._fail(request_id, timed_out=False)
             return
         self.accounts.on_signals(request_id, wait.expected)
+        if self.regions is not None and self.regions.staging is not None:
+            try:  # the bytes are in the host mirror; the load is done once they are on the device
+                self.regions.staging.to_device(self.regions.runs(wait.recv.block_ids))
+            except Exception as exc:  # noqa: BLE001 - a waiter must always settle its request
+                logger.error("request %s: copying the staged KV to the device failed: %s", request_id, exc)
+                self._close(wait, contract.OUTCOME_ERROR, wait.expected)
+                self._fail(request_id, timed_out=False)
+                return
         seconds = time.monotonic() - wait.started
         self._maybe_corrupt(wait)
         self._close(wait, contract.OUTCOME_OK, wait.expected, seconds=seconds, release_slot=True)
@@ -475,17 +507,24 @@ class PrefillWorker(_Worker):
         if comm is None:
             return PullFailed(pull.transfer_id, "prefill has no pair communicator")
         nbytes = 0
+        src_blocks = block_ids[pull.first_block : pull.first_block + count]
+        staging = self.regions.staging
         try:
             self._apply_drop_knob(comm)
-            for i, dst_block in enumerate(pull.dst_block_ids):
-                src_block = block_ids[pull.first_block + i]
-                for layer in range(layers):
-                    chunk = self.regions.chunk_bytes[layer]
+            # Staged: every layer's device -> host copy starts now; layer k is put once its copy is done.
+            copies = staging.to_host(self.regions.runs(src_blocks)) if staging is not None else [None] * layers
+            for layer in range(layers):
+                HostStaging.wait(copies[layer])
+                chunk = self.regions.chunk_bytes[layer]
+                for src_block, dst_block in zip(src_blocks, pull.dst_block_ids):
                     comm.put_signal(self.regions_local[layer], src_block * chunk, self.peer_indices[layer],
                                     dst_block * chunk, chunk, pull.signal_slot)
                     nbytes += chunk
             comm.flush(time.monotonic() + self.config.hang_timeout_seconds)
-        except TransportError as exc:
+        except RuntimeError as exc:  # TransportError, or a CUDA error of the staging copies
+            if not isinstance(exc, TransportError):
+                logger.error("transfer %s: staging the KV to host memory failed: %s", pull.transfer_id, exc)
+                return PullFailed(pull.transfer_id, f"prefill could not stage its KV to host memory: {exc}")
             logger.error("transfer %s (prefill request %s) failed: %s", pull.transfer_id, pull.remote_request_id, exc)
             return PullFailed(pull.transfer_id, f"prefill transport error: {exc}")
         return PullDone(pull.transfer_id, nbytes)

@@ -103,3 +103,12 @@ def test_tcp_transport_gets_the_configured_request_slots(slots):
 def test_tcp_transport_refuses_bad_slots():
     with pytest.raises(ValueError, match="request_slots must be an int >= 1"):
         make_transport(contract.TRANSPORT_TCP, slots=0)
+
+
+def test_flagcx_gets_hetero_comm_unless_the_pod_set_it():
+    flagcx = {**DECODE, contract.ENV_TRANSPORT: contract.TRANSPORT_FLAGCX}
+    config = PdPairConfig.from_env("kv_consumer", {}, flagcx)
+    assert config.transport_environment() == {"FLAGCX_USE_HETERO_COMM": "1"}
+    config = PdPairConfig.from_env("kv_consumer", {}, {**flagcx, "FLAGCX_USE_HETERO_COMM": "0"})
+    assert config.flagcx_use_hetero_comm == "0" and config.transport_environment() == {}
+    assert PdPairConfig.from_env("kv_consumer", {}, DECODE).transport_environment() == {}  # tcp loads no libflagcx
