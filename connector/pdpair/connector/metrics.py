@@ -266,6 +266,10 @@ class SignalAccounts:
             self._bytes.inc(nbytes)
             self._seconds.observe(seconds)
 
+    def count_failed_transfer(self) -> None:
+        """A transfer that failed before any wait was opened (no paired prefill, no free slot, broken pair)."""
+        self._transfers.labels(role=self.role, rank=self.rank, outcome=contract.OUTCOME_ERROR).inc()
+
     # --- side channel and transport --------------------------------------------------------------
     def on_handshake(self, outcome: str) -> None:
         """Count one side-channel uid exchange (ok | timeout | error, or another short lower-case word)."""

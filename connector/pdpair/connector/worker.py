@@ -240,14 +240,16 @@ class DecodeWorker(_Worker):
         comm = side.comm
         if comm is None or not side.connected.is_set():
             logger.error("request %s: cannot load KV: no prefill is paired on the side channel", recv.request_id)
+            self.accounts.count_failed_transfer()
             self._fail(recv.request_id, timed_out=False)
             return
-        with self._lock:
-            if not self._free_slots:
-                logger.error("request %s: no free signal slot (all %d busy or quarantined)", recv.request_id, comm.num_signal_slots)
-                self._fail(recv.request_id, timed_out=False)
-                return
-            slot = self._free_slots.pop()
+        with self._lock:  # _fail takes this lock too: decide here, fail outside
+            slot = self._free_slots.pop() if self._free_slots else None
+        if slot is None:
+            logger.error("request %s: no free signal slot (all %d busy or quarantined)", recv.request_id, comm.num_signal_slots)
+            self.accounts.count_failed_transfer()
+            self._fail(recv.request_id, timed_out=False)
+            return
         layers = len(self.regions.ptrs)
         expected = layers * len(recv.block_ids)
         nbytes = sum(self.regions.chunk_bytes) * len(recv.block_ids)
@@ -255,6 +257,7 @@ class DecodeWorker(_Worker):
             base = comm.read_signal(slot)
         except TransportError as exc:
             logger.error("request %s: cannot load KV: the pair is broken: %s", recv.request_id, exc)
+            self.accounts.count_failed_transfer()
             self._fail(recv.request_id, timed_out=False)
             return
         now = time.monotonic()
