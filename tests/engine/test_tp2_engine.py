@@ -67,10 +67,10 @@ class Tp2Pair:
     rss: dict[str, int]
 
 
-def worker_pid(proc: Process, role: str, rank: int) -> int:
-    """The pid of the worker process of `rank`, from the connector's own log line naming its side-channel thread."""
-    match = re.search(rf"\(pdpair pid=(\d+)\)[^\n]*pdpair-sidechannel-{role}-r{rank}:", proc.log())
-    assert match, f"no side-channel log line of {role} rank {rank}"
+def worker_pid(proc: Process, rank: int) -> int:
+    """The pid of the worker process of TP `rank`, from the connector's own start-up log line."""
+    match = re.search(rf"\(pdpair pid=(\d+)\)[^\n]*PdPairConnector worker side \(TP rank {rank} of {TP}\)", proc.log())
+    assert match, f"{proc.name}: no start-up log line of TP rank {rank}"
     return int(match.group(1))
 
 
@@ -128,6 +128,9 @@ def tp2(tiny_model, tmp_path_factory) -> Tp2Pair:
         healthy_before = http_get(prefill.url + "/health")[0] == 200
         started.append(decode.start())
         decode.wait_healthy()
+        for proc in (prefill, decode):  # the first request of a TP = 2 engine is slow (warm-up): not in the timings
+            status, payload = completion(proc.url, f"Warm-up of {proc.name}, computed locally.", MAX_TOKENS)
+            assert status == 200, payload
         prefill.wait_log("pdpair-sidechannel-prefill-r0: paired with decode", 60)
         rtr = router(logs, prefill.url, decode.url, decode_timeout=60)
         started.append(rtr.start())
@@ -159,6 +162,19 @@ def test_prefill_started_before_decode_retries_on_every_rank(tp2):
 
 
 def test_decode_listening_on_rank_0_only_holds_prefill_back_without_a_hang(tp2):
+    try:
+        half_paired_pair_refuses_to_proceed(tp2)
+    finally:
+        tp2.hold_listener_knob.unlink(missing_ok=True)  # later tests need the whole pair even if this one failed
+    ports = [tp2.listen_base + rank for rank in range(TP)]
+    tp2.prefill.wait_log("pdpair-sidechannel-prefill-r1: paired with decode", 60)
+    probe = asyncio.run(probe_ranks("127.0.0.1", ports, timeout=2.0))
+    assert probe.all_accept, probe.describe()
+    status, payload = completion(tp2.router.url, "Both ranks are paired now.", MAX_TOKENS)
+    assert status == 200 and len(tokens(payload)) == MAX_TOKENS, payload
+
+
+def half_paired_pair_refuses_to_proceed(tp2) -> None:
     ports = [tp2.listen_base + rank for rank in range(TP)]
     probe = asyncio.run(probe_ranks("127.0.0.1", ports, timeout=2.0))
     assert probe.accepting == (ports[0],) and probe.refusing == (ports[1],), probe.describe()
@@ -173,35 +189,34 @@ def test_decode_listening_on_rank_0_only_holds_prefill_back_without_a_hang(tp2):
     assert "pdpair-sidechannel-prefill-r1: paired" not in tp2.prefill.log()
     assert http_get(tp2.prefill.url + "/health")[0] == 200
 
-    # A request cannot proceed on a half-paired pair, and it fails at once rather than at (or past) the deadline.
-    # Rank 0 moves its half of the KV; rank 1 has no pair, so it fails the load without waiting for anything.
-    ok = {r: ranked(tp2.decode_metrics, "pdpair_kv_transfers_total", r, outcome="ok") for r in range(TP)}
-    errors = {r: ranked(tp2.decode_metrics, "pdpair_kv_transfers_total", r, outcome="error") for r in range(TP)}
+    # A request cannot proceed on a half-paired pair, and it does not wait for the deadline either: rank 0 moves its
+    # half of the KV, rank 1 has no pair, so it fails the load without opening a signal wait.
+    def count(rank: int, outcome: str) -> float:
+        return ranked(tp2.decode_metrics, "pdpair_kv_transfers_total", rank, outcome=outcome)
+
+    before = {(r, o): count(r, o) for r in range(TP) for o in ("ok", "error")}
+    timeouts = [ranked(tp2.decode_metrics, "pdpair_signal_wait_timeouts_total", r) for r in range(TP)]
     started = time.monotonic()
     status, payload = completion(tp2.router.url, "Half a pair cannot serve this prompt.", MAX_TOKENS)
     elapsed = time.monotonic() - started
     assert failed(status, payload), f"status {status}: {json.dumps(payload)[:400]}"
-    assert elapsed < HANG_TIMEOUT_SECONDS, elapsed
+    assert elapsed < HANG_TIMEOUT_SECONDS + 20, elapsed  # bounded; on a quiet box about a second
     assert "no prefill is paired on the side channel" in tp2.decode.log()
-    assert ranked(tp2.decode_metrics, "pdpair_kv_transfers_total", 1, outcome="error") == errors[1] + 1
-    assert ranked(tp2.decode_metrics, "pdpair_kv_transfers_total", 0, outcome="ok") == ok[0] + 1
-    assert ranked(tp2.decode_metrics, "pdpair_kv_transfers_total", 0, outcome="error") == errors[0]
-
-    tp2.hold_listener_knob.unlink()
-    tp2.prefill.wait_log("pdpair-sidechannel-prefill-r1: paired with decode", 60)
-    probe = asyncio.run(probe_ranks("127.0.0.1", ports, timeout=2.0))
-    assert probe.all_accept, probe.describe()
-    status, payload = completion(tp2.router.url, "Both ranks are paired now.", MAX_TOKENS)
-    assert status == 200 and len(tokens(payload)) == MAX_TOKENS, payload
+    assert count(1, "error") == before[1, "error"] + 1
+    assert count(0, "ok") == before[0, "ok"] + 1 and count(0, "error") == before[0, "error"]
+    assert [ranked(tp2.decode_metrics, "pdpair_signal_wait_timeouts_total", r) for r in range(TP)] == timeouts
+    print(f"\nhalf-paired request failed after {elapsed:.1f}s (hang timeout {HANG_TIMEOUT_SECONDS:g}s)")
 
 
 def test_outputs_equal_single_engines_at_tp2_and_tp1(tp2):
-    def counters():
-        return {(name, r): ranked(tp2.decode_metrics, name, r, **labels)
-                for name, labels in (("pdpair_kv_transfers_total", {"outcome": "ok"}),
-                                     ("pdpair_kv_transfer_bytes_total", {}),
-                                     ("pdpair_signals_expected_total", {"peer": f"prefill-r{r}"}))
-                for r in range(TP)}
+    def counters() -> dict[tuple[str, int], float]:
+        out = {}
+        for r in range(TP):
+            out["pdpair_kv_transfers_total", r] = ranked(tp2.decode_metrics, "pdpair_kv_transfers_total", r, outcome="ok")
+            out["pdpair_kv_transfer_bytes_total", r] = ranked(tp2.decode_metrics, "pdpair_kv_transfer_bytes_total", r)
+            out["pdpair_signals_expected_total", r] = ranked(tp2.decode_metrics, "pdpair_signals_expected_total", r,
+                                                             peer=f"prefill-r{r}")
+        return out
 
     before = counters()
     for prompt in PROMPTS:
@@ -280,7 +295,7 @@ def test_signal_drop_on_rank_1_only_fails_at_the_deadline_and_the_pod_is_judged_
 def test_killing_one_decode_worker_fails_the_pair_visibly(tp2):
     """Last: it breaks the pair. vLLM notices a dead worker and shuts the engine down; every request gets an answer
     (an error) within bounded time, prefill notices the side channel drop, nothing waits forever."""
-    os.kill(worker_pid(tp2.decode, "decode", 1), signal.SIGKILL)
+    os.kill(worker_pid(tp2.decode, 1), signal.SIGKILL)
     started = time.monotonic()
     status, payload = completion(tp2.router.url, "Is anyone still decoding?", MAX_TOKENS)
     assert failed(status, payload) or status >= 400, f"status {status}: {json.dumps(payload)[:400]}"
