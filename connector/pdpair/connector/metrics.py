@@ -23,6 +23,9 @@ created in a row in one process never collide on metric registration)::
     server.stop()                                  # port is free again when this returns
 
 Semantics:
+- One `SignalAccounts` per TP rank (`rank=`); every per-rank series carries `rank`. At TP > 1, rank 0 serves the
+  pod's port with `serve(..., ranks=PeerRanks(port, (1, ...)))` and each other rank runs `export_rank(port, accounts)`;
+  see "TP ranks" below.
 - A wait is *open* from `open_wait` until `close_wait`. It is *waiting* while received < expected.
 - `pdpair_signal_deficit{peer}` = sum of (expected - received) over open waits of that peer, computed at scrape
   time; every peer seen once keeps a series (0 when nothing is missing), so "deficit == 0" is observable.
