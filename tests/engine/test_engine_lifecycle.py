@@ -64,7 +64,8 @@ def test_three_tp2_engines_in_a_row_reuse_the_same_ports(tiny_model):
         contract.ENV_TRANSPORT: contract.TRANSPORT_TCP,
     })
     result = subprocess.run(
-        [sys.executable, str(HERE / "three_engines.py"), str(tiny_model), str(listen_port), str(metrics_port), "3", "2"],
+        [sys.executable, str(HERE / "three_engines.py"), str(tiny_model), str(listen_port), str(metrics_port),
+         "3", "2"],
         env=env, capture_output=True, text=True, timeout=900,
     )
     rounds = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -79,6 +80,7 @@ def test_three_tp2_engines_in_a_row_reuse_the_same_ports(tiny_model):
                               "workers": 0}, detail
     assert rounds[0]["tokens"] == rounds[1]["tokens"] == rounds[2]["tokens"], detail
     for rank in (0, 1):  # each rank's worker closed its listener itself on every round (a clean shutdown, not a kill)
-        assert result.stderr.count(f"pdpair-sidechannel-decode-r{rank}: listener on port {listen_port + rank} closed") == 3
+        closed = f"pdpair-sidechannel-decode-r{rank}: listener on port {listen_port + rank} closed"
+        assert result.stderr.count(closed) == 3, detail
     assert "Address already in use" not in result.stderr and "EADDRINUSE" not in result.stderr
     assert result.returncode == 0, detail

@@ -212,7 +212,8 @@ def test_outputs_equal_single_engines_at_tp2_and_tp1(tp2):
     def counters() -> dict[tuple[str, int], float]:
         out = {}
         for r in range(TP):
-            out["pdpair_kv_transfers_total", r] = ranked(tp2.decode_metrics, "pdpair_kv_transfers_total", r, outcome="ok")
+            out["pdpair_kv_transfers_total", r] = ranked(tp2.decode_metrics, "pdpair_kv_transfers_total", r,
+                                                         outcome="ok")
             out["pdpair_kv_transfer_bytes_total", r] = ranked(tp2.decode_metrics, "pdpair_kv_transfer_bytes_total", r)
             out["pdpair_signals_expected_total", r] = ranked(tp2.decode_metrics, "pdpair_signals_expected_total", r,
                                                              peer=f"prefill-r{r}")

@@ -87,7 +87,8 @@ def main(model: str, listen_port: int, metrics_port: int, rounds: int, tp: int =
         gc.collect()
         leftover_workers = wait_until(child_processes)
         after = {"sidechannel": [port_state(listen_port + r) for r in range(tp)], "metrics": port_state(metrics_port),
-                 "threads": pdpair_threads(), "rank_sockets": rank_sockets(metrics_port), "workers": len(leftover_workers)}
+                 "threads": pdpair_threads(), "rank_sockets": rank_sockets(metrics_port),
+                 "workers": len(leftover_workers)}
         good = (
             during["sidechannel"] == ["listening"] * tp and during["metrics"] == "listening" and len(tokens) == 4
             and len(during["rank_sockets"]) == tp - 1
