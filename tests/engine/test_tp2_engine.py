@@ -7,8 +7,8 @@ order (each engine takes a minute or more to start on this box):
 2. decode starts with rank 1's listener held back (test knob `test_delay_listener_file`): rank 0 pairs, rank 1 does
    not; the operator's own probe (`probe_ranks`) refuses the pod; a request fails at once instead of hanging;
    releasing the knob lets rank 1 pair and the pair serve;
-3. outputs equal a plain TP = 1 engine's (run first, then stopped to free memory) and a TP = 2 engine's (the prefill
-   engine answering alone, with no transfer involved) token for token;
+3. outputs equal a plain TP = 1 engine's (run while decode starts, then stopped to free memory) and a TP = 2
+   engine's (the prefill engine answering alone, with no transfer involved) token for token;
 4. each rank's side channel, pair, regions and signal accounts are separate and visible, labelled by rank;
 5. a signal drop on rank 1 only: the request fails at the deadline, rank 1's deficit shows, /healthz and the
    operator's scrape judge the pod hung;
@@ -39,13 +39,15 @@ TP = 2
 HANG_TIMEOUT_SECONDS = 8.0
 # Short answers: a TP = 2 decode step costs a gloo all-reduce per layer, slow on a busy 2-core box.
 MAX_TOKENS = 6
+# Deadline for a TP = 2 engine to come up: three process layers import vLLM; on the shared box at load 40+ that has
+# taken over 5 minutes (a deadline, not a wait: a healthy engine returns at once).
+TP2_START_TIMEOUT_SECONDS = 900.0
 GENERATION = 3
 # Fresh prompts (decode's prefix cache must not hold them), 1 to 5 blocks of 32 tokens.
 PROMPTS = [
     "Tensor parallel two: each rank holds one KV head.",
     "Rank zero pairs with rank zero, rank one with rank one. " * 3,
     "The operator probes every side-channel port before prefill starts. " * 5,
-    "gloo workers on the CPU",
     "0 1 2 3 4 5 6 7 8 9 " * 9,
 ]
 # Bytes one rank moves per KV block: layers x (K, V) x block tokens x KV heads per rank x head_dim x float32.
@@ -115,19 +117,20 @@ def tp2(tiny_model, tmp_path_factory) -> Tp2Pair:
         # Prefill first, on purpose, next to a plain TP = 1 engine that gives the reference outputs.
         for proc in (prefill, baseline):
             started.append(proc.start())
-        baseline.wait_healthy()
+        prefill.wait_healthy(TP2_START_TIMEOUT_SECONDS)
+        for rank in range(TP):
+            prefill.wait_log(f"pdpair-sidechannel-prefill-r{rank}: handshake attempt 2 ", 60)
+        healthy_before = http_get(prefill.url + "/health")[0] == 200
+        started.append(decode.start())
+        baseline.wait_healthy()  # its requests overlap decode's start-up
         tp1_outputs = {}
         for prompt in PROMPTS:
             status, payload = completion(baseline.url, prompt, MAX_TOKENS)
             assert status == 200, payload
             tp1_outputs[prompt] = tokens(payload)
+        baseline_rss = baseline.rss_bytes()
         baseline.stop()  # memory: only the pair runs from here on
-        prefill.wait_healthy()
-        for rank in range(TP):
-            prefill.wait_log(f"pdpair-sidechannel-prefill-r{rank}: handshake attempt 2 ", 60)
-        healthy_before = http_get(prefill.url + "/health")[0] == 200
-        started.append(decode.start())
-        decode.wait_healthy()
+        decode.wait_healthy(TP2_START_TIMEOUT_SECONDS)
         for proc in (prefill, decode):  # the first request of a TP = 2 engine is slow (warm-up): not in the timings
             status, payload = completion(proc.url, f"Warm-up of {proc.name}, computed locally.", MAX_TOKENS)
             assert status == 200, payload
@@ -135,9 +138,10 @@ def tp2(tiny_model, tmp_path_factory) -> Tp2Pair:
         rtr = router(logs, prefill.url, decode.url, decode_timeout=60)
         started.append(rtr.start())
         rtr.wait_healthy(60)
-        rss = {"prefill": prefill.rss_bytes(), "decode": decode.rss_bytes()}
-        print(f"\nTP=2 RSS: prefill {rss['prefill'] / 2**30:.2f} GiB, decode {rss['decode'] / 2**30:.2f} GiB "
-              "(each: API server + engine core + 2 workers)")
+        rss = {"prefill": prefill.rss_bytes(), "decode": decode.rss_bytes(), "baseline_tp1": baseline_rss}
+        print(f"\nRSS of each process tree: TP = 2 prefill {rss['prefill'] / 2**30:.2f} GiB, TP = 2 decode "
+              f"{rss['decode'] / 2**30:.2f} GiB (API server + engine core + 2 workers), TP = 1 plain engine "
+              f"{baseline_rss / 2**30:.2f} GiB")
         yield Tp2Pair(prefill, decode, rtr, listen_base, f"http://127.0.0.1:{decode_metrics}",
                       f"http://127.0.0.1:{prefill_metrics}", hold, drop, tp1_outputs, healthy_before, rss)
     finally:
