@@ -49,6 +49,7 @@ class PdPairConfig:
     # Test-only knobs, from kv_connector_extra_config; never set by the operator.
     test_corrupt_kv_file: str | None = None  # decode: while this file exists, received KV is overwritten
     test_drop_signals_file: str | None = None  # prefill: while it exists, the native sender drops every N-th signal
+    test_delay_listener_file: str | None = None  # decode: while it exists, the ranks it names do not listen yet
 
     @property
     def send_lease_seconds(self) -> float:
@@ -101,6 +102,7 @@ class PdPairConfig:
 
         corrupt = extra.pop("test_corrupt_kv_file", None)
         drop = extra.pop("test_drop_signals_file", None)
+        delay_listener = extra.pop("test_delay_listener_file", None)
         if extra:
             raise ConfigError(f"unknown kv_connector_extra_config keys for PdPairConnector: {sorted(extra)}")
         return cls(
@@ -119,6 +121,7 @@ class PdPairConfig:
             flagcx_use_hetero_comm=env.get(ENV_FLAGCX_USE_HETERO_COMM) or None,
             test_corrupt_kv_file=str(corrupt) if corrupt else None,
             test_drop_signals_file=str(drop) if drop else None,
+            test_delay_listener_file=str(delay_listener) if delay_listener else None,
         )
 
 

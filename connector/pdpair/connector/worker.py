@@ -28,7 +28,7 @@ from pdpair import contract
 from pdpair.connector.config import PdPairConfig
 from pdpair.connector.handshake import DecodeSideChannel, PrefillSideChannel
 from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
-from pdpair.connector.metrics import MetricsServer, SignalAccounts, serve
+from pdpair.connector.metrics import MetricsServer, PeerRanks, RankExporter, SignalAccounts, export_rank, serve
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
 from pdpair.connector.staging import HostStaging, block_runs
 from pdpair.connector.stats import PdPairKVConnectorStats
@@ -110,10 +110,18 @@ class _Worker:
             logger.warning("FLAGCX_USE_HETERO_COMM=%s set by the pod: one-sided puts need 1 on a same-vendor pair",
                            config.flagcx_use_hetero_comm)
         self.transport: PairTransport = make_transport(config.transport, slots=config.transport_slots)
-        self.accounts = SignalAccounts(config.role, config.hang_timeout_seconds, generation=config.generation)
+        self.accounts = SignalAccounts(config.role, config.hang_timeout_seconds, generation=config.generation,
+                                       rank=tp_rank)
+        # One metrics port per pod: rank 0 serves it and merges the other ranks' accounts, which each rank > 0
+        # exports on a local socket (every rank runs in its own worker process).
         self.metrics_server: MetricsServer | None = None
-        if config.metrics_port is not None and tp_rank == 0:
-            self.metrics_server = serve(config.metrics_port, self.accounts)
+        self.rank_exporter: RankExporter | None = None
+        if config.metrics_port is not None:
+            if tp_rank == 0:
+                peers = PeerRanks(config.metrics_port, tuple(range(1, tp_size))) if tp_size > 1 else None
+                self.metrics_server = serve(config.metrics_port, self.accounts, ranks=peers)
+            else:
+                self.rank_exporter = export_rank(config.metrics_port, self.accounts)
         self.regions: KvRegions | None = None
         self.layout: KvLayout | None = None
         self.local_hash = ""
@@ -160,6 +168,9 @@ class _Worker:
         if self.metrics_server is not None:
             self.metrics_server.stop()
             self.metrics_server = None
+        if self.rank_exporter is not None:
+            self.rank_exporter.stop()
+            self.rank_exporter = None
         self.transport.close()
 
 
@@ -175,6 +186,9 @@ class DecodeWorker(_Worker):
         self._abandoned: dict[str, _Wait] = {}  # timed out, still open in the metrics
         self._waiters = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix=f"pdpair-signal-wait-r{self.tp_rank}")
         self._comm_id: int | None = None
+        self._listener_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._delayed_listener: threading.Thread | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self._prepare(kv_caches, num_blocks)
@@ -193,7 +207,41 @@ class DecodeWorker(_Worker):
             on_disconnect=self._on_disconnect,
             accounts=self.accounts,
         )
-        self.side.start_and_wait()
+        if self._listener_held_back():
+            logger.warning("TEST KNOB %s present: rank %d's side-channel listener waits until the file is removed",
+                           self.config.test_delay_listener_file, self.tp_rank)
+            self._delayed_listener = threading.Thread(
+                target=self._start_listener_when_released, name=f"pdpair-test-listen-delay-r{self.tp_rank}", daemon=True
+            )
+            self._delayed_listener.start()
+        else:
+            self.side.start_and_wait()
+
+    def _listener_held_back(self) -> bool:
+        """TEST ONLY (test_delay_listener_file): the file exists and names this rank (empty: every rank)."""
+        path = self.config.test_delay_listener_file
+        if not path or not os.path.exists(path):
+            return False
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            return False  # removed between the two calls
+        return not text or str(self.tp_rank) in {part.strip() for part in text.split(",")}
+
+    def _start_listener_when_released(self) -> None:
+        while not self._stopping.wait(0.1):
+            if self._listener_held_back():
+                continue
+            with self._listener_lock:
+                if self._stopping.is_set():
+                    return
+                logger.warning("TEST KNOB %s released: starting rank %d's side-channel listener",
+                               self.config.test_delay_listener_file, self.tp_rank)
+                try:
+                    self.side.start_and_wait()
+                except Exception:  # noqa: BLE001 - logged; decode then fails its loads as unpaired
+                    logger.exception("rank %d: the delayed side-channel listener did not start", self.tp_rank)
+            return
 
     def _register(self, comm: PairComm) -> tuple[bytes, list[int], int]:
         result = super()._register(comm)
@@ -216,14 +264,16 @@ class DecodeWorker(_Worker):
         comm = side.comm
         if comm is None or not side.connected.is_set():
             logger.error("request %s: cannot load KV: no prefill is paired on the side channel", recv.request_id)
+            self.accounts.count_failed_transfer()
             self._fail(recv.request_id, timed_out=False)
             return
-        with self._lock:
-            if not self._free_slots:
-                logger.error("request %s: no free signal slot (all %d busy or quarantined)", recv.request_id, comm.num_signal_slots)
-                self._fail(recv.request_id, timed_out=False)
-                return
-            slot = self._free_slots.pop()
+        with self._lock:  # _fail takes this lock too: decide here, fail outside
+            slot = self._free_slots.pop() if self._free_slots else None
+        if slot is None:
+            logger.error("request %s: no free signal slot (all %d busy or quarantined)", recv.request_id, comm.num_signal_slots)
+            self.accounts.count_failed_transfer()
+            self._fail(recv.request_id, timed_out=False)
+            return
         layers = len(self.regions.ptrs)
         expected = layers * len(recv.block_ids)
         nbytes = sum(self.regions.chunk_bytes) * len(recv.block_ids)
@@ -231,6 +281,7 @@ class DecodeWorker(_Worker):
             base = comm.read_signal(slot)
         except TransportError as exc:
             logger.error("request %s: cannot load KV: the pair is broken: %s", recv.request_id, exc)
+            self.accounts.count_failed_transfer()
             self._fail(recv.request_id, timed_out=False)
             return
         now = time.monotonic()
@@ -381,6 +432,10 @@ class DecodeWorker(_Worker):
         return finished, failed
 
     def shutdown(self) -> None:
+        with self._listener_lock:
+            self._stopping.set()  # a held-back listener (test knob) never starts after this
+        if self._delayed_listener is not None:
+            self._delayed_listener.join(5.0)
         if self.side is not None:
             with self._lock:
                 for wait in self._waits.values():
@@ -530,15 +585,19 @@ class PrefillWorker(_Worker):
         return PullDone(pull.transfer_id, nbytes)
 
     def _apply_drop_knob(self, comm: PairComm) -> None:
-        """TEST ONLY: while the knob file exists (content: N, default 1), the native sender drops every N-th signal."""
+        """TEST ONLY: while the knob file exists the native sender drops every N-th signal. Content `N` (empty: 1)
+        on every TP rank, `N@R` on TP rank R only."""
         path = self.config.test_drop_signals_file
         if not path or not hasattr(comm, "set_signal_drop_fault"):
             return
         every = 0
         if os.path.exists(path):
             text = open(path).read().strip()
-            every = int(text) if text else 1
-            logger.warning("TEST KNOB %s present: the transport drops every %d-th signal", path, every)
+            count, _, rank = text.partition("@")
+            if not rank or int(rank) == self.tp_rank:
+                every = int(count) if count else 1
+                logger.warning("TEST KNOB %s present: rank %d's transport drops every %d-th signal", path,
+                               self.tp_rank, every)
         comm.set_signal_drop_fault(every)
 
     def _register(self, comm: PairComm) -> tuple[bytes, list[int], int]:

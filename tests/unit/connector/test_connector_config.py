@@ -20,8 +20,9 @@ PREFILL = {contract.ENV_PEER_HOST: "10.0.0.9", contract.ENV_PEER_PORT_BASE: "200
 
 
 def test_decode_config_from_env():
-    config = PdPairConfig.from_env("kv_consumer", {}, {**DECODE, contract.ENV_METRICS_PORT: "9100"})
-    assert config.role == contract.ROLE_DECODE
+    config = PdPairConfig.from_env("kv_consumer", {"test_delay_listener_file": "/tmp/hold"},
+                                   {**DECODE, contract.ENV_METRICS_PORT: "9100"})
+    assert config.role == contract.ROLE_DECODE and config.test_delay_listener_file == "/tmp/hold"
     assert config.generation == 3 and config.hang_timeout_seconds == 12.0
     assert config.listen_port(2) == 20002 and config.metrics_port == 9100
     assert config.transport == contract.TRANSPORT_TCP
