@@ -183,7 +183,7 @@ BAD_SPECS: list[tuple[str, Callable[[dict], None], tuple[str, ...]]] = [
     ("slots-over-flagcx-pool", both(at("connector.transport", "flagcx"), at("connector.slots", 512)),
      ("spec.connector.slots", "<= 256 when spec.connector.transport is flagcx")),
     ("slots-zero", at("connector.slots", 0), ("spec.connector.slots", "greater than or equal to 1")),
-    ("ports-per-rank-too-many", at("network.portsPerRank", 9), ("spec.network.portsPerRank", "less than or equal to 8")),
+    ("ports-per-rank-too-many", at("network.portsPerRank", 2), ("spec.network.portsPerRank", "less than or equal to 1")),
     ("host-network-string", at("network.hostNetwork", "yes"), ("spec.network.hostNetwork", "must be of type boolean")),
     ("max-backoff-below-backoff", both(at("restartPolicy.backoffSeconds", 60), at("restartPolicy.maxBackoffSeconds", 30)),
      ("spec.restartPolicy.maxBackoffSeconds", "must be >= spec.restartPolicy.backoffSeconds")),
