@@ -53,7 +53,8 @@ def mount_cgroups(hierarchies: list[dict]) -> None:
             target.symlink_to(h["symlink"])
             continue
         target.mkdir(exist_ok=True)
-        run("mount", "-t", h["fstype"], "-o", h["options"], h["fstype"], str(target))
+        opts = ["-o", h["options"]] if h["options"] else []
+        run("mount", "-t", h["fstype"], *opts, h["fstype"], str(target))
 
 
 def cgroup_dirs(hierarchies: list[dict], cgroup_root: str) -> list[pathlib.Path]:

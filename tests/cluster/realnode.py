@@ -373,7 +373,7 @@ def _host_cgroup_hierarchies() -> list[dict]:
         fstype, _source, options = right.split()[:3]
         if fstype in ("cgroup", "cgroup2") and mountpoint.startswith("/sys/fs/cgroup/"):
             opts = ",".join(o for o in options.split(",") if o not in ("rw", "ro"))
-            out.append({"name": mountpoint[len("/sys/fs/cgroup/"):], "fstype": fstype, "options": opts or "none"})
+            out.append({"name": mountpoint[len("/sys/fs/cgroup/"):], "fstype": fstype, "options": opts})
     for entry in pathlib.Path("/sys/fs/cgroup").iterdir():
         if entry.is_symlink():
             out.append({"name": entry.name, "fstype": "symlink", "symlink": os.readlink(entry)})
