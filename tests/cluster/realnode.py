@@ -193,14 +193,33 @@ def _build_pause(out_dir: pathlib.Path, log: Callable[[str], None]) -> None:
 def write_oci_archive(dest: pathlib.Path, ref: str, layers: list[bytes], config: dict) -> str:
     """Writes an OCI image layout tar (uncompressed layers) that `ctr images import` takes; returns the manifest
     digest. `ref` goes into the index's ref-name annotation, which is the image name after import."""
-    blobs: dict[str, bytes] = {}
+    with tempfile.TemporaryDirectory(prefix="pdpair-oci-") as tmp:
+        paths = []
+        for i, data in enumerate(layers):
+            paths.append(pathlib.Path(tmp) / f"layer{i}.tar")
+            paths[-1].write_bytes(data)
+        return write_oci_archive_from_files(dest, ref, paths, config)
+
+
+def write_oci_archive_from_files(dest: pathlib.Path, ref: str, layers: list[pathlib.Path], config: dict) -> str:
+    """write_oci_archive for layer tar files (streamed, never read whole into memory)."""
+    blobs: dict[str, bytes | pathlib.Path] = {}
 
     def blob(data: bytes) -> dict:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         blobs[digest] = data
         return {"digest": digest, "size": len(data)}
 
-    layer_descs = [{"mediaType": "application/vnd.oci.image.layer.v1.tar", **blob(data)} for data in layers]
+    def file_blob(path: pathlib.Path) -> dict:
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        digest = "sha256:" + h.hexdigest()
+        blobs[digest] = path
+        return {"digest": digest, "size": path.stat().st_size}
+
+    layer_descs = [{"mediaType": "application/vnd.oci.image.layer.v1.tar", **file_blob(p)} for p in layers]
     image_config = {
         "architecture": "amd64", "os": "linux", "config": config,
         "rootfs": {"type": "layers", "diff_ids": [d["digest"] for d in layer_descs]},
@@ -224,7 +243,15 @@ def write_oci_archive(dest: pathlib.Path, ref: str, layers: list[bytes], config:
         add(tar, "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
         add(tar, "index.json", json.dumps(index).encode())
         for digest, data in blobs.items():
-            add(tar, f"blobs/sha256/{digest.split(':', 1)[1]}", data)
+            name = f"blobs/sha256/{digest.split(':', 1)[1]}"
+            if isinstance(data, pathlib.Path):
+                info = tarfile.TarInfo(name)
+                info.size = data.stat().st_size
+                info.mode = 0o644
+                with open(data, "rb") as fh:
+                    tar.addfile(info, fh)
+            else:
+                add(tar, name, data)
     return manifest_desc["digest"]
 
 
