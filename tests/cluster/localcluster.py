@@ -72,6 +72,9 @@ COMPONENT_VERSIONS = {
 # kwok manages only nodes carrying this label, so a Node created by hand (or by another tool) is left alone.
 FAKE_NODE_LABEL = ("localcluster.pdpair.io/fake-node", "kwok")
 SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
+# A pod carrying this label runs but never becomes Ready (a model that never finishes loading): kwok plays no
+# probes, so tests that need a not-ready container set it in the pod template.
+NEVER_READY_LABEL = ("localcluster.pdpair.io/readiness", "never")
 POD_CIDR = "10.244.0.0/16"  # kwok hands out pod IPs from here for pods without hostNetwork
 DEFAULT_NODE_CAPACITY = {"cpu": "64", "memory": "512Gi", "pods": "110"}
 COMPONENT_LOG_TAIL_CHARS = 4000
@@ -326,9 +329,14 @@ conditions:
 phase: Running
 startTime: {{ $now | Quote }}
 conditions:
-{{ range list "Initialized" "PodScheduled" "ContainersReady" "Ready" }}
+{{ range list "Initialized" "PodScheduled" }}
 - type: {{ . }}
   status: "True"
+  lastTransitionTime: {{ $now | Quote }}
+{{ end }}
+{{ range list "ContainersReady" "Ready" }}
+- type: {{ . }}
+  status: "@READY@"
   lastTransitionTime: {{ $now | Quote }}
 {{ end }}
 {{ range .spec.readinessGates }}
@@ -341,7 +349,7 @@ containerStatuses:
 - name: {{ .name | Quote }}
   image: {{ .image | Quote }}
   imageID: ""
-  ready: true
+  ready: @ready@
   started: true
   restartCount: 0
   state: {running: {startedAt: {{ $now | Quote }}}}
@@ -381,6 +389,10 @@ podIPs:
         return {"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage", "metadata": {"name": name}, "spec": spec}
 
     ready_is = '.status.conditions.[] | select( .type == "Ready" ) | .status'
+    never_ready = f'.metadata.labels["{NEVER_READY_LABEL[0]}"]'
+
+    def running(ready: bool) -> str:
+        return pod_running_status.replace("@READY@", str(ready)).replace("@ready@", str(ready).lower())
     return [
         stage("localcluster-node-initialize", "Node",
               [{"key": ready_is, "operator": "NotIn", "values": ["True"]}],
@@ -393,8 +405,14 @@ podIPs:
               {"statusTemplate": heartbeat_status}, delay_ms=20000),
         stage("localcluster-pod-running", "Pod",
               [{"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
-               {"key": ".status.phase", "operator": "In", "values": ["Pending"]}],
-              {"statusTemplate": pod_running_status}),
+               {"key": ".status.phase", "operator": "In", "values": ["Pending"]},
+               {"key": never_ready, "operator": "DoesNotExist"}],
+              {"statusTemplate": running(True)}),
+        stage("localcluster-pod-running-never-ready", "Pod",
+              [{"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
+               {"key": ".status.phase", "operator": "In", "values": ["Pending"]},
+               {"key": never_ready, "operator": "In", "values": [NEVER_READY_LABEL[1]]}],
+              {"statusTemplate": running(False)}),
         stage("localcluster-pod-delete", "Pod",
               [{"key": ".metadata.deletionTimestamp", "operator": "Exists"}],
               {"delete": True}),
@@ -779,6 +797,22 @@ class LocalCluster:
                                    + self.log_tail("kwok"))
             for component in self._components:
                 self._check_alive(component)
+            time.sleep(0.2)
+
+    def wait_crd_established(self, name: str, timeout: float = 60.0) -> dict:
+        """Polls until the CRD `name` is Established. (`kubectl wait` fails at once while a freshly applied CRD
+        has no status.conditions yet, which a large schema makes likely.)"""
+        from kubernetes import client
+
+        api = client.ApiextensionsV1Api(self.api_client())
+        deadline = time.monotonic() + timeout
+        while True:
+            crd = api.read_custom_resource_definition(name)
+            conditions = {c.type: c.status for c in ((crd.status and crd.status.conditions) or [])}
+            if conditions.get("Established") == "True":
+                return crd.to_dict()
+            if time.monotonic() > deadline:
+                raise ClusterError(f"CRD {name} not Established after {timeout}s (conditions {conditions})")
             time.sleep(0.2)
 
     def create_namespace(self, name: str, timeout: float = 30.0) -> None:

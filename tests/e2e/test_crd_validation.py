@@ -27,8 +27,7 @@ pytestmark = pytest.mark.cluster
 def install_crd(cluster) -> None:
     """Server-side apply of the chart's CRD, then wait until the apiserver serves it."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=pdpair-tests", "-f", str(CRD_PATH))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    f"crd/{contract.PLURAL}.{contract.GROUP}")
+    cluster.wait_crd_established(f"{contract.PLURAL}.{contract.GROUP}")
 
 
 @pytest.fixture(scope="module")
