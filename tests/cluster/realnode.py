@@ -758,12 +758,24 @@ state = "/run/containerd"
             time.sleep(0.1)
 
     def wait_node_ready(self, name: str, timeout: float = 60.0) -> dict:
-        try:
-            return super().wait_node_ready(name, timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - the kubelet log says why, not kwok's
-            node = self.node(name)
-            raise ClusterError(f"node {name} not Ready: {exc}\nkubelet log:\n{self.node_log_tail(node, 'kubelet')}"
-                               ) from exc
+        """Waits for the kubelet to register Node `name` and report Ready."""
+        node = self.node(name)
+        deadline = time.monotonic() + timeout
+        last = "not registered"
+        while True:
+            obj = self._admin_get(f"/api/v1/nodes/{name}")
+            if obj is not None:
+                conditions = {c["type"]: c["status"] for c in obj.get("status", {}).get("conditions", [])}
+                if conditions.get("Ready") == "True":
+                    return obj
+                last = f"conditions {conditions}"
+            if node.process is not None and node.process.poll() is not None:
+                raise ClusterError(f"node {name} supervisor exited ({node.process.returncode}):\n"
+                                   f"{self.node_log_tail(node)}\nkubelet log:\n{self.node_log_tail(node, 'kubelet')}")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"node {name} not Ready after {timeout:.0f}s ({last}); kubelet log:\n"
+                                   + self.node_log_tail(node, "kubelet"))
+            time.sleep(0.2)
 
     # -- teardown ------------------------------------------------------------------------------------------------
     def _teardown(self) -> None:

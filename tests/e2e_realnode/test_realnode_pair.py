@@ -1,0 +1,310 @@
+"""The product on real Kubernetes nodes: images built here, `helm install` of the chart, an InferencePair whose
+prefill and decode run vLLM in containers on two different nodes, and completions through the pair's Service.
+
+Everything runs in the `real_cluster` fixture (tests/cluster/realnode.py): two nodes with containerd, runc, CNI,
+kubelet and kube-proxy, in network namespaces of their own. The tiny model reaches the pods through a hostPath
+volume (per-role pod templates), never through the image. Requests are sent from inside a node's namespace
+(`real_cluster.node_exec`), i.e. from the cluster network.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdpair.contract import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from tests.cluster.images import engine_image, operator_image
+from tests.cluster.localcluster import REPO_ROOT, helm_path
+
+sys.path.insert(0, str(REPO_ROOT / "tests" / "engine"))
+from tiny_model import build_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.realnode
+
+CHART = REPO_ROOT / "charts" / "pdpair"
+OPERATOR_NS = "pdpair-system"
+MODEL_MOUNT = "/models/tiny"
+SERVED_NAME = "tiny"
+# The flags of tests/engine (engines.py ENGINE_ARGS) minus the served name, which the pair sets itself.
+ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "512",
+               "--kv-cache-memory-bytes", str(64 * 2**20)]
+ENGINE_ENV = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}, {"name": "HF_HUB_OFFLINE", "value": "1"},
+              {"name": "VLLM_NO_USAGE_STATS", "value": "1"}, {"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
+PROMPTS = ["The quick brown fox", "Kubernetes runs pods;", "Prefill computes the prompt,", "Hello world! 0123"]
+MAX_TOKENS = 16
+ENGINE_START_TIMEOUT = 600.0
+
+# Runs inside a node's namespaces with this interpreter: POST a greedy completion, print the text as JSON.
+_COMPLETION_SNIPPET = """
+import json, sys, urllib.request
+url, prompt, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+body = json.dumps({"model": %r, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=120) as resp:
+    print(json.dumps(json.load(resp)["choices"][0]["text"]))
+""" % SERVED_NAME
+
+
+def wait_for(fn, timeout: float, what: str, diagnose=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{diagnose()}")
+        time.sleep(1.0)
+
+
+def completion(cluster, node: str, host: str, port: int, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+    proc = cluster.node_exec(node, [sys.executable, "-c", _COMPLETION_SNIPPET, f"http://{host}:{port}/v1/completions",
+                                    prompt, str(max_tokens)], timeout=180)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def describe(cluster, ns: str) -> str:
+    pods = cluster.kubectl("get", "pods", "-n", ns, "-o", "wide", check=False).stdout
+    events = cluster.kubectl("get", "events", "-n", ns, "--sort-by=.lastTimestamp", check=False).stdout[-3000:]
+    return f"pods:\n{pods}\nevents:\n{events}"
+
+
+def pod_logs(cluster, ns: str, name: str) -> str:
+    return cluster.kubectl("logs", "-n", ns, name, "--tail=60", check=False).stdout
+
+
+@pytest.fixture(scope="module")
+def images(real_cluster):
+    """Operator and engine images (cached by content), imported into both nodes' containerd."""
+    built = {"operator": operator_image(), "engine": engine_image()}
+    t0 = time.monotonic()
+    for image in built.values():
+        real_cluster.import_image(image.archive)
+    print(f"[realnode-e2e] images imported into {len(real_cluster.nodes)} nodes in {time.monotonic() - t0:.1f}s")
+    return built
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = build_tiny_model(tmp_path_factory.mktemp("realnode-model") / "tiny")
+    # hostPath mounts the folder itself; the engine runs as uid 10001, so the files must be world-readable.
+    for entry in [path, *path.rglob("*")]:
+        mode = entry.stat().st_mode
+        entry.chmod(mode | stat.S_IROTH | stat.S_IRGRP | (stat.S_IXOTH | stat.S_IXGRP if entry.is_dir() else 0))
+    return path
+
+
+@pytest.fixture(scope="module")
+def namespace(real_cluster):
+    name = f"rn-{uuid.uuid4().hex[:8]}"
+    real_cluster.create_namespace(name)
+    yield name
+    real_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def model_volume(model_dir: Path) -> dict:
+    return {"name": "models", "hostPath": {"path": str(model_dir), "type": "Directory"}}
+
+
+@pytest.fixture(scope="module")
+def baseline_outputs(real_cluster, images, model_dir, namespace):
+    """A single engine (no connector) as a plain Pod of the engine image, the model from a hostPath volume: the
+    reference the pair's greedy outputs must equal. The pod is deleted afterwards to free its memory."""
+    pod = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "baseline", "namespace": namespace},
+        "spec": {
+            "nodeName": "n1", "restartPolicy": "Never",
+            "volumes": [model_volume(model_dir)],
+            "containers": [{
+                "name": "engine", "image": images["engine"].ref, "imagePullPolicy": "Never",
+                "command": ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL_MOUNT,
+                            "--served-model-name", SERVED_NAME, "--host", "0.0.0.0", "--port", "8000",
+                            *ENGINE_ARGS],
+                "env": ENGINE_ENV,
+                "volumeMounts": [{"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True}],
+                "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 2},
+            }],
+        },
+    }
+    real_cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    try:
+        t0 = time.monotonic()
+        real_cluster.kubectl("wait", "-n", namespace, "--for=condition=Ready", "pod/baseline",
+                             f"--timeout={int(ENGINE_START_TIMEOUT)}s", timeout=ENGINE_START_TIMEOUT + 30,
+                             check=False)
+        info = json.loads(real_cluster.kubectl("get", "pod", "-n", namespace, "baseline", "-o", "json").stdout)
+        ready = {c["type"]: c["status"] for c in info["status"].get("conditions", [])}.get("Ready") == "True"
+        assert ready, f"baseline engine pod not Ready:\n{describe(real_cluster, namespace)}\n" \
+                      f"{pod_logs(real_cluster, namespace, 'baseline')}"
+        print(f"[realnode-e2e] baseline engine pod Ready in {time.monotonic() - t0:.1f}s")
+        ip = info["status"]["podIP"]
+        outputs = {p: completion(real_cluster, "n1", ip, 8000, p) for p in PROMPTS}
+        outputs["__repeat__"] = completion(real_cluster, "n1", ip, 8000, PROMPTS[0])
+        return outputs
+    finally:
+        real_cluster.kubectl("delete", "pod", "-n", namespace, "baseline", "--wait=true", "--timeout=60s",
+                             check=False, timeout=90)
+
+
+def test_engine_image_serves_the_hostpath_model_as_a_plain_pod(baseline_outputs):
+    """The engine image runs vLLM in a container on a real node, with the model from a hostPath volume."""
+    for prompt in PROMPTS:
+        assert isinstance(baseline_outputs[prompt], str) and baseline_outputs[prompt].strip(), (prompt, baseline_outputs)
+    assert baseline_outputs["__repeat__"] == baseline_outputs[PROMPTS[0]], "greedy output changed between requests"
+
+
+@pytest.fixture(scope="module")
+def operator_release(real_cluster, images):
+    """`helm install` of charts/pdpair with the image built here; the operator runs as a pod, in-cluster config."""
+    home = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdpair-helm-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "KUBECONFIG": str(real_cluster.kubeconfig),
+           **{f"HELM_{k}_HOME": str(home / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}}
+    repo, tag = images["operator"].ref.rsplit(":", 1)
+    release = "pdpair"
+
+    def helm(*args: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([str(helm_path()), *args], capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, f"helm {' '.join(args)}:\n{proc.stdout}{proc.stderr}"
+        return proc
+
+    t0 = time.monotonic()
+    helm("install", release, str(CHART), "--namespace", OPERATOR_NS, "--create-namespace",
+         "--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
+         "--set", "operator.livenessProbe.initialDelaySeconds=2", "--set", "operator.livenessProbe.periodSeconds=2",
+         "--wait", "--timeout", "180s")
+    print(f"[realnode-e2e] helm install --wait took {time.monotonic() - t0:.1f}s")
+    yield {"release": release, "helm": helm}
+    helm("uninstall", release, "--namespace", OPERATOR_NS, "--wait", "--timeout", "120s")
+    shutil_rmtree(home)
+
+
+def shutil_rmtree(path: Path) -> None:
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _operator_pod(cluster) -> dict:
+    pods = json.loads(cluster.kubectl("get", "pods", "-n", OPERATOR_NS, "-l", "app.kubernetes.io/name=pdpair",
+                                      "-o", "json").stdout)["items"]
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    return pods[0]
+
+
+def _liveness_probe_successes(cluster, node: str, pod: str) -> float:
+    """The kubelet's own count of successful liveness probes of the operator container (/metrics/probes)."""
+    raw = cluster.kubectl("get", "--raw", f"/api/v1/nodes/{node}/proxy/metrics/probes").stdout
+    total = 0.0
+    for line in raw.splitlines():
+        if (line.startswith("prober_probe_total{") and 'probe_type="Liveness"' in line and f'pod="{pod}"' in line
+                and 'result="successful"' in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_operator_runs_as_a_pod_with_the_charts_service_account_and_liveness(real_cluster, operator_release):
+    pod = _operator_pod(real_cluster)
+    spec, status = pod["spec"], pod["status"]
+    assert spec["serviceAccountName"] == "pdpair-operator", spec["serviceAccountName"]
+    container = spec["containers"][0]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz", container["livenessProbe"]
+    assert not any(e["name"] == "KUBECONFIG" for e in container.get("env", [])), "in-cluster config expected"
+    assert status["phase"] == "Running" and status["containerStatuses"][0]["ready"], status
+    # The kubelet really probes it: its probe counter for this pod grows past two successes.
+    wait_for(lambda: _liveness_probe_successes(real_cluster, spec["nodeName"], pod["metadata"]["name"]) >= 2, 60,
+             "two successful liveness probes by the kubelet",
+             lambda: real_cluster.kubectl("logs", "-n", OPERATOR_NS, pod["metadata"]["name"], "--tail=40",
+                                          check=False).stdout)
+    assert status["containerStatuses"][0]["restartCount"] == 0
+
+
+def _pair_body(name: str, namespace: str, engine_ref: str, model_dir: Path) -> dict:
+    def role(node: str) -> dict:
+        return {
+            "args": ENGINE_ARGS,
+            "template": {"spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "volumes": [model_volume(model_dir)],
+                "containers": [{"name": "engine", "imagePullPolicy": "Never", "env": ENGINE_ENV,
+                                "volumeMounts": [{"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True}]}],
+            }},
+        }
+
+    return {
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": MODEL_MOUNT, "servedModelName": SERVED_NAME, "image": engine_ref,
+            "startupTimeoutSeconds": int(ENGINE_START_TIMEOUT),
+            "connector": {"transport": "tcp", "hangTimeoutSeconds": 30},
+            "network": {"hostNetwork": True},
+            "prefill": role("n1"),
+            "decode": role("n2"),
+            "router": {"template": {"spec": {"containers": [{"name": "router", "imagePullPolicy": "Never"}]}}},
+        },
+    }
+
+
+def test_pair_on_two_nodes_serves_through_its_service_like_a_single_engine(
+        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace):
+    name = "tiny-tcp"
+    body = _pair_body(name, namespace, images["engine"].ref, model_dir)
+    t_apply = time.monotonic()
+    real_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+
+    def pair():
+        return json.loads(real_cluster.kubectl("get", f"{PLURAL}.{GROUP}", name, "-n", namespace, "-o", "json").stdout)
+
+    def diagnose() -> str:
+        out = [describe(real_cluster, namespace), json.dumps(pair().get("status"), indent=1)[-3000:]]
+        pods = json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
+        for p in pods:
+            out.append(f"--- {p['metadata']['name']}:\n{pod_logs(real_cluster, namespace, p['metadata']['name'])}")
+        out.append("--- operator:\n" + real_cluster.kubectl("logs", "-n", OPERATOR_NS, "deploy/pdpair-operator",
+                                                             "--tail=60", check=False).stdout)
+        return "\n".join(out)
+
+    wait_for(lambda: pair().get("status", {}).get("phase") == "Ready", ENGINE_START_TIMEOUT + 120,
+             "pair phase Ready", diagnose)
+    t_ready = time.monotonic() - t_apply
+
+    pods = json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-l", f"pdpair.io/pair={name}",
+                                           "-o", "json").stdout)["items"]
+    by_role = {p["metadata"]["labels"]["pdpair.io/role"]: p for p in pods}
+    assert by_role["prefill"]["spec"]["nodeName"] == "n1" and by_role["decode"]["spec"]["nodeName"] == "n2", \
+        {r: p["spec"].get("nodeName") for r, p in by_role.items()}
+    assert by_role["prefill"]["status"]["podIP"] != by_role["decode"]["status"]["podIP"]
+    # Decode first: the operator creates prefill only after decode's listener accepted.
+    assert by_role["decode"]["metadata"]["creationTimestamp"] <= by_role["prefill"]["metadata"]["creationTimestamp"]
+
+    svc = json.loads(real_cluster.kubectl("get", "service", name, "-n", namespace, "-o", "json").stdout)
+    ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
+    first = completion(real_cluster, "n1", ip, port, PROMPTS[0])
+    t_first_token = time.monotonic() - t_apply
+    print(f"[realnode-e2e] apply -> pair Ready {t_ready:.1f}s, apply -> first completion {t_first_token:.1f}s")
+    outputs = {PROMPTS[0]: first, **{p: completion(real_cluster, "n2", ip, port, p) for p in PROMPTS[1:]}}
+    expected = {p: baseline_outputs[p] for p in PROMPTS}
+    assert outputs == expected, f"pair outputs differ from the single engine:\npair: {outputs}\nbaseline: {expected}"
+
+    # The KV really crossed nodes: decode's connector counted finished transfers and bytes.
+    decode = by_role["decode"]
+    metrics_port = next(p["containerPort"] for p in decode["spec"]["containers"][0]["ports"] if p["name"] == "metrics")
+    metrics_url = f"http://{decode['status']['podIP']}:{metrics_port}/metrics"
+
+    def transfers_ok() -> float:
+        text = real_cluster.node_exec("n1", [sys.executable, "-c", "import sys, urllib.request; print(urllib.request."
+                                             "urlopen(sys.argv[1], timeout=10).read().decode())", metrics_url]).stdout
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pdpair_kv_transfers_total{") and 'outcome="ok"' in line)
+
+    wait_for(lambda: transfers_ok() >= len(PROMPTS), 30, f"{len(PROMPTS)} ok KV transfers counted by decode",
+             lambda: f"counted {transfers_ok()}")
+    real_cluster.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", namespace, "--wait=true", "--timeout=120s",
+                         timeout=150)
+    wait_for(lambda: not json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"],
+             120, "the pair's pods to go", lambda: describe(real_cluster, namespace))
