@@ -39,8 +39,9 @@ from tests.cluster.realnode import write_oci_archive_from_files  # noqa: E402
 
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
-# python3-venv + python-is-python3: the Dockerfiles run `python -m venv`; ca-certificates: pip over https.
-BASE_PACKAGES = ("python3", "python3-venv", "python-is-python3", "ca-certificates")
+# What python:3.11-slim-bookworm has and the Dockerfiles use: `python -m venv` (python3-venv, python-is-python3),
+# the headers cffi compiles pdpair.native against (python3-dev), pip over https (ca-certificates).
+BASE_PACKAGES = ("python3", "python3-venv", "python3-dev", "python-is-python3", "ca-certificates")
 # Where a torch +cpu wheel may lie (hack/lib.sh ensure_venv looks in the same places).
 WHEEL_DIRS = (pathlib.Path(os.environ.get("PDPAIR_SHARED", REPO_ROOT.parent / "shared")) / "wheels",
               pathlib.Path("/opt/wheels"))

@@ -213,8 +213,10 @@ def main() -> int:
     finally:
         state["state"] = "stopping"
         write_state(state_file, state)
+        log("stopping")
         for name in ("kubelet", "kube-proxy"):
             stop_process(procs.get(name), name)
+            log(f"{name} stopped")
         # Containers and shims: SIGKILL (the pods are throwaway), then containerd itself.
         containerd = procs.get("containerd")
         keep = {containerd.pid} if containerd else set()
@@ -224,7 +226,9 @@ def main() -> int:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        log("containers and shims killed")
         stop_process(containerd, "containerd")
+        log("containerd stopped")
         deadline = time.monotonic() + 15
         while descendants(os.getpid()) and time.monotonic() < deadline:
             for pid in descendants(os.getpid()):
