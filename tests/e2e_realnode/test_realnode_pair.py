@@ -9,48 +9,22 @@ volume (per-role pod templates), never through the image. Requests are sent from
 from __future__ import annotations
 
 import json
-import os
-import stat
-import subprocess
 import sys
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 import yaml
 
-from pdpair.contract import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from pdpair.contract import GROUP, PLURAL
 from tests.cluster.images import engine_image, operator_image
-from tests.cluster.localcluster import REPO_ROOT, helm_path
-
-sys.path.insert(0, str(REPO_ROOT / "tests" / "engine"))
-from tiny_model import build_tiny_model  # noqa: E402
+from tests.cluster.realnode_product import (
+    OPERATOR_NS, baseline_pod, build_model, completion, install_operator, pair_manifest, unique,
+)
 
 pytestmark = pytest.mark.realnode
 
-CHART = REPO_ROOT / "charts" / "pdpair"
-OPERATOR_NS = "pdpair-system"
-MODEL_MOUNT = "/models/tiny"
-SERVED_NAME = "tiny"
-# The flags of tests/engine (engines.py ENGINE_ARGS) minus the served name, which the pair sets itself.
-ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "512",
-               "--kv-cache-memory-bytes", str(64 * 2**20)]
-ENGINE_ENV = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}, {"name": "HF_HUB_OFFLINE", "value": "1"},
-              {"name": "VLLM_NO_USAGE_STATS", "value": "1"}, {"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
 PROMPTS = ["The quick brown fox", "Kubernetes runs pods;", "Prefill computes the prompt,", "Hello world! 0123"]
-MAX_TOKENS = 16
 ENGINE_START_TIMEOUT = 600.0
-
-# Runs inside a node's namespaces with this interpreter: POST a greedy completion, print the text as JSON.
-_COMPLETION_SNIPPET = """
-import json, sys, urllib.request
-url, prompt, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
-body = json.dumps({"model": %r, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
-req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-with urllib.request.urlopen(req, timeout=120) as resp:
-    print(json.dumps(json.load(resp)["choices"][0]["text"]))
-""" % SERVED_NAME
 
 
 def wait_for(fn, timeout: float, what: str, diagnose=lambda: ""):
@@ -62,12 +36,6 @@ def wait_for(fn, timeout: float, what: str, diagnose=lambda: ""):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{diagnose()}")
         time.sleep(1.0)
-
-
-def completion(cluster, node: str, host: str, port: int, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
-    proc = cluster.node_exec(node, [sys.executable, "-c", _COMPLETION_SNIPPET, f"http://{host}:{port}/v1/completions",
-                                    prompt, str(max_tokens)], timeout=180)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def describe(cluster, ns: str) -> str:
@@ -92,47 +60,23 @@ def images(real_cluster):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = build_tiny_model(tmp_path_factory.mktemp("realnode-model") / "tiny")
-    # hostPath mounts the folder itself; the engine runs as uid 10001, so the files must be world-readable.
-    for entry in [path, *path.rglob("*")]:
-        mode = entry.stat().st_mode
-        entry.chmod(mode | stat.S_IROTH | stat.S_IRGRP | (stat.S_IXOTH | stat.S_IXGRP if entry.is_dir() else 0))
-    return path
+def model_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("realnode-model") / "tiny")
 
 
 @pytest.fixture(scope="module")
 def namespace(real_cluster):
-    name = f"rn-{uuid.uuid4().hex[:8]}"
+    name = unique("rn")
     real_cluster.create_namespace(name)
     yield name
     real_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
-def model_volume(model_dir: Path) -> dict:
-    return {"name": "models", "hostPath": {"path": str(model_dir), "type": "Directory"}}
 
 
 @pytest.fixture(scope="module")
 def baseline_outputs(real_cluster, images, model_dir, namespace):
     """A single engine (no connector) as a plain Pod of the engine image, the model from a hostPath volume: the
     reference the pair's greedy outputs must equal. The pod is deleted afterwards to free its memory."""
-    pod = {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "baseline", "namespace": namespace},
-        "spec": {
-            "nodeName": "n1", "restartPolicy": "Never",
-            "volumes": [model_volume(model_dir)],
-            "containers": [{
-                "name": "engine", "image": images["engine"].ref, "imagePullPolicy": "Never",
-                "command": ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL_MOUNT,
-                            "--served-model-name", SERVED_NAME, "--host", "0.0.0.0", "--port", "8000",
-                            *ENGINE_ARGS],
-                "env": ENGINE_ENV,
-                "volumeMounts": [{"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True}],
-                "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 2},
-            }],
-        },
-    }
+    pod = baseline_pod("baseline", namespace, images["engine"].ref, model_dir, "n1")
     real_cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
     try:
         t0 = time.monotonic()
@@ -163,31 +107,13 @@ def test_engine_image_serves_the_hostpath_model_as_a_plain_pod(baseline_outputs)
 @pytest.fixture(scope="module")
 def operator_release(real_cluster, images):
     """`helm install` of charts/pdpair with the image built here; the operator runs as a pod, in-cluster config."""
-    home = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdpair-helm-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "KUBECONFIG": str(real_cluster.kubeconfig),
-           **{f"HELM_{k}_HOME": str(home / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}}
-    repo, tag = images["operator"].ref.rsplit(":", 1)
-    release = "pdpair"
-
-    def helm(*args: str) -> subprocess.CompletedProcess:
-        proc = subprocess.run([str(helm_path()), *args], capture_output=True, text=True, env=env, timeout=300)
-        assert proc.returncode == 0, f"helm {' '.join(args)}:\n{proc.stdout}{proc.stderr}"
-        return proc
-
     t0 = time.monotonic()
-    helm("install", release, str(CHART), "--namespace", OPERATOR_NS, "--create-namespace",
-         "--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
-         "--set", "operator.livenessProbe.initialDelaySeconds=2", "--set", "operator.livenessProbe.periodSeconds=2",
-         "--wait", "--timeout", "180s")
+    helm = install_operator(real_cluster, images["operator"].ref, "operator.livenessProbe.initialDelaySeconds=2",
+                            "operator.livenessProbe.periodSeconds=2")
     print(f"[realnode-e2e] helm install --wait took {time.monotonic() - t0:.1f}s")
-    yield {"release": release, "helm": helm}
-    helm("uninstall", release, "--namespace", OPERATOR_NS, "--wait", "--timeout", "120s")
-    shutil_rmtree(home)
-
-
-def shutil_rmtree(path: Path) -> None:
-    import shutil
-    shutil.rmtree(path, ignore_errors=True)
+    yield helm
+    helm("uninstall", "pdpair", "--namespace", OPERATOR_NS, "--wait", "--timeout", "120s")
+    helm.close()
 
 
 def _operator_pod(cluster) -> dict:
@@ -224,36 +150,10 @@ def test_operator_runs_as_a_pod_with_the_charts_service_account_and_liveness(rea
     assert status["containerStatuses"][0]["restartCount"] == 0
 
 
-def _pair_body(name: str, namespace: str, engine_ref: str, model_dir: Path) -> dict:
-    def role(node: str) -> dict:
-        return {
-            "args": ENGINE_ARGS,
-            "template": {"spec": {
-                "nodeSelector": {"kubernetes.io/hostname": node},
-                "volumes": [model_volume(model_dir)],
-                "containers": [{"name": "engine", "imagePullPolicy": "Never", "env": ENGINE_ENV,
-                                "volumeMounts": [{"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True}]}],
-            }},
-        }
-
-    return {
-        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "model": MODEL_MOUNT, "servedModelName": SERVED_NAME, "image": engine_ref,
-            "startupTimeoutSeconds": int(ENGINE_START_TIMEOUT),
-            "connector": {"transport": "tcp", "hangTimeoutSeconds": 30},
-            "network": {"hostNetwork": True},
-            "prefill": role("n1"),
-            "decode": role("n2"),
-            "router": {"template": {"spec": {"containers": [{"name": "router", "imagePullPolicy": "Never"}]}}},
-        },
-    }
-
-
 def test_pair_on_two_nodes_serves_through_its_service_like_a_single_engine(
         real_cluster, operator_release, baseline_outputs, images, model_dir, namespace):
     name = "tiny-tcp"
-    body = _pair_body(name, namespace, images["engine"].ref, model_dir)
+    body = pair_manifest(name, namespace, images["engine"].ref, model_dir, prefill_node="n1", decode_node="n2")
     t_apply = time.monotonic()
     real_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
 
