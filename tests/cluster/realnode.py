@@ -417,6 +417,83 @@ def _write_sysctl(key: str, value: str) -> None:
     pathlib.Path("/proc/sys", key.replace(".", "/")).write_text(value)
 
 
+def _registry_dir() -> pathlib.Path:
+    path = cache_root() / "realnode-clusters"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _pid_alive(pid: int) -> bool:
+    return pathlib.Path(f"/proc/{pid}").exists()
+
+
+def _remove_cgroup_tree(path: pathlib.Path, timeout: float = 15.0) -> None:
+    """SIGKILLs every process left in the tree (containers outlive a killed supervisor), then removes it."""
+    if not path.is_dir():
+        return
+    deadline = time.monotonic() + timeout
+    dirs = sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True) + [path]
+    while True:
+        pids = set()
+        for d in dirs:
+            with contextlib.suppress(OSError):
+                pids |= {int(x) for x in (d / "cgroup.procs").read_text().split()}
+        if not pids or time.monotonic() > deadline:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        time.sleep(0.2)
+    for sub in dirs:
+        with contextlib.suppress(OSError):
+            sub.rmdir()
+
+
+def sweep_stale_clusters(log: Callable[[str], None] = lambda msg: None) -> list[str]:
+    """Removes what clusters whose harness process died (SIGKILL, a killed test run) left behind: processes still
+    in their namespaces, the namespaces, their cgroup trees, and (when no other cluster is alive) the host sysctls
+    the kubelet changed. Every cluster records itself under ~/.cache/pdpair/realnode-clusters/ while it runs."""
+    swept = []
+    entries = []
+    for path in _registry_dir().glob("*.json"):
+        try:
+            entries.append((path, json.loads(path.read_text())))
+        except (OSError, json.JSONDecodeError):
+            continue
+    alive = [e for _, e in entries if _pid_alive(e["harness_pid"])]
+    for path, entry in entries:
+        if _pid_alive(entry["harness_pid"]):
+            continue
+        for netns in entry.get("netns", []):
+            if not pathlib.Path(f"/run/netns/{netns}").exists():
+                continue
+            pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), 9)
+            deadline = time.monotonic() + 10
+            while any(_pid_alive(int(p)) for p in pids) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+            swept.append(netns)
+        for root in entry.get("cgroup_roots", []):
+            for h in _host_cgroup_hierarchies():
+                if h["fstype"] in ("cgroup", "cgroup2"):
+                    target = pathlib.Path("/sys/fs/cgroup") / h["name"] / root.strip("/")
+                    if target.exists():
+                        _remove_cgroup_tree(target)
+                        swept.append(str(target))
+        if not alive:
+            for key, value in (entry.get("saved_sysctls") or {}).items():
+                if _read_sysctl(key) != value:
+                    _write_sysctl(key, value)
+                    swept.append(f"sysctl {key}={value}")
+        path.unlink(missing_ok=True)
+    if swept:
+        log(f"[realnode] swept what dead clusters left: {swept}")
+    return swept
+
+
 class RealNode:
     def __init__(self, cluster: "RealNodeCluster", index: int):
         self.index = index
@@ -473,8 +550,18 @@ class RealNodeCluster(LocalCluster):
         return next(n for n in self.nodes if n.name == name)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
+    def _register(self) -> None:
+        entry = {"harness_pid": os.getpid(), "workdir": str(self.workdir),
+                 "netns": [self.hub] + [n.netns for n in self.nodes],
+                 "cgroup_roots": [n.cgroup_root for n in self.nodes], "saved_sysctls": self._saved_sysctls}
+        tmp = _registry_dir() / f".{self.prefix}.tmp"
+        tmp.write_text(json.dumps(entry))
+        os.replace(tmp, _registry_dir() / f"{self.prefix}.json")
+
     def start(self) -> "RealNodeCluster":
         t0 = time.monotonic()
+        sweep_stale_clusters(self._log)
+        self._register()
         binaries = {**build(log=self._log), **build_node(log=self._log)}
         self.timings["build"] = time.monotonic() - t0
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -613,6 +700,7 @@ class RealNodeCluster(LocalCluster):
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 self._saved_sysctls = {k: _read_sysctl(k) for k in KUBELET_HOST_SYSCTLS}
+                self._register()
                 for node in self.nodes:
                     self._launch_supervisor(node)
                 for node in self.nodes:
@@ -807,6 +895,7 @@ state = "/run/containerd"
                 errors.append(f"ip netns del {name}: {proc.stderr.strip()}")
         self._netns_created = []
         self._restore_sysctls()
+        (_registry_dir() / f"{self.prefix}.json").unlink(missing_ok=True)
         if errors:
             self._log("[realnode] teardown problems: " + "; ".join(errors))
 
@@ -817,7 +906,7 @@ state = "/run/containerd"
         if netns.is_dir():
             found += [f"/run/netns/{p.name}" for p in netns.iterdir() if p.name.startswith(self.prefix)]
         for h in _host_cgroup_hierarchies():
-            if h["fstype"] == "cgroup":
+            if h["fstype"] in ("cgroup", "cgroup2"):
                 for n in self.nodes:
                     path = pathlib.Path("/sys/fs/cgroup") / h["name"] / n.cgroup_root.strip("/")
                     if path.exists():
@@ -844,8 +933,11 @@ state = "/run/containerd"
 
     def import_image(self, archive: str | os.PathLike, nodes: list[str] | None = None) -> None:
         """Imports an OCI/docker archive into the containerd (k8s.io namespace) of every node (or `nodes`)."""
-        for node in self.nodes:
-            if nodes is None or node.name in nodes:
-                self.node_exec(node.name, [str(node_binary_path("ctr")), "--address",
-                                           "/run/containerd/containerd.sock", "-n", "k8s.io", "images", "import",
-                                           str(archive)], timeout=600)
+        import concurrent.futures
+
+        targets = [n.name for n in self.nodes if nodes is None or n.name in nodes]
+        argv = [str(node_binary_path("ctr")), "--address", "/run/containerd/containerd.sock", "-n", "k8s.io",
+                "images", "import", str(archive)]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(targets) or 1) as pool:
+            for future in [pool.submit(self.node_exec, name, argv, timeout=900) for name in targets]:
+                future.result()

@@ -97,3 +97,37 @@ def test_teardown_leaves_nothing_on_the_host():
     assert not cluster.workdir.exists()
     assert {k: _read_sysctl(k) for k in KUBELET_HOST_SYSCTLS} == before
     assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0, "kubelet still alive"
+
+
+def test_a_cluster_whose_harness_was_killed_is_swept_by_the_next_start():
+    """SIGKILL of the process that owns a cluster leaves its namespaces (and maybe cgroups) behind; the next
+    RealNodeCluster start (sweep_stale_clusters) removes them."""
+    import os
+    import pathlib
+    import signal
+    import time
+
+    code = ("import sys, time; from tests.cluster.realnode import RealNodeCluster\n"
+            "c = RealNodeCluster(nodes=1); c.start()\n"
+            "print('UP', c.prefix, flush=True); time.sleep(600)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = child.stdout.readline()
+        assert line.startswith("UP "), f"child cluster did not start: {line!r}"
+        prefix = line.split()[1]
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    netns = sorted(p.name for p in pathlib.Path("/run/netns").iterdir() if p.name.startswith(prefix))
+    assert netns == [f"{prefix}-hub", f"{prefix}-n1"], netns  # what a killed harness leaves
+    deadline = time.monotonic() + 60
+    while True:  # the node supervisor (PR_SET_PDEATHSIG) finishes its own cleanup first
+        from tests.cluster.realnode import sweep_stale_clusters
+        swept = sweep_stale_clusters()
+        if any(name.startswith(prefix) for name in swept) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert not [p for p in pathlib.Path("/run/netns").iterdir() if p.name.startswith(prefix)]
+    assert not list(pathlib.Path("/sys/fs/cgroup").glob(f"*/{prefix}-*"))
