@@ -56,6 +56,13 @@ def model_volume(model_dir: pathlib.Path) -> dict:
     return {"name": "models", "hostPath": {"path": str(model_dir), "type": "Directory"}}
 
 
+# vLLM's engine core needs about 160 MiB of /dev/shm (its shared-memory broadcast ring); a container's default
+# /dev/shm is 64 MiB, so the engine fails with "Insufficient space in /dev/shm". The usual fix: a memory emptyDir.
+SHM_VOLUME = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}
+SHM_MOUNT = {"name": "dshm", "mountPath": "/dev/shm"}
+MODEL_MOUNT_SPEC = {"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True}
+
+
 def completion(cluster, node: str, host: str, port: int, prompt: str, max_tokens: int = 16) -> str:
     """A greedy completion sent from inside node `node`'s network namespace (the cluster network)."""
     proc = cluster.node_exec(node, [sys.executable, "-c", _COMPLETION_SNIPPET, f"http://{host}:{port}/v1/completions",
@@ -100,9 +107,9 @@ def pair_manifest(name: str, namespace: str, engine_ref: str, model_dir: pathlib
             "args": ENGINE_ARGS,
             "template": {"spec": {
                 "nodeSelector": {"kubernetes.io/hostname": node},
-                "volumes": [model_volume(model_dir)],
+                "volumes": [model_volume(model_dir), SHM_VOLUME],
                 "containers": [{"name": "engine", "imagePullPolicy": "Never", "env": ENGINE_ENV + env,
-                                "volumeMounts": [{"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True}]}],
+                                "volumeMounts": [MODEL_MOUNT_SPEC, SHM_MOUNT]}],
             }},
         }
 
@@ -128,14 +135,14 @@ def baseline_pod(name: str, namespace: str, engine_ref: str, model_dir: pathlib.
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "nodeName": node, "restartPolicy": "Never",
-            "volumes": [model_volume(model_dir)],
+            "volumes": [model_volume(model_dir), SHM_VOLUME],
             "containers": [{
                 "name": "engine", "image": engine_ref, "imagePullPolicy": "Never",
                 "command": ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL_MOUNT,
                             "--served-model-name", SERVED_NAME, "--host", "0.0.0.0", "--port", "8000",
                             *ENGINE_ARGS],
                 "env": ENGINE_ENV,
-                "volumeMounts": [{"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True}],
+                "volumeMounts": [MODEL_MOUNT_SPEC, SHM_MOUNT],
                 "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 2},
             }],
         },
