@@ -578,7 +578,9 @@ class RealNodeCluster(LocalCluster):
     def stop(self) -> None:
         self._teardown()
         if not self.keep_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            # `rm -rf`, not shutil.rmtree: the nodes' containerd stores hold unpacked engine images (hundreds of
+            # thousands of files); rmtree took over 10 minutes for two of them on a busy machine, rm -rf 14 s.
+            subprocess.run(["rm", "-rf", "--one-file-system", str(self.workdir)], capture_output=True)
 
     def _start_real(self, binaries: dict[str, pathlib.Path], deadline: float) -> None:
         w = self.workdir

@@ -12,7 +12,8 @@ import pytest
 from tests.cluster.images import debian_base
 from tests.cluster.realnode import KUBELET_HOST_SYSCTLS, RealNodeCluster, _read_sysctl
 
-pytestmark = pytest.mark.realnode
+# The session's real cluster is torn down in the last test's teardown, which pytest-timeout counts too.
+pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
 
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 

@@ -21,7 +21,8 @@ from tests.cluster.realnode_product import (
     OPERATOR_NS, baseline_pod, build_model, completion, install_operator, pair_manifest, unique,
 )
 
-pytestmark = pytest.mark.realnode
+# The session's real cluster is torn down in the last test's teardown, which pytest-timeout counts too.
+pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
 
 PROMPTS = ["The quick brown fox", "Kubernetes runs pods;", "Prefill computes the prompt,", "Hello world! 0123"]
 ENGINE_START_TIMEOUT = 600.0
