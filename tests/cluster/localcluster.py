@@ -48,6 +48,9 @@ from typing import Callable, Iterator
 
 import yaml
 
+if __package__ in (None, ""):  # run as a script: `tests.cluster.realnode` is imported for --real-nodes
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
 KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
@@ -866,11 +869,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 1
     workdir.mkdir(parents=True, exist_ok=True)
     if args.background:
-        build()  # build in the foreground so errors show here, not in a log
+        if args.real_nodes:
+            from tests.cluster.realnode import build_node
+            build_node()
+        else:
+            build()  # build in the foreground so errors show here, not in a log
         log_path = workdir / "localcluster.log"
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen([sys.executable, __file__, "up", "--dir", str(workdir),
-                                     "--timeout", str(args.timeout)],
+                                     "--timeout", str(args.timeout), "--real-nodes", str(args.real_nodes)],
                                     stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         ready = workdir / "cluster.json"
@@ -898,7 +905,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
     for stale in ("cluster.json", "kubeconfig"):
         (workdir / stale).unlink(missing_ok=True)
     shutil.rmtree(workdir / "etcd-data", ignore_errors=True)
-    cluster = LocalCluster(workdir, start_timeout=args.timeout, keep_workdir=True, log=print)
+    if args.real_nodes:
+        from tests.cluster.realnode import RealNodeCluster
+        cluster = RealNodeCluster(workdir, nodes=args.real_nodes, start_timeout=args.timeout, keep_workdir=True,
+                                  log=print)
+    else:
+        cluster = LocalCluster(workdir, start_timeout=args.timeout, keep_workdir=True, log=print)
     try:
         cluster.start()
         pid_file.write_text(str(os.getpid()))
@@ -909,7 +921,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         cluster.stop()
         pid_file.unlink(missing_ok=True)
         (workdir / "cluster.json").unlink(missing_ok=True)
-        print("cluster stopped", flush=True)
+        left = cluster.leftovers() if hasattr(cluster, "leftovers") else []
+        print(f"cluster stopped{'; LEFT BEHIND: ' + ', '.join(left) if left else ''}", flush=True)
     return 0
 
 
@@ -946,8 +959,13 @@ def _cmd_down(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Local Kubernetes control plane for pdpair tests.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("build", help="build and cache etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok")
+    build_cmd = sub.add_parser(
+        "build", help="build and cache etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok")
+    build_cmd.add_argument("--real-node", action="store_true",
+                           help="also kubelet, kube-proxy, containerd and the pause image (tests/cluster/realnode.py)")
     up = sub.add_parser("up", help="start a cluster; writes DIR/kubeconfig")
+    up.add_argument("--real-nodes", type=int, default=0, metavar="N",
+                    help="N real nodes (containerd+kubelet+kube-proxy) in network namespaces instead of kwok")
     up.add_argument("--dir", required=True)
     up.add_argument("--background", action="store_true", help="detach; pid in DIR/localcluster.pid")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for readiness")
@@ -956,7 +974,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
-            build()
+            if args.real_node:
+                from tests.cluster.realnode import build_node
+                build_node()
+            else:
+                build()
             return 0
         if args.command == "up":
             return _cmd_up(args)
