@@ -54,3 +54,23 @@ ensure_controlplane() {
   log "prometheus-operator CRDs (from the Go module proxy, cached) for server-side checks of the monitoring objects"
   "$PY" "$PDPAIR_ROOT/tests/cluster/monitoring_crds.py" >/dev/null
 }
+
+ensure_realnode() {
+  # A real Kubernetes node (tests/cluster/realnode.py): runc, CNI plugins, iptables/nftables, conntrack from Debian;
+  # buildah + debootstrap build the images without a registry or a Docker daemon.
+  local need=0
+  for cmd in runc iptables nft conntrack buildah debootstrap; do command -v "$cmd" >/dev/null || need=1; done
+  [ -x /usr/lib/cni/bridge ] || need=1
+  if [ "$need" = 1 ]; then
+    log "installing Debian packages for the real node: runc containernetworking-plugins iptables nftables conntrack buildah debootstrap"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends runc containernetworking-plugins iptables nftables conntrack \
+      buildah debootstrap >/dev/null
+  fi
+  log "real-node binaries: kubelet, kube-proxy (k8s.io/kubernetes), containerd (Go module proxy), pause image; cached"
+  "$PY" "$PDPAIR_ROOT/tests/cluster/localcluster.py" build --real-node
+  log "images: Debian base (debootstrap), operator (Dockerfile) and engine (images/engine/Dockerfile) via buildah; cached by content"
+  "$PY" "$PDPAIR_ROOT/tests/cluster/images.py" operator
+  PDPAIR_SHARED="$PDPAIR_SHARED" "$PY" "$PDPAIR_ROOT/tests/cluster/images.py" engine
+}

@@ -9,6 +9,7 @@ ensure_prometheus
 ensure_venv "operator,connector,engine,test"
 ensure_tools
 ensure_controlplane
+ensure_realnode
 
 log "native C tests under ASan, UBSan and TSan"
 make -C native check

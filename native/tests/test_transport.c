@@ -250,7 +250,7 @@ struct order_check {
     pdpair_conn *conn;
     const uint8_t *mem;
     atomic_int failures;
-    uint64_t observed_values;
+    atomic_uint_fast64_t observed_values; /* distinct counter values the checker saw */
 };
 
 static uint8_t pattern(size_t chunk, size_t i) { return (uint8_t)(chunk * 131 + i * 7 + 1); }
@@ -262,7 +262,7 @@ static void *order_checker(void *arg)
     while (verified < ORDER_CHUNKS && now_ms() < deadline) {
         uint64_t v;
         CHECK_OK(pdpair_conn_read_signal(oc->conn, 1, &v), oc->conn);
-        if (v > verified) oc->observed_values++;
+        if (v > verified) atomic_fetch_add(&oc->observed_values, 1);
         for (; verified < v; verified++) {
             const uint8_t *c = oc->mem + verified * ORDER_CHUNK;
             for (size_t i = 0; i < ORDER_CHUNK; i += 61) /* sampled; last byte always checked below */
@@ -286,11 +286,18 @@ static void test_signal_after_data(void)
     for (size_t c = 0; c < ORDER_CHUNKS; c++) {
         CHECK_OK(pdpair_put_signal(p.b, 0, c * ORDER_CHUNK, 0, c * ORDER_CHUNK, ORDER_CHUNK, 1, NULL), p.b);
         if (c % 8 == 7) sleep_ms(1); /* let the checker race the receiver at many points */
+        if (c == ORDER_CHUNKS / 2 - 1) {
+            /* Half sent: wait until the checker has seen a value, so it must see at least one more, whatever
+             * the scheduler does (an intermediate value is then observed by construction, not by luck). */
+            uint64_t deadline = now_ms() + 60000;
+            while (atomic_load(&oc.observed_values) == 0 && now_ms() < deadline) sleep_ms(1);
+            CHECK_MSG(atomic_load(&oc.observed_values) > 0, "the checker saw no signal within 60 s");
+        }
     }
     pthread_join(t, NULL);
     CHECK_MSG(atomic_load(&oc.failures) == 0, "%d sampled bytes were visible as signalled before they landed",
               atomic_load(&oc.failures));
-    CHECK(oc.observed_values > 1);
+    CHECK(atomic_load(&oc.observed_values) > 1);
     uint64_t v;
     CHECK_OK(pdpair_conn_wait_signal(p.a, 1, ORDER_CHUNKS, 5000, &v), p.a);
     CHECK(memcmp(p.mem_a, p.mem_b, p.size) == 0);

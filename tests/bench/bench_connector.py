@@ -2,6 +2,7 @@
 the CPU, kv_buffer_device cpu), same machine, same tiny model, one run; plus a single-engine TTFT baseline.
 
     .venv/bin/python tests/bench/bench_connector.py [--requests 20] [--prompt-tokens 448] [--out results.json]
+    .venv/bin/python tests/bench/bench_connector.py --setups single,pdpair,pdpair-tp2   # TP = 2 against TP = 1
 
 All setups are started, warmed up, then measured with the same prompts one request at a time, round robin over the
 setups (streaming; TTFT = time to the first non-empty token chunk at the client), so each sees the same load on a
@@ -145,13 +146,38 @@ def stop_all(procs: list[Process]) -> None:
         proc.stop()
 
 
+def start_pdpair(model: Path, logs: Path, procs: list[Process], tp: int) -> Setup:
+    """A pdpair prefill + decode pair at tensor parallel `tp` behind the router (both sides the same TP)."""
+    suffix = "" if tp == 1 else f"-tp{tp}"
+    listen, d_metrics = free_port(tp), free_port()
+    decode = engine(f"pdpair-decode{suffix}", model, logs, kv_role="kv_consumer", tensor_parallel_size=tp,
+                    pdpair_env=pair_env("decode", generation=1, listen_base=listen, metrics_port=d_metrics,
+                                        hang_timeout=30))
+    prefill = engine(f"pdpair-prefill{suffix}", model, logs, kv_role="kv_producer", tensor_parallel_size=tp,
+                     pdpair_env=pair_env("prefill", generation=1, peer_base=listen, hang_timeout=30))
+    procs += [decode.start(), prefill.start()]
+    decode.wait_healthy()
+    prefill.wait_healthy()
+    for rank in range(tp):
+        prefill.wait_log(f"pdpair-sidechannel-prefill-r{rank}: paired with decode", 60)
+    rtr = router(logs, prefill.url, decode.url)
+    rtr.name = f"router{suffix}"
+    rtr.log_path = logs / f"router{suffix}.log"
+    procs.append(rtr.start())
+    rtr.wait_healthy(60)
+    metrics = f"http://127.0.0.1:{d_metrics}/metrics"
+    # At TP > 1 every rank moves its own shard and records its own transfer: the mean is per rank-transfer.
+    label = "pdpair (tcp) via router" + ("" if tp == 1 else f", TP = {tp} (per-rank transfers)")
+    return Setup(label, rtr.url, lambda: histogram(metrics, "pdpair_kv_transfer_seconds"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--prompt-tokens", type=int, default=448, help="approximate prompt length (max-model-len 512)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--setups", default="single,pdpair,nixl")
+    parser.add_argument("--setups", default="single,pdpair,nixl", help="any of single,pdpair,pdpair-tp2,nixl")
     parser.add_argument("--ucx-tls", default="", help="UCX_TLS for the NIXL engines (default: UCX chooses)")
     args = parser.parse_args()
 
@@ -169,23 +195,10 @@ def main() -> int:
             procs.append(single.start())
             single.wait_healthy()
             setups.append(Setup("single engine (no connector)", single.url))
-        if "pdpair" in wanted:
-            listen, d_metrics = free_port(), free_port()
-            decode = engine("pdpair-decode", model, logs, kv_role="kv_consumer",
-                            pdpair_env=pair_env("decode", generation=1, listen_base=listen, metrics_port=d_metrics,
-                                                hang_timeout=30))
-            prefill = engine("pdpair-prefill", model, logs, kv_role="kv_producer",
-                             pdpair_env=pair_env("prefill", generation=1, peer_base=listen, hang_timeout=30))
-            procs += [decode.start(), prefill.start()]
-            decode.wait_healthy()
-            prefill.wait_healthy()
-            prefill.wait_log("paired with decode", 60)
-            rtr = router(logs, prefill.url, decode.url)
-            procs.append(rtr.start())
-            rtr.wait_healthy(60)
-            metrics = f"http://127.0.0.1:{d_metrics}/metrics"
-            setups.append(Setup("pdpair (tcp transport) via router", rtr.url,
-                                lambda: histogram(metrics, "pdpair_kv_transfer_seconds")))
+        for tp in (1, 2):
+            name = "pdpair" if tp == 1 else f"pdpair-tp{tp}"
+            if name in wanted:
+                setups.append(start_pdpair(model, logs, procs, tp))
         if "nixl" in wanted:
             pair = []
             for role in ("decode", "prefill"):

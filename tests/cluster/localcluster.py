@@ -48,6 +48,9 @@ from typing import Callable, Iterator
 
 import yaml
 
+if __package__ in (None, ""):  # run as a script: `tests.cluster.realnode` is imported for --real-nodes
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
 KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
@@ -69,6 +72,9 @@ COMPONENT_VERSIONS = {
 # kwok manages only nodes carrying this label, so a Node created by hand (or by another tool) is left alone.
 FAKE_NODE_LABEL = ("localcluster.pdpair.io/fake-node", "kwok")
 SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
+# A pod carrying this label runs but never becomes Ready (a model that never finishes loading): kwok plays no
+# probes, so tests that need a not-ready container set it in the pod template.
+NEVER_READY_LABEL = ("localcluster.pdpair.io/readiness", "never")
 POD_CIDR = "10.244.0.0/16"  # kwok hands out pod IPs from here for pods without hostNetwork
 DEFAULT_NODE_CAPACITY = {"cpu": "64", "memory": "512Gi", "pods": "110"}
 COMPONENT_LOG_TAIL_CHARS = 4000
@@ -323,9 +329,14 @@ conditions:
 phase: Running
 startTime: {{ $now | Quote }}
 conditions:
-{{ range list "Initialized" "PodScheduled" "ContainersReady" "Ready" }}
+{{ range list "Initialized" "PodScheduled" }}
 - type: {{ . }}
   status: "True"
+  lastTransitionTime: {{ $now | Quote }}
+{{ end }}
+{{ range list "ContainersReady" "Ready" }}
+- type: {{ . }}
+  status: "@READY@"
   lastTransitionTime: {{ $now | Quote }}
 {{ end }}
 {{ range .spec.readinessGates }}
@@ -338,7 +349,7 @@ containerStatuses:
 - name: {{ .name | Quote }}
   image: {{ .image | Quote }}
   imageID: ""
-  ready: true
+  ready: @ready@
   started: true
   restartCount: 0
   state: {running: {startedAt: {{ $now | Quote }}}}
@@ -378,6 +389,10 @@ podIPs:
         return {"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage", "metadata": {"name": name}, "spec": spec}
 
     ready_is = '.status.conditions.[] | select( .type == "Ready" ) | .status'
+    never_ready = f'.metadata.labels["{NEVER_READY_LABEL[0]}"]'
+
+    def running(ready: bool) -> str:
+        return pod_running_status.replace("@READY@", str(ready)).replace("@ready@", str(ready).lower())
     return [
         stage("localcluster-node-initialize", "Node",
               [{"key": ready_is, "operator": "NotIn", "values": ["True"]}],
@@ -390,8 +405,14 @@ podIPs:
               {"statusTemplate": heartbeat_status}, delay_ms=20000),
         stage("localcluster-pod-running", "Pod",
               [{"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
-               {"key": ".status.phase", "operator": "In", "values": ["Pending"]}],
-              {"statusTemplate": pod_running_status}),
+               {"key": ".status.phase", "operator": "In", "values": ["Pending"]},
+               {"key": never_ready, "operator": "DoesNotExist"}],
+              {"statusTemplate": running(True)}),
+        stage("localcluster-pod-running-never-ready", "Pod",
+              [{"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
+               {"key": ".status.phase", "operator": "In", "values": ["Pending"]},
+               {"key": never_ready, "operator": "In", "values": [NEVER_READY_LABEL[1]]}],
+              {"statusTemplate": running(False)}),
         stage("localcluster-pod-delete", "Pod",
               [{"key": ".metadata.deletionTimestamp", "operator": "Exists"}],
               {"delete": True}),
@@ -778,6 +799,22 @@ class LocalCluster:
                 self._check_alive(component)
             time.sleep(0.2)
 
+    def wait_crd_established(self, name: str, timeout: float = 60.0) -> dict:
+        """Polls until the CRD `name` is Established. (`kubectl wait` fails at once while a freshly applied CRD
+        has no status.conditions yet, which a large schema makes likely.)"""
+        from kubernetes import client
+
+        api = client.ApiextensionsV1Api(self.api_client())
+        deadline = time.monotonic() + timeout
+        while True:
+            crd = api.read_custom_resource_definition(name)
+            conditions = {c.type: c.status for c in ((crd.status and crd.status.conditions) or [])}
+            if conditions.get("Established") == "True":
+                return crd.to_dict()
+            if time.monotonic() > deadline:
+                raise ClusterError(f"CRD {name} not Established after {timeout}s (conditions {conditions})")
+            time.sleep(0.2)
+
     def create_namespace(self, name: str, timeout: float = 30.0) -> None:
         """Creates a namespace and waits for its default ServiceAccount (pods are refused until it exists)."""
         from kubernetes import client
@@ -832,11 +869,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 1
     workdir.mkdir(parents=True, exist_ok=True)
     if args.background:
-        build()  # build in the foreground so errors show here, not in a log
+        if args.real_nodes:
+            from tests.cluster.realnode import build_node
+            build_node()
+        else:
+            build()  # build in the foreground so errors show here, not in a log
         log_path = workdir / "localcluster.log"
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen([sys.executable, __file__, "up", "--dir", str(workdir),
-                                     "--timeout", str(args.timeout)],
+                                     "--timeout", str(args.timeout), "--real-nodes", str(args.real_nodes)],
                                     stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         ready = workdir / "cluster.json"
@@ -864,7 +905,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
     for stale in ("cluster.json", "kubeconfig"):
         (workdir / stale).unlink(missing_ok=True)
     shutil.rmtree(workdir / "etcd-data", ignore_errors=True)
-    cluster = LocalCluster(workdir, start_timeout=args.timeout, keep_workdir=True, log=print)
+    if args.real_nodes:
+        from tests.cluster.realnode import RealNodeCluster
+        cluster = RealNodeCluster(workdir, nodes=args.real_nodes, start_timeout=args.timeout, keep_workdir=True,
+                                  log=print)
+    else:
+        cluster = LocalCluster(workdir, start_timeout=args.timeout, keep_workdir=True, log=print)
     try:
         cluster.start()
         pid_file.write_text(str(os.getpid()))
@@ -875,7 +921,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         cluster.stop()
         pid_file.unlink(missing_ok=True)
         (workdir / "cluster.json").unlink(missing_ok=True)
-        print("cluster stopped", flush=True)
+        left = cluster.leftovers() if hasattr(cluster, "leftovers") else []
+        print(f"cluster stopped{'; LEFT BEHIND: ' + ', '.join(left) if left else ''}", flush=True)
     return 0
 
 
@@ -912,8 +959,13 @@ def _cmd_down(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Local Kubernetes control plane for pdpair tests.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("build", help="build and cache etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok")
+    build_cmd = sub.add_parser(
+        "build", help="build and cache etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok")
+    build_cmd.add_argument("--real-node", action="store_true",
+                           help="also kubelet, kube-proxy, containerd and the pause image (tests/cluster/realnode.py)")
     up = sub.add_parser("up", help="start a cluster; writes DIR/kubeconfig")
+    up.add_argument("--real-nodes", type=int, default=0, metavar="N",
+                    help="N real nodes (containerd+kubelet+kube-proxy) in network namespaces instead of kwok")
     up.add_argument("--dir", required=True)
     up.add_argument("--background", action="store_true", help="detach; pid in DIR/localcluster.pid")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for readiness")
@@ -922,7 +974,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
-            build()
+            if args.real_node:
+                from tests.cluster.realnode import build_node
+                build_node()
+            else:
+                build()
             return 0
         if args.command == "up":
             return _cmd_up(args)

@@ -84,6 +84,7 @@ def test_every_rendered_object_was_applied(release, local_cluster):
 
 
 def test_crd_from_the_chart_is_established(local_cluster, release):
+    local_cluster.wait_crd_established(f"{contract.PLURAL}.{contract.GROUP}")
     crd = json.loads(local_cluster.kubectl("get", "crd", f"{contract.PLURAL}.{contract.GROUP}", "-o", "json").stdout)
     conditions = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
     assert conditions.get("Established") == "True" and conditions.get("NamesAccepted") == "True", conditions

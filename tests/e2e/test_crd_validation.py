@@ -16,6 +16,16 @@ import pytest
 import yaml
 
 from pdpair import contract
+from tests.engine_args_corpus import (
+    BENIGN_SPELLINGS,
+    ENV_REFERENCE_SPELLINGS,
+    ISSUE_SPELLINGS,
+    LITERAL_DOLLAR_SPELLINGS,
+    OWNED_SPELLINGS,
+    TRAILING_DOTTED_SPELLINGS,
+    generated_owned_spellings,
+    lookalike_spellings,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "charts" / "pdpair" / "crds" / "inferencepairs.pdpair.io.yaml"
@@ -27,8 +37,7 @@ pytestmark = pytest.mark.cluster
 def install_crd(cluster) -> None:
     """Server-side apply of the chart's CRD, then wait until the apiserver serves it."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=pdpair-tests", "-f", str(CRD_PATH))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    f"crd/{contract.PLURAL}.{contract.GROUP}")
+    cluster.wait_crd_established(f"{contract.PLURAL}.{contract.GROUP}")
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +183,7 @@ BAD_SPECS: list[tuple[str, Callable[[dict], None], tuple[str, ...]]] = [
     ("slots-over-flagcx-pool", both(at("connector.transport", "flagcx"), at("connector.slots", 512)),
      ("spec.connector.slots", "<= 256 when spec.connector.transport is flagcx")),
     ("slots-zero", at("connector.slots", 0), ("spec.connector.slots", "greater than or equal to 1")),
-    ("ports-per-rank-too-many", at("network.portsPerRank", 9), ("spec.network.portsPerRank", "less than or equal to 8")),
+    ("ports-per-rank-too-many", at("network.portsPerRank", 2), ("spec.network.portsPerRank", "less than or equal to 1")),
     ("host-network-string", at("network.hostNetwork", "yes"), ("spec.network.hostNetwork", "must be of type boolean")),
     ("max-backoff-below-backoff", both(at("restartPolicy.backoffSeconds", 60), at("restartPolicy.maxBackoffSeconds", 30)),
      ("spec.restartPolicy.maxBackoffSeconds", "must be >= spec.restartPolicy.backoffSeconds")),
@@ -214,6 +223,85 @@ def test_bad_spec_is_refused_with_a_message_naming_the_field(custom_api, crd_nam
     message = create_error(custom_api, crd_namespace, obj)
     for fragment in expected:
         assert fragment in message, f"{fragment!r} not in the apiserver's message:\n{message}"
+
+
+# --- operator-owned vLLM flags in args (corpus shared with tests/unit/operator/test_engine_args.py) --------------
+
+OWNED_ENTRY = "is an operator-owned flag as vLLM reads it"
+MAX_ARGS = 64
+
+
+def with_decode_args(name: str, args: list[str]) -> dict:
+    obj = minimal(name)
+    obj["spec"]["decode"] = {"args": args}
+    return obj
+
+
+@pytest.mark.parametrize("spelling", OWNED_SPELLINGS, ids=[s.id for s in OWNED_SPELLINGS])
+def test_owned_flag_spelling_is_refused_naming_the_field_and_the_entry(custom_api, crd_namespace, spelling, request):
+    # After a benign entry, so the message must name the right index.
+    obj = with_decode_args(f"own-{abs(hash(request.node.name)) % 10**8}", ["--enforce-eager", *spelling.args])
+    message = create_error(custom_api, crd_namespace, obj)
+    assert "spec.decode.args[1]: Invalid value" in message, message
+    assert f"args entry {spelling.args[0]} {OWNED_ENTRY}" in message, message
+
+
+def test_issue_spellings_are_all_in_the_table():
+    assert {s.args for s in ISSUE_SPELLINGS} == {
+        ("--por=9999",), ("--tensor-parallel=4",), ("--kv-transfer-conf", ISSUE_SPELLINGS[2].args[1]),
+        ("--kv-transfer-config.kv_role=kv_both",), ("--served-model=evil",), ("--pipeline-parallel=2",)}
+
+
+def batches(entries: list[str], size: int) -> list[list[str]]:
+    return [entries[i:i + size] for i in range(0, len(entries), size)]
+
+
+def test_every_generated_owned_spelling_is_refused(custom_api, crd_namespace):
+    """Every prefix of every owned option and alias, with =, a value, dotted keys and underscores: each entry named."""
+    entries = sorted({s.args[0] for s in generated_owned_spellings()})
+    assert len(entries) > 400
+    for n, batch in enumerate(batches(entries, MAX_ARGS - 1)):
+        args = [*batch, "--enforce-eager"]  # a last entry with a value, so only the item rule speaks
+        message = create_error(custom_api, crd_namespace, with_decode_args(f"gen-{n}", args))
+        missing = [(i, e) for i, e in enumerate(batch) if f"spec.decode.args[{i}]: Invalid value" not in message
+                   or f"args entry {e} {OWNED_ENTRY}" not in message]
+        assert missing == [], f"not refused (or not named) in batch {n}: {missing[:5]}"
+        assert f"spec.decode.args[{len(batch)}]" not in message  # --enforce-eager is fine
+
+
+@pytest.mark.parametrize("spelling", TRAILING_DOTTED_SPELLINGS, ids=[s.id for s in TRAILING_DOTTED_SPELLINGS])
+def test_trailing_dotted_key_is_refused(custom_api, crd_namespace, spelling, request):
+    name = f"tail-{abs(hash(request.node.name)) % 10**8}"
+    message = create_error(custom_api, crd_namespace, with_decode_args(name, list(spelling.args)))
+    assert "spec.decode.args: Invalid value" in message and "must not end with a dotted key without '='" in message
+    # with its value the same entry is fine
+    created = create(custom_api, crd_namespace, with_decode_args(name, [*spelling.args[:-1], spelling.args[-1] + "=1"]))
+    assert created["spec"]["decode"]["args"][-1] == spelling.args[-1] + "=1"
+
+
+@pytest.mark.parametrize("spelling", ENV_REFERENCE_SPELLINGS, ids=[s.id for s in ENV_REFERENCE_SPELLINGS])
+def test_env_reference_in_args_is_refused(custom_api, crd_namespace, spelling, request):
+    # e.g. env EXTRA_FLAG="--kv-transfer-config.kv_role=kv_both" with args ["$(EXTRA_FLAG)"] would pass the flag rule
+    obj = with_decode_args(f"env-{abs(hash(request.node.name)) % 10**8}", list(spelling.args))
+    obj["spec"]["decode"]["env"] = [{"name": "EXTRA_FLAG", "value": "--kv-transfer-config.kv_role=kv_both"}]
+    message = create_error(custom_api, crd_namespace, obj)
+    index = len(spelling.args) - 1
+    assert f"spec.decode.args[{index}]: Invalid value" in message, message
+    assert f"args entry {spelling.args[-1]} references an environment variable as $(NAME)" in message, message
+
+
+def test_benign_args_and_lookalikes_are_accepted(custom_api, crd_namespace):
+    spellings = [*BENIGN_SPELLINGS, *LITERAL_DOLLAR_SPELLINGS, *lookalike_spellings()]
+    batch: list[str] = []
+    sent = 0
+    for spelling in [*spellings, None]:  # whole spellings per object: a flag stays with its value
+        if spelling is None or len(batch) + len(spelling.args) > MAX_ARGS:
+            created = create(custom_api, crd_namespace, with_decode_args(f"benign-{sent}", batch))
+            assert created["spec"]["decode"]["args"] == batch
+            sent, batch = sent + 1, []
+        if spelling is not None:
+            batch += spelling.args
+    assert sent >= 2  # more than one object's worth
 
 
 # --- good specs --------------------------------------------------------------------------------------------------

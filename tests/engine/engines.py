@@ -113,6 +113,20 @@ class Process:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def rss_bytes(self) -> int:
+        """Resident memory of the whole process tree (API server, engine core, TP workers), now."""
+        import psutil
+
+        assert self.proc is not None
+        root = psutil.Process(self.proc.pid)
+        total = 0
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                total += proc.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
     def wait_healthy(self, timeout: float = START_TIMEOUT_SECONDS, path: str = "/health") -> float:
         """Seconds until GET path answers 200; fails with the log tail if the process dies or time runs out."""
         started = time.monotonic()
@@ -167,11 +181,14 @@ def engine(
     kv_transfer_config: dict | None = None,
     extra_env: dict[str, str] | None = None,
     failure_policy: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Process:
     """A vLLM server; with kv_role it runs PdPairConnector, with kv_transfer_config any connector, else none."""
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS]
+    if tensor_parallel_size != 1:
+        argv += ["--tensor-parallel-size", str(tensor_parallel_size)]  # one gloo worker process per rank on the CPU
     if kv_role is not None:
         kv_transfer_config = {
             "kv_connector": "PdPairConnector",

@@ -1,8 +1,9 @@
 """Create, use and delete N decode engines in a row in ONE process, on the same side-channel and metrics ports.
 
 Run by test_engine_lifecycle.py in a subprocess (vLLM's in-process engine, VLLM_ENABLE_V1_MULTIPROCESSING=0, so the
-connector's worker and scheduler sides live in this very process). Prints one JSON line per engine and exits 0 only
-if every engine listened on the same ports while alive and freed them (and its threads) after shutdown.
+connector's scheduler side, and at TP = 1 its worker side, live in this very process; at TP > 1 vLLM spawns one
+worker process per rank). Prints one JSON line per engine and exits 0 only if every engine listened on the same ports
+(one per rank) while alive and freed them, its threads, its worker processes and its rank sockets after shutdown.
 """
 
 from __future__ import annotations
@@ -33,7 +34,36 @@ def pdpair_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("pdpair"))
 
 
-def main(model: str, listen_port: int, metrics_port: int, rounds: int) -> int:
+def child_processes() -> list[int]:
+    """Live children of this process, except multiprocessing's resource tracker (one per process, by design)."""
+    import psutil
+
+    alive = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(child.cmdline()):
+                alive.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return sorted(alive)
+
+
+def rank_sockets(metrics_port: int) -> list[str]:
+    """Abstract Unix sockets the ranks > 0 export their metrics on (pdpair.connector.metrics.rank_socket_name)."""
+    prefix = f"@pdpair-metrics-{metrics_port}-rank-"
+    with open("/proc/net/unix") as table:
+        return sorted({line.split()[-1] for line in table if line.split()[-1].startswith(prefix)})
+
+
+def wait_until(check, timeout: float = 30.0):
+    """Worker processes exit asynchronously after shutdown returns; poll (bounded) until `check()` is falsy."""
+    deadline = time.monotonic() + timeout
+    while (value := check()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return value
+
+
+def main(model: str, listen_port: int, metrics_port: int, rounds: int, tp: int = 1) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -42,21 +72,28 @@ def main(model: str, listen_port: int, metrics_port: int, rounds: int) -> int:
         started = time.monotonic()
         llm = LLM(
             model=model, dtype="float32", enforce_eager=True, block_size=32, max_model_len=512,
-            kv_cache_memory_bytes=32 * 2**20, served_model_name="tiny",
+            kv_cache_memory_bytes=32 * 2**20, served_model_name="tiny", tensor_parallel_size=tp,
             kv_transfer_config=KVTransferConfig(
                 kv_connector="PdPairConnector", kv_connector_module_path="pdpair.connector", kv_role="kv_consumer"
             ),
         )
-        during = {"sidechannel": port_state(listen_port), "metrics": port_state(metrics_port), "threads": pdpair_threads()}
+        during = {"sidechannel": [port_state(listen_port + r) for r in range(tp)], "metrics": port_state(metrics_port),
+                  "threads": pdpair_threads(), "rank_sockets": rank_sockets(metrics_port),
+                  "workers": len(child_processes())}
         out = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=4, temperature=0))
         tokens = list(out[0].outputs[0].token_ids)
         llm.llm_engine.engine_core.shutdown()
         del llm, out
         gc.collect()
-        after = {"sidechannel": port_state(listen_port), "metrics": port_state(metrics_port), "threads": pdpair_threads()}
+        leftover_workers = wait_until(child_processes)
+        after = {"sidechannel": [port_state(listen_port + r) for r in range(tp)], "metrics": port_state(metrics_port),
+                 "threads": pdpair_threads(), "rank_sockets": rank_sockets(metrics_port),
+                 "workers": len(leftover_workers)}
         good = (
-            during["sidechannel"] == "listening" and during["metrics"] == "listening" and len(tokens) == 4
-            and after["sidechannel"] == "free" and after["metrics"] == "free" and not after["threads"]
+            during["sidechannel"] == ["listening"] * tp and during["metrics"] == "listening" and len(tokens) == 4
+            and len(during["rank_sockets"]) == tp - 1
+            and after["sidechannel"] == ["free"] * tp and after["metrics"] == "free" and not after["threads"]
+            and not after["rank_sockets"] and not after["workers"]
         )
         ok &= good
         print(json.dumps({"round": round_no, "during": during, "tokens": tokens, "after": after, "ok": good,
@@ -65,4 +102,5 @@ def main(model: str, listen_port: int, metrics_port: int, rounds: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 3))
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 3,
+                  int(sys.argv[5]) if len(sys.argv) > 5 else 1))

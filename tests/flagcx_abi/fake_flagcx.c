@@ -26,6 +26,18 @@
  *                                flagcxReadCounter answers flagcxInvalidArgument.
  *   FAKE_FLAGCX_HOST=ADDR        address put in the uid and listened on (default 127.0.0.1).
  *   FAKE_FLAGCX_TIMEOUT_MS=N     bound of the fake's own blocking calls (default 600000); upstream has none.
+ *   FAKE_FLAGCX_REQUIRE_DEVICE=N calls that take the calling thread's device upstream (init, registrations, puts,
+ *                                destroy) fail with flagcxInvalidUsage unless fakeFlagcxSetDevice(N) ran in that
+ *                                thread (a new thread is on device 0, as in CUDA).
+ *   FAKE_FLAGCX_ASYNC_ERROR=unsupported  flagcxCommGetAsyncError answers flagcxNotSupported, as upstream does for
+ *                                hetero comms.
+ *   FAKE_FLAGCX_NO_RDMA=1        like upstream without an RDMA HCA: flagcxOneSideRegister answers flagcxNotSupported,
+ *                                and (window API) flagcxCommWindowRegister makes a window with no registration, on
+ *                                which flagcxPutSignal answers flagcxInvalidArgument.
+ *
+ * FAKE_WINDOW_API builds the window generation: flagcxCommWindowRegister gives window k = native region k, and
+ * flagcxPutSignal(localbuff, count, dtype, peer, peerWin, offset, flags, comm, stream) finds the source region by
+ * address and bumps the counter at the SENDER's rank in the peer's signal buffer, as upstream does.
  */
 #define _GNU_SOURCE
 #include "flagcx_abi.h"
@@ -67,6 +79,7 @@ struct flagcxComm {
     char last_error[512];
 
     uintptr_t *region_bases; /* for upstream's "already registered" dedup */
+    size_t *region_sizes;    /* window API: the source region is found by address */
     uint32_t region_count;
 
     _Atomic(uint64_t) *signal_buf; /* the user's buffer */
@@ -80,6 +93,9 @@ struct flagcxComm {
     pool_full_mode pool_full;
     int fail_put_with;
     bool homogeneous; /* upstream gives only heterogeneous comms an RMA proxy */
+    bool async_unsupported;
+    bool no_rdma; /* FAKE_FLAGCX_NO_RDMA: like upstream without an RDMA HCA */
+    int require_device; /* -1: any */
     uint64_t dropped; /* puts lost by the simulated pool bug */
 };
 
@@ -93,12 +109,25 @@ typedef struct pending_uid {
 static pthread_mutex_t g_pending_mu = PTHREAD_MUTEX_INITIALIZER;
 static pending_uid *g_pending;
 static __thread char g_thread_error[512];
+static __thread int g_thread_device; /* 0 in every new thread, like CUDA's current device */
+
+#ifdef FAKE_WINDOW_API
+struct flagcxWindow {
+    uint32_t index;
+    size_t size;
+};
+#endif
+
+FLAGCX_API void fakeFlagcxSetDevice(int device) { g_thread_device = device; }
 
 static const char *const RESULT_NAMES[] = {
     "flagcxSuccess",       "flagcxUnhandledDeviceError", "flagcxSystemError", "flagcxInternalError",
     "flagcxInvalidArgument", "flagcxInvalidUsage",       "flagcxRemoteError", "flagcxInProgress",
     "flagcxUnhandledCCLError", "flagcxNotSupported",
 };
+
+static long long env_ll(const char *name, long long fallback);
+#define env_ll_early env_ll
 
 static flagcxResult_t fail(flagcxComm_t comm, flagcxResult_t code, const char *fmt, ...) {
     char *dst = comm ? comm->last_error : g_thread_error;
@@ -109,6 +138,17 @@ static flagcxResult_t fail(flagcxComm_t comm, flagcxResult_t code, const char *f
     va_end(ap);
     if (comm != NULL) snprintf(g_thread_error, sizeof(g_thread_error), "%s", comm->last_error);
     return code;
+}
+
+/* The calling thread must be on the required device (FAKE_FLAGCX_REQUIRE_DEVICE), as NCCL binds ranks to it. */
+static flagcxResult_t check_device(flagcxComm_t comm, const char *call) {
+    int required = comm != NULL ? comm->require_device : (int)env_ll_early("FAKE_FLAGCX_REQUIRE_DEVICE", -1);
+    if (required >= 0 && g_thread_device != required)
+        return fail(comm, flagcxInvalidUsage,
+                    "fake flagcx: %s called from a thread on device %d; this rank's device is %d (NCCL would say: "
+                    "Duplicate GPU detected)",
+                    call, g_thread_device, required);
+    return flagcxSuccess;
 }
 
 static flagcxResult_t from_native(pdpair_status st) {
@@ -247,6 +287,7 @@ static void comm_free(flagcxComm_t comm) {
     if (comm->ctx) pdpair_context_destroy(comm->ctx);
     pthread_mutex_destroy(&comm->mu);
     free(comm->region_bases);
+    free(comm->region_sizes);
     free(comm);
 }
 
@@ -254,6 +295,8 @@ FLAGCX_API flagcxResult_t flagcxCommInitRank(flagcxComm_t *out, int nranks, flag
     if (out == NULL || comm_id == NULL)
         return fail(NULL, flagcxInvalidArgument, "flagcxCommInitRank: comm or commId is NULL");
     *out = NULL;
+    flagcxResult_t dev = check_device(NULL, "flagcxCommInitRank");
+    if (dev != flagcxSuccess) return dev;
     if (nranks != 2) return fail(NULL, flagcxNotSupported, "fake flagcx: only pair communicators (nranks=2)");
     if (rank != 0 && rank != 1) return fail(NULL, flagcxInvalidArgument, "flagcxCommInitRank: rank %d", rank);
     fake_uid_payload p;
@@ -272,6 +315,10 @@ FLAGCX_API flagcxResult_t flagcxCommInitRank(flagcxComm_t *out, int nranks, flag
     comm->pool_full = (mode != NULL && strcmp(mode, "drop") == 0) ? POOL_FULL_DROP : POOL_FULL_ERROR;
     comm->fail_put_with = (int)env_ll("FAKE_FLAGCX_FAIL_PUT_WITH", 0);
     comm->homogeneous = env_ll("FAKE_FLAGCX_HOMOGENEOUS", 0) != 0;
+    const char *async_mode = getenv("FAKE_FLAGCX_ASYNC_ERROR");
+    comm->async_unsupported = async_mode != NULL && strcmp(async_mode, "unsupported") == 0;
+    comm->require_device = (int)env_ll("FAKE_FLAGCX_REQUIRE_DEVICE", -1);
+    comm->no_rdma = env_ll("FAKE_FLAGCX_NO_RDMA", 0) != 0;
 
     pdpair_status st;
     if (rank == 0) {
@@ -344,6 +391,8 @@ static void *mirror_main(void *arg) {
 
 FLAGCX_API flagcxResult_t flagcxCommDestroy(flagcxComm_t comm) {
     if (comm == NULL) return fail(NULL, flagcxInvalidArgument, "flagcxCommDestroy: comm is NULL");
+    flagcxResult_t dev = check_device(comm, "flagcxCommDestroy");
+    if (dev != flagcxSuccess) return dev;
     atomic_store(&comm->stop, true);
     if (comm->mirror_started) pthread_join(comm->mirror, NULL);
     comm_free(comm);
@@ -353,46 +402,102 @@ FLAGCX_API flagcxResult_t flagcxCommDestroy(flagcxComm_t comm) {
 FLAGCX_API flagcxResult_t flagcxCommGetAsyncError(flagcxComm_t comm, flagcxResult_t *async_error) {
     if (comm == NULL || async_error == NULL)
         return fail(comm, flagcxInvalidArgument, "flagcxCommGetAsyncError: NULL argument");
+    if (comm->async_unsupported) return flagcxNotSupported; /* upstream, hetero comm */
     pdpair_status st = pdpair_conn_state(comm->conn);
     *async_error = from_native(st);
     if (st != PDPAIR_OK) fail_native(comm, st, "connection");
     return flagcxSuccess;
 }
 
-FLAGCX_API flagcxResult_t flagcxOneSideRegister(flagcxComm_t comm, void *buff, size_t size) {
+/* Native region k for the k-th buffer, collective like upstream's all-gather of MR keys. *index = UINT32_MAX when
+ * the address was registered before (upstream: success, and no new index). */
+static flagcxResult_t register_region(flagcxComm_t comm, void *buff, size_t size, const char *call, uint32_t *index) {
+    *index = UINT32_MAX;
     if (comm == NULL || buff == NULL || size == 0)
-        return fail(comm, flagcxInvalidArgument, "flagcxOneSideRegister: NULL comm/buffer or size 0");
+        return fail(comm, flagcxInvalidArgument, "%s: NULL comm/buffer or size 0", call);
+    flagcxResult_t dev = check_device(comm, call);
+    if (dev != flagcxSuccess) return dev;
     pthread_mutex_lock(&comm->mu);
     for (uint32_t i = 0; i < comm->region_count; i++) {
-        if (comm->region_bases[i] == (uintptr_t)buff) { /* upstream: success, and no new index */
+        if (comm->region_bases[i] == (uintptr_t)buff) {
             pthread_mutex_unlock(&comm->mu);
             return flagcxSuccess;
         }
     }
     uintptr_t *bases = realloc(comm->region_bases, (comm->region_count + 1) * sizeof(*bases));
-    if (bases == NULL) {
+    if (bases != NULL) comm->region_bases = bases;
+    size_t *sizes = realloc(comm->region_sizes, (comm->region_count + 1) * sizeof(*sizes));
+    if (sizes != NULL) comm->region_sizes = sizes;
+    if (bases == NULL || sizes == NULL) {
         pthread_mutex_unlock(&comm->mu);
         return fail(comm, flagcxSystemError, "fake flagcx: out of memory");
     }
-    comm->region_bases = bases;
-    uint32_t index = 0;
-    pdpair_status st = pdpair_context_register(comm->ctx, buff, size, &index);
+    uint32_t native_index = 0;
+    pdpair_status st = pdpair_context_register(comm->ctx, buff, size, &native_index);
     if (st != PDPAIR_OK) {
         pthread_mutex_unlock(&comm->mu);
         return fail_native(comm, st, "registering a buffer");
     }
-    comm->region_bases[comm->region_count++] = (uintptr_t)buff;
+    comm->region_bases[comm->region_count] = (uintptr_t)buff;
+    comm->region_sizes[comm->region_count] = size;
+    comm->region_count++;
     uint32_t count = comm->region_count;
     pthread_mutex_unlock(&comm->mu);
-    /* Collective, like upstream's all-gather of MR keys: return once the peer has its k-th buffer too. */
     st = pdpair_conn_wait_remote_regions(comm->conn, count, comm->timeout_ms);
     if (st != PDPAIR_OK) return fail_native(comm, st, "waiting for the peer's matching registration");
+    *index = native_index;
     return flagcxSuccess;
 }
+
+FLAGCX_API flagcxResult_t flagcxOneSideRegister(flagcxComm_t comm, void *buff, size_t size) {
+    if (comm != NULL && comm->no_rdma) return flagcxNotSupported; /* upstream: no iput in the net adaptor */
+    uint32_t index;
+    return register_region(comm, buff, size, "flagcxOneSideRegister", &index);
+}
+
+#ifdef FAKE_WINDOW_API
+FLAGCX_API flagcxResult_t flagcxCommWindowRegister(flagcxComm_t comm, void *buff, size_t size, flagcxWindow_t *win,
+                                                   int win_flags, int allocator) {
+    (void)allocator;
+    if (win == NULL || *win != NULL) return fail(comm, flagcxInvalidArgument, "flagcxCommWindowRegister: *win");
+    if (comm != NULL && (comm->homogeneous || !(win_flags & FLAGCX_WIN_COLL_SYMMETRIC))) {
+        *win = NULL; /* upstream: success and no window when there is no symmetric one-sided path */
+        return flagcxSuccess;
+    }
+    uint32_t index;
+    if (comm != NULL && comm->no_rdma) {
+        /* Upstream without RDMA: a symmetric window is made, but without a memory registration (mrIndex -1). */
+        struct flagcxWindow *w = calloc(1, sizeof(*w));
+        if (w == NULL) return fail(comm, flagcxSystemError, "fake flagcx: out of memory");
+        w->index = UINT32_MAX;
+        w->size = size;
+        *win = w;
+        return flagcxSuccess;
+    }
+    flagcxResult_t r = register_region(comm, buff, size, "flagcxCommWindowRegister", &index);
+    if (r != flagcxSuccess) return r;
+    if (index == UINT32_MAX) return fail(comm, flagcxInvalidUsage, "fake flagcx: buffer already has a window");
+    struct flagcxWindow *w = calloc(1, sizeof(*w));
+    if (w == NULL) return fail(comm, flagcxSystemError, "fake flagcx: out of memory");
+    w->index = index;
+    w->size = size;
+    *win = w;
+    return flagcxSuccess;
+}
+
+FLAGCX_API flagcxResult_t flagcxCommWindowDeregister(flagcxComm_t comm, flagcxWindow_t win, int allocator) {
+    (void)comm;
+    (void)allocator;
+    free(win); /* the native region stays until the comm goes, as MRs do upstream until destroy */
+    return flagcxSuccess;
+}
+#endif
 
 FLAGCX_API flagcxResult_t flagcxOneSideSignalRegister(flagcxComm_t comm, void *buff, size_t size, int ptr_type) {
     if (comm == NULL || buff == NULL)
         return fail(comm, flagcxInvalidArgument, "flagcxOneSideSignalRegister: NULL comm or buffer");
+    flagcxResult_t dev = check_device(comm, "flagcxOneSideSignalRegister");
+    if (dev != flagcxSuccess) return dev;
     if (ptr_type != FLAGCX_PTR_HOST && ptr_type != FLAGCX_PTR_CUDA && ptr_type != FLAGCX_PTR_DMABUF)
         return fail(comm, flagcxInvalidArgument, "flagcxOneSideSignalRegister: invalid ptrType %d", ptr_type);
     if (ptr_type != FLAGCX_PTR_HOST)
@@ -423,11 +528,39 @@ FLAGCX_API flagcxResult_t flagcxOneSideSignalRegister(flagcxComm_t comm, void *b
     return flagcxSuccess;
 }
 
-#ifndef FAKE_OMIT_PUT_SIGNAL
+#if !defined(FAKE_OMIT_PUT_SIGNAL) || defined(FAKE_WINDOW_API)
+/* The data, then exactly +1 on the peer's counter `slot`, with the simulated request pool in between. */
+static flagcxResult_t post_put_signal(flagcxComm_t comm, uint32_t src_idx, size_t src_offset, uint32_t dst_idx,
+                                      size_t dst_offset, size_t size, uint32_t slot) {
+    if (comm->signal_buf == NULL)
+        return fail(comm, flagcxInvalidUsage, "flagcxPutSignal: flagcxOneSideSignalRegister was not called");
+    if (comm->request_pool > 0) {
+        pdpair_conn_stats stats;
+        if (pdpair_conn_get_stats(comm->conn, &stats, sizeof(stats)) == PDPAIR_OK &&
+            stats.posted - stats.completed >= comm->request_pool) {
+            if (comm->pool_full == POOL_FULL_DROP) {
+                __atomic_add_fetch(&comm->dropped, 1, __ATOMIC_RELAXED);
+                return flagcxSuccess; /* the simulated bug: reported as posted, never sent */
+            }
+            return fail(comm, flagcxInternalError, "NET/IB : unable to allocate requests (fake pool of %llu)",
+                        (unsigned long long)comm->request_pool);
+        }
+    }
+    pdpair_status st;
+    if (size == 0) st = pdpair_signal(comm->conn, slot, NULL); /* upstream: size 0 posts only the atomic */
+    else st = pdpair_put_signal(comm->conn, src_idx, src_offset, dst_idx, dst_offset, size, slot, NULL);
+    if (st != PDPAIR_OK) return fail_native(comm, st, "flagcxPutSignal");
+    return flagcxSuccess;
+}
+#endif
+
+#if !defined(FAKE_OMIT_PUT_SIGNAL) && !defined(FAKE_WINDOW_API)
 FLAGCX_API flagcxResult_t flagcxPutSignal(flagcxComm_t comm, int peer, size_t src_offset, size_t dst_offset,
                                           size_t size, size_t signal_offset, int src_mr_idx, int dst_mr_idx,
                                           uint64_t signal_value) {
     if (comm == NULL) return fail(NULL, flagcxInvalidArgument, "flagcxPutSignal: comm is NULL");
+    flagcxResult_t dev = check_device(comm, "flagcxPutSignal");
+    if (dev != flagcxSuccess) return dev;
     if (comm->fail_put_with != 0)
         return fail(comm, (flagcxResult_t)comm->fail_put_with, "fake flagcx: FAKE_FLAGCX_FAIL_PUT_WITH=%d",
                     comm->fail_put_with);
@@ -444,33 +577,54 @@ FLAGCX_API flagcxResult_t flagcxPutSignal(flagcxComm_t comm, int peer, size_t sr
                     signal_offset);
     if (src_mr_idx < 0 || dst_mr_idx < 0)
         return fail(comm, flagcxInvalidArgument, "flagcxPutSignal: negative MR index");
-    if (comm->signal_buf == NULL)
-        return fail(comm, flagcxInvalidUsage, "flagcxPutSignal: flagcxOneSideSignalRegister was not called");
-
-    if (comm->request_pool > 0) {
-        pdpair_conn_stats stats;
-        if (pdpair_conn_get_stats(comm->conn, &stats, sizeof(stats)) == PDPAIR_OK &&
-            stats.posted - stats.completed >= comm->request_pool) {
-            if (comm->pool_full == POOL_FULL_DROP) {
-                __atomic_add_fetch(&comm->dropped, 1, __ATOMIC_RELAXED);
-                return flagcxSuccess; /* the simulated bug: reported as posted, never sent */
-            }
-            return fail(comm, flagcxInternalError, "NET/IB : unable to allocate requests (fake pool of %llu)",
-                        (unsigned long long)comm->request_pool);
-        }
-    }
-    pdpair_status st;
-    uint32_t slot = (uint32_t)(signal_offset / sizeof(uint64_t));
-    if (size == 0) st = pdpair_signal(comm->conn, slot, NULL); /* upstream: size 0 posts only the atomic */
-    else
-        st = pdpair_put_signal(comm->conn, (uint32_t)src_mr_idx, src_offset, (uint32_t)dst_mr_idx, dst_offset,
-                               size, slot, NULL);
-    if (st != PDPAIR_OK) return fail_native(comm, st, "flagcxPutSignal");
-    return flagcxSuccess;
+    return post_put_signal(comm, (uint32_t)src_mr_idx, src_offset, (uint32_t)dst_mr_idx, dst_offset, size,
+                           (uint32_t)(signal_offset / sizeof(uint64_t)));
 }
 #endif
 
 #ifdef FAKE_WINDOW_API
+static size_t datatype_bytes(int datatype) {
+    static const size_t sizes[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2}; /* flagcxDataType_t 0..9 */
+    return (datatype >= 0 && datatype < 10) ? sizes[datatype] : 0;
+}
+
+FLAGCX_API flagcxResult_t flagcxPutSignal(const void *localbuff, size_t count, int datatype, int peer,
+                                          flagcxWindow_t peer_win, size_t peer_win_offset, unsigned int flags,
+                                          flagcxComm_t comm, flagcxStream_t stream) {
+    (void)flags;
+    if (comm == NULL || peer_win == NULL)
+        return fail(comm, flagcxInvalidArgument, "flagcxPutSignal: comm or peerWin is NULL");
+    flagcxResult_t dev = check_device(comm, "flagcxPutSignal");
+    if (dev != flagcxSuccess) return dev;
+    if (stream != NULL) return fail(comm, flagcxNotSupported, "fake flagcx: no device streams");
+    if (comm->fail_put_with != 0)
+        return fail(comm, (flagcxResult_t)comm->fail_put_with, "fake flagcx: FAKE_FLAGCX_FAIL_PUT_WITH=%d",
+                    comm->fail_put_with);
+    if (peer != 1 - comm->rank)
+        return fail(comm, flagcxInvalidArgument, "flagcxPutSignal: peer %d out of range (nRanks=2)", peer);
+    if (peer_win->index == UINT32_MAX) return flagcxInvalidArgument; /* upstream: dstMrIdx < 0, no message */
+    size_t elem = datatype_bytes(datatype);
+    if (elem == 0) return fail(comm, flagcxInvalidArgument, "flagcxPutSignal: datatype %d", datatype);
+    size_t size = count * elem;
+    /* Source: the registered region holding localbuff (upstream: VA range lookup over the MR table). */
+    uint32_t src_idx = UINT32_MAX;
+    size_t src_offset = 0;
+    pthread_mutex_lock(&comm->mu);
+    for (uint32_t i = 0; i < comm->region_count; i++) {
+        uintptr_t base = comm->region_bases[i];
+        if ((uintptr_t)localbuff >= base && (uintptr_t)localbuff < base + comm->region_sizes[i]) {
+            src_idx = i;
+            src_offset = (uintptr_t)localbuff - base;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&comm->mu);
+    if (src_idx == UINT32_MAX)
+        return fail(comm, flagcxInvalidArgument, "flagcxPutSignal: localbuff %p not in any registered MR", localbuff);
+    /* Upstream: the sender writes its own rank's slot of the receiver's signal buffer, +1. */
+    return post_put_signal(comm, src_idx, src_offset, peer_win->index, peer_win_offset, size, (uint32_t)comm->rank);
+}
+
 FLAGCX_API flagcxResult_t flagcxWaitSignal(int n_desc, const fakeWaitSignalDesc *descs, flagcxComm_t comm,
                                            flagcxStream_t stream) {
     (void)descs;

@@ -3,9 +3,9 @@
  * here by us from reading upstream's public header; no upstream code. TEST ONLY: the fake in fake_flagcx.c
  * implements exactly these symbols so the ctypes binding can be exercised on machines without CUDA/NCCL/IB.
  *
- * Generation bound: the "one-sided, MR-index" API that FlagCX shipped from PR #443 (2026-04) until PR #494
- * (2026-06) replaced flagcxPutSignal/flagcxWaitSignal with the NCCL-aligned window API under the same names.
- * FAKE_WINDOW_API builds a library with the newer flagcxWaitSignal, to test that the binding refuses it.
+ * Two generations under the same names: the "one-sided, MR-index" API that FlagCX shipped from PR #443 (2026-04)
+ * until PR #494 (2026-06), and the NCCL-aligned window API that replaced flagcxPutSignal/flagcxWaitSignal from then on
+ * (upstream HEAD 0c721293). FAKE_WINDOW_API builds the window generation.
  */
 #ifndef PDPAIR_FLAGCX_ABI_H
 #define PDPAIR_FLAGCX_ABI_H
@@ -35,6 +35,12 @@ typedef struct {
 
 typedef struct flagcxComm *flagcxComm_t;
 typedef void *flagcxStream_t;
+typedef struct flagcxWindow *flagcxWindow_t;
+
+/* flagcxDataType_t values the window API's count is in (flagcxUint8 = 1 is what pdpair passes). */
+#define FLAGCX_UINT8 1
+/* Window flags; only symmetric windows take part in one-sided operations. */
+#define FLAGCX_WIN_COLL_SYMMETRIC 0x01
 
 /* Pointer kinds of flagcxOneSideSignalRegister. */
 #define FLAGCX_PTR_HOST 0x1
@@ -63,7 +69,7 @@ FLAGCX_API flagcxResult_t flagcxOneSideRegister(flagcxComm_t comm, void *buff, s
 /* One signal buffer per comm, registered after the first data buffer; 64-bit counters at byte offsets. */
 FLAGCX_API flagcxResult_t flagcxOneSideSignalRegister(flagcxComm_t comm, void *buff, size_t size, int ptr_type);
 
-#ifndef FAKE_OMIT_PUT_SIGNAL
+#if !defined(FAKE_OMIT_PUT_SIGNAL) && !defined(FAKE_WINDOW_API)
 /* Write size bytes from local MR src_mr_idx at src_offset to the peer's MR dst_mr_idx at dst_offset, then add
  * signal_value to the 64-bit counter at signal_offset of the peer's signal buffer. */
 FLAGCX_API flagcxResult_t flagcxPutSignal(flagcxComm_t comm, int peer, size_t src_offset, size_t dst_offset,
@@ -72,6 +78,15 @@ FLAGCX_API flagcxResult_t flagcxPutSignal(flagcxComm_t comm, int peer, size_t sr
 #endif
 
 #ifdef FAKE_WINDOW_API
+/* Collective: the k-th window on every rank shares MR index k. Symmetric windows only (else *win = NULL). */
+FLAGCX_API flagcxResult_t flagcxCommWindowRegister(flagcxComm_t comm, void *buff, size_t size, flagcxWindow_t *win,
+                                                   int win_flags, int allocator);
+FLAGCX_API flagcxResult_t flagcxCommWindowDeregister(flagcxComm_t comm, flagcxWindow_t win, int allocator);
+/* Write count elements from localbuff (inside a registered window) to peerWin at peerWinOffset, then add 1 to the
+ * counter at (sender rank * 8) of the peer's signal buffer. stream NULL: the source is ready at the call. */
+FLAGCX_API flagcxResult_t flagcxPutSignal(const void *localbuff, size_t count, int datatype, int peer,
+                                          flagcxWindow_t peer_win, size_t peer_win_offset, unsigned int flags,
+                                          flagcxComm_t comm, flagcxStream_t stream);
 typedef struct {
     uint64_t op_count;
     int peer;
@@ -87,5 +102,10 @@ FLAGCX_API flagcxResult_t flagcxWaitSignal(flagcxComm_t comm, int peer, size_t s
 
 /* Number of this rank's one-sided operations that completed (monotonic, all peers together). */
 FLAGCX_API flagcxResult_t flagcxReadCounter(flagcxComm_t comm, uint64_t *count);
+
+/* TEST ONLY, not upstream: the calling thread's "current CUDA device" (0 in a new thread, as in CUDA). With
+ * FAKE_FLAGCX_REQUIRE_DEVICE=N every call that takes the device upstream refuses a thread whose device is not N,
+ * the way NCCL refuses two ranks on one GPU. */
+FLAGCX_API void fakeFlagcxSetDevice(int device);
 
 #endif /* PDPAIR_FLAGCX_ABI_H */

@@ -90,7 +90,7 @@ def substitute(expr: str) -> str:
 def test_the_checker_catches_drift():
     assert problems_in('sum by (pod) (pdpair_signal_deficit{role="decode"}) > 0') == []
     assert problems_in("pdpair_signal_deficits > 0")  # misspelt metric
-    assert problems_in('pdpair_signal_deficit{rank="0"}')  # label the metric does not have
+    assert problems_in('pdpair_signal_deficit{gpu="0"}')  # label the metric does not have
     assert problems_in('pdpair_operator_pair_phase{phase="Runing"}')  # not a phase
     assert problems_in('pdpair_kv_transfers_total{outcome!="fine"}')
     assert problems_in("sum by (gpu) (pdpair_signal_deficit)")  # grouping by a label nobody has

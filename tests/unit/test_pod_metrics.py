@@ -18,7 +18,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdpair import contract
-from pdpair.connector.metrics import SignalAccounts, accounts_from_env, serve
+from pdpair.connector.metrics import PeerRanks, SignalAccounts, accounts_from_env, export_rank, serve
+
+RANK0 = ("rank", "0")  # every per-rank series of a TP = 1 engine (or of TP rank 0)
 
 
 class FakeClock:
@@ -107,33 +109,33 @@ def test_deficit_and_oldest_wait_follow_open_transfers_per_peer(served, clock):
     clock.now += 1
 
     assert samples(port, "pdpair_signal_deficit") == {
-        (("peer", "peer-a"), role): 7.0,
-        (("peer", "peer-b"), role): 0.0,
+        (("peer", "peer-a"), RANK0, role): 7.0,
+        (("peer", "peer-b"), RANK0, role): 0.0,
     }
-    assert samples(port, "pdpair_signal_wait_oldest_seconds") == {(role,): 3.0}
-    assert samples(port, "pdpair_signals_expected_total")[(("peer", "peer-a"), role)] == 8.0
-    assert samples(port, "pdpair_signals_received_total")[(("peer", "peer-a"), role)] == 1.0
+    assert samples(port, "pdpair_signal_wait_oldest_seconds") == {(RANK0, role): 3.0}
+    assert samples(port, "pdpair_signals_expected_total")[(("peer", "peer-a"), RANK0, role)] == 8.0
+    assert samples(port, "pdpair_signals_received_total")[(("peer", "peer-a"), RANK0, role)] == 1.0
 
     accounts.on_signals("a1", 5)  # a1 complete: the oldest waiting one is now a2 (age 1)
-    assert samples(port, "pdpair_signal_wait_oldest_seconds") == {(role,): 1.0}
+    assert samples(port, "pdpair_signal_wait_oldest_seconds") == {(RANK0, role): 1.0}
     accounts.close_wait("a1", "ok", nbytes=10, seconds=0.5)
     accounts.close_wait("a2", "error", nbytes=0, seconds=1.0)
     accounts.close_wait("b1", "ok", nbytes=5, seconds=0.25)
-    assert samples(port, "pdpair_signal_deficit") == {(("peer", "peer-a"), role): 0.0, (("peer", "peer-b"), role): 0.0}
-    assert samples(port, "pdpair_signal_wait_oldest_seconds") == {(role,): 0.0}
+    assert samples(port, "pdpair_signal_deficit") == {(("peer", "peer-a"), RANK0, role): 0.0, (("peer", "peer-b"), RANK0, role): 0.0}
+    assert samples(port, "pdpair_signal_wait_oldest_seconds") == {(RANK0, role): 0.0}
     transfers = samples(port, "pdpair_kv_transfers_total")
-    assert transfers[(("outcome", "ok"), role)] == 2.0
-    assert transfers[(("outcome", "error"), role)] == 1.0
-    assert transfers[(("outcome", "timeout"), role)] == 0.0
-    assert samples(port, "pdpair_kv_transfer_bytes_total") == {(role,): 15.0}
-    assert samples(port, "pdpair_kv_transfer_seconds_count") == {(role,): 3.0}
-    assert samples(port, "pdpair_kv_transfer_seconds_sum") == {(role,): 1.75}
+    assert transfers[(("outcome", "ok"), RANK0, role)] == 2.0
+    assert transfers[(("outcome", "error"), RANK0, role)] == 1.0
+    assert transfers[(("outcome", "timeout"), RANK0, role)] == 0.0
+    assert samples(port, "pdpair_kv_transfer_bytes_total") == {(RANK0, role): 15.0}
+    assert samples(port, "pdpair_kv_transfer_seconds_count") == {(RANK0, role): 3.0}
+    assert samples(port, "pdpair_kv_transfer_seconds_sum") == {(RANK0, role): 1.75}
     assert accounts.open_transfers() == 0
 
 
 def test_timeouts_are_counted_once_whether_seen_by_a_scrape_or_by_close(served, clock):
     accounts, port = served
-    timeouts = (("role", "decode"),)
+    timeouts = (RANK0, ("role", "decode"))
     accounts.open_wait("late", "peer-a", 2, deadline=clock.now + 5)
     clock.now += 4
     assert samples(port, "pdpair_signal_wait_timeouts_total") == {timeouts: 0.0}
@@ -146,7 +148,7 @@ def test_timeouts_are_counted_once_whether_seen_by_a_scrape_or_by_close(served, 
     accounts.open_wait("late2", "peer-a", 2, deadline=clock.now + 5)
     accounts.close_wait("late2", "timeout", nbytes=0, seconds=5)  # the connector saw it first
     assert samples(port, "pdpair_signal_wait_timeouts_total") == {timeouts: 2.0}
-    assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "timeout"), ("role", "decode"))] == 2.0
+    assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "timeout"), RANK0, ("role", "decode"))] == 2.0
 
 
 def test_healthz_names_the_stuck_transfer_only_past_the_hang_timeout(served, clock):
@@ -170,7 +172,7 @@ def test_healthz_names_the_stuck_transfer_only_past_the_hang_timeout(served, clo
 
 def test_requeues_follow_the_transports_cumulative_count_and_survive_a_reset(served):
     accounts, port = served
-    key = (("peer", "p"),)
+    key = (("peer", "p"), RANK0)
     accounts.set_transport_counters("p", inflight=3, slots=256, requeues=5)
     accounts.set_transport_counters("p", inflight=0, slots=256, requeues=9)
     assert samples(port, "pdpair_transport_requeues_total") == {key: 9.0}
@@ -213,7 +215,7 @@ def test_any_request_id_is_a_valid_transfer_id(served):
     accounts.open_wait("chat cmpl/ünïcode id#1", "peer-a", 1, deadline=1e9)
     accounts.on_signals("chat cmpl/ünïcode id#1", 1)
     accounts.close_wait("chat cmpl/ünïcode id#1", "ok", nbytes=1, seconds=0.0)
-    assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), ("role", "decode"))] == 1.0
+    assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), RANK0, ("role", "decode"))] == 1.0
 
 
 def test_received_total_may_not_go_down():
@@ -307,7 +309,7 @@ def test_concurrent_worker_threads_keep_exact_accounts(served):
     expected = samples(port, "pdpair_signals_expected_total")
     received = samples(port, "pdpair_signals_received_total")
     assert sum(expected.values()) == sum(received.values()) == 3 * total
-    assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), ("role", "decode"))] == total
+    assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), RANK0, ("role", "decode"))] == total
     assert set(samples(port, "pdpair_signal_deficit").values()) == {0.0}
     assert accounts.open_transfers() == 0
 
@@ -315,8 +317,8 @@ def test_concurrent_worker_threads_keep_exact_accounts(served):
 def test_two_engines_in_one_process_do_not_collide():
     first, second = SignalAccounts("prefill", 1.0), SignalAccounts("decode", 1.0)
     first.on_handshake("ok")
-    assert first.registry.get_sample_value("pdpair_handshakes_total", {"role": "prefill", "outcome": "ok"}) == 1.0
-    assert second.registry.get_sample_value("pdpair_handshakes_total", {"role": "decode", "outcome": "ok"}) == 0.0
+    assert first.registry.get_sample_value("pdpair_handshakes_total", {"role": "prefill", "rank": "0", "outcome": "ok"}) == 1.0
+    assert second.registry.get_sample_value("pdpair_handshakes_total", {"role": "decode", "rank": "0", "outcome": "ok"}) == 0.0
 
 
 def test_metrics_demo_process_goes_hung_after_the_timeout_and_stops_on_sigterm():
@@ -342,7 +344,7 @@ def test_metrics_demo_process_goes_hung_after_the_timeout_and_stops_on_sigterm()
             time.sleep(0.1)
         assert code == 503, body
         assert body["transfer"]["id"] == "demo-stuck" and body["transfer"]["received"] == 5
-        assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), ("role", "decode"))] >= 1
+        assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), RANK0, ("role", "decode"))] >= 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
     finally:
@@ -372,16 +374,68 @@ def test_metrics_demo_native_source_drops_signals_through_the_real_transport():
         assert code == 503, body
         peer = body["transfer"]["peer"]
         assert (body["transfer"]["expected"], body["transfer"]["received"]) == (8, 5)
-        assert samples(port, "pdpair_signal_deficit") == {(("peer", peer), ("role", "decode")): 3.0}
-        assert samples(port, "pdpair_signal_wait_timeouts_total") == {(("role", "decode"),): 1.0}
+        assert samples(port, "pdpair_signal_deficit") == {(("peer", peer), RANK0, ("role", "decode")): 3.0}
+        assert samples(port, "pdpair_signal_wait_timeouts_total") == {(RANK0, ("role", "decode")): 1.0}
         # complete transfers still flow on the same connection while the stuck one stays open
-        ok = samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), ("role", "decode"))]
+        ok = samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), RANK0, ("role", "decode"))]
         time.sleep(0.5)
-        assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), ("role", "decode"))] > ok
-        assert samples(port, "pdpair_transport_slots") == {(("peer", peer),): 256.0}
+        assert samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), RANK0, ("role", "decode"))] > ok
+        assert samples(port, "pdpair_transport_slots") == {(("peer", peer), RANK0): 256.0}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_rank_zero_serves_every_tp_ranks_series_and_verdict(clock):
+    """TP = 2: each rank has its own accounts (in vLLM, its own worker process); rank 0 serves the pod's port and
+    merges rank 1's series (labelled rank="1") and verdict, read over rank 1's local socket at each request."""
+    metrics_port = free_tcp_port()
+    rank0 = SignalAccounts("decode", 10.0, generation=3, rank=0, clock=clock)
+    rank1 = SignalAccounts("decode", 10.0, generation=3, rank=1, clock=clock)
+    exporter = export_rank(metrics_port, rank1)
+    server = serve(0, rank0, addr="127.0.0.1", ranks=PeerRanks(metrics_port, (1,)))
+    try:
+        rank0.open_wait("r0", "prefill-r0", 4, deadline=clock.now + 10)
+        rank0.on_signals("r0", 4)
+        rank0.close_wait("r0", "ok", nbytes=64, seconds=0.01)
+        rank1.open_wait("r1", "prefill-r1", 4, deadline=clock.now + 10)
+        rank1.on_signals("r1", 1)
+        rank1.set_listener_ready(1, True)
+        port = server.port
+        assert samples(port, "pdpair_signal_deficit") == {
+            (("peer", "prefill-r0"), RANK0, ("role", "decode")): 0.0,
+            (("peer", "prefill-r1"), ("rank", "1"), ("role", "decode")): 3.0,
+        }
+        assert samples(port, "pdpair_listener_ready") == {(RANK0, ("role", "decode")): 0.0,
+                                                          (("rank", "1"), ("role", "decode")): 1.0}
+        transfers = samples(port, "pdpair_kv_transfers_total")
+        assert transfers[(("outcome", "ok"), RANK0, ("role", "decode"))] == 1.0
+        assert transfers[(("outcome", "ok"), ("rank", "1"), ("role", "decode"))] == 0.0
+        assert samples(port, "pdpair_pair_generation") == {(): 3.0}  # pod-level series once, from rank 0
+        assert healthz(port)[0] == 200
+
+        clock.now += 10.5  # rank 1's wait passes the hang timeout; rank 0 has nothing open
+        code, body = healthz(port)
+        assert code == 503 and body["status"] == "hung", body
+        assert body["transfer"]["rank"] == 1 and body["transfer"]["id"] == "r1", body
+        assert body["ranks"]["0"]["status"] == "ok" and body["ranks"]["1"]["status"] == "hung", body
+        assert samples(port, "pdpair_signal_wait_timeouts_total")[(("rank", "1"), ("role", "decode"))] == 1.0
+
+        rank1.close_wait("r1", "timeout", nbytes=0, seconds=10.5)
+        assert healthz(port)[0] == 200
+        exporter.stop()  # rank 1's worker is gone: the pod cannot vouch for it
+        code, body = healthz(port)
+        assert code == 503 and body["status"] == "rank_unreachable" and "1" in body["unreachable_ranks"], body
+        assert not any(labels for labels in samples(port, "pdpair_listener_ready") if ("rank", "1") in labels)
+    finally:
+        server.stop()
+        exporter.stop()

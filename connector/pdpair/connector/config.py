@@ -21,6 +21,10 @@ SEND_LEASE_FACTOR = 4.0
 DEFAULT_TRANSPORT_SLOTS = 256
 MAX_TRANSPORT_SLOTS = 4096
 MAX_FLAGCX_TRANSPORT_SLOTS = 256
+# Read by libflagcx itself. A same-vendor pair needs a heterogeneous communicator for one-sided ops (without it
+# init fails at flagcxReadCounter), so the connector sets it to 1 before loading libflagcx unless the pod sets it.
+ENV_FLAGCX_USE_HETERO_COMM = "FLAGCX_USE_HETERO_COMM"
+FLAGCX_USE_HETERO_COMM_DEFAULT = "1"
 
 
 class ConfigError(ValueError):
@@ -41,13 +45,22 @@ class PdPairConfig:
     peer_host: str | None  # prefill
     peer_port_base: int | None  # prefill
     transport_slots: int = DEFAULT_TRANSPORT_SLOTS  # request slots per peer connection (puts in flight)
+    flagcx_use_hetero_comm: str | None = None  # FLAGCX_USE_HETERO_COMM as the pod set it (None: unset)
     # Test-only knobs, from kv_connector_extra_config; never set by the operator.
     test_corrupt_kv_file: str | None = None  # decode: while this file exists, received KV is overwritten
     test_drop_signals_file: str | None = None  # prefill: while it exists, the native sender drops every N-th signal
+    test_delay_listener_file: str | None = None  # decode: while it exists, the ranks it names do not listen yet
 
     @property
     def send_lease_seconds(self) -> float:
         return SEND_LEASE_FACTOR * self.hang_timeout_seconds
+
+    def transport_environment(self) -> dict[str, str]:
+        """Variables the transport's library reads, to set in this process before it loads (flagcx:
+        FLAGCX_USE_HETERO_COMM=1 unless the pod set it; the pod's value always wins)."""
+        if self.transport == contract.TRANSPORT_FLAGCX and self.flagcx_use_hetero_comm is None:
+            return {ENV_FLAGCX_USE_HETERO_COMM: FLAGCX_USE_HETERO_COMM_DEFAULT}
+        return {}
 
     def listen_port(self, tp_rank: int) -> int:
         assert self.listen_port_base is not None
@@ -89,6 +102,7 @@ class PdPairConfig:
 
         corrupt = extra.pop("test_corrupt_kv_file", None)
         drop = extra.pop("test_drop_signals_file", None)
+        delay_listener = extra.pop("test_delay_listener_file", None)
         if extra:
             raise ConfigError(f"unknown kv_connector_extra_config keys for PdPairConnector: {sorted(extra)}")
         return cls(
@@ -104,8 +118,10 @@ class PdPairConfig:
             peer_host=peer_host,
             peer_port_base=peer_base,
             transport_slots=transport_slots,
+            flagcx_use_hetero_comm=env.get(ENV_FLAGCX_USE_HETERO_COMM) or None,
             test_corrupt_kv_file=str(corrupt) if corrupt else None,
             test_drop_signals_file=str(drop) if drop else None,
+            test_delay_listener_file=str(delay_listener) if delay_listener else None,
         )
 
 

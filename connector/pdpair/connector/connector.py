@@ -91,9 +91,10 @@ class PdPairConnector(KVConnectorBase_V1):
             cls = DecodeWorker if self.config.role == contract.ROLE_DECODE else PrefillWorker
             self._worker = cls(self.config, tp_rank, tp_size, block_size, vllm_version)
         self._num_blocks = kv_cache_config.num_blocks
+        where = "" if self._worker is None else f" (TP rank {self._worker.tp_rank} of {self._worker.tp_size})"
         logger.info(
-            "PdPairConnector %s side, role %s, generation %d, transport %s",
-            role.name.lower(), self.config.role, self.config.generation, self.config.transport,
+            "PdPairConnector %s side%s, role %s, generation %d, transport %s",
+            role.name.lower(), where, self.config.role, self.config.generation, self.config.transport,
         )
 
     # ==============================

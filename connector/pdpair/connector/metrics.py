@@ -23,6 +23,9 @@ created in a row in one process never collide on metric registration)::
     server.stop()                                  # port is free again when this returns
 
 Semantics:
+- One `SignalAccounts` per TP rank (`rank=`); every per-rank series carries `rank`. At TP > 1, rank 0 serves the
+  pod's port with `serve(..., ranks=PeerRanks(port, (1, ...)))` and each other rank runs `export_rank(port, accounts)`;
+  see "TP ranks" below.
 - A wait is *open* from `open_wait` until `close_wait`. It is *waiting* while received < expected.
 - `pdpair_signal_deficit{peer}` = sum of (expected - received) over open waits of that peer, computed at scrape
   time; every peer seen once keeps a series (0 when nothing is missing), so "deficit == 0" is observable.
@@ -44,6 +47,8 @@ import json
 import math
 import os
 import re
+import socket
+import socketserver
 import threading
 import time
 from dataclasses import dataclass
@@ -53,7 +58,9 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.metrics_core import Metric as MetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from pdpair import contract
 
@@ -64,6 +71,9 @@ __all__ = [
     "serve",
     "accounts_from_env",
     "declare_pod_metrics",
+    "export_rank",
+    "PeerRanks",
+    "RankExporter",
 ]
 
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.:\-\[\]/]{1,128}$")
@@ -169,6 +179,7 @@ class SignalAccounts:
         hang_timeout_seconds: float,
         *,
         generation: int = 0,
+        rank: int = 0,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -178,6 +189,7 @@ class SignalAccounts:
         if hang_timeout_seconds <= 0:
             raise ValueError(f"hang_timeout_seconds must be > 0, got {hang_timeout_seconds!r}")
         self.role = role
+        self.rank = str(_check_count("rank", rank))  # the TP rank (worker) these accounts belong to
         self.hang_timeout_seconds = hang_timeout_seconds
         self.registry = registry if registry is not None else CollectorRegistry()
         self._clock = clock
@@ -192,10 +204,10 @@ class SignalAccounts:
         m = declare_pod_metrics(self.registry)
         self._expected = m[contract.SIGNALS_EXPECTED.name]
         self._received = m[contract.SIGNALS_RECEIVED.name]
-        self._timeouts = m[contract.SIGNAL_WAIT_TIMEOUTS.name].labels(role=role)
+        self._timeouts = m[contract.SIGNAL_WAIT_TIMEOUTS.name].labels(role=role, rank=self.rank)
         self._transfers = m[contract.KV_TRANSFERS.name]
-        self._bytes = m[contract.KV_TRANSFER_BYTES.name].labels(role=role)
-        self._seconds = m[contract.KV_TRANSFER_SECONDS.name].labels(role=role)
+        self._bytes = m[contract.KV_TRANSFER_BYTES.name].labels(role=role, rank=self.rank)
+        self._seconds = m[contract.KV_TRANSFER_SECONDS.name].labels(role=role, rank=self.rank)
         self._listener = m[contract.LISTENER_READY.name]
         self._handshakes = m[contract.HANDSHAKES.name]
         self._inflight = m[contract.TRANSPORT_INFLIGHT.name]
@@ -205,8 +217,10 @@ class SignalAccounts:
         m[contract.HANG_TIMEOUT_SECONDS.name].labels(role=role).set(hang_timeout_seconds)
         # Series that exist from the start, so rules see 0 rather than "absent".
         for outcome in _OUTCOMES:
-            self._transfers.labels(role=role, outcome=outcome)
-            self._handshakes.labels(role=role, outcome=outcome)
+            self._transfers.labels(role=role, rank=self.rank, outcome=outcome)
+            self._handshakes.labels(role=role, rank=self.rank, outcome=outcome)
+        if role == contract.ROLE_DECODE:
+            self._listener.labels(role=role, rank=self.rank).set(0)  # 0 until this rank's listener binds
         self.set_pair_generation(generation)
 
     # --- transfers -------------------------------------------------------------------------------
@@ -222,7 +236,7 @@ class SignalAccounts:
                 raise ValueError(f"transfer {transfer_id!r} already has an open wait")
             self._waits[transfer_id] = _Wait(transfer_id, peer, expected_signals, 0, self._clock(), float(deadline))
             self._remember_peer(peer)
-            self._expected.labels(role=self.role, peer=peer).inc(expected_signals)
+            self._expected.labels(role=self.role, rank=self.rank, peer=peer).inc(expected_signals)
 
     def on_signals(self, transfer_id: str, received_total: int) -> None:
         """Record that `received_total` signals (cumulative, for this transfer) have arrived."""
@@ -237,7 +251,7 @@ class SignalAccounts:
                 raise ValueError(
                     f"transfer {transfer_id!r}: {received_total} signals received but only {wait.expected} expected"
                 )
-            self._received.labels(role=self.role, peer=wait.peer).inc(received_total - wait.received)
+            self._received.labels(role=self.role, rank=self.rank, peer=wait.peer).inc(received_total - wait.received)
             wait.received = received_total
 
     def close_wait(self, transfer_id: str, outcome: str, nbytes: int, seconds: float) -> None:
@@ -251,19 +265,25 @@ class SignalAccounts:
             del self._waits[transfer_id]
             if outcome == contract.OUTCOME_TIMEOUT and not wait.timeout_counted:
                 self._timeouts.inc()
-            self._transfers.labels(role=self.role, outcome=outcome).inc()
+            self._transfers.labels(role=self.role, rank=self.rank, outcome=outcome).inc()
             self._bytes.inc(nbytes)
             self._seconds.observe(seconds)
+
+    def count_failed_transfer(self) -> None:
+        """A transfer that failed before any wait was opened (no paired prefill, no free slot, broken pair)."""
+        self._transfers.labels(role=self.role, rank=self.rank, outcome=contract.OUTCOME_ERROR).inc()
 
     # --- side channel and transport --------------------------------------------------------------
     def on_handshake(self, outcome: str) -> None:
         """Count one side-channel uid exchange (ok | timeout | error, or another short lower-case word)."""
         if not isinstance(outcome, str) or not re.fullmatch(r"[a-z][a-z_]{0,31}", outcome):
             raise ValueError(f"handshake outcome must be a short lower_case word, got {outcome!r}")
-        self._handshakes.labels(role=self.role, outcome=outcome).inc()
+        self._handshakes.labels(role=self.role, rank=self.rank, outcome=outcome).inc()
 
     def set_listener_ready(self, rank: int, ready: bool) -> None:
         _check_count("rank", rank)
+        if str(rank) != self.rank:
+            raise ValueError(f"these accounts belong to TP rank {self.rank}, not {rank}")
         if not isinstance(ready, bool):
             raise ValueError(f"ready must be a bool, got {ready!r}")
         self._listener.labels(role=self.role, rank=str(rank)).set(1 if ready else 0)
@@ -281,9 +301,9 @@ class SignalAccounts:
             last = self._requeues_seen.get(peer, 0)
             delta = requeues - last if requeues >= last else requeues
             self._requeues_seen[peer] = requeues
-            self._inflight.labels(peer=peer).set(inflight)
-            self._slots.labels(peer=peer).set(slots)
-            self._requeues.labels(peer=peer).inc(delta)
+            self._inflight.labels(rank=self.rank, peer=peer).set(inflight)
+            self._slots.labels(rank=self.rank, peer=peer).set(slots)
+            self._requeues.labels(rank=self.rank, peer=peer).inc(delta)
 
     def set_pair_generation(self, generation: int) -> None:
         _check_count("generation", generation)
@@ -334,7 +354,7 @@ class SignalAccounts:
     def _remember_peer(self, peer: str) -> None:
         if peer not in self._peers:
             self._peers.add(peer)
-            self._received.labels(role=self.role, peer=peer)
+            self._received.labels(role=self.role, rank=self.rank, peer=peer)
 
 
 class _DerivedCollector(Collector):
@@ -350,10 +370,10 @@ class _DerivedCollector(Collector):
         deficits, report = self._accounts._evaluate()
         deficit = self._deficit_family()
         for peer, missing in sorted(deficits.items()):
-            deficit.add_metric([self._accounts.role, peer], missing)
+            deficit.add_metric([self._accounts.role, self._accounts.rank, peer], missing)
         yield deficit
         oldest = self._oldest_family()
-        oldest.add_metric([self._accounts.role], report.oldest_wait_seconds)
+        oldest.add_metric([self._accounts.role, self._accounts.rank], report.oldest_wait_seconds)
         yield oldest
 
     @staticmethod
@@ -373,15 +393,19 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def _app(accounts: SignalAccounts) -> Callable:
-    metrics_app = make_wsgi_app(accounts.registry)
+def _app(accounts: SignalAccounts, ranks: "PeerRanks | None" = None) -> Callable:
+    metrics_app = make_wsgi_app(accounts.registry if ranks is None else _MergedRegistry(accounts, ranks))
 
     def app(environ, start_response):
         path = environ.get("PATH_INFO", "")
         if path == contract.HEALTHZ_PATH:
-            report = accounts.health()
-            body = json.dumps(report.as_json()).encode()
-            status = "503 Service Unavailable" if report.hung else "200 OK"
+            if ranks is None:
+                report = accounts.health()
+                unhealthy, payload = report.hung, report.as_json()
+            else:
+                unhealthy, payload = _merged_health(accounts, ranks)
+            body = json.dumps(payload).encode()
+            status = "503 Service Unavailable" if unhealthy else "200 OK"
             start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
         if path in (contract.METRICS_PATH, "/"):
@@ -416,11 +440,17 @@ class MetricsServer:
 
 
 def serve(
-    port: int, accounts: SignalAccounts, hang_timeout_seconds: float | None = None, addr: str = "0.0.0.0"
+    port: int,
+    accounts: SignalAccounts,
+    hang_timeout_seconds: float | None = None,
+    addr: str = "0.0.0.0",
+    ranks: "PeerRanks | None" = None,
 ) -> MetricsServer:
     """Serve /metrics and /healthz for `accounts` on `port` (0 = any free port, see `.port`) in a daemon thread.
 
     `hang_timeout_seconds` defaults to the accounts' own; a different value is refused (one pod, one timeout).
+    `ranks`: the other TP ranks of this engine (each a worker process running `export_rank`); their per-rank series
+    are merged into /metrics and their verdicts into /healthz at every request.
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an int in 0..65535, got {port!r}")
@@ -428,7 +458,7 @@ def serve(
         raise ValueError(
             f"hang_timeout_seconds {hang_timeout_seconds} differs from the accounts' {accounts.hang_timeout_seconds}"
         )
-    httpd = make_server(addr, port, _app(accounts), ThreadingWSGIServer, handler_class=_QuietHandler)
+    httpd = make_server(addr, port, _app(accounts, ranks), ThreadingWSGIServer, handler_class=_QuietHandler)
     # A short poll interval makes stop() quick (shutdown waits for the serve loop to notice).
     thread = threading.Thread(
         target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name=f"pdpair-metrics-{httpd.server_address[1]}"
@@ -452,3 +482,143 @@ def accounts_from_env(environ: dict[str, str] | None = None, registry: Collector
             f"{contract.ENV_HANG_TIMEOUT_SECONDS} must be a number and {contract.ENV_GENERATION} an int: {exc}"
         ) from None
     return SignalAccounts(env[contract.ENV_ROLE], timeout, generation=generation, registry=registry)
+
+
+# --- TP ranks: one pod, several worker processes, one metrics port -----------------------------------
+# vLLM runs each TP rank in its own worker process, each with its own SignalAccounts. Rank 0 serves
+# PDPAIR_METRICS_PORT; every other rank answers rank 0 on an abstract Unix socket named after that port (abstract:
+# nothing on disk to clean up, gone when the process is). Rank 0 merges their per-rank series (those labelled `rank`)
+# into /metrics and their verdicts into /healthz at each request, so a deficit on any rank is visible and judged.
+RANK_FETCH_TIMEOUT_SECONDS = 1.0
+_PER_RANK = frozenset(m.name for m in contract.POD_METRICS if "rank" in m.labels)
+
+
+def rank_socket_name(metrics_port: int, rank: int) -> str:
+    """The abstract Unix socket on which TP rank `rank` (> 0) of the engine serving `metrics_port` exports."""
+    return f"\0pdpair-metrics-{metrics_port}-rank-{rank}"
+
+
+def _family_key(name: str) -> str:
+    """Contract name of a collected family (prometheus-client drops a counter's _total)."""
+    return name if name in _PER_RANK else f"{name}_total"
+
+
+def _snapshot(accounts: SignalAccounts) -> dict:
+    families = []
+    for family in accounts.registry.collect():
+        if _family_key(family.name) not in _PER_RANK:
+            continue  # pod-level series (generation, hang timeout): rank 0 exports its own
+        families.append({
+            "name": family.name, "type": family.type, "help": family.documentation,
+            "samples": [[s.name, s.labels, s.value] for s in family.samples],
+        })
+    report = accounts.health()
+    return {"rank": accounts.rank, "families": families, "health": {**report.as_json(), "hung": report.hung}}
+
+
+class RankExporter:
+    """TP rank > 0: answers each connection on `rank_socket_name` with a JSON snapshot of its accounts."""
+
+    def __init__(self, metrics_port: int, accounts: SignalAccounts) -> None:
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                self.request.sendall(json.dumps(_snapshot(accounts)).encode())
+
+        class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+            daemon_threads = True
+
+        self.name = rank_socket_name(metrics_port, int(accounts.rank))
+        self._server = Server(self.name, Handler)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True,
+            name=f"pdpair-rank-metrics-r{accounts.rank}",
+        )
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise RuntimeError(f"rank metrics thread {self._thread.name} did not stop within {timeout}s")
+
+
+def export_rank(metrics_port: int, accounts: SignalAccounts) -> RankExporter:
+    return RankExporter(metrics_port, accounts)
+
+
+@dataclass(frozen=True)
+class PeerRanks:
+    """The other TP ranks of this engine, read through their exporters."""
+
+    metrics_port: int
+    ranks: tuple[int, ...]
+    timeout: float = RANK_FETCH_TIMEOUT_SECONDS
+
+    def fetch(self) -> dict[int, dict | str]:
+        """rank -> its snapshot, or why it could not be read."""
+        out: dict[int, dict | str] = {}
+        for rank in self.ranks:
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(self.timeout)
+                    sock.connect(rank_socket_name(self.metrics_port, rank))
+                    chunks = []
+                    while chunk := sock.recv(65536):
+                        chunks.append(chunk)
+                out[rank] = json.loads(b"".join(chunks))
+            except (OSError, ValueError) as exc:
+                out[rank] = f"{type(exc).__name__}: {exc}"
+        return out
+
+
+class _MergedRegistry:
+    """What make_wsgi_app needs of a registry: collect() yields rank 0's families with the other ranks' samples."""
+
+    def __init__(self, accounts: SignalAccounts, ranks: PeerRanks) -> None:
+        self._accounts, self._ranks = accounts, ranks
+
+    def collect(self) -> Iterator:
+        families = {f.name: f for f in self._accounts.registry.collect()}
+        for snapshot in self._ranks.fetch().values():
+            if not isinstance(snapshot, dict):
+                continue  # unreachable: /healthz says so; its series are absent, never invented
+            for remote in snapshot["families"]:
+                family = families.get(remote["name"])
+                if family is None:
+                    family = families[remote["name"]] = MetricFamily(remote["name"], remote["help"], remote["type"])
+                family.samples.extend(Sample(n, labels, float(v)) for n, labels, v in remote["samples"])
+        yield from families.values()
+
+    def restricted_registry(self, names):  # make_wsgi_app's ?name[]= filter
+        return self
+
+
+def _merged_health(accounts: SignalAccounts, ranks: PeerRanks) -> tuple[bool, dict]:
+    """(unhealthy, body): hung if any rank is hung, 'rank_unreachable' if a rank cannot be read."""
+    local = accounts.health()
+    per_rank: dict[str, dict] = {accounts.rank: {**local.as_json(), "hung": local.hung}}
+    unreachable: dict[str, str] = {}
+    for rank, snapshot in ranks.fetch().items():
+        if isinstance(snapshot, dict):
+            per_rank[str(rank)] = snapshot["health"]
+        else:
+            unreachable[str(rank)] = snapshot
+    hung = sorted((r for r, h in per_rank.items() if h["hung"]), key=int)
+    body: dict = {
+        "status": "hung" if hung else ("rank_unreachable" if unreachable else "ok"),
+        "deficit": sum(h["deficit"] for h in per_rank.values()),
+        "oldest_wait_seconds": max(h["oldest_wait_seconds"] for h in per_rank.values()),
+        "hang_timeout_seconds": accounts.hang_timeout_seconds,
+    }
+    stuck = [(r, h["transfer"]) for r, h in per_rank.items() if "transfer" in h and (not hung or r in hung)]
+    if stuck:
+        rank, transfer = max(stuck, key=lambda item: item[1]["age_seconds"])
+        body["transfer"] = {**transfer, "rank": int(rank)}
+    body["ranks"] = {
+        r: {"status": h["status"], "deficit": h["deficit"], "oldest_wait_seconds": h["oldest_wait_seconds"]}
+        for r, h in sorted(per_rank.items(), key=lambda item: int(item[0]))
+    }
+    if unreachable:
+        body["unreachable_ranks"] = unreachable
+    return bool(hung or unreachable), body

@@ -31,8 +31,9 @@ from pdpair.connector import timeline
 from pdpair.connector.config import PdPairConfig
 from pdpair.connector.handshake import DecodeSideChannel, PrefillSideChannel
 from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
-from pdpair.connector.metrics import MetricsServer, SignalAccounts, serve
+from pdpair.connector.metrics import MetricsServer, PeerRanks, RankExporter, SignalAccounts, export_rank, serve
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
+from pdpair.connector.staging import HostStaging, block_runs
 from pdpair.connector.stats import PdPairKVConnectorStats
 from pdpair.connector.transports import PairComm, PairTransport, SignalWaitTimeout, TransportError, make_transport
 
@@ -54,15 +55,17 @@ IDLE_WAIT_SECONDS = 0.01
 
 @dataclass(frozen=True)
 class KvRegions:
-    """One region per layer: base address and bytes of one block, in the model's layer order."""
+    """One region per layer: base address and bytes of one block, in the model's layer order. `staging`: pinned host
+    mirrors the transport moves instead, when the KV is on a GPU and the transport takes host memory only (tcp)."""
 
     layer_names: list[str]
     ptrs: list[int]
     chunk_bytes: list[int]
     num_blocks: int
+    staging: HostStaging | None = None
 
     @classmethod
-    def from_kv_caches(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KvRegions:
+    def from_kv_caches(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int, stage_on_host: bool = False) -> KvRegions:
         names, ptrs, chunks = [], [], []
         for name, tensor in kv_caches.items():
             if tensor.shape[0] != num_blocks:
@@ -75,13 +78,21 @@ class KvRegions:
             names.append(name)
             ptrs.append(tensor.data_ptr())
             chunks.append(tensor.stride(0) * tensor.element_size())
-        return cls(names, ptrs, chunks, num_blocks)
+        staging = None
+        if stage_on_host:
+            staging = HostStaging(list(kv_caches.values()), [chunk * num_blocks for chunk in chunks])
+        return cls(names, ptrs, chunks, num_blocks, staging)
 
     def region_size(self, layer: int) -> int:
         return self.chunk_bytes[layer] * self.num_blocks
 
     def register(self, comm: PairComm) -> list[int]:
-        return [comm.register_region(self.ptrs[i], self.region_size(i)) for i in range(len(self.ptrs))]
+        ptrs = self.staging.host_ptrs if self.staging is not None else self.ptrs
+        return [comm.register_region(ptrs[i], self.region_size(i)) for i in range(len(ptrs))]
+
+    def runs(self, block_ids: list[int]) -> list[list[tuple[int, int]]]:
+        """Per layer, the byte ranges of these blocks (adjacent blocks merged)."""
+        return [block_runs(block_ids, chunk) for chunk in self.chunk_bytes]
 
 
 @dataclass
@@ -111,11 +122,24 @@ class _Worker:
         self.tp_size = tp_size
         self.block_size = block_size
         self.vllm_version = vllm_version
+        for name, value in config.transport_environment().items():
+            os.environ[name] = value  # read by the transport's C library, which is loaded next
+        if config.flagcx_use_hetero_comm not in (None, "1") and config.transport == contract.TRANSPORT_FLAGCX:
+            logger.warning("FLAGCX_USE_HETERO_COMM=%s set by the pod: one-sided puts need 1 on a same-vendor pair",
+                           config.flagcx_use_hetero_comm)
         self.transport: PairTransport = make_transport(config.transport, slots=config.transport_slots)
-        self.accounts = SignalAccounts(config.role, config.hang_timeout_seconds, generation=config.generation)
+        self.accounts = SignalAccounts(config.role, config.hang_timeout_seconds, generation=config.generation,
+                                       rank=tp_rank)
+        # One metrics port per pod: rank 0 serves it and merges the other ranks' accounts, which each rank > 0
+        # exports on a local socket (every rank runs in its own worker process).
         self.metrics_server: MetricsServer | None = None
-        if config.metrics_port is not None and tp_rank == 0:
-            self.metrics_server = serve(config.metrics_port, self.accounts)
+        self.rank_exporter: RankExporter | None = None
+        if config.metrics_port is not None:
+            if tp_rank == 0:
+                peers = PeerRanks(config.metrics_port, tuple(range(1, tp_size))) if tp_size > 1 else None
+                self.metrics_server = serve(config.metrics_port, self.accounts, ranks=peers)
+            else:
+                self.rank_exporter = export_rank(config.metrics_port, self.accounts)
         self.regions: KvRegions | None = None
         self.layout: KvLayout | None = None
         self.local_hash = ""
@@ -126,8 +150,16 @@ class _Worker:
         self._counters_warned = False
 
     def _prepare(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        self.regions = KvRegions.from_kv_caches(kv_caches, num_blocks)
         first = next(iter(kv_caches.values()))
+        on_gpu = first.device.type == "cuda"
+        if on_gpu:
+            # FlagCX/NCCL bind to the calling thread's device; the transport makes this one current in its threads.
+            self.transport.set_device(first.device.index if first.device.index is not None else torch.cuda.current_device())
+        stage = on_gpu and not self.transport.supports_device_memory
+        self.regions = KvRegions.from_kv_caches(kv_caches, num_blocks, stage_on_host=stage)
+        if stage:
+            logger.info("KV caches on %s, transport %s moves host memory: staging through %.1f GiB of pinned host "
+                        "memory", first.device, self.config.transport, self.regions.staging.nbytes / 2**30)
         self.layout = KvLayout(
             self.regions.layer_names, self.regions.chunk_bytes, self.block_size, str(first.dtype), self.tp_size
         )
@@ -155,6 +187,9 @@ class _Worker:
         if self.metrics_server is not None:
             self.metrics_server.stop()
             self.metrics_server = None
+        if self.rank_exporter is not None:
+            self.rank_exporter.stop()
+            self.rank_exporter = None
         self.transport.close()
 
 
@@ -171,6 +206,9 @@ class DecodeWorker(_Worker):
         self._waiters = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix=f"pdpair-signal-wait-r{self.tp_rank}")
         self._comm_id: int | None = None
         self._done_waits: list[_Wait] = []  # finished since the last get_transfer_results, for the timeline
+        self._listener_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._delayed_listener: threading.Thread | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self._prepare(kv_caches, num_blocks)
@@ -189,7 +227,41 @@ class DecodeWorker(_Worker):
             on_disconnect=self._on_disconnect,
             accounts=self.accounts,
         )
-        self.side.start_and_wait()
+        if self._listener_held_back():
+            logger.warning("TEST KNOB %s present: rank %d's side-channel listener waits until the file is removed",
+                           self.config.test_delay_listener_file, self.tp_rank)
+            self._delayed_listener = threading.Thread(
+                target=self._start_listener_when_released, name=f"pdpair-test-listen-delay-r{self.tp_rank}", daemon=True
+            )
+            self._delayed_listener.start()
+        else:
+            self.side.start_and_wait()
+
+    def _listener_held_back(self) -> bool:
+        """TEST ONLY (test_delay_listener_file): the file exists and names this rank (empty: every rank)."""
+        path = self.config.test_delay_listener_file
+        if not path or not os.path.exists(path):
+            return False
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            return False  # removed between the two calls
+        return not text or str(self.tp_rank) in {part.strip() for part in text.split(",")}
+
+    def _start_listener_when_released(self) -> None:
+        while not self._stopping.wait(0.1):
+            if self._listener_held_back():
+                continue
+            with self._listener_lock:
+                if self._stopping.is_set():
+                    return
+                logger.warning("TEST KNOB %s released: starting rank %d's side-channel listener",
+                               self.config.test_delay_listener_file, self.tp_rank)
+                try:
+                    self.side.start_and_wait()
+                except Exception:  # noqa: BLE001 - logged; decode then fails its loads as unpaired
+                    logger.exception("rank %d: the delayed side-channel listener did not start", self.tp_rank)
+            return
 
     def _register(self, comm: PairComm) -> tuple[bytes, list[int], int]:
         result = super()._register(comm)
@@ -212,14 +284,16 @@ class DecodeWorker(_Worker):
         comm = side.comm
         if comm is None or not side.connected.is_set():
             logger.error("request %s: cannot load KV: no prefill is paired on the side channel", recv.request_id)
+            self.accounts.count_failed_transfer()
             self._fail(recv.request_id, timed_out=False)
             return
-        with self._lock:
-            if not self._free_slots:
-                logger.error("request %s: no free signal slot (all %d busy or quarantined)", recv.request_id, comm.num_signal_slots)
-                self._fail(recv.request_id, timed_out=False)
-                return
-            slot = self._free_slots.pop()
+        with self._lock:  # _fail takes this lock too: decide here, fail outside
+            slot = self._free_slots.pop() if self._free_slots else None
+        if slot is None:
+            logger.error("request %s: no free signal slot (all %d busy or quarantined)", recv.request_id, comm.num_signal_slots)
+            self.accounts.count_failed_transfer()
+            self._fail(recv.request_id, timed_out=False)
+            return
         layers = len(self.regions.ptrs)
         expected = layers * len(recv.block_ids)
         nbytes = sum(self.regions.chunk_bytes) * len(recv.block_ids)
@@ -227,6 +301,7 @@ class DecodeWorker(_Worker):
             base = comm.read_signal(slot)
         except TransportError as exc:
             logger.error("request %s: cannot load KV: the pair is broken: %s", recv.request_id, exc)
+            self.accounts.count_failed_transfer()
             self._fail(recv.request_id, timed_out=False)
             return
         now = time.monotonic()
@@ -260,6 +335,14 @@ class DecodeWorker(_Worker):
             self._fail(request_id, timed_out=False)
             return
         self.accounts.on_signals(request_id, wait.expected)
+        if self.regions is not None and self.regions.staging is not None:
+            try:  # the bytes are in the host mirror; the load is done once they are on the device
+                self.regions.staging.to_device(self.regions.runs(wait.recv.block_ids))
+            except Exception as exc:  # noqa: BLE001 - a waiter must always settle its request
+                logger.error("request %s: copying the staged KV to the device failed: %s", request_id, exc)
+                self._close(wait, contract.OUTCOME_ERROR, wait.expected)
+                self._fail(request_id, timed_out=False)
+                return
         seconds = wait.last_signal - wait.started
         self._maybe_corrupt(wait)
         self._close(wait, contract.OUTCOME_OK, wait.expected, seconds=seconds, release_slot=True)
@@ -400,6 +483,10 @@ class DecodeWorker(_Worker):
         return finished, failed
 
     def shutdown(self) -> None:
+        with self._listener_lock:
+            self._stopping.set()  # a held-back listener (test knob) never starts after this
+        if self._delayed_listener is not None:
+            self._delayed_listener.join(5.0)
         if self.side is not None:
             with self._lock:
                 for wait in self._waits.values():
@@ -557,19 +644,26 @@ class PrefillWorker(_Worker):
         if comm is None:
             return PullFailed(pull.transfer_id, "prefill has no pair communicator")
         nbytes = 0
+        src_blocks = block_ids[pull.first_block : pull.first_block + count]
+        staging = self.regions.staging
         try:
             self._apply_drop_knob(comm)
+            # Staged: every layer's device -> host copy starts now; layer k is put once its copy is done.
+            copies = staging.to_host(self.regions.runs(src_blocks)) if staging is not None else [None] * layers
             first_put = time.monotonic()
-            for i, dst_block in enumerate(pull.dst_block_ids):
-                src_block = block_ids[pull.first_block + i]
-                for layer in range(layers):
-                    chunk = self.regions.chunk_bytes[layer]
+            for layer in range(layers):
+                HostStaging.wait(copies[layer])
+                chunk = self.regions.chunk_bytes[layer]
+                for src_block, dst_block in zip(src_blocks, pull.dst_block_ids):
                     comm.put_signal(local_indices[layer], src_block * chunk, peer_indices[layer],
                                     dst_block * chunk, chunk, pull.signal_slot)
                     nbytes += chunk
             last_put = time.monotonic()
             comm.flush(last_put + self.config.hang_timeout_seconds)
-        except TransportError as exc:
+        except RuntimeError as exc:  # TransportError, or a CUDA error of the staging copies
+            if not isinstance(exc, TransportError):
+                logger.error("transfer %s: staging the KV to host memory failed: %s", pull.transfer_id, exc)
+                return PullFailed(pull.transfer_id, f"prefill could not stage its KV to host memory: {exc}")
             logger.error("transfer %s (prefill request %s) failed: %s", pull.transfer_id, pull.remote_request_id, exc)
             return PullFailed(pull.transfer_id, f"prefill transport error: {exc}")
         flushed = time.monotonic()
@@ -581,15 +675,19 @@ class PrefillWorker(_Worker):
         return PullDone(pull.transfer_id, nbytes)
 
     def _apply_drop_knob(self, comm: PairComm) -> None:
-        """TEST ONLY: while the knob file exists (content: N, default 1), the native sender drops every N-th signal."""
+        """TEST ONLY: while the knob file exists the native sender drops every N-th signal. Content `N` (empty: 1)
+        on every TP rank, `N@R` on TP rank R only."""
         path = self.config.test_drop_signals_file
         if not path or not hasattr(comm, "set_signal_drop_fault"):
             return
         every = 0
         if os.path.exists(path):
             text = open(path).read().strip()
-            every = int(text) if text else 1
-            logger.warning("TEST KNOB %s present: the transport drops every %d-th signal", path, every)
+            count, _, rank = text.partition("@")
+            if not rank or int(rank) == self.tp_rank:
+                every = int(count) if count else 1
+                logger.warning("TEST KNOB %s present: rank %d's transport drops every %d-th signal", path,
+                               self.tp_rank, every)
         comm.set_signal_drop_fault(every)
 
     def _register(self, comm: PairComm) -> tuple[bytes, list[int], int]:

@@ -111,6 +111,8 @@ HTTP_PORT_NAME = "http"
 
 
 # --- metrics -------------------------------------------------------------------------------------
+# `rank` is the TP rank (vLLM worker) a series comes from; TP rank 0 serves every rank's series on the pod's metrics
+# port. Pod-level series (hang timeout, generation) carry no rank.
 @dataclass(frozen=True)
 class Metric:
     """One exported metric. `name` is the family name (no _total suffix is added or removed)."""
@@ -138,17 +140,20 @@ class Metric:
 
 
 SIGNALS_EXPECTED = Metric(
-    "pdpair_signals_expected_total", "counter", ("role", "peer"), "Signals the receiver was told to expect."
+    "pdpair_signals_expected_total", "counter", ("role", "rank", "peer"), "Signals the receiver was told to expect."
 )
-SIGNALS_RECEIVED = Metric("pdpair_signals_received_total", "counter", ("role", "peer"), "Signals that arrived.")
+SIGNALS_RECEIVED = Metric("pdpair_signals_received_total", "counter", ("role", "rank", "peer"), "Signals that arrived.")
 SIGNAL_DEFICIT = Metric(
-    "pdpair_signal_deficit", "gauge", ("role", "peer"), "Expected minus received signals over the transfers still open."
+    "pdpair_signal_deficit",
+    "gauge",
+    ("role", "rank", "peer"),
+    "Expected minus received signals over the transfers still open.",
 )
 SIGNAL_WAIT_OLDEST_SECONDS = Metric(
-    "pdpair_signal_wait_oldest_seconds", "gauge", ("role",), "Age of the oldest open signal wait, 0 when none."
+    "pdpair_signal_wait_oldest_seconds", "gauge", ("role", "rank"), "Age of the oldest open signal wait, 0 when none."
 )
 SIGNAL_WAIT_TIMEOUTS = Metric(
-    "pdpair_signal_wait_timeouts_total", "counter", ("role",), "Signal waits that passed their deadline."
+    "pdpair_signal_wait_timeouts_total", "counter", ("role", "rank"), "Signal waits that passed their deadline."
 )
 HANG_TIMEOUT_SECONDS = Metric(
     "pdpair_hang_timeout_seconds",
@@ -157,20 +162,29 @@ HANG_TIMEOUT_SECONDS = Metric(
     "PDPAIR_HANG_TIMEOUT_SECONDS as this pod applies it (alert rules compare the oldest wait against it).",
 )
 KV_TRANSFERS = Metric(
-    "pdpair_kv_transfers_total", "counter", ("role", "outcome"), "Finished KV transfers by outcome (ok, timeout, error)."
+    "pdpair_kv_transfers_total",
+    "counter",
+    ("role", "rank", "outcome"),
+    "Finished KV transfers by outcome (ok, timeout, error).",
 )
-KV_TRANSFER_BYTES = Metric("pdpair_kv_transfer_bytes_total", "counter", ("role",), "KV bytes moved.")
-KV_TRANSFER_SECONDS = Metric("pdpair_kv_transfer_seconds", "histogram", ("role",), "KV transfer duration in seconds.")
+KV_TRANSFER_BYTES = Metric("pdpair_kv_transfer_bytes_total", "counter", ("role", "rank"), "KV bytes moved.")
+KV_TRANSFER_SECONDS = Metric(
+    "pdpair_kv_transfer_seconds", "histogram", ("role", "rank"), "KV transfer duration in seconds."
+)
 LISTENER_READY = Metric(
     "pdpair_listener_ready", "gauge", ("role", "rank"), "1 while the side-channel listener accepts connections."
 )
-HANDSHAKES = Metric("pdpair_handshakes_total", "counter", ("role", "outcome"), "Side-channel uid exchanges by outcome.")
-TRANSPORT_INFLIGHT = Metric("pdpair_transport_inflight", "gauge", ("peer",), "Puts posted and not yet completed.")
-TRANSPORT_SLOTS = Metric("pdpair_transport_slots", "gauge", ("peer",), "Request-slot capacity per connection.")
+HANDSHAKES = Metric(
+    "pdpair_handshakes_total", "counter", ("role", "rank", "outcome"), "Side-channel uid exchanges by outcome."
+)
+TRANSPORT_INFLIGHT = Metric(
+    "pdpair_transport_inflight", "gauge", ("rank", "peer"), "Puts posted and not yet completed."
+)
+TRANSPORT_SLOTS = Metric("pdpair_transport_slots", "gauge", ("rank", "peer"), "Request-slot capacity per connection.")
 TRANSPORT_REQUEUES = Metric(
     "pdpair_transport_requeues_total",
     "counter",
-    ("peer",),
+    ("rank", "peer"),
     "Posts deferred because every request slot was busy (backpressure, never a drop).",
 )
 PAIR_GENERATION = Metric("pdpair_pair_generation", "gauge", (), "PDPAIR_GENERATION as this pod sees it.")

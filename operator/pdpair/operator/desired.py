@@ -7,9 +7,13 @@ plan, and calls again. The order it encodes:
   2. replace stale pods, in order:        prefill and router first, decode after they are gone, wait all gone
   3. create decode                        (phase DecodeStarting)
   4. wait until decode runs with an IP, then until its listener accepts on every rank (DecodeListening)
-  5. create prefill with the peer address (phase PrefillStarting), wait Ready (PrefillReady)
+  5. create prefill with the peer address (phase PrefillStarting), wait Ready (PrefillReady), and decode Ready
   6. create router (when enabled), wait Ready
   7. Ready
+
+"Ready" of a pod is its Ready condition: every container's readiness probe passes (the engine's is vLLM's
+/health, see pods.py), so a pair is Ready only when both engines serve. No step has a deadline: a pod that loads
+its model slowly stays in its step (the kubelet's startupProbe is the deadline, spec.startupTimeoutSeconds).
 
 A spec change (of anything the pods are built from) or a restart request moves the pair to a new pairGeneration;
 the pods of older generations are then stale and step 2 replaces them.
@@ -43,7 +47,8 @@ from pdpair.contract import (
 from .status import FALSE, TRUE, Condition
 
 # The spec fields pods are built from; a change to any of them is a rollout (restartPolicy is not).
-POD_SPEC_FIELDS = ("model", "servedModelName", "image", "prefill", "decode", "connector", "network", "router")
+POD_SPEC_FIELDS = ("model", "servedModelName", "image", "prefill", "decode", "connector", "network", "router",
+                   "startupTimeoutSeconds")
 
 
 def _plain(value: Any) -> Any:
@@ -135,6 +140,7 @@ STEP_WAIT_DECODE_RUNNING = "WaitDecodeRunning"
 STEP_WAIT_LISTENER = "WaitDecodeListener"
 STEP_CREATE_PREFILL = "CreatePrefill"
 STEP_WAIT_PREFILL_READY = "WaitPrefillReady"
+STEP_WAIT_DECODE_READY = "WaitDecodeReady"
 STEP_CREATE_ROUTER = "CreateRouter"
 STEP_WAIT_ROUTER_READY = "WaitRouterReady"
 STEP_READY = "Ready"
@@ -311,6 +317,14 @@ def desired_state(spec: Mapping[str, Any], status: Mapping[str, Any] | None, obs
             [leased, listening, _prefill(FALSE, "Starting"), _not_ready("PrefillStarting")],
         )
     prefill_ready = _prefill(TRUE, "PodReady")
+    # Ready means serving: decode's readiness probe (vLLM /health) must pass too, not only its listener.
+    if not decode.ready:
+        return plan(
+            STEP_WAIT_DECODE_READY,
+            PHASE_PREFILL_STARTING,
+            "waiting for the decode pod to be Ready",
+            [leased, listening, prefill_ready, _not_ready("DecodeNotReady")],
+        )
 
     # 6. router
     if router_enabled(spec):
@@ -335,7 +349,8 @@ def desired_state(spec: Mapping[str, Any], status: Mapping[str, Any] | None, obs
         STEP_READY,
         PHASE_READY,
         f"generation {generation} is ready",
-        [leased, listening, prefill_ready, Condition(COND_READY, TRUE, "PairReady", "decode listens, prefill is ready")],
+        [leased, listening, prefill_ready,
+         Condition(COND_READY, TRUE, "PairReady", "decode and prefill are Ready (serving), and the router when enabled")],
     )
 
 

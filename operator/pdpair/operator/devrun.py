@@ -1,8 +1,8 @@
 """Run the operator for real on a local control plane: install the chart's CRD and RBAC, start
 `python -m pdpair.operator` as a subprocess under the chart's ServiceAccount. Used by the e2e tests and the demo.
 
-`cluster` is a tests.cluster.localcluster.LocalCluster (duck-typed: kubectl(), service_account_kubeconfig(),
-create_namespace()); `helm` is the path of a helm binary.
+`cluster` is a tests.cluster.localcluster.LocalCluster (duck-typed: kubectl(), wait_crd_established(),
+service_account_kubeconfig(), create_namespace()); `helm` is the path of a helm binary.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def install_crd(cluster: Any) -> None:
     for path in sorted(CRD_DIR.glob("*.yaml")):
         cluster.kubectl("apply", "--server-side", "-f", str(path))
         name = yaml.safe_load(path.read_text())["metadata"]["name"]
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+        cluster.wait_crd_established(name)
 
 
 def render_rbac(helm: str | os.PathLike, namespace: str, release: str = "pdpair") -> tuple[str, str]:

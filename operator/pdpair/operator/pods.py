@@ -2,12 +2,19 @@
 
 Pods are named `<pair>-<role>-g<generation>` so a create after a crash meets 409 instead of a twin, and
 restartPolicy is Never: a crashed engine must go through the ordered pair restart, not a lone kubelet restart.
+
+Each role may carry a core/v1 PodTemplateSpec (`spec.<role>.template`); the pod is that template with the
+operator's parts merged in (`_base_pod` for the pod, `_main_container` for the engine or router container). The
+owner table in docs/design.md says who owns which field; what the operator owns is refused in the template by the
+CRD's CEL rules, so the merge only overwrites defensively (a body that bypassed the apiserver, e.g. a unit test).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import math
 from typing import Any, Mapping
 
 from pdpair.contract import (
@@ -40,6 +47,7 @@ from pdpair.contract import (
     ROLE_ROUTER,
 )
 
+from .engine_args import refused_args
 from .ports import port_of, ports_of
 
 KV_ROLE = {ROLE_PREFILL: "kv_producer", ROLE_DECODE: "kv_consumer"}
@@ -51,6 +59,17 @@ ROUTER_CONTAINER = "router"
 # The CRD's defaults (the apiserver applies them; these only cover a body that bypassed it, e.g. a unit test).
 # tests/unit/operator/test_pods.py checks them against the CRD file.
 CONNECTOR_DEFAULTS = {"transport": "flagcx", "hangTimeoutSeconds": 60, "slots": 256}
+STARTUP_TIMEOUT_DEFAULT = 1800  # spec.startupTimeoutSeconds' CRD default
+# Readiness means serving: vLLM's and the router's /health answer 200 only once they serve requests.
+HEALTH_PATH = "/health"
+STARTUP_PERIOD_SECONDS = 10
+READINESS_PROBE = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3, "successThreshold": 1}
+# FlagCX defaults for transport flagcx (docs/design.md): a same-vendor pair fails at init without hetero comm,
+# and registering RDMA memory needs IPC_LOCK.
+FLAGCX_ENV_DEFAULTS = {"FLAGCX_USE_HETERO_COMM": "1"}
+FLAGCX_CAPABILITY = "IPC_LOCK"
+# Scheduling fields the router copies from decode when its own template does not set them.
+SCHEDULING_FIELDS = ("nodeSelector", "tolerations", "affinity")
 
 
 class ManifestError(ValueError):
@@ -93,24 +112,43 @@ def pod_labels(pair: Mapping[str, Any], role: str, generation: int) -> dict[str,
     }
 
 
+ENGINE_ENTRYPOINT = ["python", "-m", "vllm.entrypoints.openai.api_server"]
+
+
 def engine_command(spec: Mapping[str, Any], role: str) -> list[str]:
+    """vLLM's command line: the user's args, then the operator's own flags, so argparse keeps ours on a repeat.
+
+    Order cannot beat every spelling (vLLM appends --flag.key dotted keys last, --config reads a file); the CRD refuses
+    those, see pdpair.operator.engine_args, and so does this function for a spec an older CRD admitted.
+    """
+    user = [str(a) for a in (spec.get(role) or {}).get("args") or []]
+    if refused := refused_args(user):
+        problems = "; ".join(f"spec.{role}.{problem}" for problem in refused)
+        raise ManifestError(f"{problems}: the cluster's CRD is older than the operator, upgrade it "
+                            "(charts/pdpair/README.md)")
+    return [*ENGINE_ENTRYPOINT, *user, *owned_engine_flags(spec, role)]
+
+
+def owned_engine_flags(spec: Mapping[str, Any], role: str) -> list[str]:
+    """Every pinned flag of engine_args.OWNED_FLAGS, in that order; "" is vLLM's None (its default) for host and uds."""
     role_spec = spec.get(role) or {}
     kv_config = {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": KV_ROLE[role],
     }
-    cmd = [
-        "python", "-m", "vllm.entrypoints.openai.api_server",
+    return [
         "--model", spec["model"],
+        "--served-model-name", spec.get("servedModelName") or spec["model"],
+        "--host", "",
+        "--uds", "",
         "--port", f"$({ENV_HTTP_PORT})",
         "--tensor-parallel-size", str(int(role_spec.get("tensorParallelSize", 1))),
+        "--pipeline-parallel-size", "1",
+        "--prefill-context-parallel-size", "1",
+        "--data-parallel-size", "1",
         "--kv-transfer-config", json.dumps(kv_config, separators=(",", ":")),
     ]
-    if spec.get("servedModelName"):
-        cmd += ["--served-model-name", spec["servedModelName"]]
-    cmd += [str(a) for a in role_spec.get("args") or []]
-    return cmd
 
 
 def _require(value: int | None, what: str) -> int:
@@ -120,28 +158,123 @@ def _require(value: int | None, what: str) -> int:
 
 
 def _base_pod(pair: Mapping[str, Any], role: str, generation: int, spec_hash: str) -> dict[str, Any]:
+    """The role's template with the operator's pod-level fields merged in (containers come later)."""
     meta = pair["metadata"]
     spec = pair["spec"]
+    template = copy.deepcopy((spec.get(role) or {}).get("template") or {})
+    user_meta = template.get("metadata") or {}
+    pod_spec: dict[str, Any] = template.get("spec") or {}
     host_network = bool((spec.get("network") or {}).get("hostNetwork", True))
-    pod_spec: dict[str, Any] = {
-        "restartPolicy": "Never",
-        "hostNetwork": host_network,
-        "enableServiceLinks": False,
-    }
+    # Operator-owned: the CRD refuses a template that sets these differently.
+    pod_spec["restartPolicy"] = "Never"
+    pod_spec["hostNetwork"] = host_network
+    pod_spec.pop("ephemeralContainers", None)
+    # Operator defaults the template may override.
+    pod_spec.setdefault("enableServiceLinks", False)
     if host_network:
-        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+        pod_spec.setdefault("dnsPolicy", "ClusterFirstWithHostNet")
+    pod_spec["containers"] = list(pod_spec.get("containers") or [])
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": pod_name(meta["name"], role, generation),
             "namespace": meta["namespace"],
-            "labels": pod_labels(pair, role, generation),
-            "annotations": {ANNOTATION_SPEC_HASH: spec_hash},
+            # user labels and annotations are kept; ours win on a clash
+            "labels": {**(user_meta.get("labels") or {}), **pod_labels(pair, role, generation)},
+            "annotations": {**(user_meta.get("annotations") or {}), ANNOTATION_SPEC_HASH: spec_hash},
             "ownerReferences": [owner_reference(pair)],
         },
         "spec": pod_spec,
     }
+
+
+def _main_container(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    """The template's container called `name` (the operator's), created first in the list if absent."""
+    containers = pod["spec"]["containers"]
+    for container in containers:
+        if container.get("name") == name:
+            return container
+    container = {"name": name}
+    containers.insert(0, container)
+    return container
+
+
+def _merge_env(user: list[Mapping[str, Any]], ours: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """User entries first (their order kept), then ours; a user entry with a name we set is dropped (ours wins)."""
+    owned = {e["name"] for e in ours}
+    return [dict(e) for e in user if e.get("name") not in owned] + ours
+
+
+def startup_timeout_seconds(spec: Mapping[str, Any]) -> int:
+    return int(spec.get("startupTimeoutSeconds") or STARTUP_TIMEOUT_DEFAULT)
+
+
+def _default_probes(container: dict[str, Any], startup_timeout: int) -> None:
+    """readinessProbe and startupProbe on the container's http port, unless the template brought its own."""
+    action = {"httpGet": {"path": HEALTH_PATH, "port": HTTP_PORT_NAME, "scheme": "HTTP"}}
+    container.setdefault("readinessProbe", {**action, **READINESS_PROBE})
+    container.setdefault("startupProbe", {
+        **action,
+        "periodSeconds": STARTUP_PERIOD_SECONDS,
+        "timeoutSeconds": 5,
+        "successThreshold": 1,
+        # the kubelet gives up (and the pod fails: restartPolicy Never) after failureThreshold * periodSeconds
+        "failureThreshold": max(1, math.ceil(startup_timeout / STARTUP_PERIOD_SECONDS)),
+    })
+
+
+def _flagcx_defaults(container: dict[str, Any], env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """FLAGCX_USE_HETERO_COMM=1 and the IPC_LOCK capability, unless the template already decides them."""
+    names = {e.get("name") for e in env}
+    env = env + [{"name": k, "value": v} for k, v in FLAGCX_ENV_DEFAULTS.items() if k not in names]
+    security = container.setdefault("securityContext", {})
+    if security.get("privileged"):
+        return env  # a privileged container has every capability
+    capabilities = security.setdefault("capabilities", {})
+    if FLAGCX_CAPABILITY not in (capabilities.get("drop") or []) and FLAGCX_CAPABILITY not in (
+            capabilities.get("add") or []):
+        capabilities["add"] = list(capabilities.get("add") or []) + [FLAGCX_CAPABILITY]
+    return env
+
+
+def _quantities_as_strings(pod: dict[str, Any]) -> dict[str, Any]:
+    """Writes every resource quantity of the pod as a string, in place.
+
+    The CRD takes quantities as int-or-string (`nvidia.com/gpu: 2`, like a pod does), but the kubernetes client's
+    V1Pod model, which the operator creates pods through, accepts only strings there.
+    """
+    def fix_map(node: Any, *keys: str) -> None:
+        for key in keys:
+            values = node.get(key) if isinstance(node, dict) else None
+            if isinstance(values, dict):
+                for name, value in values.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        values[name] = str(value)
+
+    def fix_value(node: Any, key: str) -> None:
+        if isinstance(node, dict) and isinstance(node.get(key), (int, float)) and not isinstance(node[key], bool):
+            node[key] = str(node[key])
+
+    def fix_downward(items: Any) -> None:
+        for item in items or []:
+            fix_value(item.get("resourceFieldRef"), "divisor")
+
+    spec = pod["spec"]
+    fix_map(spec.get("resources"), "limits", "requests")
+    fix_map(spec, "overhead")
+    for container in list(spec.get("containers") or []) + list(spec.get("initContainers") or []):
+        fix_map(container.get("resources"), "limits", "requests")
+        for env in container.get("env") or []:
+            fix_value((env.get("valueFrom") or {}).get("resourceFieldRef"), "divisor")
+    for volume in spec.get("volumes") or []:
+        fix_value(volume.get("emptyDir"), "sizeLimit")
+        claim = ((volume.get("ephemeral") or {}).get("volumeClaimTemplate") or {}).get("spec") or {}
+        fix_map(claim.get("resources"), "limits", "requests")
+        fix_downward((volume.get("downwardAPI") or {}).get("items"))
+        for source in (volume.get("projected") or {}).get("sources") or []:
+            fix_downward((source.get("downwardAPI") or {}).get("items"))
+    return pod
 
 
 def _identity_env(pair: Mapping[str, Any], role: str, generation: int) -> list[dict[str, str]]:
@@ -173,8 +306,7 @@ def engine_pod(
         raise ManifestError(f"no leased side-channel ports for {role}")
     http = _require(port_of(ports, role, PURPOSE_HTTP), f"{role} http")
     metrics = _require(port_of(ports, role, PURPOSE_METRICS), f"{role} metrics")
-    env = [dict(e) for e in role_spec.get("env") or []]  # user env first; ours below wins
-    env += _identity_env(pair, role, generation)
+    env = _identity_env(pair, role, generation)
     env += [
         {"name": ENV_LISTEN_PORT_BASE, "value": str(side[0])},
         {"name": ENV_METRICS_PORT, "value": str(metrics)},
@@ -198,21 +330,27 @@ def engine_pod(
         {"name": HTTP_PORT_NAME, "containerPort": http, "protocol": "TCP"},
         {"name": METRICS_PORT_NAME, "containerPort": metrics, "protocol": "TCP"},
     ] + [{"name": f"side-{rank}", "containerPort": port, "protocol": "TCP"} for rank, port in enumerate(side)]
-    container: dict[str, Any] = {
-        "name": ENGINE_CONTAINER,
+    pod = _base_pod(pair, role, generation, spec_hash)
+    container = _main_container(pod, ENGINE_CONTAINER)
+    # The CRD refuses env both in the shorthand and in the template's engine container; either one is the user's.
+    user_env = list(container.get("env") or []) + list(role_spec.get("env") or [])
+    merged_env = _merge_env(user_env, env)
+    if connector.get("transport", CONNECTOR_DEFAULTS["transport"]) == "flagcx":
+        merged_env = _flagcx_defaults(container, merged_env)
+    container.pop("args", None)
+    container.update({
         "image": spec["image"],
         "command": engine_command(spec, role),
-        "env": env,
+        "env": merged_env,
         "ports": container_ports,
-    }
+    })
     if role_spec.get("resources"):
-        container["resources"] = role_spec["resources"]
-    pod = _base_pod(pair, role, generation, spec_hash)
-    pod["spec"]["containers"] = [container]
-    for key in ("nodeSelector", "tolerations", "affinity"):
+        container["resources"] = copy.deepcopy(role_spec["resources"])
+    _default_probes(container, startup_timeout_seconds(spec))
+    for key in SCHEDULING_FIELDS:
         if role_spec.get(key):
-            pod["spec"][key] = role_spec[key]
-    return pod
+            pod["spec"][key] = copy.deepcopy(role_spec[key])
+    return _quantities_as_strings(pod)
 
 
 def router_pod(
@@ -229,8 +367,11 @@ def router_pod(
     decode_http = _require(port_of(ports, ROLE_DECODE, PURPOSE_HTTP), "decode http")
     if not (prefill_host and decode_host):
         raise ManifestError("the router needs both prefill and decode addresses")
-    container = {
-        "name": ROUTER_CONTAINER,
+    pod = _base_pod(pair, ROLE_ROUTER, generation, spec_hash)
+    container = _main_container(pod, ROUTER_CONTAINER)
+    ours = _identity_env(pair, ROLE_ROUTER, generation) + [{"name": ENV_HTTP_PORT, "value": str(router_port)}]
+    container.pop("args", None)
+    container.update({
         "image": spec["image"],
         "command": [
             "python", "-m", "pdpair.router",
@@ -238,17 +379,20 @@ def router_pod(
             "--prefill", f"http://{_host(prefill_host)}:{prefill_http}",
             "--decode", f"http://{_host(decode_host)}:{decode_http}",
         ],
-        "env": _identity_env(pair, ROLE_ROUTER, generation) + [{"name": ENV_HTTP_PORT, "value": str(router_port)}],
+        "env": _merge_env(container.get("env") or [], ours),
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": router_port, "protocol": "TCP"}],
-    }
-    pod = _base_pod(pair, ROLE_ROUTER, generation, spec_hash)
-    pod["spec"]["containers"] = [container]
-    # The router runs where decode may run: same scheduling constraints.
+    })
+    container.setdefault("readinessProbe", {
+        "httpGet": {"path": HEALTH_PATH, "port": HTTP_PORT_NAME, "scheme": "HTTP"}, **READINESS_PROBE})
+    # The router runs where decode may run: decode's scheduling constraints (shorthand or template), unless the
+    # router's own template sets them.
     decode_spec = spec.get(ROLE_DECODE) or {}
-    for key in ("nodeSelector", "tolerations", "affinity"):
-        if decode_spec.get(key):
-            pod["spec"][key] = decode_spec[key]
-    return pod
+    decode_template_spec = (decode_spec.get("template") or {}).get("spec") or {}
+    for key in SCHEDULING_FIELDS:
+        value = decode_spec.get(key) or decode_template_spec.get(key)
+        if value and key not in pod["spec"]:
+            pod["spec"][key] = copy.deepcopy(value)
+    return _quantities_as_strings(pod)
 
 
 def _host(address: str) -> str:

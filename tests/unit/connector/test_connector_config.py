@@ -20,8 +20,9 @@ PREFILL = {contract.ENV_PEER_HOST: "10.0.0.9", contract.ENV_PEER_PORT_BASE: "200
 
 
 def test_decode_config_from_env():
-    config = PdPairConfig.from_env("kv_consumer", {}, {**DECODE, contract.ENV_METRICS_PORT: "9100"})
-    assert config.role == contract.ROLE_DECODE
+    config = PdPairConfig.from_env("kv_consumer", {"test_delay_listener_file": "/tmp/hold"},
+                                   {**DECODE, contract.ENV_METRICS_PORT: "9100"})
+    assert config.role == contract.ROLE_DECODE and config.test_delay_listener_file == "/tmp/hold"
     assert config.generation == 3 and config.hang_timeout_seconds == 12.0
     assert config.listen_port(2) == 20002 and config.metrics_port == 9100
     assert config.transport == contract.TRANSPORT_TCP
@@ -103,3 +104,12 @@ def test_tcp_transport_gets_the_configured_request_slots(slots):
 def test_tcp_transport_refuses_bad_slots():
     with pytest.raises(ValueError, match="request_slots must be an int >= 1"):
         make_transport(contract.TRANSPORT_TCP, slots=0)
+
+
+def test_flagcx_gets_hetero_comm_unless_the_pod_set_it():
+    flagcx = {**DECODE, contract.ENV_TRANSPORT: contract.TRANSPORT_FLAGCX}
+    config = PdPairConfig.from_env("kv_consumer", {}, flagcx)
+    assert config.transport_environment() == {"FLAGCX_USE_HETERO_COMM": "1"}
+    config = PdPairConfig.from_env("kv_consumer", {}, {**flagcx, "FLAGCX_USE_HETERO_COMM": "0"})
+    assert config.flagcx_use_hetero_comm == "0" and config.transport_environment() == {}
+    assert PdPairConfig.from_env("kv_consumer", {}, DECODE).transport_environment() == {}  # tcp loads no libflagcx

@@ -87,7 +87,7 @@ def make_prefill(port: int, side: Side, generation: int = 4):
 
 
 def handshakes(accounts: SignalAccounts, outcome: str) -> float:
-    value = accounts.registry.get_sample_value("pdpair_handshakes_total", {"role": accounts.role, "outcome": outcome})
+    value = accounts.registry.get_sample_value("pdpair_handshakes_total", {"role": accounts.role, "rank": accounts.rank, "outcome": outcome})
     return value or 0.0
 
 

@@ -30,6 +30,8 @@ from pdpair.connector.transports.base import (  # noqa: E402
 from pdpair.connector.transports.flagcx import (  # noqa: E402
     ENV_FLAGCX_PATH,
     ENV_LIB_PATH,
+    GENERATION_MR_INDEX,
+    GENERATION_WINDOW,
     RESULT_NAMES,
     FlagcxError,
     FlagcxLibraryError,
@@ -39,6 +41,9 @@ from pdpair.connector.transports.flagcx import (  # noqa: E402
 
 FAKE_DIR = REPO / "tests" / "flagcx_abi"
 FAKE_ENV_KNOBS = (
+    "FAKE_FLAGCX_REQUIRE_DEVICE",
+    "FAKE_FLAGCX_ASYNC_ERROR",
+    "FAKE_FLAGCX_NO_RDMA",
     "FAKE_FLAGCX_VERSION",
     "FAKE_FLAGCX_REQUEST_POOL",
     "FAKE_FLAGCX_POOL_FULL",
@@ -149,10 +154,10 @@ def test_missing_symbol_is_named(monkeypatch, fake_libs):
     assert "flagcxReadCounter" not in str(info.value)
 
 
-def test_window_api_generation_is_refused(monkeypatch, fake_libs):
+def test_generation_is_probed(monkeypatch, fake_libs):
+    assert FlagcxTransport().generation == GENERATION_MR_INDEX
     monkeypatch.setenv(ENV_LIB_PATH, fake_libs["window-api"])
-    with pytest.raises(FlagcxLibraryError, match="window API"):
-        FlagcxTransport()
+    assert FlagcxTransport().generation == GENERATION_WINDOW
 
 
 def test_library_allocated_unique_id_variant_transfers(monkeypatch, fake_libs):
@@ -204,15 +209,16 @@ def test_put_error_code_becomes_named_exception(monkeypatch, code):
         pair.close()
 
 
-def test_internal_error_retried_until_deadline_then_named(monkeypatch):
+def test_internal_error_fails_fast_and_says_it_is_permanent(monkeypatch):
+    """Upstream returns flagcxInternalError from PutSignal when the comm has no RMA proxy: retrying cannot help."""
     monkeypatch.setenv("FAKE_FLAGCX_FAIL_PUT_WITH", "3")
-    pair = flagcx_pair(blocking_seconds=0.5)
+    pair = flagcx_pair(blocking_seconds=30)
     try:
         started = time.monotonic()
         with pytest.raises(FlagcxError) as info:
             pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, 8, signal_slot=0)
-        assert 0.4 < time.monotonic() - started < 5
-        assert info.value.result_name == "flagcxInternalError"
+        assert time.monotonic() - started < 5  # not the 30 s a retry loop would take
+        assert info.value.result_name == "flagcxInternalError" and "permanent" in str(info.value)
     finally:
         pair.close()
 
@@ -272,19 +278,24 @@ def test_without_the_cap_the_simulated_bug_loses_signals(monkeypatch):
         pair.close()
 
 
-def test_pool_exhausted_error_is_requeued_not_dropped(monkeypatch):
-    """flagcxInternalError ("unable to allocate requests") from a post is backpressure: retried, never lost."""
+def test_slot_cap_keeps_posts_below_an_erroring_pool(monkeypatch):
+    """With the cap at the pool size the pool never fills, so no post errors and all 3000 puts arrive; with more
+    slots than the pool the InternalError surfaces at once (no silent retry)."""
     monkeypatch.setenv("FAKE_FLAGCX_REQUEST_POOL", "8")
     monkeypatch.setenv("FAKE_FLAGCX_POOL_FULL", "error")
     puts, size = 3000, 32
-    pair = flagcx_pair(slots=64, src_size=puts * size)
+    pair = flagcx_pair(slots=8, src_size=puts * size)
     try:
         data = _burst(pair, puts, size)
         pair.receiver.wait_signal(0, puts, deadline_in(TRANSFER_SECONDS))
         pair.sender.flush(deadline_in(TRANSFER_SECONDS))
         assert bytes(pair.dst) == data
-        assert pair.receiver.read_signal(0) == puts
-        assert pair.sender.counters().requeues > 0
+    finally:
+        pair.close()
+    pair = flagcx_pair(slots=64, src_size=puts * size)
+    try:
+        with pytest.raises(FlagcxError, match="unable to allocate requests"):
+            _burst(pair, puts, size)
     finally:
         pair.close()
 
@@ -379,7 +390,11 @@ def test_flagcx_slots_beyond_the_request_pool_are_refused(slots):
 
 
 def test_transfer_between_two_processes(fake_libs):
-    env = {**os.environ, ENV_LIB_PATH: fake_libs["default"]}
+    _two_process_transfer(fake_libs["default"], count=64)
+
+
+def _two_process_transfer(lib_path: str, count: int) -> None:
+    env = {**os.environ, ENV_LIB_PATH: lib_path}
     peer = subprocess.Popen(
         [sys.executable, str(FAKE_DIR / "peer_process.py")],
         stdin=subprocess.PIPE,
@@ -393,7 +408,7 @@ def test_transfer_between_two_processes(fake_libs):
         peer.stdin.write(uid.hex() + "\n")
         peer.stdin.flush()
         comm = transport.init_pair(uid, RANK_PREFILL, deadline_in(30))
-        chunk, count = 1 << 16, 64
+        chunk = 1 << 16
         src = (ctypes.c_char * (chunk * count))()
         data = fill_random(src)
         comm.register_region(ctypes.addressof(src), len(src))
@@ -481,3 +496,278 @@ def test_counters_during_puts_are_always_within_zero_and_slots():
     bad = sorted({value for value in samples if not 0 <= value <= slots})
     assert not bad, f"inflight outside 0..{slots}: {bad[:10]}"
     assert max(samples) > 0, "no put was ever seen in flight: the scraper did not overlap the burst"
+
+
+def test_timeout_says_when_the_library_cannot_report_async_errors(monkeypatch):
+    """Upstream answers flagcxCommGetAsyncError with NotSupported for hetero comms; a timeout must say that a failure
+    elsewhere can only look like this timeout."""
+    pair = flagcx_pair()
+    try:
+        with pytest.raises(SignalWaitTimeout) as info:
+            pair.receiver.wait_signal(0, 1, deadline_in(0.2))
+        assert "asynchronous errors" not in str(info.value)  # this library reports them
+    finally:
+        pair.close()
+    monkeypatch.setenv("FAKE_FLAGCX_ASYNC_ERROR", "unsupported")
+    pair = flagcx_pair()
+    try:
+        with pytest.raises(SignalWaitTimeout) as info:
+            pair.receiver.wait_signal(0, 1, deadline_in(0.2))
+        assert "cannot report asynchronous errors" in str(info.value) and "flagcxNotSupported" in str(info.value)
+    finally:
+        pair.close()
+
+
+# --- the worker's CUDA device ------------------------------------------------------------------------------------
+
+
+def _device_pair(device: int | None, flushes: list[str] | None = None, **kwargs):
+    lib = FlagcxTransport().lib.cdll
+    lib.fakeFlagcxSetDevice.argtypes = [ctypes.c_int]
+    calls: list[tuple[str, int]] = []
+
+    def setter(index: int) -> None:
+        calls.append((threading.current_thread().name, index))
+        lib.fakeFlagcxSetDevice(index)
+
+    def flusher() -> None:
+        (flushes if flushes is not None else []).append(threading.current_thread().name)
+
+    t0 = FlagcxTransport(device=device, device_setter=setter, device_flusher=flusher, **kwargs)
+    t1 = FlagcxTransport(device=device, device_setter=setter, device_flusher=flusher, **kwargs)
+    return connect_pair(t0, t1, 4096, 4096), calls
+
+
+def test_calls_run_on_the_workers_device_in_every_thread(monkeypatch):
+    """FAKE_FLAGCX_REQUIRE_DEVICE=1 refuses init, registration, puts and destroy from a thread whose current device
+    is not 1, as NCCL does (a new thread is on device 0). With device=1 the whole pair life works, including puts
+    from a thread that is not the one that registered."""
+    monkeypatch.setenv("FAKE_FLAGCX_REQUIRE_DEVICE", "1")
+    pair, calls = _device_pair(1)
+    try:
+        data = fill_random(pair.src)
+        put_errors: list[BaseException] = []
+
+        def put() -> None:
+            try:
+                pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, len(data), signal_slot=0)
+            except BaseException as exc:  # noqa: BLE001
+                put_errors.append(exc)
+
+        side_thread = threading.Thread(target=put, name="test-side-channel")
+        side_thread.start()
+        side_thread.join(30)
+        assert put_errors == []
+        pair.receiver.wait_signal(0, 1, deadline_in(TRANSFER_SECONDS))
+        assert bytes(pair.dst) == data
+    finally:
+        pair.close()
+    assert {index for _, index in calls} == {1}
+    names = {name for name, _ in calls}
+    assert any(n.startswith("flagcx-flagcxCommInitRank") for n in names)
+    assert any(n.startswith("flagcx-flagcxOneSideRegister") for n in names)
+    assert "test-side-channel" in names
+
+
+def test_without_the_device_init_fails_like_nccl(monkeypatch):
+    """Control for the test above: the binding's old behaviour (no device set in its helper thread)."""
+    monkeypatch.setenv("FAKE_FLAGCX_REQUIRE_DEVICE", "1")
+    with pytest.raises(FlagcxError) as info:
+        _device_pair(None)
+    assert info.value.result_name == "flagcxInvalidUsage" and "Duplicate GPU" in str(info.value)
+
+
+def test_device_index_is_validated():
+    with pytest.raises(ValueError, match="CUDA device index"):
+        FlagcxTransport(device=-1)
+
+
+# --- the window API generation (upstream HEAD) ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def window_lib(monkeypatch, fake_libs):
+    monkeypatch.setenv(ENV_LIB_PATH, fake_libs["window-api"])
+
+
+def _two_region_window_pair(size: int = 1 << 16):
+    """Two regions a side, so window k must land in the peer's window k (not always region 0)."""
+    t0, t1 = FlagcxTransport(), FlagcxTransport()
+    pair = connect_pair(t0, t1, size, size)
+    extra_src = (ctypes.c_char * size)()
+    extra_dst = (ctypes.c_char * size)()
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(pair.sender.register_region, ctypes.addressof(extra_src), size)
+        b = pool.submit(pair.receiver.register_region, ctypes.addressof(extra_dst), size)
+        assert (a.result(), b.result()) == (1, 1)
+    pair.sender.set_peer_region_table(pair.receiver.local_region_table())
+    pair.receiver.set_peer_region_table(pair.sender.local_region_table())
+    return pair, extra_src, extra_dst
+
+
+def test_window_generation_moves_bytes_into_the_right_window(window_lib):
+    pair, extra_src, extra_dst = _two_region_window_pair()
+    try:
+        assert pair.sender.generation == GENERATION_WINDOW and pair.receiver.num_signal_slots == 1
+        data0, data1 = fill_random(pair.src), fill_random(extra_src)
+        pair.sender.put_signal(0, 1000, 1, 5000, 3000, signal_slot=0)  # region 0 -> peer window 1
+        pair.sender.put_signal(1, 0, 0, 0, 4096, signal_slot=0)  # region 1 -> peer window 0
+        pair.receiver.wait_signal(0, 2, deadline_in(TRANSFER_SECONDS))
+        assert bytes(extra_dst)[5000:8000] == data0[1000:4000]
+        assert bytes(extra_dst)[:5000] == bytes(5000)
+        assert bytes(pair.dst)[:4096] == data1[:4096]
+        assert pair.receiver.read_signal(0) == 2  # exactly +1 per put
+        pair.sender.flush(deadline_in(TRANSFER_SECONDS))
+        assert pair.sender.counters().inflight == 0
+    finally:
+        pair.close()
+
+
+def test_window_generation_counted_waits_see_data_before_signal(window_lib):
+    """One counter per direction: the k-th signal means the first k chunks are there."""
+    chunk, count = 64 * 1024, 32
+    pair = flagcx_pair(src_size=chunk * count)
+    try:
+        data = fill_random(pair.src)
+        problems: list[str] = []
+
+        def receive() -> None:
+            deadline = deadline_in(TRANSFER_SECONDS)
+            for k in range(count):
+                pair.receiver.wait_signal(0, k + 1, deadline)
+                got = ctypes.string_at(ctypes.addressof(pair.dst) + k * chunk, chunk)
+                if got != data[k * chunk : (k + 1) * chunk]:
+                    problems.append(f"chunk {k} incomplete at signal {k + 1}")
+
+        receiver = threading.Thread(target=receive)
+        receiver.start()
+        for k in range(count):
+            pair.sender.put_signal(pair.src_region, k * chunk, pair.dst_region, k * chunk, chunk, signal_slot=0)
+        receiver.join(TRANSFER_SECONDS + 5)
+        assert not receiver.is_alive() and problems == []
+    finally:
+        pair.close()
+
+
+def test_window_generation_has_one_slot_and_caps_inflight(window_lib, monkeypatch):
+    monkeypatch.setenv("FAKE_FLAGCX_REQUEST_POOL", "8")
+    monkeypatch.setenv("FAKE_FLAGCX_POOL_FULL", "drop")
+    puts, size = 2000, 32
+    pair = flagcx_pair(slots=8, src_size=puts * size)
+    try:
+        with pytest.raises(ValueError, match="signal_slot 1 outside the peer's 1 slots"):
+            pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, 8, signal_slot=1)
+        with pytest.raises(ValueError, match="outside 0..0"):
+            pair.receiver.read_signal(1)
+        data = _burst(pair, puts, size)
+        pair.receiver.wait_signal(0, puts, deadline_in(TRANSFER_SECONDS))
+        assert bytes(pair.dst) == data and pair.receiver.read_signal(0) == puts
+    finally:
+        pair.close()
+
+
+def test_window_generation_without_a_window_names_the_variable(window_lib, monkeypatch):
+    """Upstream registers no window (and returns success) when the comm has no symmetric one-sided path, e.g. a
+    homogeneous comm; the binding must stop there with a hint instead of putting through a NULL window. The fake
+    does the same for a non-symmetric request, which is how this test gets there."""
+    import pdpair.connector.transports.flagcx as flagcx_module
+
+    monkeypatch.setattr(flagcx_module, "FLAGCX_WIN_COLL_SYMMETRIC", 0)
+    with pytest.raises(FlagcxError) as info:
+        flagcx_pair()
+    assert info.value.result_name == "flagcxNotSupported" and "FLAGCX_USE_HETERO_COMM=1" in str(info.value)
+    assert "flagcxCommWindowRegister" in str(info.value)
+
+
+def test_window_generation_device_is_set_for_puts(window_lib, monkeypatch):
+    monkeypatch.setenv("FAKE_FLAGCX_REQUIRE_DEVICE", "1")
+    pair, calls = _device_pair(1)
+    try:
+        data = fill_random(pair.src)
+        pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, len(data), signal_slot=0)
+        pair.receiver.wait_signal(0, 1, deadline_in(TRANSFER_SECONDS))
+        assert bytes(pair.dst) == data
+    finally:
+        pair.close()
+    assert any(n.startswith("flagcx-flagcxCommWindowRegister") for n, _ in calls)
+
+
+def test_window_generation_two_processes(fake_libs, window_lib):
+    _two_process_transfer(fake_libs["window-api"], count=1)
+
+
+def test_a_completed_wait_flushes_rdma_writes_on_a_device_comm(monkeypatch):
+    """Ordering of GPU data vs a host signal: once the counter is seen, the binding flushes GPUDirect RDMA writes
+    (cuFlushGPUDirectRDMAWrites on a GPU) before wait_signal returns; a timed-out wait does not."""
+    flushes: list[str] = []
+    pair, _ = _device_pair(0, flushes)
+    try:
+        with pytest.raises(SignalWaitTimeout):
+            pair.receiver.wait_signal(0, 1, deadline_in(0.1))
+        assert flushes == []
+        pair.sender.put_signal(pair.src_region, 0, pair.dst_region, 0, 8, signal_slot=0)
+        pair.receiver.wait_signal(0, 1, deadline_in(TRANSFER_SECONDS))
+        assert flushes == [threading.current_thread().name]
+    finally:
+        pair.close()
+    assert FlagcxTransport().device.index is None  # a CPU process: nothing to flush, torch never imported for it
+
+
+def test_closing_an_mr_index_comm_warns_about_the_upstream_teardown_leak(caplog, monkeypatch, fake_libs):
+    """Real FlagCX before PR #522 keeps the one-sided state of a closed same-vendor comm; the log must say so on
+    every close (and the window generation, which tears its hetero comm down, must not)."""
+    pair = flagcx_pair()
+    with caplog.at_level("WARNING", logger="pdpair.connector.transports.flagcx"):
+        pair.close()
+    leaks = [r.getMessage() for r in caplog.records if "PR #522" in r.getMessage()]
+    assert len(leaks) == 2 and "re-pairs pile them up" in leaks[0]
+    caplog.clear()
+    monkeypatch.setenv(ENV_LIB_PATH, fake_libs["window-api"])
+    pair = flagcx_pair()
+    with caplog.at_level("WARNING", logger="pdpair.connector.transports.flagcx"):
+        pair.close()
+    assert not [r for r in caplog.records if "PR #522" in r.getMessage()]
+
+
+@pytest.mark.parametrize("variant", ["default", "window-api"])
+def test_without_rdma_registration_reports_not_supported(variant, monkeypatch, fake_libs):
+    """What the real libraries do on our GPU machines (no RDMA HCA): the mr-index API answers NotSupported at
+    registration; the window API registers a window WITHOUT a memory registration and fails only at the put with
+    InvalidArgument. The binding probes the window and reports NotSupported at registration for both."""
+    monkeypatch.setenv(ENV_LIB_PATH, fake_libs[variant])
+    monkeypatch.setenv("FAKE_FLAGCX_NO_RDMA", "1")
+    with pytest.raises(FlagcxError) as info:
+        flagcx_pair()
+    assert info.value.result_name == "flagcxNotSupported" and "one-sided ops need the IB RDMA net adaptor" in str(info.value)
+    expected_call = "flagcxOneSideRegister" if variant == "default" else "flagcxCommWindowRegister"
+    assert str(info.value).startswith(expected_call)
+
+
+def test_a_comm_that_failed_with_an_error_code_is_destroyed_not_leaked(monkeypatch, caplog):
+    """Only a call that never returned leaves a comm open; NotSupported at registration (our GPU machines) must not
+    leak a comm per re-pair."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pdpair.connector.transports.flagcx as flagcx_module
+
+    monkeypatch.setenv("FAKE_FLAGCX_NO_RDMA", "1")
+    t0, t1 = FlagcxTransport(), FlagcxTransport()
+    uid = t0.create_unique_id()
+    buffers = [(ctypes.c_char * 64)() for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        comms = [f.result() for f in [pool.submit(t0.init_pair, uid, RANK_PREFILL, deadline_in(30)),
+                                      pool.submit(t1.init_pair, uid, RANK_DECODE, deadline_in(30))]]
+        for comm, buf in zip(comms, buffers):
+            with pytest.raises(FlagcxError, match="flagcxNotSupported"):
+                comm.register_region(ctypes.addressof(buf), 64)
+    destroyed: list[int] = []
+    real_destroy = comms[0]._lib.fn["flagcxCommDestroy"]
+    monkeypatch.setitem(comms[0]._lib.fn, "flagcxCommDestroy", lambda c: destroyed.append(c) or real_destroy(c))
+    handles = [comm._comm for comm in comms]
+    with caplog.at_level("WARNING", logger=flagcx_module.__name__):
+        for comm in comms:
+            comm.close()
+    assert destroyed == handles
+    assert not [r for r in caplog.records if "never returned" in r.getMessage()]

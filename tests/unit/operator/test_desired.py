@@ -32,6 +32,9 @@ CASES = [
     ("prefill not ready", {"pairGeneration": 1},
      Observed((pod("decode"), pod("prefill", ready=False)), ports_complete=True, decode_listening=True),
      d.STEP_WAIT_PREFILL_READY, None, (), "PrefillStarting"),
+    ("prefill ready, decode listens but is not Ready (still loading): no router, no Ready", {"pairGeneration": 1},
+     Observed((pod("decode", ready=False), pod("prefill")), ports_complete=True, decode_listening=True),
+     d.STEP_WAIT_DECODE_READY, None, (), "PrefillStarting"),
     ("router missing", {"pairGeneration": 1},
      Observed((pod("decode"), pod("prefill")), ports_complete=True, decode_listening=True),
      d.STEP_CREATE_ROUTER, "router", (), "PrefillStarting"),
@@ -139,3 +142,15 @@ def test_podview_from_pod():
     view = PodView.from_pod(raw)
     assert (view.role, view.generation, view.ready, view.ip, view.scheduled, view.restarts) == (
         "decode", 3, True, "127.0.0.1", True, 2)
+
+
+def test_a_prefill_that_never_becomes_ready_waits_without_a_deadline():
+    """Inside the startup window a slow model load is no failure: the plan stays WaitPrefillReady (no restart, no
+    Ready) however often it is asked; only the kubelet's startupProbe (spec.startupTimeoutSeconds) ends it."""
+    observed = Observed((pod("decode"), pod("prefill", ready=False)), ports_complete=True, decode_listening=True)
+    status = {"pairGeneration": 1, "phase": "PrefillStarting"}
+    for _ in range(100):
+        plan = desired_state(SPEC, status, observed)
+        assert (plan.step, plan.phase, plan.pair_generation) == (d.STEP_WAIT_PREFILL_READY, "PrefillStarting", 1)
+        assert not plan.delete and plan.create is None and plan.broken_reason is None
+        assert {c.type: c.status for c in plan.conditions}["Ready"] == "False"

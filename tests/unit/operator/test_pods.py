@@ -55,8 +55,11 @@ def test_decode_pod():
     kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert kv == {"kv_connector": "PdPairConnector", "kv_connector_module_path": "pdpair.connector",
                   "kv_role": "kv_consumer"}
-    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and cmd[-2:] == ["--dtype", "float32"]
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert cmd[cmd.index("--port") + 1] == f"$({c.ENV_HTTP_PORT})"
+    assert cmd[cmd.index("--served-model-name") + 1] == "t"
+    # the user's args come first, so on a repeated flag vLLM keeps the operator's (test_engine_args.py proves it)
+    assert cmd[3:5] == ["--dtype", "float32"] and cmd[5] == "--model"
     side = [p["containerPort"] for p in pod["spec"]["containers"][0]["ports"] if p["name"].startswith("side-")]
     assert side == [20000, 20001]
 
@@ -67,6 +70,23 @@ def test_prefill_pod_has_the_peer():
     assert env[c.ENV_PEER_HOST] == "127.0.0.1" and env[c.ENV_PEER_PORT_BASE] == "20000"
     assert env[c.ENV_LISTEN_PORT_BASE] != env[c.ENV_PEER_PORT_BASE]
     assert "kv_producer" in " ".join(pod["spec"]["containers"][0]["command"])
+
+
+def test_served_model_name_defaults_to_the_model():
+    pair = {**PAIR, "spec": {k: v for k, v in PAIR["spec"].items() if k != "servedModelName"}}
+    cmd = engine_pod(pair, "decode", 1, leased(), "h")["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--served-model-name") + 1] == "tiny" == cmd[cmd.index("--model") + 1]
+
+
+def test_args_an_older_crd_admitted_are_refused_naming_the_field():
+    pair = {**PAIR, "spec": {**PAIR["spec"], "decode": {**PAIR["spec"]["decode"],
+                                                        "args": ["--dtype", "float32", "--por=9999", "$(X)"]}}}
+    with pytest.raises(ManifestError) as caught:
+        engine_pod(pair, "decode", 1, leased(), "h")
+    message = str(caught.value)
+    assert "spec.decode.args[2] '--por=9999' is an operator-owned flag" in message
+    assert "spec.decode.args[3] '$(X)' references an environment variable" in message
+    assert "upgrade it" in message
 
 
 def test_prefill_without_peer_is_refused():

@@ -33,14 +33,15 @@ class TransportError(RuntimeError):
 class SignalWaitTimeout(TransportError):
     """`wait_signal` passed its deadline before the slot reached the expected count."""
 
-    def __init__(self, signal_slot: int, expected: int, observed: int, waited_seconds: float):
+    def __init__(self, signal_slot: int, expected: int, observed: int, waited_seconds: float, hint: str = ""):
         self.signal_slot = signal_slot
         self.expected = expected
         self.observed = observed
         self.waited_seconds = waited_seconds
+        self.hint = hint  # e.g. that the transport cannot report errors, so a failure looks like this timeout
         super().__init__(
             f"signal slot {signal_slot}: expected {expected}, observed {observed} after {waited_seconds:.1f}s "
-            f"(missing {expected - observed} signal(s))"
+            f"(missing {expected - observed} signal(s))" + (f"; {hint}" if hint else "")
         )
 
 
@@ -119,6 +120,9 @@ class PairTransport(ABC):
     """Factory of pair communicators; one per engine worker (TP rank)."""
 
     name: str
+    # Whether register_region accepts device (GPU) memory. False: the caller stages GPU KV through host memory
+    # (pdpair.connector.staging).
+    supports_device_memory: bool = False
 
     @abstractmethod
     def create_unique_id(self) -> bytes:
@@ -132,6 +136,10 @@ class PairTransport(ABC):
     def set_local_address(self, host: str) -> None:  # noqa: B027 - optional hook
         """The address the peer reaches this process at; prefill learns it from its side-channel connection to
         decode and calls this before `create_unique_id`. Transports whose id already carries it ignore it."""
+
+    def set_device(self, index: int) -> None:  # noqa: B027 - optional hook
+        """The CUDA device of this worker's KV caches; called before `init_pair`. Transports whose library binds to
+        the calling thread's current device (FlagCX/NCCL) make it current in every thread they call from."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release process-wide resources (a loaded library, a listener). Idempotent."""

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""The demo on real nodes (`bash hack/demo.sh`): two Kubernetes nodes (kubelet, containerd, runc, CNI, kube-proxy)
+in network namespaces of their own, the operator installed with `helm install` from the image built here, an
+InferencePair whose prefill (node n1) and decode (node n2) run vLLM from the engine image, a completion sent to
+the pair's Service from inside the cluster network, a timeline, and a full teardown.
+
+No stand-in anywhere: decode's KV listener is the real connector's, and the operator starts prefill only once that
+listener accepts (the timeline shows it). Everything is built or reused from caches first (tests/cluster/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import threading
+import time
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pdpair.contract import GROUP, LABEL_PAIR, LABEL_ROLE, PLURAL, VERSION  # noqa: E402
+from tests.cluster.images import engine_image, operator_image  # noqa: E402
+from tests.cluster.realnode import RealNodeCluster, build_node  # noqa: E402
+from tests.cluster.realnode_product import (  # noqa: E402
+    OPERATOR_NS, RELEASE, build_model, completion, install_operator, pair_manifest,
+)
+
+PAIR, NAMESPACE = "tiny-tcp", "default"
+PROMPT = "Kubernetes runs pods;"
+
+
+class Timeline:
+    def __init__(self):
+        self.started = time.monotonic()
+        self.lock = threading.Lock()
+
+    def say(self, text: str) -> None:
+        with self.lock:
+            print(f"[{time.monotonic() - self.started:6.1f}s] {text}", flush=True)
+
+
+def watch_pair(custom, timeline: Timeline, stop: threading.Event) -> None:
+    from kubernetes import watch
+
+    seen = None
+    while not stop.is_set():
+        try:
+            for ev in watch.Watch().stream(custom.list_namespaced_custom_object, GROUP, VERSION, NAMESPACE, PLURAL,
+                                           field_selector=f"metadata.name={PAIR}", timeout_seconds=5):
+                status = ev["object"].get("status") or {}
+                now = (status.get("phase"), status.get("message"))
+                if status.get("phase") and now != seen:
+                    seen = now
+                    timeline.say(f"pair phase {now[0]}: {now[1]}")
+                if stop.is_set():
+                    return
+        except Exception:  # noqa: BLE001 - the stream ends when the pair or the cluster goes away
+            time.sleep(0.2)
+
+
+def watch_pods(core, timeline: Timeline, stop: threading.Event) -> None:
+    from kubernetes import watch
+
+    state: dict[str, tuple] = {}
+    while not stop.is_set():
+        try:
+            for ev in watch.Watch().stream(core.list_namespaced_pod, NAMESPACE, label_selector=f"{LABEL_PAIR}={PAIR}",
+                                           timeout_seconds=5):
+                pod = ev["object"]
+                name, role = pod.metadata.name, (pod.metadata.labels or {}).get(LABEL_ROLE)
+                ready = any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
+                now = (ev["type"], pod.status.phase, ready, pod.spec.node_name)
+                if ev["type"] == "DELETED":
+                    timeline.say(f"pod {name} ({role}) deleted")
+                    state.pop(name, None)
+                elif state.get(name) != now:
+                    if name not in state:
+                        timeline.say(f"pod {name} ({role}) created")
+                    elif ready and not state[name][2]:
+                        timeline.say(f"pod {name} ({role}) Ready on node {pod.spec.node_name} "
+                                     f"({pod.status.pod_ip})")
+                    state[name] = now
+                if stop.is_set():
+                    return
+        except Exception:  # noqa: BLE001
+            time.sleep(0.2)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for the pair's Ready phase")
+    args = parser.parse_args()
+    timeline = Timeline()
+    say = timeline.say
+
+    say("build or reuse: control plane, kubelet, kube-proxy, containerd, pause image (Go modules, cached)")
+    build_node(log=lambda m: None)
+    say("build or reuse: operator image (Dockerfile) and engine image (images/engine/Dockerfile), via buildah")
+    operator, engine = operator_image(log=say), engine_image(log=say)
+    say(f"images: {operator.ref}, {engine.ref}")
+    with tempfile.TemporaryDirectory(prefix="pdpair-demo-model-") as tmp:
+        model = build_model(pathlib.Path(tmp) / "tiny")
+        say(f"tiny test model in {model} (reaches the pods through a hostPath volume in the pair's templates)")
+        with RealNodeCluster(nodes=2, log=lambda m: None) as cluster:
+            say(f"cluster up: 2 real nodes (n1 198.18.0.2, n2 198.18.0.3), phases {cluster.timings}")
+            for image in (operator, engine):
+                cluster.import_image(image.archive)
+            say("images imported into both nodes' containerd")
+            helm = install_operator(cluster, operator.ref)
+            say(f"helm install {RELEASE} charts/pdpair: the operator runs as a pod in {OPERATOR_NS}")
+            from kubernetes import client
+
+            api = cluster.api_client()
+            core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+            stop = threading.Event()
+            watchers = [threading.Thread(target=fn, args=(api_, timeline, stop), daemon=True)
+                        for fn, api_ in ((watch_pair, custom), (watch_pods, core))]
+            for w in watchers:
+                w.start()
+            try:
+                manifest = pair_manifest(PAIR, NAMESPACE, engine.ref, model)
+                cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
+                applied = time.monotonic()
+                say(f"kubectl apply: InferencePair {NAMESPACE}/{PAIR} (transport tcp; prefill on n1, decode on n2)")
+                deadline = applied + args.timeout
+                while True:
+                    pair = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, PAIR)
+                    if (pair.get("status") or {}).get("phase") == "Ready":
+                        break
+                    if time.monotonic() > deadline:
+                        say(f"not Ready after {args.timeout:.0f}s:\n"
+                            + cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout
+                            + cluster.kubectl("logs", "-n", OPERATOR_NS, "deploy/pdpair-operator", "--tail=40",
+                                              check=False).stdout)
+                        return 1
+                    time.sleep(0.5)
+                svc = json.loads(cluster.kubectl("get", "service", PAIR, "-n", NAMESPACE, "-o", "json").stdout)
+                ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
+                say(f"sending a completion to Service {PAIR} ({ip}:{port}) from inside node n1's network")
+                answer = completion(cluster, "n1", ip, port, PROMPT)
+                say(f"first token after {time.monotonic() - applied:.1f}s; answer to {PROMPT!r}: {answer!r}")
+                time.sleep(0.5)  # let the watchers print the last changes
+                say("cleaning up: delete the pair, helm uninstall, stop the nodes and the control plane")
+                cluster.kubectl("delete", f"{PLURAL}.{GROUP}", PAIR, "-n", NAMESPACE, "--wait=true",
+                                "--timeout=120s", timeout=150)
+            finally:
+                stop.set()
+                helm("uninstall", RELEASE, "--namespace", OPERATOR_NS, "--wait", "--timeout", "120s")
+                helm.close()
+        left = cluster.leftovers()
+        say(f"torn down; left on the host: {left or 'nothing'}")
+        return 1 if left else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

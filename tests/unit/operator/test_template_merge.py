@@ -1,0 +1,349 @@
+"""The template merge (pods.py): every user field survives, every operator-owned field wins.
+
+The CRD refuses operator-owned fields at admission (tests/e2e/test_crd_validation.py lists those refusals); here the
+merge is fed them anyway (a body that bypassed the apiserver) and must still produce the operator's value.
+"""
+
+import copy
+import math
+
+import pytest
+
+from pdpair import contract as c
+from pdpair.operator.pods import (
+    ENGINE_CONTAINER,
+    ROUTER_CONTAINER,
+    STARTUP_PERIOD_SECONDS,
+    engine_pod,
+    router_pod,
+)
+from pdpair.operator.ports import assign, required_blocks, status_ports
+
+VOLUMES = [
+    {"name": "models", "persistentVolumeClaim": {"claimName": "model-cache", "readOnly": True}},
+    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+]
+SIDECAR = {"name": "log-shipper", "image": "fluent-bit:3", "args": ["-c", "/etc/fb.conf"],
+           "ports": [{"name": "fb-metrics", "containerPort": 2020}]}
+INIT = {"name": "fetch-model", "image": "hf-cli:1", "command": ["hf", "download", "tiny"],
+        "volumeMounts": [{"name": "models", "mountPath": "/models"}]}
+USER_PROBE = {"httpGet": {"path": "/v1/models", "port": "http"}, "periodSeconds": 7, "failureThreshold": 2}
+
+
+def template() -> dict:
+    return {
+        "metadata": {"labels": {"team": "ml", "kueue.x-k8s.io/queue-name": "gpu"},
+                     "annotations": {"example.com/owner": "alice"}},
+        "spec": {
+            "volumes": copy.deepcopy(VOLUMES),
+            "initContainers": [copy.deepcopy(INIT)],
+            "containers": [
+                copy.deepcopy(SIDECAR),
+                {"name": ENGINE_CONTAINER,
+                 "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
+                                  {"name": "shm", "mountPath": "/dev/shm"}],
+                 "resources": {"limits": {"nvidia.com/gpu": 2}},
+                 "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+                 "securityContext": {"runAsUser": 1000},
+                 "workingDir": "/work"},
+            ],
+            "securityContext": {"fsGroup": 2000},
+            "imagePullSecrets": [{"name": "regcred"}],
+            "priorityClassName": "inference-high",
+            "schedulerName": "volcano",
+            "serviceAccountName": "vllm",
+            "runtimeClassName": "nvidia",
+            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                           "whenUnsatisfiable": "DoNotSchedule"}],
+            "terminationGracePeriodSeconds": 120,
+            "nodeSelector": {"gpu": "h200"},
+        },
+    }
+
+
+def pair(transport: str = "tcp", **spec_extra) -> dict:
+    return {
+        "metadata": {"name": "demo", "namespace": "ns1", "uid": "uid-1"},
+        "spec": {
+            "model": "/models/tiny", "image": "img:1",
+            "decode": {"tensorParallelSize": 2, "template": template()},
+            "prefill": {"tensorParallelSize": 2, "template": template()},
+            "connector": {"transport": transport, "hangTimeoutSeconds": 30, "slots": 64},
+            "network": {"hostNetwork": True},
+            **spec_extra,
+        },
+    }
+
+
+def leased(p):
+    ports, nxt = [], 20000
+    for block in required_blocks(p["spec"]):
+        ports += assign(block, nxt)
+        nxt += block.count
+    return status_ports(ports)
+
+
+def build(p, role="decode"):
+    if role == "router":
+        return router_pod(p, 3, leased(p), "hash", "10.0.0.1", "10.0.0.2")
+    return engine_pod(p, role, 3, leased(p), "hash", peer_host="10.0.0.2" if role == "prefill" else None)
+
+
+def container(pod, name):
+    [found] = [x for x in pod["spec"]["containers"] if x["name"] == name]
+    return found
+
+
+def env(cont):
+    return {e["name"]: e for e in cont["env"]}
+
+
+# --- user fields survive ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_every_user_pod_field_survives(role):
+    pod = build(pair(), role)
+    spec = pod["spec"]
+    assert spec["volumes"] == VOLUMES
+    assert spec["initContainers"] == [INIT]
+    assert container(pod, "log-shipper") == SIDECAR
+    assert spec["securityContext"] == {"fsGroup": 2000}
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+    for key, value in (("priorityClassName", "inference-high"), ("schedulerName", "volcano"),
+                       ("serviceAccountName", "vllm"), ("runtimeClassName", "nvidia"),
+                       ("terminationGracePeriodSeconds", 120), ("nodeSelector", {"gpu": "h200"})):
+        assert spec[key] == value, key
+    assert spec["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+    labels, annotations = pod["metadata"]["labels"], pod["metadata"]["annotations"]
+    assert labels["team"] == "ml" and labels["kueue.x-k8s.io/queue-name"] == "gpu"
+    assert annotations["example.com/owner"] == "alice"
+
+
+def test_every_user_engine_container_field_survives():
+    engine = container(build(pair()), ENGINE_CONTAINER)
+    assert engine["volumeMounts"] == [{"name": "models", "mountPath": "/models", "readOnly": True},
+                                      {"name": "shm", "mountPath": "/dev/shm"}]
+    assert engine["resources"] == {"limits": {"nvidia.com/gpu": "2"}}  # as a string: see the quantities test
+    assert engine["securityContext"] == {"runAsUser": 1000}  # tcp: no FlagCX capability added
+    assert engine["workingDir"] == "/work"
+    assert env(engine)["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+
+
+def test_user_probes_win_over_the_defaults():
+    p = pair()
+    engine_tmpl = p["spec"]["decode"]["template"]["spec"]["containers"][1]
+    engine_tmpl["readinessProbe"] = copy.deepcopy(USER_PROBE)
+    engine_tmpl["startupProbe"] = {"tcpSocket": {"port": "http"}, "failureThreshold": 5}
+    engine = container(build(p), ENGINE_CONTAINER)
+    assert engine["readinessProbe"] == USER_PROBE
+    assert engine["startupProbe"] == {"tcpSocket": {"port": "http"}, "failureThreshold": 5}
+
+
+def test_user_may_override_the_operator_defaults_of_dns_and_service_links():
+    p = pair()
+    p["spec"]["decode"]["template"]["spec"].update(dnsPolicy="Default", enableServiceLinks=True)
+    spec = build(p)["spec"]
+    assert (spec["dnsPolicy"], spec["enableServiceLinks"]) == ("Default", True)
+    plain = build(pair())["spec"]
+    assert (plain["dnsPolicy"], plain["enableServiceLinks"]) == ("ClusterFirstWithHostNet", False)
+
+
+def test_the_pair_spec_is_not_modified():
+    p = pair("flagcx")
+    before = copy.deepcopy(p)
+    for role in ("decode", "prefill", "router"):
+        build(p, role)
+    assert p == before
+
+
+# --- operator-owned fields win ------------------------------------------------------------------------------
+OWNED = {
+    # what the user (wrongly) sets in the template -> how the pod must look anyway
+    "restartPolicy": (lambda t: t["spec"].update(restartPolicy="Always"),
+                      lambda pod: pod["spec"]["restartPolicy"] == "Never"),
+    "hostNetwork": (lambda t: t["spec"].update(hostNetwork=False),
+                    lambda pod: pod["spec"]["hostNetwork"] is True),
+    "ephemeralContainers": (lambda t: t["spec"].update(ephemeralContainers=[{"name": "dbg", "image": "busybox"}]),
+                            lambda pod: "ephemeralContainers" not in pod["spec"]),
+    "engine command": (lambda t: _engine(t).update(command=["sleep", "inf"]),
+                       lambda pod: container(pod, ENGINE_CONTAINER)["command"][:3] == [
+                           "python", "-m", "vllm.entrypoints.openai.api_server"]),
+    "engine args": (lambda t: _engine(t).update(args=["--port", "1"]),
+                    lambda pod: "args" not in container(pod, ENGINE_CONTAINER)),
+    "engine image": (lambda t: _engine(t).update(image="evil:1"),
+                     lambda pod: container(pod, ENGINE_CONTAINER)["image"] == "img:1"),
+    "engine ports": (lambda t: _engine(t).update(ports=[{"name": "http", "containerPort": 8000}]),
+                     lambda pod: {p["name"] for p in container(pod, ENGINE_CONTAINER)["ports"]}
+                     == {"http", "metrics", "side-0", "side-1"}
+                     and 8000 not in [p["containerPort"] for p in container(pod, ENGINE_CONTAINER)["ports"]]),
+    "PDPAIR_ env": (lambda t: _engine(t)["env"].append({"name": c.ENV_ROLE, "value": "prefill"}),
+                    lambda pod: [e["value"] for e in container(pod, ENGINE_CONTAINER)["env"]
+                                 if e["name"] == c.ENV_ROLE] == ["decode"]),
+    "pdpair.io/ label": (lambda t: t["metadata"]["labels"].update({c.LABEL_ROLE: "router", c.LABEL_GENERATION: "9"}),
+                         lambda pod: pod["metadata"]["labels"][c.LABEL_ROLE] == "decode"
+                         and pod["metadata"]["labels"][c.LABEL_GENERATION] == "3"),
+    "spec-hash annotation": (lambda t: t["metadata"]["annotations"].update({c.ANNOTATION_SPEC_HASH: "x"}),
+                             lambda pod: pod["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH] == "hash"),
+    "metadata name": (lambda t: t["metadata"].update(name="mine", namespace="other", generateName="x-"),
+                      lambda pod: (pod["metadata"]["name"], pod["metadata"]["namespace"]) == ("demo-decode-g3", "ns1")
+                      and "generateName" not in pod["metadata"]),
+}
+
+
+def _engine(t):
+    return t["spec"]["containers"][1]
+
+
+@pytest.mark.parametrize("field", sorted(OWNED))
+def test_operator_owned_field_wins(field):
+    set_it, holds = OWNED[field]
+    p = pair()
+    set_it(p["spec"]["decode"]["template"])
+    assert holds(build(p)), field
+
+
+def test_engine_container_is_created_first_when_absent():
+    p = pair()
+    p["spec"]["decode"]["template"] = {"spec": {"containers": [copy.deepcopy(SIDECAR)]}}
+    pod = build(p)
+    assert [x["name"] for x in pod["spec"]["containers"]] == [ENGINE_CONTAINER, "log-shipper"]
+    no_template = pair()
+    del no_template["spec"]["decode"]["template"]
+    assert [x["name"] for x in build(no_template)["spec"]["containers"]] == [ENGINE_CONTAINER]
+
+
+def test_engine_container_keeps_its_place_when_present():
+    assert [x["name"] for x in build(pair())["spec"]["containers"]] == ["log-shipper", ENGINE_CONTAINER]
+
+
+def test_shorthand_fields_still_apply():
+    p = pair()
+    p["spec"]["decode"] = {"tensorParallelSize": 2, "resources": {"limits": {"cpu": "4"}},
+                           "env": [{"name": "FOO", "value": "1"}], "nodeSelector": {"a": "b"},
+                           "tolerations": [{"key": "k", "operator": "Exists"}]}
+    pod = build(p)
+    engine = container(pod, ENGINE_CONTAINER)
+    assert engine["resources"] == {"limits": {"cpu": "4"}} and env(engine)["FOO"]["value"] == "1"
+    assert pod["spec"]["nodeSelector"] == {"a": "b"} and pod["spec"]["tolerations"][0]["key"] == "k"
+
+
+# --- probes ---------------------------------------------------------------------------------------------------
+def test_default_probes_hit_health_on_the_http_port():
+    engine = container(build(pair()), ENGINE_CONTAINER)
+    for probe in ("readinessProbe", "startupProbe"):
+        assert engine[probe]["httpGet"] == {"path": "/health", "port": c.HTTP_PORT_NAME, "scheme": "HTTP"}, probe
+    assert c.HTTP_PORT_NAME in {p["name"] for p in engine["ports"]}
+    startup = engine["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 1800  # the 30-minute default window
+
+
+@pytest.mark.parametrize("seconds", [60, 95, 7200])
+def test_startup_window_follows_the_spec(seconds):
+    startup = container(build(pair(startupTimeoutSeconds=seconds)), ENGINE_CONTAINER)["startupProbe"]
+    assert startup["failureThreshold"] == math.ceil(seconds / STARTUP_PERIOD_SECONDS)
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= seconds
+
+
+def test_router_gets_a_readiness_probe_and_keeps_its_template():
+    p = pair()
+    p["spec"]["router"] = {"enabled": True, "template": {
+        "metadata": {"labels": {"team": "edge"}},
+        "spec": {"containers": [{"name": ROUTER_CONTAINER, "resources": {"requests": {"cpu": "100m"}}},
+                                copy.deepcopy(SIDECAR)],
+                 "priorityClassName": "edge", "tolerations": [{"key": "edge", "operator": "Exists"}]}}}
+    pod = build(p, "router")
+    router = container(pod, ROUTER_CONTAINER)
+    assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": c.HTTP_PORT_NAME, "scheme": "HTTP"}
+    assert router["resources"] == {"requests": {"cpu": "100m"}}
+    assert router["command"][:3] == ["python", "-m", "pdpair.router"] and router["image"] == "img:1"
+    assert container(pod, "log-shipper") == SIDECAR
+    assert pod["metadata"]["labels"]["team"] == "edge" and pod["metadata"]["labels"][c.LABEL_ROLE] == "router"
+    assert pod["spec"]["priorityClassName"] == "edge"
+    # its own tolerations win; decode's nodeSelector (from decode's template) is copied since it sets none
+    assert pod["spec"]["tolerations"] == [{"key": "edge", "operator": "Exists"}]
+    assert pod["spec"]["nodeSelector"] == {"gpu": "h200"}
+    assert pod["spec"]["restartPolicy"] == "Never"
+
+
+# --- FlagCX defaults ------------------------------------------------------------------------------------------
+def test_flagcx_sets_hetero_comm_and_ipc_lock():
+    engine = container(build(pair("flagcx")), ENGINE_CONTAINER)
+    assert env(engine)["FLAGCX_USE_HETERO_COMM"]["value"] == "1"
+    assert engine["securityContext"] == {"runAsUser": 1000, "capabilities": {"add": ["IPC_LOCK"]}}
+
+
+def test_tcp_sets_neither():
+    engine = container(build(pair("tcp")), ENGINE_CONTAINER)
+    assert "FLAGCX_USE_HETERO_COMM" not in env(engine)
+    assert "capabilities" not in engine["securityContext"]
+
+
+@pytest.mark.parametrize("security, expected", [
+    ({"capabilities": {"drop": ["IPC_LOCK"]}}, {"capabilities": {"drop": ["IPC_LOCK"]}}),
+    ({"capabilities": {"add": ["IPC_LOCK", "NET_RAW"]}}, {"capabilities": {"add": ["IPC_LOCK", "NET_RAW"]}}),
+    ({"privileged": True}, {"privileged": True}),
+    ({"capabilities": {"drop": ["ALL"]}}, {"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}),
+])
+def test_flagcx_capability_respects_the_template(security, expected):
+    p = pair("flagcx")
+    _engine(p["spec"]["decode"]["template"])["securityContext"] = security
+    assert container(build(p), ENGINE_CONTAINER)["securityContext"] == expected
+
+
+def test_flagcx_env_respects_the_template():
+    p = pair("flagcx")
+    _engine(p["spec"]["decode"]["template"])["env"].append({"name": "FLAGCX_USE_HETERO_COMM", "value": "0"})
+    values = [e["value"] for e in container(build(p), ENGINE_CONTAINER)["env"] if e["name"] == "FLAGCX_USE_HETERO_COMM"]
+    assert values == ["0"]
+
+
+# --- each operator-owned template field has its admission rule in the CRD -----------------------------------
+def _rules(node):
+    return {(r.get("fieldPath"), r["message"].split(" must")[0]) for r in node.get("x-kubernetes-validations", [])}
+
+
+@pytest.fixture(scope="module")
+def crd():
+    import yaml
+    from pathlib import Path
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    path = Path(__file__).resolve().parents[3] / "charts/pdpair/crds/inferencepairs.pdpair.io.yaml"
+    return yaml.load(path.read_text(), Loader=loader)
+
+
+@pytest.mark.parametrize("role, main", [("prefill", ENGINE_CONTAINER), ("decode", ENGINE_CONTAINER),
+                                        ("router", ROUTER_CONTAINER)])
+def test_every_owned_template_field_has_a_cel_rule(crd, role, main):
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    template = spec[role]["properties"]["template"]
+    paths = {p for p, _ in _rules(template["properties"]["metadata"])}
+    assert paths == {".name", ".generateName", ".namespace", ".labels", ".annotations"}
+    paths = {p for p, _ in _rules(template["properties"]["spec"])}
+    assert paths == {".restartPolicy", ".hostNetwork", ".initContainers"}
+    assert "ephemeralContainers" not in template["properties"]["spec"]["properties"]
+    item_rules = _rules(template["properties"]["spec"]["properties"]["containers"]["items"])
+    assert {p for p, _ in item_rules} == {".command", ".args", ".image", ".ports", ".env"}
+    assert {m for _, m in item_rules} >= {f"containers[{main}].{f}" for f in ("command", "args", "image", "ports")}
+    if role != "router":  # the shorthand conflicts live on the role object
+        assert {p for p, _ in _rules(spec[role])} == {".resources", ".env", ".nodeSelector", ".tolerations",
+                                                     ".affinity"}
+
+
+def test_quantities_become_strings_for_the_client_model():
+    """The CRD keeps `nvidia.com/gpu: 2` as a number; the client's V1Pod model takes only strings there."""
+    from kubernetes.client import V1Pod
+
+    p = pair()
+    tmpl = p["spec"]["decode"]["template"]["spec"]
+    tmpl["volumes"].append({"name": "scratch", "emptyDir": {"sizeLimit": 1073741824}})
+    tmpl["initContainers"][0]["resources"] = {"requests": {"cpu": 0.5}}
+    _engine(p["spec"]["decode"]["template"])["env"].append(
+        {"name": "MEM", "valueFrom": {"resourceFieldRef": {"resource": "limits.memory", "divisor": 1}}})
+    pod = build(p)
+    engine = container(pod, ENGINE_CONTAINER)
+    assert engine["resources"] == {"limits": {"nvidia.com/gpu": "2"}}
+    assert pod["spec"]["initContainers"][0]["resources"] == {"requests": {"cpu": "0.5"}}
+    assert pod["spec"]["volumes"][-1]["emptyDir"]["sizeLimit"] == "1073741824"
+    assert env(engine)["MEM"]["valueFrom"]["resourceFieldRef"]["divisor"] == "1"
+    V1Pod.from_dict(pod)  # raises on a number where the model wants a string
+    assert p["spec"]["decode"]["template"]["spec"]["containers"][1]["resources"] == {"limits": {"nvidia.com/gpu": 2}}
