@@ -38,6 +38,8 @@ sys.path.insert(0, str(HERE))
 from engines import Process, engine, free_port, http_post, pair_env, router  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 
+from bench_connector import histogram  # noqa: E402  (sum, count) of a histogram on a /metrics URL
+
 VLLM_BENCH = (
     "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
     "from vllm.benchmarks.serve import add_cli_args, main\n"
@@ -73,23 +75,6 @@ def stream_chunks(url: str, prompt: str, max_tokens: int, request_id: str) -> li
 
 def text_prompt(i: int, words: int) -> str:
     return " ".join(f"{WORDS[(i + 7 * j) % len(WORDS)]}{i}" for j in range(words))
-
-
-def histogram(url: str, name: str) -> tuple[float, float]:
-    """(sum, count) of a histogram on url's /metrics, summed over its label sets."""
-    from engines import http_get
-
-    status, body = http_get(url + "/metrics")
-    assert status == 200, url
-    total = count = 0.0
-    for line in body.decode().splitlines():
-        m = re.match(rf"^{re.escape(name)}_(sum|count)(\{{[^}}]*\}})? (\S+)$", line)
-        if m:
-            if m.group(1) == "sum":
-                total += float(m.group(3))
-            else:
-                count += float(m.group(3))
-    return total, count
 
 
 class Setup:
@@ -255,7 +240,7 @@ def main() -> int:
             rtr.name, rtr.log_path = "pdpair-router", logs / "pdpair-router.log"
             rtr.env = {**rtr.env, **TIMELINE_ENV}
             start(procs, rtr).wait_healthy(60)
-            setups.append(Setup("pdpair", rtr.url, lambda: histogram(pd_decode.url, "vllm:pdpair_kv_transfer_seconds")))
+            setups.append(Setup("pdpair", rtr.url, lambda: histogram(pd_decode.url + "/metrics", "vllm:pdpair_kv_transfer_seconds")))
         if "pdpair-before" in wanted:
             old_decode.wait_healthy()
             old_prefill.wait_healthy()
@@ -265,14 +250,14 @@ def main() -> int:
             ortr.env = {**ortr.env, **old_path}
             start(procs, ortr).wait_healthy(60)
             setups.append(Setup("pdpair-before", ortr.url,
-                                lambda: histogram(old_decode.url, "vllm:pdpair_kv_transfer_seconds")))
+                                lambda: histogram(old_decode.url + "/metrics", "vllm:pdpair_kv_transfer_seconds")))
         if "nixl" in wanted:
             for proc in nixl:
                 proc.wait_healthy()
             nrtr = router(logs, nixl[1].url, nixl[0].url)
             nrtr.name, nrtr.log_path = "nixl-router", logs / "nixl-router.log"
             start(procs, nrtr).wait_healthy(60)
-            setups.append(Setup("nixl", nrtr.url, lambda: histogram(nixl[0].url, "vllm:nixl_xfer_time_seconds")))
+            setups.append(Setup("nixl", nrtr.url, lambda: histogram(nixl[0].url + "/metrics", "vllm:nixl_xfer_time_seconds")))
 
         # Warm-up (NIXL's first request also does its handshake and may fail under load: retried).
         for setup in setups:
