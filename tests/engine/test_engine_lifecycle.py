@@ -17,8 +17,8 @@ from engines import ENGINE_ENV, free_port
 HERE = Path(__file__).parent
 
 
-def test_three_engines_in_a_row_reuse_the_same_ports(tiny_model, tmp_path):
-    listen_port, metrics_port = free_port(), free_port()
+def _decode_env(listen_port: int, metrics_port: int) -> dict[str, str]:
+    """A decode engine's environment for three_engines.py: ours, not the caller's PDPAIR_* settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDPAIR_")}
     env.update(ENGINE_ENV)
     env.update({
@@ -30,6 +30,12 @@ def test_three_engines_in_a_row_reuse_the_same_ports(tiny_model, tmp_path):
         contract.ENV_HANG_TIMEOUT_SECONDS: "5",
         contract.ENV_TRANSPORT: contract.TRANSPORT_TCP,
     })
+    return env
+
+
+def test_three_engines_in_a_row_reuse_the_same_ports(tiny_model, tmp_path):
+    listen_port, metrics_port = free_port(), free_port()
+    env = _decode_env(listen_port, metrics_port)
     result = subprocess.run(
         [sys.executable, str(HERE / "three_engines.py"), str(tiny_model), str(listen_port), str(metrics_port), "3"],
         env=env, capture_output=True, text=True, timeout=600,
@@ -52,17 +58,7 @@ def test_three_tp2_engines_in_a_row_reuse_the_same_ports(tiny_model):
     base + r, rank 0 serves the metrics port and rank 1 its local rank socket. All of it must be gone (ports free,
     rank socket closed, worker processes exited, no pdpair thread here) before the next engine binds the same ports."""
     listen_port, metrics_port = free_port(2), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDPAIR_")}
-    env.update(ENGINE_ENV)
-    env.update({
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        contract.ENV_ROLE: contract.ROLE_DECODE,
-        contract.ENV_GENERATION: "1",
-        contract.ENV_LISTEN_PORT_BASE: str(listen_port),
-        contract.ENV_METRICS_PORT: str(metrics_port),
-        contract.ENV_HANG_TIMEOUT_SECONDS: "5",
-        contract.ENV_TRANSPORT: contract.TRANSPORT_TCP,
-    })
+    env = _decode_env(listen_port, metrics_port)
     result = subprocess.run(
         [sys.executable, str(HERE / "three_engines.py"), str(tiny_model), str(listen_port), str(metrics_port),
          "3", "2"],
