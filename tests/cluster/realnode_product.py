@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 
 from pdpair.contract import API_VERSION, KIND
@@ -29,14 +30,70 @@ ENGINE_ENV = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}, {"name":
               {"name": "VLLM_NO_USAGE_STATS", "value": "1"}, {"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
 
 # Runs inside a node's namespaces with the harness's interpreter: a greedy completion, its text printed as JSON.
+# A refused connection is retried until `refused_for` seconds have passed: kube-proxy programs a Service's rules
+# asynchronously after its endpoints turn ready (until then a ClusterIP answers with a reject), so "the pod is Ready"
+# does not mean "the Service routes to it" yet. Any other error fails at once.
 _COMPLETION_SNIPPET = """
-import json, sys, urllib.request
-url, model, prompt, max_tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+import json, sys, time, urllib.error, urllib.request
+url, model, prompt, max_tokens, refused_for = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
 body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
-req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-with urllib.request.urlopen(req, timeout=120) as resp:
-    print(json.dumps(json.load(resp)["choices"][0]["text"]))
+deadline = time.monotonic() + refused_for
+while True:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            print(json.dumps(json.load(resp)["choices"][0]["text"]))
+        break
+    except urllib.error.URLError as exc:
+        if not isinstance(exc.reason, ConnectionRefusedError) or time.monotonic() > deadline:
+            raise
+        time.sleep(0.5)
 """
+
+# GET `url` from inside a node or pod; prints the HTTP status. Retries refused connections like the snippet above.
+FETCH_STATUS_SNIPPET = """
+import sys, time, urllib.error, urllib.request
+url, refused_for = sys.argv[1], float(sys.argv[2])
+deadline = time.monotonic() + refused_for
+while True:
+    try:
+        print(urllib.request.urlopen(url, timeout=10).status)
+        break
+    except urllib.error.URLError as exc:
+        if not isinstance(exc.reason, ConnectionRefusedError) or time.monotonic() > deadline:
+            raise
+        time.sleep(0.5)
+"""
+# Measured: kube-proxy's first sync after an endpoint change took up to a few seconds on a busy 2-core machine;
+# one CI run saw a refusal right after `kubectl wait --for=condition=Ready`.
+SERVICE_PROGRAMMING_SECONDS = 60.0
+
+
+PROMPTS = ["The quick brown fox", "Kubernetes runs pods;", "Prefill computes the prompt,", "Hello world! 0123"]
+ENGINE_START_TIMEOUT = 600.0
+
+
+def wait_for(fn, timeout: float, what: str, diagnose=lambda: ""):
+    """Polls fn() once a second until it returns something truthy (returned), or fails after `timeout` seconds
+    with `what` and diagnose()'s text."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{diagnose()}")
+        time.sleep(1.0)
+
+
+def describe(cluster, ns: str) -> str:
+    pods = cluster.kubectl("get", "pods", "-n", ns, "-o", "wide", check=False).stdout
+    events = cluster.kubectl("get", "events", "-n", ns, "--sort-by=.lastTimestamp", check=False).stdout[-3000:]
+    return f"pods:\n{pods}\nevents:\n{events}"
+
+
+def pod_logs(cluster, ns: str, name: str) -> str:
+    return cluster.kubectl("logs", "-n", ns, name, "--tail=60", check=False).stdout
 
 
 def build_model(target: pathlib.Path) -> pathlib.Path:
@@ -63,10 +120,12 @@ SHM_MOUNT = {"name": "dshm", "mountPath": "/dev/shm"}
 MODEL_MOUNT_SPEC = {"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True}
 
 
-def completion(cluster, node: str, host: str, port: int, prompt: str, max_tokens: int = 16) -> str:
+def completion(cluster, node: str, host: str, port: int, prompt: str, max_tokens: int = 16,
+               refused_for: float = SERVICE_PROGRAMMING_SECONDS) -> str:
     """A greedy completion sent from inside node `node`'s network namespace (the cluster network)."""
     proc = cluster.node_exec(node, [sys.executable, "-c", _COMPLETION_SNIPPET, f"http://{host}:{port}/v1/completions",
-                                    SERVED_NAME, prompt, str(max_tokens)], timeout=180)
+                                    SERVED_NAME, prompt, str(max_tokens), str(refused_for)],
+                             timeout=180 + refused_for)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -1,6 +1,16 @@
+"""Fixtures shared by the real-node e2e modules. Expensive things (images, the tiny model, the single-engine
+reference outputs, the operator's helm release) are built once per session; every module gets its own namespace."""
+import json
+import time
 import uuid
 
 import pytest
+
+from tests.cluster.images import engine_image, operator_image
+from tests.cluster.realnode_product import (
+    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, baseline_pod, build_model, completion, describe, install_operator,
+    pod_logs, unique,
+)
 
 
 @pytest.fixture
@@ -10,3 +20,66 @@ def cluster_ns(real_cluster):
     real_cluster.create_namespace(name)
     yield name
     real_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def images(real_cluster):
+    """Operator and engine images (cached by content), imported into both nodes' containerd."""
+    built = {"operator": operator_image(), "engine": engine_image()}
+    t0 = time.monotonic()
+    for image in built.values():
+        real_cluster.import_image(image.archive)
+    print(f"[realnode-e2e] images imported into {len(real_cluster.nodes)} nodes in {time.monotonic() - t0:.1f}s")
+    return built
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("realnode-model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def namespace(real_cluster):
+    name = unique("rn")
+    real_cluster.create_namespace(name)
+    yield name
+    real_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def baseline_outputs(real_cluster, images, model_dir):
+    """A single engine (no connector) as a plain Pod of the engine image, the model from a hostPath volume: the
+    reference the pair's greedy outputs must equal. The pod is deleted afterwards to free its memory."""
+    namespace = unique("rn-baseline")
+    real_cluster.create_namespace(namespace)
+    pod = baseline_pod("baseline", namespace, images["engine"].ref, model_dir, "n1")
+    real_cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    try:
+        t0 = time.monotonic()
+        real_cluster.kubectl("wait", "-n", namespace, "--for=condition=Ready", "pod/baseline",
+                             f"--timeout={int(ENGINE_START_TIMEOUT)}s", timeout=ENGINE_START_TIMEOUT + 30,
+                             check=False)
+        info = json.loads(real_cluster.kubectl("get", "pod", "-n", namespace, "baseline", "-o", "json").stdout)
+        ready = {c["type"]: c["status"] for c in info["status"].get("conditions", [])}.get("Ready") == "True"
+        assert ready, f"baseline engine pod not Ready:\n{describe(real_cluster, namespace)}\n" \
+                      f"{pod_logs(real_cluster, namespace, 'baseline')}"
+        print(f"[realnode-e2e] baseline engine pod Ready in {time.monotonic() - t0:.1f}s")
+        ip = info["status"]["podIP"]
+        outputs = {p: completion(real_cluster, "n1", ip, 8000, p) for p in PROMPTS}
+        outputs["__repeat__"] = completion(real_cluster, "n1", ip, 8000, PROMPTS[0])
+        return outputs
+    finally:
+        real_cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=90s",
+                             check=False, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def operator_release(real_cluster, images):
+    """`helm install` of charts/pdpair with the image built here; the operator runs as a pod, in-cluster config.
+    One release for the session: modules that change it (helm upgrade) must leave it serving."""
+    t0 = time.monotonic()
+    helm = install_operator(real_cluster, images["operator"].ref)
+    print(f"[realnode-e2e] helm install --wait took {time.monotonic() - t0:.1f}s")
+    yield helm
+    helm("uninstall", "pdpair", "--namespace", OPERATOR_NS, "--wait", "--timeout", "120s")
+    helm.close()

@@ -11,6 +11,7 @@ import pytest
 
 from tests.cluster.images import debian_base
 from tests.cluster.realnode import KUBELET_HOST_SYSCTLS, RealNodeCluster, _read_sysctl
+from tests.cluster.realnode_product import FETCH_STATUS_SNIPPET, SERVICE_PROGRAMMING_SECONDS
 
 # The session's real cluster is torn down in the last test's teardown, which pytest-timeout counts too.
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
@@ -63,13 +64,16 @@ def test_pods_reach_a_service_on_the_other_node_and_the_apiserver(real_cluster, 
     real_cluster.kubectl("wait", "-n", cluster_ns, "--for=condition=Ready", "pod/server", "pod/client",
                          "--timeout=120s", timeout=130)
     svc_ip = real_cluster.kubectl("get", "svc", "-n", cluster_ns, "server", "-o", "jsonpath={.spec.clusterIP}").stdout
-    fetch = f"import urllib.request; print(urllib.request.urlopen('http://{svc_ip}/', timeout=10).status)"
+    fetch = ["python3", "-c", FETCH_STATUS_SNIPPET, f"http://{svc_ip}/", str(SERVICE_PROGRAMMING_SECONDS)]
+    within = SERVICE_PROGRAMMING_SECONDS + 30
     # pod on n1 -> Service -> pod on n2 (kube-proxy DNAT, routed between the node namespaces)
-    assert real_cluster.kubectl("exec", "-n", cluster_ns, "client", "--", "python3", "-c", fetch).stdout.strip() == "200"
+    assert real_cluster.kubectl("exec", "-n", cluster_ns, "client", "--", *fetch,
+                                timeout=within).stdout.strip() == "200"
     # hairpin: the server pod through its own Service
-    assert real_cluster.kubectl("exec", "-n", cluster_ns, "server", "--", "python3", "-c", fetch).stdout.strip() == "200"
+    assert real_cluster.kubectl("exec", "-n", cluster_ns, "server", "--", *fetch,
+                                timeout=within).stdout.strip() == "200"
     # the node namespace itself (what tests use to reach the cluster network)
-    assert real_cluster.node_exec("n1", [sys.executable, "-c", fetch]).stdout.strip() == "200"
+    assert real_cluster.node_exec("n1", [sys.executable, *fetch[1:]], timeout=within).stdout.strip() == "200"
     # the `kubernetes` Service from a pod, TLS verified against the ServiceAccount's CA, authenticated
     api = ("import json, os, ssl, urllib.request\n"
            f"ctx = ssl.create_default_context(cafile='{SERVICE_ACCOUNT}/ca.crt')\n"

@@ -16,86 +16,12 @@ import pytest
 import yaml
 
 from pdpair.contract import GROUP, PLURAL
-from tests.cluster.images import engine_image, operator_image
 from tests.cluster.realnode_product import (
-    OPERATOR_NS, baseline_pod, build_model, completion, install_operator, pair_manifest, unique,
+    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, pair_manifest, pod_logs, wait_for,
 )
 
 # The session's real cluster is torn down in the last test's teardown, which pytest-timeout counts too.
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
-
-PROMPTS = ["The quick brown fox", "Kubernetes runs pods;", "Prefill computes the prompt,", "Hello world! 0123"]
-ENGINE_START_TIMEOUT = 600.0
-
-
-def wait_for(fn, timeout: float, what: str, diagnose=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{diagnose()}")
-        time.sleep(1.0)
-
-
-def describe(cluster, ns: str) -> str:
-    pods = cluster.kubectl("get", "pods", "-n", ns, "-o", "wide", check=False).stdout
-    events = cluster.kubectl("get", "events", "-n", ns, "--sort-by=.lastTimestamp", check=False).stdout[-3000:]
-    return f"pods:\n{pods}\nevents:\n{events}"
-
-
-def pod_logs(cluster, ns: str, name: str) -> str:
-    return cluster.kubectl("logs", "-n", ns, name, "--tail=60", check=False).stdout
-
-
-@pytest.fixture(scope="module")
-def images(real_cluster):
-    """Operator and engine images (cached by content), imported into both nodes' containerd."""
-    built = {"operator": operator_image(), "engine": engine_image()}
-    t0 = time.monotonic()
-    for image in built.values():
-        real_cluster.import_image(image.archive)
-    print(f"[realnode-e2e] images imported into {len(real_cluster.nodes)} nodes in {time.monotonic() - t0:.1f}s")
-    return built
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("realnode-model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def namespace(real_cluster):
-    name = unique("rn")
-    real_cluster.create_namespace(name)
-    yield name
-    real_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
-@pytest.fixture(scope="module")
-def baseline_outputs(real_cluster, images, model_dir, namespace):
-    """A single engine (no connector) as a plain Pod of the engine image, the model from a hostPath volume: the
-    reference the pair's greedy outputs must equal. The pod is deleted afterwards to free its memory."""
-    pod = baseline_pod("baseline", namespace, images["engine"].ref, model_dir, "n1")
-    real_cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
-    try:
-        t0 = time.monotonic()
-        real_cluster.kubectl("wait", "-n", namespace, "--for=condition=Ready", "pod/baseline",
-                             f"--timeout={int(ENGINE_START_TIMEOUT)}s", timeout=ENGINE_START_TIMEOUT + 30,
-                             check=False)
-        info = json.loads(real_cluster.kubectl("get", "pod", "-n", namespace, "baseline", "-o", "json").stdout)
-        ready = {c["type"]: c["status"] for c in info["status"].get("conditions", [])}.get("Ready") == "True"
-        assert ready, f"baseline engine pod not Ready:\n{describe(real_cluster, namespace)}\n" \
-                      f"{pod_logs(real_cluster, namespace, 'baseline')}"
-        print(f"[realnode-e2e] baseline engine pod Ready in {time.monotonic() - t0:.1f}s")
-        ip = info["status"]["podIP"]
-        outputs = {p: completion(real_cluster, "n1", ip, 8000, p) for p in PROMPTS}
-        outputs["__repeat__"] = completion(real_cluster, "n1", ip, 8000, PROMPTS[0])
-        return outputs
-    finally:
-        real_cluster.kubectl("delete", "pod", "-n", namespace, "baseline", "--wait=true", "--timeout=60s",
-                             check=False, timeout=90)
 
 
 def test_engine_image_serves_the_hostpath_model_as_a_plain_pod(baseline_outputs):
@@ -103,18 +29,6 @@ def test_engine_image_serves_the_hostpath_model_as_a_plain_pod(baseline_outputs)
     for prompt in PROMPTS:
         assert isinstance(baseline_outputs[prompt], str) and baseline_outputs[prompt].strip(), (prompt, baseline_outputs)
     assert baseline_outputs["__repeat__"] == baseline_outputs[PROMPTS[0]], "greedy output changed between requests"
-
-
-@pytest.fixture(scope="module")
-def operator_release(real_cluster, images):
-    """`helm install` of charts/pdpair with the image built here; the operator runs as a pod, in-cluster config."""
-    t0 = time.monotonic()
-    # The chart's probe timings: a 2 s period restarted the operator once on a busy machine (import takes >8 s).
-    helm = install_operator(real_cluster, images["operator"].ref)
-    print(f"[realnode-e2e] helm install --wait took {time.monotonic() - t0:.1f}s")
-    yield helm
-    helm("uninstall", "pdpair", "--namespace", OPERATOR_NS, "--wait", "--timeout", "120s")
-    helm.close()
 
 
 def _operator_pod(cluster) -> dict:
