@@ -86,7 +86,12 @@ class PdPairConfig:
         if env_role and env_role != role:
             raise ConfigError(f"{contract.ENV_ROLE}={env_role!r} contradicts kv_role={kv_role!r} (means {role!r})")
 
-        transport = env.get(contract.ENV_TRANSPORT, contract.TRANSPORT_TCP)
+        # No default here: the CRD's spec.connector.transport default (flagcx) is the one source, and the operator
+        # always sets the variable. A bare engine must say which transport it means.
+        transport = env.get(contract.ENV_TRANSPORT, "")
+        if not transport:
+            raise ConfigError(f"{contract.ENV_TRANSPORT} is required: one of {', '.join(contract.TRANSPORTS)} "
+                              "(the operator sets it from spec.connector.transport)")
         if transport not in contract.TRANSPORTS:
             raise ConfigError(f"{contract.ENV_TRANSPORT}={transport!r}: use one of {', '.join(contract.TRANSPORTS)}")
 

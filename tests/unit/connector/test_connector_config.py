@@ -15,8 +15,10 @@ from pdpair.connector.transports.base import deadline_in
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from transport_suite import connect_pair  # noqa: E402
 
-DECODE = {contract.ENV_LISTEN_PORT_BASE: "20000", contract.ENV_GENERATION: "3", contract.ENV_HANG_TIMEOUT_SECONDS: "12"}
-PREFILL = {contract.ENV_PEER_HOST: "10.0.0.9", contract.ENV_PEER_PORT_BASE: "20000"}
+TCP = {contract.ENV_TRANSPORT: contract.TRANSPORT_TCP}
+DECODE = {**TCP, contract.ENV_LISTEN_PORT_BASE: "20000", contract.ENV_GENERATION: "3",
+          contract.ENV_HANG_TIMEOUT_SECONDS: "12"}
+PREFILL = {**TCP, contract.ENV_PEER_HOST: "10.0.0.9", contract.ENV_PEER_PORT_BASE: "20000"}
 
 
 def test_decode_config_from_env():
@@ -39,9 +41,12 @@ def test_prefill_config_from_env():
     ("kv_role", "env", "extra", "message"),
     [
         ("kv_both", DECODE, {}, "kv_role 'kv_both' is not supported"),
-        ("kv_consumer", {}, {}, f"{contract.ENV_LISTEN_PORT_BASE} is required"),
-        ("kv_producer", {contract.ENV_PEER_PORT_BASE: "1"}, {}, f"{contract.ENV_PEER_HOST} is required"),
-        ("kv_producer", {contract.ENV_PEER_HOST: "h"}, {}, f"{contract.ENV_PEER_PORT_BASE} is required"),
+        ("kv_consumer", TCP, {}, f"{contract.ENV_LISTEN_PORT_BASE} is required"),
+        ("kv_producer", {**TCP, contract.ENV_PEER_PORT_BASE: "1"}, {}, f"{contract.ENV_PEER_HOST} is required"),
+        ("kv_producer", {**TCP, contract.ENV_PEER_HOST: "h"}, {}, f"{contract.ENV_PEER_PORT_BASE} is required"),
+        ("kv_consumer", {k: v for k, v in DECODE.items() if k != contract.ENV_TRANSPORT}, {},
+         f"{contract.ENV_TRANSPORT} is required: one of flagcx, tcp"),
+        ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT: ""}, {}, f"{contract.ENV_TRANSPORT} is required"),
         ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT: "ib"}, {}, f"{contract.ENV_TRANSPORT}='ib'"),
         ("kv_consumer", {**DECODE, contract.ENV_HANG_TIMEOUT_SECONDS: "0"}, {}, "must be a finite number"),
         ("kv_consumer", {**DECODE, contract.ENV_HANG_TIMEOUT_SECONDS: "soon"}, {}, "is not a number"),

@@ -360,12 +360,17 @@ def test_put_before_peer_table_refused():
         pair.close()
 
 
-def test_slots_from_environment(monkeypatch):
+def test_the_transport_reads_no_connector_environment(monkeypatch):
+    """Slots and the blocking bound come from PdPairConfig through make_transport, never from the environment
+    behind the config's back (the config validates them; a second reader would disagree with it)."""
     monkeypatch.setenv("PDPAIR_TRANSPORT_SLOTS", "32")
-    assert FlagcxTransport().slots == 32
-    monkeypatch.setenv("PDPAIR_TRANSPORT_SLOTS", "0")
+    monkeypatch.setenv("PDPAIR_HANG_TIMEOUT_SECONDS", "7")
+    transport = FlagcxTransport()
+    assert (transport.slots, transport.blocking_seconds) == (256, 60.0)
+    configured = make_transport("flagcx", slots=16, blocking_seconds=9.5)
+    assert (configured.slots, configured.blocking_seconds) == (16, 9.5)
     with pytest.raises(ValueError, match="slots"):
-        FlagcxTransport()
+        FlagcxTransport(slots=0)
 
 
 def test_make_transport_passes_the_configured_slots(monkeypatch):

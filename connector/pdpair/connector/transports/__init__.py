@@ -19,11 +19,12 @@ from pdpair.connector.transports.base import (
 from pdpair.contract import ENV_TRANSPORT, TRANSPORT_FLAGCX, TRANSPORT_TCP, TRANSPORTS
 
 
-def make_transport(name: str, slots: int | None = None) -> PairTransport:
+def make_transport(name: str, slots: int | None = None, blocking_seconds: float | None = None) -> PairTransport:
     """The transport named `name` (a value of PDPAIR_TRANSPORT); a clear error for any other name.
 
-    slots: request slots per peer connection (PDPAIR_TRANSPORT_SLOTS, validated by PdPairConfig); None keeps the
-    transport's default (tcp: the native default 256; flagcx: PDPAIR_TRANSPORT_SLOTS or 256)."""
+    slots: request slots per peer connection (PdPairConfig.transport_slots, from PDPAIR_TRANSPORT_SLOTS); None keeps
+    the transport's default (256 for both). blocking_seconds: flagcx's bound on a blocking call
+    (PdPairConfig.hang_timeout_seconds); tcp bounds every wait by the caller's deadline instead."""
     if name == TRANSPORT_TCP:
         from pdpair.connector.transports.tcp import TcpTransport
 
@@ -31,18 +32,5 @@ def make_transport(name: str, slots: int | None = None) -> PairTransport:
     if name == TRANSPORT_FLAGCX:
         from pdpair.connector.transports.flagcx import FlagcxTransport
 
-        return FlagcxTransport(slots=slots)
+        return FlagcxTransport(slots=slots, blocking_seconds=blocking_seconds)
     raise ValueError(f"{ENV_TRANSPORT}={name!r} is not a known transport; use one of {', '.join(TRANSPORTS)}")
-
-
-__all__ = [
-    "DEFAULT_SIGNAL_SLOTS",
-    "RANK_DECODE",
-    "RANK_PREFILL",
-    "PairComm",
-    "PairTransport",
-    "SignalWaitTimeout",
-    "TransportCounters",
-    "TransportError",
-    "make_transport",
-]

@@ -54,7 +54,7 @@ from pdpair.connector.transports.base import (
     TransportError,
     seconds_left,
 )
-from pdpair.contract import ENV_HANG_TIMEOUT_SECONDS, ENV_TRANSPORT_SLOTS, TRANSPORT_FLAGCX
+from pdpair.contract import ENV_TRANSPORT_SLOTS, TRANSPORT_FLAGCX
 
 log = logging.getLogger(__name__)
 
@@ -487,32 +487,13 @@ def _decode_table(table: bytes) -> _PeerTable:
 # --- the transport -----------------------------------------------------------------------------------------------
 
 
-def _slots_from_env() -> int:
-    raw = os.environ.get(ENV_TRANSPORT_SLOTS, "")
-    if not raw:
-        return DEFAULT_SLOTS
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_TRANSPORT_SLOTS}={raw!r} is not an integer") from None
-
-
-def _blocking_seconds_from_env() -> float:
-    raw = os.environ.get(ENV_HANG_TIMEOUT_SECONDS, "")
-    if not raw:
-        return DEFAULT_BLOCKING_CALL_SECONDS
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_HANG_TIMEOUT_SECONDS}={raw!r} is not a number") from None
-
-
 class FlagcxTransport(PairTransport):
     """Pair communicators over libflagcx's one-sided API (either generation, see the module docstring).
 
-    slots: most puts in flight towards the peer (default PDPAIR_TRANSPORT_SLOTS or 256; at most 256, FlagCX's IB
-        request pool and RMA ring size). blocking_seconds: bound on a put waiting for a slot, a flush, and a
-        collective registration (default PDPAIR_HANG_TIMEOUT_SECONDS or 60). device: the worker's CUDA device
+    slots: most puts in flight towards the peer (default 256; at most 256, FlagCX's IB request pool and RMA ring
+        size). blocking_seconds: bound on a put waiting for a slot, a flush, and a collective registration
+        (default 60). The connector passes both from PdPairConfig (PDPAIR_TRANSPORT_SLOTS, PDPAIR_HANG_TIMEOUT_SECONDS);
+        this class reads no environment of its own besides the library's location. device: the worker's CUDA device
         (also settable later with `set_device`, before `init_pair`); device_setter: how to make it current in a
         thread (default torch.cuda.set_device); device_flusher: how to flush GPUDirect RDMA writes after a wait
         (default the driver's cuFlushGPUDirectRDMAWrites).
@@ -531,7 +512,7 @@ class FlagcxTransport(PairTransport):
         device_setter: Callable[[int], None] | None = None,
         device_flusher: Callable[[], None] | None = None,
     ):
-        self.slots = _slots_from_env() if slots is None else slots
+        self.slots = DEFAULT_SLOTS if slots is None else slots
         if not 1 <= self.slots <= DEFAULT_SLOTS:
             # More slots than FlagCX's request pool is the upstream drop bug this cap exists to avoid.
             raise ValueError(
@@ -541,7 +522,7 @@ class FlagcxTransport(PairTransport):
         if num_signal_slots < 1:
             raise ValueError(f"num_signal_slots must be >= 1, got {num_signal_slots}")
         self.num_signal_slots = num_signal_slots
-        self.blocking_seconds = _blocking_seconds_from_env() if blocking_seconds is None else blocking_seconds
+        self.blocking_seconds = DEFAULT_BLOCKING_CALL_SECONDS if blocking_seconds is None else blocking_seconds
         if self.blocking_seconds <= 0:
             raise ValueError(f"blocking_seconds must be > 0, got {self.blocking_seconds}")
         self.device = DeviceBinding(device, device_setter, device_flusher)
