@@ -36,7 +36,7 @@ from pdpair.contract import (
     VERSION,
 )
 
-from . import health
+from . import health, spec_fields
 from .api import TimedApi
 from .config import OperatorConfig
 from .desired import PodView
@@ -243,7 +243,7 @@ async def _judge_pair(
     scrapes = await health.scrape_pods(
         targets,
         expected_generation=generation,
-        hang_timeout_seconds=float((spec.get("connector") or {}).get("hangTimeoutSeconds", 60)),
+        hang_timeout_seconds=spec_fields.hang_timeout_seconds(spec),
         timeout=max(0.2, min(2.0, interval / 2)),
     )
     facts = {role: (current[role].raw if role in current else None) for role in ROLES}

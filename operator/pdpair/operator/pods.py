@@ -47,6 +47,7 @@ from pdpair.contract import (
     ROLE_ROUTER,
 )
 
+from . import spec_fields
 from .engine_args import refused_args
 from .ports import port_of, ports_of
 
@@ -56,10 +57,6 @@ CONNECTOR_MODULE = "pdpair.connector"
 POD_NAME_MAX = 63  # keeps the pod hostname equal to its name
 ENGINE_CONTAINER = "engine"
 ROUTER_CONTAINER = "router"
-# The CRD's defaults (the apiserver applies them; these only cover a body that bypassed it, e.g. a unit test).
-# tests/unit/operator/test_pods.py checks them against the CRD file.
-CONNECTOR_DEFAULTS = {"transport": "flagcx", "hangTimeoutSeconds": 60, "slots": 256}
-STARTUP_TIMEOUT_DEFAULT = 1800  # spec.startupTimeoutSeconds' CRD default
 # Readiness means serving: vLLM's and the router's /health answer 200 only once they serve requests.
 HEALTH_PATH = "/health"
 STARTUP_PERIOD_SECONDS = 10
@@ -206,10 +203,6 @@ def _merge_env(user: list[Mapping[str, Any]], ours: list[dict[str, str]]) -> lis
     return [dict(e) for e in user if e.get("name") not in owned] + ours
 
 
-def startup_timeout_seconds(spec: Mapping[str, Any]) -> int:
-    return int(spec.get("startupTimeoutSeconds") or STARTUP_TIMEOUT_DEFAULT)
-
-
 def _default_probes(container: dict[str, Any], startup_timeout: int) -> None:
     """readinessProbe and startupProbe on the container's http port, unless the template brought its own."""
     action = {"httpGet": {"path": HEALTH_PATH, "port": HTTP_PORT_NAME, "scheme": "HTTP"}}
@@ -300,7 +293,6 @@ def engine_pod(
         raise ManifestError(f"engine role must be prefill or decode, got {role!r}")
     spec = pair["spec"]
     role_spec = spec.get(role) or {}
-    connector = spec.get("connector") or {}
     side = ports_of(ports, role, PURPOSE_SIDECHANNEL)
     if not side:
         raise ManifestError(f"no leased side-channel ports for {role}")
@@ -311,10 +303,10 @@ def engine_pod(
         {"name": ENV_LISTEN_PORT_BASE, "value": str(side[0])},
         {"name": ENV_METRICS_PORT, "value": str(metrics)},
         {"name": ENV_HTTP_PORT, "value": str(http)},
-        {"name": ENV_HANG_TIMEOUT_SECONDS, "value": str(connector.get("hangTimeoutSeconds",
-                                                                      CONNECTOR_DEFAULTS["hangTimeoutSeconds"]))},
-        {"name": ENV_TRANSPORT, "value": str(connector.get("transport", CONNECTOR_DEFAULTS["transport"]))},
-        {"name": ENV_TRANSPORT_SLOTS, "value": str(connector.get("slots", CONNECTOR_DEFAULTS["slots"]))},
+        {"name": ENV_HANG_TIMEOUT_SECONDS, "value": str(spec_fields.defaulted(spec, "connector",
+                                                                             "hangTimeoutSeconds"))},
+        {"name": ENV_TRANSPORT, "value": spec_fields.transport(spec)},
+        {"name": ENV_TRANSPORT_SLOTS, "value": str(spec_fields.transport_slots(spec))},
     ]
     if role == ROLE_PREFILL:
         if not peer_host:
@@ -335,7 +327,7 @@ def engine_pod(
     # The CRD refuses env both in the shorthand and in the template's engine container; either one is the user's.
     user_env = list(container.get("env") or []) + list(role_spec.get("env") or [])
     merged_env = _merge_env(user_env, env)
-    if connector.get("transport", CONNECTOR_DEFAULTS["transport"]) == "flagcx":
+    if spec_fields.transport(spec) == "flagcx":
         merged_env = _flagcx_defaults(container, merged_env)
     container.pop("args", None)
     container.update({
@@ -346,7 +338,7 @@ def engine_pod(
     })
     if role_spec.get("resources"):
         container["resources"] = copy.deepcopy(role_spec["resources"])
-    _default_probes(container, startup_timeout_seconds(spec))
+    _default_probes(container, spec_fields.startup_timeout_seconds(spec))
     for key in SCHEDULING_FIELDS:
         if role_spec.get(key):
             pod["spec"][key] = copy.deepcopy(role_spec[key])

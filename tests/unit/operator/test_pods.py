@@ -7,12 +7,15 @@ import pytest
 import yaml
 
 from pdpair import contract as c
-from pdpair.operator.pods import CONNECTOR_DEFAULTS, ManifestError, engine_pod, pod_name, router_pod
+from pdpair.operator.pods import ManifestError, engine_pod, pod_name, router_pod
+from pdpair.operator.spec_fields import MissingDefaultedField
 from pdpair.operator.ports import assign, required_blocks, status_ports
+
+from tests.crd_defaults import spec_schema, with_crd_defaults
 
 REPO = Path(__file__).resolve().parents[3]
 
-PAIR = {
+PAIR = with_crd_defaults({
     "metadata": {"name": "demo", "namespace": "ns1", "uid": "uid-1"},
     "spec": {
         "model": "tiny", "image": "img:1", "servedModelName": "t",
@@ -22,7 +25,7 @@ PAIR = {
         "connector": {"transport": "tcp", "hangTimeoutSeconds": 30, "slots": 64},
         "network": {"hostNetwork": True},
     },
-}
+})
 
 
 def leased():
@@ -113,15 +116,18 @@ def test_engine_pods_carry_the_transport_slots(role):
     assert env_of(pod)[c.ENV_TRANSPORT_SLOTS] == "64"
 
 
-def test_connector_fallbacks_are_the_crd_defaults():
-    crd = yaml.safe_load((REPO / "charts" / "pdpair" / "crds" / "inferencepairs.pdpair.io.yaml").read_text())
-    [version] = [v for v in crd["spec"]["versions"] if v["name"] == c.VERSION]
-    connector = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["connector"]["properties"]
-    assert CONNECTOR_DEFAULTS == {key: connector[key]["default"] for key in CONNECTOR_DEFAULTS}
-    pair = {**PAIR, "spec": {**PAIR["spec"], "connector": {}}}
-    env = env_of(engine_pod(pair, "decode", 1, leased(), "h"))
+def test_connector_settings_come_from_the_crd_defaults_only():
+    """The operator states no default of its own: an empty spec.connector, defaulted as the apiserver does, gives
+    the CRD's values; a spec that bypassed the CRD fails naming the field instead of guessing."""
+    connector = spec_schema()["properties"]["connector"]["properties"]
+    bare = {**PAIR, "spec": {k: v for k, v in PAIR["spec"].items() if k != "connector"}}
+    env = env_of(engine_pod(with_crd_defaults(bare), "decode", 1, leased(), "h"))
     assert env[c.ENV_TRANSPORT_SLOTS] == str(connector["slots"]["default"])
-    assert env[c.ENV_TRANSPORT] == connector["transport"]["default"]
+    assert env[c.ENV_TRANSPORT] == connector["transport"]["default"] == "flagcx"
+    assert env[c.ENV_HANG_TIMEOUT_SECONDS] == str(connector["hangTimeoutSeconds"]["default"])
+    with pytest.raises(MissingDefaultedField, match=r"spec\.connector\.transport is missing"):
+        engine_pod({**PAIR, "spec": {**PAIR["spec"], "connector": {"slots": 8, "hangTimeoutSeconds": 5}}},
+                   "decode", 1, leased(), "h")
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])

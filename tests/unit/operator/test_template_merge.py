@@ -18,6 +18,7 @@ from pdpair.operator.pods import (
     router_pod,
 )
 from pdpair.operator.ports import assign, required_blocks, status_ports
+from tests.crd_defaults import with_crd_defaults
 
 VOLUMES = [
     {"name": "models", "persistentVolumeClaim": {"claimName": "model-cache", "readOnly": True}},
@@ -62,7 +63,7 @@ def template() -> dict:
 
 
 def pair(transport: str = "tcp", **spec_extra) -> dict:
-    return {
+    return with_crd_defaults({
         "metadata": {"name": "demo", "namespace": "ns1", "uid": "uid-1"},
         "spec": {
             "model": "/models/tiny", "image": "img:1",
@@ -72,7 +73,7 @@ def pair(transport: str = "tcp", **spec_extra) -> dict:
             "network": {"hostNetwork": True},
             **spec_extra,
         },
-    }
+    })
 
 
 def leased(p):
@@ -105,7 +106,8 @@ def test_every_user_pod_field_survives(role):
     spec = pod["spec"]
     assert spec["volumes"] == VOLUMES
     assert spec["initContainers"] == [INIT]
-    assert container(pod, "log-shipper") == SIDECAR
+    # The apiserver fills the port's protocol (a map-list key, so the generated CRD keeps its default).
+    assert container(pod, "log-shipper") == {**SIDECAR, "ports": [{**SIDECAR["ports"][0], "protocol": "TCP"}]}
     assert spec["securityContext"] == {"fsGroup": 2000}
     assert spec["imagePullSecrets"] == [{"name": "regcred"}]
     for key, value in (("priorityClassName", "inference-high"), ("schedulerName", "volcano"),

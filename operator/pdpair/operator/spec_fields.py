@@ -1,0 +1,40 @@
+"""Spec fields the CRD defaults. The CRD is the one source of those defaults: the apiserver applies them on every
+create, update and read (structural-schema defaulting), so the operator indexes them and never states a default
+again. A missing one means the object did not pass through this chart's CRD (e.g. an older CRD is installed): a
+clear error naming the field, instead of a silent second default that could disagree with the CRD."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
+class MissingDefaultedField(ValueError):
+    """A field the CRD defaults is absent from a spec read from the API."""
+
+
+def defaulted(spec: Mapping[str, Any], *path: str) -> Any:
+    node: Any = spec
+    for i, key in enumerate(path):
+        if not isinstance(node, Mapping) or key not in node:
+            field = ".".join(("spec", *path[: i + 1]))
+            raise MissingDefaultedField(
+                f"{field} is missing: the apiserver fills it from the InferencePair CRD's default; install the CRD "
+                "of the chart that matches this operator (charts/pdpair/crds)")
+        node = node[key]
+    return node
+
+
+def hang_timeout_seconds(spec: Mapping[str, Any]) -> float:
+    return float(defaulted(spec, "connector", "hangTimeoutSeconds"))
+
+
+def transport(spec: Mapping[str, Any]) -> str:
+    return str(defaulted(spec, "connector", "transport"))
+
+
+def transport_slots(spec: Mapping[str, Any]) -> int:
+    return int(defaulted(spec, "connector", "slots"))
+
+
+def startup_timeout_seconds(spec: Mapping[str, Any]) -> int:
+    return int(defaulted(spec, "startupTimeoutSeconds"))

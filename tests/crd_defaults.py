@@ -1,0 +1,40 @@
+"""What the apiserver does to an InferencePair before the operator sees it: fill in the CRD's defaults
+(structural-schema defaulting). Unit tests build specs by hand, so they pass them through this first; the operator
+itself never states a default (pdpair.operator.spec_fields)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdpair import contract
+
+CRD_FILE = Path(__file__).resolve().parents[1] / "charts" / "pdpair" / "crds" / "inferencepairs.pdpair.io.yaml"
+
+
+def spec_schema() -> dict[str, Any]:
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    [version] = [v for v in crd["spec"]["versions"] if v["name"] == contract.VERSION]
+    return version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def _apply(schema: dict[str, Any], value: Any) -> Any:
+    if isinstance(value, dict):
+        for key, sub in (schema.get("properties") or {}).items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = _apply(sub, value[key])
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_apply(schema["items"], item) for item in value]
+    return value
+
+
+def with_crd_defaults(pair: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `pair` (a whole object with metadata and spec) with the CRD's defaults filled in."""
+    out = copy.deepcopy(pair)
+    out["spec"] = _apply(spec_schema(), out.get("spec") or {})
+    return out
