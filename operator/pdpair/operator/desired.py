@@ -66,6 +66,23 @@ def router_enabled(spec: Mapping[str, Any]) -> bool:
 
 
 # --- observed state ---------------------------------------------------------------------------------
+PENDING_SCHEDULING = "Pending for scheduling"  # how messages name a pod the scheduler has not placed yet
+
+
+def is_scheduled(pod: Mapping[str, Any]) -> bool:
+    """Bound to a node (API JSON): spec.nodeName set or the PodScheduled condition True."""
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return bool((pod.get("spec") or {}).get("nodeName")) or any(
+        c.get("type") == "PodScheduled" and c.get("status") == "True" for c in conditions)
+
+
+def pending_for_scheduling(pod: Mapping[str, Any] | None) -> bool:
+    """Pending and not yet bound to a node. Such a pod never blocks on the pair and never triggers a restart: a
+    Pending pod that is already scheduled (pulling images, starting containers) has started as far as the scheduler
+    is concerned. The one definition; PodView.pending_scheduling is the same rule on the parsed view."""
+    return bool(pod) and (pod.get("status") or {}).get("phase") == "Pending" and not is_scheduled(pod)
+
+
 @dataclass(frozen=True)
 class PodView:
     name: str
@@ -84,6 +101,10 @@ class PodView:
     @property
     def running(self) -> bool:
         return self.phase == "Running" and bool(self.ip) and not self.deleting
+
+    @property
+    def pending_scheduling(self) -> bool:
+        return self.phase == "Pending" and not self.scheduled
 
     @property
     def failed(self) -> bool:
@@ -111,7 +132,7 @@ class PodView:
             ready=cond.get("Ready") == "True",
             ip=status.get("podIP") or None,
             deleting=bool(meta.get("deletionTimestamp")),
-            scheduled=cond.get("PodScheduled") == "True" or bool((pod.get("spec") or {}).get("nodeName")),
+            scheduled=is_scheduled(pod),
             restarts=restarts,
             uid=meta.get("uid", ""),
             raw=json.loads(json.dumps(dict(pod), default=_plain)),

@@ -29,7 +29,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdpair import contract
-from pdpair.operator.restart_policy import pending_for_scheduling
+from pdpair.operator.desired import PENDING_SCHEDULING, pending_for_scheduling
 
 __all__ = [
     "ScrapeTarget",
@@ -294,7 +294,7 @@ def pod_fact(role: str, pod: Mapping[str, Any] | None) -> PodFact:
                 f"{role} pod {name}: container {cs.get('name')} restarted {count}x (last: {last})",
             )
     if pending_for_scheduling(pod):
-        return PodFact(role, None, True, f"{role} pod {name} is Pending for scheduling")
+        return PodFact(role, None, True, f"{role} pod {name} is {PENDING_SCHEDULING}")
     return PodFact(role, None, False, f"{role} pod {name} {status.get('phase', 'Unknown')}")
 
 

@@ -312,7 +312,7 @@ class PairReconciler:
                 RestartPolicy.from_spec(spec.get("restartPolicy")),
                 self.restart_times,
                 time.time(),
-                pods_pending_scheduling=any(p.phase == "Pending" and not p.scheduled for p in pods),
+                pods_pending_scheduling=any(p.pending_scheduling for p in pods),
             )
             if decision.action == Action.BUDGET_EXHAUSTED:
                 await self._fail(restart_reason, decision.message, meta_generation)

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from .desired import PENDING_SCHEDULING
+
 __all__ = [
     "RestartPolicy",
     "Action",
@@ -24,7 +26,6 @@ __all__ = [
     "restarts_in_window",
     "prune",
     "decide",
-    "pending_for_scheduling",
 ]
 
 
@@ -125,7 +126,7 @@ def decide(
     recent = restarts_in_window(policy, restart_times, now)
     count = len(recent)
     if pods_pending_scheduling:
-        return Decision(Action.PENDING_SCHEDULING, count, message="a pair pod is Pending for scheduling: not restarting")
+        return Decision(Action.PENDING_SCHEDULING, count, message=f"a pair pod is {PENDING_SCHEDULING}: not restarting")
     if count >= policy.max_restarts:
         return Decision(
             Action.BUDGET_EXHAUSTED,
@@ -142,22 +143,3 @@ def decide(
                 message=f"backing off {not_before - now:.1f}s more after restart {count} of this window",
             )
     return Decision(Action.RESTART_NOW, count, message=f"restart {count + 1} of at most {policy.max_restarts}")
-
-
-def pending_for_scheduling(pod: Mapping[str, Any] | None) -> bool:
-    """True for a pod (API JSON, camelCase) that is Pending and not yet bound to a node.
-
-    A Pending pod that is already scheduled (pulling images, starting containers) has started as far as the
-    scheduler is concerned and does not block a restart.
-    """
-    if not pod:
-        return False
-    status = pod.get("status") or {}
-    if status.get("phase") != "Pending":
-        return False
-    if (pod.get("spec") or {}).get("nodeName"):
-        return False
-    for cond in status.get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "True":
-            return False
-    return True

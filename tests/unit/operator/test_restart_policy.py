@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from pdpair.operator.desired import PodView, pending_for_scheduling
 from pdpair.operator.restart_policy import (
     Action,
     RestartPolicy,
     backoff_for,
     decide,
-    pending_for_scheduling,
     prune,
     restarts_in_window,
 )
@@ -134,3 +134,5 @@ def test_bad_timestamps_are_refused():
 )
 def test_pending_for_scheduling(pod, pending):
     assert pending_for_scheduling(pod) is pending
+    if pod:  # the parsed view follows the same rule
+        assert PodView.from_pod(pod).pending_scheduling is pending
