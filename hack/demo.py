@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pdpair.contract import GROUP, LABEL_PAIR_UID, LABEL_PORT_LEASE, PLURAL, VERSION  # noqa: E402
-from pdpair.operator import devrun  # noqa: E402
+from tests.cluster import operator_process  # noqa: E402
 from tests.cluster.localcluster import LocalCluster, helm_path  # noqa: E402
 
 OPERATOR_NS = "pdpair-system"
@@ -87,11 +87,11 @@ def main() -> int:
         custom, core, coord = client.CustomObjectsApi(api), client.CoreV1Api(api), client.CoordinationV1Api(api)
         cluster.add_node("demo-node", ip="127.0.0.1")
         say("fake node demo-node is Ready (kwok; InternalIP 127.0.0.1)", started)
-        devrun.install_crd(cluster)
-        kubeconfig = devrun.install_operator_rbac(cluster, helm_path(), OPERATOR_NS)
+        operator_process.install_crd(cluster)
+        kubeconfig = operator_process.install_operator_rbac(cluster, helm_path(), OPERATOR_NS)
         say(f"installed the chart's CRD and RBAC; the operator runs as its ServiceAccount in {OPERATOR_NS}", started)
         # No engine means no pod /metrics either: keep the health watch (issue 5) from judging that as a failure.
-        operator = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, free_range(50), pathlib.Path("/tmp/pdpair-demo-operator.log"),
+        operator = operator_process.OperatorProcess(kubeconfig, OPERATOR_NS, free_range(50), pathlib.Path("/tmp/pdpair-demo-operator.log"),
                                           extra_env={"PDPAIR_HEALTH_INTERVAL_SECONDS": "3600"})
         operator.start()
         say(f"operator running (pid {operator.proc.pid}, log {operator.log_path})", started)

@@ -33,7 +33,7 @@ from pdpair.contract import (
     VERSION,
     status_port_name,
 )
-from pdpair.operator import devrun
+from tests.cluster import operator_process
 from pdpair.operator.config import ENV_HEALTH_INTERVAL, ENV_WATCH_NAMESPACES
 from tests.cluster.localcluster import helm_path
 
@@ -46,8 +46,8 @@ ROUTER_HTTP_0 = status_port_name(ROLE_ROUTER, PURPOSE_HTTP, 0)
 @pytest.fixture(scope="module")
 def platform(local_cluster):
     """CRD + chart RBAC installed, kwok nodes with IP 127.0.0.1, the operator's kubeconfig."""
-    devrun.install_crd(local_cluster)
-    kubeconfig = devrun.install_operator_rbac(local_cluster, helm_path(), OPERATOR_NS)
+    operator_process.install_crd(local_cluster)
+    kubeconfig = operator_process.install_operator_rbac(local_cluster, helm_path(), OPERATOR_NS)
     for i in range(2):
         name = f"kwok-op-{i}"
         if local_cluster.kubectl("get", "node", name, check=False).returncode != 0:
@@ -145,7 +145,7 @@ NO_HEALTH = {ENV_HEALTH_INTERVAL: "3600"}
 @contextlib.contextmanager
 def operator(platform, ns, pool, tmp_path, name="operator", env=None):
     cluster, kubeconfig = platform
-    proc = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / f"{name}.log",
+    proc = operator_process.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / f"{name}.log",
                                   extra_env={ENV_WATCH_NAMESPACES: ns, **(NO_HEALTH if env is None else env)})
     proc.start()
     try:

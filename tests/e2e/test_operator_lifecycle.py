@@ -39,7 +39,7 @@ from pdpair.contract import (
     ROLE_ROUTER,
     VERSION,
 )
-from pdpair.operator import devrun
+from tests.cluster import operator_process
 from pdpair.operator.config import ENV_WATCH_NAMESPACES
 from tests.e2e.operator_helpers import (
     DECODE_SIDECHANNEL_0,
@@ -148,7 +148,7 @@ def test_sigkill_mid_leasing_leaks_nothing(platform, cluster_namespace, tmp_path
     ns = cluster_namespace
     n = 200
     pool = "26000-27499"  # below the ephemeral range, apart from the 200-pair test's
-    first = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / "first.log",
+    first = operator_process.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / "first.log",
                                    extra_env={ENV_WATCH_NAMESPACES: ns, **NO_HEALTH}).start()
     try:
         creator = threading.Thread(target=create_many, args=(api, ns, [f"k{i:03d}" for i in range(n)]))
@@ -369,7 +369,7 @@ def test_operator_restart_causes_no_churn(platform, cluster_namespace, tmp_path)
     api = Api(cluster)
     ns = cluster_namespace
     pool = pool_of_free_ports(20)
-    first = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / "first.log",
+    first = operator_process.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / "first.log",
                                    extra_env={ENV_WATCH_NAMESPACES: ns, **NO_HEALTH}).start()
     try:
         api.create_pair(ns, "steady")

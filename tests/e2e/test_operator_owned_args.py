@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from pdpair.contract import GROUP, LABEL_ROLE, PLURAL, ROLES
-from pdpair.operator import devrun
+from tests.cluster import operator_process
 from tests.e2e.operator_helpers import (
     Api,
     cleanup_pairs,
@@ -26,7 +26,7 @@ from tests.e2e.operator_helpers import (
 
 pytestmark = pytest.mark.cluster
 
-CRD_PATH = devrun.CHART_DIR / "crds" / "inferencepairs.pdpair.io.yaml"
+CRD_PATH = operator_process.CHART_DIR / "crds" / "inferencepairs.pdpair.io.yaml"
 
 
 def replace_crd(cluster, crd: dict) -> None:

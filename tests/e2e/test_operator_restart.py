@@ -1,7 +1,7 @@
 """Hang detection and the ordered pair restart (issue 5) on the real control plane.
 
 The pods are kwok pods (hostNetwork, node IP 127.0.0.1); their /metrics are real processes on the leased metrics
-ports: `python -m pdpair.connector.metrics_demo`, the connector's own exporter (SignalAccounts), made hung on
+ports: `python -m tests.metrics_demo`, the connector's own exporter (SignalAccounts), made hung on
 purpose with SIGUSR1. The decode side-channel listener is a real socket the test opens and closes.
 """
 
@@ -52,7 +52,7 @@ class Exporter:
 
     def __init__(self, port, role, generation, *args):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdpair.connector.metrics_demo", "--port", str(port), "--role", role,
+            [sys.executable, "-m", "tests.metrics_demo", "--port", str(port), "--role", role,
              "--generation", str(generation), "--hang-timeout", str(HANG_TIMEOUT), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )

@@ -129,7 +129,7 @@ class Prometheus:
 @pytest.fixture
 def demo():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdpair.connector.metrics_demo", "--source", "native", "--deficit", "3",
+        [sys.executable, "-m", "tests.metrics_demo", "--source", "native", "--deficit", "3",
          "--expected", "8", "--hang-timeout", str(HANG_TIMEOUT), "--ok-every", "0.5", "--deficit-on-sigusr1"],
         stdout=subprocess.PIPE,
         text=True,

@@ -323,7 +323,7 @@ def test_two_engines_in_one_process_do_not_collide():
 
 def test_metrics_demo_process_goes_hung_after_the_timeout_and_stops_on_sigterm():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdpair.connector.metrics_demo", "--hang-timeout", "1", "--deficit", "3",
+        [sys.executable, "-m", "tests.metrics_demo", "--hang-timeout", "1", "--deficit", "3",
          "--expected", "8", "--generation", "5", "--ok-every", "0.1"],
         stdout=subprocess.PIPE,
         text=True,
@@ -356,7 +356,7 @@ def test_metrics_demo_process_goes_hung_after_the_timeout_and_stops_on_sigterm()
 def test_metrics_demo_native_source_drops_signals_through_the_real_transport():
     """The deficit comes from pdpair.native's test-only signal drop, seen through a real signal wait."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdpair.connector.metrics_demo", "--source", "native", "--hang-timeout", "0.5",
+        [sys.executable, "-m", "tests.metrics_demo", "--source", "native", "--hang-timeout", "0.5",
          "--deficit", "3", "--expected", "8", "--ok-every", "0.1"],
         stdout=subprocess.PIPE,
         text=True,

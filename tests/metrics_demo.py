@@ -1,6 +1,6 @@
 """A small process that serves real pdpair pod metrics, healthy or hung on purpose (tests and demos only).
 
-    python -m pdpair.connector.metrics_demo --port 0 --role decode --hang-timeout 2 --deficit 3 [--source native]
+    python -m tests.metrics_demo --port 0 --role decode --hang-timeout 2 --deficit 3 [--source native]
 
 It prints one JSON line on stdout once /metrics answers: {"port": N, "pid": P, "source": ...}, then serves until
 SIGTERM/SIGINT (exit 0).
@@ -37,7 +37,7 @@ STUCK_ID = "demo-stuck"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pdpair.connector.metrics_demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tests.metrics_demo", description=__doc__.split("\n")[0])
     p.add_argument("--port", type=int, default=0, help="port for /metrics and /healthz (0 = a free one)")
     p.add_argument("--addr", default="127.0.0.1", help="address to bind")
     p.add_argument("--role", choices=contract.ROLES, default=contract.ROLE_DECODE)

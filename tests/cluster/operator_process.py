@@ -19,9 +19,9 @@ from typing import Any
 
 import yaml
 
-from . import config
+from pdpair.operator import config
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "charts" / "pdpair"
 CRD_DIR = pathlib.Path(os.environ.get("PDPAIR_CRD_DIR") or CHART_DIR / "crds")  # override: try an edited CRD
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
