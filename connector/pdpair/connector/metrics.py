@@ -63,6 +63,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from pdpair import contract
+from pdpair.httpserver import StoppableServer
 
 __all__ = [
     "SignalAccounts",
@@ -417,26 +418,8 @@ def _app(accounts: SignalAccounts, ranks: "PeerRanks | None" = None) -> Callable
     return app
 
 
-class MetricsServer:
+class MetricsServer(StoppableServer):
     """A running /metrics + /healthz server; `stop()` frees the port and joins the thread."""
-
-    def __init__(self, httpd: ThreadingWSGIServer, thread: threading.Thread) -> None:
-        self._httpd = httpd
-        self._thread = thread
-        self.port: int = httpd.server_address[1]
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise RuntimeError(f"metrics server thread on port {self.port} did not stop within {timeout}s")
-
-    def __enter__(self) -> "MetricsServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def serve(

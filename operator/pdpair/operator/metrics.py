@@ -21,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from pdpair import contract
+from pdpair.httpserver import StoppableServer
 from pdpair.operator.health import RESTART_REASONS  # the `reason` label values
 
 __all__ = ["OperatorMetrics", "OperatorMetricsServer", "serve", "RESTART_REASONS"]
@@ -119,19 +120,8 @@ def _check_name(what: str, value: str) -> None:
         raise ValueError(f"{what} must be a non-empty string, got {value!r}")
 
 
-class OperatorMetricsServer:
+class OperatorMetricsServer(StoppableServer):
     """prometheus-client's own HTTP server and its thread; `stop()` frees the port and joins the thread."""
-
-    def __init__(self, httpd: Any, thread: threading.Thread) -> None:
-        self._httpd, self._thread = httpd, thread
-        self.port: int = httpd.server_address[1]
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise RuntimeError(f"operator metrics server on port {self.port} did not stop within {timeout}s")
 
 
 def serve(port: int, metrics: OperatorMetrics, addr: str = "0.0.0.0") -> OperatorMetricsServer:
