@@ -104,7 +104,7 @@ struct pdpair_conn {
     /* receiver-thread only */
     uint64_t recv_seq;
 
-    /* fault injection (TEST ONLY) */
+    /* fault injection (TEST ONLY): set in faults.c, read by requests.c and sender.c */
     uint64_t fault_drop_every, fault_signal_count;
     bool fault_skip_bounds, fault_hold_sends;
 

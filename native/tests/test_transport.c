@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "wire.h" /* the wire format, for a hand-made peer */
 
 /* --- a married pair with one region on each side ---------------------------------------------------------------- */
 struct pair {
@@ -304,6 +305,93 @@ static void test_signal_after_data(void)
     pair_close(&p);
 }
 
+/* A plain TCP socket to 127.0.0.1:port (what a health probe or a stranger would open). */
+static int raw_connect(uint16_t port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    CHECK(fd >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    CHECK(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+    return fd;
+}
+
+/* accept in another thread, for tests that connect from this one */
+struct accept_job {
+    pdpair_listener *lis;
+    pdpair_conn *conn;
+    pdpair_status st;
+};
+
+static void *accept_once(void *arg)
+{
+    struct accept_job *job = arg;
+    job->st = pdpair_accept(job->lis, 5000, &job->conn);
+    return NULL;
+}
+
+/* The same property without a race: a hand-made peer sends a put_signal's header and half its payload, then stops.
+ * The signal must not count until the rest arrives. A receiver that added the signal before reading the payload
+ * fails here within the 500 ms wait whatever the scheduler does (the checker thread above only catches it when it
+ * runs inside the short window of a recv); a correct one never counts early, so the TIMEOUT is certain. */
+static void send_all(int fd, const void *buf, size_t len)
+{
+    const uint8_t *p = buf;
+    while (len > 0) {
+        ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
+        CHECK(n > 0);
+        p += n;
+        len -= (size_t)n;
+    }
+}
+
+static void test_signal_waits_for_payload(void)
+{
+    const uint64_t token = 11, size = 64 * 1024;
+    pdpair_context *ctx_a = new_context(0, token);
+    uint8_t *mem = calloc(1, size), *payload = malloc(size);
+    CHECK(mem && payload);
+    for (uint64_t i = 0; i < size; i++) payload[i] = (uint8_t)(i * 13 + 5);
+    CHECK_OK(pdpair_context_register(ctx_a, mem, size, NULL), NULL);
+    struct accept_job job = {0};
+    CHECK_OK(pdpair_listen(ctx_a, "127.0.0.1", 0, &job.lis), NULL);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, accept_once, &job) == 0);
+
+    int fd = raw_connect(pdpair_listener_port(job.lis));
+    uint8_t hello[WIRE_HELLO_SIZE + 8] = {0}; /* one region, so the peer's announced table is not empty */
+    wire_put_u32(hello, WIRE_MAGIC);
+    wire_put_u32(hello + 4, PDPAIR_PROTOCOL_VERSION);
+    wire_put_u64(hello + 8, token);
+    wire_put_u32(hello + 16, 4096);
+    wire_put_u32(hello + 20, 256);
+    wire_put_u32(hello + 24, 1);
+    wire_put_u64(hello + WIRE_HELLO_SIZE, size);
+    send_all(fd, hello, sizeof hello);
+    pthread_join(t, NULL);
+    CHECK_STATUS(job.st, PDPAIR_OK, NULL);
+    pdpair_conn *a = job.conn;
+
+    uint8_t header[WIRE_FRAME_SIZE];
+    wire_encode(header, &(struct wire_frame){.type = WIRE_DATA, .flags = WIRE_FLAG_SIGNAL, .region = 0, .seq = 1,
+                                             .offset = 0, .length = size, .slot = 3});
+    send_all(fd, header, sizeof header);
+    send_all(fd, payload, size / 2);
+    uint64_t v = 99;
+    CHECK_STATUS(pdpair_conn_wait_signal(a, 3, 1, 500, &v), PDPAIR_TIMEOUT, a);
+    CHECK_MSG(v == 0, "the signal counted %llu with half the payload still in flight", (unsigned long long)v);
+    send_all(fd, payload + size / 2, size - size / 2);
+    CHECK_OK(pdpair_conn_wait_signal(a, 3, 1, 5000, &v), a);
+    CHECK(v == 1 && memcmp(mem, payload, size) == 0);
+
+    close(fd);
+    CHECK_OK(pdpair_conn_close(a), NULL);
+    CHECK_OK(pdpair_listener_close(job.lis), NULL);
+    pdpair_context_destroy(ctx_a);
+    free(mem);
+    free(payload);
+}
+
 /* 10x more outstanding requests than slots, 100k puts: none lost, the wait ends exactly at the count,
  * inflight never exceeds the slots, and every deferral is counted. Each round stalls the sender (TEST ONLY
  * HOLD_SENDS, a stalled link) while 10x slots are posted, so the backlog does not depend on machine speed. */
@@ -552,18 +640,6 @@ static void test_listen_connect_errors(void)
 }
 
 /* A peer with a different token (e.g. a stale generation) is refused on both ends. */
-struct accept_job {
-    pdpair_listener *lis;
-    pdpair_conn *conn;
-    pdpair_status st;
-};
-
-static void *accept_once(void *arg)
-{
-    struct accept_job *job = arg;
-    job->st = pdpair_accept(job->lis, 5000, &job->conn);
-    return NULL;
-}
 
 static void test_token_mismatch(void)
 {
@@ -593,17 +669,6 @@ static void test_token_mismatch(void)
     CHECK_OK(pdpair_listener_close(job.lis), NULL);
     pdpair_context_destroy(ctx_a);
     pdpair_context_destroy(ctx_b);
-}
-
-/* A plain TCP socket to 127.0.0.1:port (what a health probe or a stranger would open). */
-static int raw_connect(uint16_t port)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    CHECK(fd >= 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    CHECK(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0);
-    return fd;
 }
 
 /* TCP probes (connect, close) are skipped by accept, which goes on waiting for the real peer; a stranger that
@@ -702,6 +767,7 @@ static const struct test TESTS[] = {
     {"region_announced_after_connect", test_region_announced_after_connect},
     {"receiver_bounds_check", test_receiver_bounds_check},
     {"signal_after_data", test_signal_after_data},
+    {"signal_waits_for_payload", test_signal_waits_for_payload},
     {"oversubscription", test_oversubscription},
     {"fault_drop_signal_times_out", test_fault_drop_signal_times_out},
     {"peer_killed", test_peer_killed},
