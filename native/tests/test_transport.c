@@ -543,7 +543,7 @@ static void test_peer_killed(void)
     struct waiter w = {.conn = c};
     pthread_t t;
     CHECK(pthread_create(&t, NULL, wait_forever_ish, &w) == 0);
-    sleep_ms(100);
+    sleep_ms(100); /* makes a blocked waiter the usual case; one that starts after the kill gets the same status */
     uint64_t killed_ms = now_ms();
     CHECK(kill(child, SIGKILL) == 0);
     pthread_join(t, NULL);
