@@ -1,4 +1,6 @@
-/* Internal declarations shared by the native sources (not installed, not part of the API). */
+/* Helpers shared by the native sources that hold no transport state: time (clock.c), last-error texts
+ * (status.c), sockets (net.c). Not installed, not part of the API. Public functions are pdpair_* and declared in
+ * include/pdpair/transport.h; internal ones shared between sources are pdpi_* ("pdpair internal"). */
 #ifndef PDPAIR_INTERNAL_H
 #define PDPAIR_INTERNAL_H
 
@@ -12,28 +14,28 @@
 
 #define PDPAIR_ERRLEN 256
 
-/* --- time: every wait is against a CLOCK_MONOTONIC deadline in nanoseconds ---------------------------------- */
-uint64_t pdpair_now_ns(void);
+/* --- time (clock.c): every wait is against a CLOCK_MONOTONIC deadline in nanoseconds ------------------------ */
+uint64_t pdpi_now_ns(void);
 /* timeout_ms >= 0 (checked by callers); very large timeouts are capped so the sum cannot overflow. */
-uint64_t pdpair_deadline_ns(int64_t timeout_ms);
+uint64_t pdpi_deadline_ns(int64_t timeout_ms);
 /* Milliseconds left until the deadline, rounded up, for poll(); 0 once passed. */
-int pdpair_poll_ms_left(uint64_t deadline_ns);
+int pdpi_poll_ms_left(uint64_t deadline_ns);
 /* pthread_cond_timedwait on a monotonic-clock condition variable. */
-void pdpair_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, uint64_t deadline_ns);
-int pdpair_cond_init_monotonic(pthread_cond_t *cv);
+void pdpi_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, uint64_t deadline_ns);
+int pdpi_cond_init_monotonic(pthread_cond_t *cv);
 
-/* --- errors ------------------------------------------------------------------------------------------------ */
-void pdpair_format_error(char *buf, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-size_t pdpair_copy_error(const char *src, char *buf, size_t len);
+/* --- errors (status.c) -------------------------------------------------------------------------------------- */
+void pdpi_format_error(char *buf, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+size_t pdpi_copy_error(const char *src, char *buf, size_t len);
 
 /* --- sockets (net.c) ---------------------------------------------------------------------------------------- */
-pdpair_status pdpair_net_listen(const char *host, uint16_t port, int *fd_out, uint16_t *port_out, char *err);
+pdpair_status pdpi_net_listen(const char *host, uint16_t port, int *fd_out, uint16_t *port_out, char *err);
 /* Non-blocking connect to every resolved address in turn until one answers or the deadline passes. */
-pdpair_status pdpair_net_connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_out, char *err);
+pdpair_status pdpi_net_connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_out, char *err);
 /* TCP_NODELAY, keepalive and a user timeout so a silent dead peer is noticed. */
-void pdpair_net_tune(int fd);
-pdpair_status pdpair_net_set_blocking(int fd, bool blocking, char *err);
+void pdpi_net_tune(int fd);
+pdpair_status pdpi_net_set_blocking(int fd, bool blocking, char *err);
 /* Classify a failed socket call's errno. */
-pdpair_status pdpair_net_errno_status(int err);
+pdpair_status pdpi_net_errno_status(int err);
 
 #endif

@@ -13,7 +13,7 @@
 
 #include "internal.h"
 
-pdpair_status pdpair_net_errno_status(int err)
+pdpair_status pdpi_net_errno_status(int err)
 {
     switch (err) {
     case ECONNREFUSED: return PDPAIR_CONNECTION_REFUSED;
@@ -31,17 +31,17 @@ pdpair_status pdpair_net_errno_status(int err)
     }
 }
 
-pdpair_status pdpair_net_set_blocking(int fd, bool blocking, char *err)
+pdpair_status pdpi_net_set_blocking(int fd, bool blocking, char *err)
 {
     int flags = fcntl(fd, F_GETFL);
     if (flags < 0 || fcntl(fd, F_SETFL, blocking ? (flags & ~O_NONBLOCK) : (flags | O_NONBLOCK)) < 0) {
-        pdpair_format_error(err, "fcntl(O_NONBLOCK): %s", strerror(errno));
+        pdpi_format_error(err, "fcntl(O_NONBLOCK): %s", strerror(errno));
         return PDPAIR_SYSTEM;
     }
     return PDPAIR_OK;
 }
 
-void pdpair_net_tune(int fd)
+void pdpi_net_tune(int fd)
 {
     int one = 1, idle = 5, interval = 1, count = 3;
     unsigned int user_timeout_ms = 10000;
@@ -65,13 +65,13 @@ static pdpair_status resolve(const char *host, uint16_t port, bool passive, stru
     snprintf(service, sizeof service, "%u", (unsigned)port);
     int rc = getaddrinfo(host && *host ? host : NULL, service, &hints, out);
     if (rc != 0) {
-        pdpair_format_error(err, "cannot resolve '%s': %s", host ? host : "", gai_strerror(rc));
+        pdpi_format_error(err, "cannot resolve '%s': %s", host ? host : "", gai_strerror(rc));
         return rc == EAI_MEMORY ? PDPAIR_NO_MEMORY : PDPAIR_INVALID_ARGUMENT;
     }
     return PDPAIR_OK;
 }
 
-pdpair_status pdpair_net_listen(const char *host, uint16_t port, int *fd_out, uint16_t *port_out, char *err)
+pdpair_status pdpi_net_listen(const char *host, uint16_t port, int *fd_out, uint16_t *port_out, char *err)
 {
     struct addrinfo *ais = NULL;
     pdpair_status st = resolve(host, port, true, &ais, err);
@@ -114,9 +114,9 @@ pdpair_status pdpair_net_listen(const char *host, uint16_t port, int *fd_out, ui
         return PDPAIR_OK;
     }
     freeaddrinfo(ais);
-    pdpair_format_error(err, "%s on %s:%u failed: %s", last_call, host && *host ? host : "*", (unsigned)port,
-                        strerror(last_errno));
-    return pdpair_net_errno_status(last_errno);
+    pdpi_format_error(err, "%s on %s:%u failed: %s", last_call, host && *host ? host : "*", (unsigned)port,
+                      strerror(last_errno));
+    return pdpi_net_errno_status(last_errno);
 }
 
 static pdpair_status connect_one(const struct addrinfo *ai, uint64_t deadline_ns, int *fd_out, int *errno_out)
@@ -133,11 +133,11 @@ static pdpair_status connect_one(const struct addrinfo *ai, uint64_t deadline_ns
     if (errno != EINPROGRESS) {
         *errno_out = errno;
         close(fd);
-        return pdpair_net_errno_status(*errno_out);
+        return pdpi_net_errno_status(*errno_out);
     }
     for (;;) {
         struct pollfd pfd = {.fd = fd, .events = POLLOUT};
-        int n = poll(&pfd, 1, pdpair_poll_ms_left(deadline_ns));
+        int n = poll(&pfd, 1, pdpi_poll_ms_left(deadline_ns));
         if (n < 0 && errno == EINTR) continue;
         if (n == 0) {
             close(fd);
@@ -154,21 +154,21 @@ static pdpair_status connect_one(const struct addrinfo *ai, uint64_t deadline_ns
         if (soerr != 0) {
             *errno_out = soerr;
             close(fd);
-            return pdpair_net_errno_status(soerr);
+            return pdpi_net_errno_status(soerr);
         }
         *fd_out = fd;
         return PDPAIR_OK;
     }
 }
 
-pdpair_status pdpair_net_connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_out, char *err)
+pdpair_status pdpi_net_connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_out, char *err)
 {
     if (!host || !*host) {
-        pdpair_format_error(err, "connect: host is empty");
+        pdpi_format_error(err, "connect: host is empty");
         return PDPAIR_INVALID_ARGUMENT;
     }
     if (port == 0) {
-        pdpair_format_error(err, "connect: port 0 is not a peer address");
+        pdpi_format_error(err, "connect: port 0 is not a peer address");
         return PDPAIR_INVALID_ARGUMENT;
     }
     struct addrinfo *ais = NULL;
@@ -182,8 +182,8 @@ pdpair_status pdpair_net_connect(const char *host, uint16_t port, uint64_t deadl
     }
     freeaddrinfo(ais);
     if (st == PDPAIR_TIMEOUT)
-        pdpair_format_error(err, "connect to %s:%u: no answer before the deadline", host, (unsigned)port);
+        pdpi_format_error(err, "connect to %s:%u: no answer before the deadline", host, (unsigned)port);
     else if (st != PDPAIR_OK)
-        pdpair_format_error(err, "connect to %s:%u: %s", host, (unsigned)port, strerror(last_errno));
+        pdpi_format_error(err, "connect to %s:%u: %s", host, (unsigned)port, strerror(last_errno));
     return st;
 }

@@ -1,5 +1,10 @@
-/* Status texts and the version: constant data, no state. */
-#include "pdpair/transport.h"
+/* Status texts, the version, and the helpers that fill the per-handle last-error texts. No state. */
+#define _GNU_SOURCE
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
 
 #define STR_(x) #x
 #define STR(x) STR_(x)
@@ -51,4 +56,24 @@ const char *pdpair_status_name(int status)
     case PDPAIR_SYSTEM: return "PDPAIR_SYSTEM";
     default: return "PDPAIR_UNKNOWN";
     }
+}
+
+/* --- last-error texts --------------------------------------------------------------------------------------- */
+void pdpi_format_error(char *buf, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, PDPAIR_ERRLEN, fmt, ap);
+    va_end(ap);
+}
+
+size_t pdpi_copy_error(const char *src, char *buf, size_t len)
+{
+    size_t n = strlen(src);
+    if (buf && len > 0) {
+        size_t k = n < len - 1 ? n : len - 1;
+        memcpy(buf, src, k);
+        buf[k] = '\0';
+    }
+    return n;
 }

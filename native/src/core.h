@@ -1,0 +1,144 @@
+/* The transport's objects, shared by its sources (context.c, listener.c, connection.c, conn_state.c, sender.c,
+ * receiver.c, requests.c, signals.c, faults.c). Not installed, not part of the API.
+ *
+ * Locking: ctx->mu (regions, connection list) may be taken before conn->mu, never after it.
+ * Each connection has one mutex for its state; the signal counters are C11 atomics that the receiver
+ * increments with release order after the payload bytes are in place, so an acquire read of a counter
+ * guarantees the data is visible. */
+#ifndef PDPAIR_CORE_H
+#define PDPAIR_CORE_H
+
+#include <stdatomic.h>
+
+#include "internal.h"
+
+/* --- objects ------------------------------------------------------------------------------------------------ */
+struct region {
+    uint8_t *addr;
+    uint64_t size;
+};
+
+struct pdpair_context {
+    pthread_mutex_t mu;
+    int refs; /* the caller's + one per listener + one per connection */
+    bool destroyed;
+    pdpair_context_options opts;
+    struct region *regions;            /* capacity opts.max_regions; entries never change once published */
+    _Atomic uint32_t region_count;     /* published with release after the entry is written */
+    pdpair_conn **conns;               /* live connections, told about new regions */
+    size_t nconns, conns_cap;
+    char err[PDPAIR_ERRLEN];
+};
+
+/* A thread blocked in wait_signal / wait / flush, on the stack of that thread, linked under conn->mu, so the
+ * receiver wakes waiters only when one of them is satisfied (not once per frame). */
+struct waiter {
+    struct waiter *next;
+    uint32_t slot;   /* wait_signal: slot and expected value */
+    uint64_t target; /* wait_signal: expected value; wait/flush: request id */
+};
+
+static inline void waiter_add(struct waiter **list, struct waiter *w)
+{
+    w->next = *list;
+    *list = w;
+}
+
+static inline void waiter_remove(struct waiter **list, struct waiter *w)
+{
+    for (; *list; list = &(*list)->next) {
+        if (*list == w) {
+            *list = w->next;
+            return;
+        }
+    }
+}
+
+struct op {
+    const uint8_t *src;
+    uint64_t seq, remote_offset, length;
+    uint32_t remote_region, slot;
+    uint8_t flags;
+};
+
+struct pdpair_conn {
+    pdpair_context *ctx;
+    int fd;
+    pthread_t sender, receiver;
+    bool threads_started;
+
+    pthread_mutex_t mu;
+    pthread_cond_t send_cv;   /* sender: work may be available */
+    pthread_cond_t done_cv;   /* completion, remote regions, state changes */
+    pthread_cond_t sig_cv;    /* signal counters changed */
+    pthread_cond_t idle_cv;   /* close: the last API caller left */
+    int users;
+    struct waiter *done_waiting, *sig_waiting;
+    bool closing;
+    pdpair_status state;      /* OK until the connection breaks; sticky afterwards */
+    char err[PDPAIR_ERRLEN];
+
+    uint32_t slots;
+    /* requests: ids 1..next_seq posted, ..sent_seq handed to the socket, ..acked_seq completed */
+    uint64_t next_seq, sent_seq, acked_seq, flushed_seq;
+    struct op *queue;         /* ring of posted, unsent requests */
+    size_t q_head, q_len, q_cap;
+    uint64_t *rejected;       /* ids the peer refused, ascending */
+    size_t n_rejected, rejected_cap;
+
+    /* things the sender owes the peer */
+    uint64_t ack_to_send, ack_sent;
+    uint64_t *rejects_out;
+    size_t n_rejects_out, rejects_out_cap;
+    uint32_t regions_announced;
+
+    /* peer's regions */
+    uint64_t *remote_sizes;
+    uint32_t n_remote, remote_cap;
+
+    /* local signal counters */
+    uint32_t signal_slots;
+    _Atomic uint64_t *signals;
+    uint8_t *signal_used;
+
+    /* receiver-thread only */
+    uint64_t recv_seq;
+
+    /* fault injection (TEST ONLY): set in faults.c, read by requests.c and sender.c */
+    uint64_t fault_drop_every, fault_signal_count;
+    bool fault_skip_bounds, fault_hold_sends;
+
+    pdpair_conn_stats stats;
+};
+
+/* --- context (context.c) ------------------------------------------------------------------------------------ */
+/* Drops one reference (the caller's, a listener's or a connection's); the last one frees the context. */
+void pdpi_context_unref(pdpair_context *ctx);
+/* A local range inside a registered region: its address, or false. */
+bool pdpi_local_range_ok(pdpair_context *ctx, uint32_t region, uint64_t offset, uint64_t nbytes,
+                         const uint8_t **addr_out);
+
+/* --- connection state (conn_state.c) ------------------------------------------------------------------------ */
+/* API entry: OK with conn->mu held and the caller counted, or CLOSED (mu not held). */
+pdpair_status pdpi_conn_enter(pdpair_conn *c);
+/* API exit: uncounts the caller and releases conn->mu. */
+void pdpi_conn_leave(pdpair_conn *c);
+/* First error wins; wakes everybody and unblocks the thread that may sit in send/recv. conn->mu held. */
+void pdpi_conn_break_locked(pdpair_conn *c, pdpair_status st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* --- connection life (connection.c) and its threads (sender.c, receiver.c) ---------------------------------- */
+/* Handshake on a connected socket and start the threads. Takes ownership of fd (closes it on failure). wake_fd
+ * (or -1) aborts the handshake when it becomes readable (listener shutdown). */
+pdpair_status pdpi_conn_establish(pdpair_context *ctx, int fd, int wake_fd, uint64_t deadline_ns, char *err,
+                                  pdpair_conn **out);
+void *pdpi_sender_main(void *arg);
+void *pdpi_receiver_main(void *arg);
+
+/* --- fault injection, TEST ONLY (faults.c) ------------------------------------------------------------------ */
+/* PDPAIR_TEST_DROP_SIGNAL_EVERY=N sets the drop fault on every new connection. */
+void pdpi_fault_init_from_env(pdpair_conn *c);
+/* Under conn->mu, for each post that carries a signal: true when the drop fault omits this one (counted). */
+bool pdpi_fault_drops_signal_locked(pdpair_conn *c);
+
+#endif

@@ -1,0 +1,243 @@
+/* The receiver thread: reads frames, places payloads straight into the regions, adds signals after the bytes,
+ * and queues acks and rejects for the sender (it never writes to the socket itself). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include "core.h"
+#include "wire.h"
+
+/* Headers and small payloads are read through a staging buffer (many small frames per recv). The fill is kept
+ * small so it never swallows much of a large payload, which would then cost a second copy: remainders of at
+ * least RECV_DIRECT_BYTES are received straight into the destination region. */
+#define RECV_BUFFER_BYTES (8u << 10)
+#define RECV_DIRECT_BYTES (8u << 10)
+
+static bool push_u64(uint64_t **arr, size_t *n, size_t *cap, uint64_t v)
+{
+    if (*n == *cap) {
+        size_t nc = *cap ? *cap * 2 : 16;
+        uint64_t *p = realloc(*arr, nc * sizeof *p);
+        if (!p) return false;
+        *arr = p;
+        *cap = nc;
+    }
+    (*arr)[(*n)++] = v;
+    return true;
+}
+
+struct reader {
+    pdpair_conn *c;
+    uint8_t *buf;
+    size_t pos, end;
+    pdpair_status st;
+    int err;
+};
+
+static bool recv_some(struct reader *r, void *dst, size_t len, size_t *got)
+{
+    for (;;) {
+        ssize_t n = recv(r->c->fd, dst, len, 0);
+        if (n > 0) {
+            *got = (size_t)n;
+            return true;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        r->err = n == 0 ? 0 : errno;
+        r->st = n == 0 ? PDPAIR_PEER_CLOSED : pdpi_net_errno_status(errno);
+        return false;
+    }
+}
+
+/* Read exactly len bytes into dst (dst NULL = discard). Large remainders bypass the staging buffer. */
+static bool read_exact(struct reader *r, uint8_t *dst, uint64_t len)
+{
+    while (len > 0) {
+        if (r->pos < r->end) {
+            size_t k = r->end - r->pos;
+            if (k > len) k = (size_t)len;
+            if (dst) {
+                memcpy(dst, r->buf + r->pos, k);
+                dst += k;
+            }
+            r->pos += k;
+            len -= k;
+            continue;
+        }
+        size_t got;
+        if (dst && len >= RECV_DIRECT_BYTES) {
+            size_t want = len > (1u << 30) ? (1u << 30) : (size_t)len;
+            if (!recv_some(r, dst, want, &got)) return false;
+            dst += got;
+            len -= got;
+        } else {
+            r->pos = r->end = 0;
+            if (!recv_some(r, r->buf, RECV_BUFFER_BYTES, &got)) return false;
+            r->end = got;
+        }
+    }
+    return true;
+}
+
+static void handle_data(pdpair_conn *c, struct reader *r, const struct wire_frame *f, bool *fatal)
+{
+    pdpair_context *ctx = c->ctx;
+    if (f->seq != c->recv_seq + 1) {
+        pthread_mutex_lock(&c->mu);
+        pdpi_conn_break_locked(c, PDPAIR_PROTOCOL_ERROR, "request id %llu out of order (expected %llu)",
+                               (unsigned long long)f->seq, (unsigned long long)(c->recv_seq + 1));
+        pthread_mutex_unlock(&c->mu);
+        *fatal = true;
+        return;
+    }
+    c->recv_seq = f->seq;
+    bool has_signal = (f->flags & WIRE_FLAG_SIGNAL) != 0;
+    bool ok = true;
+    uint8_t *dst = NULL;
+    if (f->flags & WIRE_FLAG_NODATA) {
+        if (f->length != 0) {
+            pthread_mutex_lock(&c->mu);
+            pdpi_conn_break_locked(c, PDPAIR_PROTOCOL_ERROR, "payload on a no-data frame");
+            pthread_mutex_unlock(&c->mu);
+            *fatal = true;
+            return;
+        }
+    } else {
+        /* The receiver's own bounds check: nothing is written outside a registered region. */
+        uint32_t n = atomic_load_explicit(&ctx->region_count, memory_order_acquire);
+        if (f->region >= n || f->offset > ctx->regions[f->region].size ||
+            f->length > ctx->regions[f->region].size - f->offset)
+            ok = false;
+        else
+            dst = ctx->regions[f->region].addr + f->offset;
+    }
+    if (has_signal && f->slot >= c->signal_slots) ok = false;
+    if (!read_exact(r, ok ? dst : NULL, f->length)) {
+        *fatal = true;
+        return;
+    }
+    if (ok && has_signal) atomic_fetch_add_explicit(&c->signals[f->slot], 1, memory_order_release);
+
+    pthread_mutex_lock(&c->mu);
+    if (!ok && !push_u64(&c->rejects_out, &c->n_rejects_out, &c->rejects_out_cap, f->seq)) {
+        pdpi_conn_break_locked(c, PDPAIR_NO_MEMORY, "out of memory recording a rejected put");
+        *fatal = true;
+    }
+    c->ack_to_send = f->seq;
+    if (ok) {
+        c->stats.bytes_received += f->length;
+        if (has_signal) {
+            c->stats.signals_received++;
+            uint64_t v = atomic_load_explicit(&c->signals[f->slot], memory_order_relaxed);
+            for (struct waiter *w = c->sig_waiting; w; w = w->next) {
+                if (w->slot == f->slot && v >= w->target) {
+                    pthread_cond_broadcast(&c->sig_cv);
+                    break;
+                }
+            }
+        }
+    }
+    pthread_cond_signal(&c->send_cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
+void *pdpi_receiver_main(void *arg)
+{
+    pdpair_conn *c = arg;
+    struct reader r = {.c = c, .buf = malloc(RECV_BUFFER_BYTES)};
+    if (!r.buf) {
+        pthread_mutex_lock(&c->mu);
+        pdpi_conn_break_locked(c, PDPAIR_NO_MEMORY, "out of memory for the receive buffer");
+        pthread_mutex_unlock(&c->mu);
+        return NULL;
+    }
+    for (;;) {
+        uint8_t h[WIRE_FRAME_SIZE];
+        struct wire_frame f;
+        bool fatal = false;
+        if (!read_exact(&r, h, WIRE_FRAME_SIZE)) break;
+        wire_decode(h, &f);
+        if (f.type == WIRE_DATA) {
+            handle_data(c, &r, &f, &fatal);
+            if (fatal) break;
+            continue;
+        }
+        pthread_mutex_lock(&c->mu);
+        switch (f.type) {
+        case WIRE_ACK:
+            if (f.seq <= c->acked_seq || f.seq > c->sent_seq) {
+                pdpi_conn_break_locked(c, PDPAIR_PROTOCOL_ERROR, "ack %llu outside (%llu, %llu]",
+                                       (unsigned long long)f.seq, (unsigned long long)c->acked_seq,
+                                       (unsigned long long)c->sent_seq);
+                fatal = true;
+                break;
+            }
+            c->stats.completed += f.seq - c->acked_seq;
+            c->acked_seq = f.seq;
+            for (struct waiter *w = c->done_waiting; w; w = w->next) {
+                if (c->acked_seq >= w->target) {
+                    pthread_cond_broadcast(&c->done_cv);
+                    break;
+                }
+            }
+            if (c->q_len) pthread_cond_signal(&c->send_cv);
+            break;
+        case WIRE_REJECT:
+            if (f.seq <= c->acked_seq || f.seq > c->sent_seq ||
+                (c->n_rejected && c->rejected[c->n_rejected - 1] >= f.seq)) {
+                pdpi_conn_break_locked(c, PDPAIR_PROTOCOL_ERROR, "reject of request %llu is out of order",
+                                       (unsigned long long)f.seq);
+                fatal = true;
+                break;
+            }
+            if (!push_u64(&c->rejected, &c->n_rejected, &c->rejected_cap, f.seq)) {
+                pdpi_conn_break_locked(c, PDPAIR_NO_MEMORY, "out of memory recording a rejection");
+                fatal = true;
+                break;
+            }
+            c->stats.rejected++;
+            snprintf(c->err, sizeof c->err, "peer rejected request %llu (outside its regions or signal slots)",
+                     (unsigned long long)f.seq);
+            break;
+        case WIRE_REGION:
+            if (f.region != c->n_remote || c->n_remote >= WIRE_MAX_REGIONS) {
+                pdpi_conn_break_locked(c, PDPAIR_PROTOCOL_ERROR, "region %u announced out of order", f.region);
+                fatal = true;
+                break;
+            }
+            if (c->n_remote == c->remote_cap) {
+                uint32_t nc = c->remote_cap ? c->remote_cap * 2 : 16;
+                uint64_t *p = realloc(c->remote_sizes, nc * sizeof *p);
+                if (!p) {
+                    pdpi_conn_break_locked(c, PDPAIR_NO_MEMORY, "out of memory for the peer's region table");
+                    fatal = true;
+                    break;
+                }
+                c->remote_sizes = p;
+                c->remote_cap = nc;
+            }
+            c->remote_sizes[c->n_remote++] = f.length;
+            pthread_cond_broadcast(&c->done_cv);
+            break;
+        default:
+            pdpi_conn_break_locked(c, PDPAIR_PROTOCOL_ERROR, "unknown frame type %u", f.type);
+            fatal = true;
+        }
+        pthread_mutex_unlock(&c->mu);
+        if (fatal) break;
+    }
+    if (r.st != PDPAIR_OK) {
+        pthread_mutex_lock(&c->mu);
+        if (r.st == PDPAIR_PEER_CLOSED)
+            pdpi_conn_break_locked(c, r.st, r.err ? "connection reset by peer" : "peer closed the connection");
+        else
+            pdpi_conn_break_locked(c, r.st, "receive failed: %s", strerror(r.err));
+        pthread_mutex_unlock(&c->mu);
+    }
+    free(r.buf);
+    return NULL;
+}
