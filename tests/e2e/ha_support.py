@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import collections
+import re
 import socket
 import threading
 import time
@@ -54,14 +55,17 @@ class ElectionTiming:
 
 
 def lease_holder(api, lease_name):
+    import urllib3
     from kubernetes.client.exceptions import ApiException
 
     try:
         lease = api.coord.read_namespaced_lease(lease_name, OPERATOR_NS)
     except ApiException as exc:
-        if exc.status == 404:
+        if exc.status == 404 or exc.status >= 500:
             return None
         raise
+    except (OSError, urllib3.exceptions.HTTPError):  # the apiserver is restarting
+        return None
     return lease.spec.holder_identity if lease.spec else None
 
 
@@ -93,12 +97,15 @@ class Replicas:
         return proc.start()  # returns once /healthz answers: the standby's own, or kopf's once it leads
 
     def leader(self) -> str | None:
-        """The replica whose identity holds the Lease now (None: nobody, or a dead incarnation)."""
+        """The replica whose running process holds the Lease now (None: nobody, or a dead incarnation)."""
         holder = lease_holder(self.api, self.lease_name)
         if not holder:
             return None
         name = holder.rsplit("_", 1)[0]
-        return name if name in self.procs else None
+        proc = self.procs.get(name)
+        alive = proc is not None and proc.proc is not None and proc.proc.poll() is None
+        # The identity's random suffix is logged by that process only ("<identity> is a candidate").
+        return name if alive and holder in proc.log_tail(200_000) else None
 
     def wait_leader(self, timeout, other_than=None):
         def check():
@@ -267,12 +274,18 @@ class Expected:
         return 1 + self.restarts + self.rollouts
 
 
-def restarting_events(api, ns) -> collections.Counter:
-    counts = collections.Counter()
+RESTART_EVENT = re.compile(r"ordered restart to generation (\d+)")
+
+
+def restart_generations(api, ns) -> dict[str, set[int]]:
+    """The generations each pair's Restarting Events announce. A leader killed between posting the Event and
+    writing status makes its successor post the same generation again: that is one restart, not two."""
+    found = collections.defaultdict(set)
     for event in api.events(ns):
-        if event.reason == "Restarting":
-            counts[event.involved_object.name] += event.count or 1
-    return counts
+        match = RESTART_EVENT.search(event.message or "") if event.reason == "Restarting" else None
+        if match:
+            found[event.involved_object.name].add(int(match.group(1)))
+    return found
 
 
 def converged(api, ns, expected: dict[str, Expected]):
@@ -291,21 +304,27 @@ def converged(api, ns, expected: dict[str, Expected]):
     return pairs
 
 
-def audit(api, ns, expected: dict[str, Expected], ledger: PodLedger, ports_per_pair: int) -> dict:
-    """The invariants after convergence; raises AssertionError naming the first one broken."""
+def audit(api, ns, expected: dict[str, Expected], ledger: PodLedger, ports_per_pair: int,
+          events_may_be_lost: bool = False) -> dict:
+    """The invariants after convergence; raises AssertionError naming the first one broken.
+
+    events_may_be_lost: an Event posted while the apiserver is down is dropped (kopf posts each once), so after
+    apiserver restarts the Restarting Events may be fewer than the restarts, never more."""
     pairs = {p["metadata"]["name"]: p for p in api.pairs(ns)}
     uids = {p["metadata"]["uid"]: name for name, p in pairs.items()}
 
     dup = ledger.duplicates()
     assert dup == {}, f"a pod was created twice for one pair+role+generation: {dup}"
 
-    events = restarting_events(api, ns)
+    announced = restart_generations(api, ns)
     for name, want in expected.items():
         status = pairs[name]["status"]
         assert int(status.get("restarts") or 0) == want.restarts, \
             f"{name}: status.restarts {status.get('restarts')} but {want.restarts} restarts were triggered"
-        assert events[name] == want.restarts, \
-            f"{name}: {events[name]} Restarting Events but {want.restarts} restarts were triggered"
+        seen = len(announced.get(name, ()))
+        assert seen <= want.restarts if events_may_be_lost else seen == want.restarts, \
+            f"{name}: Restarting Events announce generations {sorted(announced.get(name, ()))} but " \
+            f"{want.restarts} restarts were triggered"
         assert status["pairGeneration"] == want.generation, \
             f"{name}: generation {status['pairGeneration']}, expected {want.generation} ({want})"
 

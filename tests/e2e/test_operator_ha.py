@@ -26,6 +26,7 @@ from tests.e2e.ha_support import (
     lease_holder,
 )
 from tests.e2e.operator_helpers import (
+    OPERATOR_NS,
     PORTS_PER_PAIR_NO_ROUTER,
     Api,
     cleanup_pairs,
@@ -49,15 +50,18 @@ def _healthz(proc):
         return resp.status
 
 
-def _kill_leader_and_time_failover(replicas, api, what):
+def _kill_leader_and_time_failover(replicas, api, ns, expected, what):
     """SIGKILL the leader; return (dead replica, seconds from the kill to the standby holding the Lease, seconds
     from the last renewal the test saw to the takeover)."""
     old_name, old_identity = replicas.wait_leader(30)
-    renewed = api.coord.read_namespaced_lease(replicas.lease_name, "pdpair-system").spec.renew_time.timestamp()
     killed_at_wall, killed_at = time.time(), time.monotonic()
     replicas.kill(old_name)
+    # The dead leader's last renewal (stamped by its clock, on this same host, just before it sent the write).
+    renewed = api.coord.read_namespaced_lease(replicas.lease_name, OPERATOR_NS).spec.renew_time.timestamp()
+    mid_flight = converged(api, ns, expected) is None  # read while nobody leads: the state the kill left
     new_name, _ = replicas.wait_leader(TIMING.failover_bound + 30, other_than=old_identity)
     failover = time.monotonic() - killed_at
+    assert mid_flight, f"{what}: the kill came after all the work was done"
     since_renewal = killed_at_wall - renewed + failover
     print(f"\n{what}: killed leader {old_name}; {new_name} led {failover:.2f}s later "
           f"({since_renewal:.2f}s after the last renewal; lease duration {TIMING.lease_duration:g}s)")
@@ -66,7 +70,7 @@ def _kill_leader_and_time_failover(replicas, api, what):
     # (the renewal's own time, written by the leader's clock on this same host; 1 s for observation slack).
     assert since_renewal >= TIMING.lease_duration - 1.0, f"the standby took the Lease early ({since_renewal:.2f}s)"
     assert failover <= TIMING.failover_bound + 10, f"failover took {failover:.1f}s"
-    return old_name, failover
+    return old_name, killed_at, failover
 
 
 def test_leader_sigkill_during_creates_and_restarts_does_nothing_twice(platform, cluster_namespace, tmp_path):
@@ -91,12 +95,11 @@ def test_leader_sigkill_during_creates_and_restarts_does_nothing_twice(platform,
 
         # 1. Kill the leader while the pairs are being created and their pods started.
         create_many(api, ns, sorted(expected))
-        wait_for(lambda: len(ledger.seen) >= 3, 60, "the first pods created")
-        dead, failover_create = _kill_leader_and_time_failover(replicas, api, "during creates")
+        wait_for(lambda: len(ledger.seen) >= 3, 60, "the first pods created", 0.02)
+        dead, killed_at, failover_create = _kill_leader_and_time_failover(replicas, api, ns, expected, "during creates")
         replicas.start(dead)  # as the kubelet would: it comes back as the standby
-        started = time.monotonic()
-        wait_for(lambda: converged(api, ns, expected), CONVERGE_TIMEOUT, "every pair Ready after the failover", 0.5)
-        print(f"all {PAIRS} pairs Ready {time.monotonic() - started:.1f}s after the restarted replica came back")
+        wait_for(lambda: converged(api, ns, expected), CONVERGE_TIMEOUT, "every pair Ready after the failover", 0.2)
+        print(f"all {PAIRS} pairs Ready {time.monotonic() - killed_at:.1f}s after the kill")
 
         # 2. Trigger ordered restarts (the decode pod of a Ready pair vanishes) and kill the leader mid-restart.
         victims = sorted(expected)[: PAIRS // 2]
@@ -104,12 +107,12 @@ def test_leader_sigkill_during_creates_and_restarts_does_nothing_twice(platform,
             api.core.delete_namespaced_pod(f"{name}-decode-g1", ns)
             expected[name].restarts += 1
         wait_for(lambda: any((api.pair(ns, n).get("status") or {}).get("pairGeneration") == 2 for n in victims), 30,
-                 "the first restart under way", 0.05)
-        dead, failover_restart = _kill_leader_and_time_failover(replicas, api, "during restarts")
+                 "the first restart under way", 0.02)
+        dead, killed_at, failover_restart = _kill_leader_and_time_failover(replicas, api, ns, expected,
+                                                                           "during restarts")
         replicas.start(dead)
-        started = time.monotonic()
-        wait_for(lambda: converged(api, ns, expected), CONVERGE_TIMEOUT, "every pair Ready after the restarts", 0.5)
-        print(f"restarted pairs Ready {time.monotonic() - started:.1f}s after the restarted replica came back")
+        wait_for(lambda: converged(api, ns, expected), CONVERGE_TIMEOUT, "every pair Ready after the restarts", 0.2)
+        print(f"restarted pairs Ready {time.monotonic() - killed_at:.1f}s after the kill")
 
         # 3. A spec change, then a graceful handoff: SIGTERM releases the Lease, the standby leads within a retry.
         api.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "ha11", {"spec": {"image": "img:2"}})
