@@ -64,7 +64,8 @@ def _kill_leader_and_time_failover(replicas, api, ns, expected, what):
     assert mid_flight, f"{what}: the kill came after all the work was done"
     since_renewal = killed_at_wall - renewed + failover
     print(f"\n{what}: killed leader {old_name}; {new_name} led {failover:.2f}s later "
-          f"({since_renewal:.2f}s after the last renewal; lease duration {TIMING.lease_duration:g}s)")
+          f"({since_renewal:.2f}s after the last renewal = {since_renewal / TIMING.lease_duration:.2f} x the lease "
+          f"duration of {TIMING.lease_duration:g}s, the floor)")
     assert new_name != old_name
     # The standby must not take the Lease before it expired: at least lease duration after the last renewal it saw
     # (the renewal's own time, written by the leader's clock on this same host; 1 s for observation slack).
