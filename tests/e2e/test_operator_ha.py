@@ -50,6 +50,16 @@ def _healthz(proc):
         return resp.status
 
 
+def _metric_samples(proc):
+    """The sample lines of the replica's /metrics (a standby serves a valid page with none)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None  # between the standby's server and the leader's: nothing listens for a moment
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
 def _kill_leader_and_time_failover(replicas, api, ns, expected, what):
     """SIGKILL the leader; return (dead replica, seconds from the kill to the standby holding the Lease, seconds
     from the last renewal the test saw to the takeover)."""
@@ -93,12 +103,18 @@ def test_leader_sigkill_during_creates_and_restarts_does_nothing_twice(platform,
         time.sleep(2 * TIMING.retry_period)
         assert replicas.leader() == "a"
         assert STARTUP_LINE not in standby.log_tail(20000), "the standby started kopf"
+        assert _metric_samples(standby) == [], "a standby must export no operator series (the leader does)"
+        wait_for(lambda: any(line.startswith("pdpair_operator_port_pool_size")
+                             for line in _metric_samples(replicas.procs["a"]) or []), 60, "the leader's metrics")
 
         # 1. Kill the leader while the pairs are being created and their pods started.
         create_many(api, ns, sorted(expected))
         wait_for(lambda: len(ledger.seen) >= 3, 60, "the first pods created", 0.02)
         dead, killed_at, failover_create = _kill_leader_and_time_failover(replicas, api, ns, expected, "during creates")
         replicas.start(dead)  # as the kubelet would: it comes back as the standby
+        wait_for(lambda: any(line.startswith("pdpair_operator_port_pool_size")
+                             for line in _metric_samples(replicas.procs["b"]) or []), 60,
+                 "the new leader serving the operator metrics")
         wait_for(lambda: converged(api, ns, expected), CONVERGE_TIMEOUT, "every pair Ready after the failover", 0.2)
         print(f"all {PAIRS} pairs Ready {time.monotonic() - killed_at:.1f}s after the kill")
 

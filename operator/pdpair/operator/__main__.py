@@ -5,7 +5,7 @@ operator metrics on :PDPAIR_OPERATOR_METRICS_PORT (served by metrics.py when pre
 
 With PDPAIR_LEADER_ELECT=true (the chart's replicas), the process first campaigns for the leader Lease
 (election.py). A standby runs no kopf at all, so it cannot reconcile or write pods, port leases or status; it only
-serves /healthz (so it stays live and Ready) and reads the Lease every retry period. Once it leads, kopf starts;
+serves /healthz (so it stays live and Ready), an empty /metrics, and reads the Lease every retry period. Once it leads, kopf starts;
 if a renewal misses the renew deadline the process exits at once (fencing); on SIGTERM kopf stops its handlers and
 the Lease is released so the standby takes over within one retry period.
 """
@@ -26,11 +26,20 @@ from .config import ENV_POD_NAME, ConfigError, OperatorConfig
 log = logging.getLogger("pdpair.operator")
 
 
-class _StandbyHealth(http.server.BaseHTTPRequestHandler):
+class _StandbyHandler(http.server.BaseHTTPRequestHandler):
+    """/healthz: live (so the pod is Ready and counts for the PodDisruptionBudget). /metrics: a valid exposition with
+    no series, so a ServiceMonitor scraping both replicas sees the standby up instead of a refused target."""
+
+    PAGES = {
+        "/healthz": ("application/json", b'{"leader": false}\n'),
+        "/metrics": ("text/plain; version=0.0.4; charset=utf-8",
+                     b"# standby replica: the leader exports the operator metrics\n"),
+    }
+
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        body = b'{"leader": false}\n' if self.path.split("?")[0] == "/healthz" else b""
-        self.send_response(200 if body else 404)
-        self.send_header("Content-Type", "application/json")
+        content_type, body = self.PAGES.get(self.path.split("?")[0], ("text/plain", b"not found\n"))
+        self.send_response(200 if self.path.split("?")[0] in self.PAGES else 404)
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -39,10 +48,10 @@ class _StandbyHealth(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _serve_standby_health(port: int) -> http.server.ThreadingHTTPServer:
+def _serve_standby(port: int) -> http.server.ThreadingHTTPServer:
     http.server.ThreadingHTTPServer.allow_reuse_address = True
-    server = http.server.ThreadingHTTPServer(("0.0.0.0", port), _StandbyHealth)
-    threading.Thread(target=server.serve_forever, name="pdpair-standby-healthz", daemon=True).start()
+    server = http.server.ThreadingHTTPServer(("0.0.0.0", port), _StandbyHandler)
+    threading.Thread(target=server.serve_forever, name=f"pdpair-standby-{port}", daemon=True).start()
     return server
 
 
@@ -70,13 +79,13 @@ def _elect(config: OperatorConfig):
         retry_period=config.leader_retry_period,
     )
     elector = LeaderElector(kubernetes.client.CoordinationV1Api(kubernetes.client.ApiClient()), settings)
-    health = _serve_standby_health(config.liveness_port) if config.liveness_port else None
+    servers = [_serve_standby(port) for port in (config.liveness_port, config.metrics_port) if port]
     try:
         elector.wait_for_leadership()
     finally:
-        if health is not None:
-            health.shutdown()
-            health.server_close()  # kopf serves /healthz on this port from now on
+        for server in servers:  # kopf's /healthz and the operator's /metrics take these ports from now on
+            server.shutdown()
+            server.server_close()
     elector.keep_leading(exit_now)
     return elector
 
