@@ -158,7 +158,8 @@ def test_seeded_chaos_converges_with_nothing_done_twice(platform, cluster_namesp
         print(f"chaos seed {seed}: {kills} leader SIGKILLs, {replicas.fenced_exits()} fenced exits, "
               f"faults {', '.join(f for f in faults if f.startswith('restart'))}; {len(actions)} actions "
               f"({facts['restarts']} restarts, {facts['rollouts']} spec changes, {len(expected)} pairs); "
-              f"{facts['pods_seen']} pods seen, 0 duplicates, {facts['leases']} leases, 0 orphans; "
+              f"{facts['pods_seen']} pods seen (watch relisted {ledger.relists}x), 0 duplicates, {facts['leases']} leases, "
+              f"0 orphans; "
               f"converged {convergence:.1f}s after the last fault (kill or control-plane restart); whole run {time.monotonic() - began:.0f}s")
         assert kills == KILLS, f"only {kills} of {KILLS} kills found a leader to kill"
         cleanup_pairs(api, ns, timeout=180)
