@@ -125,6 +125,8 @@ def test_seeded_chaos_converges_with_nothing_done_twice(platform, cluster_namesp
         replicas.supervise()
         replicas.wait_leader(60)
         for kill in range(1, KILLS + 1):
+            if expected:  # give restarts and spec changes a target: some pair has finished its last action
+                wait_for(lambda: _ready_pairs(api, ns, expected), CONVERGE_TIMEOUT, "a settled pair to act on", 0.2)
             for _ in range(rng.randint(1, 3)):
                 _act(api, ns, rng, expected, names, actions)
             time.sleep(rng.uniform(0.0, 3.0))  # the leader is somewhere in the middle of that work
@@ -162,6 +164,8 @@ def test_seeded_chaos_converges_with_nothing_done_twice(platform, cluster_namesp
               f"0 orphans; "
               f"converged {convergence:.1f}s after the last fault (kill or control-plane restart); whole run {time.monotonic() - began:.0f}s")
         assert kills == KILLS, f"only {kills} of {KILLS} kills found a leader to kill"
+        if KILLS >= 4:  # the run must have exercised what it claims to
+            assert facts["restarts"] and facts["rollouts"], f"no restart or no spec change in {actions}"
         cleanup_pairs(api, ns, timeout=180)
         wait_for(lambda: api.leases(ns) == [], 60, "every port lease released")
     except BaseException:
