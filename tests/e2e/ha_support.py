@@ -73,7 +73,8 @@ class Replicas:
     """Operator replicas sharing one leader Lease (named after the test's namespace, so tests never share one)."""
 
     def __init__(self, platform, ns, pool, tmp_path, timing: ElectionTiming, api, env=None):
-        self.platform, self.ns, self.pool, self.tmp_path, self.timing, self.api = platform, ns, pool, tmp_path, timing, api
+        self.platform, self.ns, self.pool, self.tmp_path = platform, ns, pool, tmp_path
+        self.timing, self.api = timing, api
         self.lease_name = f"leader-{ns}"
         self.env = {**(NO_HEALTH if env is None else env), **timing.env(),
                     opconfig.ENV_LEADER_LEASE_NAME: self.lease_name, opconfig.ENV_WATCH_NAMESPACES: ns}
@@ -111,7 +112,8 @@ class Replicas:
         def check():
             holder = lease_holder(self.api, self.lease_name)
             return holder if holder and holder != other_than else None
-        holder = wait_for(check, timeout, "a leader" + (f" other than {other_than}" if other_than else ""), interval=0.05)
+        what = "a leader" + (f" other than {other_than}" if other_than else "")
+        holder = wait_for(check, timeout, what, interval=0.05)
         return holder.rsplit("_", 1)[0], holder
 
     def kill(self, name: str) -> None:
@@ -339,7 +341,8 @@ def audit(api, ns, expected: dict[str, Expected], ledger: PodLedger, ports_per_p
     listed = collections.Counter()
     for uid, name in uids.items():
         ports = {int(p["port"]) for p in pairs[name]["status"].get("ports") or []}
-        assert ports == lease_ports[uid], f"{name}: status ports {sorted(ports)} != its leases {sorted(lease_ports[uid])}"
+        assert ports == lease_ports[uid], \
+            f"{name}: status ports {sorted(ports)} != its leases {sorted(lease_ports[uid])}"
         assert len(ports) == ports_per_pair, f"{name}: {len(ports)} ports, expected {ports_per_pair}"
         listed.update(ports)
     twice = [port for port, n in listed.items() if n > 1]

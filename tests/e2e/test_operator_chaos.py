@@ -160,9 +160,9 @@ def test_seeded_chaos_converges_with_nothing_done_twice(platform, cluster_namesp
         print(f"chaos seed {seed}: {kills} leader SIGKILLs, {replicas.fenced_exits()} fenced exits, "
               f"faults {', '.join(f for f in faults if f.startswith('restart'))}; {len(actions)} actions "
               f"({facts['restarts']} restarts, {facts['rollouts']} spec changes, {len(expected)} pairs); "
-              f"{facts['pods_seen']} pods seen (watch relisted {ledger.relists}x), 0 duplicates, {facts['leases']} leases, "
-              f"0 orphans; "
-              f"converged {convergence:.1f}s after the last fault (kill or control-plane restart); whole run {time.monotonic() - began:.0f}s")
+              f"{facts['pods_seen']} pods seen (watch relisted {ledger.relists}x), 0 duplicates, "
+              f"{facts['leases']} leases, 0 orphans; converged {convergence:.1f}s after the last fault (kill or "
+              f"control-plane restart); whole run {time.monotonic() - began:.0f}s")
         assert kills == KILLS, f"only {kills} of {KILLS} kills found a leader to kill"
         if KILLS >= 4:  # the run must have exercised what it claims to
             assert facts["restarts"] and facts["rollouts"], f"no restart or no spec change in {actions}"

@@ -5,9 +5,9 @@ operator metrics on :PDPAIR_OPERATOR_METRICS_PORT (served by metrics.py when pre
 
 With PDPAIR_LEADER_ELECT=true (the chart's replicas), the process first campaigns for the leader Lease
 (election.py). A standby runs no kopf at all, so it cannot reconcile or write pods, port leases or status; it only
-serves /healthz (so it stays live and Ready), an empty /metrics, and reads the Lease every retry period. Once it leads, kopf starts;
-if a renewal misses the renew deadline the process exits at once (fencing); on SIGTERM kopf stops its handlers and
-the Lease is released so the standby takes over within one retry period.
+serves /healthz (so it stays live and Ready) and an empty /metrics, and reads the Lease every retry period. Once it
+leads, kopf starts; if a renewal misses the renew deadline the process exits at once (fencing); on SIGTERM kopf
+stops its handlers and the Lease is released so the standby takes over within one retry period.
 """
 
 from __future__ import annotations

@@ -102,13 +102,11 @@ class LeaderElector:
                 spec=client.V1LeaseSpec(holder_identity=s.identity, lease_duration_seconds=int(s.lease_duration),
                                         acquire_time=now, renew_time=now, lease_transitions=0),
             )
-            try:
+            try:  # 409 when another candidate created it first
                 self.api.create_namespaced_lease(s.namespace, body, _request_timeout=timeout)
-            except ApiException as create_exc:
-                log.info("leader election: creating lease %s failed: %s", s.lease_name, create_exc.reason)
-                return False
             except Exception as create_exc:
-                log.info("leader election: creating lease %s failed: %s", s.lease_name, create_exc)
+                log.info("leader election: creating lease %s failed: %s", s.lease_name,
+                         getattr(create_exc, "reason", None) or create_exc)
                 return False
             return self._won(sent)
         except Exception as exc:  # connection refused or timed out (apiserver restarting)
@@ -187,8 +185,6 @@ class LeaderElector:
     def release(self) -> bool:
         """Stops renewing and empties the Lease's holder if it is still ours, so a standby need not wait for
         expiry. Call only after all work has stopped."""
-        from kubernetes.client.exceptions import ApiException
-
         self.stop()
         s = self.settings
         timeout = request_timeout(5.0)
@@ -200,7 +196,7 @@ class LeaderElector:
             lease.spec.lease_duration_seconds = 1
             lease.spec.renew_time = _utc_now()
             self.api.replace_namespaced_lease(s.lease_name, s.namespace, lease, _request_timeout=timeout)
-        except (ApiException, OSError, Exception) as exc:  # noqa: B014 (any failure: the Lease expires on its own)
+        except Exception as exc:  # any failure: the Lease then expires on its own
             log.warning("leader election: releasing lease %s failed (%s); it expires in %gs", s.lease_name,
                         getattr(exc, "reason", exc), s.lease_duration)
             return False
