@@ -91,7 +91,7 @@ def test_template_renders_labelled_objects(helm, values):
 def test_default_render_has_every_operator_object(helm):
     kinds = by_kind(helm.template())
     assert set(kinds) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment",
-                          "Service"}
+                          "Service", "PodDisruptionBudget"}
     deployment = kinds["Deployment"]
     selector = deployment["spec"]["selector"]["matchLabels"]
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
@@ -120,7 +120,65 @@ def test_operator_container(helm):
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["resources"]["requests"] and container["resources"]["limits"]
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+
+
+# --- high availability (docs/design.md "Operator high availability") --------------------------------------------
+def test_two_replicas_with_leader_election_by_default(helm):
+    kinds = by_kind(helm.template())
+    deployment = kinds["Deployment"]
+    env = container_env(deployment)
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert env["PDPAIR_LEADER_ELECT"]["value"] == "true"
+    assert env["PDPAIR_LEADER_LEASE_NAME"]["value"] == f"{RELEASE}-pdpair-operator-leader"
+    timing = [float(env[f"PDPAIR_LEADER_{k}"]["value"]) for k in ("RETRY_PERIOD_SECONDS", "RENEW_DEADLINE_SECONDS",
+                                                                   "LEASE_DURATION_SECONDS")]
+    assert timing == sorted(timing) and len(set(timing)) == 3
+    assert env["PDPAIR_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    # The operator accepts exactly what the chart renders (the same validation the pod runs at start).
+    from pdpair.operator.config import OperatorConfig
+
+    cfg = OperatorConfig.from_env({k: e["value"] for k, e in env.items() if "value" in e}
+                                  | {"PDPAIR_OPERATOR_NAMESPACE": NAMESPACE})
+    assert cfg.leader_elect and cfg.leader_lease_name == env["PDPAIR_LEADER_LEASE_NAME"]["value"]
+
+
+def test_pod_disruption_budget_selects_the_operator_pods(helm):
+    kinds = by_kind(helm.template())
+    pdb = kinds["PodDisruptionBudget"]
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    assert pdb["spec"]["selector"]["matchLabels"] == kinds["Deployment"]["spec"]["selector"]["matchLabels"]
+
+
+def test_replicas_prefer_different_nodes(helm):
+    deployment = by_kind(helm.template())["Deployment"]
+    [term] = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in deployment["spec"]["template"]["spec"]["affinity"][
+        "podAntiAffinity"]  # preferred: one node still runs both
+
+
+def test_user_affinity_replaces_the_spread(helm):
+    docs = helm.template("--set", "operator.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+                                  ".nodeSelectorTerms[0].matchExpressions[0].key=pool",
+                         "--set", "operator.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+                                  ".nodeSelectorTerms[0].matchExpressions[0].operator=Exists")
+    affinity = by_kind(docs)["Deployment"]["spec"]["template"]["spec"]["affinity"]
+    assert set(affinity) == {"nodeAffinity"}
+
+
+def test_single_replica_without_election_is_recreate_without_budget(helm):
+    kinds = by_kind(helm.template("--set", "operator.replicas=1", "--set", "operator.leaderElection.enabled=false"))
+    deployment = kinds["Deployment"]
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert container_env(deployment)["PDPAIR_LEADER_ELECT"]["value"] == "false"
+    assert "PodDisruptionBudget" not in kinds  # a budget over one pod would block every drain
+    assert "affinity" not in deployment["spec"]["template"]["spec"]
 
 
 def test_operator_config_env_is_what_the_operator_reads(helm):
@@ -200,6 +258,17 @@ BAD_VALUES = [
                                      "--set", "operator.extraEnv[0].value=1-2"], "/operator/extraEnv/0/name"),
     ("service type", ["--set", "operator.service.type=Ingress"], "/operator/service/type"),
     ("external SA without a name", ["--set", "serviceAccount.create=false"], "serviceAccount.name is required"),
+    ("replicas without leader election", ["--set", "operator.leaderElection.enabled=false"],
+     "operator.replicas is 2 but operator.leaderElection.enabled is false"),
+    ("renew deadline not below the lease duration", ["--set", "operator.leaderElection.renewDeadlineSeconds=15"],
+     "retryPeriodSeconds (2) < renewDeadlineSeconds (15) < leaseDurationSeconds (15)"),
+    ("retry period not below the renew deadline", ["--set", "operator.leaderElection.retryPeriodSeconds=10"],
+     "operator.leaderElection needs retryPeriodSeconds (10)"),
+    ("zero replicas", ["--set", "operator.replicas=0"], "/operator/replicas"),
+    ("unknown election key", ["--set", "operator.leaderElection.leaseSeconds=3"],
+     "additional properties 'leaseSeconds'"),
+    ("extraEnv overrides the election", ["--set", "operator.extraEnv[0].name=PDPAIR_LEADER_ELECT",
+                                         "--set", "operator.extraEnv[0].value=false"], "/operator/extraEnv/0/name"),
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -22,6 +23,15 @@ ENV_HEALTH_INTERVAL = "PDPAIR_HEALTH_INTERVAL_SECONDS"
 ENV_API_TIMEOUT = "PDPAIR_API_TIMEOUT_SECONDS"  # deadline of one Kubernetes API call (api.py)
 # How long a deleted pair keeps its port leases while its pods terminate (handlers.release_ports).
 ENV_POD_GONE_TIMEOUT = "PDPAIR_POD_GONE_TIMEOUT_SECONDS"
+# Leader election (election.py): off runs one operator alone; the chart turns it on for its replicas.
+ENV_LEADER_ELECT = "PDPAIR_LEADER_ELECT"  # true/false
+ENV_LEADER_LEASE_NAME = "PDPAIR_LEADER_LEASE_NAME"
+ENV_LEADER_LEASE_DURATION = "PDPAIR_LEADER_LEASE_DURATION_SECONDS"
+ENV_LEADER_RENEW_DEADLINE = "PDPAIR_LEADER_RENEW_DEADLINE_SECONDS"
+ENV_LEADER_RETRY_PERIOD = "PDPAIR_LEADER_RETRY_PERIOD_SECONDS"
+ENV_POD_NAME = "PDPAIR_POD_NAME"  # the candidate's identity (downward API); a random suffix is added per process
+
+DEFAULT_LEADER_LEASE_NAME = "pdpair-operator-leader"
 
 DEFAULT_PORT_POOL = "20000-29999"
 
@@ -76,8 +86,19 @@ class OperatorConfig:
     health_interval: float = 10.0
     api_timeout: float = 30.0
     pod_gone_timeout: float = 600.0
+    leader_elect: bool = False
+    leader_lease_name: str = DEFAULT_LEADER_LEASE_NAME
+    leader_lease_duration: float = 15.0
+    leader_renew_deadline: float = 10.0
+    leader_retry_period: float = 2.0
 
     def __post_init__(self) -> None:
+        if not (self.leader_retry_period < self.leader_renew_deadline < self.leader_lease_duration):
+            raise ConfigError(
+                f"leader election needs {ENV_LEADER_RETRY_PERIOD} ({self.leader_retry_period:g}) < "
+                f"{ENV_LEADER_RENEW_DEADLINE} ({self.leader_renew_deadline:g}) < {ENV_LEADER_LEASE_DURATION} "
+                f"({self.leader_lease_duration:g}): the leader must stop before a standby may take over"
+            )
         if self.liveness_port and self.liveness_port == self.metrics_port:
             raise ConfigError(
                 f"{ENV_LIVENESS_PORT} and {ENV_METRICS_PORT} are both {self.metrics_port}: they must differ"
@@ -105,6 +126,11 @@ class OperatorConfig:
             health_interval=_positive_float(env, ENV_HEALTH_INTERVAL, 10.0),
             api_timeout=_positive_float(env, ENV_API_TIMEOUT, 30.0),
             pod_gone_timeout=_positive_float(env, ENV_POD_GONE_TIMEOUT, 600.0),
+            leader_elect=_bool(env, ENV_LEADER_ELECT, False),
+            leader_lease_name=_lease_name(env.get(ENV_LEADER_LEASE_NAME, "").strip() or DEFAULT_LEADER_LEASE_NAME),
+            leader_lease_duration=_positive_float(env, ENV_LEADER_LEASE_DURATION, 15.0),
+            leader_renew_deadline=_positive_float(env, ENV_LEADER_RENEW_DEADLINE, 10.0),
+            leader_retry_period=_positive_float(env, ENV_LEADER_RETRY_PERIOD, 2.0),
         )
 
 
@@ -133,3 +159,20 @@ def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
 def _port(env: Mapping[str, str], name: str, default: int) -> int:
     # 0 = pick a free port (tests)
     return _parse(env, name, default, int, "a port number", lambda v: 0 <= v <= 65535, "0..65535")
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    return _parse(env, name, default, lambda raw: words[raw.lower()] if raw.lower() in words else _no(raw),
+                  "true or false", lambda v: True, "true or false")
+
+
+def _no(raw: str) -> bool:
+    raise ValueError(raw)
+
+
+def _lease_name(name: str) -> str:
+    # a DNS-1123 subdomain, as the apiserver demands of a Lease's name
+    if len(name) > 253 or not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name):
+        raise ConfigError(f"{ENV_LEADER_LEASE_NAME}: {name!r} is not a valid Lease name (lower-case DNS-1123)")
+    return name
