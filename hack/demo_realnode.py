@@ -26,7 +26,7 @@ from pdpair.contract import GROUP, LABEL_PAIR, LABEL_ROLE, PLURAL, VERSION  # no
 from tests.cluster.images import engine_image, operator_image  # noqa: E402
 from tests.cluster.realnode import RealNodeCluster, build_node  # noqa: E402
 from tests.cluster.realnode_product import (  # noqa: E402
-    OPERATOR_NS, RELEASE, build_model, completion, install_operator, pair_manifest,
+    OPERATOR_NS, RELEASE, build_model, completion, install_operator, operator_logs, pair_manifest,
 )
 
 PAIR, NAMESPACE = "tiny-tcp", "default"
@@ -134,8 +134,7 @@ def main() -> int:
                     if time.monotonic() > deadline:
                         say(f"not Ready after {args.timeout:.0f}s:\n"
                             + cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout
-                            + cluster.kubectl("logs", "-n", OPERATOR_NS, "deploy/pdpair-operator", "--tail=40",
-                                              check=False).stdout)
+                            + operator_logs(cluster, tail=40))
                         return 1
                     time.sleep(0.5)
                 svc = json.loads(cluster.kubectl("get", "service", PAIR, "-n", NAMESPACE, "-o", "json").stdout)

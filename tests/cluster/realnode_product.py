@@ -157,6 +157,30 @@ def install_operator(cluster, operator_ref: str, *extra_set: str) -> Helm:
     return helm
 
 
+OPERATOR_SELECTOR = "app.kubernetes.io/name=pdpair,app.kubernetes.io/component=operator"
+LEADER_LEASE = f"{RELEASE}-operator-leader"  # the chart's leader-election Lease (operator.leaderElection)
+
+
+def operator_pods(cluster) -> list[dict]:
+    return json.loads(cluster.kubectl("get", "pods", "-n", OPERATOR_NS, "-l", OPERATOR_SELECTOR,
+                                      "-o", "json").stdout)["items"]
+
+
+def leader_pod_name(cluster) -> str | None:
+    """The operator pod holding the leader Lease (its holderIdentity is `<pod name>_<per-process suffix>`)."""
+    proc = cluster.kubectl("get", "lease", "-n", OPERATOR_NS, LEADER_LEASE, "-o", "json", check=False)
+    if proc.returncode != 0:
+        return None
+    holder = (json.loads(proc.stdout).get("spec") or {}).get("holderIdentity") or ""
+    return holder.rsplit("_", 1)[0] or None
+
+
+def operator_logs(cluster, tail: int = 60) -> str:
+    """The logs of every operator replica, each line prefixed with its pod (the standby's are short)."""
+    return cluster.kubectl("logs", "-n", OPERATOR_NS, "-l", OPERATOR_SELECTOR, "--prefix", f"--tail={tail}",
+                           check=False).stdout
+
+
 def pair_manifest(name: str, namespace: str, engine_ref: str, model_dir: pathlib.Path, *, prefill_node: str = "n1",
                   decode_node: str = "n2", transport: str = "tcp", prefill_env: list[dict] | None = None) -> dict:
     """An InferencePair on the tcp transport: prefill pinned to one node, decode (and the router) to another, the

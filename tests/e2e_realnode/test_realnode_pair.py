@@ -17,7 +17,8 @@ import yaml
 
 from pdpair.contract import GROUP, PLURAL
 from tests.cluster.realnode_product import (
-    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, pair_manifest, pod_logs, wait_for,
+    ENGINE_START_TIMEOUT, PROMPTS, completion, describe, leader_pod_name, operator_logs, operator_pods,
+    pair_manifest, pod_logs, wait_for,
 )
 
 # The session's real cluster is torn down in the last test's teardown, which pytest-timeout counts too.
@@ -31,13 +32,6 @@ def test_engine_image_serves_the_hostpath_model_as_a_plain_pod(baseline_outputs)
     assert baseline_outputs["__repeat__"] == baseline_outputs[PROMPTS[0]], "greedy output changed between requests"
 
 
-def _operator_pod(cluster) -> dict:
-    pods = json.loads(cluster.kubectl("get", "pods", "-n", OPERATOR_NS, "-l", "app.kubernetes.io/name=pdpair",
-                                      "-o", "json").stdout)["items"]
-    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
-    return pods[0]
-
-
 def _liveness_probe_successes(cluster, node: str, pod: str) -> float:
     """The kubelet's own count of successful liveness probes of the operator container (/metrics/probes)."""
     raw = cluster.kubectl("get", "--raw", f"/api/v1/nodes/{node}/proxy/metrics/probes").stdout
@@ -49,20 +43,25 @@ def _liveness_probe_successes(cluster, node: str, pod: str) -> float:
     return total
 
 
-def test_operator_runs_as_a_pod_with_the_charts_service_account_and_liveness(real_cluster, operator_release):
-    pod = _operator_pod(real_cluster)
-    spec, status = pod["spec"], pod["status"]
-    assert spec["serviceAccountName"] == "pdpair-operator", spec["serviceAccountName"]
-    container = spec["containers"][0]
-    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz", container["livenessProbe"]
-    assert not any(e["name"] == "KUBECONFIG" for e in container.get("env", [])), "in-cluster config expected"
-    assert status["phase"] == "Running" and status["containerStatuses"][0]["ready"], status
-    # The kubelet really probes it: its probe counter for this pod grows past two successes.
-    wait_for(lambda: _liveness_probe_successes(real_cluster, spec["nodeName"], pod["metadata"]["name"]) >= 2, 120,
-             "two successful liveness probes by the kubelet",
-             lambda: real_cluster.kubectl("logs", "-n", OPERATOR_NS, pod["metadata"]["name"], "--tail=40",
-                                          check=False).stdout)
-    assert status["containerStatuses"][0]["restartCount"] == 0
+def test_operator_runs_as_pods_with_the_charts_service_account_liveness_and_one_leader(real_cluster, operator_release):
+    """The chart's default: 2 replicas, in-cluster config, the chart's ServiceAccount, liveness probed by the
+    kubelet on both (the standby serves /healthz too), and exactly one of them holding the leader Lease."""
+    pods = operator_pods(real_cluster)
+    assert len(pods) == 2, [p["metadata"]["name"] for p in pods]
+    for pod in pods:
+        spec, status = pod["spec"], pod["status"]
+        assert spec["serviceAccountName"] == "pdpair-operator", spec["serviceAccountName"]
+        container = spec["containers"][0]
+        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz", container["livenessProbe"]
+        assert not any(e["name"] == "KUBECONFIG" for e in container.get("env", [])), "in-cluster config expected"
+        assert status["phase"] == "Running" and status["containerStatuses"][0]["ready"], status
+        # The kubelet really probes it: its probe counter for this pod grows past two successes.
+        wait_for(lambda: _liveness_probe_successes(real_cluster, spec["nodeName"], pod["metadata"]["name"]) >= 2,
+                 120, "two successful liveness probes by the kubelet", lambda: operator_logs(real_cluster))
+        assert status["containerStatuses"][0]["restartCount"] == 0
+    leader = wait_for(lambda: leader_pod_name(real_cluster), 120, "an operator replica holding the leader Lease",
+                      lambda: operator_logs(real_cluster))
+    assert leader in {p["metadata"]["name"] for p in pods}, leader
 
 
 def test_pair_on_two_nodes_serves_through_its_service_like_a_single_engine(
@@ -80,8 +79,7 @@ def test_pair_on_two_nodes_serves_through_its_service_like_a_single_engine(
         pods = json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
         for p in pods:
             out.append(f"--- {p['metadata']['name']}:\n{pod_logs(real_cluster, namespace, p['metadata']['name'])}")
-        out.append("--- operator:\n" + real_cluster.kubectl("logs", "-n", OPERATOR_NS, "deploy/pdpair-operator",
-                                                             "--tail=60", check=False).stdout)
+        out.append("--- operator:\n" + operator_logs(real_cluster))
         return "\n".join(out)
 
     wait_for(lambda: pair().get("status", {}).get("phase") == "Ready", ENGINE_START_TIMEOUT + 120,
