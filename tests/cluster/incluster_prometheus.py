@@ -281,7 +281,7 @@ SIDECAR_SCRIPT = pathlib.Path(__file__).with_name("pod_sd_sidecar.py")
 
 
 def manifests(namespace: str, image_ref: str, sidecar_image_ref: str, config: dict, sidecar_jobs: list[str],
-              rules: dict, *, retention: str = "2h") -> list[dict]:
+              rules: dict, *, retention: str = "2h", node: str | None = None) -> list[dict]:
     """ServiceAccount, ClusterRole (+ binding) to get/list/watch pods, the config/rules/sidecar ConfigMap, the pod
     (Prometheus and the discovery sidecar)."""
     name = APP_LABEL
@@ -301,6 +301,7 @@ def manifests(namespace: str, image_ref: str, sidecar_image_ref: str, config: di
         {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace, "labels": labels},
          "spec": {
              "serviceAccountName": name,
+             **({"nodeSelector": {"kubernetes.io/hostname": node}} if node else {}),
              "securityContext": {"runAsUser": PROMETHEUS_UID, "runAsGroup": PROMETHEUS_UID, "fsGroup": PROMETHEUS_UID},
              "containers": [{
                  "name": "prometheus", "image": image_ref, "imagePullPolicy": "Never",
@@ -345,14 +346,15 @@ class InClusterPrometheus:
     values, e.g. a 1 s scrape interval for a test)."""
 
     def __init__(self, cluster, namespace: str, image_ref: str, sidecar_image_ref: str,
-                 helm_sets: tuple[str, ...] = ()):
+                 helm_sets: tuple[str, ...] = (), node: str | None = None):
         self.cluster, self.namespace, self.image_ref = cluster, namespace, image_ref
         self.podmonitor, self.prometheus_rule = render_chart_monitoring(*helm_sets)
         self.scrape_configs = podmonitor_scrape_configs(self.podmonitor)  # what prometheus-operator would generate
         jobs, sidecar_jobs = with_file_sd(self.scrape_configs)
         self.config = prometheus_config(jobs)
         self.rules = rules_file(self.prometheus_rule)
-        self.objects = manifests(namespace, image_ref, sidecar_image_ref, self.config, sidecar_jobs, self.rules)
+        self.objects = manifests(namespace, image_ref, sidecar_image_ref, self.config, sidecar_jobs, self.rules,
+                                 node=node)
         self.pod_ip: str | None = None
         self.node: str | None = None
 
