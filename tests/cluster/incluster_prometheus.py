@@ -30,7 +30,6 @@ import os
 import pathlib
 import re
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile

@@ -5,6 +5,8 @@ Prometheus' /api/v1/targets shows the relabelled targets without scraping them (
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 import time
 
 import pytest
@@ -16,6 +18,7 @@ from tests.cluster.incluster_prometheus import (
 )
 from tests.cluster.pod_sd_sidecar import targets_for, write_atomically
 from tests.e2e.test_prometheus_alert import Prometheus, get_json
+from tests.monitoring_support import require_binary
 
 pytestmark = pytest.mark.prometheus
 
@@ -45,8 +48,7 @@ def test_real_prometheus_selects_and_labels_the_pair_pods_like_the_podmonitor(tm
     ]
     write_atomically(str(tmp_path / "job0.json"), targets_for(pods, None))
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    prom = Prometheus.__new__(Prometheus)
-    _start(prom, tmp_path)
+    prom = ConfiguredPrometheus(tmp_path)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -70,20 +72,18 @@ def test_real_prometheus_selects_and_labels_the_pair_pods_like_the_podmonitor(tm
         prom.stop()
 
 
-def _start(prom, workdir):
-    """tests/e2e/test_prometheus_alert.Prometheus on a config file written here."""
-    import socket
-    import subprocess
+class ConfiguredPrometheus(Prometheus):
+    """tests/e2e/test_prometheus_alert.Prometheus (ready wait, stop), started on the prometheus.yml in `workdir`."""
 
-    from tests.monitoring_support import require_binary
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        prom.port = s.getsockname()[1]
-    prom.base = f"http://127.0.0.1:{prom.port}"
-    prom.workdir = workdir
-    prom.log = open(workdir / "prometheus.log", "w")
-    prom.proc = subprocess.Popen([require_binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
-                                  f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{prom.port}"],
-                                 stdout=prom.log, stderr=subprocess.STDOUT, cwd=workdir)
-    prom.wait_ready()
+    def __init__(self, workdir):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.workdir = workdir
+        self.log = open(workdir / "prometheus.log", "w")
+        self.proc = subprocess.Popen(
+            [require_binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=workdir)
+        self.wait_ready()

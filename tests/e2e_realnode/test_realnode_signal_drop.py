@@ -246,7 +246,10 @@ def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order
     print(f"[realnode-e2e] hang to recovery (hang timeout {HANG_TIMEOUT}s, operator health interval 10s): "
           f"knob+request -> alert firing seen {('%.1fs' % (t_alert - t_knob)) if t_alert else 'n/a (poll missed it)'}, "
           f"-> operator's first deletion (restart decision) {t_delete - t_knob:.1f}s; "
-          f"restart: first deletion -> prefill g2 created {when[f'create {prefill_g2}'][0] - t_delete:.1f}s; "
+          f"restart: first deletion -> decode g1 deleted {when[f'delete {decode_g1}'][0] - t_delete:.1f}s, "
+          f"-> decode g2 created {when[f'create {decode_g2}'][0] - t_delete:.1f}s, "
+          f"-> decode g2 listening {listening[0] - t_delete:.1f}s, "
+          f"-> prefill g2 created {when[f'create {prefill_g2}'][0] - t_delete:.1f}s; "
           f"-> Ready again {t_ready - t_knob:.1f}s; -> first token again {t_first_token - t_knob:.1f}s; "
           f"the stuck request: {stuck or 'still open'}")
 
