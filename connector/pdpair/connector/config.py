@@ -46,7 +46,8 @@ class PdPairConfig:
     peer_port_base: int | None  # prefill
     transport_slots: int = DEFAULT_TRANSPORT_SLOTS  # request slots per peer connection (puts in flight)
     flagcx_use_hetero_comm: str | None = None  # FLAGCX_USE_HETERO_COMM as the pod set it (None: unset)
-    # Test-only knobs, from kv_connector_extra_config; never set by the operator.
+    # Test-only knobs, from kv_connector_extra_config (the drop knob also from contract.ENV_TEST_DROP_SIGNALS_FILE);
+    # never set by the operator.
     test_corrupt_kv_file: str | None = None  # decode: while this file exists, received KV is overwritten
     test_drop_signals_file: str | None = None  # prefill: while it exists, the native sender drops every N-th signal
     test_delay_listener_file: str | None = None  # decode: while it exists, the ranks it names do not listen yet
@@ -107,6 +108,14 @@ class PdPairConfig:
 
         corrupt = extra.pop("test_corrupt_kv_file", None)
         drop = extra.pop("test_drop_signals_file", None)
+        env_drop = env.get(contract.ENV_TEST_DROP_SIGNALS_FILE) or None
+        if drop and env_drop and str(drop) != env_drop:
+            raise ConfigError(f"{contract.ENV_TEST_DROP_SIGNALS_FILE}={env_drop!r} contradicts kv_connector_extra_config "
+                              f"test_drop_signals_file={drop!r}: set one")
+        drop = drop or env_drop
+        if drop and role != contract.ROLE_PREFILL:
+            raise ConfigError(f"the signal-drop test knob ({contract.ENV_TEST_DROP_SIGNALS_FILE} or "
+                              f"test_drop_signals_file) applies to prefill only (the sender), not to {role}")
         delay_listener = extra.pop("test_delay_listener_file", None)
         if extra:
             raise ConfigError(f"unknown kv_connector_extra_config keys for PdPairConnector: {sorted(extra)}")

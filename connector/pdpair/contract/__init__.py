@@ -87,6 +87,10 @@ ENV_HTTP_PORT = "PDPAIR_HTTP_PORT"
 ENV_HANG_TIMEOUT_SECONDS = "PDPAIR_HANG_TIMEOUT_SECONDS"
 ENV_TRANSPORT = "PDPAIR_TRANSPORT"
 ENV_TRANSPORT_SLOTS = "PDPAIR_TRANSPORT_SLOTS"  # puts in flight per peer (spec.connector.slots)
+# TEST ONLY, never set by the operator: the path of prefill's signal-drop knob file (kv_connector_extra_config's
+# test_drop_signals_file), settable through a pod template's env because the operator owns the extra config. Not
+# PDPAIR_*: the CRD reserves that prefix for the operator's variables.
+ENV_TEST_DROP_SIGNALS_FILE = "TEST_ONLY_PDPAIR_DROP_SIGNALS_FILE"
 POD_ENV = (
     ENV_ROLE,
     ENV_PAIR,

@@ -37,6 +37,24 @@ def test_prefill_config_from_env():
     assert config.test_drop_signals_file == "/tmp/x" and config.metrics_port is None
 
 
+def test_drop_knob_from_the_test_only_env():
+    """The operator owns kv_connector_extra_config, so a pair sets the drop knob through its prefill template env."""
+    env = {**PREFILL, contract.ENV_TEST_DROP_SIGNALS_FILE: "/tmp/drop"}
+    assert PdPairConfig.from_env("kv_producer", {}, env).test_drop_signals_file == "/tmp/drop"
+    # the same path both ways is one setting
+    same = PdPairConfig.from_env("kv_producer", {"test_drop_signals_file": "/tmp/drop"}, env)
+    assert same.test_drop_signals_file == "/tmp/drop"
+    assert PdPairConfig.from_env("kv_producer", {}, {**PREFILL, contract.ENV_TEST_DROP_SIGNALS_FILE: ""}) \
+        .test_drop_signals_file is None
+    assert PdPairConfig.from_env("kv_producer", {}, PREFILL).test_drop_signals_file is None
+
+
+def test_drop_knob_env_is_not_an_operator_variable():
+    # PDPAIR_* is the operator's (the CRD refuses it in a template's env), so the knob must live outside it
+    assert not contract.ENV_TEST_DROP_SIGNALS_FILE.startswith("PDPAIR_")
+    assert contract.ENV_TEST_DROP_SIGNALS_FILE not in contract.POD_ENV
+
+
 @pytest.mark.parametrize(
     ("kv_role", "env", "extra", "message"),
     [
@@ -54,6 +72,10 @@ def test_prefill_config_from_env():
         ("kv_consumer", {**DECODE, contract.ENV_LISTEN_PORT_BASE: "70000"}, {}, "not a port in 1..65535"),
         ("kv_consumer", {**DECODE, contract.ENV_ROLE: "prefill"}, {}, "contradicts kv_role"),
         ("kv_consumer", DECODE, {"surprise": 1}, "unknown kv_connector_extra_config keys"),
+        ("kv_producer", {**PREFILL, contract.ENV_TEST_DROP_SIGNALS_FILE: "/a"}, {"test_drop_signals_file": "/b"},
+         "TEST_ONLY_PDPAIR_DROP_SIGNALS_FILE='/a' contradicts kv_connector_extra_config"),
+        ("kv_consumer", {**DECODE, contract.ENV_TEST_DROP_SIGNALS_FILE: "/a"}, {}, "applies to prefill only"),
+        ("kv_consumer", DECODE, {"test_drop_signals_file": "/a"}, "applies to prefill only"),
         ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT_SLOTS: "many"}, {}, "PDPAIR_TRANSPORT_SLOTS='many' is not an"),
         ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT_SLOTS: "0"}, {}, "PDPAIR_TRANSPORT_SLOTS=0 must be in 1..4096"),
         ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT_SLOTS: "-3"}, {}, "PDPAIR_TRANSPORT_SLOTS=-3 must be in"),

@@ -1,0 +1,259 @@
+"""Signal drop on real nodes (issue 10, 6b): a pair of real vLLM engines whose prefill drops KV signals hangs,
+PdPairSignalDeficit fires in a Prometheus running in the cluster, the operator restarts the pair in order, and the
+pair serves again with the same greedy outputs.
+
+- The knob: prefill's template env sets TEST_ONLY_PDPAIR_DROP_SIGNALS_FILE (contract.ENV_TEST_DROP_SIGNALS_FILE) to a
+  path in the container's /tmp; `kubectl exec` creates the file, so from the next request on prefill's native sender
+  drops every signal. The recreated prefill pod has a fresh container filesystem, so the knob is gone after the
+  restart (checked, not assumed).
+- The Prometheus: tests/cluster/incluster_prometheus.py, configured from `helm template` of the chart (the PodMonitor
+  translated the way prometheus-operator would, the PrometheusRule's groups as its rules file). prometheus-operator
+  itself is not run. For a test, the chart values are tuned: scrape every 1 s, evaluate every 1 s, the alert's
+  `for` 0 s, so it fires between the hang (oldest wait > the pod's hang timeout) and the operator's restart (same
+  condition, seen by the operator's health check every 10 s, then prefill's and decode's termination). The alert is
+  asserted after the fact from the TSDB (ALERTS{alertstate="firing"}), which does not depend on polling luck.
+- The order: pod and pair watches record, with resourceVersions, prefill deleted, decode deleted, decode created,
+  decode's listener up (the pair's DecodeListening condition True for the new generation; the operator writes it
+  before it creates prefill), prefill created. Pods and the pair live in one etcd, whose revision is every object's
+  resourceVersion, so the two watches' events are ordered by it.
+- Hang-to-recovery numbers (knob + request -> alert, -> the operator's first deletion, -> prefill recreated, -> Ready,
+  -> first token) are printed; docs/benchmarks.md records them.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import pytest
+import yaml
+
+from pdpair.contract import (
+    ALERT_SIGNAL_DEFICIT, COND_DECODE_LISTENING, ENV_TEST_DROP_SIGNALS_FILE, GROUP, PLURAL, VERSION,
+)
+from tests.cluster.incluster_prometheus import InClusterPrometheus, prometheus_image
+from tests.cluster.realnode_product import (
+    _COMPLETION_SNIPPET, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, SERVED_NAME, completion, describe,
+    pair_manifest, pod_logs, unique, wait_for,
+)
+
+pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
+
+HANG_TIMEOUT = 10  # seconds; the CRD's minimum is 5
+KNOB = "/tmp/pdpair-drop-signals"
+PAIR = "drop"
+# The chart's monitoring values for a test: fast scrapes and evaluations, the alert without a `for` delay.
+PROMETHEUS_SETS = ("monitoring.podMonitor.interval=1s", "monitoring.podMonitor.scrapeTimeout=1s",
+                   "monitoring.prometheusRule.evaluationInterval=1s",
+                   "monitoring.prometheusRule.alerts.signalDeficit.for=0s")
+
+
+@pytest.fixture(scope="module")
+def prometheus(real_cluster, images):
+    image = prometheus_image()
+    real_cluster.import_image(image.archive, nodes=["n1"])
+    namespace = unique("rn-prom")
+    real_cluster.create_namespace(namespace)
+    prom = InClusterPrometheus(real_cluster, namespace, image.ref, images["operator"].ref, PROMETHEUS_SETS, node="n1")
+    t0 = time.monotonic()
+    prom.deploy()
+    print(f"[realnode-e2e] in-cluster Prometheus Ready in {time.monotonic() - t0:.1f}s")
+    yield prom
+    prom.delete()
+    real_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+class Recorder:
+    """Records a watch's events as (monotonic time, resourceVersion, type, object as JSON), from the
+    resourceVersion of a list taken at construction (nothing in between is missed; no sleep needed)."""
+
+    def __init__(self, api_client, list_fn, *args):
+        from kubernetes import watch
+
+        self.events: list[tuple[float, int, str, dict]] = []
+        self.error: BaseException | None = None
+        self._api_client, self._list, self._args = api_client, list_fn, args
+        self._watch = watch.Watch()
+        self._stopping = False
+        initial = json.loads(list_fn(*args, _preload_content=False).data)
+        self._rv = initial["metadata"]["resourceVersion"]
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:  # a watch ends after timeout_seconds: resume from the last version seen
+                for ev in self._watch.stream(self._list, *self._args, resource_version=self._rv, timeout_seconds=120):
+                    obj = ev["object"]
+                    if not isinstance(obj, dict):
+                        obj = self._api_client.sanitize_for_serialization(obj)
+                    self._rv = obj["metadata"]["resourceVersion"]
+                    self.events.append((time.monotonic(), int(self._rv), ev["type"], obj))
+        except Exception as exc:
+            if not self._stopping:
+                self.error = exc
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._watch.stop()
+
+
+def pod_steps(events) -> list[tuple[float, int, str]]:
+    """(time, resourceVersion, "create NAME" | "delete NAME") from a pod watch: a creation, and the first sign of a
+    deletion (deletionTimestamp set, or DELETED)."""
+    steps, deleting = [], set()
+    for t, rv, kind, pod in events:
+        name = pod["metadata"]["name"]
+        if kind == "ADDED":
+            steps.append((t, rv, f"create {name}"))
+        elif (kind == "DELETED" or pod["metadata"].get("deletionTimestamp")) and name not in deleting:
+            deleting.add(name)
+            steps.append((t, rv, f"delete {name}"))
+    return steps
+
+
+def listening_since(events, generation: int) -> tuple[float, int] | None:
+    """(time, resourceVersion) of the first pair version with DecodeListening True at `generation`."""
+    for t, rv, _, pair in events:
+        status = pair.get("status") or {}
+        if int(status.get("pairGeneration") or 0) != generation:
+            continue
+        if any(c["type"] == COND_DECODE_LISTENING and c["status"] == "True" for c in status.get("conditions") or []):
+            return t, rv
+    return None
+
+
+def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order(
+        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace, prometheus):
+    from kubernetes import client
+
+    api = real_cluster.api_client()
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    body = pair_manifest(PAIR, namespace, images["engine"].ref, model_dir, prefill_node="n1", decode_node="n2",
+                         prefill_env=[{"name": ENV_TEST_DROP_SIGNALS_FILE, "value": KNOB}])
+    body["spec"]["connector"]["hangTimeoutSeconds"] = HANG_TIMEOUT
+    real_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+
+    def pair() -> dict:
+        return json.loads(real_cluster.kubectl("get", f"{PLURAL}.{GROUP}", PAIR, "-n", namespace, "-o", "json").stdout)
+
+    def diagnose() -> str:
+        out = [describe(real_cluster, namespace), json.dumps(pair().get("status"), indent=1)[-3000:]]
+        for p in json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]:
+            out.append(f"--- {p['metadata']['name']}:\n{pod_logs(real_cluster, namespace, p['metadata']['name'])}")
+        out.append("--- operator:\n" + real_cluster.kubectl("logs", "-n", OPERATOR_NS, "deploy/pdpair-operator",
+                                                             "--tail=80", check=False).stdout)
+        out.append("--- prometheus:\n" + prometheus.logs())
+        return "\n".join(out)
+
+    def ready(generation: int):
+        return lambda: (lambda s: s.get("phase") == "Ready" and s.get("pairGeneration") == generation)(
+            pair().get("status") or {})
+
+    wait_for(ready(1), ENGINE_START_TIMEOUT + 120, "pair generation 1 Ready", diagnose)
+    svc = json.loads(real_cluster.kubectl("get", "service", PAIR, "-n", namespace, "-o", "json").stdout)
+    ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
+    outputs = {p: completion(real_cluster, "n1", ip, port, p) for p in PROMPTS}
+    expected = {p: baseline_outputs[p] for p in PROMPTS}
+    assert outputs == expected, f"pair outputs differ from the single engine before the fault:\n{outputs}\n{expected}"
+
+    prefill_g1, decode_g1 = f"{PAIR}-prefill-g1", f"{PAIR}-decode-g1"
+    prefill_g2, decode_g2 = f"{PAIR}-prefill-g2", f"{PAIR}-decode-g2"
+    # Prometheus scrapes both engines through the translated PodMonitor, with the labels the rules group by.
+    up_query = f'up{{namespace="{namespace}",pair="{PAIR}"}}'
+    wait_for(lambda: sorted(r["metric"]["pod"] for r in prometheus.query(up_query) if r["value"][1] == "1")
+             == [decode_g1, prefill_g1], 120, "Prometheus scraping prefill and decode (up == 1)",
+             lambda: json.dumps(prometheus.targets(), indent=1)[-3000:] + prometheus.logs())
+    firing_query = (f'ALERTS{{alertname="{ALERT_SIGNAL_DEFICIT}",alertstate="firing",namespace="{namespace}"}}')
+    assert prometheus.query(firing_query) == [], "the alert fires on a healthy pair"
+
+    pods = Recorder(api, core.list_namespaced_pod, namespace)
+    pairs = Recorder(api, custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL)
+    firing_seen: list[tuple[float, dict]] = []
+    polling = threading.Event()
+
+    def poll_alerts() -> None:  # for the numbers only; the assertion reads the TSDB afterwards
+        while not polling.is_set():
+            try:
+                for alert in prometheus.alerts():
+                    labels = alert["labels"]
+                    if (labels.get("alertname") == ALERT_SIGNAL_DEFICIT and labels.get("namespace") == namespace
+                            and alert["state"] == "firing"):
+                        firing_seen.append((time.monotonic(), alert))
+                        return
+            except Exception:  # Prometheus busy for a moment: the TSDB check below is what counts
+                pass
+            polling.wait(1.0)
+
+    real_cluster.kubectl("exec", "-n", namespace, prefill_g1, "-c", "engine", "--", "sh", "-c", f"echo 1 > {KNOB}")
+    t_knob = time.monotonic()
+    poller = threading.Thread(target=poll_alerts, daemon=True)
+    poller.start()
+    stuck: dict = {}
+
+    def stuck_request() -> None:  # fails or hangs until the restart cuts it: bounded, outcome only reported
+        t0 = time.monotonic()
+        proc = real_cluster.node_exec("n1", [sys.executable, "-c", _COMPLETION_SNIPPET,
+                                             f"http://{ip}:{port}/v1/completions", SERVED_NAME, PROMPTS[1], "16", "0"],
+                                      timeout=300, check=False)
+        stuck.update(rc=proc.returncode, seconds=time.monotonic() - t0, tail=(proc.stdout + proc.stderr)[-300:])
+
+    requester = threading.Thread(target=stuck_request, daemon=True)
+    requester.start()
+    try:
+        wait_for(ready(2), ENGINE_START_TIMEOUT + 240, "the restarted pair (generation 2) Ready", diagnose)
+        t_ready = time.monotonic()
+        again = completion(real_cluster, "n1", ip, port, PROMPTS[0])
+        t_first_token = time.monotonic()
+    finally:
+        polling.set()
+        pods.stop()
+        pairs.stop()
+    assert pods.error is None and pairs.error is None, (pods.error, pairs.error)
+
+    # The alert fired, for decode g1 (the side waiting for the dropped signals): the TSDB keeps ALERTS samples.
+    fired = prometheus.query(f"max_over_time({firing_query}[30m])")
+    assert fired, f"{ALERT_SIGNAL_DEFICIT} never fired in the in-cluster Prometheus:\n" \
+                  f"{json.dumps(prometheus.rule_groups(), indent=1)[-3000:]}\n{prometheus.logs()}"
+    fired_on = {(r["metric"]["pod"], r["metric"].get("role"), r["metric"].get("pair")) for r in fired}
+    assert (decode_g1, "decode", PAIR) in fired_on, fired_on
+
+    # The ordered restart, as the watches saw it.
+    steps = pod_steps(pods.events)
+    order = [s for _, _, s in steps if s.split()[1] in (prefill_g1, decode_g1, decode_g2, prefill_g2)]
+    print("[realnode-e2e] restart order: " + ", ".join(s for _, _, s in steps))
+    assert order == [f"delete {prefill_g1}", f"delete {decode_g1}", f"create {decode_g2}", f"create {prefill_g2}"], \
+        order
+    when = {s: (t, rv) for t, rv, s in steps}
+    listening = listening_since(pairs.events, 2)
+    assert listening is not None, "no pair status with DecodeListening True for generation 2"
+    assert when[f"create {decode_g2}"][1] < listening[1] < when[f"create {prefill_g2}"][1], \
+        (when, listening)
+
+    status = pair()["status"]
+    assert status["restarts"] == 1 and "hung" in status["lastRestart"]["reason"], status
+    # The recreated prefill has a fresh filesystem: the knob is gone, so the pair serves as before.
+    gone = real_cluster.kubectl("exec", "-n", namespace, prefill_g2, "-c", "engine", "--", "sh", "-c",
+                                f"test ! -e {KNOB}", check=False)
+    assert gone.returncode == 0, f"the knob survived the restart: {gone.stdout}{gone.stderr}"
+    outputs = {PROMPTS[0]: again, **{p: completion(real_cluster, "n2", ip, port, p) for p in PROMPTS[1:]}}
+    assert outputs == expected, f"pair outputs differ after the restart:\n{outputs}\n{expected}"
+
+    t_delete = when[f"delete {prefill_g1}"][0]
+    t_alert = firing_seen[0][0] if firing_seen else None
+    requester.join(timeout=1)
+    print(f"[realnode-e2e] hang to recovery (hang timeout {HANG_TIMEOUT}s, operator health interval 10s): "
+          f"knob+request -> alert firing seen {('%.1fs' % (t_alert - t_knob)) if t_alert else 'n/a (poll missed it)'}, "
+          f"-> operator's first deletion (restart decision) {t_delete - t_knob:.1f}s; "
+          f"restart: first deletion -> decode g1 deleted {when[f'delete {decode_g1}'][0] - t_delete:.1f}s, "
+          f"-> decode g2 created {when[f'create {decode_g2}'][0] - t_delete:.1f}s, "
+          f"-> decode g2 listening {listening[0] - t_delete:.1f}s, "
+          f"-> prefill g2 created {when[f'create {prefill_g2}'][0] - t_delete:.1f}s; "
+          f"-> Ready again {t_ready - t_knob:.1f}s; -> first token again {t_first_token - t_knob:.1f}s; "
+          f"the stuck request: {stuck or 'still open'}")
+
+    real_cluster.kubectl("delete", f"{PLURAL}.{GROUP}", PAIR, "-n", namespace, "--wait=true", "--timeout=120s",
+                         timeout=150)
+    wait_for(lambda: not json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"],
+             120, "the pair's pods to go", lambda: describe(real_cluster, namespace))
