@@ -351,7 +351,7 @@ def test_operator_pod_deleted_during_pair_startup_converges_without_duplicates(
         fresh = [p for p in pods if p["metadata"]["uid"] != old_operator["metadata"]["uid"] and _ready(p)]
         gone = all(p["metadata"]["uid"] != old_operator["metadata"]["uid"] for p in pods)
         return fresh[0] if fresh and gone else None
-    new_operator = wait_for(new_operator_ready, 180, "a new Ready operator pod and the old one gone", diagnose)
+    new_operator = wait_for(new_operator_ready, 300, "a new Ready operator pod and the old one gone", diagnose)
     print(f"[faults] {name}: new operator {new_operator['metadata']['name']} Ready and the old one gone "
           f"{time.monotonic() - t_delete:.1f}s after the delete")
 
@@ -438,7 +438,7 @@ def test_helm_upgrade_of_the_operator_keeps_a_serving_pair_untouched(
         t0 = time.monotonic()
         operator_release("upgrade", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--reuse-values",
                          "--set-string", f"operator.podAnnotations.pdpair\\.io/faults-upgrade={stamp}",
-                         "--wait", "--timeout", "180s", timeout=240)
+                         "--wait", "--timeout", "300s", timeout=360)
         t_upgraded = time.monotonic() - t0
 
         def new_operator():
@@ -446,7 +446,7 @@ def test_helm_upgrade_of_the_operator_keeps_a_serving_pair_untouched(
             fresh = [p for p in pods if (p["metadata"].get("annotations") or {}).get("pdpair.io/faults-upgrade") == stamp
                      and _ready(p) and not p["metadata"].get("deletionTimestamp")]
             return fresh[0] if len(pods) == 1 and fresh else None
-        operator = wait_for(new_operator, 180, "one operator pod, Ready, from the new revision", diagnose)
+        operator = wait_for(new_operator, 300, "one operator pod, Ready, from the new revision", diagnose)
         # The new operator has taken the pair over: its first reconcile pass logs the pair's step.
         wait_for(lambda: f"pair {namespace}/{name}: Ready" in real_cluster.kubectl(
             "logs", "-n", OPERATOR_NS, operator["metadata"]["name"], check=False).stdout, 120,
