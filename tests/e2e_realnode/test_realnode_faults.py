@@ -162,8 +162,13 @@ def _apply_pair(cluster, ns: str, name: str, images, model_dir) -> float:
     return t
 
 
+# Decode and prefill start one after the other (decode first), each within ENGINE_START_TIMEOUT: a busy 2-core
+# machine took 12.5 min from apply to Ready (decode 8 min, prefill 4, router 0.5).
+PAIR_READY_TIMEOUT = 2 * ENGINE_START_TIMEOUT + 120
+
+
 def _wait_ready(cluster, ns: str, name: str, diagnose, *, generation: int | None = None,
-                timeout: float = ENGINE_START_TIMEOUT + 120) -> dict:
+                timeout: float = PAIR_READY_TIMEOUT) -> dict:
     def ready():
         status = _pair(cluster, ns, name).get("status") or {}
         if status.get("phase") != "Ready":
@@ -188,9 +193,20 @@ def _assert_serves_like_baseline(cluster, ns: str, name: str, baseline_outputs, 
 
 
 def _delete_pair(cluster, ns: str, name: str) -> None:
-    cluster.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", ns, "--wait=true", "--timeout=120s", timeout=150)
+    """Deletes the pair (also after a failed test: its engines would slow the next scenario) and waits for its pods."""
+    cluster.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", ns, "--ignore-not-found", "--wait=true",
+                    "--timeout=120s", timeout=150)
     wait_for(lambda: not _pods(cluster, ns, name), 120, f"the pods of pair {name} to go",
              lambda: describe(cluster, ns))
+
+
+@pytest.fixture
+def pairs(real_cluster, namespace):
+    """Names of the pairs a test applies: each is deleted afterwards, pass or fail, and its pods waited out."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        _delete_pair(real_cluster, namespace, name)
 
 
 def _leases(cluster, pair_uid: str) -> list[dict]:
@@ -235,9 +251,10 @@ def _engine_core_pid(processes: list[dict]) -> int:
 
 
 def test_decode_engine_killed_in_its_container_restarts_the_pair_in_order(
-        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace):
+        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace, pairs):
     name = "kill-decode"
     t_apply = _apply_pair(real_cluster, namespace, name, images, model_dir)
+    pairs.append(name)
     status = _wait_ready(real_cluster, namespace, name, _diagnose(real_cluster, namespace, name))
     g1 = int(status["pairGeneration"])
     restarts_before = int(status.get("restarts") or 0)
@@ -261,7 +278,7 @@ def test_decode_engine_killed_in_its_container_restarts_the_pair_in_order(
     first_delete = wait_for(
         lambda: watch.first(t_kill, lambda e: e.deleting and e.generation == str(g1)), 240,
         "the operator to start deleting the old generation's pods", diagnose)
-    status = _wait_ready(real_cluster, namespace, name, diagnose, generation=g1 + 1, timeout=ENGINE_START_TIMEOUT + 240)
+    status = _wait_ready(real_cluster, namespace, name, diagnose, generation=g1 + 1)
     t_ready = time.monotonic()
     ip, port = _service(real_cluster, namespace, name)
     first = completion(real_cluster, "n1", ip, port, PROMPTS[0])
@@ -314,7 +331,6 @@ def test_decode_engine_killed_in_its_container_restarts_the_pair_in_order(
     assert listened_at <= _seconds(prefill_pod["metadata"]["creationTimestamp"]), (listening, prefill_pod["metadata"])
 
     _assert_serves_like_baseline(real_cluster, namespace, name, baseline_outputs)
-    _delete_pair(real_cluster, namespace, name)
 
 
 def _seconds(rfc3339: str) -> datetime.datetime:
@@ -331,12 +347,13 @@ def _pair_events(cluster, ns: str, name: str, reason: str) -> list[dict]:
 
 # --- e. the operator pod deleted during a pair's startup --------------------------------------------------------
 def test_operator_pod_deleted_during_pair_startup_converges_without_duplicates(
-        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace):
+        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace, pairs):
     name = "op-deleted"
     [old_operator] = _operator_pods(real_cluster)
     watch = PodWatch(real_cluster, namespace)
     diagnose = _diagnose(real_cluster, namespace, name, watch, time.monotonic())
     t_apply = _apply_pair(real_cluster, namespace, name, images, model_dir)
+    pairs.append(name)
     decode_added = wait_for(lambda: watch.first(t_apply, lambda e: e.type == "ADDED" and e.role == ROLE_DECODE), 180,
                             "the decode pod", diagnose)
     real_cluster.kubectl("delete", "pod", "-n", OPERATOR_NS, old_operator["metadata"]["name"], "--wait=false")
@@ -409,11 +426,12 @@ while time.monotonic() < end:
 
 
 def test_helm_upgrade_of_the_operator_keeps_a_serving_pair_untouched(
-        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace):
+        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace, pairs):
     import subprocess
 
     name = "upgrade"
     _apply_pair(real_cluster, namespace, name, images, model_dir)
+    pairs.append(name)
     diagnose = _diagnose(real_cluster, namespace, name)
     before = _wait_ready(real_cluster, namespace, name, diagnose)
     _assert_serves_like_baseline(real_cluster, namespace, name, baseline_outputs, PROMPTS[:1])
@@ -481,7 +499,6 @@ def test_helm_upgrade_of_the_operator_keeps_a_serving_pair_untouched(
     pods_after = {n: (p["metadata"]["uid"], p["status"]["containerStatuses"][0]["restartCount"])
                   for n, p in _pods(real_cluster, namespace, name).items()}
     assert pods_after == pods_before, (pods_before, pods_after)
-    _delete_pair(real_cluster, namespace, name)
 
 
 def _helm_revision(helm) -> int:
