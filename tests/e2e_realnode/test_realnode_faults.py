@@ -61,18 +61,20 @@ class PodEvent:
 
 
 class PodWatch:
-    """Every watch event on the pair pods of a namespace, in a thread (kubernetes client, resumed by
-    resourceVersion after each server-side timeout, so no event between two streams is lost)."""
+    """Every watch event on one pair's pods, in a thread (kubernetes client, resumed by resourceVersion after each
+    server-side timeout, so no event between two streams is lost). Only that pair's: another pair in the namespace
+    (e.g. left by a failed test) must not show up in this one's record."""
 
-    def __init__(self, cluster, namespace: str):
+    def __init__(self, cluster, namespace: str, pair: str):
         from kubernetes import client, config
 
         self.core = client.CoreV1Api(config.new_client_from_config(config_file=str(cluster.kubeconfig)))
         self.namespace = namespace
+        self.selector = f"{LABEL_PAIR}={pair}"
         self.events: list[PodEvent] = []
         self.error: BaseException | None = None
         self._stop = threading.Event()
-        listing = self.core.list_namespaced_pod(namespace, label_selector=LABEL_PAIR_UID)
+        listing = self.core.list_namespaced_pod(namespace, label_selector=self.selector)
         self.initial = [p.metadata.name for p in listing.items]
         self._rv = listing.metadata.resource_version
         self._thread = threading.Thread(target=self._run, name=f"podwatch-{namespace}", daemon=True)
@@ -84,7 +86,7 @@ class PodWatch:
         try:
             while not self._stop.is_set():
                 w = watch.Watch()
-                for ev in w.stream(self.core.list_namespaced_pod, self.namespace, label_selector=LABEL_PAIR_UID,
+                for ev in w.stream(self.core.list_namespaced_pod, self.namespace, label_selector=self.selector,
                                    resource_version=self._rv, timeout_seconds=5, _request_timeout=30):
                     pod = ev["object"]
                     self._rv = pod.metadata.resource_version
@@ -266,7 +268,7 @@ def test_decode_engine_killed_in_its_container_restarts_the_pair_in_order(
     decode = old[ROLE_DECODE]["metadata"]["name"]
     pid = _engine_core_pid(_container_processes(real_cluster, namespace, decode))
 
-    watch = PodWatch(real_cluster, namespace)
+    watch = PodWatch(real_cluster, namespace, name)
     diagnose = _diagnose(real_cluster, namespace, name, watch, time.monotonic())
     t_kill = time.monotonic()
     # The image has no kill(1) (python:slim): os.kill from inside the container, as the engine's own user.
@@ -350,7 +352,7 @@ def test_operator_pod_deleted_during_pair_startup_converges_without_duplicates(
         real_cluster, operator_release, baseline_outputs, images, model_dir, namespace, pairs):
     name = "op-deleted"
     [old_operator] = _operator_pods(real_cluster)
-    watch = PodWatch(real_cluster, namespace)
+    watch = PodWatch(real_cluster, namespace, name)
     diagnose = _diagnose(real_cluster, namespace, name, watch, time.monotonic())
     t_apply = _apply_pair(real_cluster, namespace, name, images, model_dir)
     pairs.append(name)
