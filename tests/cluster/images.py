@@ -156,6 +156,8 @@ def build_dockerfile_image(name: str, dockerfile: pathlib.Path, inputs: list[pat
     key = h.hexdigest()[:16]
     ref = f"localhost/pdpair/{name}:{key[:12]}"
     archive = images_dir() / f"{name}-{key}.oci.tar"
+    if archive.is_file():  # cached (archives appear by rename): no need to wait behind another session's build
+        return Image(ref, archive, key)
     with _Lock("buildah"):
         if archive.is_file():
             return Image(ref, archive, key)

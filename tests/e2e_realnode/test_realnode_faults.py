@@ -1,0 +1,507 @@
+"""Faults on the real nodes (issue 10, 6c/6e/6f): what a user's cluster does to a serving pair, with real vLLM pods.
+
+- c. decode's engine process is SIGKILLed inside its container: the operator restarts the pair IN ORDER (recorded
+  by a pod watch: prefill deleted, then decode, new decode, its listener up, then the new prefill) and the pair
+  serves again with the single engine's greedy outputs.
+- e. the operator pod is deleted while a pair starts (decode exists, prefill not yet): the Deployment's new operator
+  converges with exactly one pod per role, no second set of port leases, and a serving pair.
+- f. `helm upgrade` rolls the operator while a client sends requests: no failed request, the pair's pods keep their
+  UIDs with no container restart, the pair stays Ready, and the new operator pod runs the new revision.
+
+Each scenario runs its own pair in the module's namespace and deletes it at the end. The operator release is the
+session's (conftest `operator_release`); scenario f leaves it upgraded, installed and serving.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import pytest
+import yaml
+
+from pdpair.contract import (
+    GROUP, LABEL_PAIR, LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_PURPOSE, LABEL_ROLE, PLURAL, ROLE_DECODE, ROLE_PREFILL,
+    ROLE_ROUTER,
+)
+from pdpair.operator.ports import required_blocks
+from tests.cluster.realnode_product import (
+    CHART, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, describe, pair_manifest,
+    pod_logs, wait_for,
+)
+
+pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
+
+OPERATOR_SELECTOR = "app.kubernetes.io/name=pdpair,app.kubernetes.io/component=operator"
+ROLES = (ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER)
+
+
+# --- a pod watch ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PodEvent:
+    t: float  # time.monotonic() when the watch saw it
+    type: str  # ADDED | MODIFIED | DELETED
+    name: str
+    uid: str
+    role: str
+    generation: str
+    phase: str
+    ready: bool
+    ip: str
+    restarts: int
+    deleting: bool
+
+    def line(self, t0: float) -> str:
+        return (f"{self.t - t0:7.1f}s {self.type:8} {self.name:28} phase={self.phase:9} ready={self.ready!s:5} "
+                f"ip={self.ip or '-':12} restarts={self.restarts} deleting={self.deleting}")
+
+
+class PodWatch:
+    """Every watch event on one pair's pods, in a thread (kubernetes client, resumed by resourceVersion after each
+    server-side timeout, so no event between two streams is lost). Only that pair's: another pair in the namespace
+    (e.g. left by a failed test) must not show up in this one's record."""
+
+    def __init__(self, cluster, namespace: str, pair: str):
+        from kubernetes import client, config
+
+        self.core = client.CoreV1Api(config.new_client_from_config(config_file=str(cluster.kubeconfig)))
+        self.namespace = namespace
+        self.selector = f"{LABEL_PAIR}={pair}"
+        self.events: list[PodEvent] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        listing = self.core.list_namespaced_pod(namespace, label_selector=self.selector)
+        self.initial = [p.metadata.name for p in listing.items]
+        self._rv = listing.metadata.resource_version
+        self._thread = threading.Thread(target=self._run, name=f"podwatch-{namespace}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from kubernetes import watch
+
+        try:
+            while not self._stop.is_set():
+                w = watch.Watch()
+                for ev in w.stream(self.core.list_namespaced_pod, self.namespace, label_selector=self.selector,
+                                   resource_version=self._rv, timeout_seconds=5, _request_timeout=30):
+                    pod = ev["object"]
+                    self._rv = pod.metadata.resource_version
+                    self.events.append(_event(ev["type"], pod))
+                    if self._stop.is_set():
+                        w.stop()
+        except BaseException as exc:  # reported by stop(): a watch that died would make the record incomplete
+            self.error = exc
+
+    def stop(self) -> list[PodEvent]:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        assert not self._thread.is_alive(), "pod watch thread did not stop"
+        assert self.error is None, f"pod watch failed: {self.error!r}"
+        return list(self.events)
+
+    def since(self, t: float) -> list[PodEvent]:
+        return [e for e in list(self.events) if e.t >= t]
+
+    def first(self, t: float, pred) -> PodEvent | None:
+        return next((e for e in self.since(t) if pred(e)), None)
+
+
+def _event(kind: str, pod) -> PodEvent:
+    labels = pod.metadata.labels or {}
+    status = pod.status
+    ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
+    restarts = sum(cs.restart_count or 0 for cs in (status.container_statuses or []))
+    return PodEvent(time.monotonic(), kind, pod.metadata.name, pod.metadata.uid, labels.get(LABEL_ROLE, ""),
+                    labels.get("pdpair.io/generation", ""), status.phase or "", ready, status.pod_ip or "", restarts,
+                    pod.metadata.deletion_timestamp is not None)
+
+
+# --- helpers ------------------------------------------------------------------------------------------------
+def _pair(cluster, ns: str, name: str) -> dict:
+    return json.loads(cluster.kubectl("get", f"{PLURAL}.{GROUP}", name, "-n", ns, "-o", "json").stdout)
+
+
+def _pods(cluster, ns: str, name: str) -> dict[str, dict]:
+    items = json.loads(cluster.kubectl("get", "pods", "-n", ns, "-l", f"{LABEL_PAIR}={name}", "-o",
+                                       "json").stdout)["items"]
+    return {p["metadata"]["name"]: p for p in items}
+
+
+def _operator_pods(cluster) -> list[dict]:
+    return json.loads(cluster.kubectl("get", "pods", "-n", OPERATOR_NS, "-l", OPERATOR_SELECTOR, "-o",
+                                      "json").stdout)["items"]
+
+
+def _ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+def _diagnose(cluster, ns: str, name: str, watch: PodWatch | None = None, t0: float = 0.0):
+    def run() -> str:
+        out = [describe(cluster, ns)]
+        try:
+            out.append(json.dumps(_pair(cluster, ns, name).get("status"), indent=1)[-3000:])
+        except Exception as exc:  # the pair may be gone: the rest is still worth printing
+            out.append(f"pair: {exc}")
+        for pod in _pods(cluster, ns, name):
+            out.append(f"--- {pod}:\n{pod_logs(cluster, ns, pod)}")
+        out.append("--- operator:\n" + cluster.kubectl("logs", "-n", OPERATOR_NS, "deploy/pdpair-operator",
+                                                       "--tail=80", check=False).stdout)
+        if watch is not None:
+            out.append("--- pod watch:\n" + "\n".join(e.line(t0) for e in list(watch.events)))
+        return "\n".join(out)
+    return run
+
+
+def _apply_pair(cluster, ns: str, name: str, images, model_dir) -> float:
+    body = pair_manifest(name, ns, images["engine"].ref, model_dir, prefill_node="n1", decode_node="n2")
+    t = time.monotonic()
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+    return t
+
+
+# Decode and prefill start one after the other (decode first), each within ENGINE_START_TIMEOUT: a busy 2-core
+# machine took 12.5 min from apply to Ready (decode 8 min, prefill 4, router 0.5).
+PAIR_READY_TIMEOUT = 2 * ENGINE_START_TIMEOUT + 120
+
+
+def _wait_ready(cluster, ns: str, name: str, diagnose, *, generation: int | None = None,
+                timeout: float = PAIR_READY_TIMEOUT) -> dict:
+    def ready():
+        status = _pair(cluster, ns, name).get("status") or {}
+        if status.get("phase") != "Ready":
+            return None
+        if generation is not None and int(status.get("pairGeneration") or 0) != generation:
+            return None
+        return status
+    return wait_for(ready, timeout, f"pair {name} phase Ready" + (f" at generation {generation}" if generation else ""),
+                    diagnose)
+
+
+def _service(cluster, ns: str, name: str) -> tuple[str, int]:
+    svc = json.loads(cluster.kubectl("get", "service", name, "-n", ns, "-o", "json").stdout)
+    return svc["spec"]["clusterIP"], int(svc["spec"]["ports"][0]["port"])
+
+
+def _assert_serves_like_baseline(cluster, ns: str, name: str, baseline_outputs, prompts=PROMPTS) -> None:
+    ip, port = _service(cluster, ns, name)
+    outputs = {p: completion(cluster, "n1", ip, port, p) for p in prompts}
+    expected = {p: baseline_outputs[p] for p in prompts}
+    assert outputs == expected, f"pair outputs differ from the single engine:\npair: {outputs}\nbaseline: {expected}"
+
+
+def _delete_pair(cluster, ns: str, name: str) -> None:
+    """Deletes the pair (also after a failed test: its engines would slow the next scenario) and waits for its pods."""
+    cluster.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", ns, "--ignore-not-found", "--wait=true",
+                    "--timeout=120s", timeout=150)
+    wait_for(lambda: not _pods(cluster, ns, name), 120, f"the pods of pair {name} to go",
+             lambda: describe(cluster, ns))
+
+
+@pytest.fixture
+def pairs(real_cluster, namespace):
+    """Names of the pairs a test applies: each is deleted afterwards, pass or fail, and its pods waited out."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        _delete_pair(real_cluster, namespace, name)
+
+
+def _leases(cluster, pair_uid: str) -> list[dict]:
+    return json.loads(cluster.kubectl("get", "leases.coordination.k8s.io", "-n", OPERATOR_NS, "-l",
+                                      f"{LABEL_PORT_LEASE}=true,{LABEL_PAIR_UID}={pair_uid}", "-o",
+                                      "json").stdout)["items"]
+
+
+# --- c. decode's engine process killed ------------------------------------------------------------------------
+# Runs in the engine container: the container's processes other than PID 1 (vLLM's API server) and this one.
+# vLLM runs its engine (model, scheduler, KV connector) in a child process of the API server.
+_PROCESSES_SNIPPET = r"""
+import json, os
+me = os.getpid()
+out = []
+for d in os.listdir("/proc"):
+    if not d.isdigit() or int(d) in (me,):
+        continue
+    try:
+        stat = open(f"/proc/{d}/stat").read()
+        cmd = open(f"/proc/{d}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        continue
+    comm = stat[stat.index("(") + 1:stat.rindex(")")]
+    ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+    out.append({"pid": int(d), "ppid": ppid, "comm": comm, "cmdline": cmd[:300]})
+print(json.dumps(out))
+"""
+
+
+def _container_processes(cluster, ns: str, pod: str) -> list[dict]:
+    proc = cluster.kubectl("exec", "-n", ns, pod, "-c", "engine", "--", "python", "-c", _PROCESSES_SNIPPET)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _engine_core_pid(processes: list[dict]) -> int:
+    """The vLLM engine core: a child of the API server (PID 1), titled VLLM::EngineCore by vLLM (its model runs in a
+    VLLM::Worker child of it). PID 1 itself cannot be SIGKILLed from inside its PID namespace."""
+    cores = [p for p in processes if p["ppid"] == 1 and "EngineCore" in (p["comm"] + p["cmdline"])]
+    assert len(cores) == 1, f"expected one engine core process under PID 1, found: {json.dumps(processes, indent=1)}"
+    return cores[0]["pid"]
+
+
+def test_decode_engine_killed_in_its_container_restarts_the_pair_in_order(
+        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace, pairs):
+    name = "kill-decode"
+    t_apply = _apply_pair(real_cluster, namespace, name, images, model_dir)
+    pairs.append(name)
+    status = _wait_ready(real_cluster, namespace, name, _diagnose(real_cluster, namespace, name))
+    g1 = int(status["pairGeneration"])
+    restarts_before = int(status.get("restarts") or 0)
+    print(f"[faults] {name}: apply -> Ready {time.monotonic() - t_apply:.1f}s (generation {g1})")
+    _assert_serves_like_baseline(real_cluster, namespace, name, baseline_outputs, PROMPTS[:1])
+
+    pods = _pods(real_cluster, namespace, name)
+    old = {p["metadata"]["labels"][LABEL_ROLE]: p for p in pods.values()}
+    decode = old[ROLE_DECODE]["metadata"]["name"]
+    pid = _engine_core_pid(_container_processes(real_cluster, namespace, decode))
+
+    watch = PodWatch(real_cluster, namespace, name)
+    diagnose = _diagnose(real_cluster, namespace, name, watch, time.monotonic())
+    t_kill = time.monotonic()
+    # The image has no kill(1) (python:slim): os.kill from inside the container, as the engine's own user.
+    real_cluster.kubectl("exec", "-n", namespace, decode, "-c", "engine", "--", "python", "-c",
+                         f"import os, signal; os.kill({pid}, signal.SIGKILL)")
+    print(f"[faults] {name}: SIGKILL to decode {decode}'s engine core (pid {pid} in the container)")
+
+    # Detection: the operator's first deletion of an old pod.
+    first_delete = wait_for(
+        lambda: watch.first(t_kill, lambda e: e.deleting and e.generation == str(g1)), 240,
+        "the operator to start deleting the old generation's pods", diagnose)
+    status = _wait_ready(real_cluster, namespace, name, diagnose, generation=g1 + 1)
+    t_ready = time.monotonic()
+    ip, port = _service(real_cluster, namespace, name)
+    first = completion(real_cluster, "n1", ip, port, PROMPTS[0])
+    t_token = time.monotonic()
+    events = watch.stop()
+    timeline = "\n".join(e.line(t_kill) for e in events)
+    print(f"[faults] {name}: kill -> restart detected (first pod deletion) {first_delete.t - t_kill:.1f}s, "
+          f"-> Ready again {t_ready - t_kill:.1f}s, -> first token again {t_token - t_kill:.1f}s\n"
+          f"[faults] pod watch (seconds after the kill):\n{timeline}")
+
+    assert first == baseline_outputs[PROMPTS[0]], (first, baseline_outputs[PROMPTS[0]])
+    assert int(status.get("restarts") or 0) == restarts_before + 1, status
+    assert status.get("lastRestart", {}).get("reason"), status
+
+    # The order, from the watch. Old generation: prefill (and the router) go before decode is touched.
+    def t_of(pred) -> float:
+        event = next((e for e in events if pred(e)), None)
+        assert event is not None, f"no such event in the watch:\n{timeline}"
+        return event.t
+
+    old_gen, new_gen = str(g1), str(g1 + 1)
+    prefill_gone = t_of(lambda e: e.type == "DELETED" and e.role == ROLE_PREFILL and e.generation == old_gen)
+    router_gone = t_of(lambda e: e.type == "DELETED" and e.role == ROLE_ROUTER and e.generation == old_gen)
+    # vLLM's API server ends when its engine core dies, so the decode pod ends (restartPolicy Never: the kubelet
+    # does not restart it alone); the operator deletes it only after the front pods are gone.
+    decode_delete = t_of(lambda e: e.role == ROLE_DECODE and e.generation == old_gen and e.deleting)
+    decode_gone = t_of(lambda e: e.type == "DELETED" and e.role == ROLE_DECODE and e.generation == old_gen)
+    decode_added = t_of(lambda e: e.type == "ADDED" and e.role == ROLE_DECODE and e.generation == new_gen)
+    decode_running = t_of(lambda e: e.role == ROLE_DECODE and e.generation == new_gen and e.phase == "Running"
+                          and e.ip)
+    prefill_added = t_of(lambda e: e.type == "ADDED" and e.role == ROLE_PREFILL and e.generation == new_gen)
+    router_added = t_of(lambda e: e.type == "ADDED" and e.role == ROLE_ROUTER and e.generation == new_gen)
+    assert max(prefill_gone, router_gone) <= decode_delete <= decode_gone <= decode_added <= decode_running \
+        <= prefill_added <= router_added, timeline
+    # No in-place restart of any container anywhere: every replacement went through the ordered path.
+    assert not [e for e in events if e.restarts], timeline
+    ended = [e.phase for e in events if e.role == ROLE_DECODE and e.generation == old_gen]
+    print(f"[faults] {name}: old decode's phases after the kill: {sorted(set(ended))}")
+    # One pod per role in the new generation.
+    added = [e.role for e in events if e.type == "ADDED" and e.generation == new_gen]
+    assert sorted(added) == sorted(ROLES), timeline
+    # The gate: decode's listener accepted before the new prefill existed (the operator's DecodeListening Event).
+    new_decode = next(e.name for e in events if e.type == "ADDED" and e.role == ROLE_DECODE and e.generation == new_gen)
+    listening = _pair_events(real_cluster, namespace, name, "DecodeListening")
+    assert any(new_decode in ev["message"] for ev in listening), listening
+    prefill_pod = next(p for p in _pods(real_cluster, namespace, name).values()
+                       if p["metadata"]["labels"][LABEL_ROLE] == ROLE_PREFILL)
+    # Event times may carry microseconds, creationTimestamp has whole seconds: compare whole seconds.
+    listened_at = max(_seconds(ev["time"]) for ev in listening if new_decode in ev["message"])
+    assert listened_at <= _seconds(prefill_pod["metadata"]["creationTimestamp"]), (listening, prefill_pod["metadata"])
+
+    _assert_serves_like_baseline(real_cluster, namespace, name, baseline_outputs)
+
+
+def _seconds(rfc3339: str) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).replace(microsecond=0)
+
+
+def _pair_events(cluster, ns: str, name: str, reason: str) -> list[dict]:
+    items = json.loads(cluster.kubectl("get", "events", "-n", ns, "--field-selector",
+                                       f"involvedObject.name={name},reason={reason}", "-o", "json").stdout)["items"]
+    return [{"message": e.get("message", ""),
+             "time": e.get("eventTime") or e.get("firstTimestamp") or e["metadata"]["creationTimestamp"]}
+            for e in items]
+
+
+# --- e. the operator pod deleted during a pair's startup --------------------------------------------------------
+def test_operator_pod_deleted_during_pair_startup_converges_without_duplicates(
+        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace, pairs):
+    name = "op-deleted"
+    [old_operator] = _operator_pods(real_cluster)
+    watch = PodWatch(real_cluster, namespace, name)
+    diagnose = _diagnose(real_cluster, namespace, name, watch, time.monotonic())
+    t_apply = _apply_pair(real_cluster, namespace, name, images, model_dir)
+    pairs.append(name)
+    decode_added = wait_for(lambda: watch.first(t_apply, lambda e: e.type == "ADDED" and e.role == ROLE_DECODE), 180,
+                            "the decode pod", diagnose)
+    real_cluster.kubectl("delete", "pod", "-n", OPERATOR_NS, old_operator["metadata"]["name"], "--wait=false")
+    t_delete = time.monotonic()
+    prefill_before = [e for e in watch.since(t_apply) if e.role == ROLE_PREFILL and e.t <= t_delete]
+    assert not prefill_before, "the prefill pod existed before the operator was deleted: the test missed its window"
+    print(f"[faults] {name}: decode ADDED {decode_added.t - t_apply:.1f}s after apply; operator pod "
+          f"{old_operator['metadata']['name']} deleted {t_delete - t_apply:.1f}s after apply")
+
+    def new_operator_ready():
+        pods = _operator_pods(real_cluster)
+        fresh = [p for p in pods if p["metadata"]["uid"] != old_operator["metadata"]["uid"] and _ready(p)]
+        gone = all(p["metadata"]["uid"] != old_operator["metadata"]["uid"] for p in pods)
+        return fresh[0] if fresh and gone else None
+    new_operator = wait_for(new_operator_ready, 300, "a new Ready operator pod and the old one gone", diagnose)
+    print(f"[faults] {name}: new operator {new_operator['metadata']['name']} Ready and the old one gone "
+          f"{time.monotonic() - t_delete:.1f}s after the delete")
+
+    status = _wait_ready(real_cluster, namespace, name, diagnose)
+    t_ready = time.monotonic()
+    _assert_serves_like_baseline(real_cluster, namespace, name, baseline_outputs)
+    events = watch.stop()
+    timeline = "\n".join(e.line(t_apply) for e in events)
+    print(f"[faults] {name}: apply -> Ready {t_ready - t_apply:.1f}s\n[faults] pod watch (seconds after apply):\n"
+          f"{timeline}")
+
+    # Exactly one pod per role was ever created, none deleted, no container restarted: no restart, no twin.
+    added = sorted((e.role, e.name) for e in events if e.type == "ADDED")
+    assert [r for r, _ in added] == sorted(ROLES), timeline
+    assert not [e for e in events if e.type == "DELETED" or e.deleting or e.restarts], timeline
+    assert int(status["pairGeneration"]) == 1 and int(status.get("restarts") or 0) == 0, status
+    # One lease per required port, each listed once in status.ports.
+    pair = _pair(real_cluster, namespace, name)
+    leases = _leases(real_cluster, pair["metadata"]["uid"])
+    lease_keys = sorted((l["metadata"]["labels"][LABEL_ROLE], l["metadata"]["labels"][LABEL_PURPOSE]) for l in leases)
+    want = sorted(k for b in required_blocks(pair["spec"]) for k in [(b.role, b.purpose)] * b.count)
+    assert lease_keys == want, (lease_keys, want)
+    assert sorted(int(l["metadata"]["name"].rsplit("-", 1)[1]) for l in leases) == \
+        sorted(int(p["port"]) for p in status["ports"]), (leases, status["ports"])
+    _delete_pair(real_cluster, namespace, name)
+    wait_for(lambda: not _leases(real_cluster, pair["metadata"]["uid"]), 120, "the pair's leases to be released")
+
+
+# --- f. helm upgrade of the operator while a pair serves ----------------------------------------------------
+# Runs in node n1's network namespace: greedy completions through the Service, one after another, until stdin
+# closes or `limit` seconds pass. One JSON line per request. A refused connection is a failure here (no retry).
+_CLIENT_SNIPPET = r"""
+import json, select, sys, time, urllib.request
+url, model, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
+prompts = json.loads(sys.argv[4])
+end = time.monotonic() + limit
+i = 0
+while time.monotonic() < end:
+    if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.readline():
+        break
+    prompt = prompts[i % len(prompts)]
+    i += 1
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()
+    t = time.monotonic()
+    try:
+        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            text = json.load(resp)["choices"][0]["text"]
+        print(json.dumps({"prompt": prompt, "ok": True, "text": text, "seconds": time.monotonic() - t}), flush=True)
+    except Exception as exc:
+        print(json.dumps({"prompt": prompt, "ok": False, "error": repr(exc)[:300], "seconds": time.monotonic() - t}),
+              flush=True)
+        time.sleep(0.2)
+"""
+
+
+def test_helm_upgrade_of_the_operator_keeps_a_serving_pair_untouched(
+        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace, pairs):
+    import subprocess
+
+    name = "upgrade"
+    _apply_pair(real_cluster, namespace, name, images, model_dir)
+    pairs.append(name)
+    diagnose = _diagnose(real_cluster, namespace, name)
+    before = _wait_ready(real_cluster, namespace, name, diagnose)
+    _assert_serves_like_baseline(real_cluster, namespace, name, baseline_outputs, PROMPTS[:1])
+    pods_before = {n: (p["metadata"]["uid"], p["status"]["containerStatuses"][0]["restartCount"])
+                   for n, p in _pods(real_cluster, namespace, name).items()}
+    assert len(pods_before) == 3 and all(r == 0 for _, r in pods_before.values()), pods_before
+    [old_operator] = _operator_pods(real_cluster)
+    revision_before = _helm_revision(operator_release)
+
+    ip, port = _service(real_cluster, namespace, name)
+    kubelet = real_cluster.node("n1").pid("kubelet")
+    client = subprocess.Popen(
+        ["nsenter", "-t", str(kubelet), "-m", "-n", sys.executable, "-c", _CLIENT_SNIPPET,
+         f"http://{ip}:{port}/v1/completions", SERVED_NAME, "420", json.dumps(PROMPTS)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results: list[dict] = []
+    reader = threading.Thread(target=lambda: results.extend(json.loads(l) for l in client.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: len(results) >= 2, 120, "the client's first requests", lambda: str(results))
+        stamp = uuid.uuid4().hex[:12]
+        t0 = time.monotonic()
+        operator_release("upgrade", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--reuse-values",
+                         "--set-string", f"operator.podAnnotations.pdpair\\.io/faults-upgrade={stamp}",
+                         "--wait", "--timeout", "300s", timeout=360)
+        t_upgraded = time.monotonic() - t0
+
+        def new_operator():
+            pods = _operator_pods(real_cluster)
+            fresh = [p for p in pods if (p["metadata"].get("annotations") or {}).get("pdpair.io/faults-upgrade") == stamp
+                     and _ready(p) and not p["metadata"].get("deletionTimestamp")]
+            return fresh[0] if len(pods) == 1 and fresh else None
+        operator = wait_for(new_operator, 300, "one operator pod, Ready, from the new revision", diagnose)
+        # The new operator has taken the pair over: its first reconcile pass logs the pair's step.
+        wait_for(lambda: f"pair {namespace}/{name}: Ready" in real_cluster.kubectl(
+            "logs", "-n", OPERATOR_NS, operator["metadata"]["name"], check=False).stdout, 120,
+            "the new operator's first pass over the pair", diagnose)
+        # Then two more health ticks' worth of traffic (the operator's default health interval is 10 s).
+        n = len(results)
+        t_taken = time.monotonic()
+        wait_for(lambda: time.monotonic() - t_taken >= 25 and len(results) >= n + 3, 180,
+                 "traffic after the takeover", lambda: str(results[-5:]))
+    finally:
+        client.stdin.close()
+        try:
+            client.wait(timeout=120)
+        finally:
+            if client.poll() is None:
+                client.kill()
+        reader.join(timeout=30)
+    failed = [r for r in results if not r["ok"]]
+    wrong = [r for r in results if r["ok"] and r["text"] != baseline_outputs[r["prompt"]]]
+    print(f"[faults] {name}: helm upgrade --wait took {t_upgraded:.1f}s; {len(results)} requests during and after, "
+          f"{len(failed)} failed, slowest {max(r['seconds'] for r in results):.2f}s")
+    assert client.returncode == 0, client.stderr.read()
+    assert not failed, failed
+    assert not wrong, wrong
+    assert len(results) >= 5, results
+
+    assert _helm_revision(operator_release) == revision_before + 1
+    assert operator["metadata"]["uid"] != old_operator["metadata"]["uid"]
+    after = _pair(real_cluster, namespace, name)["status"]
+    assert after["phase"] == "Ready" and after["pairGeneration"] == before["pairGeneration"], after
+    assert int(after.get("restarts") or 0) == int(before.get("restarts") or 0), after
+    pods_after = {n: (p["metadata"]["uid"], p["status"]["containerStatuses"][0]["restartCount"])
+                  for n, p in _pods(real_cluster, namespace, name).items()}
+    assert pods_after == pods_before, (pods_before, pods_after)
+
+
+def _helm_revision(helm) -> int:
+    return int(json.loads(helm("status", RELEASE, "--namespace", OPERATOR_NS, "-o", "json").stdout)["version"])
