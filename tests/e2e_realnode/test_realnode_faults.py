@@ -3,10 +3,11 @@
 - c. decode's engine process is SIGKILLed inside its container: the operator restarts the pair IN ORDER (recorded
   by a pod watch: prefill deleted, then decode, new decode, its listener up, then the new prefill) and the pair
   serves again with the single engine's greedy outputs.
-- e. the operator pod is deleted while a pair starts (decode exists, prefill not yet): the Deployment's new operator
-  converges with exactly one pod per role, no second set of port leases, and a serving pair.
-- f. `helm upgrade` rolls the operator while a client sends requests: no failed request, the pair's pods keep their
-  UIDs with no container restart, the pair stays Ready, and the new operator pod runs the new revision.
+- e. the leading operator pod is deleted while a pair starts (decode exists, prefill not yet): the standby replica
+  takes the leader Lease over and converges with exactly one pod per role, no second set of port leases, and a
+  serving pair.
+- f. `helm upgrade` rolls the operator replicas while a client sends requests: no failed request, the pair's pods
+  keep their UIDs with no container restart, the pair stays Ready, and the leader runs the new revision.
 
 Each scenario runs its own pair in the module's namespace and deletes it at the end. The operator release is the
 session's (conftest `operator_release`); scenario f leaves it upgraded, installed and serving.
@@ -30,13 +31,12 @@ from pdpair.contract import (
 )
 from pdpair.operator.ports import required_blocks
 from tests.cluster.realnode_product import (
-    CHART, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, describe, pair_manifest,
-    pod_logs, wait_for,
+    CHART, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, describe, leader_pod_name,
+    operator_logs, operator_pods, pair_manifest, pod_logs, wait_for,
 )
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
 
-OPERATOR_SELECTOR = "app.kubernetes.io/name=pdpair,app.kubernetes.io/component=operator"
 ROLES = (ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER)
 
 
@@ -131,11 +131,6 @@ def _pods(cluster, ns: str, name: str) -> dict[str, dict]:
     return {p["metadata"]["name"]: p for p in items}
 
 
-def _operator_pods(cluster) -> list[dict]:
-    return json.loads(cluster.kubectl("get", "pods", "-n", OPERATOR_NS, "-l", OPERATOR_SELECTOR, "-o",
-                                      "json").stdout)["items"]
-
-
 def _ready(pod: dict) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
@@ -149,8 +144,7 @@ def _diagnose(cluster, ns: str, name: str, watch: PodWatch | None = None, t0: fl
             out.append(f"pair: {exc}")
         for pod in _pods(cluster, ns, name):
             out.append(f"--- {pod}:\n{pod_logs(cluster, ns, pod)}")
-        out.append("--- operator:\n" + cluster.kubectl("logs", "-n", OPERATOR_NS, "deploy/pdpair-operator",
-                                                       "--tail=80", check=False).stdout)
+        out.append("--- operator:\n" + operator_logs(cluster, tail=80))
         if watch is not None:
             out.append("--- pod watch:\n" + "\n".join(e.line(t0) for e in list(watch.events)))
         return "\n".join(out)
@@ -351,7 +345,9 @@ def _pair_events(cluster, ns: str, name: str, reason: str) -> list[dict]:
 def test_operator_pod_deleted_during_pair_startup_converges_without_duplicates(
         real_cluster, operator_release, baseline_outputs, images, model_dir, namespace, pairs):
     name = "op-deleted"
-    [old_operator] = _operator_pods(real_cluster)
+    # The chart runs 2 replicas; the one that acts is the leader Lease's holder: delete that one.
+    leader = wait_for(lambda: leader_pod_name(real_cluster), 120, "an operator leader")
+    [old_operator] = [p for p in operator_pods(real_cluster) if p["metadata"]["name"] == leader]
     watch = PodWatch(real_cluster, namespace, name)
     diagnose = _diagnose(real_cluster, namespace, name, watch, time.monotonic())
     t_apply = _apply_pair(real_cluster, namespace, name, images, model_dir)
@@ -365,13 +361,14 @@ def test_operator_pod_deleted_during_pair_startup_converges_without_duplicates(
     print(f"[faults] {name}: decode ADDED {decode_added.t - t_apply:.1f}s after apply; operator pod "
           f"{old_operator['metadata']['name']} deleted {t_delete - t_apply:.1f}s after apply")
 
-    def new_operator_ready():
-        pods = _operator_pods(real_cluster)
-        fresh = [p for p in pods if p["metadata"]["uid"] != old_operator["metadata"]["uid"] and _ready(p)]
+    def new_leader_ready():
+        pods = operator_pods(real_cluster)
         gone = all(p["metadata"]["uid"] != old_operator["metadata"]["uid"] for p in pods)
+        holder = leader_pod_name(real_cluster)
+        fresh = [p for p in pods if p["metadata"]["name"] == holder and holder != leader and _ready(p)]
         return fresh[0] if fresh and gone else None
-    new_operator = wait_for(new_operator_ready, 300, "a new Ready operator pod and the old one gone", diagnose)
-    print(f"[faults] {name}: new operator {new_operator['metadata']['name']} Ready and the old one gone "
+    new_operator = wait_for(new_leader_ready, 300, "another operator replica leading and the old one gone", diagnose)
+    print(f"[faults] {name}: operator {new_operator['metadata']['name']} leads and the old leader is gone "
           f"{time.monotonic() - t_delete:.1f}s after the delete")
 
     status = _wait_ready(real_cluster, namespace, name, diagnose)
@@ -440,7 +437,7 @@ def test_helm_upgrade_of_the_operator_keeps_a_serving_pair_untouched(
     pods_before = {n: (p["metadata"]["uid"], p["status"]["containerStatuses"][0]["restartCount"])
                    for n, p in _pods(real_cluster, namespace, name).items()}
     assert len(pods_before) == 3 and all(r == 0 for _, r in pods_before.values()), pods_before
-    [old_operator] = _operator_pods(real_cluster)
+    old_operators = {p["metadata"]["uid"] for p in operator_pods(real_cluster)}
     revision_before = _helm_revision(operator_release)
 
     ip, port = _service(real_cluster, namespace, name)
@@ -462,11 +459,15 @@ def test_helm_upgrade_of_the_operator_keeps_a_serving_pair_untouched(
         t_upgraded = time.monotonic() - t0
 
         def new_operator():
-            pods = _operator_pods(real_cluster)
+            """Every replica is from the new revision and Ready, and one of them leads."""
+            pods = operator_pods(real_cluster)
             fresh = [p for p in pods if (p["metadata"].get("annotations") or {}).get("pdpair.io/faults-upgrade") == stamp
                      and _ready(p) and not p["metadata"].get("deletionTimestamp")]
-            return fresh[0] if len(pods) == 1 and fresh else None
-        operator = wait_for(new_operator, 300, "one operator pod, Ready, from the new revision", diagnose)
+            holder = leader_pod_name(real_cluster)
+            leading = [p for p in fresh if p["metadata"]["name"] == holder]
+            return leading[0] if len(fresh) == len(pods) and leading else None
+        operator = wait_for(new_operator, 300, "every operator replica Ready from the new revision, one leading",
+                            diagnose)
         # The new operator has taken the pair over: its first reconcile pass logs the pair's step.
         wait_for(lambda: f"pair {namespace}/{name}: Ready" in real_cluster.kubectl(
             "logs", "-n", OPERATOR_NS, operator["metadata"]["name"], check=False).stdout, 120,
@@ -494,7 +495,7 @@ def test_helm_upgrade_of_the_operator_keeps_a_serving_pair_untouched(
     assert len(results) >= 5, results
 
     assert _helm_revision(operator_release) == revision_before + 1
-    assert operator["metadata"]["uid"] != old_operator["metadata"]["uid"]
+    assert operator["metadata"]["uid"] not in old_operators
     after = _pair(real_cluster, namespace, name)["status"]
     assert after["phase"] == "Ready" and after["pairGeneration"] == before["pairGeneration"], after
     assert int(after.get("restarts") or 0) == int(before.get("restarts") or 0), after
