@@ -88,7 +88,8 @@ def apiserver_writes(cluster: LocalCluster) -> collections.Counter:
             continue
         labels = dict(_LABEL.findall(m.group(1)))
         if labels.get("verb") in WRITE_VERBS:
-            key = (labels["verb"], labels.get("group", ""), labels.get("resource", ""), labels.get("subresource", ""))
+            key = (labels["verb"], labels.get("group", ""), labels.get("resource", ""), labels.get("subresource", ""),
+                   labels.get("code", ""))
             out[key] += int(float(m.group(2)))
     return out
 
@@ -98,8 +99,18 @@ def delta(after: collections.Counter, before: collections.Counter) -> collection
 
 
 def key_name(key) -> str:
-    verb, group, resource, sub = key
-    return f"{verb} {group + '/' if group else ''}{resource}{'/' + sub if sub else ''}"
+    verb, group, resource, sub = key[:4]
+    code = f" {key[4]}" if len(key) > 4 else ""
+    return f"{verb} {group + '/' if group else ''}{resource}{'/' + sub if sub else ''}{code}"
+
+
+def by_kind(counts: collections.Counter, ok_only: bool = False) -> collections.Counter:
+    """Drop the response code from the keys (ok_only: count only 2xx answers)."""
+    out: collections.Counter = collections.Counter()
+    for key, v in counts.items():
+        if not ok_only or key[4].startswith("2"):
+            out[key[:4]] += v
+    return out
 
 
 # Writes the operator makes (and the floor replays); everything else is the cluster's own (scheduler bindings, kwok
@@ -405,14 +416,16 @@ def main() -> int:
         ready.wait(n, args.timeout, "pairs Ready")
         op_seconds = time.monotonic() - started
         op_all = delta(apiserver_writes(cluster), before)
-        op_writes = collections.Counter({k: v for k, v in op_all.items() if k in OPERATOR_KEYS})
+        op_writes = collections.Counter({k: v for k, v in by_kind(op_all, ok_only=True).items() if k in OPERATOR_KEYS})
+        op_refused = {key_name(k): v for k, v in sorted(op_all.items()) if k[:4] in OPERATOR_KEYS and not k[4].startswith("2")}
         result.update(operator_seconds=op_seconds, create_seconds=created, rss_start_mib=rss_start,
                       rss_ready_mib=rss_mib(op.proc.pid), load_after_create=load_avg(),
                       operator_writes={key_name(k): v for k, v in sorted(op_writes.items())},
                       operator_writes_per_pair=sum(op_writes.values()) / n,
-                      cluster_writes={key_name(k): v for k, v in sorted(op_all.items()) if k not in OPERATOR_KEYS})
+                      operator_refused_writes=op_refused,
+                      cluster_writes={key_name(k): v for k, v in sorted(op_all.items()) if k[:4] not in OPERATOR_KEYS})
         log(f"operator: {n} pairs Ready after {op_seconds:.1f}s; {sum(op_writes.values())} operator writes "
-            f"({sum(op_writes.values()) / n:.1f}/pair); RSS {result['rss_ready_mib']:.0f} MiB; load {load_avg()}")
+            f"({sum(op_writes.values()) / n:.1f}/pair; refused {op_refused}); RSS {result['rss_ready_mib']:.0f} MiB; load {load_avg()}")
 
         # 3. idle: RSS and write rate
         samples = []
@@ -425,7 +438,7 @@ def main() -> int:
         samples.append((round(idle_seconds, 1), round(rss_mib(op.proc.pid), 1)))
         idle = delta(apiserver_writes(cluster), before)
         idle_rate = sum(idle.values()) / idle_seconds
-        idle_op = sum(v for k, v in idle.items() if k in OPERATOR_KEYS)
+        idle_op = sum(v for k, v in idle.items() if k[:4] in OPERATOR_KEYS)
         result.update(idle_seconds=idle_seconds, idle_rss_samples=samples, idle_writes_per_s=idle_rate,
                       idle_operator_writes=idle_op, idle_writes={key_name(k): v for k, v in sorted(idle.items())},
                       idle_writes_per_s_above_baseline=idle_rate - base_rate,
@@ -448,7 +461,7 @@ def main() -> int:
         restart_seconds = time.monotonic() - started
         restart = delta(apiserver_writes(cluster), before)
         result.update(restart_seconds=restart_seconds, restart_rss_mib=rss_mib(op2.proc.pid),
-                      restart_writes={key_name(k): v for k, v in sorted(restart.items()) if k in OPERATOR_KEYS},
+                      restart_writes={key_name(k): v for k, v in sorted(restart.items()) if k[:4] in OPERATOR_KEYS},
                       ready_after_restart=ready.count())
         log(f"restart: converged ({n} pairs reconciled, Ready) {restart_seconds:.1f}s after start; "
             f"operator writes meanwhile {result['restart_writes']}")

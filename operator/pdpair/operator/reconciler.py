@@ -81,6 +81,9 @@ def api_status(exc: BaseException) -> int | None:
 REJECTED_STATUSES = (400, 403, 422)
 REJECTION_BACKOFF_FIRST = 2.0
 REJECTION_BACKOFF_MAX = 300.0
+# How long a pod this process created may stay missing from the pod index before a pass creates it again (the
+# apiserver's 409 still guards that create); normally the watch delivers it within milliseconds.
+CREATED_UNSEEN_WAIT = 30.0
 
 
 def api_reason(exc: BaseException) -> tuple[str, str]:
@@ -132,6 +135,9 @@ class PairReconciler:
         self.service_problem = ""  # the last Service error reported as an Event (reported once, not per pass)
         self.restart_times: list[float] = self._read_restart_times()
         self.rejections: dict[str, Rejection] = {}  # role -> the API server's last refusal (a backoff, not a decision)
+        # pod name -> when this reconciler created it, until the pod index shows it: our own status patch wakes the
+        # next pass before the pod's watch event arrives, and re-creating it then would only earn a 409
+        self.created_unseen: dict[str, float] = {}
 
     # --- observation --------------------------------------------------------------------------------
     def _read_restart_times(self) -> list[float]:
@@ -419,10 +425,15 @@ class PairReconciler:
             pod = next((p for p in pods if p.name == name), None)
             await self._delete_pod(name, pod.uid if pod else None)
             self.emit("Normal", "PodDeleted", f"deleted {pod.role if pod else 'pod'} {name} ({plan.step})")
+        seen = {p.name for p in pods}
+        for name in [n for n, at in self.created_unseen.items() if n in seen or time.monotonic() - at > CREATED_UNSEEN_WAIT]:
+            del self.created_unseen[name]
         if plan.create:
             rejection = self._rejection(plan)
             if rejection is not None and time.monotonic() < rejection.not_before:
                 return  # refused before for this very spec: wait out the backoff
+            if pod_name(self.ref.name, plan.create, plan.pair_generation) in self.created_unseen:
+                return  # created by an earlier pass; its watch event (which wakes this pair) has not arrived yet
             manifest = self._manifest(plan, pods)
             name = manifest["metadata"]["name"]
             try:
@@ -433,6 +444,7 @@ class PairReconciler:
                 await self._rejected(plan, name, exc, meta_generation)
                 return
             self.rejections.pop(plan.create, None)
+            self.created_unseen[name] = time.monotonic()
             if created:
                 self.emit("Normal", "PodCreated", f"created {plan.create} {name} (generation {plan.pair_generation})")
 
