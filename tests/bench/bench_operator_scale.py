@@ -31,10 +31,8 @@ import concurrent.futures
 import json
 import os
 import pathlib
-import re
 import selectors
 import socket
-import ssl
 import sys
 import threading
 import time
@@ -49,12 +47,12 @@ from pdpair.operator import config as opconfig  # noqa: E402
 from pdpair.operator import devrun  # noqa: E402
 from pdpair.operator.pods import engine_pod  # noqa: E402
 from pdpair.operator.ports import assign, required_blocks, status_ports  # noqa: E402
+from tests.cluster.apiserver_metrics import by_kind, counts_delta, key_name, write_counts  # noqa: E402
 from tests.cluster.localcluster import LocalCluster, build, helm_path  # noqa: E402
 
 OPERATOR_NS = "pdpair-system"
 PAIR_NS = "scale"
 FLOOR_NS = "scale-floor"
-WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION", "APPLY"}
 CREATOR_THREADS = 16
 # The chart's defaults (devrun's test defaults are faster); health scraping is off: kwok pods serve no /metrics.
 OPERATOR_ENV = {
@@ -66,59 +64,13 @@ OPERATOR_ENV = {
 }
 PAIR_SPEC = {"model": "m", "image": "img:1", "network": {"hostNetwork": True}, "router": {"enabled": False}}
 
-_SAMPLE = re.compile(r'^apiserver_request_total\{([^}]*)\} ([0-9.e+]+)$')
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-# --- the apiserver's own counters ---------------------------------------------------------------------------
-def apiserver_writes(cluster: LocalCluster) -> collections.Counter:
-    """Cumulative write requests by (verb, group, resource, subresource), from kube-apiserver's /metrics."""
-    ctx = ssl.create_default_context(cafile=str(cluster.ca_file))
-    req = urllib.request.Request(cluster.server + "/metrics", headers={"Authorization": f"Bearer {cluster.admin_token}"})
-    with urllib.request.urlopen(req, timeout=30, context=ctx) as resp:
-        text = resp.read().decode()
-    out: collections.Counter = collections.Counter()
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        labels = dict(_LABEL.findall(m.group(1)))
-        if labels.get("verb") in WRITE_VERBS:
-            key = (labels["verb"], labels.get("group", ""), labels.get("resource", ""), labels.get("subresource", ""),
-                   labels.get("code", ""))
-            out[key] += int(float(m.group(2)))
-    return out
-
-
-def delta(after: collections.Counter, before: collections.Counter) -> collections.Counter:
-    return collections.Counter({k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0) > 0})
-
-
-def key_name(key) -> str:
-    verb, group, resource, sub = key[:4]
-    code = f" {key[4]}" if len(key) > 4 else ""
-    return f"{verb} {group + '/' if group else ''}{resource}{'/' + sub if sub else ''}{code}"
-
-
-def by_kind(counts: collections.Counter, ok_only: bool = False) -> collections.Counter:
-    """Drop the response code from the keys (ok_only: count only 2xx answers)."""
-    out: collections.Counter = collections.Counter()
-    for key, v in counts.items():
-        if not ok_only or key[4].startswith("2"):
-            out[key[:4]] += v
-    return out
-
-
 # Writes the operator makes (and the floor replays); everything else is the cluster's own (scheduler bindings, kwok
 # pod status and node leases, the scheduler's events.k8s.io Events) and happens for the floor's pods just the same.
-def is_pair_create(key) -> bool:
-    return key == ("POST", GROUP, PLURAL, "")
-
-
 OPERATOR_KEYS = {
     ("POST", "coordination.k8s.io", "leases", ""),
     ("DELETE", "coordination.k8s.io", "leases", ""),
@@ -258,6 +210,11 @@ def operator_metric(proc: devrun.OperatorProcess, name: str, labels: str = "") -
     return None
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def load_avg() -> str:
     return " / ".join(open("/proc/loadavg").read().split()[:3])
 
@@ -341,7 +298,7 @@ def run_floor(cluster: LocalCluster, op_writes: collections.Counter, n: int, thr
                 with lock:
                     skipped[key] += 1
 
-    before = apiserver_writes(cluster)
+    before = write_counts(cluster)
     started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         for f in [pool.submit(one_pair, i) for i in range(n)]:
@@ -351,7 +308,7 @@ def run_floor(cluster: LocalCluster, op_writes: collections.Counter, n: int, thr
     running.wait(pods_expected, timeout, "floor pods Running")
     total = time.monotonic() - started
     running.stop()
-    writes = delta(apiserver_writes(cluster), before)
+    writes = counts_delta(write_counts(cluster), before)
     return {"writes_seconds": writes_done, "seconds": total, "skipped": {key_name(k): v for k, v in skipped.items()},
             "writes": {key_name(k): v for k, v in sorted(writes.items())}}
 
@@ -392,9 +349,9 @@ def main() -> int:
         custom = client.CustomObjectsApi(api)
 
         # 1. baseline
-        before = apiserver_writes(cluster)
+        before = write_counts(cluster)
         time.sleep(args.baseline_seconds)
-        base = delta(apiserver_writes(cluster), before)
+        base = counts_delta(write_counts(cluster), before)
         base_rate = sum(base.values()) / args.baseline_seconds
         result["baseline_writes_per_s"] = base_rate
         log(f"baseline (no operator): {base_rate:.2f} writes/s: " + ", ".join(f"{key_name(k)} {v}" for k, v in base.items()))
@@ -405,7 +362,7 @@ def main() -> int:
         op = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, workdir / "operator-1.log",
                                     extra_env={opconfig.ENV_WATCH_NAMESPACES: PAIR_NS, **OPERATOR_ENV}).start()
         rss_start = rss_mib(op.proc.pid)
-        before = apiserver_writes(cluster)
+        before = write_counts(cluster)
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(CREATOR_THREADS) as tp:
             list(tp.map(lambda i: custom.create_namespaced_custom_object(GROUP, VERSION, PAIR_NS, PLURAL, {
@@ -415,7 +372,8 @@ def main() -> int:
         log(f"{n} pairs created in {created:.1f}s; waiting for Ready")
         ready.wait(n, args.timeout, "pairs Ready")
         op_seconds = time.monotonic() - started
-        op_all = delta(apiserver_writes(cluster), before)
+        write_counts_at_ready = write_counts(cluster)
+        op_all = counts_delta(write_counts_at_ready, before)
         op_writes = collections.Counter({k: v for k, v in by_kind(op_all, ok_only=True).items() if k in OPERATOR_KEYS})
         op_refused = {key_name(k): v for k, v in sorted(op_all.items()) if k[:4] in OPERATOR_KEYS and not k[4].startswith("2")}
         result.update(operator_seconds=op_seconds, create_seconds=created, rss_start_mib=rss_start,
@@ -427,19 +385,36 @@ def main() -> int:
         log(f"operator: {n} pairs Ready after {op_seconds:.1f}s; {sum(op_writes.values())} operator writes "
             f"({sum(op_writes.values()) / n:.1f}/pair; refused {op_refused}); RSS {result['rss_ready_mib']:.0f} MiB; load {load_avg()}")
 
-        # 3. idle: RSS and write rate
+        result["operator_cpu_seconds_to_ready"] = cpu_seconds(op.proc.pid)
+
+        # 3. settle (kopf posts Events from a queue, after the step that emitted them), then idle: RSS and write rate
+        t0 = time.monotonic()
+        last = write_counts(cluster)
+        while time.monotonic() - t0 < args.timeout:
+            time.sleep(10)
+            now = write_counts(cluster)
+            recent = sum(v for k, v in counts_delta(now, last).items() if k[:4] in OPERATOR_KEYS)
+            last = now
+            if recent == 0:
+                break
+        settle = counts_delta(last, write_counts_at_ready)
+        result.update(settle_seconds=time.monotonic() - t0, rss_settled_mib=rss_mib(op.proc.pid),
+                      settle_writes={key_name(k): v for k, v in sorted(settle.items()) if k[:4] in OPERATOR_KEYS})
+        log(f"settled {result['settle_seconds']:.0f}s after Ready (no operator writes for 10 s); writes after Ready: "
+            f"{result['settle_writes']}")
+        cpu_idle_start = cpu_seconds(op.proc.pid)
         samples = []
-        before = apiserver_writes(cluster)
+        before = write_counts(cluster)
         t0 = time.monotonic()
         while time.monotonic() - t0 < args.idle_seconds:
             samples.append((round(time.monotonic() - t0, 1), round(rss_mib(op.proc.pid), 1)))
             time.sleep(min(10.0, args.idle_seconds / 12))
         idle_seconds = time.monotonic() - t0
         samples.append((round(idle_seconds, 1), round(rss_mib(op.proc.pid), 1)))
-        idle = delta(apiserver_writes(cluster), before)
+        idle = counts_delta(write_counts(cluster), before)
         idle_rate = sum(idle.values()) / idle_seconds
         idle_op = sum(v for k, v in idle.items() if k[:4] in OPERATOR_KEYS)
-        result.update(idle_seconds=idle_seconds, idle_rss_samples=samples, idle_writes_per_s=idle_rate,
+        result.update(idle_seconds=idle_seconds, idle_cpu_fraction=(cpu_seconds(op.proc.pid) - cpu_idle_start) / idle_seconds, idle_rss_samples=samples, idle_writes_per_s=idle_rate,
                       idle_operator_writes=idle_op, idle_writes={key_name(k): v for k, v in sorted(idle.items())},
                       idle_writes_per_s_above_baseline=idle_rate - base_rate,
                       ready_after_idle=ready.count())
@@ -448,7 +423,7 @@ def main() -> int:
 
         # 4. restart
         op.stop()
-        before = apiserver_writes(cluster)
+        before = write_counts(cluster)
         op2 = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, workdir / "operator-2.log",
                                      extra_env={opconfig.ENV_WATCH_NAMESPACES: PAIR_NS, **OPERATOR_ENV})
         started = time.monotonic()
@@ -459,7 +434,7 @@ def main() -> int:
                 raise SystemExit("the restarted operator did not converge")
             time.sleep(0.5)
         restart_seconds = time.monotonic() - started
-        restart = delta(apiserver_writes(cluster), before)
+        restart = counts_delta(write_counts(cluster), before)
         result.update(restart_seconds=restart_seconds, restart_rss_mib=rss_mib(op2.proc.pid),
                       restart_writes={key_name(k): v for k, v in sorted(restart.items()) if k[:4] in OPERATOR_KEYS},
                       ready_after_restart=ready.count())
