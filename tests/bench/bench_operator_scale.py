@@ -419,7 +419,7 @@ def main() -> int:
                       idle_writes_per_s_above_baseline=idle_rate - base_rate,
                       ready_after_idle=ready.count())
         log(f"idle {idle_seconds:.0f}s: {idle_rate:.2f} writes/s (baseline {base_rate:.2f}), operator kinds {idle_op}; "
-            f"RSS {samples[0][1]} -> {samples[-1][1]} MiB")
+            f"RSS {samples[0][1]} -> {samples[-1][1]} MiB; operator CPU {100 * result['idle_cpu_fraction']:.1f}%")
 
         # 4. restart
         op.stop()
@@ -454,12 +454,15 @@ def main() -> int:
     listeners.close()
     print()
     print(f"| pairs | operator to Ready | floor (writes + pods Running) | ratio | floor writes only | ratio | "
-          f"operator writes/pair | RSS Ready / idle end / restarted | idle writes/s (baseline) | restart converge |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"operator writes/pair | RSS Ready / idle start / idle end / restarted | settle | idle writes/s, operator's "
+          f"(all; baseline) | idle CPU | restart converge |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print(f"| {n} | {op_seconds:.1f} s | {floor['seconds']:.1f} s | **{result['ratio_to_floor']:.2f}** | "
           f"{floor['writes_seconds']:.1f} s | {result['ratio_to_floor_writes_only']:.2f} | "
-          f"{result['operator_writes_per_pair']:.1f} | {result['rss_ready_mib']:.0f} / {samples[-1][1]:.0f} / "
-          f"{result['restart_rss_mib']:.0f} MiB | {idle_rate:.2f} ({base_rate:.2f}) | {restart_seconds:.1f} s |")
+          f"{result['operator_writes_per_pair']:.1f} | {result['rss_ready_mib']:.0f} / {samples[0][1]:.0f} / "
+          f"{samples[-1][1]:.0f} / {result['restart_rss_mib']:.0f} MiB | {result['settle_seconds']:.0f} s | "
+          f"{idle_op / idle_seconds:.2f} ({idle_rate:.2f}; {base_rate:.2f}) | {100 * result['idle_cpu_fraction']:.1f}% | "
+          f"{restart_seconds:.1f} s |")
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -1,0 +1,52 @@
+"""Per-pass costs that grow with the number of pairs (issue 12, 1000 pairs): the pool gauge's free count and the
+per-pair phase gauges are updated after every reconcile pass, so they must stay right while doing less work."""
+
+from __future__ import annotations
+
+import random
+
+from prometheus_client import CollectorRegistry
+
+from pdpair import contract
+from pdpair.operator.config import PortPool
+from pdpair.operator.metrics import OperatorMetrics
+from pdpair.operator.ports import PortLeaser
+
+
+def test_free_count_counts_only_held_ports_inside_the_pool():
+    leaser = PortLeaser(None, "ns", PortPool(20000, 20999))
+    assert leaser.free_count() == 1000
+    leaser.taken = set(range(20000, 20600)) | {80, 8080, 30000}  # fixed router ports outside the pool
+    assert leaser.free_count() == 400
+    leaser.taken.difference_update(range(20000, 20100))
+    leaser.taken.add(20999)
+    assert leaser.free_count() == 499
+    leaser.taken = set()
+    assert leaser.free_count() == 1000
+
+
+def _pairs_gauge(metrics: OperatorMetrics) -> dict[str, float]:
+    return {s.labels["phase"]: s.value for fam in metrics.registry.collect() for s in fam.samples
+            if s.name == contract.OPERATOR_PAIRS.name}
+
+
+def test_phase_gauges_stay_consistent_when_most_passes_repeat_the_phase():
+    metrics = OperatorMetrics(CollectorRegistry())
+    rng = random.Random(12)
+    truth: dict[str, str] = {}
+    for _ in range(3000):
+        pair = f"p{rng.randrange(40)}"
+        if rng.random() < 0.05 and pair in truth:
+            metrics.forget_pair("ns", pair)
+            del truth[pair]
+            continue
+        phase = truth.get(pair) if pair in truth and rng.random() < 0.8 else rng.choice(contract.PHASES)
+        metrics.set_pair_phase("ns", pair, phase)
+        truth[pair] = phase
+    expected = {p: sum(1 for v in truth.values() if v == p) for p in contract.PHASES}
+    assert _pairs_gauge(metrics) == expected
+    per_pair = {(s.labels["pair"], s.labels["phase"]): s.value for fam in metrics.registry.collect()
+                for s in fam.samples if s.name == contract.OPERATOR_PAIR_PHASE.name}
+    for pair, phase in truth.items():
+        assert per_pair[(pair, phase)] == 1
+        assert sum(per_pair[(pair, p)] for p in contract.PHASES) == 1
