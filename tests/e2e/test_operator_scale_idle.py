@@ -28,7 +28,7 @@ from tests.e2e.operator_helpers import (
 
 pytestmark = pytest.mark.cluster
 
-PAIRS = 30
+PAIRS = 20
 IDLE_SECONDS = 25  # > 2 resync intervals of the test operator (devrun: 10 s), so every pair makes 2+ idle passes
 
 STEP_EVENTS = {"PortsLeased", "PodCreated", "DecodeListening"}
