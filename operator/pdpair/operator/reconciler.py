@@ -114,6 +114,22 @@ def _service_port(manifest: Mapping[str, Any]) -> int:
     return int(manifest["spec"]["ports"][0]["port"])
 
 
+# Steps that wait for a pod to change: the pod's watch event wakes the pair (handlers.pod_changed), so these wait a
+# resync interval, not the probe interval. Polling them every second was most of the operator's passes while 1000
+# pairs started: the event loop saturated and the decode probes timed out on it, a livelock.
+WAITS_FOR_POD_EVENTS = frozenset({d.STEP_WAIT_DECODE_RUNNING, d.STEP_WAIT_PREFILL_READY, d.STEP_WAIT_DECODE_READY,
+                                  d.STEP_WAIT_ROUTER_READY, d.STEP_WAIT_GONE})
+
+
+def pass_delay(step: str, cfg: OperatorConfig) -> float:
+    """How long a pair sleeps after a pass that ended at `step` (any wakeup cuts it short)."""
+    if step == d.STEP_READY or step in WAITS_FOR_POD_EVENTS:
+        return cfg.resync_interval
+    if step == d.STEP_POOL_EXHAUSTED:
+        return cfg.pool_retry
+    return cfg.probe_interval  # the decode listener probe (nothing wakes us when it starts to accept), creates
+
+
 class PairReconciler:
     def __init__(self, rt: Runtime, body: Mapping[str, Any], emit: Emit, logger: logging.Logger | None = None):
         self.rt = rt
@@ -367,11 +383,7 @@ class PairReconciler:
         rejection = self._rejection(plan)
         if rejection is not None:
             return max(0.2, min(rejection.not_before - time.monotonic(), cfg.resync_interval))
-        if plan.step == d.STEP_READY:
-            return cfg.resync_interval
-        if plan.step == d.STEP_POOL_EXHAUSTED:
-            return cfg.pool_retry
-        return cfg.probe_interval
+        return pass_delay(plan.step, cfg)
 
     def _failure_reason(self, plan: d.Plan, pods: tuple[d.PodView, ...], generation: int) -> tuple[str, str] | None:
         """(reason code as in health.RESTART_REASONS, message) when the pair needs an ordered restart."""

@@ -50,3 +50,19 @@ def test_phase_gauges_stay_consistent_when_most_passes_repeat_the_phase():
     for pair, phase in truth.items():
         assert per_pair[(pair, phase)] == 1
         assert sum(per_pair[(pair, p)] for p in contract.PHASES) == 1
+
+
+def test_only_the_listener_probe_polls_waits_on_pods_wait_for_their_events():
+    from pdpair.operator import desired as d
+    from pdpair.operator.config import OperatorConfig
+    from pdpair.operator.reconciler import pass_delay
+
+    cfg = OperatorConfig.from_env({"PDPAIR_OPERATOR_NAMESPACE": "ops", "PDPAIR_PROBE_INTERVAL_SECONDS": "1",
+                                   "PDPAIR_RESYNC_INTERVAL_SECONDS": "30", "PDPAIR_POOL_RETRY_SECONDS": "5"})
+    for step in (d.STEP_WAIT_DECODE_RUNNING, d.STEP_WAIT_PREFILL_READY, d.STEP_WAIT_DECODE_READY,
+                 d.STEP_WAIT_ROUTER_READY, d.STEP_WAIT_GONE, d.STEP_READY):
+        assert pass_delay(step, cfg) == 30
+    assert pass_delay(d.STEP_WAIT_LISTENER, cfg) == 1
+    assert pass_delay(d.STEP_POOL_EXHAUSTED, cfg) == 5
+    for step in (d.STEP_CREATE_DECODE, d.STEP_CREATE_PREFILL, d.STEP_LEASE_PORTS, d.STEP_BROKEN):
+        assert pass_delay(step, cfg) == 1
