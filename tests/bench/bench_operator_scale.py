@@ -24,6 +24,7 @@ tests/e2e/test_operator_scale_idle.py.
 from __future__ import annotations
 
 import argparse
+import atexit
 import faulthandler
 import signal
 import collections
@@ -323,6 +324,9 @@ def main() -> int:
     parser.add_argument("--workdir", type=pathlib.Path, help="keep the cluster's and operator's files here")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the cluster stops, the operators are killed
+    started_operators: list[devrun.OperatorProcess] = []
+    atexit.register(lambda: [o.kill() for o in started_operators])
     n = args.pairs
     api_threads = int(os.environ.get(opconfig.ENV_API_THREADS, "32"))
     result: dict = {"pairs": n, "load_before": load_avg(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
@@ -360,7 +364,9 @@ def main() -> int:
         ready = Watcher(custom.list_namespaced_custom_object, (GROUP, VERSION, PAIR_NS, PLURAL),
                         lambda p: (p.get("status") or {}).get("phase") == "Ready")
         op = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, workdir / "operator-1.log",
-                                    extra_env={opconfig.ENV_WATCH_NAMESPACES: PAIR_NS, **OPERATOR_ENV}).start()
+                                    extra_env={opconfig.ENV_WATCH_NAMESPACES: PAIR_NS, **OPERATOR_ENV})
+        started_operators.append(op)
+        op.start()
         rss_start = rss_mib(op.proc.pid)
         before = write_counts(cluster)
         started = time.monotonic()
@@ -426,6 +432,7 @@ def main() -> int:
         before = write_counts(cluster)
         op2 = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, workdir / "operator-2.log",
                                      extra_env={opconfig.ENV_WATCH_NAMESPACES: PAIR_NS, **OPERATOR_ENV})
+        started_operators.append(op2)
         started = time.monotonic()
         op2.start(ready_timeout=300)
         deadline = started + args.timeout
