@@ -82,8 +82,9 @@ REJECTED_STATUSES = (400, 403, 422)
 REJECTION_BACKOFF_FIRST = 2.0
 REJECTION_BACKOFF_MAX = 300.0
 # How long a pod this process created may stay missing from the pod index before a pass creates it again (the
-# apiserver's 409 still guards that create); normally the watch delivers it within milliseconds.
-CREATED_UNSEEN_WAIT = 30.0
+# apiserver's 409 still guards that create). Normally the watch delivers it within milliseconds; 500 pairs on a
+# loaded 2-core box saw 40 s, and a 30 s bound cost 585 refused creates there.
+CREATED_UNSEEN_WAIT = 120.0
 
 
 def api_reason(exc: BaseException) -> tuple[str, str]:
@@ -383,6 +384,8 @@ class PairReconciler:
         rejection = self._rejection(plan)
         if rejection is not None:
             return max(0.2, min(rejection.not_before - time.monotonic(), cfg.resync_interval))
+        if plan.create and pod_name(self.ref.name, plan.create, plan.pair_generation) in self.created_unseen:
+            return cfg.resync_interval  # its watch event wakes the pair; polling meanwhile only burned passes
         return pass_delay(plan.step, cfg)
 
     def _failure_reason(self, plan: d.Plan, pods: tuple[d.PodView, ...], generation: int) -> tuple[str, str] | None:
