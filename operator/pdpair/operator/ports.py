@@ -104,7 +104,13 @@ def choose_run(pool: PortPool, taken: set[int] | frozenset[int], count: int, sta
     """Lowest first port of `count` free contiguous ports in the pool (from `start_at`), or None."""
     port = pool.first if start_at is None else max(pool.first, start_at)
     while port + count - 1 <= pool.last:
-        clash = next((p for p in range(port + count - 1, port - 1, -1) if p in taken), None)
+        # Skip a taken stretch with a bare loop: with 6000 held ports, a generator per port (as before) made this
+        # 76% of the event loop's time while 1000 pairs leased, and starved the watches.
+        while port in taken:
+            port += 1
+        if port + count - 1 > pool.last:
+            break
+        clash = next((p for p in range(port + count - 1, port, -1) if p in taken), None)
         if clash is None:
             return port
         port = clash + 1

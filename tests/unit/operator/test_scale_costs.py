@@ -66,3 +66,28 @@ def test_only_the_listener_probe_polls_waits_on_pods_wait_for_their_events():
     assert pass_delay(d.STEP_POOL_EXHAUSTED, cfg) == 5
     for step in (d.STEP_CREATE_DECODE, d.STEP_CREATE_PREFILL, d.STEP_LEASE_PORTS, d.STEP_BROKEN):
         assert pass_delay(step, cfg) == 1
+
+
+def _choose_run_reference(pool, taken, count, start_at=None):
+    """The plain definition: the lowest first port (from start_at) of `count` free contiguous pool ports."""
+    first = pool.first if start_at is None else max(pool.first, start_at)
+    for port in range(first, pool.last - count + 2):
+        if all(p not in taken for p in range(port, port + count)):
+            return port
+    return None
+
+
+def test_choose_run_is_the_lowest_fit_for_random_pools():
+    from pdpair.operator.ports import choose_run
+
+    rng = random.Random(7)
+    for _ in range(400):
+        first = rng.randrange(20000, 20100)
+        pool = PortPool(first, first + rng.randrange(0, 60))
+        taken = {p for p in range(first - 5, pool.last + 5) if rng.random() < rng.choice((0.1, 0.5, 0.9))}
+        count = rng.randrange(1, 5)
+        start_at = rng.choice((None, first - 3, first + rng.randrange(0, 70)))
+        assert choose_run(pool, taken, count, start_at) == _choose_run_reference(pool, taken, count, start_at)
+    full = PortPool(20000, 29999)
+    taken = set(range(20000, 26000))
+    assert choose_run(full, taken, 1) == 26000 and choose_run(full, taken, 3, 25000) == 26000
