@@ -96,7 +96,10 @@ class PodView:
     scheduled: bool = False
     restarts: int = 0
     uid: str = ""
-    raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)  # the API object, for health.py
+    # What health.py reads of the API object (pod_fact, pending_for_scheduling): metadata name/uid/deletion, spec
+    # nodeName, status. Not the whole pod: the pod index holds one per pod, and a whole pod (managedFields, env,
+    # probes) costs ~150 dicts, most of the operator's memory at 1000 pairs.
+    raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def running(self) -> bool:
@@ -135,8 +138,17 @@ class PodView:
             scheduled=is_scheduled(pod),
             restarts=restarts,
             uid=meta.get("uid", ""),
-            raw=json.loads(json.dumps(dict(pod), default=_plain)),
+            raw=_health_view(pod),
         )
+
+
+def _health_view(pod: Mapping[str, Any]) -> dict[str, Any]:
+    meta = pod.get("metadata") or {}
+    return json.loads(json.dumps({
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "deletionTimestamp") if meta.get(k) is not None},
+        "spec": {"nodeName": (pod.get("spec") or {}).get("nodeName")},
+        "status": pod.get("status") or {},
+    }, default=_plain))
 
 
 @dataclass(frozen=True)

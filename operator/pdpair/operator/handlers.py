@@ -47,6 +47,7 @@ from .service import ServiceView
 log = logging.getLogger(__name__)
 
 DAEMON_STOP_WAIT = 15.0
+CONSISTENCY_TIMEOUT = 60.0
 
 
 def _load_kube_config(api_threads: int) -> Any:
@@ -72,6 +73,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
         prefix=GROUP, key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING  # our own Events are explicit (kopf.event), not log lines
+    # After its own patch (finalizer, last-handled-configuration) kopf waits this long for the watch to show it; past
+    # that it acts on the stale body and patches the same again. Under load (1000 pairs) the watch lags more than
+    # kopf's 5 s default: every such lag cost a duplicate PATCH per pair. Only the delete handler waits on this.
+    settings.persistence.consistency_timeout = CONSISTENCY_TIMEOUT
     settings.watching.server_timeout = 60
     settings.watching.client_timeout = 90
     settings.watching.connect_timeout = 10

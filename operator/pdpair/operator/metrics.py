@@ -59,7 +59,10 @@ class OperatorMetrics:
         _check_name("namespace", namespace)
         _check_name("pair", pair)
         with self._lock:
-            if (namespace, pair) not in self._phases:
+            previous = self._phases.get((namespace, pair))
+            if previous == phase:
+                return  # called after every reconcile pass: at 1000 pairs, a full recount each time cost seconds of CPU
+            if previous is None:
                 for reason in RESTART_REASONS:
                     self._restarts.labels(namespace=namespace, pair=pair, reason=reason)
             self._phases[(namespace, pair)] = phase

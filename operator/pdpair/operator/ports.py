@@ -104,7 +104,13 @@ def choose_run(pool: PortPool, taken: set[int] | frozenset[int], count: int, sta
     """Lowest first port of `count` free contiguous ports in the pool (from `start_at`), or None."""
     port = pool.first if start_at is None else max(pool.first, start_at)
     while port + count - 1 <= pool.last:
-        clash = next((p for p in range(port + count - 1, port - 1, -1) if p in taken), None)
+        # Skip a taken stretch with a bare loop: with 6000 held ports, a generator per port (as before) made this
+        # 76% of the event loop's time while 1000 pairs leased, and starved the watches.
+        while port in taken:
+            port += 1
+        if port + count - 1 > pool.last:
+            break
+        clash = next((p for p in range(port + count - 1, port, -1) if p in taken), None)
         if clash is None:
             return port
         port = clash + 1
@@ -209,6 +215,7 @@ class PortLeaser:
         self.taken: set[int] = set()
         self._reserved: set[int] = set()  # picked by a claim in flight, not yet created
         self._lock = asyncio.Lock()
+        self._pool_ports: frozenset[int] | None = None  # built on first use
 
     # - low-level calls, each in a thread ------------------------------------------------------------
     async def _call(self, fn, *args, **kwargs):
@@ -239,7 +246,11 @@ class PortLeaser:
         return len(ports)
 
     def free_count(self) -> int:
-        return self.pool.size - len([p for p in self.taken if p in self.pool])
+        # Called after every reconcile pass (the pool gauge): a C-level set intersection, not a Python loop over
+        # every held port (3.8 ms a pass with 6000 held ports, 13% of a core at idle for 1000 pairs).
+        if self._pool_ports is None:
+            self._pool_ports = frozenset(self.pool)
+        return self.pool.size - len(self.taken & self._pool_ports)
 
     async def leases_of(self, pair_uid: str) -> list[Any]:
         return await self.list_leases(f"{LABEL_PORT_LEASE}=true,{LABEL_PAIR_UID}={pair_uid}")

@@ -81,6 +81,10 @@ def api_status(exc: BaseException) -> int | None:
 REJECTED_STATUSES = (400, 403, 422)
 REJECTION_BACKOFF_FIRST = 2.0
 REJECTION_BACKOFF_MAX = 300.0
+# How long a pod this process created may stay missing from the pod index before a pass creates it again (the
+# apiserver's 409 still guards that create). Normally the watch delivers it within milliseconds; 500 pairs on a
+# loaded 2-core box saw 40 s, and a 30 s bound cost 585 refused creates there.
+CREATED_UNSEEN_WAIT = 120.0
 
 
 def api_reason(exc: BaseException) -> tuple[str, str]:
@@ -111,6 +115,22 @@ def _service_port(manifest: Mapping[str, Any]) -> int:
     return int(manifest["spec"]["ports"][0]["port"])
 
 
+# Steps that wait for a pod to change: the pod's watch event wakes the pair (handlers.pod_changed), so these wait a
+# resync interval, not the probe interval. Polling them every second was most of the operator's passes while 1000
+# pairs started: the event loop saturated and the decode probes timed out on it, a livelock.
+WAITS_FOR_POD_EVENTS = frozenset({d.STEP_WAIT_DECODE_RUNNING, d.STEP_WAIT_PREFILL_READY, d.STEP_WAIT_DECODE_READY,
+                                  d.STEP_WAIT_ROUTER_READY, d.STEP_WAIT_GONE})
+
+
+def pass_delay(step: str, cfg: OperatorConfig) -> float:
+    """How long a pair sleeps after a pass that ended at `step` (any wakeup cuts it short)."""
+    if step == d.STEP_READY or step in WAITS_FOR_POD_EVENTS:
+        return cfg.resync_interval
+    if step == d.STEP_POOL_EXHAUSTED:
+        return cfg.pool_retry
+    return cfg.probe_interval  # the decode listener probe (nothing wakes us when it starts to accept), creates
+
+
 class PairReconciler:
     def __init__(self, rt: Runtime, body: Mapping[str, Any], emit: Emit, logger: logging.Logger | None = None):
         self.rt = rt
@@ -132,6 +152,9 @@ class PairReconciler:
         self.service_problem = ""  # the last Service error reported as an Event (reported once, not per pass)
         self.restart_times: list[float] = self._read_restart_times()
         self.rejections: dict[str, Rejection] = {}  # role -> the API server's last refusal (a backoff, not a decision)
+        # pod name -> when this reconciler created it, until the pod index shows it: our own status patch wakes the
+        # next pass before the pod's watch event arrives, and re-creating it then would only earn a 409
+        self.created_unseen: dict[str, float] = {}
 
     # --- observation --------------------------------------------------------------------------------
     def _read_restart_times(self) -> list[float]:
@@ -361,11 +384,9 @@ class PairReconciler:
         rejection = self._rejection(plan)
         if rejection is not None:
             return max(0.2, min(rejection.not_before - time.monotonic(), cfg.resync_interval))
-        if plan.step == d.STEP_READY:
-            return cfg.resync_interval
-        if plan.step == d.STEP_POOL_EXHAUSTED:
-            return cfg.pool_retry
-        return cfg.probe_interval
+        if plan.create and pod_name(self.ref.name, plan.create, plan.pair_generation) in self.created_unseen:
+            return cfg.resync_interval  # its watch event wakes the pair; polling meanwhile only burned passes
+        return pass_delay(plan.step, cfg)
 
     def _failure_reason(self, plan: d.Plan, pods: tuple[d.PodView, ...], generation: int) -> tuple[str, str] | None:
         """(reason code as in health.RESTART_REASONS, message) when the pair needs an ordered restart."""
@@ -419,10 +440,15 @@ class PairReconciler:
             pod = next((p for p in pods if p.name == name), None)
             await self._delete_pod(name, pod.uid if pod else None)
             self.emit("Normal", "PodDeleted", f"deleted {pod.role if pod else 'pod'} {name} ({plan.step})")
+        seen = {p.name for p in pods}
+        for name in [n for n, at in self.created_unseen.items() if n in seen or time.monotonic() - at > CREATED_UNSEEN_WAIT]:
+            del self.created_unseen[name]
         if plan.create:
             rejection = self._rejection(plan)
             if rejection is not None and time.monotonic() < rejection.not_before:
                 return  # refused before for this very spec: wait out the backoff
+            if pod_name(self.ref.name, plan.create, plan.pair_generation) in self.created_unseen:
+                return  # created by an earlier pass; its watch event (which wakes this pair) has not arrived yet
             manifest = self._manifest(plan, pods)
             name = manifest["metadata"]["name"]
             try:
@@ -433,6 +459,7 @@ class PairReconciler:
                 await self._rejected(plan, name, exc, meta_generation)
                 return
             self.rejections.pop(plan.create, None)
+            self.created_unseen[name] = time.monotonic()
             if created:
                 self.emit("Normal", "PodCreated", f"created {plan.create} {name} (generation {plan.pair_generation})")
 

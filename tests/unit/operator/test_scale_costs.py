@@ -1,0 +1,93 @@
+"""Per-pass costs that grow with the number of pairs (issue 12, 1000 pairs): the pool gauge's free count and the
+per-pair phase gauges are updated after every reconcile pass, so they must stay right while doing less work."""
+
+from __future__ import annotations
+
+import random
+
+from prometheus_client import CollectorRegistry
+
+from pdpair import contract
+from pdpair.operator.config import PortPool
+from pdpair.operator.metrics import OperatorMetrics
+from pdpair.operator.ports import PortLeaser
+
+
+def test_free_count_counts_only_held_ports_inside_the_pool():
+    leaser = PortLeaser(None, "ns", PortPool(20000, 20999))
+    assert leaser.free_count() == 1000
+    leaser.taken = set(range(20000, 20600)) | {80, 8080, 30000}  # fixed router ports outside the pool
+    assert leaser.free_count() == 400
+    leaser.taken.difference_update(range(20000, 20100))
+    leaser.taken.add(20999)
+    assert leaser.free_count() == 499
+    leaser.taken = set()
+    assert leaser.free_count() == 1000
+
+
+def _pairs_gauge(metrics: OperatorMetrics) -> dict[str, float]:
+    return {s.labels["phase"]: s.value for fam in metrics.registry.collect() for s in fam.samples
+            if s.name == contract.OPERATOR_PAIRS.name}
+
+
+def test_phase_gauges_stay_consistent_when_most_passes_repeat_the_phase():
+    metrics = OperatorMetrics(CollectorRegistry())
+    rng = random.Random(12)
+    truth: dict[str, str] = {}
+    for _ in range(3000):
+        pair = f"p{rng.randrange(40)}"
+        if rng.random() < 0.05 and pair in truth:
+            metrics.forget_pair("ns", pair)
+            del truth[pair]
+            continue
+        phase = truth.get(pair) if pair in truth and rng.random() < 0.8 else rng.choice(contract.PHASES)
+        metrics.set_pair_phase("ns", pair, phase)
+        truth[pair] = phase
+    expected = {p: sum(1 for v in truth.values() if v == p) for p in contract.PHASES}
+    assert _pairs_gauge(metrics) == expected
+    per_pair = {(s.labels["pair"], s.labels["phase"]): s.value for fam in metrics.registry.collect()
+                for s in fam.samples if s.name == contract.OPERATOR_PAIR_PHASE.name}
+    for pair, phase in truth.items():
+        assert per_pair[(pair, phase)] == 1
+        assert sum(per_pair[(pair, p)] for p in contract.PHASES) == 1
+
+
+def test_only_the_listener_probe_polls_waits_on_pods_wait_for_their_events():
+    from pdpair.operator import desired as d
+    from pdpair.operator.config import OperatorConfig
+    from pdpair.operator.reconciler import pass_delay
+
+    cfg = OperatorConfig.from_env({"PDPAIR_OPERATOR_NAMESPACE": "ops", "PDPAIR_PROBE_INTERVAL_SECONDS": "1",
+                                   "PDPAIR_RESYNC_INTERVAL_SECONDS": "30", "PDPAIR_POOL_RETRY_SECONDS": "5"})
+    for step in (d.STEP_WAIT_DECODE_RUNNING, d.STEP_WAIT_PREFILL_READY, d.STEP_WAIT_DECODE_READY,
+                 d.STEP_WAIT_ROUTER_READY, d.STEP_WAIT_GONE, d.STEP_READY):
+        assert pass_delay(step, cfg) == 30
+    assert pass_delay(d.STEP_WAIT_LISTENER, cfg) == 1
+    assert pass_delay(d.STEP_POOL_EXHAUSTED, cfg) == 5
+    for step in (d.STEP_CREATE_DECODE, d.STEP_CREATE_PREFILL, d.STEP_LEASE_PORTS, d.STEP_BROKEN):
+        assert pass_delay(step, cfg) == 1
+
+
+def _choose_run_reference(pool, taken, count, start_at=None):
+    """The plain definition: the lowest first port (from start_at) of `count` free contiguous pool ports."""
+    first = pool.first if start_at is None else max(pool.first, start_at)
+    for port in range(first, pool.last - count + 2):
+        if all(p not in taken for p in range(port, port + count)):
+            return port
+    return None
+
+
+def test_choose_run_is_the_lowest_fit_for_random_pools():
+    from pdpair.operator.ports import choose_run
+
+    rng = random.Random(7)
+    for _ in range(400):
+        first = rng.randrange(20000, 20100)
+        pool = PortPool(first, first + rng.randrange(0, 60))
+        taken = {p for p in range(first - 5, pool.last + 5) if rng.random() < rng.choice((0.1, 0.5, 0.9))}
+        count = rng.randrange(1, 5)
+        start_at = rng.choice((None, first - 3, first + rng.randrange(0, 70)))
+        assert choose_run(pool, taken, count, start_at) == _choose_run_reference(pool, taken, count, start_at)
+    full = PortPool(20000, 29999)
+    taken = set(range(20000, 26000))
+    assert choose_run(full, taken, 1) == 26000 and choose_run(full, taken, 3, 25000) == 26000
