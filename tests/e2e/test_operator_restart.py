@@ -164,6 +164,9 @@ def test_hang_detected_and_pair_restarted_in_order(platform, cluster_namespace, 
             events = [e for e in api.events(ns) if e.involved_object.kind == KIND]
             reasons = [e.reason for e in events]
             assert "Unhealthy" in reasons and "Restarting" in reasons and "PodDeleted" in reasons
+            # One delete (and one Event) per pod, even when the next pass runs before the index shows it terminating.
+            deleted = [e.message for e in events if e.reason == "PodDeleted" for _ in range(max(1, e.count or 1))]
+            assert len(deleted) == len(set(deleted)), deleted
         finally:
             for x in exporters:
                 x.stop()

@@ -155,6 +155,9 @@ class PairReconciler:
         # pod name -> when this reconciler created it, until the pod index shows it: our own status patch wakes the
         # next pass before the pod's watch event arrives, and re-creating it then would only earn a 409
         self.created_unseen: dict[str, float] = {}
+        # pod uid -> when this reconciler deleted it, until the index shows it terminating or gone (same lag: a
+        # second delete would be accepted and post a second PodDeleted Event)
+        self.deleted_unseen: dict[str, float] = {}
 
     # --- observation --------------------------------------------------------------------------------
     def _read_restart_times(self) -> list[float]:
@@ -436,9 +439,16 @@ class PairReconciler:
 
     # --- actions ------------------------------------------------------------------------------------
     async def _act(self, plan: d.Plan, pods: tuple[d.PodView, ...], meta_generation: int = 0) -> None:
+        live = {p.uid for p in pods if not p.deleting}
+        for uid in [u for u, at in self.deleted_unseen.items() if u not in live or time.monotonic() - at > CREATED_UNSEEN_WAIT]:
+            del self.deleted_unseen[uid]
         for name in plan.delete:
             pod = next((p for p in pods if p.name == name), None)
+            if pod is not None and pod.uid in self.deleted_unseen:
+                continue  # deleted by an earlier pass; the index has not shown its deletionTimestamp yet
             await self._delete_pod(name, pod.uid if pod else None)
+            if pod is not None and pod.uid:
+                self.deleted_unseen[pod.uid] = time.monotonic()
             self.emit("Normal", "PodDeleted", f"deleted {pod.role if pod else 'pod'} {name} ({plan.step})")
         seen = {p.name for p in pods}
         for name in [n for n, at in self.created_unseen.items() if n in seen or time.monotonic() - at > CREATED_UNSEEN_WAIT]:
