@@ -22,6 +22,8 @@ ENV_HEALTH_INTERVAL = "PDPAIR_HEALTH_INTERVAL_SECONDS"
 ENV_API_TIMEOUT = "PDPAIR_API_TIMEOUT_SECONDS"  # deadline of one Kubernetes API call (api.py)
 # How long a deleted pair keeps its port leases while its pods terminate (handlers.release_ports).
 ENV_POD_GONE_TIMEOUT = "PDPAIR_POD_GONE_TIMEOUT_SECONDS"
+# How long a port found busy on a node (a process outside Kubernetes holds it) is kept from every pair (busy_ports.py).
+ENV_BUSY_PORT_QUARANTINE = "PDPAIR_BUSY_PORT_QUARANTINE_SECONDS"
 
 DEFAULT_PORT_POOL = "20000-29999"
 
@@ -76,6 +78,7 @@ class OperatorConfig:
     health_interval: float = 10.0
     api_timeout: float = 30.0
     pod_gone_timeout: float = 600.0
+    busy_port_quarantine: int = 600
 
     def __post_init__(self) -> None:
         if self.liveness_port and self.liveness_port == self.metrics_port:
@@ -105,6 +108,7 @@ class OperatorConfig:
             health_interval=_positive_float(env, ENV_HEALTH_INTERVAL, 10.0),
             api_timeout=_positive_float(env, ENV_API_TIMEOUT, 30.0),
             pod_gone_timeout=_positive_float(env, ENV_POD_GONE_TIMEOUT, 600.0),
+            busy_port_quarantine=_positive_int(env, ENV_BUSY_PORT_QUARANTINE, 600),
         )
 
 
