@@ -104,7 +104,17 @@ def quarantine_lease(api, port):
     return lease if (lease.metadata.labels or {}).get(LABEL_PORT_QUARANTINE) == "true" else None
 
 
-def test_a_port_busy_on_the_node_is_quarantined_and_the_pair_restarts_on_others(platform, cluster_namespace, tmp_path):
+@pytest.fixture
+def no_quarantine_left(platform):
+    """Quarantine Leases outlive the test's operator (they belong to no pair); later tests' pools must not meet them."""
+    yield
+    api = Api(platform[0])
+    for lease in api.coord.list_namespaced_lease(OPERATOR_NS, label_selector=f"{LABEL_PORT_QUARANTINE}=true").items:
+        api.coord.delete_namespaced_lease(lease.metadata.name, OPERATOR_NS)
+
+
+def test_a_port_busy_on_the_node_is_quarantined_and_the_pair_restarts_on_others(
+        platform, cluster_namespace, tmp_path, no_quarantine_left):
     cluster, _ = platform
     api = Api(cluster)
     ns = cluster_namespace
@@ -169,5 +179,55 @@ def test_a_port_busy_on_the_node_is_quarantined_and_the_pair_restarts_on_others(
         wait_for(lambda: quarantine_lease(api, busy) is None, 120, "the quarantine to end")
         assert time.time() >= acquired + QUARANTINE_SECONDS - 1  # 1 s of timestamp rounding (MicroTime vs RFC3339)
         assert side_port(decode_pod(api, ns, 2)) == moved  # the running pair keeps its new ports
+        cleanup_pairs(api, ns)
+        assert api.leases(ns) == []
+
+
+def test_an_operator_that_died_after_the_quarantine_finishes_the_move(
+        platform, cluster_namespace, tmp_path, no_quarantine_left):
+    """Level-triggered: the operator quarantined the port and died before leasing a replacement and restarting. The
+    next operator reads the same facts (the Failed pod's message, the quarantine Lease) and finishes: replacement
+    ports, generation 2 decode-first, Ready; the quarantine stays."""
+    import asyncio
+
+    from pdpair.operator.config import PortPool
+    from pdpair.operator.ports import PairRef, PortLeaser
+
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    pool = pool_of_free_ports(16)
+    with operator(platform, ns, pool, tmp_path, name="operator-1"):
+        api.create_pair(ns, "again")
+        first = wait_for(lambda: decode_pod(api, ns, 1), 60, "the first decode pod")
+    node, busy = first["spec"]["node_name"], side_port(first)
+    with socket.socket() as foreign:
+        foreign.bind((FOREIGN_HOST, busy))
+        foreign.listen(4)
+        init, proc, message = run_preflight_like_the_init_container(first, tmp_path)
+    assert proc.returncode == 1 and parse_ports_in_use(message) == (busy,), message
+    kubelet_reports_init_failure(api, ns, first, init, proc.returncode, message)
+    # The step the first operator finished before it died (its own code, against the same API server).
+    pair = api.pair(ns, "again")
+    ref = PairRef(ns, "again", pair["metadata"]["uid"])
+    leaser = PortLeaser(api.coord, OPERATOR_NS, PortPool.parse(pool))
+    assert asyncio.run(leaser.quarantine(ref, busy, node, 600, "test: done before the crash")) is True
+    assert quarantine_lease(api, busy) is not None
+
+    with operator(platform, ns, pool, tmp_path, name="operator-2"):
+        second = wait_for(lambda: decode_pod(api, ns, 2), 60, "the decode pod of generation 2")
+        moved = side_port(second)
+        assert moved != busy
+        with socket.socket() as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", moved))
+            listener.listen(16)
+            ready = wait_for(lambda: (lambda p: p if p["status"].get("phase") == "Ready" else None)(
+                api.pair(ns, "again")), 60, "phase Ready")
+        assert str(busy) in ready["status"]["lastRestart"]["reason"] and ready["status"]["pairGeneration"] == 2
+        assert busy not in {p["port"] for p in ready["status"]["ports"]}
+        assert json.loads((ready["metadata"].get("annotations") or {}).get(ANNOTATION_RESTART_TIMES, "[]")) == []
+        lease = quarantine_lease(api, busy)
+        assert lease is not None and lease.spec.holder_identity == f"{QUARANTINE_HOLDER_PREFIX}{node}"
         cleanup_pairs(api, ns)
         assert api.leases(ns) == []
