@@ -29,6 +29,7 @@ from collections.abc import Callable
 import zmq
 
 from pdpair import contract
+from pdpair.connector.preflight import report_bind_failure
 from pdpair.connector.metadata import (
     Accepted,
     CompatibilityError,
@@ -183,6 +184,8 @@ class DecodeSideChannel(_SideChannel):
             sock.bind(f"tcp://{self.host}:{self.port}")
         except zmq.ZMQError as exc:
             self.error = exc
+            # A port taken after the pod's preflight: tell the operator (termination message) so it re-leases.
+            report_bind_failure(self.port, exc, f"{self.name} (side-channel listener)")
             sock.close(linger=0)
             self.ready.set()
             return

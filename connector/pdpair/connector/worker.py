@@ -30,6 +30,7 @@ from pdpair import contract
 from pdpair.connector import timeline
 from pdpair.connector.config import PdPairConfig
 from pdpair.connector.handshake import DecodeSideChannel, PrefillSideChannel
+from pdpair.connector.preflight import report_bind_failure
 from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
 from pdpair.connector.metrics import MetricsServer, PeerRanks, RankExporter, SignalAccounts, export_rank, serve
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
@@ -138,7 +139,11 @@ class _Worker:
         if config.metrics_port is not None:
             if tp_rank == 0:
                 peers = PeerRanks(config.metrics_port, tuple(range(1, tp_size))) if tp_size > 1 else None
-                self.metrics_server = serve(config.metrics_port, self.accounts, ranks=peers)
+                try:
+                    self.metrics_server = serve(config.metrics_port, self.accounts, ranks=peers)
+                except OSError as exc:  # taken after the pod's preflight: tell the operator, which re-leases
+                    report_bind_failure(config.metrics_port, exc, "the connector's metrics server")
+                    raise
             else:
                 self.rank_exporter = export_rank(config.metrics_port, self.accounts)
         self.regions: KvRegions | None = None

@@ -74,6 +74,35 @@ def status_port_name(role: str, purpose: str, index: int) -> str:
     return f"{role}-{purpose}-{index}"
 
 
+# --- a leased port that something else on the node already holds (the pod's termination message) ---------------
+# The engine pods' preflight init container (pdpair.connector.preflight), and the connector when its own bind fails,
+# write one line `pdpair: ports in use on this node: 20003 20004` to /dev/termination-log; the operator reads it from
+# the pod's status, quarantines those ports and leases the pair replacements (docs/design.md, "A leased port in use").
+PORTS_IN_USE_PREFIX = "pdpair: ports in use on this node:"
+LABEL_PORT_QUARANTINE = "pdpair.io/port-quarantine"  # on a port Lease held for a port found busy on a node
+QUARANTINE_HOLDER_PREFIX = "node-busy/"  # holderIdentity of such a Lease: node-busy/<node>
+ANNOTATION_QUARANTINE_NODE = "pdpair.io/busy-on-node"
+ANNOTATION_QUARANTINE_REASON = "pdpair.io/busy-reason"
+
+
+def ports_in_use_message(ports, detail: str = "") -> str:
+    """The termination-message line naming busy ports (sorted, unique), then an optional human-readable detail."""
+    line = f"{PORTS_IN_USE_PREFIX} {' '.join(str(p) for p in sorted({int(p) for p in ports}))}"
+    return f"{line}\n{detail}\n" if detail else f"{line}\n"
+
+
+def parse_ports_in_use(message: str | None) -> tuple[int, ...]:
+    """The ports a termination message names as busy (sorted, unique); () when it has no such line."""
+    found: set[int] = set()
+    for line in (message or "").splitlines():
+        if not line.startswith(PORTS_IN_USE_PREFIX):
+            continue
+        for word in line[len(PORTS_IN_USE_PREFIX):].replace(",", " ").split():
+            if word.isdigit() and 1 <= int(word) <= 65535:
+                found.add(int(word))
+    return tuple(sorted(found))
+
+
 # --- environment the operator sets on pair pods ------------------------------------------------
 ENV_ROLE = "PDPAIR_ROLE"
 ENV_PAIR = "PDPAIR_PAIR"

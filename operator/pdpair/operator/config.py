@@ -32,6 +32,8 @@ ENV_LEADER_RETRY_PERIOD = "PDPAIR_LEADER_RETRY_PERIOD_SECONDS"
 ENV_POD_NAME = "PDPAIR_POD_NAME"  # the candidate's identity (downward API); a random suffix is added per process
 
 DEFAULT_LEADER_LEASE_NAME = "pdpair-operator-leader"
+# How long a port found busy on a node (a process outside Kubernetes holds it) is kept from every pair (busy_ports.py).
+ENV_BUSY_PORT_QUARANTINE = "PDPAIR_BUSY_PORT_QUARANTINE_SECONDS"
 
 DEFAULT_PORT_POOL = "20000-29999"
 
@@ -91,6 +93,7 @@ class OperatorConfig:
     leader_lease_duration: float = 15.0
     leader_renew_deadline: float = 10.0
     leader_retry_period: float = 2.0
+    busy_port_quarantine: int = 600
 
     def __post_init__(self) -> None:
         if not (self.leader_retry_period < self.leader_renew_deadline < self.leader_lease_duration):
@@ -131,6 +134,7 @@ class OperatorConfig:
             leader_lease_duration=_positive_float(env, ENV_LEADER_LEASE_DURATION, 15.0),
             leader_renew_deadline=_positive_float(env, ENV_LEADER_RENEW_DEADLINE, 10.0),
             leader_retry_period=_positive_float(env, ENV_LEADER_RETRY_PERIOD, 2.0),
+            busy_port_quarantine=_positive_int(env, ENV_BUSY_PORT_QUARANTINE, 600),
         )
 
 

@@ -367,6 +367,7 @@ async def _sweep_forever(runtime: Runtime) -> None:
             )
             if released:
                 log.info("orphan sweep released %d leases", released)
+            await runtime.leaser.sweep_quarantines()  # ports found busy on a node come back after their TTL
             await runtime.leaser.refresh_taken()
         except asyncio.CancelledError:
             raise

@@ -48,6 +48,7 @@ __all__ = [
     "REASON_POD_FAILED",
     "REASON_POD_VANISHED",
     "REASON_UNREACHABLE",
+    "REASON_PORT_IN_USE",
     "RESTART_REASONS",
 ]
 
@@ -58,6 +59,7 @@ REASON_CONTAINER_RESTART = "container_restart"
 REASON_POD_FAILED = "pod_failed"
 REASON_POD_VANISHED = "pod_vanished"
 REASON_UNREACHABLE = "unreachable"
+REASON_PORT_IN_USE = "port_in_use"  # a leased port was busy on the node: re-leased, restarted outside the budget
 RESTART_REASONS = (
     REASON_HUNG,
     REASON_STALE_GENERATION,
@@ -65,6 +67,7 @@ RESTART_REASONS = (
     REASON_POD_FAILED,
     REASON_POD_VANISHED,
     REASON_UNREACHABLE,
+    REASON_PORT_IN_USE,
 )
 
 

@@ -65,6 +65,15 @@ READINESS_PROBE = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 
 # and registering RDMA memory needs IPC_LOCK.
 FLAGCX_ENV_DEFAULTS = {"FLAGCX_USE_HETERO_COMM": "1"}
 FLAGCX_CAPABILITY = "IPC_LOCK"
+# The last init container of every hostNetwork pod: binds each port the pod will use on its node, and on a busy one
+# fails the pod with `pdpair: ports in use on this node: ...` as its termination message (pdpair.connector.preflight),
+# which the operator reads to quarantine the port and lease the pair another (docs/design.md).
+PREFLIGHT_CONTAINER = "pdpair-preflight"
+PREFLIGHT_COMMAND = ["python", "-m", "pdpair.connector.preflight"]
+# Copied from the main container: the same pull policy; the same securityContext (admission policies judge init
+# containers too); the same resources, so the pod's effective request and QoS class stay what the user set (an
+# init container's request counts as max(init, sum of containers), never on top).
+PREFLIGHT_COPIED_FIELDS = ("imagePullPolicy", "securityContext", "resources")
 # Scheduling fields the router copies from decode when its own template does not set them.
 SCHEDULING_FIELDS = ("nodeSelector", "tolerations", "affinity")
 
@@ -270,6 +279,26 @@ def _quantities_as_strings(pod: dict[str, Any]) -> dict[str, Any]:
     return pod
 
 
+def _add_preflight(pod: dict[str, Any], container: Mapping[str, Any]) -> None:
+    """The port preflight as the pod's last init container (after the template's own, so it runs right before the
+    engine), checking every containerPort of `container`. Only on the host network: a pod network is private."""
+    spec = pod["spec"]
+    if not spec.get("hostNetwork"):
+        return
+    ports = [str(p["containerPort"]) for p in container.get("ports") or []]
+    preflight: dict[str, Any] = {
+        "name": PREFLIGHT_CONTAINER,
+        "image": container["image"],
+        "command": [*PREFLIGHT_COMMAND, *ports],
+        "terminationMessagePolicy": "File",
+    }
+    for key in PREFLIGHT_COPIED_FIELDS:
+        if container.get(key):
+            preflight[key] = copy.deepcopy(container[key])
+    user = [c for c in spec.get("initContainers") or [] if c.get("name") != PREFLIGHT_CONTAINER]
+    spec["initContainers"] = user + [preflight]
+
+
 def _identity_env(pair: Mapping[str, Any], role: str, generation: int) -> list[dict[str, str]]:
     meta = pair["metadata"]
     return [
@@ -342,6 +371,7 @@ def engine_pod(
     for key in SCHEDULING_FIELDS:
         if role_spec.get(key):
             pod["spec"][key] = copy.deepcopy(role_spec[key])
+    _add_preflight(pod, container)
     return _quantities_as_strings(pod)
 
 
@@ -384,6 +414,7 @@ def router_pod(
         value = decode_spec.get(key) or decode_template_spec.get(key)
         if value and key not in pod["spec"]:
             pod["spec"][key] = copy.deepcopy(value)
+    _add_preflight(pod, container)
     return _quantities_as_strings(pod)
 
 

@@ -15,22 +15,27 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from pdpair.contract import (
+    ANNOTATION_QUARANTINE_NODE,
+    ANNOTATION_QUARANTINE_REASON,
     LABEL_PAIR,
     LABEL_PAIR_NAMESPACE,
     LABEL_PAIR_UID,
     LABEL_PORT_LEASE,
+    LABEL_PORT_QUARANTINE,
     LABEL_PURPOSE,
     LABEL_ROLE,
     LEASE_NAME_PREFIX,
     PURPOSE_HTTP,
     PURPOSE_METRICS,
     PURPOSE_SIDECHANNEL,
+    QUARANTINE_HOLDER_PREFIX,
     ROLE_DECODE,
     ROLE_PREFILL,
     ROLE_ROUTER,
     status_port_name,
 )
 
+from .busy_ports import quarantine_expired
 from .config import PortPool
 
 LABEL_VALUE_MAX = 63
@@ -436,12 +441,79 @@ class PortLeaser:
                 released += await self._release_port(port, lease.metadata.uid)
         return released
 
+    # - quarantine: a port found busy on a node (busy_ports.py) --------------------------------------
+    async def quarantine(self, pair: PairRef, port: int, node: str, seconds: int, reason: str) -> bool:
+        """Turn the pair's lease of `port` into a quarantine Lease (holder node-busy/<node>, leaseDurationSeconds
+        `seconds`), in one update, so no moment leaves the port free for another pair. A port nobody leases is
+        claimed as quarantined. True when the port is quarantined now (by this call or before); False when another
+        pair holds it (nothing to do: it is not ours) or the lease changed under us (the next pass retries)."""
+        from datetime import datetime, timezone
+
+        from kubernetes.client import V1Lease, V1LeaseSpec, V1ObjectMeta
+        from kubernetes.client.exceptions import ApiException
+
+        now = datetime.now(timezone.utc)
+        meta = V1ObjectMeta(
+            name=lease_name(port), namespace=self.namespace,
+            labels={LABEL_PORT_LEASE: "true", LABEL_PORT_QUARANTINE: "true"},
+            annotations={ANNOTATION_QUARANTINE_NODE: node, ANNOTATION_QUARANTINE_REASON: reason[:1024]},
+        )
+        spec = V1LeaseSpec(holder_identity=f"{QUARANTINE_HOLDER_PREFIX}{node}", lease_duration_seconds=int(seconds),
+                           acquire_time=now, renew_time=now)
+        try:
+            current = await self._call(self.api.read_namespaced_lease, lease_name(port), self.namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            current = None
+        try:
+            if current is None:
+                await self._call(self.api.create_namespaced_lease, self.namespace, V1Lease(metadata=meta, spec=spec))
+            else:
+                labels = current.metadata.labels or {}
+                if labels.get(LABEL_PORT_QUARANTINE) == "true":
+                    return True
+                if labels.get(LABEL_PAIR_UID) != pair.uid:
+                    return False
+                meta.resource_version = current.metadata.resource_version  # 409 if it changed since the read
+                await self._call(self.api.replace_namespaced_lease, lease_name(port), self.namespace,
+                                 V1Lease(metadata=meta, spec=spec))
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        async with self._lock:
+            self.taken.add(port)
+        log.info("port %d quarantined for %ds (busy on node %s): %s", port, seconds, node, reason)
+        return True
+
+    async def sweep_quarantines(self, now: Any = None) -> list[int]:
+        """Delete the quarantine Leases whose time is over; returns their ports (free for leasing again)."""
+        from datetime import datetime, timezone
+
+        now = now or datetime.now(timezone.utc)
+        freed: list[int] = []
+        for lease in await self.list_leases(f"{LABEL_PORT_QUARANTINE}=true"):
+            port = _lease_port(lease)
+            spec = lease.spec
+            renewed = (spec.renew_time or spec.acquire_time) if spec else None
+            if port is None or not quarantine_expired(renewed, spec.lease_duration_seconds if spec else None, now):
+                continue
+            if await self._release_port(port, lease.metadata.uid):
+                freed.append(port)
+        if freed:
+            log.info("quarantine over for ports %s: free for leasing again", freed)
+        return freed
+
     async def sweep_orphans(self, pair_uid_alive) -> int:
-        """Delete leases whose pair no longer exists. `pair_uid_alive(namespace, name, uid)` is awaited."""
+        """Delete leases whose pair no longer exists. `pair_uid_alive(namespace, name, uid)` is awaited.
+        Quarantine Leases belong to no pair; sweep_quarantines ends them."""
         leases = await self.list_leases(f"{LABEL_PORT_LEASE}=true")
         by_pair: dict[tuple[str, str, str], list[Any]] = defaultdict(list)
         for lease in leases:
             labels = lease.metadata.labels or {}
+            if labels.get(LABEL_PORT_QUARANTINE) == "true":
+                continue
             by_pair[(labels.get(LABEL_PAIR_NAMESPACE, ""), labels.get(LABEL_PAIR, ""), labels.get(LABEL_PAIR_UID, ""))].append(lease)
         released = 0
         for (namespace, name, uid), group in by_pair.items():

@@ -32,6 +32,7 @@ from pdpair.contract import (
     VERSION,
 )
 
+from . import busy_ports
 from . import desired as d
 from . import health
 from .config import OperatorConfig
@@ -158,6 +159,7 @@ class PairReconciler:
         # pod uid -> when this reconciler deleted it, until the index shows it terminating or gone (same lag: a
         # second delete would be accepted and post a second PodDeleted Event)
         self.deleted_unseen: dict[str, float] = {}
+        self.unreplaceable_reported: set[tuple[str, int]] = set()  # (pod, port) told once as PortInUse
 
     # --- observation --------------------------------------------------------------------------------
     def _read_restart_times(self) -> list[float]:
@@ -213,6 +215,56 @@ class PairReconciler:
         if len(kept) != len(listed):
             await self._patch_status({"ports": kept})
         self.ports = None
+
+    async def handle_ports_in_use(self, spec: Mapping[str, Any], pods: tuple[d.PodView, ...]) -> list[busy_ports.PortsInUse]:
+        """Ports the current generation's pods found busy on their node (busy_ports.py): quarantine the ones the pair
+        holds, lease replacements, say so in a PortInUse Event. Idempotent: a port already out of the pair's hands
+        is left alone, so a restarted operator only goes on to the restart."""
+        found = busy_ports.reports(pods, d.current_generation(self.status, pods))
+        if not found or self.ports is None:
+            return found
+        fixed = [b.fixed for b in (self.blocks or required_blocks(spec)) if b.fixed is not None]
+        for report in found:
+            before = list(self.ports or [])
+            todo = busy_ports.plan(report.ports, (int(p["port"]) for p in before), self.rt.leaser.pool, fixed)
+            for port in todo.fixed:
+                if (report.pod, port) not in self.unreplaceable_reported:
+                    self.unreplaceable_reported.add((report.pod, port))
+                    self.emit("Warning", "PortInUse",
+                              f"{report.describe()}: port {port} is not the operator's to change (spec.router.port or "
+                              f"outside the pool); free it on node {report.node} or change the spec")
+            if not todo.quarantine:
+                continue
+            ttl = self.rt.config.busy_port_quarantine
+            await self._unlist_ports(set(todo.quarantine))  # status stops listing them before they change hands
+            quarantined = [p for p in todo.quarantine
+                           if await self.rt.leaser.quarantine(self.ref, p, report.node, ttl, report.describe())]
+            self.leases_checked_at, self.blocks = 0.0, None  # re-read the leases now and claim what is missing
+            await self.ensure_ports(spec, pods)
+            moved = sorted({(p["role"], p["purpose"]) for p in before if int(p["port"]) in quarantined})
+            replacement = ", ".join(
+                f"{role} {purpose} {ports_of(self.ports, role, purpose) if self.ports else 'pending (pool exhausted)'}"
+                for role, purpose in moved)
+            self.emit("Warning", "PortInUse",
+                      f"{report.describe()}: quarantined for {ttl}s (no pair is leased them), replacement {replacement}; "
+                      f"restarting the pair decode-first on the new ports")
+            self.log.warning("pair %s/%s: %s; quarantined %s, replacement %s", self.ref.namespace, self.ref.name,
+                             report.describe(), quarantined, replacement)
+        return found
+
+    def _ports_in_use_restart(self, plan: d.Plan, found: list[busy_ports.PortsInUse]) -> str | None:
+        """The restart message when the pair broke on busy ports that it no longer holds (replaced), else None.
+        Such a restart is outside the restart budget: each one consumed a quarantined port, so it cannot loop."""
+        if plan.step != d.STEP_BROKEN or not found or self.ports is None:
+            return None
+        held = {int(p["port"]) for p in self.ports}
+        fixed = [b.fixed for b in (self.blocks or ()) if b.fixed is not None]
+        if not all(busy_ports.plan(r.ports, held, self.rt.leaser.pool, fixed).replaced for r in found):
+            return None
+        roles = sorted({r.role for r in found})
+        now_held = "; ".join(f"{role} ports {sorted(int(p['port']) for p in self.ports if p['role'] == role)}"
+                             for role in roles)
+        return f"{'; '.join(r.describe() for r in found)}; re-leased: {now_held}"
 
     async def probe_decode(self, decode: d.PodView) -> bool:
         if decode.uid in self.listening_pods:
@@ -312,6 +364,7 @@ class PairReconciler:
             return cfg.resync_interval  # the restart budget is spent; only a spec change moves the pair again
 
         await self.ensure_ports(spec, pods)
+        in_use = await self.handle_ports_in_use(spec, pods)
         await self.ensure_service(services)
 
         generation = d.current_generation(self.status, pods)
@@ -331,9 +384,12 @@ class PairReconciler:
 
         failure = self._failure_reason(plan, pods, generation)
         reason_code, restart_reason = failure if failure else (None, None)
+        port_restart = self._ports_in_use_restart(plan, in_use)
+        if port_restart:
+            reason_code, restart_reason = health.REASON_PORT_IN_USE, port_restart
         restart_times_changed = False
         extra: dict[str, Any] = {}
-        if restart_reason:
+        if restart_reason and not port_restart:
             decision = decide(
                 RestartPolicy.from_spec(spec.get("restartPolicy")),
                 self.restart_times,
@@ -351,12 +407,14 @@ class PairReconciler:
                 )
                 wait = (decision.not_before - time.time()) if decision.not_before else cfg.probe_interval
                 return max(0.2, min(wait, cfg.resync_interval))
+        if restart_reason:
             # RESTART_NOW: a new generation, the ordered replacement follows from the plan
             self.rt.health_verdicts.pop(self.ref.uid, None)
-            self.restart_times = prune(
-                RestartPolicy.from_spec(spec.get("restartPolicy")), self.restart_times + [time.time()], time.time()
-            )
-            restart_times_changed = True
+            if not port_restart:
+                self.restart_times = prune(
+                    RestartPolicy.from_spec(spec.get("restartPolicy")), self.restart_times + [time.time()], time.time()
+                )
+                restart_times_changed = True
             plan = d.desired_state(spec, self.status, dataclasses.replace(observed, restart_reason=restart_reason))
             self.emit("Warning", "Restarting", f"ordered restart to generation {plan.pair_generation}: {restart_reason}")
             extra["restarts"] = int(self.status.get("restarts") or 0) + 1

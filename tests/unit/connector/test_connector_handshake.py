@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pdpair.connector.handshake import DecodeSideChannel, HandshakeError, PrefillSideChannel
+from pdpair.contract import parse_ports_in_use
 from pdpair.connector.metadata import KvLayout, Pull, PullDone, compatibility_factors, compatibility_hash
 from pdpair.connector.metrics import SignalAccounts
 from pdpair.connector.transports.tcp import TcpTransport
@@ -254,3 +255,20 @@ def test_decode_pull_to_a_prefill_that_is_gone_fails_at_once():
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_listener_on_a_taken_port_tells_the_operator_in_the_termination_message(tmp_path, monkeypatch):
+    """The race after the pod's preflight: the connector's own EADDRINUSE names the port the way the preflight does."""
+    log = tmp_path / "termination-log"
+    log.write_text("")
+    monkeypatch.setenv("PDPAIR_TERMINATION_LOG", str(log))
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        decode, _ = make_decode(port, Side(0.0), host="0.0.0.0")
+        with pytest.raises(HandshakeError):
+            decode.start_and_wait()
+        decode.stop()
+    assert parse_ports_in_use(log.read_text()) == (port,)
+    assert "side-channel listener" in log.read_text()

@@ -12,6 +12,7 @@ import pytest
 from pdpair import contract as c
 from pdpair.operator.pods import (
     ENGINE_CONTAINER,
+    PREFLIGHT_CONTAINER,
     ROUTER_CONTAINER,
     STARTUP_PERIOD_SECONDS,
     engine_pod,
@@ -105,7 +106,8 @@ def test_every_user_pod_field_survives(role):
     pod = build(pair(), role)
     spec = pod["spec"]
     assert spec["volumes"] == VOLUMES
-    assert spec["initContainers"] == [INIT]
+    assert spec["initContainers"][:-1] == [INIT]  # the user's first; the operator's port preflight runs last
+    assert spec["initContainers"][-1]["name"] == PREFLIGHT_CONTAINER
     # The apiserver fills the port's protocol (a map-list key, so the generated CRD keeps its default).
     assert container(pod, "log-shipper") == {**SIDECAR, "ports": [{**SIDECAR["ports"][0], "protocol": "TCP"}]}
     assert spec["securityContext"] == {"fsGroup": 2000}
