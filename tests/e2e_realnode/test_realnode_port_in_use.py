@@ -26,7 +26,8 @@ from pdpair.contract import (
 from pdpair.operator.config import DEFAULT_PORT_POOL, PortPool
 from pdpair.operator.pods import PREFLIGHT_CONTAINER
 from tests.cluster.realnode_product import (
-    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, pair_manifest, pod_logs, wait_for,
+    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, operator_logs, pair_manifest, pod_logs,
+    wait_for,
 )
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
@@ -103,8 +104,7 @@ def test_ports_held_by_a_foreign_process_on_decodes_node_are_replaced_and_the_pa
             pods = json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
             for p in pods:
                 out.append(f"--- {p['metadata']['name']}:\n{pod_logs(real_cluster, namespace, p['metadata']['name'])}")
-            out.append("--- operator:\n" + real_cluster.kubectl("logs", "-n", OPERATOR_NS, "deploy/pdpair-operator",
-                                                                 "--tail=60", check=False).stdout)
+            out.append("--- operator:\n" + operator_logs(real_cluster))
             return "\n".join(out)
 
         # The first decode fails in its preflight, seconds after it is scheduled: a PortInUse Event names the ports.

@@ -34,7 +34,7 @@ from pdpair.contract import (
 )
 from tests.cluster.incluster_prometheus import InClusterPrometheus, prometheus_image
 from tests.cluster.realnode_product import (
-    _COMPLETION_SNIPPET, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, SERVED_NAME, completion, describe,
+    _COMPLETION_SNIPPET, ENGINE_START_TIMEOUT, PROMPTS, SERVED_NAME, completion, describe, operator_logs,
     pair_manifest, pod_logs, unique, wait_for,
 )
 
@@ -142,8 +142,7 @@ def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order
         out = [describe(real_cluster, namespace), json.dumps(pair().get("status"), indent=1)[-3000:]]
         for p in json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]:
             out.append(f"--- {p['metadata']['name']}:\n{pod_logs(real_cluster, namespace, p['metadata']['name'])}")
-        out.append("--- operator:\n" + real_cluster.kubectl("logs", "-n", OPERATOR_NS, "deploy/pdpair-operator",
-                                                             "--tail=80", check=False).stdout)
+        out.append("--- operator:\n" + operator_logs(real_cluster, tail=80))
         out.append("--- prometheus:\n" + prometheus.logs())
         return "\n".join(out)
 
