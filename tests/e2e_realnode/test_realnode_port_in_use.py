@@ -40,6 +40,8 @@ import socket, sys, threading
 socks = []
 for port in map(int, sys.argv[1:]):
     s = socket.socket()
+    # Like any server (and the preflight): an earlier pair's connections on the port may sit in TIME_WAIT.
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(("0.0.0.0", port))
     s.listen(16)
     socks.append(s)
