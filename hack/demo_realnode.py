@@ -111,7 +111,7 @@ def main() -> int:
                 cluster.import_image(image.archive)
             say("images imported into both nodes' containerd")
             helm = install_operator(cluster, operator.ref)
-            say(f"helm install {RELEASE} charts/pdpair: the operator runs as a pod in {OPERATOR_NS}")
+            say(f"helm install {RELEASE} charts/pdpair: the operator runs as 2 pods in {OPERATOR_NS} (one leads, one stands by)")
             from kubernetes import client
 
             api = cluster.api_client()
