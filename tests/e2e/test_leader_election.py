@@ -18,24 +18,51 @@ pytestmark = pytest.mark.cluster
 LEASE, RENEW, RETRY = 3.0, 2.0, 0.25
 
 
-def _electors(cluster, ns, *names, lease_name=None):
+@pytest.fixture
+def electors(local_cluster):
+    """Makes electors; every one is stopped at teardown, so a failed test leaves no renew loop writing into the
+    next test's apiserver (a leaked loop once turned one failure into two)."""
     from kubernetes import client
 
-    coord = client.CoordinationV1Api(cluster.api_client())
-    lease_name = lease_name or f"leader-{uuid.uuid4().hex[:6]}"
-    return coord, lease_name, [
-        LeaderElector(coord, ElectionSettings(lease_name, ns, f"{n}_{uuid.uuid4().hex[:4]}", LEASE, RENEW, RETRY))
-        for n in names
-    ]
+    made = []
+
+    def make(ns, *names):
+        coord = client.CoordinationV1Api(local_cluster.api_client())
+        lease_name = f"leader-{uuid.uuid4().hex[:6]}"
+        new = [LeaderElector(coord, ElectionSettings(lease_name, ns, f"{n}_{uuid.uuid4().hex[:4]}", LEASE, RENEW,
+                                                      RETRY))
+               for n in names]
+        made.extend(new)
+        return coord, lease_name, new
+
+    yield make
+    for elector in made:
+        elector.stop()
+
+
+def _take_lease(coord, ns, name, holder):
+    """Overwrites the holder with a read-modify-write that retries on 409: the leader renews every RETRY seconds,
+    so a single read-then-replace can lose the race."""
+    from kubernetes.client.exceptions import ApiException
+
+    for _ in range(40):
+        lease = coord.read_namespaced_lease(name, ns)
+        lease.spec.holder_identity = holder
+        try:
+            return coord.replace_namespaced_lease(name, ns, lease)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+    raise AssertionError(f"could not overwrite lease {name}: 40 conflicts in a row")
 
 
 def _holder(coord, ns, name):
     return coord.read_namespaced_lease(name, ns).spec.holder_identity
 
 
-def test_standby_waits_for_expiry_and_release_hands_over_at_once(local_cluster, cluster_namespace):
+def test_standby_waits_for_expiry_and_release_hands_over_at_once(electors, cluster_namespace):
     ns = cluster_namespace
-    coord, lease_name, (a, b) = _electors(local_cluster, ns, "a", "b")
+    coord, lease_name, (a, b) = electors(ns, "a", "b")
     lost = []
     assert a.wait_for_leadership()
     a.keep_leading(lost.append)
@@ -71,9 +98,9 @@ def test_standby_waits_for_expiry_and_release_hands_over_at_once(local_cluster, 
     assert _holder(coord, ns, lease_name) == "c_1"
 
 
-def test_one_winner_when_candidates_race_for_an_expired_lease(local_cluster, cluster_namespace):
+def test_one_winner_when_candidates_race_for_an_expired_lease(electors, cluster_namespace):
     ns = cluster_namespace
-    coord, lease_name, candidates = _electors(local_cluster, ns, *[f"r{i}" for i in range(6)])
+    coord, lease_name, candidates = electors(ns, *[f"r{i}" for i in range(6)])
     for round_ in range(5):
         winners = []
         barrier = threading.Barrier(len(candidates))
@@ -96,20 +123,18 @@ def test_one_winner_when_candidates_race_for_an_expired_lease(local_cluster, clu
         next(e for e in candidates if e.settings.identity == holder).release()
 
 
-def test_leader_fences_itself_when_renewals_fail(local_cluster, cluster_namespace):
+def test_leader_fences_itself_when_renewals_fail(electors, cluster_namespace):
     """Someone else writes the Lease (a split brain the apiserver would otherwise allow): the leader's renewals see
     another holder, and within the renew deadline the watchdog calls on_lost (the process would exit)."""
     ns = cluster_namespace
-    coord, lease_name, (a,) = _electors(local_cluster, ns, "a")
+    coord, lease_name, (a,) = electors(ns, "a")
     lost = threading.Event()
     reasons = []
     assert a.wait_for_leadership()
     a.keep_leading(lambda reason: (reasons.append(reason), lost.set()))
     time.sleep(2 * RETRY)
     assert not lost.is_set()
-    lease = coord.read_namespaced_lease(lease_name, ns)
-    lease.spec.holder_identity = "intruder"
-    coord.replace_namespaced_lease(lease_name, ns, lease)
+    _take_lease(coord, ns, lease_name, "intruder")
     stolen = time.monotonic()
     assert lost.wait(RENEW + 5), "the leader kept acting without a successful renewal"
     elapsed = time.monotonic() - stolen
