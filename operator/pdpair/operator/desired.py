@@ -152,6 +152,17 @@ def _health_view(pod: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class HealthFinding:
+    """The latest health verdict on one generation of the pair (the health watch's; see health.py)."""
+
+    generation: int
+    restart: bool  # the verdict calls for an ordered restart
+    reason: str | None  # a health.RESTART_REASONS code when restart
+    message: str
+    pending: bool = False  # a pod is Pending for scheduling: no verdict
+
+
+@dataclass(frozen=True)
 class Observed:
     pods: tuple[PodView, ...] = ()
     ports_complete: bool = False  # the leases cover every required block
@@ -159,7 +170,12 @@ class Observed:
     pool_message: str = ""
     decode_listening: bool = False  # the current decode pod accepted on every rank
     probe_message: str = ""
-    restart_reason: str | None = None  # a restart the executor decided to do now (budget and backoff allow it)
+    restart_reason: str | None = None  # set by planner.plan only: the restart it decided to do now
+    # What planner.plan decides restarts from (desired_state itself ignores these):
+    meta_generation: int = 0  # the pair's metadata.generation
+    restart_times: tuple[float, ...] = ()  # earlier restarts (epoch seconds), from the pair's annotation
+    health: HealthFinding | None = None
+    ports_replaced: str | None = None  # busy ports the pair no longer holds were re-leased: restart on the new ones
 
 
 # --- the plan ---------------------------------------------------------------------------------------

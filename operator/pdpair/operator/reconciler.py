@@ -10,7 +10,6 @@ on the network except through awaits with deadlines.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -23,7 +22,6 @@ from pdpair.contract import (
     COND_SIGNALS_HEALTHY,
     GROUP,
     PHASE_FAILED,
-    PHASE_RESTARTING,
     PLURAL,
     PURPOSE_SIDECHANNEL,
     ROLE_DECODE,
@@ -34,12 +32,11 @@ from pdpair.contract import (
 
 from . import busy_ports
 from . import desired as d
-from . import health
+from . import planner
 from .config import OperatorConfig
 from .lifecycle import probe_ranks
 from .pods import ManifestError, engine_pod, pod_name, router_pod
 from .ports import PairRef, PortLeaser, required_blocks, status_ports, ports_of
-from .restart_policy import Action, RestartPolicy, decide, prune
 from .service import ACTION_CREATE, ACTION_DELETE, ACTION_PATCH, ServiceView, plan_service, router_service, service_name
 from .status import FALSE, TRUE, UNKNOWN, Condition, apply_conditions, now_rfc3339, status_diff
 
@@ -151,7 +148,9 @@ class PairReconciler:
         self.last_step = ""
         self.service: str | None = (self.status.get("service") or None)  # the router Service we own, by name
         self.service_problem = ""  # the last Service error reported as an Event (reported once, not per pass)
-        self.restart_times: list[float] = self._read_restart_times()
+        # The restart-times annotation as this reconciler last wrote it, until the watch shows it: a cache for the
+        # watch's lag, not state (the annotation on the pair is the record; see _restart_times)
+        self.restart_times_written: tuple[tuple[float, ...], float] | None = None
         self.rejections: dict[str, Rejection] = {}  # role -> the API server's last refusal (a backoff, not a decision)
         # pod name -> when this reconciler created it, until the pod index shows it: our own status patch wakes the
         # next pass before the pod's watch event arrives, and re-creating it then would only earn a 409
@@ -162,12 +161,21 @@ class PairReconciler:
         self.unreplaceable_reported: set[tuple[str, int]] = set()  # (pod, port) told once as PortInUse
 
     # --- observation --------------------------------------------------------------------------------
-    def _read_restart_times(self) -> list[float]:
+    def _restart_times(self) -> list[float]:
+        """The pair's restart record (its annotation), or this reconciler's own newer write while the watch has not
+        delivered it yet (for at most CREATED_UNSEEN_WAIT)."""
         raw = ((self.body.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_RESTART_TIMES, "[]")
         try:
-            return [float(t) for t in json.loads(raw)]
+            recorded = [float(t) for t in json.loads(raw)]
         except (ValueError, TypeError):
-            return []
+            recorded = []
+        if self.restart_times_written is not None:
+            written, at = self.restart_times_written
+            if list(written) == recorded or time.monotonic() - at > CREATED_UNSEEN_WAIT:
+                self.restart_times_written = None
+            else:
+                return list(written)
+        return recorded
 
     async def ensure_ports(self, spec: Mapping[str, Any], pods: tuple[d.PodView, ...] = ()) -> None:
         """Lease what the spec needs; `self.ports` then mirrors the pair's leases exactly ([] or None: none held).
@@ -252,10 +260,11 @@ class PairReconciler:
                              report.describe(), quarantined, replacement)
         return found
 
-    def _ports_in_use_restart(self, plan: d.Plan, found: list[busy_ports.PortsInUse]) -> str | None:
-        """The restart message when the pair broke on busy ports that it no longer holds (replaced), else None.
-        Such a restart is outside the restart budget: each one consumed a quarantined port, so it cannot loop."""
-        if plan.step != d.STEP_BROKEN or not found or self.ports is None:
+    def _ports_replaced(self, found: list[busy_ports.PortsInUse]) -> str | None:
+        """What to say when the pods found busy ports that the pair no longer holds (all replaced), else None. The
+        planner restarts a broken pair on it outside the restart budget: each such restart consumed a quarantined
+        port, so it cannot loop."""
+        if not found or self.ports is None:
             return None
         held = {int(p["port"]) for p in self.ports}
         fixed = [b.fixed for b in (self.blocks or ()) if b.fixed is not None]
@@ -360,7 +369,7 @@ class PairReconciler:
         pods = tuple(pods)
         cfg = self.rt.config
 
-        if self.status.get("phase") == PHASE_FAILED and self.status.get("observedGeneration") == meta_generation:
+        if planner.halted(self.status, meta_generation):
             return cfg.resync_interval  # the restart budget is spent; only a spec change moves the pair again
 
         await self.ensure_ports(spec, pods)
@@ -379,50 +388,35 @@ class PairReconciler:
             pool_message=self.pool_message,
             decode_listening=listening,
             probe_message=self.probe_message,
+            meta_generation=meta_generation,
+            restart_times=tuple(self._restart_times()),
+            health=self._health_finding(),
+            ports_replaced=self._ports_replaced(in_use),
         )
-        plan = d.desired_state(spec, self.status, observed)
-
-        failure = self._failure_reason(plan, pods, generation)
-        reason_code, restart_reason = failure if failure else (None, None)
-        port_restart = self._ports_in_use_restart(plan, in_use)
-        if port_restart:
-            reason_code, restart_reason = health.REASON_PORT_IN_USE, port_restart
-        restart_times_changed = False
+        decided = planner.plan(spec, self.status, observed, time.time())
+        if decided.outcome == planner.OUTCOME_HALTED:
+            return cfg.resync_interval
+        if decided.outcome == planner.OUTCOME_FAILED:
+            await self._fail(decided.message, decided.conditions, meta_generation)
+            return cfg.resync_interval
+        if decided.outcome == planner.OUTCOME_BACKOFF:
+            await self._write_status({"phase": decided.phase, "message": decided.message[:32768]},
+                                     decided.conditions, meta_generation)
+            wait = (decided.retry_at - time.time()) if decided.retry_at else cfg.probe_interval
+            return max(0.2, min(wait, cfg.resync_interval))
+        plan = decided.steps
+        assert plan is not None
         extra: dict[str, Any] = {}
-        if restart_reason and not port_restart:
-            decision = decide(
-                RestartPolicy.from_spec(spec.get("restartPolicy")),
-                self.restart_times,
-                time.time(),
-                pods_pending_scheduling=any(p.pending_scheduling for p in pods),
-            )
-            if decision.action == Action.BUDGET_EXHAUSTED:
-                await self._fail(restart_reason, decision.message, meta_generation)
-                return cfg.resync_interval
-            if decision.action in (Action.WAIT, Action.PENDING_SCHEDULING):
-                await self._write_status(
-                    {"phase": PHASE_RESTARTING, "message": f"{restart_reason}; {decision.message}"},
-                    [Condition(COND_READY, FALSE, "RestartBackoff", decision.message)],
-                    meta_generation,
-                )
-                wait = (decision.not_before - time.time()) if decision.not_before else cfg.probe_interval
-                return max(0.2, min(wait, cfg.resync_interval))
-        if restart_reason:
-            # RESTART_NOW: a new generation, the ordered replacement follows from the plan
+        if decided.restart is not None:
+            restart = decided.restart
             self.rt.health_verdicts.pop(self.ref.uid, None)
-            if not port_restart:
-                self.restart_times = prune(
-                    RestartPolicy.from_spec(spec.get("restartPolicy")), self.restart_times + [time.time()], time.time()
-                )
-                restart_times_changed = True
-            plan = d.desired_state(spec, self.status, dataclasses.replace(observed, restart_reason=restart_reason))
-            self.emit("Warning", "Restarting", f"ordered restart to generation {plan.pair_generation}: {restart_reason}")
+            if decided.restart_times is not None:
+                await self._patch_meta({ANNOTATION_RESTART_TIMES: json.dumps(list(decided.restart_times))})
+                self.restart_times_written = (decided.restart_times, time.monotonic())
+            self.emit("Warning", "Restarting", f"ordered restart to generation {plan.pair_generation}: {restart.message}")
             extra["restarts"] = int(self.status.get("restarts") or 0) + 1
-            extra["lastRestart"] = {"time": now_rfc3339(), "reason": restart_reason[:1024]}
-            self._count_restart(reason_code)
-
-        if restart_times_changed:
-            await self._patch_meta({ANNOTATION_RESTART_TIMES: json.dumps(self.restart_times)})
+            extra["lastRestart"] = {"time": now_rfc3339(), "reason": restart.message[:1024]}
+            self._count_restart(restart.reason_code)
 
         if plan.rolled_out:
             self.emit("Normal", "RollingOut", f"spec changed: rolling out generation {plan.pair_generation}, decode first")
@@ -449,19 +443,12 @@ class PairReconciler:
             return cfg.resync_interval  # its watch event wakes the pair; polling meanwhile only burned passes
         return pass_delay(plan.step, cfg)
 
-    def _failure_reason(self, plan: d.Plan, pods: tuple[d.PodView, ...], generation: int) -> tuple[str, str] | None:
-        """(reason code as in health.RESTART_REASONS, message) when the pair needs an ordered restart."""
-        if plan.step == d.STEP_BROKEN:
-            for pod in pods:
-                if pod.generation == generation and pod.raw is not None:
-                    fact = health.pod_fact(pod.role, pod.raw)
-                    if fact.reason:
-                        return fact.reason, fact.message
-            return health.REASON_POD_VANISHED, plan.broken_reason or "a pair pod vanished"
+    def _health_finding(self) -> d.HealthFinding | None:
         judged = self.rt.health_verdicts.get(self.ref.uid)
-        if judged and judged[0] == generation and judged[1].restart:
-            return judged[1].reason, judged[1].message
-        return None
+        if not judged:
+            return None
+        generation, verdict = judged
+        return d.HealthFinding(generation, verdict.restart, verdict.reason, verdict.message, verdict.pending)
 
     def _signals_condition(self, generation: int) -> list[Condition]:
         """SignalsHealthy for the current generation. A new generation starts Unknown, so a verdict about an older
@@ -627,13 +614,9 @@ class PairReconciler:
             GROUP, VERSION, self.ref.namespace, PLURAL, self.ref.name, {"metadata": {"annotations": dict(annotations)}},
         )
 
-    async def _fail(self, reason: str, budget_message: str, meta_generation: int) -> None:
-        message = f"restart budget spent ({budget_message}); last failure: {reason}"
-        changed = await self._write_status(
-            {"phase": PHASE_FAILED, "message": message[:32768]},
-            [Condition(COND_READY, FALSE, "RestartBudgetExhausted", message[:32768])],
-            meta_generation,
-        )
+    async def _fail(self, message: str, conditions: Iterable[Condition], meta_generation: int) -> None:
+        changed = await self._write_status({"phase": PHASE_FAILED, "message": message[:32768]}, conditions,
+                                           meta_generation)
         if changed:
             self.emit("Warning", "RestartBudgetExhausted", message)
             self.log.warning("pair %s/%s failed: %s", self.ref.namespace, self.ref.name, message)

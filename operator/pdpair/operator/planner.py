@@ -1,0 +1,105 @@
+"""The one planner: `plan(spec, status, observed, now)` decides everything a reconcile pass does.
+
+It owns, in this order:
+  1. a Failed pair is left alone until its spec changes (status.phase Failed at this metadata.generation);
+  2. whether the pair needs a restart (a current pod failed or vanished, a health verdict for the current
+     generation, ports found busy on the node) and whether it may restart now (restart_policy: backoff, budget,
+     the scheduling gate), or must wait, or has spent its budget (Failed);
+  3. the ordered steps (desired.desired_state): leasing, decode first, the listener gate, prefill, router, and the
+     replacement of older generations (rollouts and restarts alike).
+
+Pure: no client, no kopf, no clock but `now` (epoch seconds). The executor (reconciler.py) observes, calls plan()
+once per pass, and applies what it returns. Everything it needs is in spec, status and `observed`, so a restarted
+operator plans exactly what the one before it would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from pdpair.contract import COND_READY, PHASE_FAILED, PHASE_RESTARTING
+
+from . import desired as d
+from . import health
+from .restart_policy import Action, RestartPolicy, decide, prune
+from .status import FALSE, Condition
+
+OUTCOME_STEP = "Step"  # apply `steps` (create/delete/probe), maybe after recording `restart`
+OUTCOME_BACKOFF = "RestartBackoff"  # a restart is due but must wait (backoff, or a pod Pending for scheduling)
+OUTCOME_FAILED = "RestartBudgetExhausted"  # the budget is spent: phase Failed, stop
+OUTCOME_HALTED = "Halted"  # already Failed at this spec: touch nothing
+
+
+@dataclass(frozen=True)
+class Restart:
+    """An ordered restart this pass starts: the generation is bumped and the old pods are replaced in order."""
+
+    reason_code: str  # one of health.RESTART_REASONS (the metric label)
+    message: str
+    counted: bool  # against the restart budget (busy-port restarts are not: each consumed a quarantined port)
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    outcome: str
+    steps: d.Plan | None = None  # for OUTCOME_STEP
+    restart: Restart | None = None
+    restart_times: tuple[float, ...] | None = None  # the new restart-times record, when it changed
+    phase: str = ""  # for OUTCOME_BACKOFF / OUTCOME_FAILED
+    message: str = ""
+    conditions: tuple[Condition, ...] = ()
+    retry_at: float | None = None  # epoch seconds: when a backed-off restart may happen
+
+
+def halted(status: Mapping[str, Any], meta_generation: int) -> bool:
+    """Failed at the spec it failed with: only a spec change (a new metadata.generation) moves the pair again."""
+    return status.get("phase") == PHASE_FAILED and status.get("observedGeneration") == meta_generation
+
+
+def failure(steps: d.Plan, observed: d.Observed) -> tuple[str, str] | None:
+    """(reason code, message) when the pair's current generation needs an ordered restart, else None."""
+    if steps.step == d.STEP_BROKEN:
+        for pod in observed.pods:
+            if pod.generation == steps.pair_generation and pod.raw is not None:
+                fact = health.pod_fact(pod.role, pod.raw)
+                if fact.reason:
+                    return fact.reason, fact.message
+        return health.REASON_POD_VANISHED, steps.broken_reason or "a pair pod vanished"
+    verdict = observed.health
+    if verdict is not None and verdict.generation == steps.pair_generation and verdict.restart:
+        return verdict.reason or health.REASON_HUNG, verdict.message
+    return None
+
+
+def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: d.Observed, now: float) -> PairPlan:
+    status = status or {}
+    if halted(status, observed.meta_generation):
+        return PairPlan(OUTCOME_HALTED)
+
+    steps = d.desired_state(spec, status, dataclasses.replace(observed, restart_reason=None))
+    restart: Restart | None = None
+    new_times: tuple[float, ...] | None = None
+    if steps.step == d.STEP_BROKEN and observed.ports_replaced:
+        restart = Restart(health.REASON_PORT_IN_USE, observed.ports_replaced, counted=False)
+    else:
+        found = failure(steps, observed)
+        if found is not None:
+            policy = RestartPolicy.from_spec(spec.get("restartPolicy"))
+            decision = decide(policy, observed.restart_times, now,
+                              pods_pending_scheduling=any(p.pending_scheduling for p in observed.pods))
+            reason_code, message = found
+            if decision.action == Action.BUDGET_EXHAUSTED:
+                text = f"restart budget spent ({decision.message}); last failure: {message}"
+                return PairPlan(OUTCOME_FAILED, phase=PHASE_FAILED, message=text,
+                                conditions=(Condition(COND_READY, FALSE, "RestartBudgetExhausted", text[:32768]),))
+            if decision.action in (Action.WAIT, Action.PENDING_SCHEDULING):
+                return PairPlan(OUTCOME_BACKOFF, phase=PHASE_RESTARTING, message=f"{message}; {decision.message}",
+                                conditions=(Condition(COND_READY, FALSE, "RestartBackoff", decision.message),),
+                                retry_at=decision.not_before)
+            restart = Restart(reason_code, message, counted=True)
+            new_times = tuple(prune(policy, list(observed.restart_times) + [now], now))
+    if restart is not None:
+        steps = d.desired_state(spec, status, dataclasses.replace(observed, restart_reason=restart.message))
+    return PairPlan(OUTCOME_STEP, steps=steps, restart=restart, restart_times=new_times)

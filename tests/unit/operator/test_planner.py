@@ -1,0 +1,314 @@
+"""The one planner (planner.plan): table tests of its restart decisions, and a property test that drives it through
+random event sequences (pods failing, probes flapping, health verdicts, spec edits, passes that die half-way, the
+clock) in a small simulated world and checks the pair's invariants after every pass."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdpair.contract import PHASE_FAILED, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
+from pdpair.operator import desired as d
+from pdpair.operator import health, planner
+from pdpair.operator.desired import HealthFinding, Observed, PodView, spec_fingerprint
+from pdpair.operator.restart_policy import RestartPolicy, restarts_in_window
+
+POLICY = {"maxRestarts": 3, "windowSeconds": 600, "backoffSeconds": 10, "maxBackoffSeconds": 40}
+SPEC = {"model": "m", "image": "img:1", "router": {"enabled": True}, "restartPolicy": POLICY}
+H = spec_fingerprint(SPEC)
+NOW = 1_000_000.0
+
+
+def raw(name, phase="Running", restarts=0, deleting=False, node="n1"):
+    meta = {"name": name, **({"deletionTimestamp": "2026-12-01T00:00:00Z"} if deleting else {})}
+    return {"metadata": meta, "spec": {"nodeName": node},
+            "status": {"phase": phase, "containerStatuses": [{"name": "engine", "restartCount": restarts}]}}
+
+
+def pod(role, gen=1, phase="Running", ready=True, restarts=0, deleting=False, spec_hash=H):
+    name = f"p-{role}-{gen}"
+    return PodView(name, role, gen, spec_hash, phase, ready, "10.0.0.1" if phase == "Running" else None, deleting,
+                   True, restarts, f"uid-{name}", raw=raw(name, phase, restarts, deleting))
+
+
+READY_PODS = (pod("decode"), pod("prefill"), pod("router"))
+
+
+def observed(pods=READY_PODS, **kw):
+    return Observed(pods, ports_complete=True, decode_listening=True, meta_generation=1, **kw)
+
+
+def hung(gen=1):
+    return HealthFinding(gen, True, health.REASON_HUNG, "decode hung: 3 signals missing")
+
+
+CASES = [
+    # name, status, observed, now, outcome, restart reason code, next step
+    ("healthy and Ready: nothing to do", {"pairGeneration": 1}, observed(), NOW,
+     planner.OUTCOME_STEP, None, d.STEP_READY),
+    ("hung: restart now, generation bumped, prefill stopped first", {"pairGeneration": 1},
+     observed(health=hung()), NOW, planner.OUTCOME_STEP, health.REASON_HUNG, d.STEP_DELETE_PREFILL),
+    ("a verdict about an older generation is no reason", {"pairGeneration": 2},
+     observed(pods=(pod("decode", 2), pod("prefill", 2), pod("router", 2)), health=hung(1)), NOW,
+     planner.OUTCOME_STEP, None, d.STEP_READY),
+    ("decode Failed: restart for pod_failed", {"pairGeneration": 1},
+     observed(pods=(pod("decode", phase="Failed"), pod("prefill"), pod("router"))), NOW,
+     planner.OUTCOME_STEP, health.REASON_POD_FAILED, d.STEP_DELETE_PREFILL),
+    ("container restarted: restart for container_restart", {"pairGeneration": 1},
+     observed(pods=(pod("decode", restarts=1), pod("prefill"), pod("router"))), NOW,
+     planner.OUTCOME_STEP, health.REASON_CONTAINER_RESTART, d.STEP_DELETE_PREFILL),
+    ("decode vanished under prefill", {"pairGeneration": 1},
+     observed(pods=(pod("prefill"), pod("router"))), NOW,
+     planner.OUTCOME_STEP, health.REASON_POD_VANISHED, d.STEP_DELETE_PREFILL),
+    ("inside the backoff after a restart: wait", {"pairGeneration": 1},
+     observed(health=hung(), restart_times=(NOW - 5,)), NOW, planner.OUTCOME_BACKOFF, None, None),
+    ("backoff over: restart", {"pairGeneration": 1},
+     observed(health=hung(), restart_times=(NOW - 11,)), NOW, planner.OUTCOME_STEP, health.REASON_HUNG,
+     d.STEP_DELETE_PREFILL),
+    ("budget spent: Failed", {"pairGeneration": 1},
+     observed(health=hung(), restart_times=(NOW - 300, NOW - 200, NOW - 100)), NOW, planner.OUTCOME_FAILED, None,
+     None),
+    ("restarts older than the window do not count", {"pairGeneration": 1},
+     observed(health=hung(), restart_times=(NOW - 900, NOW - 800, NOW - 700)), NOW, planner.OUTCOME_STEP,
+     health.REASON_HUNG, d.STEP_DELETE_PREFILL),
+    ("a pod Pending for scheduling: never restart", {"pairGeneration": 1},
+     observed(pods=(pod("decode"), pod("prefill", phase="Failed"),
+                    dataclasses.replace(pod("router", phase="Pending", ready=False), scheduled=False)),
+              restart_times=()), NOW, planner.OUTCOME_BACKOFF, None, None),
+    ("Failed at this spec: halted", {"pairGeneration": 1, "phase": PHASE_FAILED, "observedGeneration": 1},
+     observed(health=hung()), NOW, planner.OUTCOME_HALTED, None, None),
+    ("Failed, then the spec changed: planned again", {"pairGeneration": 1, "phase": PHASE_FAILED,
+                                                      "observedGeneration": 1},
+     dataclasses.replace(observed(), meta_generation=2), NOW, planner.OUTCOME_STEP, None, d.STEP_READY),
+    ("broken on busy ports that were re-leased: restart outside the budget", {"pairGeneration": 1},
+     observed(pods=(pod("decode", phase="Failed"), pod("prefill"), pod("router")),
+              restart_times=(NOW - 300, NOW - 200, NOW - 100), ports_replaced="decode port 20001 busy"), NOW,
+     planner.OUTCOME_STEP, health.REASON_PORT_IN_USE, d.STEP_DELETE_PREFILL),
+]
+
+
+@pytest.mark.parametrize("name, status, obs, now, outcome, reason, step", CASES, ids=[c[0] for c in CASES])
+def test_plan(name, status, obs, now, outcome, reason, step):
+    decided = planner.plan(SPEC, status, obs, now)
+    assert decided.outcome == outcome
+    assert (decided.restart.reason_code if decided.restart else None) == reason
+    assert (decided.steps.step if decided.steps else None) == step
+    if decided.restart is not None:
+        assert decided.steps.pair_generation == status["pairGeneration"] + 1
+        assert decided.steps.phase == "Restarting"
+        if decided.restart.counted:
+            assert decided.restart_times[-1] == now
+        else:
+            assert decided.restart_times is None  # the record is untouched
+    if outcome == planner.OUTCOME_BACKOFF:
+        assert decided.phase == "Restarting" and {c.type: c.reason for c in decided.conditions} == {
+            "Ready": "RestartBackoff"}
+
+
+def test_backoff_says_when_the_restart_may_happen():
+    decided = planner.plan(SPEC, {"pairGeneration": 1}, observed(health=hung(), restart_times=(NOW - 5,)), NOW)
+    assert decided.retry_at == NOW - 5 + 10
+
+
+def test_restart_times_keep_only_the_window():
+    decided = planner.plan(SPEC, {"pairGeneration": 1}, observed(health=hung(), restart_times=(NOW - 700, NOW - 30)),
+                           NOW)
+    assert decided.restart_times == (NOW - 30, NOW)
+
+
+# --- the property test -----------------------------------------------------------------------------------------
+class Violation(AssertionError):
+    pass
+
+
+@dataclass
+class World:
+    """The apiserver and kubelet as the planner sees them, one pass at a time. Pods are PodViews (with the raw
+    fields pod facts read); the executor here does what reconciler.py does with a PairPlan."""
+
+    spec: dict[str, Any]
+    meta_generation: int = 1
+    status: dict[str, Any] = field(default_factory=dict)
+    restart_times: tuple[float, ...] = ()
+    pods: dict[str, PodView] = field(default_factory=dict)
+    accepting: set[str] = field(default_factory=set)  # decode pods whose listener accepts
+    health: HealthFinding | None = None
+    now: float = NOW
+    restarts: list[float] = field(default_factory=list)  # when counted restarts happened
+    failed_at_generation: int | None = None  # metadata.generation the pair went Failed at
+    creates: int = 0
+
+    def observe(self) -> Observed:
+        pods = tuple(self.pods.values())
+        generation = d.current_generation(self.status, pods)
+        decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation), None)
+        return Observed(pods, ports_complete=True,
+                        decode_listening=bool(decode and decode.running and decode.name in self.accepting),
+                        meta_generation=self.meta_generation, restart_times=self.restart_times, health=self.health)
+
+    def run_pass(self, crash_after_status: bool = False) -> None:
+        obs = self.observe()
+        decided = planner.plan(self.spec, self.status, obs, self.now)
+        halted = self.failed_at_generation == self.meta_generation
+        if halted and decided.outcome != planner.OUTCOME_HALTED:
+            raise Violation(f"a Failed pair was planned again at the same spec: {decided}")
+        if decided.outcome == planner.OUTCOME_HALTED:
+            return
+        self.status["observedGeneration"] = self.meta_generation
+        if decided.outcome in (planner.OUTCOME_FAILED, planner.OUTCOME_BACKOFF):
+            self.status["phase"] = decided.phase
+            if decided.outcome == planner.OUTCOME_FAILED:
+                self.failed_at_generation = self.meta_generation
+            return
+        plan = decided.steps
+        if decided.restart is not None:
+            self.health = None
+            if decided.restart.counted:
+                self.restarts.append(self.now)
+                self.restart_times = decided.restart_times
+        # intent first: status before pods
+        self.status.update(pairGeneration=plan.pair_generation, phase=plan.phase)
+        if crash_after_status:
+            return
+        for name in plan.delete:
+            if name in self.pods:
+                self.pods[name] = _deleting(self.pods[name])
+        if plan.create:
+            self._create(plan, obs)
+
+    def _create(self, plan: d.Plan, obs: Observed) -> None:
+        role, gen = plan.create, plan.pair_generation
+        twins = [p.name for p in self.pods.values() if p.role == role and p.generation == gen]
+        if twins:
+            raise Violation(f"second {role} pod for generation {gen} while {twins} exist")
+        if role == ROLE_PREFILL:
+            decode = next((p for p in obs.pods if p.role == ROLE_DECODE and p.generation == gen), None)
+            if decode is None or not decode.running or decode.name not in self.accepting:
+                raise Violation(f"prefill of generation {gen} created without a listening decode ({decode})")
+        name = f"p-{role}-{gen}-{self.creates}"
+        self.creates += 1
+        self.pods[name] = PodView(name, role, gen, spec_fingerprint(self.spec), "Pending", False, None, False, False,
+                                  0, f"uid-{name}", raw=raw(name, "Pending", node=""))
+
+    def check_budget(self) -> None:
+        policy = RestartPolicy.from_spec(self.spec["restartPolicy"])
+        for t in self.restarts:  # the window ending at a restart is the fullest
+            if len(restarts_in_window(policy, [r for r in self.restarts if r <= t], t)) > policy.max_restarts:
+                raise Violation(f"{len(self.restarts)} restarts {self.restarts} exceed {policy.max_restarts} per "
+                                f"{policy.window_seconds}s")
+
+
+def _with(pod_: PodView, **kw) -> PodView:
+    new = dataclasses.replace(pod_, **kw)
+    return dataclasses.replace(new, raw=raw(new.name, new.phase, new.restarts, new.deleting,
+                                            node="n1" if new.scheduled else ""))
+
+
+def _deleting(pod_: PodView) -> PodView:
+    return _with(pod_, deleting=True, ready=False)
+
+
+# Events: (kind, which pod, a number). Each sequence draws its own fault rate: calm ones reach Ready and then
+# hang, restart and spend their budgets; stormy ones fail pods mid-startup.
+GOOD = ["pass"] * 4 + ["progress"] * 3 + ["listen", "gone"]
+FAULTS = ["unlisten", "fail", "container_restart", "external_delete", "hung", "healthy", "spec_edit", "crash_pass",
+          "operator_restart", "tick", "tick"]
+
+
+@st.composite
+def event_sequences(draw):
+    calm = draw(st.sampled_from([1, 4, 16, 64]))
+    event = st.tuples(st.sampled_from(GOOD * calm + FAULTS), st.integers(0, 7), st.floats(0, 400, allow_nan=False))
+    return draw(st.lists(event, min_size=60, max_size=300))
+
+
+def apply_event(world: World, event) -> None:
+    kind, index, number = event
+    names = sorted(world.pods)
+    target = world.pods[names[index % len(names)]] if names else None
+    if kind == "pass":
+        world.run_pass()
+    elif kind == "crash_pass":
+        world.run_pass(crash_after_status=True)
+    elif kind == "operator_restart":
+        pass  # the planner holds nothing: a new operator sees the same status, annotation and pods
+    elif kind == "tick":
+        world.now += number
+    elif kind == "spec_edit":
+        world.spec = {**world.spec, "image": f"img:{world.meta_generation + 1}"}
+        world.meta_generation += 1
+    elif kind == "hung":
+        gen = int(world.status.get("pairGeneration") or 1)
+        world.health = HealthFinding(gen, True, health.REASON_HUNG, "hung")
+    elif kind == "healthy":
+        world.health = HealthFinding(int(world.status.get("pairGeneration") or 1), False, None, "healthy")
+    elif kind == "progress":  # every live pod one step: Pending -> scheduled -> Running -> Ready
+        for name, p in list(world.pods.items()):
+            if p.deleting or p.failed or p.ready:
+                continue
+            if not p.scheduled:
+                world.pods[name] = _with(p, scheduled=True)
+            elif p.phase == "Pending":
+                world.pods[name] = _with(p, phase="Running", ip="10.0.0.2")
+            else:
+                world.pods[name] = _with(p, ready=True)
+    elif kind == "listen":  # every running decode accepts
+        world.accepting |= {p.name for p in world.pods.values() if p.role == ROLE_DECODE and p.running}
+    elif kind == "gone":  # the kubelet finishes every deletion
+        for name in [n for n, p in world.pods.items() if p.deleting]:
+            del world.pods[name]
+            world.accepting.discard(name)
+    elif target is None:
+        return
+    elif kind == "unlisten":
+        world.accepting.discard(target.name)
+    elif kind == "fail" and target.scheduled:
+        world.pods[target.name] = _with(target, phase="Failed", ready=False, ip=None)
+    elif kind == "container_restart" and target.phase == "Running":
+        world.pods[target.name] = _with(target, restarts=target.restarts + 1)
+    elif kind == "external_delete":
+        world.pods[target.name] = _deleting(target)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(event_sequences())
+def test_invariants_hold_over_random_event_sequences(events):
+    world = World(dict(SPEC))
+    for event in events:
+        apply_event(world, event)
+        world.check_budget()
+
+
+def test_the_property_world_reaches_ready_and_restarts_in_order():
+    """The simulated world is capable of the good path (so the property test is not vacuous): a pair comes up
+    decode-first, hangs, restarts in order (prefill and router deleted before decode), and is Ready again."""
+    world = World(dict(SPEC))
+
+    def settle(max_passes=60):
+        for _ in range(max_passes):
+            world.run_pass()
+            for name, p in list(world.pods.items()):
+                if p.deleting:
+                    del world.pods[name]
+                elif not p.ready:
+                    world.pods[name] = _with(p, scheduled=True, phase="Running", ip="10.0.0.2", ready=True)
+                    if p.role == ROLE_DECODE:
+                        world.accepting.add(name)
+            if world.status.get("phase") == "Ready":
+                return
+        raise AssertionError(f"not Ready: {world.status}")
+
+    settle()
+    assert sorted(p.role for p in world.pods.values()) == [ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER]
+    world.health = HealthFinding(1, True, health.REASON_HUNG, "hung")
+    world.run_pass()
+    deleting = sorted(p.role for p in world.pods.values() if p.deleting)
+    assert deleting == [ROLE_PREFILL, ROLE_ROUTER] and world.status["pairGeneration"] == 2
+    settle()
+    assert {p.generation for p in world.pods.values()} == {2} and world.restarts == [NOW]
