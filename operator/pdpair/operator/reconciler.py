@@ -137,7 +137,11 @@ class PairReconciler:
         self.log = logger or log
         meta = body["metadata"]
         self.ref = PairRef(meta["namespace"], meta["name"], meta["uid"])
-        self.status: dict[str, Any] = json.loads(json.dumps(dict(body.get("status") or {})))
+        # A write-through copy of the pair's status: our own patches land here at once, while the watch may still
+        # deliver older versions; _refresh_status adopts the live one whenever the watch has a newer object.
+        self.status: dict[str, Any] = {}
+        self.status_version: str | None = None
+        self._refresh_status()
         self.ports: list[dict[str, Any]] | None = None  # leased, as status.ports
         self.blocks: tuple | None = None
         self.pool_message = ""
@@ -161,6 +165,21 @@ class PairReconciler:
         self.unreplaceable_reported: set[tuple[str, int]] = set()  # (pod, port) told once as PortInUse
 
     # --- observation --------------------------------------------------------------------------------
+    def _refresh_status(self) -> None:
+        """Take the live status (kopf's body follows the watch) when its object is newer than our last status
+        write: another writer (the health watch, a user, the replica that led before us) is seen on the next pass,
+        and nothing is remembered that the API does not have. resourceVersions are etcd revisions; one that is not
+        a number keeps the copy."""
+        live = self.body.get("metadata", {}).get("resourceVersion")
+        if self.status_version is not None:
+            try:
+                if live is None or int(live) <= int(self.status_version):
+                    return
+            except (TypeError, ValueError):
+                return
+        self.status = json.loads(json.dumps(dict(self.body.get("status") or {})))
+        self.status_version = live
+
     def _restart_times(self) -> list[float]:
         """The pair's restart record (its annotation), or this reconciler's own newer write while the watch has not
         delivered it yet (for at most CREATED_UNSEEN_WAIT)."""
@@ -369,6 +388,7 @@ class PairReconciler:
         pods = tuple(pods)
         cfg = self.rt.config
 
+        self._refresh_status()
         if planner.halted(self.status, meta_generation):
             return cfg.resync_interval  # the restart budget is spent; only a spec change moves the pair again
 
@@ -602,11 +622,14 @@ class PairReconciler:
         return True
 
     async def _patch_status(self, patch: Mapping[str, Any]) -> None:
-        await asyncio.to_thread(
+        result = await asyncio.to_thread(
             self.rt.custom.patch_namespaced_custom_object_status,
             GROUP, VERSION, self.ref.namespace, PLURAL, self.ref.name, {"status": dict(patch)},
         )
         self.status.update(patch)
+        version = ((result or {}).get("metadata") or {}).get("resourceVersion") if isinstance(result, dict) else None
+        if version:
+            self.status_version = version
 
     async def _patch_meta(self, annotations: Mapping[str, str]) -> None:
         await asyncio.to_thread(
