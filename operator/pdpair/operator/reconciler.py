@@ -20,7 +20,6 @@ from typing import Any, Callable, Iterable, Mapping
 from pdpair.contract import (
     ANNOTATION_RESTART_TIMES,
     COND_READY,
-    COND_SIGNALS_HEALTHY,
     GROUP,
     PHASE_FAILED,
     PHASE_RESTARTING,
@@ -41,7 +40,7 @@ from .pods import ManifestError, engine_pod, pod_name, router_pod
 from .ports import PairRef, PortLeaser, required_blocks, status_ports, ports_of
 from .restart_policy import Action, RestartPolicy, decide, prune
 from .service import ACTION_CREATE, ACTION_DELETE, ACTION_PATCH, ServiceView, plan_service, router_service, service_name
-from .status import FALSE, TRUE, UNKNOWN, Condition, apply_conditions, now_rfc3339, status_diff
+from .status import FALSE, Condition, apply_conditions, now_rfc3339, status_diff
 
 log = logging.getLogger(__name__)
 
@@ -60,17 +59,11 @@ class Runtime:
     wakeups: dict[str, asyncio.Event] = field(default_factory=dict)
     exited: dict[str, asyncio.Event] = field(default_factory=dict)
     metrics: Any = None  # metrics.OperatorMetrics, when served
-    # pair uid -> (pairGeneration judged, verdict), written by the health watch (handlers.watch_health)
-    health_verdicts: dict[str, tuple[int, Any]] = field(default_factory=dict)
 
     def wake(self, uid: str) -> None:
         event = self.wakeups.get(uid)
         if event is not None:
             event.set()
-
-
-def _camel(code: str | None) -> str:
-    return "".join(part.capitalize() for part in (code or "unhealthy").split("_"))
 
 
 def api_status(exc: BaseException) -> int | None:
@@ -409,7 +402,6 @@ class PairReconciler:
                 return max(0.2, min(wait, cfg.resync_interval))
         if restart_reason:
             # RESTART_NOW: a new generation, the ordered replacement follows from the plan
-            self.rt.health_verdicts.pop(self.ref.uid, None)
             if not port_restart:
                 self.restart_times = prune(
                     RestartPolicy.from_spec(spec.get("restartPolicy")), self.restart_times + [time.time()], time.time()
@@ -458,26 +450,15 @@ class PairReconciler:
                     if fact.reason:
                         return fact.reason, fact.message
             return health.REASON_POD_VANISHED, plan.broken_reason or "a pair pod vanished"
-        judged = self.rt.health_verdicts.get(self.ref.uid)
-        if judged and judged[0] == generation and judged[1].restart:
-            return judged[1].reason, judged[1].message
-        return None
+        return health.restart_reason(self._health(), generation)
+
+    def _health(self) -> Any:
+        """`status.health` as the health watch last wrote it (kopf's live body: this reconciler never writes it)."""
+        return (self.body.get("status") or {}).get("health")
 
     def _signals_condition(self, generation: int) -> list[Condition]:
-        """SignalsHealthy for the current generation. A new generation starts Unknown, so a verdict about an older
-        one (e.g. False from the hang that caused this restart) is never left standing; a restarted operator that
-        has not judged yet leaves the written condition alone."""
-        judged = self.rt.health_verdicts.get(self.ref.uid)
-        if not judged or judged[0] != generation or judged[1].pending:
-            new_generation = int(self.status.get("pairGeneration") or 0) != generation
-            if new_generation or (judged and judged[0] != generation):
-                return [Condition(COND_SIGNALS_HEALTHY, UNKNOWN, "NotJudged",
-                                  f"no signal-health verdict for generation {generation} yet")]
-            return []
-        verdict = judged[1]
-        if verdict.restart:
-            return [Condition(COND_SIGNALS_HEALTHY, FALSE, _camel(verdict.reason), verdict.message[:32768])]
-        return [Condition(COND_SIGNALS_HEALTHY, TRUE, "Healthy", verdict.message[:32768])]
+        """SignalsHealthy for the current generation, from `status.health` (health.signals_condition)."""
+        return [health.signals_condition(self._health(), generation)]
 
     def _status_fields(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> dict[str, Any]:
         names = {
