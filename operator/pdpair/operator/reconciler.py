@@ -395,7 +395,8 @@ class PairReconciler:
             if decision.action in (Action.WAIT, Action.PENDING_SCHEDULING):
                 await self._write_status(
                     {"phase": PHASE_RESTARTING, "message": f"{restart_reason}; {decision.message}"},
-                    [Condition(COND_READY, FALSE, "RestartBackoff", decision.message)],
+                    [Condition(COND_READY, FALSE, "RestartBackoff", decision.message)]
+                    + self._signals_condition(generation),  # the verdict stands while the restart waits
                     meta_generation,
                 )
                 wait = (decision.not_before - time.time()) if decision.not_before else cfg.probe_interval
