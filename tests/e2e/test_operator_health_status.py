@@ -93,7 +93,7 @@ def test_health_in_status_column_and_operator_restart(platform, cluster_namespac
 
             out = cluster.kubectl("get", "ipair", "kv", "-n", ns, "-o", "wide").stdout
             header, row = out.splitlines()[:2]
-            assert "KV HEALTH" in header and "Healthy" in row.split(), out
+            assert "KV HEALTH" in header and "DECODE DEFICIT" in header and "Healthy" in row.split(), out
             assert "KV HEALTH" not in cluster.kubectl("get", "ipair", "kv", "-n", ns).stdout  # priority 1: -o wide only
 
             # Steady state of a busy, healthy pair: no status writes but the periodic refresh.

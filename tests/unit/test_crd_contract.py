@@ -185,3 +185,5 @@ def test_health_status_schema_and_column(version, status_schema):
     assert roles["decode"]["properties"]["state"]["enum"] == [s.value for s in health.PodState]
     column = next(c for c in version["additionalPrinterColumns"] if c["name"] == "KV Health")
     assert (column["jsonPath"], column["priority"]) == (".status.health.verdict", 1)
+    column = next(c for c in version["additionalPrinterColumns"] if c["name"] == "Decode Deficit")
+    assert (column["jsonPath"], column["priority"]) == (".status.health.roles.decode.deficit", 1)

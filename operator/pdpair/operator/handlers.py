@@ -218,7 +218,7 @@ async def watch_health(
         generation = int(status.get("pairGeneration") or 0)
         if status.get("phase") != PHASE_READY or not generation:
             continue  # a pair still starting (or restarting) has nothing to judge yet
-        previous = written if _newer_or_same(written, status.get("health")) else status.get("health")
+        previous = health.newest(written, status.get("health"))
         try:
             scrapes, facts = await _scrape_pair(body, generation, list(pair_pods.get(uid, ())), interval)
             observed, verdict = health.observe(previous, generation, scrapes, facts)
@@ -239,16 +239,6 @@ async def watch_health(
                 runtime.metrics.hang_detected()
             kopf.event(body, type="Warning", reason="Unhealthy", message=f"{verdict.reason}: {verdict.message}"[:1024])
             logger.warning("pair unhealthy (%s): %s", verdict.reason, verdict.message)
-
-
-def _newer_or_same(written: Any, listed: Any) -> bool:
-    """Whether our last write is at least as new as the body's status.health (RFC 3339 UTC strings sort by time)."""
-    if not isinstance(written, dict):
-        return False
-    if not isinstance(listed, dict):
-        return True
-    return (written.get("pairGeneration") or 0, str(written.get("observedAt") or "")) >= (
-        listed.get("pairGeneration") or 0, str(listed.get("observedAt") or ""))
 
 
 async def _scrape_pair(

@@ -54,6 +54,7 @@ __all__ = [
     "health_patch",
     "merge_patch",
     "read_health",
+    "newest",
     "restart_reason",
     "signals_condition",
     "parse_pod_metrics",
@@ -510,6 +511,16 @@ def read_health(health: Any) -> Mapping[str, Any] | None:
     if isinstance(generation, bool) or not isinstance(generation, int):
         return None
     return health
+
+
+def newest(written: Any, listed: Any) -> Mapping[str, Any] | None:
+    """The newer of the watch's own last write and the body's `status.health` (the body may lag behind our write;
+    by (pairGeneration, observedAt): RFC 3339 UTC strings of one format sort by time). A tie goes to our write."""
+    mine, theirs = read_health(written), read_health(listed)
+    if mine is None or theirs is None:
+        return mine if theirs is None else theirs
+    key = lambda h: (h["pairGeneration"], str(h.get("observedAt") or ""))  # noqa: E731
+    return mine if key(mine) >= key(theirs) else theirs
 
 
 def _current(health: Any, generation: int) -> Mapping[str, Any] | None:

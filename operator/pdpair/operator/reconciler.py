@@ -613,7 +613,8 @@ class PairReconciler:
         message = f"restart budget spent ({budget_message}); last failure: {reason}"
         changed = await self._write_status(
             {"phase": PHASE_FAILED, "message": message[:32768]},
-            [Condition(COND_READY, FALSE, "RestartBudgetExhausted", message[:32768])],
+            [Condition(COND_READY, FALSE, "RestartBudgetExhausted", message[:32768])]
+            + self._signals_condition(int(self.status.get("pairGeneration") or 0)),
             meta_generation,
         )
         if changed:

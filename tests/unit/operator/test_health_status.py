@@ -26,6 +26,7 @@ from pdpair.operator.health import (
     ScrapeTarget,
     health_patch,
     merge_patch,
+    newest,
     next_streak,
     observe,
     restart_reason,
@@ -235,3 +236,14 @@ def test_reconciler_status_writes_never_carry_health():
     patch = status_diff(snapshot, {**snapshot, "phase": "Restarting", "pairGeneration": 2})
     assert "health" not in patch
 
+
+
+def test_newest_of_own_write_and_body():
+    def h(generation, at):
+        return {"pairGeneration": generation, "observedAt": at, "verdict": VERDICT_HEALTHY}
+
+    mine, body = h(1, "2026-12-01T08:00:10Z"), h(1, "2026-12-01T08:00:00Z")
+    assert newest(mine, body) is mine and newest(body, mine) is mine  # the body lags our own write
+    assert newest(None, body) is body and newest(mine, None) is mine and newest(None, None) is None
+    assert newest(h(1, "2026-12-01T09:00:00Z"), h(2, "2026-12-01T08:00:00Z"))["pairGeneration"] == 2
+    assert newest({"verdict": "junk"}, body) is body
