@@ -29,7 +29,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
