@@ -208,6 +208,10 @@ def test_budget_exhaustion_fails_the_pair_and_stops(platform, cluster_namespace,
             generation = failed["status"]["pairGeneration"]
             assert failed["status"]["restarts"] == 1
             assert "budget" in failed["status"]["message"]
+            # the verdict that spent the budget, read from status.health, stays on the Failed pair
+            signals = condition(failed, COND_SIGNALS_HEALTHY)
+            assert (signals["status"], signals["reason"]) == ("False", "Unreachable"), signals
+            assert failed["status"]["health"]["pairGeneration"] == generation
             recorder = PodRecorder(api, ns, only_new=True)
             time.sleep(6 * HEALTH_INTERVAL)
             quiet_creations = recorder.created()

@@ -172,3 +172,18 @@ def test_every_validation_rule_has_a_message_that_names_a_field(version):
         # a field name such as spec.x.y, metadata.name, args, env[].name, tolerations[].value
         assert any(word in rule["message"] for word in ("spec.", "args", "env[]", "tolerations[]",
                                                          "status.ports", "template.", "containers[")), rule["message"]
+
+
+def test_health_status_schema_and_column(version, status_schema):
+    from pdpair.operator import health
+
+    schema = status_schema["properties"]["health"]["properties"]
+    assert tuple(schema["verdict"]["enum"]) == health.VERDICTS
+    assert tuple(schema["reason"]["enum"]) == ("", *health.RESTART_REASONS)
+    roles = schema["roles"]["properties"]
+    assert set(roles) == {contract.ROLE_DECODE, contract.ROLE_PREFILL} and roles["decode"] == roles["prefill"]
+    assert roles["decode"]["properties"]["state"]["enum"] == [s.value for s in health.PodState]
+    column = next(c for c in version["additionalPrinterColumns"] if c["name"] == "KV Health")
+    assert (column["jsonPath"], column["priority"]) == (".status.health.verdict", 1)
+    column = next(c for c in version["additionalPrinterColumns"] if c["name"] == "Decode Deficit")
+    assert (column["jsonPath"], column["priority"]) == (".status.health.roles.decode.deficit", 1)

@@ -197,11 +197,14 @@ async def watch_health(
     body: kopf.Body, uid: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, logger: logging.Logger,
     pair_pods: kopf.Index, **_: Any,
 ) -> None:
-    """Every health interval, scrape the Ready pair's pods and hand a verdict to the reconciler."""
+    """Every health interval, scrape the Ready pair's pods and write what it saw to `status.health` (only that key;
+    the reconciler owns the conditions and reads the verdict back from status). It decides nothing itself."""
     runtime: Runtime = memo["runtime"]
     interval = runtime.config.health_interval
-    tracker = health.UnreachableTracker()
-    judged_generation = None
+    refresh = health.HEALTH_REFRESH_INTERVALS * interval
+    # The last status.health this watch wrote, as the apiserver returned it: the live body may not show our own
+    # write by the next scrape. A cache of status, rebuilt from the body when the daemon starts.
+    written: Any = None
     loop = asyncio.get_running_loop()
     next_scrape = loop.time()
     while not stopped:
@@ -215,28 +218,32 @@ async def watch_health(
         generation = int(status.get("pairGeneration") or 0)
         if status.get("phase") != PHASE_READY or not generation:
             continue  # a pair still starting (or restarting) has nothing to judge yet
-        if generation != judged_generation:
-            tracker, judged_generation = health.UnreachableTracker(), generation
+        previous = health.newest(written, status.get("health"))
         try:
-            verdict = await _judge_pair(body, generation, list(pair_pods.get(uid, ())), tracker, interval)
-        except Exception as exc:  # a bug here must not stop the watch
+            scrapes, facts = await _scrape_pair(body, generation, list(pair_pods.get(uid, ())), interval)
+            observed, verdict = health.observe(previous, generation, scrapes, facts)
+            patch = health.health_patch(previous, observed, refresh)
+            if patch is None:
+                continue
+            result = await asyncio.to_thread(
+                runtime.custom.patch_namespaced_custom_object_status, GROUP, VERSION, body["metadata"]["namespace"],
+                PLURAL, body["metadata"]["name"], {"status": {"health": patch}},
+            )
+            written = ((result or {}).get("status") or {}).get("health") or observed
+        except Exception as exc:  # a bug or an API error here must not stop the watch
             logger.warning("health check failed: %s: %s", type(exc).__name__, exc)
             continue
-        previous = runtime.health_verdicts.get(uid)
-        runtime.health_verdicts[uid] = (generation, verdict)
-        if verdict.restart:
+        runtime.wake(uid)  # the reconciler derives SignalsHealthy and the restart from what was just written
+        if verdict.restart and health.restart_reason(previous, generation) is None:
             if verdict.hung and runtime.metrics is not None:
                 runtime.metrics.hang_detected()
             kopf.event(body, type="Warning", reason="Unhealthy", message=f"{verdict.reason}: {verdict.message}"[:1024])
             logger.warning("pair unhealthy (%s): %s", verdict.reason, verdict.message)
-            runtime.wake(uid)
-        elif previous is None or previous[1].restart != verdict.restart:
-            runtime.wake(uid)  # SignalsHealthy flips
 
 
-async def _judge_pair(
-    body: kopf.Body, generation: int, pods: list[PodView], tracker: Any, interval: float
-) -> Any:
+async def _scrape_pair(
+    body: kopf.Body, generation: int, pods: list[PodView], interval: float
+) -> tuple[list[health.PodScrape], dict[str, Any]]:
     spec = body.get("spec") or {}
     ports = (body.get("status") or {}).get("ports") or []
     current = {p.role: p for p in pods if p.generation == generation and p.role in ROLES}
@@ -252,7 +259,7 @@ async def _judge_pair(
         timeout=max(0.2, min(2.0, interval / 2)),
     )
     facts = {role: (current[role].raw if role in current else None) for role in ROLES}
-    return health.pair_verdict(scrapes, pods=facts, unreachable=tracker)
+    return scrapes, facts
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, id="release-ports")
@@ -277,7 +284,6 @@ async def release_ports(body: kopf.Body, uid: str, memo: kopf.Memo, logger: logg
                                     PLURAL, name, {"status": {"ports": []}})
     released = await runtime.leaser.release_pair(uid)
     runtime.exited.pop(uid, None)
-    runtime.health_verdicts.pop(uid, None)
     if runtime.metrics is not None:
         runtime.metrics.forget_pair(body["metadata"]["namespace"], body["metadata"]["name"])
     kopf.event(body, type="Normal", reason="PortsReleased", message=f"released {released} port leases")

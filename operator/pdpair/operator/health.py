@@ -5,15 +5,20 @@ No kopf import; the health daemon/timer in the handlers calls, per pair and per 
     targets = [ScrapeTarget(role, pod_name, pod_ip, metrics_port), ...]
     scrapes = await scrape_pods(targets, expected_generation=status.pairGeneration,
                                 hang_timeout_seconds=spec.connector.hangTimeoutSeconds, timeout=2.0)
-    verdict = pair_verdict(scrapes, pods={"decode": decode_pod_or_None, "prefill": ...}, unreachable=tracker)
-    if verdict.restart: ... restart_policy.decide(...) ... metrics.pair_restarted(ns, name, verdict.reason)
+    health, verdict = observe(status.get("health"), status.pairGeneration, scrapes, pods={"decode": pod, ...}, now)
+    patch = health_patch(status.get("health"), health, refresh_seconds)  # None: nothing worth a write
+    ... patch status.health only, then wake the pair ...
+
+and the reconciler reads the verdict back from `status.health` (`restart_reason`, `signals_condition`), so nothing
+about health lives only in the operator's memory: a restarted operator reads the same verdict and streaks.
 
 Pod verdicts (`PodState`): healthy; hung (per `pdpair.contract.is_hung`; the details name the stuck transfer,
 read from the pod's /healthz); stale_generation (`pdpair_pair_generation` differs from the pair's); unreachable
 (connect error, timeout, non-200, unparsable, or the contract's series missing).
 The pair verdict adds pod facts, in this order of precedence: a pod vanished, a pod Failed, a container restarted,
-a pod hung, a stale generation, a pod unreachable for `UnreachableTracker.threshold` scrapes in a row. A pod Pending
-for scheduling makes the verdict `pending` (never restart then). Parsing uses prometheus-client's parser.
+a pod hung, a stale generation, a pod unreachable for `UNREACHABLE_THRESHOLD` scrapes in a row (the streak is kept
+in `status.health.roles.<role>.unreachableStreak`). A pod Pending for scheduling makes the verdict `pending` (never
+restart then). Parsing uses prometheus-client's parser.
 """
 
 from __future__ import annotations
@@ -23,20 +28,35 @@ import enum
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any, Mapping, Sequence
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdpair import contract
 from pdpair.operator.desired import PENDING_SCHEDULING, pending_for_scheduling
+from pdpair.operator.status import FALSE, TRUE, UNKNOWN, Condition, now_rfc3339
 
 __all__ = [
     "ScrapeTarget",
     "PodState",
     "PodScrape",
     "PairVerdict",
-    "UnreachableTracker",
+    "UNREACHABLE_THRESHOLD",
+    "HEALTH_REFRESH_INTERVALS",
+    "VERDICT_HEALTHY",
+    "VERDICT_UNHEALTHY",
+    "VERDICT_PENDING",
+    "next_streak",
+    "observe",
+    "meaningful",
+    "health_patch",
+    "merge_patch",
+    "read_health",
+    "newest",
+    "restart_reason",
+    "signals_condition",
     "parse_pod_metrics",
     "scrape_pod",
     "scrape_pods",
@@ -105,6 +125,7 @@ class PodMetrics:
     hang_timeout_seconds: float | None
     generation: int | None
     wait_timeouts: float
+    transfers_ok: float = 0.0  # pdpair_kv_transfers_total{outcome="ok"}, summed over ranks
 
     @property
     def deficit(self) -> float:
@@ -128,6 +149,7 @@ def parse_pod_metrics(text: str) -> PodMetrics:
     hang_timeout: float | None = None
     generation: float | None = None
     timeouts = 0.0
+    transfers = 0.0
     seen: set[str] = set()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -142,6 +164,9 @@ def parse_pod_metrics(text: str) -> PodMetrics:
                 generation = s.value
             elif s.name == contract.SIGNAL_WAIT_TIMEOUTS.name:
                 timeouts += s.value
+            elif s.name == contract.KV_TRANSFERS.name:
+                if s.labels.get("outcome") == contract.OUTCOME_OK:
+                    transfers += s.value
             else:
                 continue
             seen.add(s.name)
@@ -151,7 +176,7 @@ def parse_pod_metrics(text: str) -> PodMetrics:
         raise ValueError(f"not a pdpair pod's metrics: missing {', '.join(missing)}")
     if generation is None or not math.isfinite(generation) or generation != int(generation):
         raise ValueError(f"{contract.PAIR_GENERATION.name} is not an integer: {generation!r}")
-    return PodMetrics(deficit, oldest, hang_timeout, int(generation), timeouts)
+    return PodMetrics(deficit, oldest, hang_timeout, int(generation), timeouts, transfers)
 
 
 def _judge(
@@ -301,30 +326,13 @@ def pod_fact(role: str, pod: Mapping[str, Any] | None) -> PodFact:
     return PodFact(role, None, False, f"{role} pod {name} {status.get('phase', 'Unknown')}")
 
 
-class UnreachableTracker:
-    """Counts consecutive unreachable scrapes per pod; a pod is failing after `threshold` in a row.
+UNREACHABLE_THRESHOLD = 3  # a pod that just started has no metrics server yet: one failed scrape is no verdict
 
-    A pod that just started has no metrics server yet, so one failed scrape is no verdict.
-    """
 
-    def __init__(self, threshold: int = 3) -> None:
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
-            raise ValueError(f"threshold must be an int >= 1, got {threshold!r}")
-        self.threshold = threshold
-        self._streaks: dict[str, int] = {}
-
-    def update(self, scrapes: Iterable[PodScrape]) -> dict[str, int]:
-        seen = set()
-        for s in scrapes:
-            seen.add(s.target.pod)
-            self._streaks[s.target.pod] = self._streaks.get(s.target.pod, 0) + 1 if s.state is PodState.UNREACHABLE else 0
-        for pod in list(self._streaks):
-            if pod not in seen:
-                del self._streaks[pod]
-        return dict(self._streaks)
-
-    def failing(self, pod: str) -> bool:
-        return self._streaks.get(pod, 0) >= self.threshold
+def next_streak(previous: int, unreachable: bool) -> int:
+    """The unreachable streak after one more scrape. Capped at the threshold: past it nothing changes, so a pod that
+    stays silent does not rewrite status every interval."""
+    return min(UNREACHABLE_THRESHOLD, max(0, previous) + 1) if unreachable else 0
 
 
 @dataclass(frozen=True)
@@ -347,15 +355,14 @@ _PRECEDENCE = (REASON_POD_VANISHED, REASON_POD_FAILED, REASON_CONTAINER_RESTART)
 def pair_verdict(
     scrapes: Sequence[PodScrape],
     pods: Mapping[str, Mapping[str, Any] | None],
-    unreachable: UnreachableTracker | None = None,
+    unreachable_streaks: Mapping[str, int] | None = None,
 ) -> PairVerdict:
     """Combine one tick's scrapes with the pod objects (role -> pod or None) into a restart verdict.
 
-    `unreachable` is updated with these scrapes; without one, a single unreachable scrape counts as failing.
+    `unreachable_streaks` (pod name -> consecutive unreachable scrapes, this one included): a pod is failing at
+    UNREACHABLE_THRESHOLD. Without it, a single unreachable scrape counts as failing.
     """
     facts = tuple(pod_fact(role, pod) for role, pod in pods.items())
-    if unreachable is not None:
-        unreachable.update(scrapes)
     scrapes = tuple(scrapes)
     for reason in _PRECEDENCE:
         for f in facts:
@@ -369,6 +376,182 @@ def pair_verdict(
             if s.state is state:
                 return PairVerdict(True, reason, False, s.message, scrapes, facts)
     for s in scrapes:
-        if s.state is PodState.UNREACHABLE and (unreachable is None or unreachable.failing(s.target.pod)):
+        if s.state is PodState.UNREACHABLE and (
+            unreachable_streaks is None or unreachable_streaks.get(s.target.pod, 0) >= UNREACHABLE_THRESHOLD
+        ):
             return PairVerdict(True, REASON_UNREACHABLE, False, s.message, scrapes, facts)
     return PairVerdict(False, None, False, "healthy", scrapes, facts)
+
+
+# --- status.health: what the watch writes and the reconciler reads back -------------------------------
+VERDICT_HEALTHY = "Healthy"
+VERDICT_UNHEALTHY = "Unhealthy"
+VERDICT_PENDING = "Pending"
+VERDICTS = (VERDICT_HEALTHY, VERDICT_UNHEALTHY, VERDICT_PENDING)
+# A change of verdict, reason, a pod's state, streak, or whether signals are missing is written at once; anything
+# else (observedAt, oldest wait, the exact deficit, transfer counts, scrape times) at most every this many health
+# intervals (5 min at the default 10 s): 1000 idle pairs then cost 3.3 writes/s, and a busy pair (its transfer count
+# and in-flight deficit move every scrape) no more than an idle one.
+HEALTH_REFRESH_INTERVALS = 30
+MESSAGE_MAX = 1024
+
+
+def _role_entry(
+    scrape: PodScrape, before: Mapping[str, Any], stamp: str
+) -> dict[str, Any]:
+    """One role's entry: `before` is the same pod's entry from status ({} for a new pod or generation)."""
+    entry: dict[str, Any] = {
+        "pod": scrape.target.pod,
+        "state": scrape.state.value,
+        "deficit": int(before.get("deficit") or 0),
+        "oldestWaitSeconds": float(before.get("oldestWaitSeconds") or 0.0),
+        "transfers": int(before.get("transfers") or 0),
+        "unreachableStreak": next_streak(int(before.get("unreachableStreak") or 0),
+                                         scrape.state is PodState.UNREACHABLE),
+    }
+    for key in ("lastTransferTime", "lastScrapeTime"):
+        if before.get(key):
+            entry[key] = before[key]
+    m = scrape.metrics
+    if m is not None:  # it answered: the numbers are fresh (unreachable keeps the last ones it told)
+        count = int(m.transfers_ok)
+        # Grown since the count in status, or a counter that restarted from 0 and has counted again.
+        if count > entry["transfers"] or (count < entry["transfers"] and count > 0):
+            entry["lastTransferTime"] = stamp
+        entry.update(deficit=int(m.deficit), oldestWaitSeconds=round(m.oldest_wait_seconds, 1), transfers=count,
+                     lastScrapeTime=stamp)
+    return entry
+
+
+def observe(
+    previous: Mapping[str, Any] | None,
+    generation: int,
+    scrapes: Sequence[PodScrape],
+    pods: Mapping[str, Mapping[str, Any] | None],
+    now: datetime | None = None,
+) -> tuple[dict[str, Any], PairVerdict]:
+    """One scrape of a Ready pair -> (the new `status.health`, the verdict). `previous` is `status.health` as written
+    (None or another generation's: nothing carries over). Streaks and transfer counts carry over per role only while
+    the role's pod is the same."""
+    stamp = now_rfc3339(now)
+    before = read_health(previous)
+    prior_roles = (before or {}).get("roles") or {} if before and before.get("pairGeneration") == generation else {}
+    roles: dict[str, dict[str, Any]] = {}
+    for scrape in scrapes:
+        prior = prior_roles.get(scrape.target.role)
+        prior = prior if isinstance(prior, Mapping) and prior.get("pod") == scrape.target.pod else {}
+        roles[scrape.target.role] = _role_entry(scrape, prior, stamp)
+    streaks = {e["pod"]: e["unreachableStreak"] for e in roles.values()}
+    verdict = pair_verdict(scrapes, pods, unreachable_streaks=streaks)
+    word = VERDICT_UNHEALTHY if verdict.restart else VERDICT_PENDING if verdict.pending else VERDICT_HEALTHY
+    health = {
+        "pairGeneration": generation,
+        "observedAt": stamp,
+        "verdict": word,
+        "reason": verdict.reason or "",
+        "message": verdict.message[:MESSAGE_MAX],
+        "roles": roles,
+    }
+    return health, verdict
+
+
+def meaningful(health: Mapping[str, Any] | None) -> tuple:
+    """What a write is due for at once: the verdict and each pod's state, streak and 'signals missing or not'."""
+    if not health:
+        return ()
+    roles = health.get("roles") or {}
+    return (
+        health.get("pairGeneration"), health.get("verdict"), health.get("reason"),
+        tuple(sorted((role, e.get("pod"), e.get("state"), e.get("unreachableStreak"), bool(e.get("deficit")))
+                     for role, e in roles.items() if isinstance(e, Mapping))),
+    )
+
+
+def _age_seconds(stamp: Any, now: datetime) -> float:
+    try:
+        then = datetime.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return math.inf
+    return (now - then).total_seconds()
+
+
+def health_patch(
+    previous: Mapping[str, Any] | None, health: Mapping[str, Any], refresh_seconds: float, now: datetime | None = None
+) -> dict[str, Any] | None:
+    """The merge patch of `status.health` that is due now, or None: a meaningful change is written at once, the
+    rest only once the written observedAt is `refresh_seconds` old."""
+    now = now or datetime.now(timezone.utc)
+    if previous and meaningful(previous) == meaningful(health) and (
+        _age_seconds(previous.get("observedAt"), now) < refresh_seconds
+    ):
+        return None
+    patch = merge_patch(previous or {}, health)
+    return patch or None
+
+
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The RFC 7386 merge patch turning `old` into `new`, recursively (a key gone is sent as null)."""
+    patch: dict[str, Any] = {k: None for k in old if k not in new}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            inner = merge_patch(before, value)
+            if inner:
+                patch[key] = inner
+        elif before != value:
+            patch[key] = value
+    return patch
+
+
+def read_health(health: Any) -> Mapping[str, Any] | None:
+    """`status.health` if it is one this operator could have written, else None (never judged)."""
+    if not isinstance(health, Mapping) or health.get("verdict") not in VERDICTS:
+        return None
+    generation = health.get("pairGeneration")
+    if isinstance(generation, bool) or not isinstance(generation, int):
+        return None
+    return health
+
+
+def newest(written: Any, listed: Any) -> Mapping[str, Any] | None:
+    """The newer of the watch's own last write and the body's `status.health` (the body may lag behind our write;
+    by (pairGeneration, observedAt): RFC 3339 UTC strings of one format sort by time). A tie goes to our write."""
+    mine, theirs = read_health(written), read_health(listed)
+    if mine is None or theirs is None:
+        return mine if theirs is None else theirs
+    key = lambda h: (h["pairGeneration"], str(h.get("observedAt") or ""))  # noqa: E731
+    return mine if key(mine) >= key(theirs) else theirs
+
+
+def _current(health: Any, generation: int) -> Mapping[str, Any] | None:
+    h = read_health(health)
+    return h if h is not None and h["pairGeneration"] == generation else None
+
+
+def restart_reason(health: Any, generation: int) -> tuple[str, str] | None:
+    """(reason code, message) when `status.health` says this generation must be restarted."""
+    h = _current(health, generation)
+    if h is None or h["verdict"] != VERDICT_UNHEALTHY:
+        return None
+    reason = h.get("reason")
+    return (reason if reason in RESTART_REASONS else REASON_UNREACHABLE), str(h.get("message") or "unhealthy")
+
+
+def condition_reason(code: str | None) -> str:
+    """A restart reason code as a condition reason: hung -> Hung, stale_generation -> StaleGeneration."""
+    return "".join(part.capitalize() for part in (code or "unhealthy").split("_"))
+
+
+def signals_condition(health: Any, generation: int) -> Condition:
+    """SignalsHealthy from `status.health`. Each new generation starts Unknown (NotJudged), so a verdict about an
+    older one (e.g. the hang that caused this restart) never stands."""
+    h = _current(health, generation)
+    if h is None:
+        return Condition(contract.COND_SIGNALS_HEALTHY, UNKNOWN, "NotJudged",
+                         f"no signal-health verdict for generation {generation} yet")
+    message = str(h.get("message") or "")[:MESSAGE_MAX]
+    if h["verdict"] == VERDICT_UNHEALTHY:
+        return Condition(contract.COND_SIGNALS_HEALTHY, FALSE, condition_reason(h.get("reason")), message)
+    if h["verdict"] == VERDICT_PENDING:
+        return Condition(contract.COND_SIGNALS_HEALTHY, UNKNOWN, "PodsPending", message)
+    return Condition(contract.COND_SIGNALS_HEALTHY, TRUE, "Healthy", message)

@@ -19,7 +19,6 @@ from typing import Any, Callable, Iterable, Mapping
 from pdpair.contract import (
     ANNOTATION_RESTART_TIMES,
     COND_READY,
-    COND_SIGNALS_HEALTHY,
     GROUP,
     PHASE_FAILED,
     PLURAL,
@@ -32,13 +31,13 @@ from pdpair.contract import (
 
 from . import busy_ports
 from . import desired as d
-from . import planner
+from . import health, planner
 from .config import OperatorConfig
 from .lifecycle import probe_ranks
 from .pods import ManifestError, engine_pod, pod_name, router_pod
 from .ports import PairRef, PortLeaser, required_blocks, status_ports, ports_of
 from .service import ACTION_CREATE, ACTION_DELETE, ACTION_PATCH, ServiceView, plan_service, router_service, service_name
-from .status import FALSE, TRUE, UNKNOWN, Condition, apply_conditions, now_rfc3339, status_diff
+from .status import FALSE, Condition, apply_conditions, now_rfc3339, status_diff
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +56,11 @@ class Runtime:
     wakeups: dict[str, asyncio.Event] = field(default_factory=dict)
     exited: dict[str, asyncio.Event] = field(default_factory=dict)
     metrics: Any = None  # metrics.OperatorMetrics, when served
-    # pair uid -> (pairGeneration judged, verdict), written by the health watch (handlers.watch_health)
-    health_verdicts: dict[str, tuple[int, Any]] = field(default_factory=dict)
 
     def wake(self, uid: str) -> None:
         event = self.wakeups.get(uid)
         if event is not None:
             event.set()
-
-
-def _camel(code: str | None) -> str:
-    return "".join(part.capitalize() for part in (code or "unhealthy").split("_"))
 
 
 def api_status(exc: BaseException) -> int | None:
@@ -421,7 +414,8 @@ class PairReconciler:
             return cfg.resync_interval
         if decided.outcome == planner.OUTCOME_BACKOFF:
             await self._write_status({"phase": decided.phase, "message": decided.message[:32768]},
-                                     decided.conditions, meta_generation)
+                                     list(decided.conditions) + self._signals_condition(generation),  # it stands
+                                     meta_generation)
             wait = (decided.retry_at - time.time()) if decided.retry_at else cfg.probe_interval
             return max(0.2, min(wait, cfg.resync_interval))
         plan = decided.steps
@@ -429,7 +423,6 @@ class PairReconciler:
         extra: dict[str, Any] = {}
         if decided.restart is not None:
             restart = decided.restart
-            self.rt.health_verdicts.pop(self.ref.uid, None)
             if decided.restart_times is not None:
                 await self._patch_meta({ANNOTATION_RESTART_TIMES: json.dumps(list(decided.restart_times))})
                 self.restart_times_written = (decided.restart_times, time.monotonic())
@@ -464,27 +457,23 @@ class PairReconciler:
         return pass_delay(plan.step, cfg)
 
     def _health_finding(self) -> d.HealthFinding | None:
-        judged = self.rt.health_verdicts.get(self.ref.uid)
-        if not judged:
+        """The health watch's latest verdict, as it wrote it to status.health (for the planner)."""
+        written = health.read_health(self._health())
+        if written is None:
             return None
-        generation, verdict = judged
-        return d.HealthFinding(generation, verdict.restart, verdict.reason, verdict.message, verdict.pending)
+        generation = int(written["pairGeneration"])
+        found = health.restart_reason(written, generation)
+        return d.HealthFinding(generation, found is not None, found[0] if found else None,
+                               found[1] if found else str(written.get("message") or ""),
+                               pending=written.get("verdict") == health.VERDICT_PENDING)
+
+    def _health(self) -> Any:
+        """`status.health` as the health watch last wrote it (kopf's live body: this reconciler never writes it)."""
+        return (self.body.get("status") or {}).get("health")
 
     def _signals_condition(self, generation: int) -> list[Condition]:
-        """SignalsHealthy for the current generation. A new generation starts Unknown, so a verdict about an older
-        one (e.g. False from the hang that caused this restart) is never left standing; a restarted operator that
-        has not judged yet leaves the written condition alone."""
-        judged = self.rt.health_verdicts.get(self.ref.uid)
-        if not judged or judged[0] != generation or judged[1].pending:
-            new_generation = int(self.status.get("pairGeneration") or 0) != generation
-            if new_generation or (judged and judged[0] != generation):
-                return [Condition(COND_SIGNALS_HEALTHY, UNKNOWN, "NotJudged",
-                                  f"no signal-health verdict for generation {generation} yet")]
-            return []
-        verdict = judged[1]
-        if verdict.restart:
-            return [Condition(COND_SIGNALS_HEALTHY, FALSE, _camel(verdict.reason), verdict.message[:32768])]
-        return [Condition(COND_SIGNALS_HEALTHY, TRUE, "Healthy", verdict.message[:32768])]
+        """SignalsHealthy for the current generation, from `status.health` (health.signals_condition)."""
+        return [health.signals_condition(self._health(), generation)]
 
     def _status_fields(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> dict[str, Any]:
         names = {
@@ -638,8 +627,11 @@ class PairReconciler:
         )
 
     async def _fail(self, message: str, conditions: Iterable[Condition], meta_generation: int) -> None:
-        changed = await self._write_status({"phase": PHASE_FAILED, "message": message[:32768]}, conditions,
-                                           meta_generation)
+        changed = await self._write_status(
+            {"phase": PHASE_FAILED, "message": message[:32768]},
+            list(conditions) + self._signals_condition(int(self.status.get("pairGeneration") or 0)),
+            meta_generation,
+        )
         if changed:
             self.emit("Warning", "RestartBudgetExhausted", message)
             self.log.warning("pair %s/%s failed: %s", self.ref.namespace, self.ref.name, message)

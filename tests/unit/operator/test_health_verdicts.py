@@ -21,7 +21,7 @@ from pdpair.operator.health import (
     REASON_UNREACHABLE,
     PodState,
     ScrapeTarget,
-    UnreachableTracker,
+    UNREACHABLE_THRESHOLD,
     pair_verdict,
     parse_pod_metrics,
     scrape_pods,
@@ -285,18 +285,13 @@ def test_hung_and_stale_pods_make_the_pair_restart(pods):
 def test_unreachable_needs_a_streak(healthy_pair, closed_port):
     (_, d), _ = healthy_pair
     gone = ScrapeTarget("prefill", "prefill-x", "127.0.0.1", closed_port)
-    tracker = UnreachableTracker(threshold=3)
     objects = {"decode": pod("d"), "prefill": pod("prefill-x")}
-    verdicts = [pair_verdict(_scrape([d, gone]), objects, tracker) for _ in range(3)]
-    assert [v.restart for v in verdicts] == [False, False, True]
+    scrapes = _scrape([d, gone])
+    verdicts = [pair_verdict(scrapes, objects, {"prefill-x": streak}) for streak in range(1, UNREACHABLE_THRESHOLD + 1)]
+    assert [v.restart for v in verdicts] == [False] * (UNREACHABLE_THRESHOLD - 1) + [True]
     assert verdicts[-1].reason == REASON_UNREACHABLE
-    # a good scrape resets the streak
-    tracker.update([s for s in _scrape([d]) if True])
-    assert not tracker.failing("prefill-x")
-    # without a tracker one unreachable scrape is enough
-    assert pair_verdict(_scrape([d, gone]), objects).reason == REASON_UNREACHABLE
-    with pytest.raises(ValueError, match="threshold"):
-        UnreachableTracker(0)
+    # without streaks one unreachable scrape is enough
+    assert pair_verdict(scrapes, objects).reason == REASON_UNREACHABLE
 
 
 def test_reasons_are_the_operator_metrics_labels():
