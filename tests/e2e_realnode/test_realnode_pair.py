@@ -117,6 +117,24 @@ def test_pair_on_two_nodes_serves_through_its_service_like_a_single_engine(
 
     wait_for(lambda: transfers_ok() >= len(PROMPTS), 30, f"{len(PROMPTS)} ok KV transfers counted by decode",
              lambda: f"counted {transfers_ok()}")
+
+    # KV health on the resource, from the real engines' metrics: the health watch judged this generation Healthy,
+    # SignalsHealthy follows it, and `kubectl get -o wide` shows it.
+    def judged() -> dict:
+        health = pair().get("status", {}).get("health") or {}
+        return health if health.get("verdict") == "Healthy" and health.get("pairGeneration") == 1 else {}
+
+    health = wait_for(judged, 90, "status.health Healthy for generation 1", diagnose)
+    assert {role: health["roles"][role]["state"] for role in ("decode", "prefill")} == {
+        "decode": "healthy", "prefill": "healthy"}, health
+    assert health["roles"]["decode"]["pod"] == decode["metadata"]["name"], health
+    conditions = {c["type"]: c for c in pair()["status"]["conditions"]}
+    assert conditions["SignalsHealthy"]["status"] == "True", conditions["SignalsHealthy"]
+    wide = real_cluster.kubectl("get", f"{PLURAL}.{GROUP}", name, "-n", namespace, "-o", "wide").stdout
+    header, row = wide.splitlines()[:2]
+    assert "KV HEALTH" in header and "Healthy" in row.split(), wide
+    print(f"[realnode-e2e] status.health: {json.dumps(health['roles'])}")
+
     real_cluster.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", namespace, "--wait=true", "--timeout=120s",
                          timeout=150)
     wait_for(lambda: not json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"],
