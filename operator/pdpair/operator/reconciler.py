@@ -125,7 +125,8 @@ def _service_port(manifest: Mapping[str, Any]) -> int:
 # resync interval, not the probe interval. Polling them every second was most of the operator's passes while 1000
 # pairs started: the event loop saturated and the decode probes timed out on it, a livelock.
 WAITS_FOR_POD_EVENTS = frozenset({d.STEP_WAIT_DECODE_RUNNING, d.STEP_WAIT_PREFILL_READY, d.STEP_WAIT_DECODE_READY,
-                                  d.STEP_WAIT_ROUTER_READY, d.STEP_WAIT_GONE})
+                                  d.STEP_WAIT_ROUTER_READY, d.STEP_WAIT_GONE, rollout.STEP_ROLLOUT_WAIT_GONE,
+                                  rollout.STEP_ROLLOUT_DRAIN})  # the drain's end is the plan's wait_seconds
 
 
 def pass_delay(step: str, cfg: OperatorConfig, wait_seconds: float | None = None) -> float:
