@@ -182,7 +182,8 @@ def test_a_failing_new_generation_is_rolled_back_and_the_old_one_keeps_serving(p
     api = Api(cluster)
     ns = cluster_namespace
     listeners = []
-    with operator(platform, ns, pool_of_free_ports(30), tmp_path):
+    pool = pool_of_free_ports(30)
+    with operator(platform, ns, pool, tmp_path):
         g1, listener = start_surge_pair(api, ns, "back")
         listeners.append(listener)
         uid = g1["metadata"]["uid"]
@@ -205,13 +206,30 @@ def test_a_failing_new_generation_is_rolled_back_and_the_old_one_keeps_serving(p
                      "generation 2's pods gone")
             wait_for(lambda: lease_ports(pair_leases(api, ns, uid)) == old_ports, 30, "generation 2's leases released")
             assert {p["port"] for p in api.pair(ns, "back")["status"]["ports"]} == old_ports
-            # The same spec is not tried again: no new pod for a while (a restarted operator reads failedRollout).
-            time.sleep(3)
-            assert not [p for p in api.pods(ns) if p["metadata"]["labels"][LABEL_GENERATION] != "1"]
         finally:
             recorder.stop()
             for sock in listeners:
                 sock.close()
+    # The same spec is not tried again, not even by a restarted operator (it reads status.failedRollout): no new pod
+    # while it runs its first passes, and the pair stays Ready on generation 1 with Progressing=False.
+    listeners = [listen(port_named(g1["status"]["ports"], DECODE_SIDECHANNEL_0))]
+    recorder2 = PodRecorder(api, ns, only_new=True)
+    with operator(platform, ns, pool, tmp_path, name="operator-2") as second:
+        try:
+            # its first pass over the pair logs the step it planned (reconciler: one line per step change)
+            wait_for(lambda: f"pair {ns}/back: Ready" in second.log_path.read_text(errors="replace"), 30,
+                     "the restarted operator's first pass", interval=0.5)
+            time.sleep(3)  # a rollout started by that pass would create its decode within a second or two
+            assert recorder2.order() == []
+            after = api.pair(ns, "back")
+            assert "rollout" not in after["status"]
+            assert after["status"]["pairGeneration"] == 1 and after["status"]["phase"] == "Ready"
+            assert condition(after, COND_PROGRESSING)["reason"] == "RolloutFailed"
+        finally:
+            recorder2.stop()
+            for sock in listeners:
+                sock.close()
+        listeners = []
         deleted = [o for o in recorder.order() if o.startswith("delete ")]
         print(f"\nrollback order: {', '.join(recorder.order())}")
         assert deleted == ["delete back-decode-g2"]  # only the new generation's pod; the old one was never touched
@@ -233,3 +251,41 @@ def test_a_failing_new_generation_is_rolled_back_and_the_old_one_keeps_serving(p
             for sock in listeners:
                 sock.close()
         cleanup_pairs(api, ns)
+
+
+def test_an_operator_restarted_mid_rollout_carries_it_on(platform, cluster_namespace, tmp_path):
+    """status.rollout is the rollout's memory: a new operator process adopts the second port set and the new
+    generation's pods, creates nothing twice, and finishes the rollout."""
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    pool = pool_of_free_ports(30)
+    listeners = []
+    recorder = PodRecorder(api, ns, only_new=True)
+    try:
+        with operator(platform, ns, pool, tmp_path):
+            g1, listener = start_surge_pair(api, ns, "mid")
+            listeners.append(listener)
+            uid = g1["metadata"]["uid"]
+            api.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "mid", {"spec": {"image": "img:2"}})
+            wait_for(lambda: any(p["metadata"]["name"] == "mid-decode-g2" and p["status"].get("pod_ip")
+                                 for p in api.pods(ns)), 60, "the new decode running (its listener still closed)")
+            before = api.pair(ns, "mid")["status"]["rollout"]
+            assert before["phase"] == "Progressing"
+        # (the operator is stopped here, mid-rollout)
+        with operator(platform, ns, pool, tmp_path, name="operator-2"):
+            listeners.append(listen(port_named(before["ports"], DECODE_SIDECHANNEL_0)))
+            done = wait_for(lambda: (lambda p: p if p["status"]["pairGeneration"] == 2 and "rollout" not in p["status"]
+                                     else None)(api.pair(ns, "mid")), 90, "the rollout finished by the new operator")
+            assert {p["port"] for p in done["status"]["ports"]} == {p["port"] for p in before["ports"]}
+            wait_for(lambda: lease_ports(pair_leases(api, ns, uid)) == {p["port"] for p in before["ports"]}, 30,
+                     "only the new generation's leases left")
+            cleanup_pairs(api, ns)
+    finally:
+        recorder.stop()
+        for sock in listeners:
+            sock.close()
+    created = recorder.created()
+    print(f"\nmid-rollout restart order: {', '.join(recorder.order())}")
+    assert created == ["mid-decode-g1", "mid-prefill-g1", "mid-router-g1",  # each pod once, decode first
+                       "mid-decode-g2", "mid-prefill-g2", "mid-router-g2"], created
