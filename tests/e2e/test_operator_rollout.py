@@ -289,3 +289,29 @@ def test_an_operator_restarted_mid_rollout_carries_it_on(platform, cluster_names
     print(f"\nmid-rollout restart order: {', '.join(recorder.order())}")
     assert created == ["mid-decode-g1", "mid-prefill-g1", "mid-router-g1",  # each pod once, decode first
                        "mid-decode-g2", "mid-prefill-g2", "mid-router-g2"], created
+
+
+def test_a_new_pod_the_api_server_refuses_rolls_the_rollout_back(platform, cluster_namespace, tmp_path):
+    """requests above limits passes the CRD but not pod validation (422): the rollout fails at once, and the serving
+    generation keeps Ready=True (the refusal is reported on Progressing)."""
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    listeners = []
+    with operator(platform, ns, pool_of_free_ports(30), tmp_path):
+        try:
+            g1, listener = start_surge_pair(api, ns, "refused")
+            listeners.append(listener)
+            bad = {"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}}
+            api.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "refused", {"spec": {"decode": bad}})
+            failed = wait_for(lambda: (lambda p: p if p["status"].get("failedRollout") and "rollout" not in p["status"]
+                                       else None)(api.pair(ns, "refused")), 60, "the rollout rolled back")
+            assert "refused decode pod" in failed["status"]["failedRollout"]["reason"]
+            assert condition(failed, "Ready")["status"] == "True" and failed["status"]["pairGeneration"] == 1
+            assert condition(failed, COND_PROGRESSING)["reason"] == "RolloutFailed"
+            assert not [p for p in api.pods(ns) if p["metadata"]["labels"][LABEL_GENERATION] != "1"]
+            assert lease_ports(pair_leases(api, ns, g1["metadata"]["uid"])) == {p["port"] for p in g1["status"]["ports"]}
+        finally:
+            for sock in listeners:
+                sock.close()
+        cleanup_pairs(api, ns)

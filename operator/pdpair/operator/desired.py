@@ -169,6 +169,7 @@ class Observed:
     rollout_pool_message: str = ""
     rollout_decode_listening: bool = False
     rollout_probe_message: str = ""
+    rollout_rejection: str = ""  # the API server refused one of its pods (the message)
 
 
 # --- the plan ---------------------------------------------------------------------------------------

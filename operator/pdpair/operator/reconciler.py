@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from pdpair.contract import (
     ANNOTATION_RESTART_TIMES,
+    COND_PROGRESSING,
     COND_READY,
     COND_SIGNALS_HEALTHY,
     GROUP,
@@ -450,6 +451,7 @@ class PairReconciler:
             rollout_pool_message=self.rollout_pool_message,
             rollout_decode_listening=rollout_listening,
             rollout_probe_message=rollout_probe_message,
+            rollout_rejection=self._rollout_rejection(spec),
         )
         plan = d.desired_state(spec, self.status, observed, time.time())
 
@@ -510,7 +512,7 @@ class PairReconciler:
             {**self._status_fields(plan, pods), **self._rollout_fields(plan, pods), **extra,
              **({"message": rejection.message} if rejection else {})},
             list(plan.conditions) + self._signals_condition(plan.pair_generation)
-            + ([self._rejected_condition(rejection)] if rejection else []),
+            + ([self._rejected_condition(rejection, plan)] if rejection else []),
             meta_generation,
         )
         if plan.step != self.last_step:
@@ -650,8 +652,19 @@ class PairReconciler:
             return None
         return rejection
 
+    def _rollout_rejection(self, spec: Mapping[str, Any]) -> str:
+        """The API server's refusal of a pod of a Surge rollout's new generation (only those are created while
+        one is Progressing), for the planner to roll the rollout back."""
+        active = rollout.active_rollout(self.status)
+        if not active or active.get("phase") != rollout.PHASE_PROGRESSING:
+            return ""
+        want = d.spec_fingerprint(spec)
+        return next((r.message for r in self.rejections.values() if r.spec_hash == want), "")
+
     @staticmethod
-    def _rejected_condition(rejection: Rejection) -> Condition:
+    def _rejected_condition(rejection: Rejection, plan: d.Plan | None = None) -> Condition:
+        if plan is not None and plan.create_slot:  # a Surge rollout's new pod: the serving generation stays Ready
+            return Condition(COND_PROGRESSING, FALSE, "PodRejected", rejection.message[:32768])
         return Condition(COND_READY, FALSE, "PodRejected", rejection.message[:32768])
 
     async def _rejected(self, plan: d.Plan, name: str, exc: BaseException, meta_generation: int) -> None:
@@ -666,7 +679,8 @@ class PairReconciler:
         if previous is None or previous.message.split("; retrying")[0] != message.split("; retrying")[0]:
             self.emit("Warning", "PodRejected", message)
             self.log.warning("pair %s/%s: %s", self.ref.namespace, self.ref.name, message)
-        await self._write_status({"message": message[:32768]}, [self._rejected_condition(self.rejections[plan.create])],
+        await self._write_status({"message": message[:32768]},
+                                 [self._rejected_condition(self.rejections[plan.create], plan)],
                                  meta_generation)
 
     def _manifest(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> dict[str, Any]:

@@ -8,8 +8,8 @@ The rollout lives in status.rollout, so a restarted operator carries on where th
                 beside F, on the pair's other port set (ports.py slots "a"/"b"); the router Service keeps
                 selecting F's router. When T is Ready: status.pairGeneration = T, status.ports = T's ports, the
                 Service selects T's router                                 -> Draining (RolloutSwitched)
-                T failed (a pod Failed or restarted), was not Ready within spec.rollout.progressDeadlineSeconds, or
-                its ports found no room: status.failedRollout records the spec hash (never retried until the spec
+                T failed (a pod Failed or restarted, or the API server refused one), was not Ready within
+                spec.rollout.progressDeadlineSeconds, or its ports found no room: status.failedRollout records the spec hash (never retried until the spec
                 changes again), Progressing=False RolloutFailed             -> RollingBack (RolloutFailed)
                 the spec changed again                                     -> RollingBack (no failure recorded)
   Draining      F's in-flight requests get spec.rollout.drainSeconds after the switch; then F's prefill and
@@ -198,6 +198,8 @@ def _progress(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d.Ob
     if left is not None and left <= 0:
         return _roll_back(serving, rollout, f"generation {new} was not Ready within {deadline:.0f}s "
                                             "(spec.rollout.progressDeadlineSeconds)", failed=True, now=now)
+    if observed.rollout_rejection:
+        return _roll_back(serving, rollout, f"generation {new}: {observed.rollout_rejection}", failed=True, now=now)
     if observed.rollout_pool_exhausted:
         return _roll_back(serving, rollout, "no room in the port pool for a second generation: "
                                             f"{observed.rollout_pool_message}", failed=True, now=now)

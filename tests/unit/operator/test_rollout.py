@@ -283,3 +283,13 @@ def test_the_new_decode_waits_for_its_listener_before_prefill():
     world.run(lambda plan, w: "p-decode-g2" in w.pods)
     plan = desired_state(world.spec, world.status, replace(world.observe(), rollout_decode_listening=False), world.now)
     assert plan.step == d.STEP_WAIT_LISTENER and plan.probe_decode and plan.create is None
+
+
+def test_a_new_pod_the_api_server_refuses_fails_the_rollout():
+    world = World(SURGE_V2, pods={p.name: p for p in serving(1)})
+    world.run(lambda plan, w: plan.step == r.STEP_ROLLOUT_START)
+    observed = replace(world.observe(), rollout_rejection="the API server refused decode pod p-decode-g2 (422)")
+    plan = desired_state(world.spec, world.status, observed, world.now)
+    assert plan.status_fields["rollout"]["phase"] == r.PHASE_ROLLING_BACK and plan.pair_generation == 1
+    assert "refused decode pod" in plan.status_fields["failedRollout"]["reason"]
+    assert condition(plan, "Ready").status == "True"  # the serving generation is not touched
