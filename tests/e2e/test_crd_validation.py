@@ -196,6 +196,13 @@ BAD_SPECS: list[tuple[str, Callable[[dict], None], tuple[str, ...]]] = [
     ("router-port-without-router", both(at("router.enabled", False), at("router.port", 18000)),
      ("spec.router.port", "spec.router.enabled is false")),
     ("router-port-privileged", at("router.port", 80), ("spec.router.port", "greater than or equal to 1024")),
+    ("surge-with-fixed-router-port", both(at("rolloutStrategy", "Surge"), at("router.port", 18000)),
+     ("spec.rolloutStrategy", "one fixed spec.router.port cannot serve both")),
+    ("rollout-strategy-unknown", at("rolloutStrategy", "RollingUpdate"), ("spec.rolloutStrategy", "Unsupported value")),
+    ("drain-seconds-too-long", at("rollout.drainSeconds", 3601),
+     ("spec.rollout.drainSeconds", "less than or equal to 3600")),
+    ("progress-deadline-too-short", at("rollout.progressDeadlineSeconds", 10),
+     ("spec.rollout.progressDeadlineSeconds", "greater than or equal to 60")),
     ("toleration-exists-with-value", at("decode.tolerations", [{"key": "gpu", "operator": "Exists", "value": "x"}]),
      ("spec.decode.tolerations[0].value", "must be empty when tolerations[].operator is Exists")),
     ("toleration-bad-effect", at("prefill.tolerations", [{"key": "gpu", "effect": "Evict"}]),
@@ -316,6 +323,8 @@ def test_minimal_spec_comes_back_fully_defaulted(custom_api, crd_namespace):
     assert spec["restartPolicy"] == {"maxRestarts": 5, "windowSeconds": 1800, "backoffSeconds": 10,
                                      "maxBackoffSeconds": 300}
     assert spec["router"] == {"enabled": True}
+    assert spec["rolloutStrategy"] == contract.ROLLOUT_RECREATE
+    assert spec["rollout"] == {"drainSeconds": 30, "progressDeadlineSeconds": 1800}
     # and the same on a fresh read (defaults are also applied when reading from etcd)
     read = custom_api.get_namespaced_custom_object(contract.GROUP, contract.VERSION, crd_namespace, contract.PLURAL,
                                                    "defaults")
@@ -344,6 +353,8 @@ GOOD_SPECS: list[tuple[str, Callable[[dict], None]]] = [
     ("flagcx-at-pool-size", both(at("connector.transport", "flagcx"), at("connector.slots", 256))),
     ("router-disabled", at("router.enabled", False)),
     ("router-fixed-port", at("router.port", 18000)),
+    ("surge-with-knobs", both(at("rolloutStrategy", "Surge"), at("rollout.drainSeconds", 0),
+                              at("rollout.progressDeadlineSeconds", 86400))),
     ("toleration-exists", at("decode.tolerations", [{"key": "nvidia.com/gpu", "operator": "Exists",
                                                      "effect": "NoSchedule"}])),
     ("resources-and-placement", both(

@@ -120,6 +120,7 @@ def test_printer_columns(version):
     assert columns["Restarts"]["jsonPath"] == ".status.restarts"
     assert columns["Decode Port"]["jsonPath"] == f'.status.ports[?(@.name=="{contract.ROLE_DECODE}-sidechannel-0")].port'
     assert columns["Age"]["jsonPath"] == ".metadata.creationTimestamp"
+    assert columns["Rollout"]["jsonPath"] == ".status.rollout.phase"  # a Surge rollout's phase, in -o wide
     default_columns = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) == 0]
     assert default_columns == ["Phase", "Ready", "Restarts", "Decode Port", "Age"]
 

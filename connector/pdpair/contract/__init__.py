@@ -47,7 +47,14 @@ COND_DECODE_LISTENING = "DecodeListening"
 COND_PREFILL_READY = "PrefillReady"
 COND_READY = "Ready"
 COND_SIGNALS_HEALTHY = "SignalsHealthy"
-CONDITIONS = (COND_PORTS_LEASED, COND_DECODE_LISTENING, COND_PREFILL_READY, COND_READY, COND_SIGNALS_HEALTHY)
+COND_PROGRESSING = "Progressing"  # a Surge rollout: the new generation comes up beside the serving one
+CONDITIONS = (COND_PORTS_LEASED, COND_DECODE_LISTENING, COND_PREFILL_READY, COND_READY, COND_SIGNALS_HEALTHY,
+              COND_PROGRESSING)
+
+# spec.rolloutStrategy
+ROLLOUT_RECREATE = "Recreate"
+ROLLOUT_SURGE = "Surge"
+ROLLOUT_STRATEGIES = (ROLLOUT_RECREATE, ROLLOUT_SURGE)
 
 # --- labels and annotations the operator puts on what it owns ----------------------------------
 LABEL_PAIR = "pdpair.io/pair"
@@ -57,6 +64,10 @@ LABEL_ROLE = "pdpair.io/role"
 LABEL_GENERATION = "pdpair.io/generation"
 LABEL_PORT_LEASE = "pdpair.io/port-lease"
 LABEL_PURPOSE = "pdpair.io/purpose"
+# On a port Lease: which of the pair's two port sets it belongs to ("a", the default when absent, or "b"). A Surge
+# rollout leases the new generation's ports in the set the serving generation does not use.
+LABEL_PORT_SLOT = "pdpair.io/port-slot"
+PORT_SLOTS = ("a", "b")
 FINALIZER = "pdpair.io/finalizer"
 ANNOTATION_SPEC_HASH = "pdpair.io/spec-hash"  # on pair pods: fingerprint of the spec they were built from
 ANNOTATION_RESTART_TIMES = "pdpair.io/restart-times"  # on the pair: JSON list of restart epochs inside the window

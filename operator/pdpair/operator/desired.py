@@ -11,6 +11,9 @@ plan, and calls again. The order it encodes:
   6. create router (when enabled), wait Ready
   7. Ready
 
+With spec.rolloutStrategy Surge, rollout.py plans a spec change of a serving pair instead: the new generation goes
+through steps 3-7 beside the serving one, on its own port set, then takes over (see rollout.py).
+
 "Ready" of a pod is its Ready condition: every container's readiness probe passes (the engine's is vLLM's
 /health, see pods.py), so a pair is Ready only when both engines serve. No step has a deadline: a pod that loads
 its model slowly stays in its step (the kubelet's startupProbe is the deadline, spec.startupTimeoutSeconds).
@@ -176,6 +179,13 @@ class Observed:
     restart_times: tuple[float, ...] = ()  # earlier restarts (epoch seconds), from the pair's annotation
     health: HealthFinding | None = None
     ports_replaced: str | None = None  # busy ports the pair no longer holds were re-leased: restart on the new ones
+    # A Surge rollout's new generation (rollout.py): its port set and its decode's listener
+    rollout_ports_complete: bool = False
+    rollout_pool_exhausted: bool = False
+    rollout_pool_message: str = ""
+    rollout_decode_listening: bool = False
+    rollout_probe_message: str = ""
+    rollout_rejection: str = ""  # the API server refused one of its pods (the message)
 
 
 # --- the plan ---------------------------------------------------------------------------------------
@@ -208,6 +218,14 @@ class Plan:
     probe_decode: bool = False  # the executor should probe the current decode pod's listener
     broken_reason: str | None = None
     rolled_out: bool = False  # this plan moved to a new generation for a spec change
+    # Surge rollouts (rollout.py); the defaults are a Recreate plan's
+    create_generation: int | None = None  # the generation `create` builds (None: pair_generation)
+    create_slot: str | None = None  # the port set the created pod uses (None: the serving generation's)
+    status_fields: Mapping[str, Any] = field(default_factory=dict)  # more status to write (None deletes a field)
+    switch_ports: bool = False  # the rollout's new generation now serves: its port set becomes status.ports
+    release_slot: str | None = None  # release this port set's leases once status no longer lists them
+    events: tuple[tuple[str, str, str], ...] = ()  # (type, reason, message) to post
+    wait_seconds: float | None = None  # a deadline inside the plan (drain, progress): pass again no later
 
     @property
     def progressing(self) -> bool:
@@ -237,14 +255,32 @@ def broken_reason(pods: Iterable[PodView], generation: int) -> str | None:
     return None
 
 
-def desired_state(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Observed) -> Plan:
+def desired_state(
+    spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Observed, now: float | None = None
+) -> Plan:
+    """The next step. `now` (epoch seconds) is only read by a Surge rollout's deadlines (drain, progress)."""
+    from . import rollout  # rollout.py builds on this module
+
     status = status or {}
+    surge = rollout.surge_plan(spec, status, observed, now)
+    if surge is not None:
+        return surge
+    return recreate_state(spec, status, observed)
+
+
+def recreate_state(
+    spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observed, pin_generation: int | None = None
+) -> Plan:
+    """The Recreate planner (steps 1-7 above). With `pin_generation` it plans that generation as it is, whatever
+    spec its pods were built from (rollout.py plans the serving and the new generation of a Surge rollout so)."""
     want_hash = spec_fingerprint(spec)
     pods = observed.pods
-    generation = current_generation(status, pods)
-    current_live = [p for p in pods if p.generation == generation and not p.deleting]
-
-    rolled_out = any(p.spec_hash != want_hash for p in current_live)
+    if pin_generation is None:
+        generation = current_generation(status, pods)
+        current_live = [p for p in pods if p.generation == generation and not p.deleting]
+        rolled_out = any(p.spec_hash != want_hash for p in current_live)
+    else:
+        generation, rolled_out = pin_generation, False
     if rolled_out or observed.restart_reason:
         generation += 1
 

@@ -277,11 +277,13 @@ async def release_ports(body: kopf.Body, uid: str, memo: kopf.Memo, logger: logg
         kopf.event(body, type="Warning", reason="PortsReleasedWithPodsLeft",
                    message=(f"pods {', '.join(left)} were not gone {runtime.config.pod_gone_timeout:.0f}s after the "
                             f"pair's deletion; releasing its port leases anyway")[:1024])
-    if (body.get("status") or {}).get("ports"):
-        # Stop listing the ports before the leases go: no moment where two pairs list one port.
+    status = body.get("status") or {}
+    if status.get("ports") or status.get("rollout"):
+        # Stop listing the ports (a Surge rollout's second set too) before the leases go: no moment where two pairs
+        # list one port.
         with contextlib.suppress(Exception):
             await asyncio.to_thread(runtime.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace,
-                                    PLURAL, name, {"status": {"ports": []}})
+                                    PLURAL, name, {"status": {"ports": [], "rollout": None}})
     released = await runtime.leaser.release_pair(uid)
     runtime.exited.pop(uid, None)
     if runtime.metrics is not None:

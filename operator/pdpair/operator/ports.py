@@ -22,9 +22,11 @@ from pdpair.contract import (
     LABEL_PAIR_UID,
     LABEL_PORT_LEASE,
     LABEL_PORT_QUARANTINE,
+    LABEL_PORT_SLOT,
     LABEL_PURPOSE,
     LABEL_ROLE,
     LEASE_NAME_PREFIX,
+    PORT_SLOTS,
     PURPOSE_HTTP,
     PURPOSE_METRICS,
     PURPOSE_SIDECHANNEL,
@@ -45,6 +47,18 @@ log = logging.getLogger(__name__)
 
 def lease_name(port: int) -> str:
     return f"{LEASE_NAME_PREFIX}{port}"
+
+
+DEFAULT_SLOT = PORT_SLOTS[0]  # leases without the slot label (made before slots existed) are in set "a"
+
+
+def other_slot(slot: str) -> str:
+    """The pair's other port set: where a Surge rollout leases the new generation's ports."""
+    return PORT_SLOTS[1] if slot == PORT_SLOTS[0] else PORT_SLOTS[0]
+
+
+def lease_slot(labels: Mapping[str, str] | None) -> str:
+    return (labels or {}).get(LABEL_PORT_SLOT) or DEFAULT_SLOT
 
 
 # --- pure planning --------------------------------------------------------------------------------
@@ -260,7 +274,7 @@ class PortLeaser:
     async def leases_of(self, pair_uid: str) -> list[Any]:
         return await self.list_leases(f"{LABEL_PORT_LEASE}=true,{LABEL_PAIR_UID}={pair_uid}")
 
-    async def _create(self, pair: PairRef, role: str, purpose: str, port: int) -> Any | None:
+    async def _create(self, pair: PairRef, role: str, purpose: str, port: int, slot: str = DEFAULT_SLOT) -> Any | None:
         """Create the lease; None when another holder has it (409)."""
         from kubernetes.client import V1Lease, V1LeaseSpec, V1ObjectMeta
         from kubernetes.client.exceptions import ApiException
@@ -276,6 +290,7 @@ class PortLeaser:
                     LABEL_PAIR_UID: pair.uid,
                     LABEL_ROLE: role,
                     LABEL_PURPOSE: purpose,
+                    LABEL_PORT_SLOT: slot,
                 },
             ),
             spec=V1LeaseSpec(holder_identity=pair.holder),
@@ -302,8 +317,10 @@ class PortLeaser:
             raise
 
     # - the pair-level operations --------------------------------------------------------------------
-    async def _held(self, pair_uid: str) -> tuple[dict[tuple[str, str], list[int]], dict[int, str]]:
-        """The pair's leased ports by (role, purpose), and each lease's uid."""
+    async def _held(
+        self, pair_uid: str, slot: str = DEFAULT_SLOT
+    ) -> tuple[dict[tuple[str, str], list[int]], dict[int, str]]:
+        """The pair's leased ports of one port set by (role, purpose), and each lease's uid."""
         held: dict[tuple[str, str], list[int]] = defaultdict(list)
         uids: dict[int, str] = {}
         for lease in await self.leases_of(pair_uid):
@@ -311,13 +328,16 @@ class PortLeaser:
             if port is None:
                 continue
             labels = lease.metadata.labels or {}
+            if lease_slot(labels) != slot:
+                continue
             held[(labels.get(LABEL_ROLE, ""), labels.get(LABEL_PURPOSE, ""))].append(port)
             uids[port] = lease.metadata.uid
         return held, uids
 
-    async def held(self, pair: PairRef) -> list[PortAssignment]:
-        """What the pair holds now, changing nothing (ranks by port order within each role and purpose)."""
-        held, _ = await self._held(pair.uid)
+    async def held(self, pair: PairRef, slot: str = DEFAULT_SLOT) -> list[PortAssignment]:
+        """What the pair holds in one port set now, changing nothing (ranks by port order within each role and
+        purpose)."""
+        held, _ = await self._held(pair.uid, slot)
         async with self._lock:
             self.taken.update(p for ports in held.values() for p in ports)
         return sorted(
@@ -331,6 +351,7 @@ class PortLeaser:
         pair: PairRef,
         blocks: tuple[PortBlock, ...],
         before_release: Callable[[set[int]], Awaitable[None]] | None = None,
+        slot: str = DEFAULT_SLOT,
     ) -> LeaseOutcome:
         """Make the pair hold exactly `blocks`: adopt what fits, release what doesn't, claim the rest.
 
@@ -338,12 +359,13 @@ class PortLeaser:
         so a waiting pair hoards nothing; the caller reports PoolExhausted and retries later.
         `before_release(ports)` is awaited before any of the pair's ports is released, so the caller can stop
         listing them first (status.ports never names a port the pair no longer holds).
+        `slot` is the port set (the pair holds two during a Surge rollout); the other set is left alone.
         """
         for value in (pair.name, pair.namespace, pair.uid):
             if len(value) > LABEL_VALUE_MAX:
                 raise ValueError(f"name {value!r} is longer than {LABEL_VALUE_MAX} characters (a label value)")
         outcome = LeaseOutcome()
-        held, uids = await self._held(pair.uid)
+        held, uids = await self._held(pair.uid, slot)
         keep, release = match_existing(blocks, held)
         outcome.adopted = len(keep)
         if release and before_release is not None:
@@ -355,7 +377,7 @@ class PortLeaser:
         new: list[tuple[PortAssignment, str]] = []
         try:
             for block in missing_blocks(blocks, keep):
-                got = await self._claim_block(pair, block)
+                got = await self._claim_block(pair, block, slot)
                 new.extend(got)
         except PoolExhausted as exc:
             outcome.exhausted = True
@@ -371,9 +393,9 @@ class PortLeaser:
         outcome.assignments = sorted(keep + [a for a, _ in new])
         return outcome
 
-    async def _claim_block(self, pair: PairRef, block: PortBlock) -> list[tuple[PortAssignment, str]]:
+    async def _claim_block(self, pair: PairRef, block: PortBlock, slot: str = DEFAULT_SLOT) -> list[tuple[PortAssignment, str]]:
         if block.fixed is not None:
-            lease = await self._create(pair, block.role, block.purpose, block.fixed)
+            lease = await self._create(pair, block.role, block.purpose, block.fixed, slot)
             if lease is None:
                 raise PoolExhausted(f"port {block.fixed} ({block.role} {block.purpose}) is leased by another pair")
             async with self._lock:
@@ -402,7 +424,7 @@ class PortLeaser:
             clash = None
             try:
                 for assignment in assign(block, first):
-                    lease = await self._create(pair, block.role, block.purpose, assignment.port)
+                    lease = await self._create(pair, block.role, block.purpose, assignment.port, slot)
                     if lease is None:
                         clash = assignment.port
                         break
@@ -431,6 +453,15 @@ class PortLeaser:
         async with self._lock:
             self.taken.discard(port)
         return int(deleted)
+
+    async def release_slot(self, pair: PairRef, slot: str) -> int:
+        """Delete every lease of one of the pair's port sets (the old or the failed generation of a Surge rollout,
+        once its pods are gone and status no longer lists the ports)."""
+        _, uids = await self._held(pair.uid, slot)
+        released = 0
+        for port, uid in uids.items():
+            released += await self._release_port(port, uid)
+        return released
 
     async def release_pair(self, pair_uid: str) -> int:
         """Delete every lease of one pair (finalizer)."""

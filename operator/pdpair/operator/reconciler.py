@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from pdpair.contract import (
     ANNOTATION_RESTART_TIMES,
+    COND_PROGRESSING,
     COND_READY,
     GROUP,
     PHASE_FAILED,
@@ -31,7 +32,7 @@ from pdpair.contract import (
 
 from . import busy_ports
 from . import desired as d
-from . import health, planner
+from . import health, planner, rollout
 from .config import OperatorConfig
 from .lifecycle import probe_ranks
 from .pods import ManifestError, engine_pod, pod_name, router_pod
@@ -102,6 +103,10 @@ class Rejection:
     message: str
 
 
+def _create_generation(plan: d.Plan) -> int:
+    return plan.create_generation if plan.create_generation is not None else plan.pair_generation
+
+
 def _service_port(manifest: Mapping[str, Any]) -> int:
     return int(manifest["spec"]["ports"][0]["port"])
 
@@ -110,11 +115,15 @@ def _service_port(manifest: Mapping[str, Any]) -> int:
 # resync interval, not the probe interval. Polling them every second was most of the operator's passes while 1000
 # pairs started: the event loop saturated and the decode probes timed out on it, a livelock.
 WAITS_FOR_POD_EVENTS = frozenset({d.STEP_WAIT_DECODE_RUNNING, d.STEP_WAIT_PREFILL_READY, d.STEP_WAIT_DECODE_READY,
-                                  d.STEP_WAIT_ROUTER_READY, d.STEP_WAIT_GONE})
+                                  d.STEP_WAIT_ROUTER_READY, d.STEP_WAIT_GONE, rollout.STEP_ROLLOUT_WAIT_GONE,
+                                  rollout.STEP_ROLLOUT_DRAIN})  # the drain's end is the plan's wait_seconds
 
 
-def pass_delay(step: str, cfg: OperatorConfig) -> float:
-    """How long a pair sleeps after a pass that ended at `step` (any wakeup cuts it short)."""
+def pass_delay(step: str, cfg: OperatorConfig, wait_seconds: float | None = None) -> float:
+    """How long a pair sleeps after a pass that ended at `step` (any wakeup cuts it short); no longer than a
+    deadline inside the plan (`wait_seconds`: a rollout's drain or progress deadline)."""
+    if wait_seconds is not None:
+        return max(0.2, min(wait_seconds, pass_delay(step, cfg)))
     if step == d.STEP_READY or step in WAITS_FOR_POD_EVENTS:
         return cfg.resync_interval
     if step == d.STEP_POOL_EXHAUSTED:
@@ -140,6 +149,11 @@ class PairReconciler:
         self.pool_message = ""
         self.next_lease_try = 0.0
         self.leases_checked_at = 0.0
+        # A Surge rollout's other generation (rollout.py): its port set ("slot"), leased beside self.ports
+        self.rollout_ports: list[dict[str, Any]] | None = None
+        self.rollout_blocks: tuple | None = None
+        self.rollout_checked_at = 0.0
+        self.rollout_pool_message = ""
         self.listening_pods: set[str] = set()  # pod uids whose listener accepted on every rank
         self.probe_message = ""
         self.last_step = ""
@@ -199,9 +213,10 @@ class PairReconciler:
         blocks = required_blocks(spec)
         fresh = time.monotonic() - self.leases_checked_at < self.rt.config.resync_interval
         want = d.spec_fingerprint(spec)
+        slot = rollout.serving_slot(self.status)
         if any(p.spec_hash != want for p in pods):
             if self.ports is None or not fresh:
-                self.ports = status_ports(await self.rt.leaser.held(self.ref))
+                self.ports = status_ports(await self.rt.leaser.held(self.ref, slot))
                 self.blocks = None  # unknown: re-leased (adopting what fits) once the old pods are gone
                 self.leases_checked_at = time.monotonic()
             return
@@ -209,7 +224,7 @@ class PairReconciler:
             return  # re-read the leases (the truth) once per resync interval, or when the blocks change
         if self.ports is None and self.pool_message and time.monotonic() < self.next_lease_try:
             return
-        outcome = await self.rt.leaser.ensure(self.ref, blocks, before_release=self._unlist_ports)
+        outcome = await self.rt.leaser.ensure(self.ref, blocks, before_release=self._unlist_ports, slot=slot)
         self.leases_checked_at = time.monotonic()
         if outcome.exhausted:
             self.ports, self.blocks = None, None
@@ -228,6 +243,50 @@ class PairReconciler:
                 f"{ports_of(self.ports, ROLE_DECODE, PURPOSE_SIDECHANNEL)}",
             )
 
+    async def ensure_rollout_ports(self, spec: Mapping[str, Any], pods: tuple[d.PodView, ...]) -> None:
+        """The port set of a Surge rollout's other generation (rollout.py): leased for the new spec while it comes
+        up (Progressing); only read while it drains or rolls back (its pods may still be bound to them); none
+        without a rollout. Released by the plan (Plan.release_slot) once its pods are gone."""
+        other = rollout.other_generation(self.status)
+        if other is None:
+            self.rollout_ports, self.rollout_blocks, self.rollout_pool_message = None, None, ""
+            return
+        generation, slot = other
+        active = rollout.active_rollout(self.status) or {}
+        want = d.spec_fingerprint(spec)
+        fresh = time.monotonic() - self.rollout_checked_at < self.rt.config.resync_interval
+        leasing = active.get("phase") == rollout.PHASE_PROGRESSING and active.get("specHash") == want and all(
+            p.spec_hash == want for p in pods if p.generation == generation)
+        if not leasing:
+            if self.rollout_ports is None or not fresh:
+                self.rollout_ports = status_ports(await self.rt.leaser.held(self.ref, slot))
+                self.rollout_blocks, self.rollout_checked_at = None, time.monotonic()
+            return
+        blocks = required_blocks(spec)
+        if self.rollout_ports is not None and blocks == self.rollout_blocks and fresh:
+            return
+        outcome = await self.rt.leaser.ensure(self.ref, blocks, before_release=self._unlist_rollout_ports, slot=slot)
+        self.rollout_checked_at = time.monotonic()
+        if outcome.exhausted:
+            self.rollout_ports, self.rollout_blocks, self.rollout_pool_message = None, None, outcome.message
+            return
+        self.rollout_ports, self.rollout_blocks, self.rollout_pool_message = (
+            status_ports(outcome.assignments), blocks, "")
+        if outcome.claimed or outcome.released:
+            self.emit("Normal", "PortsLeased",
+                      f"generation {generation}: {len(outcome.assignments)} ports leased in port set {slot} "
+                      f"({outcome.claimed} claimed); decode side channel "
+                      f"{ports_of(self.rollout_ports, ROLE_DECODE, PURPOSE_SIDECHANNEL)}")
+
+    async def _unlist_rollout_ports(self, ports: set[int]) -> None:
+        """Drop ports from status.rollout.ports before their leases go (as _unlist_ports for status.ports)."""
+        current = self.status.get("rollout") or {}
+        listed = current.get("ports") or []
+        kept = [p for p in listed if int(p.get("port", -1)) not in ports]
+        if len(kept) != len(listed):
+            await self._patch_status({"rollout": {**current, "ports": kept}})
+        self.rollout_ports = None
+
     async def _unlist_ports(self, ports: set[int]) -> None:
         """Drop ports from status.ports before their leases go, so no two pairs ever list one port."""
         listed = self.status.get("ports") or []
@@ -240,7 +299,7 @@ class PairReconciler:
         """Ports the current generation's pods found busy on their node (busy_ports.py): quarantine the ones the pair
         holds, lease replacements, say so in a PortInUse Event. Idempotent: a port already out of the pair's hands
         is left alone, so a restarted operator only goes on to the restart."""
-        found = busy_ports.reports(pods, d.current_generation(self.status, pods))
+        found = busy_ports.reports(pods, rollout.serving_generation(self.status, pods))
         if not found or self.ports is None:
             return found
         fixed = [b.fixed for b in (self.blocks or required_blocks(spec)) if b.fixed is not None]
@@ -287,12 +346,13 @@ class PairReconciler:
                              for role in roles)
         return f"{'; '.join(r.describe() for r in found)}; re-leased: {now_held}"
 
-    async def probe_decode(self, decode: d.PodView) -> bool:
+    async def probe_decode(self, decode: d.PodView, ports: list[dict[str, Any]] | None = None) -> bool:
+        ports = self.ports if ports is None else ports
         if decode.uid in self.listening_pods:
             return True
-        if not (decode.running and self.ports):
+        if not (decode.running and ports):
             return False
-        ranks = ports_of(self.ports, ROLE_DECODE, PURPOSE_SIDECHANNEL)
+        ranks = ports_of(ports, ROLE_DECODE, PURPOSE_SIDECHANNEL)
         result = await probe_ranks(decode.ip, ranks, self.rt.config.probe_timeout)
         self.probe_message = result.describe()
         if result.all_accept:
@@ -304,7 +364,10 @@ class PairReconciler:
         """The router Service (service.py): created, corrected or deleted to match spec.router.enabled and the
         router's leased port. A failure here is reported and retried next pass; it never stops the pods' steps."""
         body = {"metadata": self.body["metadata"], "spec": self.body["spec"]}
-        desired = router_service(body, self.ports)
+        # During a Surge rollout two routers exist: the Service selects the serving generation's. Its port stays
+        # the one clients know (status.servicePort, kept from before the first Surge switch).
+        generation = int(self.status.get("pairGeneration") or 0) if rollout.active_rollout(self.status) else None
+        desired = router_service(body, self.ports, generation, self.status.get("servicePort"))
         if desired is None and d.router_enabled(self.body["spec"]):
             return  # the router port is not leased yet: leave whatever exists alone
         name = service_name(self.ref.name)
@@ -386,13 +449,16 @@ class PairReconciler:
             return cfg.resync_interval  # the restart budget is spent; only a spec change moves the pair again
 
         await self.ensure_ports(spec, pods)
+        await self.ensure_rollout_ports(spec, pods)
         in_use = await self.handle_ports_in_use(spec, pods)
         await self.ensure_service(services)
 
-        generation = d.current_generation(self.status, pods)
+        generation = rollout.serving_generation(self.status, pods)
         decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation), None)
         gated = any(p.role == ROLE_PREFILL and p.generation == generation for p in pods)  # gate already passed
         listening = bool(decode) and decode.running and not gated and await self.probe_decode(decode)
+        probe_message = self.probe_message
+        rollout_listening, rollout_probe_message = await self._probe_rollout_decode(pods)
 
         observed = d.Observed(
             pods=pods,
@@ -400,7 +466,13 @@ class PairReconciler:
             pool_exhausted=bool(self.pool_message),
             pool_message=self.pool_message,
             decode_listening=listening,
-            probe_message=self.probe_message,
+            probe_message=probe_message,
+            rollout_ports_complete=self.rollout_ports is not None,
+            rollout_pool_exhausted=bool(self.rollout_pool_message),
+            rollout_pool_message=self.rollout_pool_message,
+            rollout_decode_listening=rollout_listening,
+            rollout_probe_message=rollout_probe_message,
+            rollout_rejection=self._rollout_rejection(spec),
             meta_generation=meta_generation,
             restart_times=tuple(self._restart_times()),
             health=self._health_finding(),
@@ -434,27 +506,65 @@ class PairReconciler:
         if plan.rolled_out:
             self.emit("Normal", "RollingOut", f"spec changed: rolling out generation {plan.pair_generation}, decode first")
 
+        if plan.switch_ports:  # the rollout's new generation serves: its port set is status.ports now
+            self.ports, self.rollout_ports = self.rollout_ports, self.ports
+            self.blocks, self.rollout_blocks = self.rollout_blocks, None
+            self.leases_checked_at = self.rollout_checked_at = time.monotonic()
+
         # Intent first: status carries the generation before any pod is touched.
         rejection = self._rejection(plan)
         await self._write_status(
-            {**self._status_fields(plan, pods), **extra, **({"message": rejection.message} if rejection else {})},
+            {**self._status_fields(plan, pods), **self._rollout_fields(plan, pods), **extra,
+             **({"message": rejection.message} if rejection else {})},
             list(plan.conditions) + self._signals_condition(plan.pair_generation)
-            + ([self._rejected_condition(rejection)] if rejection else []),
+            + ([self._rejected_condition(rejection, plan)] if rejection else []),
             meta_generation,
         )
         if plan.step != self.last_step:
             self.log.info("pair %s/%s: %s (%s)", self.ref.namespace, self.ref.name, plan.step, plan.message)
             self.last_step = plan.step
 
+        for event in plan.events:
+            self.emit(*event)
         await self._act(plan, pods, meta_generation)
+        if plan.release_slot:  # status no longer lists them (written above): the leases can go
+            released = await self.rt.leaser.release_slot(self.ref, plan.release_slot)
+            self.rollout_ports, self.rollout_blocks = None, None
+            self.log.info("pair %s/%s: released %d port leases of port set %s", self.ref.namespace, self.ref.name,
+                          released, plan.release_slot)
+        if plan.switch_ports or plan.release_slot or "rollout" in plan.status_fields:
+            await self.ensure_service(services)  # the selector follows the serving generation in this very pass
         self._observe_duration(time.monotonic() - started)
 
         rejection = self._rejection(plan)
         if rejection is not None:
             return max(0.2, min(rejection.not_before - time.monotonic(), cfg.resync_interval))
-        if plan.create and pod_name(self.ref.name, plan.create, plan.pair_generation) in self.created_unseen:
-            return cfg.resync_interval  # its watch event wakes the pair; polling meanwhile only burned passes
-        return pass_delay(plan.step, cfg)
+        if plan.create and pod_name(self.ref.name, plan.create, _create_generation(plan)) in self.created_unseen:
+            return pass_delay(plan.step, cfg, plan.wait_seconds) if plan.wait_seconds is not None else cfg.resync_interval
+        return pass_delay(plan.step, cfg, plan.wait_seconds)
+
+    async def _probe_rollout_decode(self, pods: tuple[d.PodView, ...]) -> tuple[bool, str]:
+        """The listener gate of a Surge rollout's new decode (on the rollout's port set): (listening, message)."""
+        active = rollout.active_rollout(self.status)
+        if not active or active.get("phase") != rollout.PHASE_PROGRESSING or not self.rollout_ports:
+            return False, ""
+        generation = int(active["toGeneration"])
+        decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation), None)
+        gated = any(p.role == ROLE_PREFILL and p.generation == generation for p in pods)
+        if decode is None or not decode.running or gated:
+            return False, ""
+        listening = await self.probe_decode(decode, self.rollout_ports)
+        return listening, self.probe_message
+
+    def _rollout_fields(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> dict[str, Any]:
+        """plan.status_fields, with status.rollout's ports and pods filled in (what the executor holds)."""
+        fields = dict(plan.status_fields)
+        current = fields.get("rollout", self.status.get("rollout"))
+        if isinstance(current, Mapping) and current.get("phase") in rollout.ACTIVE_PHASES:
+            generation, _ = rollout.other_generation({**self.status, "rollout": current})  # type: ignore[misc]
+            fields["rollout"] = {**current, "ports": self.rollout_ports or [],
+                                 "pods": sorted(p.name for p in pods if p.generation == generation)}
+        return fields
 
     def _health_finding(self) -> d.HealthFinding | None:
         """The health watch's latest verdict, as it wrote it to status.health (for the planner)."""
@@ -511,7 +621,7 @@ class PairReconciler:
             rejection = self._rejection(plan)
             if rejection is not None and time.monotonic() < rejection.not_before:
                 return  # refused before for this very spec: wait out the backoff
-            if pod_name(self.ref.name, plan.create, plan.pair_generation) in self.created_unseen:
+            if pod_name(self.ref.name, plan.create, _create_generation(plan)) in self.created_unseen:
                 return  # created by an earlier pass; its watch event (which wakes this pair) has not arrived yet
             manifest = self._manifest(plan, pods)
             name = manifest["metadata"]["name"]
@@ -525,7 +635,7 @@ class PairReconciler:
             self.rejections.pop(plan.create, None)
             self.created_unseen[name] = time.monotonic()
             if created:
-                self.emit("Normal", "PodCreated", f"created {plan.create} {name} (generation {plan.pair_generation})")
+                self.emit("Normal", "PodCreated", f"created {plan.create} {name} (generation {_create_generation(plan)})")
 
     def _rejection(self, plan: d.Plan) -> Rejection | None:
         """The standing refusal of the pod this plan creates, if the spec is still the one refused."""
@@ -536,8 +646,19 @@ class PairReconciler:
             return None
         return rejection
 
+    def _rollout_rejection(self, spec: Mapping[str, Any]) -> str:
+        """The API server's refusal of a pod of a Surge rollout's new generation (only those are created while
+        one is Progressing), for the planner to roll the rollout back."""
+        active = rollout.active_rollout(self.status)
+        if not active or active.get("phase") != rollout.PHASE_PROGRESSING:
+            return ""
+        want = d.spec_fingerprint(spec)
+        return next((r.message for r in self.rejections.values() if r.spec_hash == want), "")
+
     @staticmethod
-    def _rejected_condition(rejection: Rejection) -> Condition:
+    def _rejected_condition(rejection: Rejection, plan: d.Plan | None = None) -> Condition:
+        if plan is not None and plan.create_slot:  # a Surge rollout's new pod: the serving generation stays Ready
+            return Condition(COND_PROGRESSING, FALSE, "PodRejected", rejection.message[:32768])
         return Condition(COND_READY, FALSE, "PodRejected", rejection.message[:32768])
 
     async def _rejected(self, plan: d.Plan, name: str, exc: BaseException, meta_generation: int) -> None:
@@ -552,23 +673,26 @@ class PairReconciler:
         if previous is None or previous.message.split("; retrying")[0] != message.split("; retrying")[0]:
             self.emit("Warning", "PodRejected", message)
             self.log.warning("pair %s/%s: %s", self.ref.namespace, self.ref.name, message)
-        await self._write_status({"message": message[:32768]}, [self._rejected_condition(self.rejections[plan.create])],
+        await self._write_status({"message": message[:32768]},
+                                 [self._rejected_condition(self.rejections[plan.create], plan)],
                                  meta_generation)
 
     def _manifest(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> dict[str, Any]:
         body = {"metadata": dict(self.body["metadata"]), "spec": self.body["spec"]}
         spec_hash = d.spec_fingerprint(self.body["spec"])
-        current = {p.role: p for p in pods if p.generation == plan.pair_generation}
-        assert self.ports is not None
+        generation = _create_generation(plan)
+        current = {p.role: p for p in pods if p.generation == generation}
+        ports = self.rollout_ports if plan.create_slot else self.ports  # a rollout's new generation: its port set
+        assert ports is not None
         if plan.create == ROLE_DECODE:
-            return engine_pod(body, ROLE_DECODE, plan.pair_generation, self.ports, spec_hash)
+            return engine_pod(body, ROLE_DECODE, generation, ports, spec_hash)
         if plan.create == ROLE_PREFILL:
             decode = current.get(ROLE_DECODE)
-            return engine_pod(body, ROLE_PREFILL, plan.pair_generation, self.ports, spec_hash,
+            return engine_pod(body, ROLE_PREFILL, generation, ports, spec_hash,
                               peer_host=decode.ip if decode else None)
         if plan.create == ROLE_ROUTER:
             decode, prefill = current.get(ROLE_DECODE), current.get(ROLE_PREFILL)
-            return router_pod(body, plan.pair_generation, self.ports, spec_hash,
+            return router_pod(body, generation, ports, spec_hash,
                               prefill.ip if prefill else "", decode.ip if decode else "")
         raise ManifestError(f"unknown role {plan.create!r}")
 

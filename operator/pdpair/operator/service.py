@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from pdpair.contract import (
     HTTP_PORT_NAME,
+    LABEL_GENERATION,
     LABEL_PAIR,
     LABEL_PAIR_UID,
     LABEL_ROLE,
@@ -33,13 +34,20 @@ def service_name(pair_name: str) -> str:
     return pair_name
 
 
-def router_selector(pair_name: str) -> dict[str, str]:
-    """The router pod of any generation: only one exists at a time (old routers go before new ones start)."""
-    return {LABEL_PAIR: pair_name, LABEL_ROLE: ROLE_ROUTER}
+def router_selector(pair_name: str, generation: int | None = None) -> dict[str, str]:
+    """The router pod of any generation: only one exists at a time (Recreate: old routers go before new ones start).
+    During a Surge rollout two exist, and `generation` picks the serving one."""
+    selector = {LABEL_PAIR: pair_name, LABEL_ROLE: ROLE_ROUTER}
+    if generation is not None:
+        selector[LABEL_GENERATION] = str(generation)
+    return selector
 
 
-def router_service(pair: Mapping[str, Any], ports: list[Mapping[str, Any]] | None) -> dict[str, Any] | None:
-    """The Service the pair should have now, or None (router disabled, or its port not leased yet)."""
+def router_service(pair: Mapping[str, Any], ports: list[Mapping[str, Any]] | None, generation: int | None = None,
+                   service_port: int | None = None) -> dict[str, Any] | None:
+    """The Service the pair should have now, or None (router disabled, or its port not leased yet). The Service's
+    port is the router's leased port, or `service_port` once a Surge rollout moved the router to another port
+    (status.servicePort: clients keep the port they know; targetPort is the router container's named port)."""
     spec = pair.get("spec") or {}
     if not bool((spec.get("router") or {}).get("enabled", True)):
         return None
@@ -65,8 +73,9 @@ def router_service(pair: Mapping[str, Any], ports: list[Mapping[str, Any]] | Non
         },
         "spec": {
             "type": "ClusterIP",
-            "selector": router_selector(meta["name"]),
-            "ports": [{"name": HTTP_PORT_NAME, "protocol": "TCP", "port": port, "targetPort": HTTP_PORT_NAME}],
+            "selector": router_selector(meta["name"], generation),
+            "ports": [{"name": HTTP_PORT_NAME, "protocol": "TCP", "port": int(service_port or port),
+                       "targetPort": HTTP_PORT_NAME}],
         },
     }
 

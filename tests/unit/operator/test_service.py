@@ -55,6 +55,21 @@ def test_fixed_router_port_is_the_service_port():
     assert router_service(p, leased(p["spec"]))["spec"]["ports"][0]["port"] == 8123
 
 
+def test_during_a_surge_rollout_the_selector_pins_the_serving_generation_and_the_port_stays():
+    p = pair()
+    ports = leased(p["spec"])
+    svc = router_service(p, ports, generation=3, service_port=20100)
+    assert svc["spec"]["selector"] == {c.LABEL_PAIR: "demo", c.LABEL_ROLE: c.ROLE_ROUTER, c.LABEL_GENERATION: "3"}
+    # the port clients know (status.servicePort), while targetPort (by name) follows the new router's leased port
+    assert svc["spec"]["ports"] == [{"name": c.HTTP_PORT_NAME, "protocol": "TCP", "port": 20100,
+                                     "targetPort": c.HTTP_PORT_NAME}]
+    switched = ServiceView.from_service(svc)
+    assert plan_service(router_service(p, ports, generation=4, service_port=20100), switched, UID) == ACTION_PATCH
+    ours = {**svc, "metadata": {**svc["metadata"], "uid": "s1"}}
+    assert plan_service(router_service(p, ports, generation=3, service_port=20100),
+                        ServiceView.from_service(ours), UID) is None
+
+
 def test_no_service_when_router_disabled_or_port_not_leased():
     p = pair({"enabled": False})
     assert router_service(p, leased(p["spec"])) is None

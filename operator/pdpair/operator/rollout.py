@@ -1,0 +1,310 @@
+"""Surge rollouts (spec.rolloutStrategy: Surge): a spec change of a serving pair never takes it down.
+
+Pure like desired.py (spec, status, observed, now -> Plan); `now` is epoch seconds passed in by the executor.
+The rollout lives in status.rollout, so a restarted operator carries on where the last one stopped:
+
+  (no rollout)  the serving generation F is Ready and the spec changed  -> Progressing (RollingOut Event)
+  Progressing   generation T = F+1 goes through desired.py's steps 3-7 (decode, listener probe, prefill, router)
+                beside F, on the pair's other port set (ports.py slots "a"/"b"); the router Service keeps
+                selecting F's router. When T is Ready: status.pairGeneration = T, status.ports = T's ports, the
+                Service selects T's router                                 -> Draining (RolloutSwitched)
+                T failed (a pod Failed or restarted, or the API server refused one), was not Ready within
+                spec.rollout.progressDeadlineSeconds, or its ports found no room: status.failedRollout records the spec hash (never retried until the spec
+                changes again), Progressing=False RolloutFailed             -> RollingBack (RolloutFailed)
+                the spec changed again                                     -> RollingBack (no failure recorded)
+  Draining      F's in-flight requests get spec.rollout.drainSeconds after the switch; then F's prefill and
+                router are deleted, then its decode; once gone its port set is released -> done (RolloutDrained)
+  RollingBack   T's pods are deleted (prefill and router first), then its port set is released -> done
+
+The serving generation's own failures keep the Recreate restart path (the executor's restart policy): a restart
+abandons the rollout, and the new generation is built from the current spec on the serving port set.
+A spec change of a pair that is not Ready (nothing serves) is a Recreate rollout whatever the strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+from pdpair.contract import (
+    COND_PROGRESSING,
+    PHASE_READY,
+    PURPOSE_HTTP,
+    ROLE_DECODE,
+    ROLE_ROUTER,
+    ROLLOUT_SURGE,
+)
+
+from . import desired as d
+from .ports import DEFAULT_SLOT, other_slot, port_of
+from .spec_fields import defaulted
+from .status import FALSE, TRUE, Condition
+
+PHASE_PROGRESSING = "Progressing"
+PHASE_DRAINING = "Draining"
+PHASE_ROLLING_BACK = "RollingBack"
+ACTIVE_PHASES = (PHASE_PROGRESSING, PHASE_DRAINING, PHASE_ROLLING_BACK)
+
+STEP_ROLLOUT_START = "RolloutStart"
+STEP_ROLLOUT_LEASE_PORTS = "RolloutLeasePorts"
+STEP_ROLLOUT_SWITCH = "RolloutSwitch"
+STEP_ROLLOUT_DRAIN = "RolloutDrain"  # the old generation serves its in-flight requests
+STEP_ROLLOUT_DELETE = "RolloutDeletePods"  # the old (or failed) generation's pods go, prefill and router first
+STEP_ROLLOUT_WAIT_GONE = "RolloutWaitGone"
+STEP_ROLLOUT_DONE = "RolloutDone"
+
+EVENT_ROLLING_OUT = "RollingOut"
+EVENT_SWITCHED = "RolloutSwitched"
+EVENT_DRAINED = "RolloutDrained"
+EVENT_FAILED = "RolloutFailed"
+EVENT_ROLLED_BACK = "RolloutRolledBack"
+
+
+def surge_requested(spec: Mapping[str, Any]) -> bool:
+    return spec.get("rolloutStrategy") == ROLLOUT_SURGE
+
+
+def drain_seconds(spec: Mapping[str, Any]) -> float:
+    return float(defaulted(spec, "rollout", "drainSeconds"))
+
+
+def progress_deadline_seconds(spec: Mapping[str, Any]) -> float:
+    return float(defaulted(spec, "rollout", "progressDeadlineSeconds"))
+
+
+def active_rollout(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    rollout = status.get("rollout")
+    return rollout if isinstance(rollout, Mapping) and rollout.get("phase") in ACTIVE_PHASES else None
+
+
+def serving_slot(status: Mapping[str, Any]) -> str:
+    """The port set of status.pairGeneration (status.ports)."""
+    return str(status.get("portSlot") or DEFAULT_SLOT)
+
+
+def other_generation(status: Mapping[str, Any]) -> tuple[int, str] | None:
+    """(generation, port set) of a rollout's generation that does not serve: the new one while Progressing or
+    RollingBack, the old one while Draining. None without a rollout."""
+    rollout = active_rollout(status)
+    if rollout is None:
+        return None
+    if rollout["phase"] == PHASE_DRAINING:
+        return int(rollout["fromGeneration"]), other_slot(str(rollout["portSlot"]))
+    return int(rollout["toGeneration"]), str(rollout["portSlot"])
+
+
+def serving_generation(status: Mapping[str, Any], pods) -> int:
+    """The generation the pair serves with: status.pairGeneration during a rollout (pods of the new generation
+    exist beside it), else the highest generation seen (desired.current_generation)."""
+    if active_rollout(status) is not None and status.get("pairGeneration"):
+        return int(status["pairGeneration"])
+    return d.current_generation(status, pods)
+
+
+def rfc3339(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def epoch(text: str | None) -> float | None:
+    if not text:
+        return None
+    try:
+        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return None
+
+
+def _progressing(status: str, reason: str, message: str) -> Condition:
+    return Condition(COND_PROGRESSING, status, reason, message[:32768])
+
+
+def _without(observed: d.Observed, generation: int) -> d.Observed:
+    return dataclasses.replace(observed, pods=tuple(p for p in observed.pods if p.generation != generation),
+                               restart_reason=None)
+
+
+def surge_plan(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d.Observed,
+               now: float | None) -> d.Plan | None:
+    """The plan while a Surge rollout runs or starts; None: desired.recreate_state plans."""
+    rollout = active_rollout(status)
+    if rollout is None:
+        return _maybe_start(spec, status, observed, now)
+    if observed.restart_reason:
+        # The serving generation restarts (the executor's restart policy decided): Recreate takes over from every
+        # generation; the rollout only finishes off its other generation's port set once those pods are gone.
+        plan = d.recreate_state(spec, status, observed)
+        if rollout["phase"] == PHASE_PROGRESSING:
+            rollout = {**rollout, "phase": PHASE_ROLLING_BACK,
+                       "message": f"abandoned: the serving generation restarts ({observed.restart_reason})"[:1024]}
+        return dataclasses.replace(plan, status_fields={"rollout": dict(rollout)})
+    if rollout["phase"] == PHASE_PROGRESSING:
+        return _progress(spec, status, observed, now, rollout)
+    return _finish(spec, status, observed, now, rollout)
+
+
+def _maybe_start(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d.Observed,
+                 now: float | None) -> d.Plan | None:
+    if not surge_requested(spec) or observed.restart_reason or not observed.ports_complete:
+        return None
+    want = d.spec_fingerprint(spec)
+    generation = d.current_generation(status, observed.pods)
+    if any(p.generation != generation for p in observed.pods):
+        return None  # older pods are still being replaced (a Recreate in progress)
+    serving = [p for p in observed.pods if not p.deleting]
+    if not serving or all(p.spec_hash == want for p in serving):
+        return None
+    plan = d.recreate_state(spec, status, observed, pin_generation=generation)
+    failed = status.get("failedRollout") or {}
+    if failed.get("specHash") == want:
+        # This spec failed as a new generation: keep serving the old one until the spec changes again.
+        message = f"rollout of this spec failed: {failed.get('reason', '')}; change the spec to try again"
+        return dataclasses.replace(plan, conditions=plan.conditions + (_progressing(FALSE, "RolloutFailed", message),))
+    if plan.step != d.STEP_READY:
+        return None  # nothing serves yet: nothing to protect, Recreate
+    to = generation + 1
+    slot = other_slot(serving_slot(status))
+    message = f"rolling out generation {to} beside generation {generation} (Surge), decode first"
+    started = rfc3339(now if now is not None else 0.0)
+    return dataclasses.replace(
+        plan,
+        step=STEP_ROLLOUT_START,
+        message=message,
+        conditions=plan.conditions + (_progressing(TRUE, "RollingOut", message),),
+        status_fields={
+            "rollout": {"fromGeneration": generation, "toGeneration": to, "phase": PHASE_PROGRESSING, "specHash": want,
+                        "portSlot": slot, "startedAt": started, "message": message},
+            "failedRollout": None,
+        },
+        events=(("Normal", EVENT_ROLLING_OUT, f"spec changed: {message}"),),
+    )
+
+
+def _progress(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d.Observed, now: float | None,
+              rollout: Mapping[str, Any]) -> d.Plan:
+    old, new = int(rollout["fromGeneration"]), int(rollout["toGeneration"])
+    serving = d.recreate_state(spec, status, _without(observed, new), pin_generation=old)
+    if serving.step == d.STEP_BROKEN:
+        return dataclasses.replace(serving, status_fields={"rollout": dict(rollout)})
+    if rollout.get("specHash") != d.spec_fingerprint(spec):
+        return _roll_back(serving, rollout, f"the spec changed again during the rollout to generation {new}",
+                          failed=False, now=now)
+    reason = d.broken_reason(observed.pods, new)
+    if reason:
+        return _roll_back(serving, rollout, f"generation {new} failed: {reason}", failed=True, now=now)
+    deadline = progress_deadline_seconds(spec)
+    started = epoch(rollout.get("startedAt"))
+    left = None if (now is None or started is None) else started + deadline - now
+    if left is not None and left <= 0:
+        return _roll_back(serving, rollout, f"generation {new} was not Ready within {deadline:.0f}s "
+                                            "(spec.rollout.progressDeadlineSeconds)", failed=True, now=now)
+    if observed.rollout_rejection:
+        return _roll_back(serving, rollout, f"generation {new}: {observed.rollout_rejection}", failed=True, now=now)
+    if observed.rollout_pool_exhausted:
+        return _roll_back(serving, rollout, "no room in the port pool for a second generation: "
+                                            f"{observed.rollout_pool_message}", failed=True, now=now)
+
+    def going(step: str, message: str, **kw: Any) -> d.Plan:
+        message = f"rolling out generation {new}: {message}"
+        return dataclasses.replace(
+            serving, **{"delete": (), "create": None, "probe_decode": False, **kw}, step=step, message=message,
+            conditions=serving.conditions + (_progressing(TRUE, "RollingOut", message),),
+            status_fields={"rollout": {**rollout, "message": message[:1024]}}, wait_seconds=left)
+
+    if not observed.rollout_ports_complete:
+        return going(STEP_ROLLOUT_LEASE_PORTS, "leasing its ports (the pair's second port set)")
+    mine = d.Observed(
+        pods=tuple(p for p in observed.pods if p.generation == new), ports_complete=True,
+        decode_listening=observed.rollout_decode_listening, probe_message=observed.rollout_probe_message)
+    bring = d.recreate_state(spec, {"pairGeneration": new}, mine, pin_generation=new)
+    if bring.step != d.STEP_READY:
+        return going(bring.step, bring.message, create=bring.create, create_generation=new,
+                     create_slot=str(rollout["portSlot"]), probe_decode=bring.probe_decode)
+
+    drain = drain_seconds(spec)
+    message = f"generation {new} is Ready and serves; generation {old} drains for {drain:.0f}s"
+    service_port = status.get("servicePort") or port_of(status.get("ports") or [], ROLE_ROUTER, PURPOSE_HTTP)
+    return dataclasses.replace(
+        bring,
+        step=STEP_ROLLOUT_SWITCH,
+        message=message,
+        conditions=bring.conditions + (_progressing(TRUE, "Draining", message),),
+        status_fields={
+            "rollout": {**rollout, "phase": PHASE_DRAINING, "switchedAt": rfc3339(now or 0.0), "message": message},
+            "portSlot": str(rollout["portSlot"]),
+            **({"servicePort": int(service_port)} if service_port else {}),
+        },
+        switch_ports=True,
+        events=(("Normal", EVENT_SWITCHED, f"the router Service now selects generation {new}; {message}"),),
+        wait_seconds=drain,
+    )
+
+
+def _roll_back(serving: d.Plan, rollout: Mapping[str, Any], reason: str, failed: bool, now: float | None) -> d.Plan:
+    new = int(rollout["toGeneration"])
+    message = f"rolling back generation {new}: {reason}; generation {rollout['fromGeneration']} keeps serving"
+    fields: dict[str, Any] = {"rollout": {**rollout, "phase": PHASE_ROLLING_BACK, "message": message[:1024]}}
+    if failed:
+        fields["failedRollout"] = {"specHash": rollout.get("specHash", ""), "generation": new,
+                                   "reason": reason[:1024], "time": rfc3339(now or 0.0)}
+    condition = _progressing(FALSE, "RolloutFailed", message) if failed else _progressing(TRUE, "Superseded", message)
+    return dataclasses.replace(
+        serving, message=message, delete=(), create=None, probe_decode=False,
+        conditions=serving.conditions + (condition,), status_fields=fields,
+        events=((("Warning", EVENT_FAILED, message),) if failed else ()))
+
+
+def _finish(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d.Observed, now: float | None,
+            rollout: Mapping[str, Any]) -> d.Plan:
+    """Draining or RollingBack: the generation that does not serve goes, then its port set."""
+    gone_generation, gone_slot = other_generation(status)  # type: ignore[misc]
+    draining = rollout["phase"] == PHASE_DRAINING
+    serving_generation = int(rollout["toGeneration"] if draining else rollout["fromGeneration"])
+    if int(status.get("pairGeneration") or 0) == serving_generation:
+        serving = d.recreate_state(spec, status, _without(observed, gone_generation), pin_generation=serving_generation)
+        if serving.step == d.STEP_BROKEN:
+            return dataclasses.replace(serving, status_fields={"rollout": dict(rollout)})
+    else:
+        # A restart superseded the rollout: Recreate replaces every older generation, this one included.
+        serving = d.recreate_state(spec, status, observed)
+        if serving.delete or serving.create:
+            return dataclasses.replace(serving, status_fields={"rollout": dict(rollout)})
+    failed = status.get("failedRollout") or {}
+    if draining:
+        condition = _progressing(TRUE, "Draining", str(rollout.get("message", "")))
+    elif int(failed.get("generation") or -1) == gone_generation:
+        condition = _progressing(FALSE, "RolloutFailed", str(rollout.get("message", "")))
+    else:
+        condition = _progressing(TRUE, "Superseded", str(rollout.get("message", "")))
+
+    def step(name: str, message: str, **kw: Any) -> d.Plan:
+        return dataclasses.replace(
+            serving, step=name, message=message, delete=kw.pop("delete", ()), create=None, probe_decode=False,
+            conditions=serving.conditions + (kw.pop("condition", condition),), **kw)
+
+    if draining:
+        switched = epoch(rollout.get("switchedAt"))
+        left = None if (now is None or switched is None) else switched + drain_seconds(spec) - now
+        if left is not None and left > 0:
+            return step(STEP_ROLLOUT_DRAIN, f"generation {gone_generation} drains in-flight requests ({left:.0f}s left)",
+                        status_fields={"rollout": dict(rollout)}, wait_seconds=left)
+    left_pods = [p for p in observed.pods if p.generation == gone_generation]
+    if left_pods:
+        front = [p for p in left_pods if p.role != ROLE_DECODE]
+        victims = d._ordered(front) if front else left_pods
+        to_delete = tuple(p.name for p in victims if not p.deleting)
+        what = "prefill and router" if front else "decode"
+        message = f"generation {gone_generation}: deleting its {what}" if to_delete else \
+            f"waiting until generation {gone_generation}'s pods are gone"
+        return step(STEP_ROLLOUT_DELETE if to_delete else STEP_ROLLOUT_WAIT_GONE, message, delete=to_delete,
+                    status_fields={"rollout": {**rollout, "message": message}})
+    if draining:
+        message = f"rollout to generation {serving_generation} done; generation {gone_generation} drained and deleted"
+        events = (("Normal", EVENT_DRAINED, message),)
+        done = _progressing(TRUE, "RolloutComplete", message)
+    else:
+        message = f"generation {gone_generation} rolled back; {rollout.get('message', '')}"
+        events = (("Normal", EVENT_ROLLED_BACK, message),)
+        done = condition
+    return step(STEP_ROLLOUT_DONE, serving.message, condition=done, status_fields={"rollout": None},
+                release_slot=gone_slot, events=events)
