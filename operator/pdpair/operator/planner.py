@@ -78,7 +78,7 @@ def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: d.
     if halted(status, observed.meta_generation):
         return PairPlan(OUTCOME_HALTED)
 
-    steps = d.desired_state(spec, status, dataclasses.replace(observed, restart_reason=None))
+    steps = d.desired_state(spec, status, dataclasses.replace(observed, restart_reason=None), now)
     restart: Restart | None = None
     new_times: tuple[float, ...] | None = None
     if steps.step == d.STEP_BROKEN and observed.ports_replaced:
@@ -101,5 +101,5 @@ def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: d.
             restart = Restart(reason_code, message, counted=True)
             new_times = tuple(prune(policy, list(observed.restart_times) + [now], now))
     if restart is not None:
-        steps = d.desired_state(spec, status, dataclasses.replace(observed, restart_reason=restart.message))
+        steps = d.desired_state(spec, status, dataclasses.replace(observed, restart_reason=restart.message), now)
     return PairPlan(OUTCOME_STEP, steps=steps, restart=restart, restart_times=new_times)

@@ -4,7 +4,9 @@ clock) in a small simulated world and checks the pair's invariants after every p
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,9 +16,10 @@ from hypothesis import strategies as st
 
 from pdpair.contract import PHASE_FAILED, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 from pdpair.operator import desired as d
-from pdpair.operator import health, planner
+from pdpair.operator import health, planner, rollout
 from pdpair.operator.desired import HealthFinding, Observed, PodView, spec_fingerprint
 from pdpair.operator.restart_policy import RestartPolicy, restarts_in_window
+from tests.crd_defaults import with_crd_defaults
 
 POLICY = {"maxRestarts": 3, "windowSeconds": 600, "backoffSeconds": 10, "maxBackoffSeconds": 40}
 SPEC = {"model": "m", "image": "img:1", "router": {"enabled": True}, "restartPolicy": POLICY}
@@ -143,13 +146,19 @@ class World:
     failed_at_generation: int | None = None  # metadata.generation the pair went Failed at
     creates: int = 0
 
+    def listening(self, generation: int | None) -> bool:
+        decode = next((p for p in self.pods.values() if p.role == ROLE_DECODE and p.generation == generation
+                       and not p.deleting), None)
+        return bool(decode and decode.running and decode.name in self.accepting)
+
     def observe(self) -> Observed:
         pods = tuple(self.pods.values())
-        generation = d.current_generation(self.status, pods)
-        decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation), None)
+        active = rollout.active_rollout(self.status)
         return Observed(pods, ports_complete=True,
-                        decode_listening=bool(decode and decode.running and decode.name in self.accepting),
-                        meta_generation=self.meta_generation, restart_times=self.restart_times, health=self.health)
+                        decode_listening=self.listening(rollout.serving_generation(self.status, pods)),
+                        meta_generation=self.meta_generation, restart_times=self.restart_times, health=self.health,
+                        rollout_ports_complete=True,
+                        rollout_decode_listening=bool(active) and self.listening(int(active["toGeneration"])))
 
     def run_pass(self, crash_after_status: bool = False) -> None:
         obs = self.observe()
@@ -166,6 +175,14 @@ class World:
                 self.failed_at_generation = self.meta_generation
             return
         plan = decided.steps
+        active = rollout.active_rollout(self.status)
+        serving = int(self.status.get("pairGeneration") or 0)
+        if (decided.restart is None and active and active["phase"] in (rollout.PHASE_PROGRESSING,
+                                                                       rollout.PHASE_ROLLING_BACK)
+                and int(active["fromGeneration"]) == serving):  # (after a restart, Recreate replaces every generation)
+            hit = [n for n in plan.delete if n in self.pods and self.pods[n].generation == serving]
+            if hit:
+                raise Violation(f"a {active['phase']} rollout deleted serving generation {serving}'s pods {hit}")
         if decided.restart is not None:
             self.health = None
             if decided.restart.counted:
@@ -173,6 +190,11 @@ class World:
                 self.restart_times = decided.restart_times
         # intent first: status before pods
         self.status.update(pairGeneration=plan.pair_generation, phase=plan.phase)
+        for key, value in plan.status_fields.items():  # merge patch: None deletes
+            if value is None:
+                self.status.pop(key, None)
+            else:
+                self.status[key] = value
         if crash_after_status:
             return
         for name in plan.delete:
@@ -182,7 +204,8 @@ class World:
             self._create(plan, obs)
 
     def _create(self, plan: d.Plan, obs: Observed) -> None:
-        role, gen = plan.create, plan.pair_generation
+        role = plan.create
+        gen = plan.create_generation if plan.create_generation is not None else plan.pair_generation
         twins = [p.name for p in self.pods.values() if p.role == role and p.generation == gen]
         if twins:
             raise Violation(f"second {role} pod for generation {gen} while {twins} exist")
@@ -275,11 +298,18 @@ def apply_event(world: World, event) -> None:
         world.pods[target.name] = _deleting(target)
 
 
+@functools.cache
+def admitted_spec(strategy: str) -> dict[str, Any]:
+    """SPEC as the apiserver stores it (the CRD's defaults filled in); parsed once, the CRD is large."""
+    return with_crd_defaults({"spec": {**SPEC, "rolloutStrategy": strategy}})["spec"]
+
+
+@pytest.mark.parametrize("strategy", ["Recreate", "Surge"])
 @settings(max_examples=400, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
-@given(event_sequences())
-def test_invariants_hold_over_random_event_sequences(events):
-    world = World(dict(SPEC))
+@given(events=event_sequences())
+def test_invariants_hold_over_random_event_sequences(strategy, events):
+    world = World(copy.deepcopy(admitted_spec(strategy)))
     for event in events:
         apply_event(world, event)
         world.check_budget()
