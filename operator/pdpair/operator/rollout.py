@@ -29,7 +29,6 @@ from typing import Any, Mapping
 
 from pdpair.contract import (
     COND_PROGRESSING,
-    PHASE_READY,
     PURPOSE_HTTP,
     ROLE_DECODE,
     ROLE_ROUTER,
