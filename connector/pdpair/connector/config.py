@@ -24,6 +24,8 @@ MAX_FLAGCX_TRANSPORT_SLOTS = 256
 # Read by libflagcx itself. A same-vendor pair needs a heterogeneous communicator for one-sided ops (without it
 # init fails at flagcxReadCounter), so the connector sets it to 1 before loading libflagcx unless the pod sets it.
 ENV_FLAGCX_USE_HETERO_COMM = "FLAGCX_USE_HETERO_COMM"
+ENV_FLAGCX_LIB_PATH = "FLAGCX_LIB_PATH"
+ENV_FLAGCX_PATH = "FLAGCX_PATH"
 FLAGCX_USE_HETERO_COMM_DEFAULT = "1"
 
 
@@ -46,6 +48,10 @@ class PdPairConfig:
     peer_port_base: int | None  # prefill
     transport_slots: int = DEFAULT_TRANSPORT_SLOTS  # request slots per peer connection (puts in flight)
     flagcx_use_hetero_comm: str | None = None  # FLAGCX_USE_HETERO_COMM as the pod set it (None: unset)
+    # Where libflagcx.so is (transports/flagcx.find_library_path resolves them; read here so the connector has
+    # one env reader): FLAGCX_LIB_PATH (the file or its directory), FLAGCX_PATH (a FlagCX build tree).
+    flagcx_lib_path: str = ""
+    flagcx_path: str = ""
     # Test-only knobs, from kv_connector_extra_config (the drop knob also from contract.ENV_TEST_DROP_SIGNALS_FILE);
     # never set by the operator.
     test_corrupt_kv_file: str | None = None  # decode: while this file exists, received KV is overwritten
@@ -62,6 +68,10 @@ class PdPairConfig:
         if self.transport == contract.TRANSPORT_FLAGCX and self.flagcx_use_hetero_comm is None:
             return {ENV_FLAGCX_USE_HETERO_COMM: FLAGCX_USE_HETERO_COMM_DEFAULT}
         return {}
+
+    def flagcx_locations(self) -> dict[str, str]:
+        """FLAGCX_LIB_PATH and FLAGCX_PATH as the pod set them (empty: unset), for flagcx.find_library_path."""
+        return {ENV_FLAGCX_LIB_PATH: self.flagcx_lib_path, ENV_FLAGCX_PATH: self.flagcx_path}
 
     def listen_port(self, tp_rank: int) -> int:
         assert self.listen_port_base is not None
@@ -133,6 +143,8 @@ class PdPairConfig:
             peer_port_base=peer_base,
             transport_slots=transport_slots,
             flagcx_use_hetero_comm=env.get(ENV_FLAGCX_USE_HETERO_COMM) or None,
+            flagcx_lib_path=env.get(ENV_FLAGCX_LIB_PATH, ""),
+            flagcx_path=env.get(ENV_FLAGCX_PATH, ""),
             test_corrupt_kv_file=str(corrupt) if corrupt else None,
             test_drop_signals_file=str(drop) if drop else None,
             test_delay_listener_file=str(delay_listener) if delay_listener else None,

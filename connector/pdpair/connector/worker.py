@@ -128,8 +128,14 @@ class _Worker:
         if config.flagcx_use_hetero_comm not in (None, "1") and config.transport == contract.TRANSPORT_FLAGCX:
             logger.warning("FLAGCX_USE_HETERO_COMM=%s set by the pod: one-sided puts need 1 on a same-vendor pair",
                            config.flagcx_use_hetero_comm)
+        library_path = None
+        if config.transport == contract.TRANSPORT_FLAGCX:
+            from pdpair.connector.transports.flagcx import find_library_path
+
+            library_path = find_library_path(config.flagcx_locations())  # a clear error naming both variables
         self.transport: PairTransport = make_transport(config.transport, slots=config.transport_slots,
-                                                      blocking_seconds=config.hang_timeout_seconds)
+                                                      blocking_seconds=config.hang_timeout_seconds,
+                                                      library_path=library_path)
         self.accounts = SignalAccounts(config.role, config.hang_timeout_seconds, generation=config.generation,
                                        rank=tp_rank)
         # One metrics port per pod: rank 0 serves it and merges the other ranks' accounts, which each rank > 0

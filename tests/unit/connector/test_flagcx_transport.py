@@ -36,6 +36,7 @@ from pdpair.connector.transports.flagcx import (  # noqa: E402
     FlagcxError,
     FlagcxLibraryError,
     FlagcxTransport,
+    find_library_path,
     result_name,
 )
 
@@ -776,3 +777,21 @@ def test_a_comm_that_failed_with_an_error_code_is_destroyed_not_leaked(monkeypat
             comm.close()
     assert destroyed == handles
     assert not [r for r in caplog.records if "never returned" in r.getMessage()]
+
+
+def test_the_connector_finds_libflagcx_through_its_config_not_the_process_environment(monkeypatch, fake_libs):
+    """PdPairConfig is the connector's one env reader: the library the worker loads is the one the config read,
+    whatever the process environment says by the time the transport is made."""
+    from pdpair import contract
+    from pdpair.connector.config import PdPairConfig
+
+    pod_env = {contract.ENV_TRANSPORT: "flagcx", contract.ENV_LISTEN_PORT_BASE: "20000", contract.ENV_GENERATION: "1",
+               ENV_LIB_PATH: fake_libs["uid-ptr"]}
+    config = PdPairConfig.from_env("kv_consumer", {}, pod_env)
+    monkeypatch.setenv(ENV_LIB_PATH, "/nonexistent/libflagcx.so")
+    transport = make_transport("flagcx", library_path=find_library_path(config.flagcx_locations()))
+    assert transport.lib.path == os.path.realpath(fake_libs["uid-ptr"])
+    unset = PdPairConfig.from_env("kv_consumer", {}, {k: v for k, v in pod_env.items() if k != ENV_LIB_PATH})
+    with pytest.raises(FlagcxLibraryError) as info:
+        find_library_path(unset.flagcx_locations())
+    assert ENV_LIB_PATH in str(info.value) and ENV_FLAGCX_PATH in str(info.value)
