@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -142,6 +143,21 @@ def _hash_tree(paths: list[pathlib.Path], h) -> None:
                 h.update(hashlib.sha256(f.read_bytes()).digest())
 
 
+# Archives kept per image name: this build's and the two before it (another checkout, e.g. a CI clone beside a
+# working tree, may still use one). Each engine archive is ~1.2 GiB; unpruned they filled the disk in a day.
+KEEP_ARCHIVES = 3
+
+
+def prune_archives(name: str, keep: int = KEEP_ARCHIVES) -> list[pathlib.Path]:
+    """Deletes all but the `keep` newest `<name>-<key>.oci.tar` archives; returns what it deleted."""
+    pattern = re.compile(rf"^{re.escape(name)}-[0-9a-f]{{16}}\.oci\.tar$")
+    archives = sorted((p for p in images_dir().iterdir() if pattern.match(p.name)),
+                      key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in archives[keep:]:
+        old.unlink(missing_ok=True)
+    return archives[keep:]
+
+
 def build_dockerfile_image(name: str, dockerfile: pathlib.Path, inputs: list[pathlib.Path],
                            build_args: dict[str, str] | None = None, log: Callable[[str], None] = print) -> Image:
     """Builds `dockerfile` (context: the repository root) with buildah on the Debian base; returns the cached
@@ -178,16 +194,22 @@ def build_dockerfile_image(name: str, dockerfile: pathlib.Path, inputs: list[pat
         for host_file in HOST_TRUST_FILES:
             if os.path.isfile(host_file):
                 cmd += ["--volume", f"{host_file}:{host_file}:ro"]
-        _run(cmd + [str(REPO_ROOT)], f"build {name}", log, cwd=REPO_ROOT)
+        prune_archives(name, KEEP_ARCHIVES - 1)  # room for this one first: a full disk fails the build
         tmp_archive = archive.with_name(archive.name + ".tmp")
-        tmp_archive.unlink(missing_ok=True)
-        # Uncompressed: gzip of a GiB-sized layer costs minutes on 2 cores, and the archive never leaves the host.
-        _run(_buildah("push", "--disable-compression", ref, f"oci-archive:{tmp_archive}:{ref}"),
-             f"export {name}", log)
-        os.replace(tmp_archive, archive)
-        # The archive is the cache; drop the image (and the dangling build stage) from vfs storage.
-        subprocess.run(_buildah("rmi", ref), capture_output=True)
-        subprocess.run(_buildah("rmi", "--prune"), capture_output=True)
+        try:
+            _run(cmd + [str(REPO_ROOT)], f"build {name}", log, cwd=REPO_ROOT)
+            tmp_archive.unlink(missing_ok=True)
+            # Uncompressed: gzip of a GiB-sized layer costs minutes on 2 cores, and the archive never leaves the host.
+            _run(_buildah("push", "--disable-compression", ref, f"oci-archive:{tmp_archive}:{ref}"),
+                 f"export {name}", log)
+            os.replace(tmp_archive, archive)
+        finally:
+            # The archive is the cache; drop the image (and the dangling build stage) from vfs storage, also after
+            # a failed build, whose layers would otherwise stay on disk.
+            tmp_archive.unlink(missing_ok=True)
+            subprocess.run(_buildah("rm", "--all"), capture_output=True)
+            subprocess.run(_buildah("rmi", ref), capture_output=True)
+            subprocess.run(_buildah("rmi", "--prune"), capture_output=True)
         log(f"[images] {ref} built in {time.monotonic() - t0:.0f}s ({archive.stat().st_size >> 20} MiB)")
     return Image(ref, archive, key)
 

@@ -1,0 +1,21 @@
+"""The image cache keeps a bounded number of archives per image name (tests/cluster/images.py)."""
+
+import os
+
+from tests.cluster import images
+
+
+def test_prune_keeps_the_newest_archives_of_that_name_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(images, "images_dir", lambda: tmp_path)
+    engine = [tmp_path / f"pdpair-engine-{i:016x}.oci.tar" for i in range(5)]
+    operator = [tmp_path / f"pdpair-{i:016x}.oci.tar" for i in range(2)]
+    other = [tmp_path / "debian-python-0123456789abcdef.oci.tar", tmp_path / "pdpair-engine-0000000000000009.oci.tar.tmp"]
+    for age, path in enumerate(reversed(engine + operator + other)):
+        path.write_bytes(b"x")
+        os.utime(path, (1_000_000 - age, 1_000_000 - age))  # within each name, later in the list is newer
+    deleted = images.prune_archives("pdpair-engine", keep=3)
+    assert sorted(deleted) == sorted(engine[:2])
+    assert all(p.exists() for p in engine[2:] + operator + other)
+    assert not any(p.exists() for p in engine[:2])
+    assert images.prune_archives("pdpair", keep=1) == [operator[0]]  # "pdpair" never matches pdpair-engine-*
+    assert all(p.exists() for p in engine[2:])
