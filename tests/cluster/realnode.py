@@ -451,7 +451,8 @@ def _remove_cgroup_tree(path: pathlib.Path, timeout: float = 15.0) -> None:
 
 def sweep_stale_clusters(log: Callable[[str], None] = lambda msg: None) -> list[str]:
     """Removes what clusters whose harness process died (SIGKILL, a killed test run) left behind: processes still
-    in their namespaces, the namespaces, their cgroup trees, and (when no other cluster is alive) the host sysctls
+    in their namespaces, the namespaces, their cgroup trees, their work directory (unless kept), and (when no other
+    cluster is alive) the host sysctls
     the kubelet changed. Every cluster records itself under ~/.cache/pdpair/realnode-clusters/ while it runs."""
     swept = []
     entries = []
@@ -483,6 +484,11 @@ def sweep_stale_clusters(log: Callable[[str], None] = lambda msg: None) -> list[
                     if target.exists():
                         _remove_cgroup_tree(target)
                         swept.append(str(target))
+        workdir = pathlib.Path(entry.get("workdir") or "")
+        if not entry.get("keep_workdir", True) and workdir.name.startswith("pdpair-cluster-") and workdir.is_dir():
+            # its containerd state and images are ~10 GiB: a few killed runs filled the disk
+            subprocess.run(["rm", "-rf", "--one-file-system", str(workdir)], capture_output=True)
+            swept.append(str(workdir))
         if not alive:
             for key, value in (entry.get("saved_sysctls") or {}).items():
                 if _read_sysctl(key) != value:
@@ -551,7 +557,7 @@ class RealNodeCluster(LocalCluster):
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def _register(self) -> None:
-        entry = {"harness_pid": os.getpid(), "workdir": str(self.workdir),
+        entry = {"harness_pid": os.getpid(), "workdir": str(self.workdir), "keep_workdir": self.keep_workdir,
                  "netns": [self.hub] + [n.netns for n in self.nodes],
                  "cgroup_roots": [n.cgroup_root for n in self.nodes], "saved_sysctls": self._saved_sysctls}
         tmp = _registry_dir() / f".{self.prefix}.tmp"
