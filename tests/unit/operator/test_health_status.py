@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import socket
 import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from pdpair import contract
-from pdpair.connector.metrics import SignalAccounts, serve
 from pdpair.operator.health import (
     HEALTH_REFRESH_INTERVALS,
     REASON_HUNG,
@@ -40,25 +38,12 @@ REFRESH = HEALTH_REFRESH_INTERVALS * 10.0
 
 
 @pytest.fixture
-def exporter():
-    servers = []
-
+def exporter(exporter_pods):
+    """Exporter pods named `<role>-g<generation>`: streaks and counts in status carry over per pod name."""
     def start(role="decode", generation=1, hang_timeout=30.0):
-        accounts = SignalAccounts(role, hang_timeout, generation=generation)
-        server = serve(0, accounts, addr="127.0.0.1")
-        servers.append(server)
-        return accounts, ScrapeTarget(role, f"{role}-g{generation}", "127.0.0.1", server.port)
+        return exporter_pods(role, generation, hang_timeout, pod=f"{role}-g{generation}")
 
-    yield start
-    for s in servers:
-        s.stop()
-
-
-@pytest.fixture
-def closed_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return start
 
 
 def scrape(targets, generation=1):

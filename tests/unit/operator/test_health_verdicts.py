@@ -11,7 +11,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from pdpair import contract
-from pdpair.connector.metrics import SignalAccounts, serve
 from pdpair.operator.health import (
     REASON_CONTAINER_RESTART,
     REASON_HUNG,
@@ -29,19 +28,9 @@ from pdpair.operator.health import (
 
 
 @pytest.fixture
-def pods():
+def pods(exporter_pods):
     """Start exporter pods on free ports; all are stopped at the end."""
-    servers = []
-
-    def start(role="decode", generation=1, hang_timeout=30.0):
-        accounts = SignalAccounts(role, hang_timeout, generation=generation)
-        server = serve(0, accounts, addr="127.0.0.1")
-        servers.append(server)
-        return accounts, ScrapeTarget(role, f"{role}-{server.port}", "127.0.0.1", server.port)
-
-    yield start
-    for s in servers:
-        s.stop()
+    return exporter_pods
 
 
 @pytest.fixture
@@ -52,13 +41,6 @@ def silent_port():
     sock.listen(16)
     yield sock.getsockname()[1]
     sock.close()
-
-
-@pytest.fixture
-def closed_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class _FixedHandler(BaseHTTPRequestHandler):
