@@ -15,4 +15,4 @@ log "native C tests under ASan, UBSan and TSan"
 make -C native check
 
 log "pytest"
-"$PY" -m pytest -ra "$@"
+"$PY" -m pytest -ra --durations=40 "$@"  # the 40 slowest tests: where the CI time goes
