@@ -17,6 +17,9 @@ dir) and needs nlohmann's json.hpp under third-party/json/single_include. Checks
   tcp-staging  CUDA tensors over the tcp transport through pinned host staging, two processes (GPU 0 -> GPU 1):
                bytes equal; throughput as a ratio to a plain pinned copy + TCP stream of the same bytes in the run
   rdma-flush   cuFlushGPUDirectRDMAWrites, which the binding calls after a wait on a GPU comm, runs on this GPU
+Each rank's transport is built the way the connector's worker builds it (worker_transport: PdPairConfig from a
+pod's variables, FLAGCX_PATH or FLAGCX_LIB_PATH resolved from the config, make_transport, set_device), so the checks
+cover that path and not only FlagcxTransport.
 Options: --out DIR writes results.json there; --skip-build uses existing build/lib/libflagcx.so.
 """
 
@@ -117,12 +120,51 @@ def proc_counts() -> dict:
 # --- flagcx ranks -------------------------------------------------------------------------------------------------
 
 
+def pod_environment(lib: str, rank: int) -> dict[str, str]:
+    """What the operator would give a pod of this rank (0 prefill, 1 decode) using this library: a FlagCX tree as
+    FLAGCX_PATH when lib is its build/lib/libflagcx.so, else FLAGCX_LIB_PATH."""
+    from pdpair import contract
+
+    env = {contract.ENV_TRANSPORT: contract.TRANSPORT_FLAGCX, contract.ENV_HANG_TIMEOUT_SECONDS: "60"}
+    if rank == 0:
+        env.update({contract.ENV_PEER_HOST: "127.0.0.1", contract.ENV_PEER_PORT_BASE: "20000"})
+    else:
+        env[contract.ENV_LISTEN_PORT_BASE] = "20000"
+    path = Path(lib)
+    if path.parts[-3:] == ("build", "lib", "libflagcx.so"):
+        env["FLAGCX_PATH"] = str(path.parents[2])
+    else:
+        env["FLAGCX_LIB_PATH"] = str(path)
+    return env
+
+
+def worker_transport(lib: str, rank: int, device: int | None):
+    """The transport as the connector's worker builds it (worker._Worker.__init__ and _prepare): PdPairConfig from the
+    pod's variables, its transport environment (FLAGCX_USE_HETERO_COMM=1) set before libflagcx loads, the library
+    that find_library_path resolves from the config (not from this process's environment), slots and the blocking
+    bound from the config, and the KV caches' device handed over with set_device."""
+    from pdpair.connector.config import PdPairConfig
+    from pdpair.connector.transports import make_transport
+    from pdpair.connector.transports.flagcx import find_library_path
+
+    config = PdPairConfig.from_env("kv_producer" if rank == 0 else "kv_consumer", environ=pod_environment(lib, rank))
+    for name, value in config.transport_environment().items():
+        os.environ[name] = value
+    library_path = find_library_path(config.flagcx_locations())
+    if os.path.realpath(library_path) != os.path.realpath(lib):
+        raise RuntimeError(f"the config resolved {library_path}, expected {lib}")
+    transport = make_transport(config.transport, slots=config.transport_slots,
+                               blocking_seconds=config.hang_timeout_seconds, library_path=library_path)
+    if device is not None:
+        transport.set_device(device)
+    return transport
+
+
 def child_flagcx(args: dict) -> None:
     """Rank threads of flagcx pairs. args: lib, ranks [{pair, rank, device}], register, cycles, bind_device."""
     import torch
 
     from pdpair.connector.transports.base import deadline_in
-    from pdpair.connector.transports.flagcx import FlagcxTransport
 
     if not DRY_RUN:
         torch.cuda.init()
@@ -130,9 +172,7 @@ def child_flagcx(args: dict) -> None:
     counts = [proc_counts()]
     for _cycle in range(args.get("cycles", 1)):
         bind = args.get("bind_device", True) and not DRY_RUN
-        transports = [
-            FlagcxTransport(args["lib"], blocking_seconds=60, device=r["device"] if bind else None) for r in ranks
-        ]
+        transports = [worker_transport(args["lib"], r["rank"], r["device"] if bind else None) for r in ranks]
         uids = {}
         for r, t in zip(ranks, transports):
             if r["rank"] == 0:
@@ -190,7 +230,9 @@ def child_flagcx(args: dict) -> None:
 def flagcx_pairs(lib: str, a: list[dict], b: list[dict], register: bool, cycles: int = 1, bind_device: bool = True,
                  init_seconds: float | None = None, try_put: bool = False):
     """Run two child processes with the given rank threads; per cycle the rank-0 uids are swapped between them."""
-    env = {"FLAGCX_USE_HETERO_COMM": "1"}
+    # FLAGCX_USE_HETERO_COMM comes from PdPairConfig.transport_environment, as in a pod. The fake answers like
+    # upstream on a machine without an RDMA HCA (NotSupported, or a window without a registration) when told to.
+    env: dict[str, str] = {"FAKE_FLAGCX_NO_RDMA": "1"} if DRY_RUN else {}
     # Without the device binding init may hang instead of failing: give the control a short deadline.
     common = {"lib": lib, "register": register, "cycles": cycles, "bind_device": bind_device,
               "init_seconds": init_seconds or (90 if bind_device else 20), "try_put": try_put}
@@ -468,10 +510,11 @@ def flagcx_checks(tree: Path, lib: Path, expected_generation: str | None, gpus: 
     try:
         (results,), _ = flagcx_pairs(str(lib), [{"pair": 0, "rank": 0, "device": 0}],
                                      [{"pair": 0, "rank": 1, "device": 1}], register=True, try_put=True)
-        inits = [r.get("init") == "ok" for r in results]
+        # The generation tells that the library the config resolved in the child is the one built from this tree.
+        inits = [r.get("init") == "ok" and r.get("generation") in (expected_generation, None) for r in results]
         report(f"{name} gpu1-pair init", all(inits), "; ".join(
-            f"rank {r['rank']} on GPU {r['device']}: {r.get('init')} in {r.get('init_s')}s {r.get('error', '')}"
-            for r in results))
+            f"rank {r['rank']} on GPU {r['device']}: {r.get('init')} in {r.get('init_s')}s "
+            f"{r.get('generation', '')} {r.get('error', '')}" for r in results))
         regs = [r.get("register_error", r.get("register", "")) for r in results]
         clear = all("flagcxNotSupported" in e and "one-sided" in e for e in regs)
         report(f"{name} register NotSupported", clear, " | ".join(regs))
@@ -615,6 +658,7 @@ def main() -> int:
 
 def finish(opts: argparse.Namespace) -> int:
     if opts.out:
+        Path(opts.out).mkdir(parents=True, exist_ok=True)
         Path(opts.out, "results.json").write_text(json.dumps(RESULTS, indent=1))
     failed = [r["check"] for r in RESULTS if r["ok"] is False]
     print(f"{len(RESULTS)} checks, {len(failed)} failed{': ' + ', '.join(failed) if failed else ''}", flush=True)
