@@ -43,8 +43,7 @@ from pdpair.contract import (
 from pdpair.operator.lifecycle import ProbeResult
 from pdpair.operator.ports import ports_of, required_blocks
 from tests.cluster.realnode_product import (
-    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, operator_logs, pair_manifest, pod_logs,
-    wait_for,
+    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, operator_logs, pair_manifest, wait_for,
 )
 from tests.cluster.realnode_watch import Recorder, listening_since, pod_steps
 
@@ -92,8 +91,9 @@ class Tp2Pair:
         except Exception as exc:  # the pair may be gone already
             out.append(f"pair: {exc}")
         for role, p in self.pods().items():
-            out.append(f"--- {role} {p['metadata']['name']}:\n"
-                       f"{pod_logs(self.cluster, self.namespace, p['metadata']['name'])}")
+            logs = self.cluster.kubectl("logs", "-n", self.namespace, p["metadata"]["name"], "--tail=150",
+                                        check=False).stdout
+            out.append(f"--- {role} {p['metadata']['name']}:\n{logs}")
         out.append("--- operator:\n" + operator_logs(self.cluster))
         return "\n".join(out)
 
@@ -141,10 +141,13 @@ def tp2(real_cluster, operator_release, baseline_outputs, images, model_dir, nam
         run.seconds["apply_to_ready"] = time.monotonic() - t_apply
         svc = json.loads(real_cluster.kubectl("get", "service", NAME, "-n", namespace, "-o", "json").stdout)
         ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
-        run.outputs[PROMPTS[0]] = completion(real_cluster, PREFILL_NODE, ip, port, PROMPTS[0])
-        run.seconds["apply_to_first_token"] = time.monotonic() - t_apply
-        for prompt in PROMPTS[1:]:
-            run.outputs[prompt] = completion(real_cluster, DECODE_NODE, ip, port, prompt)
+        try:
+            run.outputs[PROMPTS[0]] = completion(real_cluster, PREFILL_NODE, ip, port, PROMPTS[0])
+            run.seconds["apply_to_first_token"] = time.monotonic() - t_apply
+            for prompt in PROMPTS[1:]:
+                run.outputs[prompt] = completion(real_cluster, DECODE_NODE, ip, port, prompt)
+        except Exception as exc:
+            raise AssertionError(f"a completion through the TP = 2 pair failed: {exc}\n{run.diagnose()}") from exc
         run.seconds["apply_to_all_outputs"] = time.monotonic() - t_apply
         by_role = run.pods()
         run.memory = {role: pod_memory(real_cluster, by_role[role]["spec"]["nodeName"], by_role[role])
