@@ -43,7 +43,7 @@ from pdpair.contract import (
 from pdpair.operator.lifecycle import ProbeResult
 from pdpair.operator.ports import ports_of, required_blocks
 from tests.cluster.realnode_product import (
-    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, operator_logs, pair_manifest, wait_for,
+    ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, operator_logs, pair_manifest, wait_for,
 )
 from tests.cluster.realnode_watch import Recorder, listening_since, pod_steps
 
@@ -58,8 +58,8 @@ _FETCH = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], 
 class Tp2Pair:
     """What the module's tests read: the pair as served, the watches' events, the measured times."""
 
-    def __init__(self, cluster, namespace: str):
-        self.cluster, self.namespace = cluster, namespace
+    def __init__(self, cluster, namespace: str, model_dir: pathlib.Path):
+        self.cluster, self.namespace, self.model_dir = cluster, namespace, model_dir
         self.t_module = time.monotonic()
         self.pod_events: list = []
         self.pair_events: list = []
@@ -107,6 +107,15 @@ def ranks_of(samples, name: str) -> set[str]:
     return {lab["rank"] for n, lab, _ in samples if n == name and "rank" in lab}
 
 
+def bytes_per_block_per_rank(model_dir: pathlib.Path) -> int:
+    """KV bytes one TP rank holds per block: layers x (K, V) x block tokens x its KV heads x head_dim x float32."""
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    block_tokens = int(ENGINE_ARGS[ENGINE_ARGS.index("--block-size") + 1])
+    assert ENGINE_ARGS[ENGINE_ARGS.index("--dtype") + 1] == "float32"
+    return config["num_hidden_layers"] * 2 * block_tokens * (config["num_key_value_heads"] // TP) * head_dim * 4
+
+
 def pod_memory(cluster, node: str, pod: dict) -> dict[str, int] | None:
     """The pod's memory cgroup (v1, the kubelet's cgroupfs driver under the node's cgroup root): usage (RSS, page
     cache and the /dev/shm emptyDir) and RSS alone. None when the cgroup cannot be found (the numbers are reported,
@@ -125,7 +134,7 @@ def tp2(real_cluster, operator_release, baseline_outputs, images, model_dir, nam
     """The TP = 2 pair applied with pod and pair watches running, Ready, and the PROMPTS sent through its Service."""
     from kubernetes import client
 
-    run = Tp2Pair(real_cluster, namespace)
+    run = Tp2Pair(real_cluster, namespace, model_dir)
     api = real_cluster.api_client()
     pods = Recorder(api, client.CoreV1Api(api).list_namespaced_pod, namespace)
     pairs = Recorder(api, client.CustomObjectsApi(api).list_namespaced_custom_object, GROUP, VERSION, namespace,
@@ -266,8 +275,11 @@ def test_each_rank_has_its_series_and_moved_its_share_of_the_kv(tp2):
         # Prefill's rank r reached decode's base + r (its transport's peer) and paired once.
         assert value(prefill, "pdpair_transport_slots", rank=rank, peer=f"{decode_ip}:{side[int(rank)]}") > 0, \
             [s for s in prefill if s[0] == "pdpair_transport_slots"]
-    # Each rank holds one of the tiny model's two KV heads: the same bytes on both, and not nothing.
+    # Each rank holds one of the tiny model's two KV heads: the same bytes on both, in whole blocks of its shard,
+    # at least one block per request.
     assert moved["0"] == moved["1"] > 0, moved
+    block = bytes_per_block_per_rank(tp2.model_dir)
+    assert moved["0"] % block == 0 and moved["0"] >= len(PROMPTS) * block, (moved, block)
     print(f"[realnode-e2e] tp2 KV bytes moved per rank: {moved}")
 
 
