@@ -21,8 +21,15 @@ What is asserted (each could fail):
 4. status.health Healthy for generation 1, both roles healthy;
 then the pair is deleted: its pods go and its port leases are released.
 
-Measured, quiet box (load ~1-2, 2026-12-01, nothing else heavy running), this module alone after the session
-fixtures: see the printed `[realnode-e2e] tp2` lines; numbers recorded in docs/benchmarks.md.
+The first run found a product bug: the engine image had no C++ compiler, and at TP > 1 vLLM's inductor-compiled
+vocab-embedding helper killed both engines on the first request (images/README.md; fixed in the image).
+
+Measured on the quiet box (load average 1-2), 2026-12-01, two runs (docs/benchmarks.md has the commands):
+apply -> phase Ready 78.9 s / 77.3 s (decode created -> its listener accepting on both rank ports 35.5 s / 33.5 s,
+prefill created in the same second), apply -> first completion 115.3 s / 113.9 s (the first request of a TP = 2
+pair is slow: each of the four workers compiles inductor's kernel with g++ and warms up gloo; the next three take
+~7 s together), the module after the session fixtures 128.9 s / 125.0 s. Memory of each engine pod (its memory
+cgroup: API server, engine core, two workers): usage ~2.11 GiB, RSS ~1.88 GiB, /dev/shm 16 MiB.
 """
 from __future__ import annotations
 
