@@ -182,11 +182,15 @@ def operator_logs(cluster, tail: int = 60) -> str:
 
 
 def pair_manifest(name: str, namespace: str, engine_ref: str, model_dir: pathlib.Path, *, prefill_node: str = "n1",
-                  decode_node: str = "n2", transport: str = "tcp", prefill_env: list[dict] | None = None) -> dict:
+                  decode_node: str = "n2", transport: str = "tcp", prefill_env: list[dict] | None = None,
+                  tensor_parallel_size: int = 1) -> dict:
     """An InferencePair on the tcp transport: prefill pinned to one node, decode (and the router) to another, the
-    model from a hostPath volume through the per-role pod templates."""
+    model from a hostPath volume through the per-role pod templates. `tensor_parallel_size` > 1 sets both roles'
+    spec.<role>.tensorParallelSize (the CRD requires them equal); at 1 the field is left to the CRD's default."""
     def role(node: str, env: list[dict]) -> dict:
+        tp = {} if tensor_parallel_size == 1 else {"tensorParallelSize": tensor_parallel_size}
         return {
+            **tp,
             "args": ENGINE_ARGS,
             "template": {"spec": {
                 "nodeSelector": {"kubernetes.io/hostname": node},

@@ -1,0 +1,323 @@
+"""One tensor-parallel-2 pair on the real nodes (issue 14): the seed's startup-hang case, with real listeners.
+
+`spec.<role>.tensorParallelSize: 2` on both roles: each engine runs vLLM's API server, engine core and two gloo
+worker processes in one container; each worker (TP rank r) runs its own side channel and transport, and decode's
+rank r listens on the leased side-channel base + r. tcp transport, prefill on n1, decode and the router on n2,
+hostNetwork (the chart's default), the session's tiny model, engine image and operator release.
+
+What is asserted (each could fail):
+1. ordered startup on real listeners: pod and pair watches (one etcd: resourceVersions order them) see decode
+   created, then the pair's DecodeListening condition True with the operator's probe result naming BOTH decode
+   side-channel ports of status.ports (the operator's own port math: base, base + 1), then prefill created. The
+   engines agree independently: prefill's handshake counter has no `retry` on either rank (a retry is counted only
+   when the TCP connect to decode's base + r is refused), so both of decode's listeners accepted at prefill's
+   first attempt. And `ss -ltnp` in n2's network namespace shows the two ports held by two different processes of
+   the decode pod (its two workers, by their cgroup), with the decode container never restarted;
+2. phase Ready, and greedy outputs of realnode_product.PROMPTS through the router Service equal the single TP = 1
+   engine's (`baseline_outputs`; tests/engine/test_tp2_engine.py found TP = 2 and TP = 1 equal token for token);
+3. per-rank visibility: decode's and prefill's /metrics (rank 0's port; rank 0 merges the other rank's series)
+   carry rank="0" and rank="1" series; decode counted every request's KV transfer on BOTH ranks with equal bytes
+   (each rank moves its own KV head), no error or timeout; prefill's rank r paired once with decode's base + r;
+4. status.health Healthy for generation 1, both roles healthy;
+then the pair is deleted: its pods go and its port leases are released.
+
+The first run found a product bug: the engine image had no C++ compiler, and at TP > 1 vLLM's inductor-compiled
+vocab-embedding helper killed both engines on the first request (images/README.md; fixed in the image).
+
+Measured on the quiet box (load average 1-2), 2026-12-01, two runs (docs/benchmarks.md has the commands):
+apply -> phase Ready 78.9 s / 77.3 s (decode created -> its listener accepting on both rank ports 35.5 s / 33.5 s,
+prefill created in the same second), apply -> first completion 115.3 s / 113.9 s (the first request of a TP = 2
+pair is slow: each of the four workers compiles inductor's kernel with g++ and warms up gloo; the next three take
+~7 s together), the module after the session fixtures 128.9 s / 125.0 s. Memory of each engine pod (its memory
+cgroup: API server, engine core, two workers): usage ~2.11 GiB, RSS ~1.88 GiB, /dev/shm 16 MiB.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import sys
+import time
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdpair.contract import (
+    COND_DECODE_LISTENING, ENV_LISTEN_PORT_BASE, ENV_PEER_HOST, ENV_PEER_PORT_BASE, GROUP, LABEL_PAIR_UID,
+    LABEL_PORT_LEASE, LABEL_ROLE, PLURAL, PURPOSE_SIDECHANNEL, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER, VERSION,
+)
+from pdpair.operator.lifecycle import ProbeResult
+from pdpair.operator.ports import ports_of, required_blocks
+from tests.cluster.realnode_product import (
+    ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, operator_logs, pair_manifest, wait_for,
+)
+from tests.cluster.realnode_watch import Recorder, listening_since, pod_steps
+
+pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
+
+NAME = "tiny-tp2"
+TP = 2
+PREFILL_NODE, DECODE_NODE = "n1", "n2"
+_FETCH = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+
+
+class Tp2Pair:
+    """What the module's tests read: the pair as served, the watches' events, the measured times."""
+
+    def __init__(self, cluster, namespace: str, model_dir: pathlib.Path):
+        self.cluster, self.namespace, self.model_dir = cluster, namespace, model_dir
+        self.t_module = time.monotonic()
+        self.pod_events: list = []
+        self.pair_events: list = []
+        self.outputs: dict[str, str] = {}
+        self.seconds: dict[str, float] = {}
+        self.memory: dict[str, dict[str, int] | None] = {}
+
+    def pair(self) -> dict:
+        return json.loads(self.cluster.kubectl("get", f"{PLURAL}.{GROUP}", NAME, "-n", self.namespace,
+                                               "-o", "json").stdout)
+
+    def pods(self) -> dict[str, dict]:
+        items = json.loads(self.cluster.kubectl("get", "pods", "-n", self.namespace, "-l", f"pdpair.io/pair={NAME}",
+                                                "-o", "json").stdout)["items"]
+        return {p["metadata"]["labels"][LABEL_ROLE]: p for p in items}
+
+    def metrics(self, role: str) -> list[tuple[str, dict, float]]:
+        """(sample name, labels, value) of the role's pod /metrics, scraped from inside decode's node."""
+        pod = self.pods()[role]
+        port = next(p["containerPort"] for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "metrics")
+        text = self.cluster.node_exec(DECODE_NODE, [sys.executable, "-c", _FETCH,
+                                                    f"http://{pod['status']['podIP']}:{port}/metrics"]).stdout
+        return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def diagnose(self) -> str:
+        out = [describe(self.cluster, self.namespace)]
+        try:
+            out.append(json.dumps(self.pair().get("status"), indent=1)[-3000:])
+        except Exception as exc:  # the pair may be gone already
+            out.append(f"pair: {exc}")
+        for role, p in self.pods().items():
+            logs = self.cluster.kubectl("logs", "-n", self.namespace, p["metadata"]["name"], "--tail=150",
+                                        check=False).stdout
+            out.append(f"--- {role} {p['metadata']['name']}:\n{logs}")
+        out.append("--- operator:\n" + operator_logs(self.cluster))
+        return "\n".join(out)
+
+
+def value(samples, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels` (0 when none)."""
+    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+
+def ranks_of(samples, name: str) -> set[str]:
+    return {lab["rank"] for n, lab, _ in samples if n == name and "rank" in lab}
+
+
+def bytes_per_block_per_rank(model_dir: pathlib.Path) -> int:
+    """KV bytes one TP rank holds per block: layers x (K, V) x block tokens x its KV heads x head_dim x float32."""
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    block_tokens = int(ENGINE_ARGS[ENGINE_ARGS.index("--block-size") + 1])
+    assert ENGINE_ARGS[ENGINE_ARGS.index("--dtype") + 1] == "float32"
+    return config["num_hidden_layers"] * 2 * block_tokens * (config["num_key_value_heads"] // TP) * head_dim * 4
+
+
+def pod_memory(cluster, node: str, pod: dict) -> dict[str, int] | None:
+    """The pod's memory cgroup (v1, the kubelet's cgroupfs driver under the node's cgroup root): usage (RSS, page
+    cache and the /dev/shm emptyDir) and RSS alone. None when the cgroup cannot be found (the numbers are reported,
+    not asserted)."""
+    root = pathlib.Path("/sys/fs/cgroup/memory") / cluster.node(node).cgroup_root.strip("/")
+    found = next(iter(root.glob(f"kubepods/**/pod{pod['metadata']['uid']}")), None)
+    if found is None:
+        return None
+    stat = dict(line.split() for line in (found / "memory.stat").read_text().splitlines())
+    return {"usage": int((found / "memory.usage_in_bytes").read_text()), "rss": int(stat["total_rss"]),
+            "shmem": int(stat.get("total_shmem", 0))}
+
+
+@pytest.fixture(scope="module")
+def tp2(real_cluster, operator_release, baseline_outputs, images, model_dir, namespace):
+    """The TP = 2 pair applied with pod and pair watches running, Ready, and the PROMPTS sent through its Service."""
+    from kubernetes import client
+
+    run = Tp2Pair(real_cluster, namespace, model_dir)
+    api = real_cluster.api_client()
+    pods = Recorder(api, client.CoreV1Api(api).list_namespaced_pod, namespace)
+    pairs = Recorder(api, client.CustomObjectsApi(api).list_namespaced_custom_object, GROUP, VERSION, namespace,
+                     PLURAL)
+    body = pair_manifest(NAME, namespace, images["engine"].ref, model_dir, prefill_node=PREFILL_NODE,
+                         decode_node=DECODE_NODE, tensor_parallel_size=TP)
+    try:
+        t_apply = time.monotonic()
+        real_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+        # Two TP = 2 engine starts one after the other (decode, then prefill once decode listens).
+        wait_for(lambda: run.pair().get("status", {}).get("phase") == "Ready", 2 * ENGINE_START_TIMEOUT,
+                 "the TP = 2 pair's phase Ready", run.diagnose)
+        run.seconds["apply_to_ready"] = time.monotonic() - t_apply
+        svc = json.loads(real_cluster.kubectl("get", "service", NAME, "-n", namespace, "-o", "json").stdout)
+        ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
+        try:
+            run.outputs[PROMPTS[0]] = completion(real_cluster, PREFILL_NODE, ip, port, PROMPTS[0])
+            run.seconds["apply_to_first_token"] = time.monotonic() - t_apply
+            for prompt in PROMPTS[1:]:
+                run.outputs[prompt] = completion(real_cluster, DECODE_NODE, ip, port, prompt)
+        except Exception as exc:
+            raise AssertionError(f"a completion through the TP = 2 pair failed: {exc}\n{run.diagnose()}") from exc
+        run.seconds["apply_to_all_outputs"] = time.monotonic() - t_apply
+        by_role = run.pods()
+        run.memory = {role: pod_memory(real_cluster, by_role[role]["spec"]["nodeName"], by_role[role])
+                      for role in (ROLE_DECODE, ROLE_PREFILL)}
+    finally:
+        pods.stop()
+        pairs.stop()
+    assert pods.error is None and pairs.error is None, (pods.error, pairs.error)
+    run.pod_events, run.pair_events = pods.events, pairs.events
+    mib = {r: (f"usage {m['usage'] / 2**20:.0f} MiB, rss {m['rss'] / 2**20:.0f} MiB, shmem {m['shmem'] / 2**20:.0f} "
+               "MiB" if m else "n/a") for r, m in run.memory.items()}
+    print(f"\n[realnode-e2e] tp2: apply -> Ready {run.seconds['apply_to_ready']:.1f}s, -> first completion "
+          f"{run.seconds['apply_to_first_token']:.1f}s, -> all {len(PROMPTS)} completions "
+          f"{run.seconds['apply_to_all_outputs']:.1f}s; pod memory cgroups: decode {mib[ROLE_DECODE]}; "
+          f"prefill {mib[ROLE_PREFILL]}")
+    yield run
+    # Whatever a test left: the pair goes (the last test asserts this itself; here only best effort).
+    real_cluster.kubectl("delete", f"{PLURAL}.{GROUP}", NAME, "-n", namespace, "--ignore-not-found", "--wait=true",
+                         "--timeout=120s", timeout=150, check=False)
+
+
+def test_decode_listens_on_both_rank_ports_before_prefill_is_created(tp2):
+    pair = tp2.pair()
+    status, by_role = pair["status"], tp2.pods()
+    decode = by_role[ROLE_DECODE]
+    # The operator's port math: one contiguous side-channel block of TP ports for decode; rank r uses base + r.
+    [block] = [b for b in required_blocks(pair["spec"]) if b.key == (ROLE_DECODE, PURPOSE_SIDECHANNEL)]
+    side = ports_of(status["ports"], ROLE_DECODE, PURPOSE_SIDECHANNEL)
+    assert block.count == TP and len(side) == TP and side == list(range(side[0], side[0] + TP)), status["ports"]
+    env = {role: {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]} for role, p in by_role.items()}
+    assert env[ROLE_DECODE][ENV_LISTEN_PORT_BASE] == str(side[0]), env[ROLE_DECODE]
+    assert env[ROLE_PREFILL][ENV_PEER_PORT_BASE] == str(side[0]), env[ROLE_PREFILL]
+    decode_ip = decode["status"]["podIP"]
+    assert env[ROLE_PREFILL][ENV_PEER_HOST] == decode_ip, (env[ROLE_PREFILL], decode_ip)
+
+    # The order, as the API server saw it: decode created, DecodeListening True with every port probed, prefill
+    # created, then the router.
+    steps = {s: (t, rv) for t, rv, s in pod_steps(tp2.pod_events)}
+    names = {role: p["metadata"]["name"] for role, p in by_role.items()}
+    created = {role: steps.get(f"create {names[role]}") for role in (ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER)}
+    assert all(created.values()), (created, [s for _, _, s in pod_steps(tp2.pod_events)])
+    listening = listening_since(tp2.pair_events, 1)
+    assert listening is not None, "no pair status with DecodeListening True for generation 1"
+    assert created[ROLE_DECODE][1] < listening[1] < created[ROLE_PREFILL][1] < created[ROLE_ROUTER][1], \
+        (created, listening)
+    first_listening = next(p for _, rv, _, p in tp2.pair_events if rv == listening[1])
+    condition = next(c for c in first_listening["status"]["conditions"] if c["type"] == COND_DECODE_LISTENING)
+    assert condition["message"] == ProbeResult(decode_ip, tuple(side), ()).describe(), (condition, side)
+    print(f"[realnode-e2e] tp2 startup order: decode created -> listening {listening[0] - created[ROLE_DECODE][0]:.1f}s"
+          f" ({condition['message']}) -> prefill created {created[ROLE_PREFILL][0] - listening[0]:.1f}s later")
+
+    # The engines' side of it: prefill's rank r reached decode's base + r at its first attempt (a refused connect
+    # would have counted a retry), once, on both ranks.
+    prefill_metrics = tp2.metrics(ROLE_PREFILL)
+    for rank in map(str, range(TP)):
+        assert value(prefill_metrics, "pdpair_handshakes_total", rank=rank, outcome="retry") == 0, \
+            [s for s in prefill_metrics if s[0] == "pdpair_handshakes_total"]
+        assert value(prefill_metrics, "pdpair_handshakes_total", rank=rank, outcome="ok") == 1, \
+            [s for s in prefill_metrics if s[0] == "pdpair_handshakes_total"]
+
+    # Both listeners are decode's, one per worker process, from inside n2's network namespace (hostNetwork).
+    listeners = tp2.cluster.node_exec(DECODE_NODE, ["ss", "-ltnpH"]).stdout
+    owners = {}
+    for port in side:
+        line = next((ln for ln in listeners.splitlines() if re.search(rf"[:\]]{port}\s", ln)), None)
+        assert line is not None, f"nothing listens on {port} in {DECODE_NODE}:\n{listeners}"
+        owners[port] = int(re.search(r"pid=(\d+)", line).group(1))
+        cgroup = pathlib.Path(f"/proc/{owners[port]}/cgroup").read_text()
+        assert f"pod{decode['metadata']['uid']}" in cgroup, (port, line, cgroup)
+    assert len(set(owners.values())) == TP, f"one listener process per rank expected: {owners}"
+    assert decode["status"]["containerStatuses"][0]["restartCount"] == 0, decode["status"]["containerStatuses"]
+
+
+def test_tp2_pair_serves_like_the_single_tp1_engine(tp2, baseline_outputs):
+    by_role = tp2.pods()
+    assert by_role[ROLE_PREFILL]["spec"]["nodeName"] == PREFILL_NODE
+    assert by_role[ROLE_DECODE]["spec"]["nodeName"] == DECODE_NODE
+    for role in (ROLE_DECODE, ROLE_PREFILL):
+        command = by_role[role]["spec"]["containers"][0]["command"]
+        assert command[command.index("--tensor-parallel-size") + 1] == str(TP), command
+    expected = {p: baseline_outputs[p] for p in PROMPTS}
+    assert tp2.outputs == expected, f"TP = 2 pair outputs differ from the TP = 1 engine:\npair: {tp2.outputs}\n" \
+                                    f"baseline: {expected}"
+
+
+def test_each_rank_has_its_series_and_moved_its_share_of_the_kv(tp2):
+    ranks = {str(r) for r in range(TP)}
+
+    def decode_transfers():
+        samples = tp2.metrics(ROLE_DECODE)
+        done = all(value(samples, "pdpair_kv_transfers_total", rank=r, outcome="ok") >= len(PROMPTS) for r in ranks)
+        return samples if done else None
+
+    decode = wait_for(decode_transfers, 30, f"{len(PROMPTS)} ok KV transfers on each of decode's {TP} ranks",
+                      lambda: str([s for s in tp2.metrics(ROLE_DECODE) if s[0] == "pdpair_kv_transfers_total"]))
+    prefill = tp2.metrics(ROLE_PREFILL)
+    for name in ("pdpair_kv_transfers_total", "pdpair_kv_transfer_bytes_total", "pdpair_handshakes_total",
+                 "pdpair_listener_ready", "pdpair_signals_expected_total"):
+        assert ranks_of(decode, name) == ranks, (name, ranks_of(decode, name))
+    for name in ("pdpair_handshakes_total", "pdpair_kv_transfers_total"):
+        assert ranks_of(prefill, name) == ranks, (name, ranks_of(prefill, name))
+
+    decode_ip = tp2.pods()[ROLE_DECODE]["status"]["podIP"]
+    side = ports_of(tp2.pair()["status"]["ports"], ROLE_DECODE, PURPOSE_SIDECHANNEL)
+    moved = {}
+    for rank in sorted(ranks):
+        assert value(decode, "pdpair_kv_transfers_total", rank=rank, outcome="ok") == len(PROMPTS), rank
+        assert value(decode, "pdpair_kv_transfers_total", rank=rank, outcome="error") == 0, rank
+        assert value(decode, "pdpair_kv_transfers_total", rank=rank, outcome="timeout") == 0, rank
+        assert value(decode, "pdpair_listener_ready", rank=rank) == 1, rank
+        moved[rank] = value(decode, "pdpair_kv_transfer_bytes_total", rank=rank)
+        # Decode's rank r takes signals only from prefill's rank r; all of them arrived.
+        peer = f"prefill-r{rank}"
+        expected = value(decode, "pdpair_signals_expected_total", rank=rank, peer=peer)
+        assert expected > 0 and value(decode, "pdpair_signals_received_total", rank=rank, peer=peer) == expected
+        # Prefill's rank r reached decode's base + r (its transport's peer) and paired once.
+        assert value(prefill, "pdpair_transport_slots", rank=rank, peer=f"{decode_ip}:{side[int(rank)]}") > 0, \
+            [s for s in prefill if s[0] == "pdpair_transport_slots"]
+    # Each rank holds one of the tiny model's two KV heads: the same bytes on both, in whole blocks of its shard,
+    # at least one block per request.
+    assert moved["0"] == moved["1"] > 0, moved
+    block = bytes_per_block_per_rank(tp2.model_dir)
+    assert moved["0"] % block == 0 and moved["0"] >= len(PROMPTS) * block, (moved, block)
+    print(f"[realnode-e2e] tp2 KV bytes moved per rank: {moved}")
+
+
+def test_health_is_healthy_for_generation_1(tp2):
+    def judged() -> dict:
+        health = tp2.pair().get("status", {}).get("health") or {}
+        return health if health.get("verdict") == "Healthy" and health.get("pairGeneration") == 1 else {}
+
+    health = wait_for(judged, 90, "status.health Healthy for generation 1", tp2.diagnose)
+    assert {role: health["roles"][role]["state"] for role in (ROLE_DECODE, ROLE_PREFILL)} == {
+        ROLE_DECODE: "healthy", ROLE_PREFILL: "healthy"}, health
+    assert health["roles"][ROLE_DECODE]["pod"] == tp2.pods()[ROLE_DECODE]["metadata"]["name"], health
+    conditions = {c["type"]: c for c in tp2.pair()["status"]["conditions"]}
+    assert conditions["SignalsHealthy"]["status"] == "True", conditions["SignalsHealthy"]
+
+
+def test_deleting_the_tp2_pair_removes_its_pods_and_releases_its_leases(tp2):
+    uid = tp2.pair()["metadata"]["uid"]
+    selector = f"{LABEL_PORT_LEASE}=true,{LABEL_PAIR_UID}={uid}"
+
+    def leases() -> list[str]:
+        items = json.loads(tp2.cluster.kubectl("get", "leases", "-n", OPERATOR_NS, "-l", selector,
+                                               "-o", "json").stdout)["items"]
+        return [lease["metadata"]["name"] for lease in items]
+
+    held = leases()
+    # decode and prefill: side channel (TP each), metrics, http; the router's http.
+    assert len(held) == 2 * (TP + 2) + 1, held
+    tp2.cluster.kubectl("delete", f"{PLURAL}.{GROUP}", NAME, "-n", tp2.namespace, "--wait=true", "--timeout=120s",
+                        timeout=150)
+    wait_for(lambda: not json.loads(tp2.cluster.kubectl("get", "pods", "-n", tp2.namespace, "-o", "json").stdout)
+             ["items"], 120, "the pair's pods to go", lambda: describe(tp2.cluster, tp2.namespace))
+    wait_for(lambda: not leases(), 60, f"the pair's port leases released (held: {held})", lambda: str(leases()))
+    print(f"[realnode-e2e] tp2 module wall time (after the session fixtures): {time.monotonic() - tp2.t_module:.1f}s")
