@@ -96,6 +96,33 @@ def pod_logs(cluster, ns: str, name: str) -> str:
     return cluster.kubectl("logs", "-n", ns, name, "--tail=60", check=False).stdout
 
 
+# Runs in an engine container: every process but this one (PID 1 is vLLM's API server; its engine core is a child
+# of it, and at TP > 1 the engine core's children are the TP workers), with its parent and vLLM's process title.
+_PROCESSES_SNIPPET = r"""
+import json, os
+me = os.getpid()
+out = []
+for d in os.listdir("/proc"):
+    if not d.isdigit() or int(d) == me:
+        continue
+    try:
+        stat = open(f"/proc/{d}/stat").read()
+        cmd = open(f"/proc/{d}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        continue
+    comm = stat[stat.index("(") + 1:stat.rindex(")")]
+    ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+    out.append({"pid": int(d), "ppid": ppid, "comm": comm, "cmdline": cmd[:300]})
+print(json.dumps(out))
+"""
+
+
+def container_processes(cluster, ns: str, pod: str, container: str = "engine") -> list[dict]:
+    """[{pid, ppid, comm, cmdline}] of the container's processes (pids as the container sees them)."""
+    proc = cluster.kubectl("exec", "-n", ns, pod, "-c", container, "--", "python", "-c", _PROCESSES_SNIPPET)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def build_model(target: pathlib.Path) -> pathlib.Path:
     """tests/engine's tiny Llama (seeded, identical every build) in `target`, readable by the engine's uid 10001."""
     sys.path.insert(0, str(REPO_ROOT / "tests" / "engine"))

@@ -31,8 +31,8 @@ from pdpair.contract import (
 )
 from pdpair.operator.ports import required_blocks
 from tests.cluster.realnode_product import (
-    CHART, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, describe, leader_pod_name,
-    operator_logs, operator_pods, pair_manifest, pod_logs, wait_for,
+    CHART, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, container_processes, describe,
+    leader_pod_name, operator_logs, operator_pods, pair_manifest, pod_logs, wait_for,
 )
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
@@ -212,32 +212,6 @@ def _leases(cluster, pair_uid: str) -> list[dict]:
 
 
 # --- c. decode's engine process killed ------------------------------------------------------------------------
-# Runs in the engine container: the container's processes other than PID 1 (vLLM's API server) and this one.
-# vLLM runs its engine (model, scheduler, KV connector) in a child process of the API server.
-_PROCESSES_SNIPPET = r"""
-import json, os
-me = os.getpid()
-out = []
-for d in os.listdir("/proc"):
-    if not d.isdigit() or int(d) in (me,):
-        continue
-    try:
-        stat = open(f"/proc/{d}/stat").read()
-        cmd = open(f"/proc/{d}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        continue
-    comm = stat[stat.index("(") + 1:stat.rindex(")")]
-    ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-    out.append({"pid": int(d), "ppid": ppid, "comm": comm, "cmdline": cmd[:300]})
-print(json.dumps(out))
-"""
-
-
-def _container_processes(cluster, ns: str, pod: str) -> list[dict]:
-    proc = cluster.kubectl("exec", "-n", ns, pod, "-c", "engine", "--", "python", "-c", _PROCESSES_SNIPPET)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def _engine_core_pid(processes: list[dict]) -> int:
     """The vLLM engine core: a child of the API server (PID 1), titled VLLM::EngineCore by vLLM (its model runs in a
     VLLM::Worker child of it). PID 1 itself cannot be SIGKILLed from inside its PID namespace."""
@@ -260,7 +234,7 @@ def test_decode_engine_killed_in_its_container_restarts_the_pair_in_order(
     pods = _pods(real_cluster, namespace, name)
     old = {p["metadata"]["labels"][LABEL_ROLE]: p for p in pods.values()}
     decode = old[ROLE_DECODE]["metadata"]["name"]
-    pid = _engine_core_pid(_container_processes(real_cluster, namespace, decode))
+    pid = _engine_core_pid(container_processes(real_cluster, namespace, decode))
 
     watch = PodWatch(real_cluster, namespace, name)
     diagnose = _diagnose(real_cluster, namespace, name, watch, time.monotonic())

@@ -44,13 +44,16 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdpair.contract import (
-    COND_DECODE_LISTENING, ENV_LISTEN_PORT_BASE, ENV_PEER_HOST, ENV_PEER_PORT_BASE, GROUP, LABEL_PAIR_UID,
-    LABEL_PORT_LEASE, LABEL_ROLE, PLURAL, PURPOSE_SIDECHANNEL, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER, VERSION,
+    COND_DECODE_LISTENING, ENV_LISTEN_PORT_BASE, ENV_PEER_HOST, ENV_PEER_PORT_BASE, GROUP, LABEL_GENERATION,
+    LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_ROLE, PLURAL, PURPOSE_SIDECHANNEL, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER,
+    VERSION,
 )
+from pdpair.operator.health import pod_fact
 from pdpair.operator.lifecycle import ProbeResult
 from pdpair.operator.ports import ports_of, required_blocks
 from tests.cluster.realnode_product import (
-    ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, operator_logs, pair_manifest, wait_for,
+    ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, SERVED_NAME, completion, container_processes, describe,
+    operator_logs, pair_manifest, wait_for,
 )
 from tests.cluster.realnode_watch import Recorder, listening_since, pod_steps
 
@@ -301,6 +304,169 @@ def test_health_is_healthy_for_generation_1(tp2):
     assert health["roles"][ROLE_DECODE]["pod"] == tp2.pods()[ROLE_DECODE]["metadata"]["name"], health
     conditions = {c["type"]: c for c in tp2.pair()["status"]["conditions"]}
     assert conditions["SignalsHealthy"]["status"] == "True", conditions["SignalsHealthy"]
+
+
+# One request through the router from inside a node, never retried: its HTTP status, text and finish reason, or
+# its error, whether it ran into its own timeout (a hang), and how long it took.
+_ONE_REQUEST_SNIPPET = r"""
+import json, sys, time, urllib.error, urllib.request
+url, model, prompt, timeout = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()
+out = {"status": None, "text": None, "finish_reason": None, "error": None, "timed_out": False}
+t = time.monotonic()
+try:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        choice = json.load(resp)["choices"][0]
+        out.update(status=resp.status, text=choice["text"], finish_reason=choice.get("finish_reason"))
+except urllib.error.HTTPError as exc:
+    out.update(status=exc.code, error=exc.read().decode(errors="replace")[:300])
+except TimeoutError as exc:
+    out.update(timed_out=True, error=repr(exc))
+except urllib.error.URLError as exc:
+    out.update(timed_out=isinstance(exc.reason, TimeoutError), error=repr(exc)[:300])
+except Exception as exc:  # e.g. the connection reset mid-response: an error, not a hang
+    out.update(error=repr(exc)[:300])
+out["seconds"] = time.monotonic() - t
+print(json.dumps(out))
+"""
+REQUEST_TIMEOUT = 120  # the request after the kill: an answer of any kind within this, or it hung
+
+
+def test_killing_one_decode_tp_worker_restarts_the_pair_in_order(tp2, baseline_outputs):
+    """SIGKILL of decode's TP rank 1 worker only (its engine core and rank 0 are not touched): the pair fails visibly
+    and the operator restarts it in order to a new generation that serves like the TP = 1 engine again."""
+    from kubernetes import client
+
+    cluster, ns = tp2.cluster, tp2.namespace
+    status = tp2.pair()["status"]
+    assert status["phase"] == "Ready", status
+    g1, restarts_before = int(status["pairGeneration"]), int(status.get("restarts") or 0)
+    old = {role: p["metadata"]["name"] for role, p in tp2.pods().items()}
+
+    # The victim by vLLM's process title: the engine core (a child of the API server, PID 1) runs one worker per TP
+    # rank as its children, titled VLLM::Worker_TP<rank>.
+    processes = container_processes(cluster, ns, old[ROLE_DECODE])
+    table = json.dumps(processes, indent=1)
+    title = {p["pid"]: (p["cmdline"].split() or [""])[0] for p in processes}
+    [core] = [p for p in processes if p["ppid"] == 1 and title[p["pid"]] == "VLLM::EngineCore"] or [None]
+    assert core is not None, f"no VLLM::EngineCore under PID 1 in {old[ROLE_DECODE]}:\n{table}"
+    workers = {title[p["pid"]]: p for p in processes if p["ppid"] == core["pid"]
+               and title[p["pid"]].startswith("VLLM::Worker")}
+    assert sorted(workers) == [f"VLLM::Worker_TP{r}" for r in range(TP)], f"one worker per TP rank expected:\n{table}"
+    victim = workers[f"VLLM::Worker_TP{TP - 1}"]["pid"]
+
+    api = cluster.api_client()
+    pods = Recorder(api, client.CoreV1Api(api).list_namespaced_pod, ns)
+    pairs = Recorder(api, client.CustomObjectsApi(api).list_namespaced_custom_object, GROUP, VERSION, ns, PLURAL)
+    try:
+        t_kill = time.monotonic()
+        # The image has no kill(1): os.kill from inside the container, as the engine's own user.
+        cluster.kubectl("exec", "-n", ns, old[ROLE_DECODE], "-c", "engine", "--", "python", "-c",
+                        f"import os, signal; os.kill({victim}, signal.SIGKILL)")
+        print(f"\n[realnode-e2e] tp2: SIGKILL to {old[ROLE_DECODE]}'s VLLM::Worker_TP{TP - 1} (pid {victim} in the "
+              f"container; engine core pid {core['pid']})")
+
+        # A client right after the kill gets an answer (an error, or the right text) within bounded time.
+        svc = json.loads(cluster.kubectl("get", "service", NAME, "-n", ns, "-o", "json").stdout)
+        url = f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}/v1/completions"
+        proc = cluster.node_exec(PREFILL_NODE, [sys.executable, "-c", _ONE_REQUEST_SNIPPET, url, SERVED_NAME,
+                                                PROMPTS[0], str(REQUEST_TIMEOUT)], timeout=REQUEST_TIMEOUT + 60)
+        answer = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"[realnode-e2e] tp2: a request {time.monotonic() - t_kill:.1f}s after the kill: {answer}")
+        assert not answer["timed_out"], f"the request hung for {REQUEST_TIMEOUT}s: {answer}\n{tp2.diagnose()}"
+        served = answer["status"] == 200 and answer["finish_reason"] != "error"
+        assert not served or answer["text"] == baseline_outputs[PROMPTS[0]], (answer, baseline_outputs[PROMPTS[0]])
+
+        # The pair reports it: the operator records the restart (status first, before it touches a pod).
+        def restarted() -> dict:
+            st = tp2.pair().get("status") or {}
+            return st if int(st.get("restarts") or 0) > restarts_before else {}
+
+        recorded = wait_for(restarted, 300, "status.restarts to count the restart", tp2.diagnose)
+        t_recorded = time.monotonic()
+        # Two TP = 2 engine starts one after the other, as at apply.
+        ready = wait_for(lambda: (lambda st: st if st.get("phase") == "Ready" and int(st.get("pairGeneration") or 0)
+                                  == g1 + 1 else None)(tp2.pair().get("status") or {}),
+                         2 * ENGINE_START_TIMEOUT, f"the pair Ready at generation {g1 + 1}", tp2.diagnose)
+        t_ready = time.monotonic()
+        new = tp2.pods()
+        first = completion(cluster, PREFILL_NODE, svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"],
+                           PROMPTS[0])
+        t_first = time.monotonic()
+        outputs = {PROMPTS[0]: first, **{p: completion(cluster, DECODE_NODE, svc["spec"]["clusterIP"],
+                                                       svc["spec"]["ports"][0]["port"], p) for p in PROMPTS[1:]}}
+    finally:
+        pods.stop()
+        pairs.stop()
+    assert pods.error is None and pairs.error is None, (pods.error, pairs.error)
+    print(f"[realnode-e2e] tp2 worker kill: -> restart recorded {t_recorded - t_kill:.1f}s, -> Ready at generation "
+          f"{g1 + 1} {t_ready - t_kill:.1f}s, -> first completion {t_first - t_kill:.1f}s")
+
+    # Exactly one restart, to the next generation, for the reason the operator derives from the ended decode pod.
+    assert int(ready["restarts"] or 0) == restarts_before + 1 == int(recorded["restarts"]), (recorded, ready)
+    assert int(recorded["pairGeneration"]) == g1 + 1, recorded
+    pod_log = [(rv, kind, p) for _, rv, kind, p in pods.events]
+    timeline = "\n".join(f"{rv} {kind:8} {p['metadata']['name']:24} {p['status'].get('phase')} "
+                         f"deleting={bool(p['metadata'].get('deletionTimestamp'))}" for rv, kind, p in pod_log)
+    # Fails visibly: vLLM exits when a worker dies, so decode's container ends (restartPolicy Never: the pod ends).
+    ended = next(((rv, p) for rv, _, p in pod_log if p["metadata"]["name"] == old[ROLE_DECODE]
+                  and p["status"].get("phase") in ("Failed", "Succeeded")
+                  and not p["metadata"].get("deletionTimestamp")), None)
+    assert ended is not None, f"the old decode pod never ended before its deletion:\n{timeline}"
+    reason = pod_fact(ROLE_DECODE, ended[1]).message
+    assert ready["lastRestart"]["reason"] == reason, (ready["lastRestart"], reason)
+    events = json.loads(cluster.kubectl("get", "events", "-n", ns, "--field-selector",
+                                        f"involvedObject.name={NAME},reason=Restarting", "-o", "json").stdout)["items"]
+    assert [e["message"] for e in events] == [f"ordered restart to generation {g1 + 1}: {reason}"], events
+    assert all(cs.get("restartCount", 0) == 0 for _, _, p in pod_log
+               for cs in p["status"].get("containerStatuses") or []), timeline
+
+    # Restarted in order, by resourceVersion: the decode pod ended, the restart was recorded, the old front pods were
+    # gone before the old decode was deleted, the new decode listened on both rank ports before the new prefill.
+    def rv_of(name: str, pred, what: str) -> int:
+        found = next((rv for rv, kind, p in pod_log if p["metadata"]["name"] == name and pred(kind, p)), None)
+        assert found is not None, f"{what} ({name}) not in the pod watch:\n{timeline}"
+        return found
+
+    def deleting(kind, p):
+        return kind == "DELETED" or bool(p["metadata"].get("deletionTimestamp"))
+
+    recorded_rv = next(rv for _, rv, _, p in pairs.events if int((p.get("status") or {}).get("restarts") or 0)
+                       > restarts_before)
+    assert {p["metadata"]["labels"][LABEL_GENERATION] for p in new.values()} == {str(g1 + 1)}, new
+    names = {role: p["metadata"]["name"] for role, p in new.items()}
+    listening = listening_since(pairs.events, g1 + 1)
+    assert listening is not None, f"no pair status with DecodeListening True for generation {g1 + 1}"
+    order = [
+        ("old decode ended", ended[0]),
+        ("restart recorded", recorded_rv),
+        ("old prefill deleting", rv_of(old[ROLE_PREFILL], deleting, "old prefill deleting")),
+        ("old prefill gone", rv_of(old[ROLE_PREFILL], lambda k, _: k == "DELETED", "old prefill gone")),
+        ("old decode deleting", rv_of(old[ROLE_DECODE], deleting, "old decode deleting")),
+        ("old decode gone", rv_of(old[ROLE_DECODE], lambda k, _: k == "DELETED", "old decode gone")),
+        ("new decode created", rv_of(names[ROLE_DECODE], lambda k, _: k == "ADDED", "new decode created")),
+        ("new decode listening", listening[1]),
+        ("new prefill created", rv_of(names[ROLE_PREFILL], lambda k, _: k == "ADDED", "new prefill created")),
+    ]
+    router_gone = rv_of(old[ROLE_ROUTER], lambda k, _: k == "DELETED", "old router gone")
+    assert [what for what, _ in sorted(order, key=lambda x: x[1])] == [what for what, _ in order], \
+        f"{order}\n{timeline}"
+    assert router_gone < dict(order)["old decode deleting"], (router_gone, order, timeline)
+    # The probe that opened the gate named both of the new decode's rank ports.
+    pair_then = next(p for _, rv, _, p in pairs.events if rv == listening[1])
+    side = ports_of(pair_then["status"]["ports"], ROLE_DECODE, PURPOSE_SIDECHANNEL)
+    assert len(side) == TP and side == list(range(side[0], side[0] + TP)), pair_then["status"]["ports"]
+    condition = next(c for c in pair_then["status"]["conditions"] if c["type"] == COND_DECODE_LISTENING)
+    assert condition["message"] == ProbeResult(new[ROLE_DECODE]["status"]["podIP"], tuple(side), ()).describe(), \
+        (condition, side)
+
+    # Serving again at TP = 2.
+    for role in (ROLE_DECODE, ROLE_PREFILL):
+        command = new[role]["spec"]["containers"][0]["command"]
+        assert command[command.index("--tensor-parallel-size") + 1] == str(TP), command
+    expected = {p: baseline_outputs[p] for p in PROMPTS}
+    assert outputs == expected, f"generation {g1 + 1} outputs differ from the TP = 1 engine:\n{outputs}\n{expected}"
 
 
 def test_deleting_the_tp2_pair_removes_its_pods_and_releases_its_leases(tp2):
