@@ -349,8 +349,9 @@ def test_killing_one_decode_tp_worker_restarts_the_pair_in_order(tp2, baseline_o
     processes = container_processes(cluster, ns, old[ROLE_DECODE])
     table = json.dumps(processes, indent=1)
     title = {p["pid"]: (p["cmdline"].split() or [""])[0] for p in processes}
-    [core] = [p for p in processes if p["ppid"] == 1 and title[p["pid"]] == "VLLM::EngineCore"] or [None]
-    assert core is not None, f"no VLLM::EngineCore under PID 1 in {old[ROLE_DECODE]}:\n{table}"
+    cores = [p for p in processes if p["ppid"] == 1 and title[p["pid"]] == "VLLM::EngineCore"]
+    assert len(cores) == 1, f"one VLLM::EngineCore under PID 1 expected in {old[ROLE_DECODE]}:\n{table}"
+    core = cores[0]
     workers = {title[p["pid"]]: p for p in processes if p["ppid"] == core["pid"]
                and title[p["pid"]].startswith("VLLM::Worker")}
     assert sorted(workers) == [f"VLLM::Worker_TP{r}" for r in range(TP)], f"one worker per TP rank expected:\n{table}"
