@@ -416,6 +416,7 @@ def test_killing_one_decode_tp_worker_restarts_the_pair_in_order(tp2, baseline_o
                   and not p["metadata"].get("deletionTimestamp")), None)
     assert ended is not None, f"the old decode pod never ended before its deletion:\n{timeline}"
     reason = pod_fact(ROLE_DECODE, ended[1]).message
+    print(f"[realnode-e2e] tp2 worker kill: status.lastRestart.reason {ready['lastRestart']['reason']!r}")
     assert ready["lastRestart"]["reason"] == reason, (ready["lastRestart"], reason)
     events = json.loads(cluster.kubectl("get", "events", "-n", ns, "--field-selector",
                                         f"involvedObject.name={NAME},reason=Restarting", "-o", "json").stdout)["items"]
