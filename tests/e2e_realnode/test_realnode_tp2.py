@@ -19,7 +19,19 @@ What is asserted (each could fail):
    carry rank="0" and rank="1" series; decode counted every request's KV transfer on BOTH ranks with equal bytes
    (each rank moves its own KV head), no error or timeout; prefill's rank r paired once with decode's base + r;
 4. status.health Healthy for generation 1, both roles healthy;
-then the pair is deleted: its pods go and its port leases are released.
+5. one decode TP worker killed (issue 14, "Faults at TP = 2"): SIGKILL of decode's rank 1 worker alone, found in the
+   container by vLLM's process title (`VLLM::Worker_TP1`, a child of `VLLM::EngineCore`; the engine core and rank 0
+   are not touched). It fails visibly: a request through the router right after the kill gets an answer within its
+   120 s deadline (measured: a 502 naming decode's 500 "EngineCore encountered an issue", in 0.2 s), and decode's
+   pod ends (vLLM's executor sees the dead worker, the engine core stops, the API server exits; restartPolicy
+   Never). The operator records exactly one restart, with the reason it derives from the ended pod
+   (health.pod_fact of the ended pod; measured: "decode pod tiny-tp2-decode-g1 exited (Succeeded): a server must
+   not end", vLLM's API server exits 0) in status.lastRestart and one Restarting Event,
+   and restarts IN ORDER, by the resourceVersions of pod and pair watches: decode ended, restart recorded in status,
+   old prefill deleted and gone (the old router gone too), old decode deleted and gone, new decode created,
+   DecodeListening True for generation 2 with the probe naming both rank ports, new prefill created; no container
+   restarted in place. Generation 2 is Ready at TP = 2 and its greedy outputs equal `baseline_outputs`;
+then the pair (whatever generation it is at) is deleted: its pods go and its port leases are released.
 
 The first run found a product bug: the engine image had no C++ compiler, and at TP > 1 vLLM's inductor-compiled
 vocab-embedding helper killed both engines on the first request (images/README.md; fixed in the image).
@@ -30,6 +42,10 @@ prefill created in the same second), apply -> first completion 115.3 s / 113.9 s
 pair is slow: each of the four workers compiles inductor's kernel with g++ and warms up gloo; the next three take
 ~7 s together), the module after the session fixtures 128.9 s / 125.0 s. Memory of each engine pod (its memory
 cgroup: API server, engine core, two workers): usage ~2.11 GiB, RSS ~1.88 GiB, /dev/shm 16 MiB.
+Test 5 (the worker kill), 2026-12-01, two runs of the 6-test module beside a full CI run on the same box (load average
+2-5): kill -> request answered 502 in 0.15 s / 0.37 s, -> restart recorded 3.2 s / 3.3 s, -> Ready at generation 2
+99.3 s / 137.7 s, -> first completion of generation 2 136.4 s / 189.7 s; the test itself 142.8 s / 200.8 s (what it adds
+to the module), the module after the session fixtures 293.9 s / 414.5 s.
 """
 from __future__ import annotations
 
