@@ -12,9 +12,13 @@ import os
 import uuid
 
 import pytest
+from kubernetes import client
 
+from pdpair.contract import LABEL_PAIR_NAMESPACE, LABEL_PORT_LEASE
 from tests.cluster.localcluster import LocalCluster
 from tests.cluster.realnode import RealNodeCluster
+
+OPERATOR_NAMESPACE = "pdpair-system"  # where the e2e operators keep their port leases (operator_helpers.OPERATOR_NS)
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +40,18 @@ def cluster_namespace(local_cluster: LocalCluster):
     name = f"t-{uuid.uuid4().hex[:10]}"
     local_cluster.create_namespace(name)
     yield name
+    # A test that failed midway (its operator stopped before its pairs were deleted) leaves its pairs' port leases
+    # in the shared operator namespace. Left there, they fill the pools of every later test, which then fail too:
+    # one failure must stay one failure. A passing test has already asserted its own leases released.
+    api = local_cluster.api_client()
+    client.CoordinationV1Api(api).delete_collection_namespaced_lease(
+        OPERATOR_NAMESPACE, label_selector=f"{LABEL_PORT_LEASE}=true,{LABEL_PAIR_NAMESPACE}={name}")
     # Namespace deletion is asynchronous (kube-controller-manager empties it); don't wait for it.
-    local_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    try:
+        client.CoreV1Api(api).delete_namespace(name)
+    except client.ApiException as exc:
+        if exc.status != 404:  # a test may have deleted it itself
+            raise
 
 
 @pytest.fixture(scope="session")

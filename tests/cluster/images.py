@@ -129,6 +129,11 @@ def _buildah(*args: str) -> list[str]:
             *args]
 
 
+def _file_digest(path: pathlib.Path) -> bytes:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").digest()
+
+
 def _hash_tree(paths: list[pathlib.Path], h) -> None:
     for path in sorted(paths):
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
@@ -136,11 +141,9 @@ def _hash_tree(paths: list[pathlib.Path], h) -> None:
             if "__pycache__" in f.parts or f.suffix in (".pyc", ".so", ".o"):
                 continue
             h.update(str(f.relative_to(REPO_ROOT)).encode() + b"\0")
-            if f.suffix == ".whl":  # big; its name carries its version, its size and mtime say if it changed
-                st = f.stat()
-                h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
-            else:
-                h.update(hashlib.sha256(f.read_bytes()).digest())
+            # By content, never by mtime: ../shared is copied afresh for each CI run, and an mtime key rebuilt the
+            # 1.3 GiB engine image (~5 min) every time. Hashing the 190 MB torch wheel costs well under a second.
+            h.update(_file_digest(f))
 
 
 # Archives kept per image name: this build's and the two before it (another checkout, e.g. a CI clone beside a

@@ -164,6 +164,12 @@ def test_hang_detected_and_pair_restarted_in_order(platform, cluster_namespace, 
             events = [e for e in api.events(ns) if e.involved_object.kind == KIND]
             reasons = [e.reason for e in events]
             assert "Unhealthy" in reasons and "Restarting" in reasons and "PodDeleted" in reasons
+            # The Restarting Event is posted and acknowledged before status records the restart, not queued by kopf
+            # (kopf's queue lost it when a leader was SIGKILLed right after the status write).
+            restarting = [(e.source.component if e.source else None, e.message) for e in events
+                          if e.reason == "Restarting"]
+            assert [c for c, _ in restarting] == ["pdpair-operator"], restarting
+            assert restarting[0][1].startswith("ordered restart to generation 2: "), restarting
             # One delete (and one Event) per pod, even when the next pass runs before the index shows it terminating.
             deleted = [e.message for e in events if e.reason == "PodDeleted" for _ in range(max(1, e.count or 1))]
             assert len(deleted) == len(set(deleted)), deleted

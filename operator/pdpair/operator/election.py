@@ -120,7 +120,8 @@ class LeaderElector:
         duration = float(spec.lease_duration_seconds or s.lease_duration)
         if not may_take(spec.holder_identity, s.identity, self._observed_at, duration, self.clock()):
             return False
-        ours = spec.holder_identity == s.identity
+        previous_holder = spec.holder_identity
+        ours = previous_holder == s.identity
         spec.acquire_time = spec.acquire_time if ours and spec.acquire_time else now
         if not ours:
             spec.lease_transitions = int(spec.lease_transitions or 0) + 1
@@ -135,7 +136,7 @@ class LeaderElector:
             log.info("leader election: writing lease %s failed: %s", s.lease_name, getattr(exc, "reason", exc))
             return False
         if not ours:
-            log.info("leader election: took lease %s from %r", s.lease_name, lease.spec.holder_identity)
+            log.info("leader election: took lease %s from %r", s.lease_name, previous_holder)
         return self._won(sent)
 
     def _won(self, sent: float) -> bool:

@@ -21,6 +21,7 @@ from pdpair.contract import (
     COND_PROGRESSING,
     COND_READY,
     GROUP,
+    KIND,
     PHASE_FAILED,
     PLURAL,
     PURPOSE_SIDECHANNEL,
@@ -129,6 +130,9 @@ def pass_delay(step: str, cfg: OperatorConfig, wait_seconds: float | None = None
     if step == d.STEP_POOL_EXHAUSTED:
         return cfg.pool_retry
     return cfg.probe_interval  # the decode listener probe (nothing wakes us when it starts to accept), creates
+
+
+EVENT_SOURCE = "pdpair-operator"
 
 
 class PairReconciler:
@@ -498,7 +502,9 @@ class PairReconciler:
             if decided.restart_times is not None:
                 await self._patch_meta({ANNOTATION_RESTART_TIMES: json.dumps(list(decided.restart_times))})
                 self.restart_times_written = (decided.restart_times, time.monotonic())
-            self.emit("Warning", "Restarting", f"ordered restart to generation {plan.pair_generation}: {restart.message}")
+            # Posted and acknowledged before the status write that records the restart (see _post_event_now).
+            await self._post_event_now("Warning", "Restarting",
+                                       f"ordered restart to generation {plan.pair_generation}: {restart.message}")
             extra["restarts"] = int(self.status.get("restarts") or 0) + 1
             extra["lastRestart"] = {"time": now_rfc3339(), "reason": restart.message[:1024]}
             self._count_restart(restart.reason_code)
@@ -718,6 +724,28 @@ class PairReconciler:
         except Exception as exc:
             if api_status(exc) not in (404, 409):
                 raise
+
+    async def _post_event_now(self, type_: str, reason: str, message: str) -> None:
+        """Posts an Event and waits until the apiserver has it, for an Event that must outlive this process.
+
+        kopf queues its Events and posts them a moment later. A leader SIGKILLed between writing a restart into
+        status and that post lost the Restarting Event for good: its successor sees the restart already recorded
+        and never announces it. Posted first, the Event is at least once (a successor may repeat it, naming the
+        same generation). If the post fails, kopf's queue gets it, as for every other Event."""
+        now = now_rfc3339()
+        event = {
+            "metadata": {"generateName": f"{self.ref.name}.", "namespace": self.ref.namespace},
+            "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": self.ref.name,
+                               "namespace": self.ref.namespace, "uid": self.ref.uid},
+            "type": type_, "reason": reason, "message": message[:1024],
+            "source": {"component": EVENT_SOURCE}, "reportingComponent": EVENT_SOURCE,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        try:
+            await asyncio.to_thread(self.rt.core.create_namespaced_event, self.ref.namespace, event)
+        except Exception as exc:
+            self.log.info("posting the %s Event directly failed (%s); queued instead", reason, exc)
+            self.emit(type_, reason, message)
 
     # --- status -------------------------------------------------------------------------------------
     async def _write_status(
