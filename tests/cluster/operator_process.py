@@ -80,7 +80,9 @@ class OperatorProcess:
         port_pool: str,
         log_path: str | os.PathLike,
         extra_env: dict[str, str] | None = None,
+        module: str = "pdpair.operator",
     ) -> None:
+        self.module = module  # another entry point that runs the operator (e.g. with a crash point patched in)
         self.liveness_port = free_port()
         self.metrics_port = free_port()
         self.log_path = pathlib.Path(log_path)
@@ -104,7 +106,7 @@ class OperatorProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdpair.operator"], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", self.module], env=self.env, stdout=log, stderr=subprocess.STDOUT,
             cwd=str(REPO_ROOT),
         )
         log.close()

@@ -143,10 +143,11 @@ NO_HEALTH = {ENV_HEALTH_INTERVAL: "3600"}
 
 
 @contextlib.contextmanager
-def operator(platform, ns, pool, tmp_path, name="operator", env=None):
+def operator(platform, ns, pool, tmp_path, name="operator", env=None, module="pdpair.operator"):
     cluster, kubeconfig = platform
     proc = operator_process.OperatorProcess(kubeconfig, OPERATOR_NS, pool, tmp_path / f"{name}.log",
-                                  extra_env={ENV_WATCH_NAMESPACES: ns, **(NO_HEALTH if env is None else env)})
+                                  extra_env={ENV_WATCH_NAMESPACES: ns, **(NO_HEALTH if env is None else env)},
+                                  module=module)
     proc.start()
     try:
         yield proc

@@ -26,6 +26,8 @@ from pdpair.contract import (
     status_port_name,
 )
 from pdpair.operator.config import ENV_HEALTH_INTERVAL
+from tests.e2e.crash_after_restart_write import CRASH_EXIT_CODE
+from tests.e2e.ha_support import DecodeListeners, restart_generations
 from tests.e2e.operator_helpers import (
     Api,
     PodRecorder,
@@ -257,3 +259,36 @@ def test_healthy_pair_is_never_restarted(platform, cluster_namespace, tmp_path):
                 x.stop()
             listener.close()
         cleanup_pairs(api, ns)
+
+
+def test_an_operator_dying_right_after_recording_a_restart_loses_no_event_and_restarts_once(platform,
+                                                                                            cluster_namespace,
+                                                                                            tmp_path):
+    """The operator dies like a SIGKILL the instant the status write recording a restart returns
+    (tests/e2e/crash_after_restart_write.py). The Restarting Event must already be on the API server, and the
+    operator that follows must finish that same restart: one restart, one announced generation, no second one."""
+    api = Api(platform[0])
+    ns = cluster_namespace
+    pool = pool_of_free_ports(20)
+    listeners = DecodeListeners(api, ns)  # the "engines": decode listens on its leased side-channel port
+    try:
+        with operator(platform, ns, pool, tmp_path, name="crashing",
+                      module="tests.e2e.crash_after_restart_write") as crashing:
+            api.create_pair(ns, "crash")
+            wait_for(phase_is(api, ns, "crash", "Ready", 1), 60, "generation 1 Ready")
+            api.core.delete_namespaced_pod("crash-decode-g1", ns)  # decode vanished: an ordered restart is due
+            wait_for(lambda: crashing.proc.poll() is not None, 60, "the operator's death after recording the restart")
+            assert crashing.proc.returncode == CRASH_EXIT_CODE, crashing.log_tail()
+        status = api.pair(ns, "crash")["status"]
+        assert status["restarts"] == 1 and status["pairGeneration"] == 2, status
+        assert restart_generations(api, ns) == {"crash": {2}}, "the Restarting Event died with the operator"
+
+        with operator(platform, ns, pool, tmp_path, name="successor"):
+            ready = wait_for(phase_is(api, ns, "crash", "Ready", 2), 60, "generation 2 Ready under the successor")
+            assert ready["status"]["restarts"] == 1, ready["status"]
+            assert restart_generations(api, ns) == {"crash": {2}}
+            pods = sorted(p["metadata"]["name"] for p in api.pods(ns))
+            assert pods == ["crash-decode-g2", "crash-prefill-g2"], pods
+            cleanup_pairs(api, ns)
+    finally:
+        listeners.stop()
