@@ -1,7 +1,6 @@
 # Keep this file small: shared fixtures live next to what they set up.
 import pytest
 
-from tests.cluster.fixtures import cluster_namespace, local_cluster, real_cluster  # noqa: F401  (pytest finds fixtures by name)
 
 _skipped: list[str] = []
 

@@ -1,9 +1,11 @@
-"""pytest fixtures for the local control plane (tests/conftest.py re-exports them).
+"""pytest fixtures for the local control plane. tests/e2e/conftest.py and tests/e2e_realnode/conftest.py re-export
+them, so each cluster lives only as long as its package's tests: nothing of it runs (and takes CPU from the engines)
+during the later packages.
 
-- `local_cluster` (session): one running LocalCluster shared by the whole test session. A start failure is an
+- `local_cluster` (package): one running LocalCluster shared by the tests of tests/e2e. A start failure is an
   error, never a skip: the test command builds everything it needs.
 - `cluster_namespace` (function): a fresh namespace with its default ServiceAccount, deleted afterwards.
-- `real_cluster` (session): a RealNodeCluster (tests/cluster/realnode.py): the same control plane plus two real
+- `real_cluster` (package): a RealNodeCluster (tests/cluster/realnode.py): the same control plane plus two real
   nodes (containerd, runc, CNI, kubelet, kube-proxy) in network namespaces of its own. Started on first use only.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from tests.cluster.realnode import RealNodeCluster
 OPERATOR_NAMESPACE = "pdpair-system"  # where the e2e operators keep their port leases (operator_helpers.OPERATOR_NS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def local_cluster():
     # PDPAIR_KEEP_CLUSTER_DIR=1 keeps the work dir (logs, kubeconfigs) for a post-mortem.
     keep = os.environ.get("PDPAIR_KEEP_CLUSTER_DIR") == "1"
@@ -54,7 +56,7 @@ def cluster_namespace(local_cluster: LocalCluster):
             raise
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def real_cluster():
     keep = os.environ.get("PDPAIR_KEEP_CLUSTER_DIR") == "1"
     cluster = RealNodeCluster(nodes=2, keep_workdir=keep, log=print)

@@ -1,11 +1,13 @@
 """Fixtures shared by the real-node e2e modules. Expensive things (images, the tiny model, the single-engine
-reference outputs, the operator's helm release) are built once per session; every module gets its own namespace."""
+reference outputs, the operator's helm release) are built once for this package, with the real-node cluster, and go
+with it after the package's last test; every module gets its own namespace."""
 import json
 import time
 import uuid
 
 import pytest
 
+from tests.cluster.fixtures import real_cluster  # noqa: F401  (pytest finds fixtures by name)
 from tests.cluster.images import engine_image, operator_image
 from tests.cluster.realnode_product import (
     ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, baseline_pod, build_model, completion, describe, install_operator,
@@ -22,7 +24,7 @@ def cluster_ns(real_cluster):
     real_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def images(real_cluster):
     """Operator and engine images (cached by content), imported into both nodes' containerd."""
     built = {"operator": operator_image(), "engine": engine_image()}
@@ -33,7 +35,7 @@ def images(real_cluster):
     return built
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def model_dir(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("realnode-model") / "tiny")
 
@@ -46,7 +48,7 @@ def namespace(real_cluster):
     real_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def baseline_outputs(real_cluster, images, model_dir):
     """A single engine (no connector) as a plain Pod of the engine image, the model from a hostPath volume: the
     reference the pair's greedy outputs must equal. The pod is deleted afterwards to free its memory."""
@@ -73,10 +75,10 @@ def baseline_outputs(real_cluster, images, model_dir):
                              check=False, timeout=120)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def operator_release(real_cluster, images):
     """`helm install` of charts/pdpair with the image built here; the operator runs as a pod, in-cluster config.
-    One release for the session: modules that change it (helm upgrade) must leave it serving."""
+    One release for the package: modules that change it (helm upgrade) must leave it serving."""
     t0 = time.monotonic()
     helm = install_operator(real_cluster, images["operator"].ref)
     print(f"[realnode-e2e] helm install --wait took {time.monotonic() - t0:.1f}s")

@@ -1,0 +1,1 @@
+"""End to end on real nodes (kubelet, containerd, runc, CNI) running real vLLM engines."""
