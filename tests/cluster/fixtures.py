@@ -20,7 +20,7 @@ from pdpair.contract import LABEL_PAIR_NAMESPACE, LABEL_PORT_LEASE
 from tests.cluster.localcluster import LocalCluster
 from tests.cluster.realnode import RealNodeCluster
 
-OPERATOR_NAMESPACE = "pdpair-system"  # where the e2e operators keep their port leases (operator_helpers.OPERATOR_NS)
+OPERATOR_NAMESPACE = "pdpair-system"  # where the e2e operators keep their port leases
 
 
 @pytest.fixture(scope="package")

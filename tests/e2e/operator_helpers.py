@@ -34,10 +34,11 @@ from pdpair.contract import (
     status_port_name,
 )
 from tests.cluster import operator_process
+from tests.cluster.fixtures import OPERATOR_NAMESPACE
 from pdpair.operator.config import ENV_HEALTH_INTERVAL, ENV_WATCH_NAMESPACES
 from tests.cluster.localcluster import helm_path
 
-OPERATOR_NS = "pdpair-system"
+OPERATOR_NS = OPERATOR_NAMESPACE  # one name: cluster_namespace cleans the port leases it holds
 PORTS_PER_PAIR_NO_ROUTER = 6  # side channel + metrics + http, for decode and prefill (TP 1)
 DECODE_SIDECHANNEL_0 = status_port_name(ROLE_DECODE, PURPOSE_SIDECHANNEL, 0)
 ROUTER_HTTP_0 = status_port_name(ROLE_ROUTER, PURPOSE_HTTP, 0)
