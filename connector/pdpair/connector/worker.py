@@ -52,6 +52,10 @@ PUSH_WORKERS = 4
 # most this long, instead of returning at once: vLLM would otherwise spin empty steps (1 ms apart) that take the CPU
 # and the GIL from the very threads that move the KV. It bounds how late an idle engine sees a new request.
 IDLE_WAIT_SECONDS = 0.01
+# Prefill logs a warning when serving one Pull takes longer than this (waiting for the blocks, or putting and
+# flushing them): decode's deadline (PDPAIR_HANG_TIMEOUT_SECONDS) counts from its Pull, so a slow push is the first
+# thing to look for when a load times out.
+SLOW_PUSH_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -679,6 +683,13 @@ class PrefillWorker(_Worker):
             logger.error("transfer %s (prefill request %s) failed: %s", pull.transfer_id, pull.remote_request_id, exc)
             return PullFailed(pull.transfer_id, f"prefill transport error: {exc}")
         flushed = time.monotonic()
+        if flushed - received > SLOW_PUSH_SECONDS:
+            logger.warning(
+                "transfer %s (prefill request %s): served %.1fs after its Pull came (%.1fs until the first put, "
+                "%.1fs putting and flushing %d bytes); decode's wait ends %.1fs after its Pull",
+                pull.transfer_id, pull.remote_request_id, flushed - received, first_put - received,
+                flushed - first_put, nbytes, self.config.hang_timeout_seconds,
+            )
         with self._lock:
             self.stats.record_stage("pull_to_first_put", first_put - received)
             self.stats.record_stage("push", flushed - first_put)

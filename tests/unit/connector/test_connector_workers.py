@@ -7,6 +7,7 @@ The stalled-push test proves that prefill serves Pulls off its side-channel thre
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 
@@ -16,7 +17,7 @@ import torch
 from pdpair import contract, native
 from pdpair.connector.config import PdPairConfig
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest, SendRequest
-from pdpair.connector.worker import DecodeWorker, PrefillWorker
+from pdpair.connector.worker import SLOW_PUSH_SECONDS, DecodeWorker, PrefillWorker
 
 NUM_BLOCKS = 8
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
@@ -110,10 +111,11 @@ def test_a_pull_moves_every_block_and_records_the_stages(pair):
     assert len(prefill.stats.data["stage_push_seconds"]) == 1
 
 
-def test_a_stalled_push_does_not_block_the_side_channel(pair):
+def test_a_stalled_push_does_not_block_the_side_channel(pair, caplog):
     decode, prefill, decode_kv, prefill_kv = pair
     comm = prefill.side.comm
     comm._conn.set_fault(native.Fault.HOLD_SENDS, 1)  # TEST ONLY: the sender sends nothing until released
+    held = time.monotonic()
     send(prefill, "p1", [1, 2])
     send(prefill, "p2", [3])
     recv(decode, "d1", "p1", 0, [4, 5])  # its push posts, then waits in flush: nothing can be sent
@@ -128,9 +130,19 @@ def test_a_stalled_push_does_not_block_the_side_channel(pair):
         time.sleep(0.01)
     assert "d2" in failed, "the side channel did not answer while another request's push was stalled"
     assert "d1" not in finished, "d1 finished although its sends are held"
-    comm._conn.set_fault(native.Fault.HOLD_SENDS, 0)
-    finished, failed = settle(decode, {"d1"})
-    assert "d1" not in failed
+    time.sleep(max(0.0, held + SLOW_PUSH_SECONDS + 0.5 - time.monotonic()))  # held longer than a push may take
+    with caplog.at_level(logging.WARNING, logger="pdpair"):
+        comm._conn.set_fault(native.Fault.HOLD_SENDS, 0)
+        finished, failed = settle(decode, {"d1"})
+        assert "d1" not in failed
+        deadline = time.monotonic() + DEADLINE
+        while "p1" not in prefill.get_transfer_results():  # the push thread logs before it reports the send
+            assert time.monotonic() < deadline, "prefill never reported p1's send finished"
+            time.sleep(0.01)
     for name in LAYERS:
         assert torch.equal(decode_kv[name][4], prefill_kv[name][1])
         assert torch.equal(decode_kv[name][5], prefill_kv[name][2])
+    # The slow push names itself, with where its time went: what to read first when decode's wait times out.
+    slow = [r.getMessage() for r in caplog.records if "transfer d1 (prefill request p1): served" in r.getMessage()]
+    assert len(slow) == 1, caplog.text
+    assert "putting and flushing 65536 bytes" in slow[0], slow[0]
