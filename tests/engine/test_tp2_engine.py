@@ -41,6 +41,10 @@ TP = 2
 # request take 25 s at the same point. Neither reproduced here in 6 runs, 3 of them beside two CPU hogs. 30 s covers
 # both; it lengthens only the signal-drop test, which waits out the deadline on purpose.
 HANG_TIMEOUT_SECONDS = 30.0
+# How long the router waits for decode's answer. A 6-token answer takes 2 to 9 s here, but CI once saw decode's
+# workers spend over 60 s in one step (vLLM: "No available shared memory broadcast block found in 60 seconds") and
+# recover by 78 s, after its KV had arrived in 50 ms; 60 s failed that request.
+ROUTER_DECODE_TIMEOUT_SECONDS = 180.0
 # A listening port accepts at once; the timeout only bounds a probe of a box too busy to run it promptly.
 PROBE_TIMEOUT_SECONDS = 10.0
 # Short answers: a TP = 2 decode step costs a gloo all-reduce per layer, slow on a busy 2-core box.
@@ -143,7 +147,7 @@ def tp2(tiny_model, tmp_path_factory) -> Tp2Pair:
             status, payload = completion(proc.url, f"Warm-up of {proc.name}, computed locally.", MAX_TOKENS)
             assert status == 200, payload
         prefill.wait_log("pdpair-sidechannel-prefill-r0: paired with decode", 60)
-        rtr = router(logs, prefill.url, decode.url, decode_timeout=60)
+        rtr = router(logs, prefill.url, decode.url, decode_timeout=ROUTER_DECODE_TIMEOUT_SECONDS)
         started.append(rtr.start())
         rtr.wait_healthy(60)
         rss = {"prefill": prefill.rss_bytes(), "decode": decode.rss_bytes(), "baseline_tp1": baseline_rss}
