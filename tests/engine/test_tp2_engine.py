@@ -38,7 +38,7 @@ from pdpair.operator.lifecycle import probe_ranks
 TP = 2
 # The KV deadline of both engines. With 8 s, CI once failed the first request after rank 1 paired: rank 1's
 # signals came 8 to 10 s after its Pull (they did come: "the late signals arrived"), and an earlier passing run had a
-# request take 25 s at the same point. Neither reproduced here in 6 runs, 3 of them beside two CPU hogs. 30 s covers
+# request take 25 s at the same point. Neither reproduced here in 7 runs, 5 of them beside two CPU hogs. 30 s covers
 # both; it lengthens only the signal-drop test, which waits out the deadline on purpose.
 HANG_TIMEOUT_SECONDS = 30.0
 # How long the router waits for decode's answer. A 6-token answer takes 2 to 9 s here, but CI once saw decode's
