@@ -1,6 +1,8 @@
 # Keep this file small: shared fixtures live next to what they set up.
 import pytest
 
+from tests import box_pressure
+
 
 _skipped: list[str] = []
 
@@ -24,3 +26,41 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reporter.write_line("")
             reporter.write_sep("=", f"FAILED: {len(_skipped)} skipped (skips never count as passes): "
                                     f"{', '.join(_skipped[:5])}", red=True)
+
+
+# --- how much the box stalled during each test (tests/box_pressure.py) ----------------------------------------
+_started: dict[str, box_pressure.Snapshot] = {}
+_stalls: list[tuple[float, str, box_pressure.Stalls]] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    snap = box_pressure.snapshot()
+    if snap is not None:
+        _started[item.nodeid] = snap
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    start, end = _started.get(item.nodeid), None
+    if start is None or (report.when != "teardown" and not report.failed):
+        return
+    end = box_pressure.snapshot()
+    if end is None:
+        return
+    stalls = box_pressure.between(start, end)
+    if report.failed:
+        report.sections.append(("box pressure", f"{stalls.describe()}\n{box_pressure.busiest_processes()}"))
+    if report.when == "teardown":
+        _stalls.append((stalls.worst(), item.nodeid, stalls))
+        del _started[item.nodeid]
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    worst = sorted((s for s in _stalls if s[0] >= 1.0), key=lambda s: s[0], reverse=True)[:10]
+    if worst:
+        terminalreporter.write_sep("=", "tests during which the box stalled most (io/memory full, /proc/pressure)")
+        for _, nodeid, stalls in worst:
+            terminalreporter.write_line(f"{nodeid}: {stalls.describe()}")

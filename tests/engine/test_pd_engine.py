@@ -11,7 +11,6 @@ import re
 import time
 import urllib.request
 
-import pytest
 
 from conftest import HANG_TIMEOUT_SECONDS
 from engines import http_get, http_post
@@ -37,10 +36,10 @@ CORRUPT_PROMPTS = [
 ]
 
 
-def completion(url: str, prompt: str, max_tokens: int = 12, **extra) -> tuple[int, dict]:
+def completion(url: str, prompt: str, max_tokens: int = 12, *, timeout: float = 120.0, **extra) -> tuple[int, dict]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
             **extra}
-    status, payload, _ = http_post(url + "/v1/completions", body, timeout=120)
+    status, payload, _ = http_post(url + "/v1/completions", body, timeout=timeout)
     return status, payload
 
 
@@ -54,8 +53,13 @@ def tokens(payload: dict) -> list[int]:
 def metric(base_url: str, name: str, labels: dict[str, str] | None = None) -> float:
     status, body = http_get(base_url + "/metrics")
     assert status == 200
+    return metric_in(body.decode(), name, labels, where=f"{base_url}/metrics")
+
+
+def metric_in(exposition: str, name: str, labels: dict[str, str] | None = None, where: str = "the exposition") -> float:
+    """The sum of `name`'s samples whose labels include `labels`, in a Prometheus text exposition."""
     total, found = 0.0, False
-    for line in body.decode().splitlines():
+    for line in exposition.splitlines():
         if not line.startswith(name):
             continue
         match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
@@ -65,7 +69,7 @@ def metric(base_url: str, name: str, labels: dict[str, str] | None = None) -> fl
             continue
         total += float(match.group(2))
         found = True
-    assert found, f"{name}{labels or ''} not exported at {base_url}/metrics"
+    assert found, f"{name}{labels or ''} not exported at {where}"
     return total
 
 

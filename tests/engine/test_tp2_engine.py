@@ -24,13 +24,14 @@ import os
 import re
 import signal
 import time
+import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from engines import Process, engine, free_port, http_get, pair_env, router
-from test_pd_engine import completion, metric, tokens
+from test_pd_engine import completion, metric_in, tokens
 
 from pdpair.operator.health import PodState, ScrapeTarget, scrape_pods
 from pdpair.operator.lifecycle import probe_ranks
@@ -45,8 +46,15 @@ HANG_TIMEOUT_SECONDS = 30.0
 # workers spend over 60 s in one step (vLLM: "No available shared memory broadcast block found in 60 seconds") and
 # recover by 78 s, after its KV had arrived in 50 ms; 60 s failed that request.
 ROUTER_DECODE_TIMEOUT_SECONDS = 180.0
+# How long a client waits for an answer through the router: the router's own wait for decode, plus a minute.
+COMPLETION_TIMEOUT_SECONDS = ROUTER_DECODE_TIMEOUT_SECONDS + 60.0
 # A listening port accepts at once; the timeout only bounds a probe of a box too busy to run it promptly.
 PROBE_TIMEOUT_SECONDS = 10.0
+# Decode's rank 0 serves /metrics and /healthz and asks rank 1 over a Unix socket, giving it 1 s. CI once froze
+# decode's workers for about 10 s right after a failed load: rank 1 answered after rank 0 had given up (its series
+# were absent from that read) and one read took over 5 s. A read here waits out such a freeze, up to this long, and
+# then asserts on what it got: a series that is never exported still fails.
+METRICS_READ_SECONDS = 60.0
 # Short answers: a TP = 2 decode step costs a gloo all-reduce per layer, slow on a busy 2-core box.
 MAX_TOKENS = 6
 # Deadline for a TP = 2 engine to come up: three process layers import vLLM; on the shared box at load 40+ that has
@@ -137,14 +145,14 @@ def tp2(tiny_model, tmp_path_factory) -> Tp2Pair:
         baseline.wait_healthy()  # its requests overlap decode's start-up
         tp1_outputs = {}
         for prompt in PROMPTS:
-            status, payload = completion(baseline.url, prompt, MAX_TOKENS)
+            status, payload = ask(baseline.url, prompt)
             assert status == 200, payload
             tp1_outputs[prompt] = tokens(payload)
         baseline_rss = baseline.rss_bytes()
         baseline.stop()  # memory: only the pair runs from here on
         decode.wait_healthy(TP2_START_TIMEOUT_SECONDS)
         for proc in (prefill, decode):  # the first request of a TP = 2 engine is slow (warm-up): not in the timings
-            status, payload = completion(proc.url, f"Warm-up of {proc.name}, computed locally.", MAX_TOKENS)
+            status, payload = ask(proc.url, f"Warm-up of {proc.name}, computed locally.")
             assert status == 200, payload
         prefill.wait_log("pdpair-sidechannel-prefill-r0: paired with decode", 60)
         rtr = router(logs, prefill.url, decode.url, decode_timeout=ROUTER_DECODE_TIMEOUT_SECONDS)
@@ -167,7 +175,41 @@ def tp2(tiny_model, tmp_path_factory) -> Tp2Pair:
 
 
 def ranked(base_url: str, name: str, rank: int, **labels: str) -> float:
-    return metric(base_url, name, {"rank": str(rank), **labels})
+    """`name`'s value for TP rank `rank`, read from the engine's merged /metrics once that rank answers there."""
+    deadline = time.monotonic() + METRICS_READ_SECONDS
+    while True:
+        exposition = read_while_frozen(base_url + "/metrics", deadline)
+        if f'rank="{rank}"' in exposition or time.monotonic() >= deadline:
+            return metric_in(exposition, name, {"rank": str(rank), **labels}, where=f"{base_url}/metrics")
+        time.sleep(1.0)  # the rank did not answer rank 0 in time: read again
+
+
+def ask(url: str, prompt: str) -> tuple[int, dict]:
+    return completion(url, prompt, MAX_TOKENS, timeout=COMPLETION_TIMEOUT_SECONDS)
+
+
+def healthz(base_url: str) -> tuple[int, dict]:
+    """/healthz once every rank answers it (a rank that did not answer in time reads 'rank_unreachable')."""
+    deadline = time.monotonic() + METRICS_READ_SECONDS
+    while True:
+        status, body = http_get(base_url + "/healthz", timeout=METRICS_READ_SECONDS)
+        health = json.loads(body)
+        if health.get("status") != "rank_unreachable" or time.monotonic() >= deadline:
+            return status, health
+        time.sleep(1.0)
+
+
+def read_while_frozen(url: str, deadline: float) -> str:
+    """GET `url`, retrying a read that timed out until `deadline`."""
+    while True:
+        try:
+            status, body = http_get(url, timeout=max(1.0, deadline - time.monotonic()))
+        except (TimeoutError, urllib.error.URLError) as exc:
+            if not isinstance(getattr(exc, "reason", exc), TimeoutError) or time.monotonic() >= deadline:
+                raise
+            continue
+        assert status == 200, f"{url}: {status} {body[:200]!r}"
+        return body.decode()
 
 
 def test_prefill_started_before_decode_retries_on_every_rank(tp2):
@@ -186,7 +228,7 @@ def test_decode_listening_on_rank_0_only_holds_prefill_back_without_a_hang(tp2):
     tp2.prefill.wait_log("pdpair-sidechannel-prefill-r1: paired with decode", 60)
     probe = asyncio.run(probe_ranks("127.0.0.1", ports, timeout=PROBE_TIMEOUT_SECONDS))
     assert probe.all_accept, probe.describe()
-    status, payload = completion(tp2.router.url, "Both ranks are paired now.", MAX_TOKENS)
+    status, payload = ask(tp2.router.url, "Both ranks are paired now.")
     assert status == 200 and len(tokens(payload)) == MAX_TOKENS, payload
 
 
@@ -213,7 +255,7 @@ def half_paired_pair_refuses_to_proceed(tp2) -> None:
     before = {(r, o): count(r, o) for r in range(TP) for o in ("ok", "error")}
     timeouts = [ranked(tp2.decode_metrics, "pdpair_signal_wait_timeouts_total", r) for r in range(TP)]
     started = time.monotonic()
-    status, payload = completion(tp2.router.url, "Half a pair cannot serve this prompt.", MAX_TOKENS)
+    status, payload = ask(tp2.router.url, "Half a pair cannot serve this prompt.")
     elapsed = time.monotonic() - started
     assert failed(status, payload), f"status {status}: {json.dumps(payload)[:400]}"
     assert elapsed < HANG_TIMEOUT_SECONDS, elapsed  # failed at once (about a second here), not at the deadline
@@ -237,9 +279,9 @@ def test_outputs_equal_single_engines_at_tp2_and_tp1(tp2):
 
     before = counters()
     for prompt in PROMPTS:
-        status, alone = completion(tp2.prefill.url, prompt, MAX_TOKENS)  # a TP = 2 engine computing it all itself
+        status, alone = ask(tp2.prefill.url, prompt)  # a TP = 2 engine computing it all itself
         assert status == 200, alone
-        status, via_pair = completion(tp2.router.url, prompt, MAX_TOKENS)
+        status, via_pair = ask(tp2.router.url, prompt)
         assert status == 200, via_pair
         assert tokens(via_pair) == tokens(alone) == tp2.tp1_outputs[prompt], f"prompt {prompt[:40]!r}"
     moved = {key: value - before[key] for key, value in counters().items()}
@@ -269,8 +311,7 @@ def test_each_rank_has_its_own_side_channel_pair_regions_and_accounts(tp2):
     for rank in range(TP):
         assert re.search(rf"pdpair-sidechannel-decode-r{rank}: paired with prefill test-pair rank {rank} ",
                          tp2.decode.log())
-    status, body = http_get(tp2.decode_metrics + "/healthz")
-    health = json.loads(body)
+    status, health = healthz(tp2.decode_metrics)
     assert status == 200 and set(health["ranks"]) == {"0", "1"}, health
 
 
@@ -279,7 +320,7 @@ def test_signal_drop_on_rank_1_only_fails_at_the_deadline_and_the_pod_is_judged_
     tp2.drop_knob.write_text("2@1")  # prefill's rank 1 omits every 2nd signal; rank 0 sends all of its own
     try:
         started = time.monotonic()
-        status, payload = completion(tp2.router.url, "Rank one loses half of its signals here. " * 3, MAX_TOKENS)
+        status, payload = ask(tp2.router.url, "Rank one loses half of its signals here. " * 3)
         elapsed = time.monotonic() - started
     finally:
         tp2.drop_knob.unlink()
@@ -292,8 +333,7 @@ def test_signal_drop_on_rank_1_only_fails_at_the_deadline_and_the_pod_is_judged_
     assert ranked(tp2.decode_metrics, "pdpair_signal_deficit", 0, peer="prefill-r0") == 0
     assert ranked(tp2.decode_metrics, "pdpair_signal_wait_timeouts_total", 1) == timeouts[1] + 1
     assert ranked(tp2.decode_metrics, "pdpair_signal_wait_timeouts_total", 0) == timeouts[0]
-    status, body = http_get(tp2.decode_metrics + "/healthz")
-    health = json.loads(body)
+    status, health = healthz(tp2.decode_metrics)
     assert status == 503 and health["status"] == "hung", health
     assert health["transfer"]["rank"] == 1 and health["transfer"]["expected"] > health["transfer"]["received"]
     assert health["ranks"]["0"]["status"] == "ok" and health["ranks"]["1"]["status"] == "hung", health
@@ -314,7 +354,7 @@ def test_killing_one_decode_worker_fails_the_pair_visibly(tp2):
     (an error) within bounded time, prefill notices the side channel drop, nothing waits forever."""
     os.kill(worker_pid(tp2.decode, 1), signal.SIGKILL)
     started = time.monotonic()
-    status, payload = completion(tp2.router.url, "Is anyone still decoding?", MAX_TOKENS)
+    status, payload = ask(tp2.router.url, "Is anyone still decoding?")
     assert failed(status, payload) or status >= 400, f"status {status}: {json.dumps(payload)[:400]}"
     assert time.monotonic() - started < 90
     wait_for("decode stops serving", lambda: not tp2.decode.alive() or http_get_status(tp2.decode.url) != 200, 90)
