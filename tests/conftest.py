@@ -44,7 +44,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
-    start, end = _started.get(item.nodeid), None
+    start = _started.get(item.nodeid)
     if start is None or (report.when != "teardown" and not report.failed):
         return
     end = box_pressure.snapshot()

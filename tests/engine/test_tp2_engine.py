@@ -176,31 +176,22 @@ def tp2(tiny_model, tmp_path_factory) -> Tp2Pair:
 
 def ranked(base_url: str, name: str, rank: int, **labels: str) -> float:
     """`name`'s value for TP rank `rank`, read from the engine's merged /metrics once that rank answers there."""
-    deadline = time.monotonic() + METRICS_READ_SECONDS
-    while True:
-        exposition = read_while_frozen(base_url + "/metrics", deadline)
-        if f'rank="{rank}"' in exposition or time.monotonic() >= deadline:
-            return metric_in(exposition, name, {"rank": str(rank), **labels}, where=f"{base_url}/metrics")
-        time.sleep(1.0)  # the rank did not answer rank 0 in time: read again
-
-
-def ask(url: str, prompt: str) -> tuple[int, dict]:
-    return completion(url, prompt, MAX_TOKENS, timeout=COMPLETION_TIMEOUT_SECONDS)
+    status, exposition = read_once_answered(base_url + "/metrics", lambda text: f'rank="{rank}"' in text)
+    assert status == 200, f"{base_url}/metrics: {status} {exposition[:200]!r}"
+    return metric_in(exposition, name, {"rank": str(rank), **labels}, where=f"{base_url}/metrics")
 
 
 def healthz(base_url: str) -> tuple[int, dict]:
-    """/healthz once every rank answers it (a rank that did not answer in time reads 'rank_unreachable')."""
+    """/healthz once every rank answers it (a rank that did not answer rank 0 in time reads 'rank_unreachable')."""
+    status, body = read_once_answered(base_url + "/healthz",
+                                      lambda text: json.loads(text).get("status") != "rank_unreachable")
+    return status, json.loads(body)
+
+
+def read_once_answered(url: str, answered) -> tuple[int, str]:
+    """GET `url` until `answered(body)` holds, retrying reads that time out, for up to METRICS_READ_SECONDS; then
+    return the last answer, whatever it says, for the caller to assert on."""
     deadline = time.monotonic() + METRICS_READ_SECONDS
-    while True:
-        status, body = http_get(base_url + "/healthz", timeout=METRICS_READ_SECONDS)
-        health = json.loads(body)
-        if health.get("status") != "rank_unreachable" or time.monotonic() >= deadline:
-            return status, health
-        time.sleep(1.0)
-
-
-def read_while_frozen(url: str, deadline: float) -> str:
-    """GET `url`, retrying a read that timed out until `deadline`."""
     while True:
         try:
             status, body = http_get(url, timeout=max(1.0, deadline - time.monotonic()))
@@ -208,8 +199,14 @@ def read_while_frozen(url: str, deadline: float) -> str:
             if not isinstance(getattr(exc, "reason", exc), TimeoutError) or time.monotonic() >= deadline:
                 raise
             continue
-        assert status == 200, f"{url}: {status} {body[:200]!r}"
-        return body.decode()
+        text = body.decode()
+        if answered(text) or time.monotonic() >= deadline:
+            return status, text
+        time.sleep(1.0)
+
+
+def ask(url: str, prompt: str) -> tuple[int, dict]:
+    return completion(url, prompt, MAX_TOKENS, timeout=COMPLETION_TIMEOUT_SECONDS)
 
 
 def test_prefill_started_before_decode_retries_on_every_rank(tp2):
