@@ -99,7 +99,7 @@ def main() -> int:
 
     say("build or reuse: control plane, kubelet, kube-proxy, containerd, pause image (Go modules, cached)")
     build_node(log=lambda m: None)
-    say("build or reuse: operator image (Dockerfile) and engine image (images/engine/Dockerfile), via buildah")
+    say("build or reuse: operator image (Dockerfile) and engine image (images/engine-base + images/engine), via buildah")
     operator, engine = operator_image(log=say), engine_image(log=say)
     say(f"images: {operator.ref}, {engine.ref}")
     with tempfile.TemporaryDirectory(prefix="pdpair-demo-model-") as tmp:

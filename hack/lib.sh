@@ -9,6 +9,28 @@ PY=$PDPAIR_VENV/bin/python
 
 log() { printf '\n[pdpair %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
+# `phase NAME CMD...`: runs CMD and appends its wall seconds to $PDPAIR_CI_PHASES (hack/test.sh prints the table).
+phase() {
+  local name=$1 t0
+  shift
+  t0=$(date +%s)
+  "$@"
+  if [ -n "${PDPAIR_CI_PHASES:-}" ]; then printf '%s\t%s\n' "$name" "$(( $(date +%s) - t0 ))" >>"$PDPAIR_CI_PHASES"; fi
+}
+
+# The size of every cache a run reuses: on a fresh machine all are empty but ../shared/wheels.
+print_cache_sizes() {
+  local cache=${XDG_CACHE_HOME:-$HOME/.cache} gocache="" gomodcache="" dir
+  if command -v go >/dev/null; then gocache=$(go env GOCACHE); gomodcache=$(go env GOMODCACHE); fi
+  log "cache sizes at start"
+  for dir in "$cache/pdpair/controlplane" "$cache/pdpair/tools" "$cache/pdpair/images" "$cache/pdpair/wheelhouse" \
+             "$cache/pip" "$gocache" "$gomodcache" "$PDPAIR_VENV" "$PDPAIR_SHARED/wheels"; do
+    [ -n "$dir" ] || continue
+    if [ -e "$dir" ]; then printf '  %8s  %s\n' "$(du -sh "$dir" 2>/dev/null | cut -f1)" "$dir" >&2
+    else printf '  %8s  %s\n' 0 "$dir" >&2; fi
+  done
+}
+
 ensure_venv() {
   local extras=$1
   if [ ! -x "$PY" ]; then
@@ -55,9 +77,9 @@ ensure_controlplane() {
   "$PY" "$PDPAIR_ROOT/tests/cluster/monitoring_crds.py" >/dev/null
 }
 
-ensure_realnode() {
-  # A real Kubernetes node (tests/cluster/realnode.py): runc, CNI plugins, iptables/nftables, conntrack from Debian;
-  # buildah + debootstrap build the images without a registry or a Docker daemon.
+# A real Kubernetes node (tests/cluster/realnode.py): runc, CNI plugins, iptables/nftables, conntrack from Debian;
+# buildah + debootstrap build the images without a registry or a Docker daemon.
+ensure_realnode_packages() {
   local need=0
   for cmd in runc iptables nft conntrack buildah debootstrap; do command -v "$cmd" >/dev/null || need=1; done
   [ -x /usr/lib/cni/bridge ] || need=1
@@ -68,9 +90,22 @@ ensure_realnode() {
     apt-get install -y -qq --no-install-recommends runc containernetworking-plugins iptables nftables conntrack \
       buildah debootstrap >/dev/null
   fi
+}
+
+ensure_realnode_binaries() {
   log "real-node binaries: kubelet, kube-proxy (k8s.io/kubernetes), containerd (Go module proxy), pause image; cached"
   "$PY" "$PDPAIR_ROOT/tests/cluster/localcluster.py" build --real-node
-  log "images: Debian base (debootstrap), operator (Dockerfile) and engine (images/engine/Dockerfile) via buildah; cached by content"
-  "$PY" "$PDPAIR_ROOT/tests/cluster/images.py" operator
-  PDPAIR_SHARED="$PDPAIR_SHARED" "$PY" "$PDPAIR_ROOT/tests/cluster/images.py" engine
+}
+
+# `ensure_image base|operator|engine-base|engine` (tests/cluster/images.py; cached by content).
+ensure_image() {
+  log "image $1 via buildah (tests/cluster/images.py; cached by content)"
+  PDPAIR_SHARED="$PDPAIR_SHARED" "$PY" "$PDPAIR_ROOT/tests/cluster/images.py" "$1" >/dev/null
+}
+
+ensure_realnode() {
+  ensure_realnode_packages
+  ensure_realnode_binaries
+  local image
+  for image in base operator engine-base engine; do ensure_image "$image"; done
 }

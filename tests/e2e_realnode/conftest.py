@@ -1,7 +1,12 @@
 """Fixtures shared by the real-node e2e modules. Expensive things (images, the tiny model, the single-engine
-reference outputs, the operator's helm release) are built once for this package, with the real-node cluster, and go
-with it after the package's last test; every module gets its own namespace."""
+reference outputs, the operator's helm release, the shared serving pair) are built once for this package, with the
+real-node cluster, and go with it after the package's last test; every module gets its own namespace.
+
+The modules run in MODULE_ORDER, not alphabetically: the scenarios that share the serving pair
+(serving_pair.py) come in the order where each leaves the pair as the next one needs it, and the modules with pairs
+of their own come after the shared pair is deleted, so at most one pair's engines run at a time."""
 import json
+import pathlib
 import time
 import uuid
 
@@ -9,10 +14,34 @@ import pytest
 
 from tests.cluster.fixtures import real_cluster  # noqa: F401  (pytest finds fixtures by name)
 from tests.cluster.images import engine_image, operator_image
+from tests.e2e_realnode.serving_pair import ServingPair
 from tests.cluster.realnode_product import (
     ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, baseline_pod, build_model, completion, describe, install_operator,
     pod_logs, unique,
 )
+
+
+MODULE_ORDER = (
+    "test_realnode_cluster",      # the cluster itself; no engine
+    "test_realnode_faults",       # creates the serving pair (e), helm upgrade (f), engine kill (c)
+    "test_realnode_pair",         # the serving pair's outputs, KV across nodes, health
+    "test_realnode_signal_drop",  # the serving pair's signal drop -> ordered restart
+    "test_realnode_rollout",      # Surge, Recreate, then the serving pair is deleted
+    "test_realnode_port_in_use",  # a pair of its own: a stranger on its ports before the lease
+    "test_realnode_tp2",          # a TP = 2 pair of its own
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Runs this package's modules in MODULE_ORDER (a module missing from it runs last); other items keep their
+    places. The hook sees the whole session's items, so it only permutes the slots this package's items hold."""
+    here = pathlib.Path(__file__).parent
+    slots = [i for i, item in enumerate(items) if pathlib.Path(str(item.path)).parent == here]
+    rank = {name: i for i, name in enumerate(MODULE_ORDER)}
+    ordered = sorted((items[i] for i in slots),
+                     key=lambda item: rank.get(pathlib.Path(str(item.path)).stem, len(rank)))  # stable: file order
+    for slot, item in zip(slots, ordered):
+        items[slot] = item
 
 
 @pytest.fixture
@@ -85,3 +114,16 @@ def operator_release(real_cluster, images):
     yield helm
     helm("uninstall", "pdpair", "--namespace", OPERATOR_NS, "--wait", "--timeout", "120s")
     helm.close()
+
+
+@pytest.fixture(scope="package")
+def serving_pair(real_cluster, operator_release, images, model_dir):
+    """The shared TP = 1 pair (serving_pair.py), in a namespace of its own; whatever is left of it is deleted after
+    the package's last test (test_realnode_rollout deletes it on purpose and checks its leases go)."""
+    namespace = unique("rn-serving")
+    real_cluster.create_namespace(namespace)
+    pair = ServingPair(real_cluster, namespace, images["engine"].ref, model_dir)
+    yield pair
+    print(f"[realnode-e2e] the serving pair was created by ready() {pair.created} time(s)")
+    pair.delete()
+    real_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

@@ -1,16 +1,20 @@
 """Faults on the real nodes (issue 10, 6c/6e/6f): what a user's cluster does to a serving pair, with real vLLM pods.
 
-- c. decode's engine process is SIGKILLed inside its container: the operator restarts the pair IN ORDER (recorded
-  by a pod watch: prefill deleted, then decode, new decode, its listener up, then the new prefill) and the pair
-  serves again with the single engine's greedy outputs.
 - e. the leading operator pod is deleted while a pair starts (decode exists, prefill not yet): the standby replica
   takes the leader Lease over and converges with exactly one pod per role, no second set of port leases, and a
   serving pair.
 - f. `helm upgrade` rolls the operator replicas while a client sends requests: no failed request, the pair's pods
   keep their UIDs with no container restart, the pair stays Ready, and the leader runs the new revision.
+- c. decode's engine process is SIGKILLed inside its container: the operator restarts the pair IN ORDER (recorded
+  by a pod watch: prefill deleted, then decode, new decode, its listener up, then the new prefill) and the pair
+  serves again with the single engine's greedy outputs.
 
-Each scenario runs its own pair in the module's namespace and deletes it at the end. The operator release is the
-session's (conftest `operator_release`); scenario f leaves it upgraded, installed and serving.
+All three run on the package's shared serving pair (serving_pair.py), in this order: e creates it (a first start is
+its meaning, so it deletes any pair of that name first), f leaves it as it found it, c leaves it Ready one
+generation later. The operator release is the session's (conftest `operator_release`); scenario f leaves it
+upgraded, installed and serving.
+
+Cost: e is the shared pair's first start (2 vLLM cold starts), f none, c one ordered restart (2 cold starts).
 """
 from __future__ import annotations
 
@@ -23,7 +27,6 @@ import uuid
 from dataclasses import dataclass
 
 import pytest
-import yaml
 
 from pdpair.contract import (
     GROUP, LABEL_PAIR, LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_PURPOSE, LABEL_ROLE, PLURAL, ROLE_DECODE, ROLE_PREFILL,
@@ -31,9 +34,10 @@ from pdpair.contract import (
 )
 from pdpair.operator.ports import required_blocks
 from tests.cluster.realnode_product import (
-    CHART, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, container_processes, describe,
-    leader_pod_name, operator_logs, operator_pods, pair_manifest, pod_logs, wait_for,
+    CHART, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, container_processes, describe, leader_pod_name,
+    operator_logs, operator_pods, pod_logs, wait_for,
 )
+from tests.e2e_realnode.serving_pair import READY_TIMEOUT
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
 
@@ -151,20 +155,8 @@ def _diagnose(cluster, ns: str, name: str, watch: PodWatch | None = None, t0: fl
     return run
 
 
-def _apply_pair(cluster, ns: str, name: str, images, model_dir) -> float:
-    body = pair_manifest(name, ns, images["engine"].ref, model_dir, prefill_node="n1", decode_node="n2")
-    t = time.monotonic()
-    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
-    return t
-
-
-# Decode and prefill start one after the other (decode first), each within ENGINE_START_TIMEOUT: a busy 2-core
-# machine took 12.5 min from apply to Ready (decode 8 min, prefill 4, router 0.5).
-PAIR_READY_TIMEOUT = 2 * ENGINE_START_TIMEOUT + 120
-
-
 def _wait_ready(cluster, ns: str, name: str, diagnose, *, generation: int | None = None,
-                timeout: float = PAIR_READY_TIMEOUT) -> dict:
+                timeout: float = READY_TIMEOUT) -> dict:
     def ready():
         status = _pair(cluster, ns, name).get("status") or {}
         if status.get("phase") != "Ready":
@@ -188,27 +180,176 @@ def _assert_serves_like_baseline(cluster, ns: str, name: str, baseline_outputs, 
     assert outputs == expected, f"pair outputs differ from the single engine:\npair: {outputs}\nbaseline: {expected}"
 
 
-def _delete_pair(cluster, ns: str, name: str) -> None:
-    """Deletes the pair (also after a failed test: its engines would slow the next scenario) and waits for its pods."""
-    cluster.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", ns, "--ignore-not-found", "--wait=true",
-                    "--timeout=120s", timeout=150)
-    wait_for(lambda: not _pods(cluster, ns, name), 120, f"the pods of pair {name} to go",
-             lambda: describe(cluster, ns))
-
-
-@pytest.fixture
-def pairs(real_cluster, namespace):
-    """Names of the pairs a test applies: each is deleted afterwards, pass or fail, and its pods waited out."""
-    names: list[str] = []
-    yield names
-    for name in names:
-        _delete_pair(real_cluster, namespace, name)
-
-
 def _leases(cluster, pair_uid: str) -> list[dict]:
     return json.loads(cluster.kubectl("get", "leases.coordination.k8s.io", "-n", OPERATOR_NS, "-l",
                                       f"{LABEL_PORT_LEASE}=true,{LABEL_PAIR_UID}={pair_uid}", "-o",
                                       "json").stdout)["items"]
+
+
+# --- e. the operator pod deleted during a pair's startup --------------------------------------------------------
+def test_operator_pod_deleted_during_pair_startup_converges_without_duplicates(
+        real_cluster, baseline_outputs, serving_pair):
+    """Cost: the shared pair's first start (2 vLLM cold starts); the pair stays for the scenarios after this one."""
+    name, namespace = serving_pair.name, serving_pair.namespace
+    serving_pair.delete()  # a first start is this scenario's meaning
+    # The chart runs 2 replicas; the one that acts is the leader Lease's holder: delete that one.
+    leader = wait_for(lambda: leader_pod_name(real_cluster), 120, "an operator leader")
+    [old_operator] = [p for p in operator_pods(real_cluster) if p["metadata"]["name"] == leader]
+    watch = PodWatch(real_cluster, namespace, name)
+    diagnose = _diagnose(real_cluster, namespace, name, watch, time.monotonic())
+    t_apply = serving_pair.apply()
+    decode_added = wait_for(lambda: watch.first(t_apply, lambda e: e.type == "ADDED" and e.role == ROLE_DECODE), 180,
+                            "the decode pod", diagnose)
+    real_cluster.kubectl("delete", "pod", "-n", OPERATOR_NS, old_operator["metadata"]["name"], "--wait=false")
+    t_delete = time.monotonic()
+    prefill_before = [e for e in watch.since(t_apply) if e.role == ROLE_PREFILL and e.t <= t_delete]
+    assert not prefill_before, "the prefill pod existed before the operator was deleted: the test missed its window"
+    print(f"[faults] {name}: decode ADDED {decode_added.t - t_apply:.1f}s after apply; operator pod "
+          f"{old_operator['metadata']['name']} deleted {t_delete - t_apply:.1f}s after apply")
+
+    def new_leader_ready():
+        pods = operator_pods(real_cluster)
+        gone = all(p["metadata"]["uid"] != old_operator["metadata"]["uid"] for p in pods)
+        holder = leader_pod_name(real_cluster)
+        fresh = [p for p in pods if p["metadata"]["name"] == holder and holder != leader and _ready(p)]
+        return fresh[0] if fresh and gone else None
+    new_operator = wait_for(new_leader_ready, 300, "another operator replica leading and the old one gone", diagnose)
+    print(f"[faults] {name}: operator {new_operator['metadata']['name']} leads and the old leader is gone "
+          f"{time.monotonic() - t_delete:.1f}s after the delete")
+
+    status = _wait_ready(real_cluster, namespace, name, diagnose)
+    t_ready = time.monotonic()
+    _assert_serves_like_baseline(real_cluster, namespace, name, baseline_outputs)
+    events = watch.stop()
+    timeline = "\n".join(e.line(t_apply) for e in events)
+    print(f"[faults] {name}: apply -> Ready {t_ready - t_apply:.1f}s\n[faults] pod watch (seconds after apply):\n"
+          f"{timeline}")
+
+    # Exactly one pod per role was ever created, none deleted, no container restarted: no restart, no twin.
+    added = sorted((e.role, e.name) for e in events if e.type == "ADDED")
+    assert [r for r, _ in added] == sorted(ROLES), timeline
+    assert not [e for e in events if e.type == "DELETED" or e.deleting or e.restarts], timeline
+    assert int(status["pairGeneration"]) == 1 and int(status.get("restarts") or 0) == 0, status
+    # One lease per required port, each listed once in status.ports.
+    pair = _pair(real_cluster, namespace, name)
+    leases = _leases(real_cluster, pair["metadata"]["uid"])
+    lease_keys = sorted((l["metadata"]["labels"][LABEL_ROLE], l["metadata"]["labels"][LABEL_PURPOSE]) for l in leases)
+    want = sorted(k for b in required_blocks(pair["spec"]) for k in [(b.role, b.purpose)] * b.count)
+    assert lease_keys == want, (lease_keys, want)
+    assert sorted(int(l["metadata"]["name"].rsplit("-", 1)[1]) for l in leases) == \
+        sorted(int(p["port"]) for p in status["ports"]), (leases, status["ports"])
+    # The pair serves on for the next scenarios; test_realnode_rollout deletes it and checks that these leases go.
+
+
+# --- f. helm upgrade of the operator while a pair serves ----------------------------------------------------
+# Runs in node n1's network namespace: greedy completions through the Service, one after another, until stdin
+# closes or `limit` seconds pass. One JSON line per request. A refused connection is a failure here (no retry).
+_CLIENT_SNIPPET = r"""
+import json, select, sys, time, urllib.request
+url, model, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
+prompts = json.loads(sys.argv[4])
+end = time.monotonic() + limit
+i = 0
+while time.monotonic() < end:
+    if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.readline():
+        break
+    prompt = prompts[i % len(prompts)]
+    i += 1
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()
+    t = time.monotonic()
+    try:
+        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            text = json.load(resp)["choices"][0]["text"]
+        print(json.dumps({"prompt": prompt, "ok": True, "text": text, "seconds": time.monotonic() - t}), flush=True)
+    except Exception as exc:
+        print(json.dumps({"prompt": prompt, "ok": False, "error": repr(exc)[:300], "seconds": time.monotonic() - t}),
+              flush=True)
+        time.sleep(0.2)
+"""
+
+
+def test_helm_upgrade_of_the_operator_keeps_a_serving_pair_untouched(
+        real_cluster, operator_release, baseline_outputs, serving_pair):
+    """Cost: no vLLM cold start (the shared pair serves through the upgrade, unchanged)."""
+    import subprocess
+
+    name, namespace = serving_pair.name, serving_pair.namespace
+    diagnose = _diagnose(real_cluster, namespace, name)
+    before = serving_pair.ready()
+    _assert_serves_like_baseline(real_cluster, namespace, name, baseline_outputs, PROMPTS[:1])
+    pods_before = {n: (p["metadata"]["uid"], p["status"]["containerStatuses"][0]["restartCount"])
+                   for n, p in _pods(real_cluster, namespace, name).items()}
+    assert len(pods_before) == 3 and all(r == 0 for _, r in pods_before.values()), pods_before
+    old_operators = {p["metadata"]["uid"] for p in operator_pods(real_cluster)}
+    revision_before = _helm_revision(operator_release)
+
+    ip, port = _service(real_cluster, namespace, name)
+    kubelet = real_cluster.node("n1").pid("kubelet")
+    client = subprocess.Popen(
+        ["nsenter", "-t", str(kubelet), "-m", "-n", sys.executable, "-c", _CLIENT_SNIPPET,
+         f"http://{ip}:{port}/v1/completions", SERVED_NAME, "420", json.dumps(PROMPTS)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results: list[dict] = []
+    reader = threading.Thread(target=lambda: results.extend(json.loads(l) for l in client.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: len(results) >= 2, 120, "the client's first requests", lambda: str(results))
+        stamp = uuid.uuid4().hex[:12]
+        t0 = time.monotonic()
+        operator_release("upgrade", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--reuse-values",
+                         "--set-string", f"operator.podAnnotations.pdpair\\.io/faults-upgrade={stamp}",
+                         "--wait", "--timeout", "300s", timeout=360)
+        t_upgraded = time.monotonic() - t0
+
+        def new_operator():
+            """Every replica is from the new revision and Ready, and one of them leads."""
+            pods = operator_pods(real_cluster)
+            fresh = [p for p in pods if (p["metadata"].get("annotations") or {}).get("pdpair.io/faults-upgrade") == stamp
+                     and _ready(p) and not p["metadata"].get("deletionTimestamp")]
+            holder = leader_pod_name(real_cluster)
+            leading = [p for p in fresh if p["metadata"]["name"] == holder]
+            return leading[0] if len(fresh) == len(pods) and leading else None
+        operator = wait_for(new_operator, 300, "every operator replica Ready from the new revision, one leading",
+                            diagnose)
+        # The new operator has taken the pair over: its first reconcile pass logs the pair's step.
+        wait_for(lambda: f"pair {namespace}/{name}: Ready" in real_cluster.kubectl(
+            "logs", "-n", OPERATOR_NS, operator["metadata"]["name"], check=False).stdout, 120,
+            "the new operator's first pass over the pair", diagnose)
+        # Then two more health ticks' worth of traffic (the operator's default health interval is 10 s).
+        n = len(results)
+        t_taken = time.monotonic()
+        wait_for(lambda: time.monotonic() - t_taken >= 25 and len(results) >= n + 3, 180,
+                 "traffic after the takeover", lambda: str(results[-5:]))
+    finally:
+        client.stdin.close()
+        try:
+            client.wait(timeout=120)
+        finally:
+            if client.poll() is None:
+                client.kill()
+        reader.join(timeout=30)
+    failed = [r for r in results if not r["ok"]]
+    wrong = [r for r in results if r["ok"] and r["text"] != baseline_outputs[r["prompt"]]]
+    print(f"[faults] {name}: helm upgrade --wait took {t_upgraded:.1f}s; {len(results)} requests during and after, "
+          f"{len(failed)} failed, slowest {max(r['seconds'] for r in results):.2f}s")
+    assert client.returncode == 0, client.stderr.read()
+    assert not failed, failed
+    assert not wrong, wrong
+    assert len(results) >= 5, results
+
+    assert _helm_revision(operator_release) == revision_before + 1
+    assert operator["metadata"]["uid"] not in old_operators
+    after = _pair(real_cluster, namespace, name)["status"]
+    assert after["phase"] == "Ready" and after["pairGeneration"] == before["pairGeneration"], after
+    assert int(after.get("restarts") or 0) == int(before.get("restarts") or 0), after
+    pods_after = {n: (p["metadata"]["uid"], p["status"]["containerStatuses"][0]["restartCount"])
+                  for n, p in _pods(real_cluster, namespace, name).items()}
+    assert pods_after == pods_before, (pods_before, pods_after)
+
+
+def _helm_revision(helm) -> int:
+    return int(json.loads(helm("status", RELEASE, "--namespace", OPERATOR_NS, "-o", "json").stdout)["version"])
 
 
 # --- c. decode's engine process killed ------------------------------------------------------------------------
@@ -221,14 +362,12 @@ def _engine_core_pid(processes: list[dict]) -> int:
 
 
 def test_decode_engine_killed_in_its_container_restarts_the_pair_in_order(
-        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace, pairs):
-    name = "kill-decode"
-    t_apply = _apply_pair(real_cluster, namespace, name, images, model_dir)
-    pairs.append(name)
-    status = _wait_ready(real_cluster, namespace, name, _diagnose(real_cluster, namespace, name))
+        real_cluster, baseline_outputs, serving_pair):
+    """Cost: one ordered restart of the shared pair (2 vLLM cold starts, about 3 min quiet)."""
+    name, namespace = serving_pair.name, serving_pair.namespace
+    status = serving_pair.ready()
     g1 = int(status["pairGeneration"])
     restarts_before = int(status.get("restarts") or 0)
-    print(f"[faults] {name}: apply -> Ready {time.monotonic() - t_apply:.1f}s (generation {g1})")
     _assert_serves_like_baseline(real_cluster, namespace, name, baseline_outputs, PROMPTS[:1])
 
     pods = _pods(real_cluster, namespace, name)
@@ -313,170 +452,3 @@ def _pair_events(cluster, ns: str, name: str, reason: str) -> list[dict]:
     return [{"message": e.get("message", ""),
              "time": e.get("eventTime") or e.get("firstTimestamp") or e["metadata"]["creationTimestamp"]}
             for e in items]
-
-
-# --- e. the operator pod deleted during a pair's startup --------------------------------------------------------
-def test_operator_pod_deleted_during_pair_startup_converges_without_duplicates(
-        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace, pairs):
-    name = "op-deleted"
-    # The chart runs 2 replicas; the one that acts is the leader Lease's holder: delete that one.
-    leader = wait_for(lambda: leader_pod_name(real_cluster), 120, "an operator leader")
-    [old_operator] = [p for p in operator_pods(real_cluster) if p["metadata"]["name"] == leader]
-    watch = PodWatch(real_cluster, namespace, name)
-    diagnose = _diagnose(real_cluster, namespace, name, watch, time.monotonic())
-    t_apply = _apply_pair(real_cluster, namespace, name, images, model_dir)
-    pairs.append(name)
-    decode_added = wait_for(lambda: watch.first(t_apply, lambda e: e.type == "ADDED" and e.role == ROLE_DECODE), 180,
-                            "the decode pod", diagnose)
-    real_cluster.kubectl("delete", "pod", "-n", OPERATOR_NS, old_operator["metadata"]["name"], "--wait=false")
-    t_delete = time.monotonic()
-    prefill_before = [e for e in watch.since(t_apply) if e.role == ROLE_PREFILL and e.t <= t_delete]
-    assert not prefill_before, "the prefill pod existed before the operator was deleted: the test missed its window"
-    print(f"[faults] {name}: decode ADDED {decode_added.t - t_apply:.1f}s after apply; operator pod "
-          f"{old_operator['metadata']['name']} deleted {t_delete - t_apply:.1f}s after apply")
-
-    def new_leader_ready():
-        pods = operator_pods(real_cluster)
-        gone = all(p["metadata"]["uid"] != old_operator["metadata"]["uid"] for p in pods)
-        holder = leader_pod_name(real_cluster)
-        fresh = [p for p in pods if p["metadata"]["name"] == holder and holder != leader and _ready(p)]
-        return fresh[0] if fresh and gone else None
-    new_operator = wait_for(new_leader_ready, 300, "another operator replica leading and the old one gone", diagnose)
-    print(f"[faults] {name}: operator {new_operator['metadata']['name']} leads and the old leader is gone "
-          f"{time.monotonic() - t_delete:.1f}s after the delete")
-
-    status = _wait_ready(real_cluster, namespace, name, diagnose)
-    t_ready = time.monotonic()
-    _assert_serves_like_baseline(real_cluster, namespace, name, baseline_outputs)
-    events = watch.stop()
-    timeline = "\n".join(e.line(t_apply) for e in events)
-    print(f"[faults] {name}: apply -> Ready {t_ready - t_apply:.1f}s\n[faults] pod watch (seconds after apply):\n"
-          f"{timeline}")
-
-    # Exactly one pod per role was ever created, none deleted, no container restarted: no restart, no twin.
-    added = sorted((e.role, e.name) for e in events if e.type == "ADDED")
-    assert [r for r, _ in added] == sorted(ROLES), timeline
-    assert not [e for e in events if e.type == "DELETED" or e.deleting or e.restarts], timeline
-    assert int(status["pairGeneration"]) == 1 and int(status.get("restarts") or 0) == 0, status
-    # One lease per required port, each listed once in status.ports.
-    pair = _pair(real_cluster, namespace, name)
-    leases = _leases(real_cluster, pair["metadata"]["uid"])
-    lease_keys = sorted((l["metadata"]["labels"][LABEL_ROLE], l["metadata"]["labels"][LABEL_PURPOSE]) for l in leases)
-    want = sorted(k for b in required_blocks(pair["spec"]) for k in [(b.role, b.purpose)] * b.count)
-    assert lease_keys == want, (lease_keys, want)
-    assert sorted(int(l["metadata"]["name"].rsplit("-", 1)[1]) for l in leases) == \
-        sorted(int(p["port"]) for p in status["ports"]), (leases, status["ports"])
-    _delete_pair(real_cluster, namespace, name)
-    wait_for(lambda: not _leases(real_cluster, pair["metadata"]["uid"]), 120, "the pair's leases to be released")
-
-
-# --- f. helm upgrade of the operator while a pair serves ----------------------------------------------------
-# Runs in node n1's network namespace: greedy completions through the Service, one after another, until stdin
-# closes or `limit` seconds pass. One JSON line per request. A refused connection is a failure here (no retry).
-_CLIENT_SNIPPET = r"""
-import json, select, sys, time, urllib.request
-url, model, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
-prompts = json.loads(sys.argv[4])
-end = time.monotonic() + limit
-i = 0
-while time.monotonic() < end:
-    if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.readline():
-        break
-    prompt = prompts[i % len(prompts)]
-    i += 1
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()
-    t = time.monotonic()
-    try:
-        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            text = json.load(resp)["choices"][0]["text"]
-        print(json.dumps({"prompt": prompt, "ok": True, "text": text, "seconds": time.monotonic() - t}), flush=True)
-    except Exception as exc:
-        print(json.dumps({"prompt": prompt, "ok": False, "error": repr(exc)[:300], "seconds": time.monotonic() - t}),
-              flush=True)
-        time.sleep(0.2)
-"""
-
-
-def test_helm_upgrade_of_the_operator_keeps_a_serving_pair_untouched(
-        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace, pairs):
-    import subprocess
-
-    name = "upgrade"
-    _apply_pair(real_cluster, namespace, name, images, model_dir)
-    pairs.append(name)
-    diagnose = _diagnose(real_cluster, namespace, name)
-    before = _wait_ready(real_cluster, namespace, name, diagnose)
-    _assert_serves_like_baseline(real_cluster, namespace, name, baseline_outputs, PROMPTS[:1])
-    pods_before = {n: (p["metadata"]["uid"], p["status"]["containerStatuses"][0]["restartCount"])
-                   for n, p in _pods(real_cluster, namespace, name).items()}
-    assert len(pods_before) == 3 and all(r == 0 for _, r in pods_before.values()), pods_before
-    old_operators = {p["metadata"]["uid"] for p in operator_pods(real_cluster)}
-    revision_before = _helm_revision(operator_release)
-
-    ip, port = _service(real_cluster, namespace, name)
-    kubelet = real_cluster.node("n1").pid("kubelet")
-    client = subprocess.Popen(
-        ["nsenter", "-t", str(kubelet), "-m", "-n", sys.executable, "-c", _CLIENT_SNIPPET,
-         f"http://{ip}:{port}/v1/completions", SERVED_NAME, "420", json.dumps(PROMPTS)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    results: list[dict] = []
-    reader = threading.Thread(target=lambda: results.extend(json.loads(l) for l in client.stdout), daemon=True)
-    reader.start()
-    try:
-        wait_for(lambda: len(results) >= 2, 120, "the client's first requests", lambda: str(results))
-        stamp = uuid.uuid4().hex[:12]
-        t0 = time.monotonic()
-        operator_release("upgrade", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--reuse-values",
-                         "--set-string", f"operator.podAnnotations.pdpair\\.io/faults-upgrade={stamp}",
-                         "--wait", "--timeout", "300s", timeout=360)
-        t_upgraded = time.monotonic() - t0
-
-        def new_operator():
-            """Every replica is from the new revision and Ready, and one of them leads."""
-            pods = operator_pods(real_cluster)
-            fresh = [p for p in pods if (p["metadata"].get("annotations") or {}).get("pdpair.io/faults-upgrade") == stamp
-                     and _ready(p) and not p["metadata"].get("deletionTimestamp")]
-            holder = leader_pod_name(real_cluster)
-            leading = [p for p in fresh if p["metadata"]["name"] == holder]
-            return leading[0] if len(fresh) == len(pods) and leading else None
-        operator = wait_for(new_operator, 300, "every operator replica Ready from the new revision, one leading",
-                            diagnose)
-        # The new operator has taken the pair over: its first reconcile pass logs the pair's step.
-        wait_for(lambda: f"pair {namespace}/{name}: Ready" in real_cluster.kubectl(
-            "logs", "-n", OPERATOR_NS, operator["metadata"]["name"], check=False).stdout, 120,
-            "the new operator's first pass over the pair", diagnose)
-        # Then two more health ticks' worth of traffic (the operator's default health interval is 10 s).
-        n = len(results)
-        t_taken = time.monotonic()
-        wait_for(lambda: time.monotonic() - t_taken >= 25 and len(results) >= n + 3, 180,
-                 "traffic after the takeover", lambda: str(results[-5:]))
-    finally:
-        client.stdin.close()
-        try:
-            client.wait(timeout=120)
-        finally:
-            if client.poll() is None:
-                client.kill()
-        reader.join(timeout=30)
-    failed = [r for r in results if not r["ok"]]
-    wrong = [r for r in results if r["ok"] and r["text"] != baseline_outputs[r["prompt"]]]
-    print(f"[faults] {name}: helm upgrade --wait took {t_upgraded:.1f}s; {len(results)} requests during and after, "
-          f"{len(failed)} failed, slowest {max(r['seconds'] for r in results):.2f}s")
-    assert client.returncode == 0, client.stderr.read()
-    assert not failed, failed
-    assert not wrong, wrong
-    assert len(results) >= 5, results
-
-    assert _helm_revision(operator_release) == revision_before + 1
-    assert operator["metadata"]["uid"] not in old_operators
-    after = _pair(real_cluster, namespace, name)["status"]
-    assert after["phase"] == "Ready" and after["pairGeneration"] == before["pairGeneration"], after
-    assert int(after.get("restarts") or 0) == int(before.get("restarts") or 0), after
-    pods_after = {n: (p["metadata"]["uid"], p["status"]["containerStatuses"][0]["restartCount"])
-                  for n, p in _pods(real_cluster, namespace, name).items()}
-    assert pods_after == pods_before, (pods_before, pods_after)
-
-
-def _helm_revision(helm) -> int:
-    return int(json.loads(helm("status", RELEASE, "--namespace", OPERATOR_NS, "-o", "json").stdout)["version"])

@@ -5,7 +5,13 @@ other each, while the spec changes (a harmless engine argument is added to decod
 outputs). Every request is counted: a refused connection, an HTTP error or a timeout is a failure, and every
 successful output must equal the single engine's (the session's baseline). Surge must fail none; Recreate's failures
 are counted and reported for contrast (the Service has no router while the old generation is gone and the new one
-starts). One pair per scenario, deleted at the end.
+starts).
+
+Both run on the package's shared serving pair (serving_pair.py), Ready at whatever generation N the scenarios
+before left it: the strategy and its knobs are patched first (they are not part of the pods' spec, so that alone
+rolls nothing), then the engine argument, which rolls the pair to N + 1. Cost: one generation each (2 vLLM cold
+starts; Surge runs the old and the new generation's engines side by side for a while). The last test deletes the
+shared pair and checks that its pods go and its port leases are released.
 """
 from __future__ import annotations
 
@@ -16,17 +22,15 @@ import threading
 import time
 
 import pytest
-import yaml
 
-from pdpair.contract import GROUP, PLURAL
+from pdpair.contract import GROUP, LABEL_PAIR_UID, LABEL_PORT_LEASE, PLURAL
 from tests.cluster.realnode_product import (
-    ENGINE_START_TIMEOUT, PROMPTS, SERVED_NAME, completion, describe, operator_logs, pair_manifest, wait_for,
+    ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, SERVED_NAME, completion, wait_for,
 )
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
 
 CLIENTS = 4
-HARMLESS_ARGS = ["--max-num-seqs", "32"]  # a scheduler bound; greedy outputs do not depend on it
 DRAIN_SECONDS = 20
 
 # Runs inside node n1's namespaces: CLIENTS threads, each sending one greedy completion after the other until stdin
@@ -94,21 +98,21 @@ class Load:
         return self.records
 
 
-def _rollout_under_load(real_cluster, namespace, images, model_dir, baseline_outputs, name, strategy):
-    body = pair_manifest(name, namespace, images["engine"].ref, model_dir, prefill_node="n1", decode_node="n2")
-    body["spec"]["rolloutStrategy"] = strategy
-    body["spec"]["rollout"] = {"drainSeconds": DRAIN_SECONDS, "progressDeadlineSeconds": 1800}
-    real_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+def _rollout_under_load(real_cluster, serving_pair, baseline_outputs, strategy, harmless_args):
+    name, namespace = serving_pair.name, serving_pair.namespace
+    g1 = int(serving_pair.ready()["pairGeneration"])
+    g2 = g1 + 1
+    patch = {"spec": {"rolloutStrategy": strategy,
+                      "rollout": {"drainSeconds": DRAIN_SECONDS, "progressDeadlineSeconds": 1800}}}
+    real_cluster.kubectl("patch", f"{PLURAL}.{GROUP}", name, "-n", namespace, "--type=merge", "-p", json.dumps(patch))
+    spec = serving_pair.get()["spec"]
 
     def pair():
-        return json.loads(real_cluster.kubectl("get", f"{PLURAL}.{GROUP}", name, "-n", namespace, "-o", "json").stdout)
+        return serving_pair.get() or {}
 
     def diagnose() -> str:
-        return "\n".join([describe(real_cluster, namespace), json.dumps(pair().get("status"), indent=1)[-4000:],
-                          "--- operator:\n" + operator_logs(real_cluster)])
+        return serving_pair.diagnose()
 
-    wait_for(lambda: pair().get("status", {}).get("phase") == "Ready", ENGINE_START_TIMEOUT + 120,
-             "generation 1 Ready", diagnose)
     svc = json.loads(real_cluster.kubectl("get", "service", name, "-n", namespace, "-o", "json").stdout)
     ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
     assert completion(real_cluster, "n1", ip, port, PROMPTS[0]) == baseline_outputs[PROMPTS[0]]  # Service programmed
@@ -119,21 +123,24 @@ def _rollout_under_load(real_cluster, namespace, images, model_dir, baseline_out
         wait_for(lambda: load.ok_since(t_load) >= 2 * CLIENTS, 300, "requests served before the rollout",
                  lambda: json.dumps(load.records[-5:]))
         t_change = time.time()
-        patch = {"spec": {role: {"args": body["spec"][role]["args"] + HARMLESS_ARGS} for role in ("prefill", "decode")}}
+        # The base args plus a scheduler bound: every strategy sets its own value, so each patch changes the spec.
+        patch = {"spec": {role: {"args": ENGINE_ARGS + harmless_args} for role in ("prefill", "decode")}}
+        assert spec["prefill"]["args"] != patch["spec"]["prefill"]["args"], "the patch would roll nothing"
         real_cluster.kubectl("patch", f"{PLURAL}.{GROUP}", name, "-n", namespace, "--type=merge", "-p",
                              json.dumps(patch))
         switched: list[float] = []
 
         def rolled_out() -> bool:
             status = pair().get("status", {})
-            if not switched and status.get("pairGeneration") == 2 and status.get("phase") == "Ready":
+            if not switched and status.get("pairGeneration") == g2 and status.get("phase") == "Ready":
                 switched.append(time.time())  # Recreate: the new generation is Ready; Surge: the Service switched
             pods = json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-l", f"pdpair.io/pair={name}",
                                                    "-o", "json").stdout)["items"]
             return bool(switched) and "rollout" not in status and bool(pods) and all(
-                p["metadata"]["labels"]["pdpair.io/generation"] == "2" for p in pods)
+                p["metadata"]["labels"]["pdpair.io/generation"] == str(g2) for p in pods)
 
-        wait_for(rolled_out, 2 * ENGINE_START_TIMEOUT + 300, "generation 2 serving and generation 1 gone", diagnose)
+        wait_for(rolled_out, 2 * ENGINE_START_TIMEOUT + 300, f"generation {g2} serving and generation {g1} gone",
+                 diagnose)
         t_done = time.time()
         wait_for(lambda: load.ok_since(t_done) >= 2 * CLIENTS, 300, "requests served after the rollout",
                  lambda: json.dumps(load.records[-5:]))
@@ -147,28 +154,39 @@ def _rollout_under_load(real_cluster, namespace, images, model_dir, baseline_out
     status = pair()["status"]
     print(f"\n[realnode-rollout] {strategy}: {len(failed)} failed of {len(records)} requests "
           f"({len(during)} sent during the rollout), {len(wrong)} outputs differ from the baseline; "
-          f"spec change -> generation 2 serving {switched[0] - t_change:.1f}s, -> generation 1 gone "
+          f"spec change -> generation {g2} serving {switched[0] - t_change:.1f}s, -> generation {g1} gone "
           f"{t_done - t_change:.1f}s; longest time without a completed request {longest_gap:.1f}s; "
           f"first failures: {[r['error'] for r in failed[:3]]}")
-    real_cluster.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", namespace, "--wait=true", "--timeout=120s",
-                         timeout=150)
-    wait_for(lambda: not json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"],
-             180, "the pair's pods to go", lambda: describe(real_cluster, namespace))
-    return records, failed, wrong, status
+    return records, failed, wrong, status, g2
 
 
-def test_surge_rollout_under_load_fails_no_request(real_cluster, operator_release, baseline_outputs, images,
-                                                   model_dir, namespace):
-    records, failed, wrong, status = _rollout_under_load(real_cluster, namespace, images, model_dir,
-                                                         baseline_outputs, "surge", "Surge")
+def test_surge_rollout_under_load_fails_no_request(real_cluster, baseline_outputs, serving_pair):
+    records, failed, wrong, status, g2 = _rollout_under_load(real_cluster, serving_pair, baseline_outputs, "Surge",
+                                                             ["--max-num-seqs", "32"])
     assert failed == [], failed[:5]
     assert wrong == [], wrong[:5]
-    assert status["pairGeneration"] == 2 and status.get("servicePort")
+    assert status["pairGeneration"] == g2 and status.get("servicePort")
 
 
-def test_recreate_rollout_under_load_is_an_outage(real_cluster, operator_release, baseline_outputs, images,
-                                                  model_dir, namespace):
-    records, failed, wrong, _ = _rollout_under_load(real_cluster, namespace, images, model_dir, baseline_outputs,
-                                                    "recreate", "Recreate")
+def test_recreate_rollout_under_load_is_an_outage(real_cluster, baseline_outputs, serving_pair):
+    records, failed, wrong, _, _ = _rollout_under_load(real_cluster, serving_pair, baseline_outputs, "Recreate",
+                                                       ["--max-num-seqs", "24"])
     assert wrong == [], wrong[:5]
     assert failed, "Recreate deletes every old pod before the new generation starts: some request must fail"
+
+
+def test_deleting_the_shared_pair_removes_its_pods_and_releases_its_leases(real_cluster, serving_pair):
+    """The last scenario on the shared pair: deleted, its pods go and every port lease it held is released (the
+    leases were checked against its spec and status.ports at its first start, test_realnode_faults e). Cost: none."""
+    pair = serving_pair.get()
+    assert pair is not None, "the shared pair is gone before its deletion scenario"
+    uid = pair["metadata"]["uid"]
+
+    def leases() -> list[dict]:
+        return json.loads(real_cluster.kubectl("get", "leases.coordination.k8s.io", "-n", OPERATOR_NS, "-l",
+                                               f"{LABEL_PORT_LEASE}=true,{LABEL_PAIR_UID}={uid}", "-o",
+                                               "json").stdout)["items"]
+
+    assert leases(), "the serving pair holds no port lease"
+    serving_pair.delete()
+    wait_for(lambda: not leases(), 120, "the pair's leases to be released", lambda: json.dumps(leases())[-2000:])

@@ -2,10 +2,12 @@
 PdPairSignalDeficit fires in a Prometheus running in the cluster, the operator restarts the pair in order, and the
 pair serves again with the same greedy outputs.
 
+- The pair: the package's shared serving pair (serving_pair.py), Ready at whatever generation the scenarios before
+  left it (generation N below); the restart makes it N + 1. Cost: one ordered restart (2 vLLM cold starts).
 - The knob: prefill's template env sets TEST_ONLY_PDPAIR_DROP_SIGNALS_FILE (contract.ENV_TEST_DROP_SIGNALS_FILE) to a
   path in the container's /tmp; `kubectl exec` creates the file, so from the next request on prefill's native sender
   drops every signal. The recreated prefill pod has a fresh container filesystem, so the knob is gone after the
-  restart (checked, not assumed).
+  restart (checked, not assumed). The pair's hang timeout is pair_manifest's 30 s.
 - The Prometheus: tests/cluster/incluster_prometheus.py, configured from `helm template` of the chart (the PodMonitor
   translated the way prometheus-operator would, the PrometheusRule's groups as its rules file). prometheus-operator
   itself is not run. For a test, the chart values are tuned: scrape every 1 s, evaluate every 1 s, the alert's
@@ -27,23 +29,17 @@ import threading
 import time
 
 import pytest
-import yaml
 
-from pdpair.contract import (
-    ALERT_SIGNAL_DEFICIT, ENV_TEST_DROP_SIGNALS_FILE, GROUP, PLURAL, VERSION,
-)
+from pdpair.contract import ALERT_SIGNAL_DEFICIT, GROUP, PLURAL, VERSION
 from tests.cluster.incluster_prometheus import InClusterPrometheus, prometheus_image
 from tests.cluster.realnode_product import (
-    _COMPLETION_SNIPPET, ENGINE_START_TIMEOUT, PROMPTS, SERVED_NAME, completion, describe, operator_logs,
-    pair_manifest, pod_logs, unique, wait_for,
+    _COMPLETION_SNIPPET, ENGINE_START_TIMEOUT, PROMPTS, SERVED_NAME, completion, unique, wait_for,
 )
 from tests.cluster.realnode_watch import Recorder, listening_since, pod_steps
+from tests.e2e_realnode.serving_pair import DROP_SIGNALS_KNOB
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
 
-HANG_TIMEOUT = 10  # seconds; the CRD's minimum is 5
-KNOB = "/tmp/pdpair-drop-signals"
-PAIR = "drop"
 # The chart's monitoring values for a test: fast scrapes and evaluations, the alert without a `for` delay.
 PROMETHEUS_SETS = ("monitoring.podMonitor.interval=1s", "monitoring.podMonitor.scrapeTimeout=1s",
                    "monitoring.prometheusRule.evaluationInterval=1s",
@@ -66,40 +62,33 @@ def prometheus(real_cluster, images):
 
 
 def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order(
-        real_cluster, operator_release, baseline_outputs, images, model_dir, namespace, prometheus):
+        real_cluster, baseline_outputs, serving_pair, prometheus):
     from kubernetes import client
 
     api = real_cluster.api_client()
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-    body = pair_manifest(PAIR, namespace, images["engine"].ref, model_dir, prefill_node="n1", decode_node="n2",
-                         prefill_env=[{"name": ENV_TEST_DROP_SIGNALS_FILE, "value": KNOB}])
-    body["spec"]["connector"]["hangTimeoutSeconds"] = HANG_TIMEOUT
-    real_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+    PAIR, namespace = serving_pair.name, serving_pair.namespace
+    before = serving_pair.ready()
+    g1, restarts_before = int(before["pairGeneration"]), int(before.get("restarts") or 0)
+    hang_timeout = serving_pair.get()["spec"]["connector"]["hangTimeoutSeconds"]
 
     def pair() -> dict:
-        return json.loads(real_cluster.kubectl("get", f"{PLURAL}.{GROUP}", PAIR, "-n", namespace, "-o", "json").stdout)
+        return serving_pair.get() or {}
 
     def diagnose() -> str:
-        out = [describe(real_cluster, namespace), json.dumps(pair().get("status"), indent=1)[-3000:]]
-        for p in json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]:
-            out.append(f"--- {p['metadata']['name']}:\n{pod_logs(real_cluster, namespace, p['metadata']['name'])}")
-        out.append("--- operator:\n" + operator_logs(real_cluster, tail=80))
-        out.append("--- prometheus:\n" + prometheus.logs())
-        return "\n".join(out)
+        return f"{serving_pair.diagnose()}\n--- prometheus:\n{prometheus.logs()}"
 
     def ready(generation: int):
         return lambda: (lambda s: s.get("phase") == "Ready" and s.get("pairGeneration") == generation)(
             pair().get("status") or {})
 
-    wait_for(ready(1), ENGINE_START_TIMEOUT + 120, "pair generation 1 Ready", diagnose)
-    svc = json.loads(real_cluster.kubectl("get", "service", PAIR, "-n", namespace, "-o", "json").stdout)
-    ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
+    ip, port = serving_pair.service()
     outputs = {p: completion(real_cluster, "n1", ip, port, p) for p in PROMPTS}
     expected = {p: baseline_outputs[p] for p in PROMPTS}
     assert outputs == expected, f"pair outputs differ from the single engine before the fault:\n{outputs}\n{expected}"
 
-    prefill_g1, decode_g1 = f"{PAIR}-prefill-g1", f"{PAIR}-decode-g1"
-    prefill_g2, decode_g2 = f"{PAIR}-prefill-g2", f"{PAIR}-decode-g2"
+    prefill_g1, decode_g1 = f"{PAIR}-prefill-g{g1}", f"{PAIR}-decode-g{g1}"
+    prefill_g2, decode_g2 = f"{PAIR}-prefill-g{g1 + 1}", f"{PAIR}-decode-g{g1 + 1}"
     # Prometheus scrapes both engines through the translated PodMonitor, with the labels the rules group by.
     up_query = f'up{{namespace="{namespace}",pair="{PAIR}"}}'
     wait_for(lambda: sorted(r["metric"]["pod"] for r in prometheus.query(up_query) if r["value"][1] == "1")
@@ -126,7 +115,8 @@ def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order
                 pass
             polling.wait(1.0)
 
-    real_cluster.kubectl("exec", "-n", namespace, prefill_g1, "-c", "engine", "--", "sh", "-c", f"echo 1 > {KNOB}")
+    real_cluster.kubectl("exec", "-n", namespace, prefill_g1, "-c", "engine", "--", "sh", "-c",
+                         f"echo 1 > {DROP_SIGNALS_KNOB}")
     t_knob = time.monotonic()
     poller = threading.Thread(target=poll_alerts, daemon=True)
     poller.start()
@@ -142,7 +132,8 @@ def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order
     requester = threading.Thread(target=stuck_request, daemon=True)
     requester.start()
     try:
-        wait_for(ready(2), ENGINE_START_TIMEOUT + 240, "the restarted pair (generation 2) Ready", diagnose)
+        wait_for(ready(g1 + 1), ENGINE_START_TIMEOUT + 240, f"the restarted pair (generation {g1 + 1}) Ready",
+                 diagnose)
         t_ready = time.monotonic()
         again = completion(real_cluster, "n1", ip, port, PROMPTS[0])
         t_first_token = time.monotonic()
@@ -166,16 +157,16 @@ def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order
     assert order == [f"delete {prefill_g1}", f"delete {decode_g1}", f"create {decode_g2}", f"create {prefill_g2}"], \
         order
     when = {s: (t, rv) for t, rv, s in steps}
-    listening = listening_since(pairs.events, 2)
-    assert listening is not None, "no pair status with DecodeListening True for generation 2"
+    listening = listening_since(pairs.events, g1 + 1)
+    assert listening is not None, f"no pair status with DecodeListening True for generation {g1 + 1}"
     assert when[f"create {decode_g2}"][1] < listening[1] < when[f"create {prefill_g2}"][1], \
         (when, listening)
 
     status = pair()["status"]
-    assert status["restarts"] == 1 and "hung" in status["lastRestart"]["reason"], status
+    assert status["restarts"] == restarts_before + 1 and "hung" in status["lastRestart"]["reason"], status
     # The recreated prefill has a fresh filesystem: the knob is gone, so the pair serves as before.
     gone = real_cluster.kubectl("exec", "-n", namespace, prefill_g2, "-c", "engine", "--", "sh", "-c",
-                                f"test ! -e {KNOB}", check=False)
+                                f"test ! -e {DROP_SIGNALS_KNOB}", check=False)
     assert gone.returncode == 0, f"the knob survived the restart: {gone.stdout}{gone.stderr}"
     outputs = {PROMPTS[0]: again, **{p: completion(real_cluster, "n2", ip, port, p) for p in PROMPTS[1:]}}
     assert outputs == expected, f"pair outputs differ after the restart:\n{outputs}\n{expected}"
@@ -183,7 +174,7 @@ def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order
     t_delete = when[f"delete {prefill_g1}"][0]
     t_alert = firing_seen[0][0] if firing_seen else None
     requester.join(timeout=1)
-    print(f"[realnode-e2e] hang to recovery (hang timeout {HANG_TIMEOUT}s, operator health interval 10s): "
+    print(f"[realnode-e2e] hang to recovery (hang timeout {hang_timeout}s, operator health interval 10s): "
           f"knob+request -> alert firing seen {('%.1fs' % (t_alert - t_knob)) if t_alert else 'n/a (poll missed it)'}, "
           f"-> operator's first deletion (restart decision) {t_delete - t_knob:.1f}s; "
           f"restart: first deletion -> decode g1 deleted {when[f'delete {decode_g1}'][0] - t_delete:.1f}s, "
@@ -193,7 +184,3 @@ def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order
           f"-> Ready again {t_ready - t_knob:.1f}s; -> first token again {t_first_token - t_knob:.1f}s; "
           f"the stuck request: {stuck or 'still open'}")
 
-    real_cluster.kubectl("delete", f"{PLURAL}.{GROUP}", PAIR, "-n", namespace, "--wait=true", "--timeout=120s",
-                         timeout=150)
-    wait_for(lambda: not json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"],
-             120, "the pair's pods to go", lambda: describe(real_cluster, namespace))

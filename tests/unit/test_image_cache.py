@@ -9,7 +9,8 @@ def test_prune_keeps_the_newest_archives_of_that_name_only(tmp_path, monkeypatch
     monkeypatch.setattr(images, "images_dir", lambda: tmp_path)
     engine = [tmp_path / f"pdpair-engine-{i:016x}.oci.tar" for i in range(5)]
     operator = [tmp_path / f"pdpair-{i:016x}.oci.tar" for i in range(2)]
-    other = [tmp_path / "debian-python-0123456789abcdef.oci.tar", tmp_path / "pdpair-engine-0000000000000009.oci.tar.tmp"]
+    other = [tmp_path / "debian-python-0123456789abcdef.oci.tar", tmp_path / "pdpair-engine-0000000000000009.oci.tar.tmp",
+             tmp_path / "pdpair-engine-base-0123456789abcdef.oci.tar"]  # the engine's base is an image of its own
     for age, path in enumerate(reversed(engine + operator + other)):
         path.write_bytes(b"x")
         os.utime(path, (1_000_000 - age, 1_000_000 - age))  # within each name, later in the list is newer

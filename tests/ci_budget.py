@@ -1,0 +1,161 @@
+"""The test command's time budget: where the wall time of `bash hack/test.sh` goes, and a loud stop at the budget.
+
+CI gives `.ci/run` 90 minutes on a 2-core machine, builds included. `hack/test.sh` records the moment it starts
+(`PDPAIR_CI_STARTED`) and a phase file (`PDPAIR_CI_PHASES`): each install/build step appends its seconds, and the
+pytest plugin below appends one line per test tier (the first folder under tests/: unit, native, e2e, engine,
+e2e_realnode, ...). At the end `python -m tests.ci_budget report` prints the table, also after a failure.
+
+When the whole command's wall time passes `PDPAIR_CI_BUDGET_SECONDS` (BUDGET_SECONDS, 80 minutes: 10 below CI's hard
+limit, so the message and the fixtures' teardown still get out), a watchdog thread prints which tier and test were
+running and sends the session SIGINT: pytest stops at once (also from inside a blocking wait), tears its clusters
+down and exits non-zero. Without `PDPAIR_CI_STARTED` (a plain `pytest` run) there is no watchdog and no phase file.
+
+    python -m tests.ci_budget report [PHASE_FILE]    # the table of phases and tiers
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+BUDGET_SECONDS = 80 * 60
+STARTED_ENV = "PDPAIR_CI_STARTED"
+BUDGET_ENV = "PDPAIR_CI_BUDGET_SECONDS"
+PHASES_ENV = "PDPAIR_CI_PHASES"
+
+
+def budget_seconds() -> float:
+    raw = os.environ.get(BUDGET_ENV, "")
+    if not raw:
+        return float(BUDGET_SECONDS)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SystemExit(f"{BUDGET_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise SystemExit(f"{BUDGET_ENV}={raw!r} must be positive")
+    return value
+
+
+def started_at() -> float | None:
+    raw = os.environ.get(STARTED_ENV, "")
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        raise SystemExit(f"{STARTED_ENV}={raw!r} is not a Unix time") from None
+
+
+def record(phase: str, seconds: float) -> None:
+    """Appends one phase to the phase file (a no-op outside the test command)."""
+    path = os.environ.get(PHASES_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{phase}\t{seconds:.0f}\n")
+
+
+def tier_of(nodeid: str) -> str:
+    parts = nodeid.split("::", 1)[0].split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
+
+
+def _fmt(seconds: float) -> str:
+    return f"{int(seconds) // 60:d} min {int(seconds) % 60:02d} s"
+
+
+def report(path: str) -> str:
+    rows: list[tuple[str, float]] = []
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, secs = line.rstrip("\n").partition("\t")
+                if secs:
+                    rows.append((name, float(secs)))
+    except FileNotFoundError:
+        return f"(no phase file at {path})"
+    width = max([len(n) for n, _ in rows] + [5])
+    lines = [f"{'phase':<{width}}  {'wall':>12}"]
+    lines += [f"{name:<{width}}  {_fmt(secs):>12}" for name, secs in rows]
+    start = started_at()
+    if start is not None:
+        lines.append(f"{'total':<{width}}  {_fmt(time.time() - start):>12}  (budget {_fmt(budget_seconds())})")
+    return "\n".join(lines)
+
+
+class Budget:
+    """pytest plugin: per-tier wall time into the phase file, and the watchdog at the budget."""
+
+    def __init__(self, started: float, budget: float):
+        self.deadline = started + budget
+        self.budget = budget
+        self.current: str | None = None  # the test running now (nodeid)
+        self.tier: str | None = None
+        self.tier_started = 0.0
+        self.expired = False
+        self._timer: threading.Timer | None = None
+
+    # -- tiers ---------------------------------------------------------------------------------------------------
+    def _close_tier(self) -> None:
+        if self.tier is not None:
+            record(f"pytest {self.tier}", time.monotonic() - self.tier_started)
+            self.tier = None
+
+    def pytest_sessionstart(self, session) -> None:
+        left = self.deadline - time.time()
+        if left <= 0:
+            self._expire(f"the builds before pytest already took the whole budget of {_fmt(self.budget)}")
+            return
+        self._timer = threading.Timer(left, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def pytest_runtest_logstart(self, nodeid, location) -> None:
+        self.current = nodeid
+        tier = tier_of(nodeid)
+        if tier != self.tier:
+            self._close_tier()
+            self.tier, self.tier_started = tier, time.monotonic()
+
+    def pytest_sessionfinish(self, session, exitstatus) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._close_tier()
+        if self.expired:
+            import pytest
+            session.exitstatus = pytest.ExitCode.INTERRUPTED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.expired:
+            terminalreporter.write_sep("=", self.message, red=True)
+
+    # -- the watchdog ----------------------------------------------------------------------------------------------
+    def _expire(self, why: str | None = None) -> None:
+        self.expired = True
+        where = f"tier {self.tier or '(none yet)'}, test {self.current or '(none yet)'}"
+        self.message = (f"TIME BUDGET EXCEEDED: the test command passed {_fmt(self.budget)} "
+                        f"({BUDGET_ENV}) in {where}" + (f": {why}" if why else "")
+                        + "; stopping here so CI's hard limit does not cut the run off silently")
+        print(f"\n\n{'!' * 100}\n{self.message}\n{'!' * 100}\n", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)  # a real signal: interrupts the main thread even inside a blocking wait
+
+
+def plugin() -> Budget | None:
+    started = started_at()
+    return Budget(started, budget_seconds()) if started is not None else None
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 1 and argv[0] == "report":
+        path = argv[1] if len(argv) > 1 else os.environ.get(PHASES_ENV, "")
+        if not path:
+            print(f"usage: python -m tests.ci_budget report PHASE_FILE (or set {PHASES_ENV})", file=sys.stderr)
+            return 2
+        print(report(path))
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
