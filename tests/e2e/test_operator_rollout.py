@@ -65,6 +65,32 @@ def lease_ports(leases):
     return {int(lease.metadata.name.removeprefix(LEASE_NAME_PREFIX)) for lease in leases}
 
 
+def wait_leases_equal_status_ports(api, ns, name, uid, timeout=30):
+    """Wait until the pair's port Leases are exactly the ports its status.ports lists; returns them.
+
+    What the operator guarantees: status never lists a port the pair does not hold (a port is unlisted before its
+    Lease goes), and a finished rollout's other port set is released right after the status write that ends the
+    rollout (reconciler.reconcile_once: status first, then Plan.release_slot). So the status that shows the rollout
+    done can be read while those Leases are still being deleted; only the end state, Leases == status.ports, is
+    the product's promise. A port set that leaked never gets there, and the message names its ports."""
+    seen = {}
+
+    def settled():
+        listed = {p["port"] for p in (api.pair(ns, name).get("status") or {}).get("ports") or []}
+        held = lease_ports(pair_leases(api, ns, uid))
+        seen.update(listed=listed, held=held)
+        return listed if listed and held == listed else None
+
+    try:
+        return wait_for(settled, timeout, "the pair's Leases to equal status.ports")
+    except AssertionError:
+        listed, held = seen.get("listed", set()), seen.get("held", set())
+        raise AssertionError(
+            f"{ns}/{name}: {timeout}s after the rollout ended its Leases still differ from status.ports "
+            f"{sorted(listed)}: leased but not listed {sorted(held - listed)}, listed but not leased "
+            f"{sorted(listed - held)}") from None
+
+
 def start_surge_pair(api, ns, name, **spec):
     api.create_pair(ns, name, router={"enabled": True}, rolloutStrategy="Surge",
                     rollout={"drainSeconds": 3, "progressDeadlineSeconds": 600}, **spec)
@@ -310,7 +336,12 @@ def test_a_new_pod_the_api_server_refuses_rolls_the_rollout_back(platform, clust
             assert condition(failed, "Ready")["status"] == "True" and failed["status"]["pairGeneration"] == 1
             assert condition(failed, COND_PROGRESSING)["reason"] == "RolloutFailed"
             assert not [p for p in api.pods(ns) if p["metadata"]["labels"][LABEL_GENERATION] != "1"]
-            assert lease_ports(pair_leases(api, ns, g1["metadata"]["uid"])) == {p["port"] for p in g1["status"]["ports"]}
+            # The status above is written before the rollout's port set is released (in the same pass): at this
+            # instant its Leases may still exist, but every port status lists is leased.
+            uid, g1_ports = g1["metadata"]["uid"], {p["port"] for p in g1["status"]["ports"]}
+            assert {p["port"] for p in failed["status"]["ports"]} == g1_ports
+            assert g1_ports <= lease_ports(pair_leases(api, ns, uid))
+            assert wait_leases_equal_status_ports(api, ns, "refused", uid) == g1_ports
         finally:
             for sock in listeners:
                 sock.close()
