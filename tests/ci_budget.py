@@ -47,9 +47,8 @@ def started_at() -> float | None:
         raise SystemExit(f"{STARTED_ENV}={raw!r} is not a Unix time") from None
 
 
-def record(phase: str, seconds: float) -> None:
-    """Appends one phase to the phase file (a no-op outside the test command)."""
-    path = os.environ.get(PHASES_ENV)
+def record(phase: str, seconds: float, path: str | None) -> None:
+    """Appends one phase to the phase file (a no-op without one)."""
     if path:
         with open(path, "a") as f:
             f.write(f"{phase}\t{seconds:.0f}\n")
@@ -86,7 +85,8 @@ def report(path: str) -> str:
 class Budget:
     """pytest plugin: per-tier wall time into the phase file, and the watchdog at the budget."""
 
-    def __init__(self, started: float, budget: float):
+    def __init__(self, started: float, budget: float, phase_file: str | None):
+        self.phase_file = phase_file
         self.deadline = started + budget
         self.budget = budget
         self.current: str | None = None  # the test running now (nodeid)
@@ -98,7 +98,7 @@ class Budget:
     # -- tiers ---------------------------------------------------------------------------------------------------
     def _close_tier(self) -> None:
         if self.tier is not None:
-            record(f"pytest {self.tier}", time.monotonic() - self.tier_started)
+            record(f"pytest {self.tier}", time.monotonic() - self.tier_started, self.phase_file)
             self.tier = None
 
     def pytest_sessionstart(self, session) -> None:
@@ -141,8 +141,16 @@ class Budget:
 
 
 def plugin() -> Budget | None:
+    """The plugin for this session, or None outside the test command. It takes the variables out of the
+    environment: a pytest that a test starts as a subprocess is not the test command, and must neither stop at
+    the budget nor write to the phase file."""
     started = started_at()
-    return Budget(started, budget_seconds()) if started is not None else None
+    if started is None:
+        return None
+    budget = Budget(started, budget_seconds(), os.environ.pop(PHASES_ENV, None))
+    for name in (STARTED_ENV, BUDGET_ENV):
+        os.environ.pop(name, None)
+    return budget
 
 
 def main(argv: list[str]) -> int:

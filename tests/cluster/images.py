@@ -90,7 +90,8 @@ def _key(parts: dict) -> str:
 
 
 def debian_base(log: Callable[[str], None] = print) -> Image:
-    key = _key({"suite": DEBIAN_SUITE, "mirror": DEBIAN_MIRROR, "packages": BASE_PACKAGES, "layout": 1})
+    # layout 2: the archive's config has a history entry for its layer (write_oci_archive_from_files).
+    key = _key({"suite": DEBIAN_SUITE, "mirror": DEBIAN_MIRROR, "packages": BASE_PACKAGES, "layout": 2})
     ref = f"localhost/pdpair/debian-python:{DEBIAN_SUITE}-{key[:12]}"
     archive = images_dir() / f"debian-python-{key}.oci.tar"
     with _Lock("debian-base"):

@@ -224,6 +224,10 @@ def write_oci_archive_from_files(dest: pathlib.Path, ref: str, layers: list[path
     image_config = {
         "architecture": "amd64", "os": "linux", "config": config,
         "rootfs": {"type": "layers", "diff_ids": [d["digest"] for d in layer_descs]},
+        # One history entry per layer, as every builder writes: buildah checks that an image built FROM this one
+        # has as many non-empty history entries as layers, and refuses a second-generation child otherwise
+        # ("history lists 2 non-empty layers, but we have 3 layers on disk": engine on engine-base on this base).
+        "history": [{"created_by": f"pdpair: {p.name}"} for p in layers],
     }
     config_desc = {"mediaType": "application/vnd.oci.image.config.v1+json",
                    **blob(json.dumps(image_config, sort_keys=True).encode())}

@@ -53,8 +53,9 @@ def test_builds_that_took_the_whole_budget_stop_pytest_before_the_first_test(tmp
 
 def test_within_the_budget_nothing_changes_and_each_tier_gets_a_line(tmp_path):
     phases = tmp_path / "phases"
-    proc = _pytest(tmp_path, "def test_ok(): pass\n", {ci_budget.STARTED_ENV: str(time.time()),
-                                                       ci_budget.PHASES_ENV: str(phases)})
+    # A pytest that a test starts (as test_skip_fails_session does) must not inherit the budget or the phase file.
+    proc = _pytest(tmp_path, "import os\ndef test_ok(): assert not [k for k in os.environ if k.startswith('PDPAIR_CI_')]\n",
+                   {ci_budget.STARTED_ENV: str(time.time()), ci_budget.PHASES_ENV: str(phases)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [line] = phases.read_text().splitlines()
     assert line.split("\t")[0] == "pytest test_sample.py"

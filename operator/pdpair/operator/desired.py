@@ -186,6 +186,8 @@ class Observed:
     rollout_decode_listening: bool = False
     rollout_probe_message: str = ""
     rollout_rejection: str = ""  # the API server refused one of its pods (the message)
+    # Every port set the pair holds leases in, as the executor last read them (rollout.release_left_slot)
+    leased_slots: frozenset[str] = frozenset()
 
 
 # --- the plan ---------------------------------------------------------------------------------------
@@ -263,9 +265,8 @@ def desired_state(
 
     status = status or {}
     surge = rollout.surge_plan(spec, status, observed, now)
-    if surge is not None:
-        return surge
-    return recreate_state(spec, status, observed)
+    plan = surge if surge is not None else recreate_state(spec, status, observed)
+    return rollout.release_left_slot(plan, status, observed)
 
 
 def recreate_state(

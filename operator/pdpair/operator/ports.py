@@ -209,6 +209,7 @@ class LeaseOutcome:
     claimed: int = 0
     released: int = 0
     message: str = ""
+    slots: frozenset[str] = frozenset()  # every port set the pair held leases in, as read before claiming
 
     @property
     def complete(self) -> bool:
@@ -319,32 +320,36 @@ class PortLeaser:
     # - the pair-level operations --------------------------------------------------------------------
     async def _held(
         self, pair_uid: str, slot: str = DEFAULT_SLOT
-    ) -> tuple[dict[tuple[str, str], list[int]], dict[int, str]]:
-        """The pair's leased ports of one port set by (role, purpose), and each lease's uid."""
+    ) -> tuple[dict[tuple[str, str], list[int]], dict[int, str], frozenset[str]]:
+        """The pair's leased ports of one port set by (role, purpose), each lease's uid, and every port set the
+        pair holds leases in (the same list says it: the planner releases a set a finished rollout left)."""
         held: dict[tuple[str, str], list[int]] = defaultdict(list)
         uids: dict[int, str] = {}
+        slots: set[str] = set()
         for lease in await self.leases_of(pair_uid):
             port = _lease_port(lease)
             if port is None:
                 continue
             labels = lease.metadata.labels or {}
-            if lease_slot(labels) != slot:
+            in_slot = lease_slot(labels)
+            slots.add(in_slot)
+            if in_slot != slot:
                 continue
             held[(labels.get(LABEL_ROLE, ""), labels.get(LABEL_PURPOSE, ""))].append(port)
             uids[port] = lease.metadata.uid
-        return held, uids
+        return held, uids, frozenset(slots)
 
-    async def held(self, pair: PairRef, slot: str = DEFAULT_SLOT) -> list[PortAssignment]:
+    async def held(self, pair: PairRef, slot: str = DEFAULT_SLOT) -> tuple[list[PortAssignment], frozenset[str]]:
         """What the pair holds in one port set now, changing nothing (ranks by port order within each role and
-        purpose)."""
-        held, _ = await self._held(pair.uid, slot)
+        purpose), and every port set it holds leases in."""
+        held, _, slots = await self._held(pair.uid, slot)
         async with self._lock:
             self.taken.update(p for ports in held.values() for p in ports)
         return sorted(
             PortAssignment(role, purpose, rank, port)
             for (role, purpose), ports in held.items()
             for rank, port in enumerate(sorted(ports))
-        )
+        ), slots
 
     async def ensure(
         self,
@@ -364,8 +369,8 @@ class PortLeaser:
         for value in (pair.name, pair.namespace, pair.uid):
             if len(value) > LABEL_VALUE_MAX:
                 raise ValueError(f"name {value!r} is longer than {LABEL_VALUE_MAX} characters (a label value)")
-        outcome = LeaseOutcome()
-        held, uids = await self._held(pair.uid, slot)
+        held, uids, slots = await self._held(pair.uid, slot)
+        outcome = LeaseOutcome(slots=slots)
         keep, release = match_existing(blocks, held)
         outcome.adopted = len(keep)
         if release and before_release is not None:
@@ -456,8 +461,9 @@ class PortLeaser:
 
     async def release_slot(self, pair: PairRef, slot: str) -> int:
         """Delete every lease of one of the pair's port sets (the old or the failed generation of a Surge rollout,
-        once its pods are gone and status no longer lists the ports)."""
-        _, uids = await self._held(pair.uid, slot)
+        once its pods are gone and status no longer lists the ports; or such a set whose release a dead pass left
+        undone, rollout.release_left_slot)."""
+        _, uids, _ = await self._held(pair.uid, slot)
         released = 0
         for port, uid in uids.items():
             released += await self._release_port(port, uid)

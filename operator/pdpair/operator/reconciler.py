@@ -158,6 +158,9 @@ class PairReconciler:
         self.rollout_blocks: tuple | None = None
         self.rollout_checked_at = 0.0
         self.rollout_pool_message = ""
+        # Every port set the pair holds leases in, as last read (with the reads above, no call of its own): a set
+        # that a rollout left leased when the pass that ended it died before releasing it (rollout.release_left_slot)
+        self.leased_slots: frozenset[str] = frozenset()
         self.listening_pods: set[str] = set()  # pod uids whose listener accepted on every rank
         self.probe_message = ""
         self.last_step = ""
@@ -220,7 +223,8 @@ class PairReconciler:
         slot = rollout.serving_slot(self.status)
         if any(p.spec_hash != want for p in pods):
             if self.ports is None or not fresh:
-                self.ports = status_ports(await self.rt.leaser.held(self.ref, slot))
+                held, self.leased_slots = await self.rt.leaser.held(self.ref, slot)
+                self.ports = status_ports(held)
                 self.blocks = None  # unknown: re-leased (adopting what fits) once the old pods are gone
                 self.leases_checked_at = time.monotonic()
             return
@@ -229,7 +233,7 @@ class PairReconciler:
         if self.ports is None and self.pool_message and time.monotonic() < self.next_lease_try:
             return
         outcome = await self.rt.leaser.ensure(self.ref, blocks, before_release=self._unlist_ports, slot=slot)
-        self.leases_checked_at = time.monotonic()
+        self.leases_checked_at, self.leased_slots = time.monotonic(), outcome.slots
         if outcome.exhausted:
             self.ports, self.blocks = None, None
             if not self.pool_message:
@@ -250,7 +254,8 @@ class PairReconciler:
     async def ensure_rollout_ports(self, spec: Mapping[str, Any], pods: tuple[d.PodView, ...]) -> None:
         """The port set of a Surge rollout's other generation (rollout.py): leased for the new spec while it comes
         up (Progressing); only read while it drains or rolls back (its pods may still be bound to them); none
-        without a rollout. Released by the plan (Plan.release_slot) once its pods are gone."""
+        without a rollout. Released by the plan (Plan.release_slot) once its pods are gone; a set left leased after
+        the rollout ended (the releasing pass died) too, seen in self.leased_slots."""
         other = rollout.other_generation(self.status)
         if other is None:
             self.rollout_ports, self.rollout_blocks, self.rollout_pool_message = None, None, ""
@@ -263,14 +268,15 @@ class PairReconciler:
             p.spec_hash == want for p in pods if p.generation == generation)
         if not leasing:
             if self.rollout_ports is None or not fresh:
-                self.rollout_ports = status_ports(await self.rt.leaser.held(self.ref, slot))
+                held, self.leased_slots = await self.rt.leaser.held(self.ref, slot)
+                self.rollout_ports = status_ports(held)
                 self.rollout_blocks, self.rollout_checked_at = None, time.monotonic()
             return
         blocks = required_blocks(spec)
         if self.rollout_ports is not None and blocks == self.rollout_blocks and fresh:
             return
         outcome = await self.rt.leaser.ensure(self.ref, blocks, before_release=self._unlist_rollout_ports, slot=slot)
-        self.rollout_checked_at = time.monotonic()
+        self.rollout_checked_at, self.leased_slots = time.monotonic(), outcome.slots
         if outcome.exhausted:
             self.rollout_ports, self.rollout_blocks, self.rollout_pool_message = None, None, outcome.message
             return
@@ -477,6 +483,7 @@ class PairReconciler:
             rollout_decode_listening=rollout_listening,
             rollout_probe_message=rollout_probe_message,
             rollout_rejection=self._rollout_rejection(spec),
+            leased_slots=self.leased_slots,
             meta_generation=meta_generation,
             restart_times=tuple(self._restart_times()),
             health=self._health_finding(),
@@ -536,6 +543,7 @@ class PairReconciler:
         if plan.release_slot:  # status no longer lists them (written above): the leases can go
             released = await self.rt.leaser.release_slot(self.ref, plan.release_slot)
             self.rollout_ports, self.rollout_blocks = None, None
+            self.leased_slots -= {plan.release_slot}  # only once done: a pass that dies before plans it again
             self.log.info("pair %s/%s: released %d port leases of port set %s", self.ref.namespace, self.ref.name,
                           released, plan.release_slot)
         if plan.switch_ports or plan.release_slot or "rollout" in plan.status_fields:

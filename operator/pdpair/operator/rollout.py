@@ -16,6 +16,9 @@ The rollout lives in status.rollout, so a restarted operator carries on where th
                 router are deleted, then its decode; once gone its port set is released -> done (RolloutDrained)
   RollingBack   T's pods are deleted (prefill and router first), then its port set is released -> done
 
+"Done" is one status write (no status.rollout) and then the release of the set. A pass that dies between the two
+leaves that set leased with no rollout naming it; release_left_slot plans its release in a later pass.
+
 The serving generation's own failures keep the Recreate restart path (the executor's restart policy): a restart
 abandons the rollout, and the new generation is built from the current spec on the serving port set.
 A spec change of a pair that is not Ready (nothing serves) is a Recreate rollout whatever the strategy.
@@ -307,3 +310,23 @@ def _finish(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d.Obse
         done = condition
     return step(STEP_ROLLOUT_DONE, serving.message, condition=done, status_fields={"rollout": None},
                 release_slot=gone_slot, events=events)
+
+
+def release_left_slot(plan: d.Plan, status: Mapping[str, Any], observed: d.Observed) -> d.Plan:
+    """`plan`, releasing a port set that a finished rollout left leased, when it is safe to.
+
+    A rollout ends with a status write (status.rollout removed), then the executor releases the other generation's
+    set (Plan.release_slot). A pass that dies between the two (an API error on a lease delete, a SIGKILL, lost
+    leadership) leaves that set leased, and from then on nothing in status names it (other_generation() is None):
+    without this, its ports stay taken until the pair is deleted. The leases are the truth, so the set is found
+    among them (observed.leased_slots). It is released only when no pod can still be bound to it: no rollout before
+    or after this pass (a pass that starts one leaves the set to it; PortLeaser.ensure adopts what fits), and every
+    pod is of the plan's generation, which uses the serving set. The serving set itself is never released.
+    """
+    after = {**status, **plan.status_fields}
+    if plan.release_slot or active_rollout(status) is not None or active_rollout(after) is not None:
+        return plan
+    if any(p.generation != plan.pair_generation for p in observed.pods):
+        return plan  # an older generation's pod (a Recreate replacement, a pod the index still shows) may use it
+    left = sorted(s for s in observed.leased_slots if s != serving_slot(after))
+    return dataclasses.replace(plan, release_slot=left[0]) if left else plan

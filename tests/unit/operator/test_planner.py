@@ -145,6 +145,8 @@ class World:
     restarts: list[float] = field(default_factory=list)  # when counted restarts happened
     failed_at_generation: int | None = None  # metadata.generation the pair went Failed at
     creates: int = 0
+    slots: set[str] = field(default_factory=set)  # port sets leased (the serving one; a rollout's while Progressing)
+    pod_slots: dict[str, str] = field(default_factory=dict)  # pod name -> the port set it was built on
 
     def listening(self, generation: int | None) -> bool:
         decode = next((p for p in self.pods.values() if p.role == ROLE_DECODE and p.generation == generation
@@ -154,7 +156,10 @@ class World:
     def observe(self) -> Observed:
         pods = tuple(self.pods.values())
         active = rollout.active_rollout(self.status)
-        return Observed(pods, ports_complete=True,
+        self.slots.add(rollout.serving_slot(self.status))  # the executor leases first (ensure_*_ports)
+        if active and active["phase"] == rollout.PHASE_PROGRESSING:
+            self.slots.add(active["portSlot"])
+        return Observed(pods, ports_complete=True, leased_slots=frozenset(self.slots),
                         decode_listening=self.listening(rollout.serving_generation(self.status, pods)),
                         meta_generation=self.meta_generation, restart_times=self.restart_times, health=self.health,
                         rollout_ports_complete=True,
@@ -202,6 +207,12 @@ class World:
                 self.pods[name] = _deleting(self.pods[name])
         if plan.create:
             self._create(plan, obs)
+        if plan.release_slot:  # after the status write and the pod actions, as the executor does
+            users = [n for n, p in self.pods.items() if self.pod_slots[n] == plan.release_slot]
+            if plan.release_slot == rollout.serving_slot(self.status) or users:
+                raise Violation(f"port set {plan.release_slot} released while it serves ({self.status.get('portSlot')}) "
+                                f"or pods use it: {users}")
+            self.slots.discard(plan.release_slot)
 
     def _create(self, plan: d.Plan, obs: Observed) -> None:
         role = plan.create
@@ -215,6 +226,7 @@ class World:
                 raise Violation(f"prefill of generation {gen} created without a listening decode ({decode})")
         name = f"p-{role}-{gen}-{self.creates}"
         self.creates += 1
+        self.pod_slots[name] = plan.create_slot or rollout.serving_slot(self.status)
         self.pods[name] = PodView(name, role, gen, spec_fingerprint(self.spec), "Pending", False, None, False, False,
                                   0, f"uid-{name}", raw=raw(name, "Pending", node=""))
 

@@ -65,9 +65,11 @@ class World:
             self.slots.add(active["portSlot"])  # the executor leases the rollout's port set first
         return Observed(pods=tuple(self.pods.values()), ports_complete=True, decode_listening=True,
                         restart_reason=restart_reason, rollout_ports_complete=progressing,
-                        rollout_decode_listening=progressing)
+                        rollout_decode_listening=progressing, leased_slots=frozenset(self.slots))
 
-    def apply(self, plan: d.Plan) -> None:
+    def apply(self, plan: d.Plan, dies_before_release: bool = False) -> None:
+        """`dies_before_release`: the pass dies after its status write and pod actions, before Plan.release_slot
+        (an API error on a lease delete, a SIGKILL, lost leadership)."""
         self.status["pairGeneration"] = plan.pair_generation
         self.status["phase"] = plan.phase
         for key, value in plan.status_fields.items():
@@ -85,7 +87,7 @@ class World:
             self.log.append(f"create {name}" + (f" on {plan.create_slot}" if plan.create_slot else ""))
             made = self.make_pod(plan.create, gen) if self.make_pod else None
             self.pods[name] = made or pod(plan.create, gen, self.spec)
-        if plan.release_slot:
+        if plan.release_slot and not dies_before_release:
             self.log.append(f"release {plan.release_slot}")
             self.slots.discard(plan.release_slot)
 
@@ -293,3 +295,87 @@ def test_a_new_pod_the_api_server_refuses_fails_the_rollout():
     assert plan.status_fields["rollout"]["phase"] == r.PHASE_ROLLING_BACK and plan.pair_generation == 1
     assert "refused decode pod" in plan.status_fields["failedRollout"]["reason"]
     assert condition(plan, "Ready").status == "True"  # the serving generation is not touched
+
+
+# --- a port set left behind: the pass that ended the rollout died before releasing it -------------------------
+def plan_for(spec, status, pods, slots, now=T0) -> d.Plan:
+    return desired_state(spec, status, Observed(pods=pods, ports_complete=True, decode_listening=True,
+                                                leased_slots=frozenset(slots)), now)
+
+
+@pytest.mark.parametrize("name, failing, serving_slot, left_slot", [
+    ("drained: the old generation's set", None, "b", "a"),
+    ("rolled back: the failed generation's set",
+     lambda role, gen: pod(role, gen, SURGE_V2, phase="Failed", ready=False) if role == ROLE_PREFILL else None,
+     "a", "b"),
+])
+def test_a_port_set_whose_release_died_after_the_status_write_is_released_by_the_next_pass(
+        name, failing, serving_slot, left_slot):
+    world = World(SURGE_V2, pods={p.name: p for p in serving(1)}, make_pod=failing)
+    for _ in range(80):
+        plan = desired_state(world.spec, world.status, world.observe(), world.now)
+        world.apply(plan, dies_before_release=plan.step == r.STEP_ROLLOUT_DONE)
+        if plan.step == r.STEP_ROLLOUT_DONE:
+            break
+        world.settle()
+        world.now += 5
+    # what that pass left: the rollout is over in status, yet both port sets are leased
+    assert "rollout" not in world.status and world.status.get("portSlot", "a") == serving_slot
+    assert world.slots == {"a", "b"} and "release" not in " ".join(world.log)
+    world.now += 5
+    redo = desired_state(world.spec, world.status, world.observe(), world.now)
+    assert redo.step == d.STEP_READY and redo.release_slot == left_slot
+    assert not redo.delete and not redo.create and "rollout" not in redo.status_fields
+    world.apply(redo)
+    assert world.slots == {serving_slot}
+    after = desired_state(world.spec, world.status, world.observe(), world.now + 5)
+    assert after.step == d.STEP_READY and after.release_slot is None
+
+
+def test_the_state_a_rollback_left_plans_the_release_of_set_b():
+    # status says: generation 1 serves on set a, no rollout; leases in a and b; only generation 1's pods exist
+    plan = plan_for(SURGE, {"pairGeneration": 1, "phase": "Ready"}, serving(1), {"a", "b"})
+    assert plan.step == d.STEP_READY and plan.release_slot == "b"
+
+
+PROGRESSING_TO_B = {"fromGeneration": 1, "toGeneration": 2, "phase": r.PHASE_PROGRESSING, "portSlot": "b",
+                    "specHash": spec_fingerprint(SURGE_V2), "startedAt": r.rfc3339(T0)}
+
+
+@pytest.mark.parametrize("name, spec, status, pods, slots", [
+    ("a rollout is progressing on set b", SURGE_V2,
+     {"pairGeneration": 1, "phase": "Ready", "rollout": PROGRESSING_TO_B},
+     serving(1) + (pod(ROLE_DECODE, 2, SURGE_V2),), {"a", "b"}),
+    ("a rollout is progressing, set b leased, no pod of it yet", SURGE_V2,
+     {"pairGeneration": 1, "phase": "Ready", "rollout": PROGRESSING_TO_B}, serving(1), {"a", "b"}),
+    ("the old generation drains on set a", SURGE_V2,
+     {"pairGeneration": 2, "phase": "Ready", "portSlot": "b",
+      "rollout": {**PROGRESSING_TO_B, "phase": r.PHASE_DRAINING, "switchedAt": r.rfc3339(T0)}},
+     serving(1) + serving(2, SURGE_V2), {"a", "b"}),
+    ("an old-generation pod is still terminating", SURGE_V2,
+     {"pairGeneration": 2, "phase": "Ready", "portSlot": "b"},
+     serving(2, SURGE_V2) + (pod(ROLE_DECODE, 1, deleting=True),), {"a", "b"}),
+    ("an old-generation pod still runs (status lost the rollout)", SURGE_V2,
+     {"pairGeneration": 2, "phase": "Ready", "portSlot": "b"},
+     serving(2, SURGE_V2) + (pod(ROLE_DECODE, 1),), {"a", "b"}),
+    ("this pass starts a rollout: the set is its to adopt", SURGE_V2,
+     {"pairGeneration": 1, "phase": "Ready"}, serving(1), {"a", "b"}),
+    ("only the serving set a is leased", SURGE, {"pairGeneration": 1, "phase": "Ready"}, serving(1), {"a"}),
+    ("only the serving set b is leased", SURGE_V2, {"pairGeneration": 2, "phase": "Ready", "portSlot": "b"},
+     serving(2, SURGE_V2), {"b"}),
+])
+def test_no_port_set_is_released_while_it_may_be_in_use_or_serves(name, spec, status, pods, slots):
+    plan = plan_for(spec, status, pods, slots, now=T0 + 1)
+    assert plan.release_slot is None, plan.step
+
+
+@pytest.mark.parametrize("status, pods", [
+    ({"pairGeneration": 1, "phase": "Ready"}, serving(1)),
+    ({"pairGeneration": 2, "phase": "Ready", "portSlot": "b"}, serving(2, SURGE_V2)),
+    ({"pairGeneration": 3, "phase": "Restarting", "portSlot": "b"}, ()),  # a restart deleted every pod
+])
+def test_the_serving_port_set_is_never_released(status, pods):
+    serving_slot = status.get("portSlot", "a")
+    spec = SURGE_V2 if serving_slot == "b" else SURGE
+    assert plan_for(spec, status, pods, {serving_slot}).release_slot is None
+    assert plan_for(spec, status, pods, {"a", "b"}).release_slot == ({"a", "b"} - {serving_slot}).pop()
