@@ -208,9 +208,9 @@ def build_dockerfile_image(name: str, dockerfile: pathlib.Path, inputs: list[pat
         for host_file in HOST_TRUST_FILES:
             if os.path.isfile(host_file):
                 cmd += ["--volume", f"{host_file}:{host_file}:ro"]
-        # The host's pip cache: the venv step (hack/lib.sh) downloaded vLLM's wheels into it already, so a cold
-        # engine-base build reads them from disk instead of fetching ~1 GiB again. Dockerfile steps that must not
-        # cache (the thin layers) say PIP_NO_CACHE_DIR=1 themselves.
+        # The host's pip cache: a second engine-base build reuses what the first downloaded, where pip caches (the
+        # PyPI proxy of these machines answers no-store, so here it does not). Dockerfile steps that must not cache
+        # (the thin layers) say PIP_NO_CACHE_DIR=1 themselves.
         pip_cache = host_pip_cache()
         pip_cache.mkdir(parents=True, exist_ok=True)
         cmd += ["--volume", f"{pip_cache}:/root/.cache/pip"]
