@@ -160,6 +160,14 @@ def _hash_tree(paths: list[pathlib.Path], h) -> None:
 KEEP_ARCHIVES = 3
 
 
+# buildah's chroot isolation copies its helper into a sealed memfd before each RUN; here the seal failed once with
+# EBUSY ("Close_Fd sealing memfd copy: Device or resource busy", a RUN step of the engine base, right after another
+# image had built fine). Such a failure says nothing about the Dockerfile, so the build runs again; any other
+# failure fails at once.
+TRANSIENT_BUILD_ERRORS = ("sealing memfd copy",)
+BUILD_ATTEMPTS = 3
+
+
 def prune_archives(name: str, keep: int = KEEP_ARCHIVES) -> list[pathlib.Path]:
     """Deletes all but the `keep` newest `<name>-<key>.oci.tar` archives; returns what it deleted."""
     pattern = re.compile(rf"^{re.escape(name)}-[0-9a-f]{{16}}\.oci\.tar$")
@@ -217,7 +225,16 @@ def build_dockerfile_image(name: str, dockerfile: pathlib.Path, inputs: list[pat
         prune_archives(name, KEEP_ARCHIVES - 1)  # room for this one first: a full disk fails the build
         tmp_archive = archive.with_name(archive.name + ".tmp")
         try:
-            _run(cmd + [str(REPO_ROOT)], f"build {name}", log, cwd=REPO_ROOT)
+            for attempt in range(1, BUILD_ATTEMPTS + 1):
+                try:
+                    _run(cmd + [str(REPO_ROOT)], f"build {name}", log, cwd=REPO_ROOT)
+                    break
+                except BuildError as exc:
+                    if attempt == BUILD_ATTEMPTS or not any(m in str(exc) for m in TRANSIENT_BUILD_ERRORS):
+                        raise
+                    log(f"[images] build {name}: transient buildah failure (attempt {attempt}), building again:\n"
+                        f"{_tail(str(exc), 600)}")
+                    subprocess.run(_buildah("rm", "--all"), capture_output=True)
             tmp_archive.unlink(missing_ok=True)
             # Uncompressed: gzip of a GiB-sized layer costs minutes on 2 cores, and the archive never leaves the host.
             _run(_buildah("push", "--disable-compression", ref, f"oci-archive:{tmp_archive}:{ref}"),
