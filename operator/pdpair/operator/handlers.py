@@ -1,4 +1,7 @@
-"""kopf handlers, and nothing else: each reads its inputs and hands them to reconciler.py / ports.py.
+"""kopf handlers, with three loops that still live here (issue "One owner for every decision" moves them out): the
+health scrape (`watch_health`, `_scrape_pair`), the deletion's pod teardown in order (`_pods_gone`, which calls the
+API itself) and the orphan-lease sweep (`_sweep_forever`). Everything else reads its inputs and hands them to
+reconciler.py / ports.py.
 
 - startup: settings (finalizer and progress storage in pdpair.io, posting level, watch timeouts), API clients,
   the port leaser, the orphan-lease sweep.
