@@ -102,6 +102,9 @@ class Budget:
             self.tier = None
 
     def pytest_sessionstart(self, session) -> None:
+        # A process started in the background by a non-interactive shell (CI runs `bash .ci/run` so) inherits
+        # SIGINT ignored, and Python then leaves it ignored: the watchdog's SIGINT would do nothing. Take it back.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         left = self.deadline - time.time()
         if left <= 0:
             self._expire(f"the builds before pytest already took the whole budget of {_fmt(self.budget)}")

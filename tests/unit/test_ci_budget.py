@@ -3,6 +3,7 @@
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -16,9 +17,11 @@ def _pytest(tmp_path: pathlib.Path, body: str, env: dict[str, str]) -> subproces
     test = tmp_path / "test_sample.py"
     test.write_text(body)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PDPAIR_CI_")}
+    # SIGINT ignored, as in a process a non-interactive shell starts in the background (how CI runs .ci/run).
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
                            "--rootdir", str(tmp_path), str(test)], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**clean, **env})
+                          timeout=120, env={**clean, **env},
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
 
 
 def test_the_tier_is_the_first_folder_under_tests():
