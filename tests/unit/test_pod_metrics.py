@@ -374,7 +374,15 @@ def test_metrics_demo_native_source_drops_signals_through_the_real_transport():
         assert code == 503, body
         peer = body["transfer"]["peer"]
         assert (body["transfer"]["expected"], body["transfer"]["received"]) == (8, 5)
-        assert samples(port, "pdpair_signal_deficit") == {(("peer", peer), RANK0, ("role", "decode")): 3.0}
+        # The deficit sums every open wait of the peer: a complete transfer (4 signals, one every 0.1 s) that is in
+        # flight at the scrape adds its own outstanding 0..4. The stuck one's 3 must show alone between them.
+        key = (("peer", peer), RANK0, ("role", "decode"))
+        seen = [samples(port, "pdpair_signal_deficit")]
+        while seen[-1] != {key: 3.0} and time.monotonic() < deadline + 10:
+            time.sleep(0.05)
+            seen.append(samples(port, "pdpair_signal_deficit"))
+        assert seen[-1] == {key: 3.0}, seen
+        assert all(s.keys() == {key} and 3.0 <= s[key] <= 7.0 for s in seen), seen
         assert samples(port, "pdpair_signal_wait_timeouts_total") == {(RANK0, ("role", "decode")): 1.0}
         # complete transfers still flow on the same connection while the stuck one stays open
         ok = samples(port, "pdpair_kv_transfers_total")[(("outcome", "ok"), RANK0, ("role", "decode"))]

@@ -407,6 +407,9 @@ class PrefillSideChannel(_SideChannel):
             self.accounts.on_handshake("retry")
             return f"decode not listening: {exc}"
         self._sock = sock = _bounded_socket(self._ctx, zmq.DEALER)
+        # Watch for decode going away from before the connection exists: a decode that restarts between the Welcome
+        # and `_serve` must still be seen (the DEALER reconnects silently, so a monitor attached later never would).
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(f"tcp://{self.peer_host}:{self.peer_port}")
         try:
             uid = self.transport.create_unique_id()
@@ -415,7 +418,7 @@ class PrefillSideChannel(_SideChannel):
             reply = self._recv(sock, time.monotonic() + HELLO_REPLY_TIMEOUT_SECONDS)
             if reply is None:
                 if self.stopped.is_set():
-                    sock.close(linger=0)  # a socket left open would make stop()'s context term wait forever
+                    self._close_sock()  # a socket left open would make stop()'s context term wait forever
                     return None
                 return self._failed(sock, "timeout", "no answer to Hello")
             if isinstance(reply, Refused):
@@ -457,8 +460,14 @@ class PrefillSideChannel(_SideChannel):
 
     def _failed(self, sock: zmq.Socket, outcome: str, reason: str) -> str:
         self.accounts.on_handshake(outcome)
-        sock.close(linger=0)
+        self._close_sock()
         return reason
+
+    def _close_sock(self) -> None:
+        sock, monitor = self._sock, self._monitor
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
 
     def _recv(self, sock: zmq.Socket, deadline: float) -> Message | None:
         while not self.stopped.is_set():
@@ -472,8 +481,7 @@ class PrefillSideChannel(_SideChannel):
     def _serve(self) -> None:
         """Serve Pulls until stopped, or until decode's side channel drops (decode restarted): then close the pair
         and return, so `run` handshakes again (a restarted decode with the same generation pairs anew)."""
-        sock = self._sock
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock, monitor = self._sock, self._monitor
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
@@ -524,6 +532,4 @@ class PrefillSideChannel(_SideChannel):
                         self._close_comm()
                         return
         finally:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=0)
+            self._close_sock()
