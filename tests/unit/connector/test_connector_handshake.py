@@ -165,6 +165,37 @@ def test_stop_joins_the_listener_and_frees_the_port_for_the_next_one():
         assert not decode.is_alive() and port_is_free(port)
 
 
+def test_prefill_notices_a_decode_that_went_away_before_its_serve_loop_started(monkeypatch):
+    """The race CI hit (stop 27): decode restarts right after the Welcome, before prefill's thread reaches its serve
+    loop. Prefill must still see the disconnect (its DEALER would reconnect silently to the next decode, and a
+    watch attached only in the serve loop never fired), else it keeps a pair with a decode that no longer exists.
+    Made certain here: the serve loop starts only after decode has stopped. Cost: about 1 s."""
+    decode_gone = threading.Event()
+    serve = PrefillSideChannel._serve
+
+    def serve_after_decode_is_gone(self):
+        decode_gone.wait(15)
+        return serve(self)
+
+    monkeypatch.setattr(PrefillSideChannel, "_serve", serve_after_decode_is_gone)
+    port = free_port()
+    prefill, _ = make_prefill(port, Side(3.0))
+    first, _ = make_decode(port, Side(0.0))
+    first.start_and_wait()
+    prefill.start()
+    try:
+        assert prefill.connected.wait(15)
+        first.stop()
+        decode_gone.set()
+        deadline = time.monotonic() + 10
+        while prefill.connected.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not prefill.connected.is_set(), "prefill must notice that decode went away"
+    finally:
+        decode_gone.set()
+        prefill.stop()
+
+
 def test_prefill_pairs_again_with_a_restarted_decode():
     port = free_port()
     prefill_side = Side(3.0)
