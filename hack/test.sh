@@ -22,35 +22,81 @@ phase "Debian build tools" ensure_build_tools
 phase "Debian prometheus" ensure_prometheus
 phase "venv + pdpair" ensure_venv "operator,connector,engine,test"
 phase "kubectl, helm" ensure_tools
-phase "control plane (Go)" ensure_controlplane
 phase "real node: Debian packages" ensure_realnode_packages
 
-# Only the real-node tier (which runs last: TIER_ORDER in tests/conftest.py) needs the node binaries and the images:
-# build them in the background while the other tiers run. The tier's fixtures take the same build locks
-# (tests/cluster/images.py, realnode.py), so they wait for what is still being built and never build it twice.
-realnode_log=$(mktemp -t pdpair-realnode-build.XXXXXX)
-log "real-node binaries and images: building in the background (log: $realnode_log)"
+# Builds in the background, while the tiers that do not need them run; every fixture that needs a build takes the
+# same lock and calls the same builder (tests/cluster/localcluster.py, realnode.py, images.py), so it waits for
+# what is still being built and never builds it twice. Two jobs, because the Go builds compute and the image builds
+# mostly unpack and write: on 2 cores they overlap well.
+# - Go: the control plane (first needed by stage 2's tests/e2e), then the real node's binaries (stage 3);
+# - images: Debian base, operator, engine base (vLLM, torch), engine (pdpair layer): stage 3 only.
+go_log=$(mktemp -t pdpair-go-build.XXXXXX)
+images_log=$(mktemp -t pdpair-image-build.XXXXXX)
+log "Go builds (log: $go_log) and image builds (log: $images_log) in the background"
 (
   set -e
+  phase "control plane (Go; background)" ensure_controlplane
   phase "real node: kubelet, kube-proxy, containerd (Go; background)" ensure_realnode_binaries
+) >"$go_log" 2>&1 &
+go_build=$!
+(
+  set -e
   phase "image: Debian base (background)" ensure_image base
   phase "image: operator (background)" ensure_image operator
   phase "image: engine base, vLLM and torch (background)" ensure_image engine-base
   phase "image: engine, pdpair layer (background)" ensure_image engine
-) >"$realnode_log" 2>&1 &
-realnode_build=$!
+) >"$images_log" 2>&1 &
+images_build=$!
 
 log "native C tests under ASan, UBSan and TSan"
 phase "native C tests" make -C native check
 
-log "pytest"
+# The tiers in three stages (every folder of TIER_ORDER in tests/conftest.py is in exactly one: a unit test checks):
+# 1. the quick tiers, alone: a broken change fails in minutes;
+# 2. the control-plane tier (tests/e2e: local apiservers and kwok; it waits on the operator, it hardly computes) on
+#    PDPAIR_E2E_WORKERS pytest-xdist workers, each with a control plane of its own, BESIDE the engine tier (real
+#    vLLM engines: they compute). Its output is kept in a file and printed when it is done;
+# 3. the real-node tier, alone (it needs the background builds, and the whole box for its engines).
+# Arguments (`bash hack/test.sh -k operator`) mean one plain pytest run of what they select, in TIER_ORDER.
+STAGE_QUICK=(tests/unit tests/native tests/promtool tests/flagcx_abi)
+STAGE_BESIDE_ENGINES=(tests/e2e)
+STAGE_ENGINES=(tests/engine)
+STAGE_REAL_NODES=(tests/e2e_realnode)
+E2E_WORKERS=${PDPAIR_E2E_WORKERS:-2}
+pytest_stage() { "$PY" -m pytest -ra --durations=25 "$@"; }  # the slowest tests of each stage: where the time goes
+
 rc=0
-"$PY" -m pytest -ra --durations=40 "$@" || rc=$?  # the 40 slowest tests: where the CI time goes
-if ! wait "$realnode_build"; then
-  # The real-node fixtures build what the background did not (same code, same locks); if they did, this is quick.
-  log "the background build of the real-node binaries and images failed (its log below); building them again"
-  tail -n 60 "$realnode_log" >&2
-  (set -e; ensure_realnode_binaries; for image in base operator engine-base engine; do ensure_image "$image"; done) \
-    || { [ "$rc" != 0 ] || rc=1; }
+if [ $# -gt 0 ]; then
+  log "pytest $*"
+  "$PY" -m pytest -ra --durations=40 "$@" || rc=$?
+else
+  log "pytest, stage 1: ${STAGE_QUICK[*]}"
+  pytest_stage "${STAGE_QUICK[@]}" || rc=$?
+  e2e_log=$(mktemp -t pdpair-e2e.XXXXXX)
+  log "pytest, stage 2: ${STAGE_BESIDE_ENGINES[*]} on $E2E_WORKERS workers (output: $e2e_log, printed when done) beside ${STAGE_ENGINES[*]}"
+  pytest_stage -n "$E2E_WORKERS" --dist loadfile "${STAGE_BESIDE_ENGINES[@]}" >"$e2e_log" 2>&1 &
+  e2e_pid=$!
+  pytest_stage "${STAGE_ENGINES[@]}" || rc=$?
+  e2e_rc=0
+  wait "$e2e_pid" || e2e_rc=$?
+  log "pytest, stage 2: ${STAGE_BESIDE_ENGINES[*]} (rc $e2e_rc)"
+  cat "$e2e_log"
+  [ "$e2e_rc" = 0 ] || rc=$e2e_rc
+  log "pytest, stage 3: ${STAGE_REAL_NODES[*]}"
+  pytest_stage "${STAGE_REAL_NODES[@]}" || rc=$?
 fi
+# A failed background build is retried here, in the foreground, before it fails the run: the fixtures that needed
+# it built it again already (same code, same locks), so this is quick when they succeeded.
+for job in "go_build:$go_log" "images_build:$images_log"; do
+  pid_var=${job%%:*}; job_log=${job#*:}
+  if ! wait "${!pid_var}"; then
+    log "a background build failed (its log: $job_log, the end below); building again"
+    tail -n 60 "$job_log" >&2
+    if [ "$pid_var" = go_build ]; then
+      (set -e; ensure_controlplane; ensure_realnode_binaries) || { [ "$rc" != 0 ] || rc=1; }
+    else
+      (set -e; for image in base operator engine-base engine; do ensure_image "$image"; done) || { [ "$rc" != 0 ] || rc=1; }
+    fi
+  fi
+done
 exit "$rc"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -123,7 +124,15 @@ def pool_of_free_ports(size):
     """A range of `size` ports where nothing listens on 127.0.0.1 now (the probe must not hit a stranger), below the
     ephemeral range, as the chart demands of a real pool: there an unused port can be taken by an outgoing
     connection, and a probe of it can connect to itself."""
-    for start in range(21000, ephemeral_port_range()[0] - size, size):
+    end = ephemeral_port_range()[0]
+    # Under pytest-xdist (hack/test.sh runs this package on PDPAIR_E2E_WORKERS workers) each worker searches from
+    # its own third of 21000..end first: the workers' clusters are separate, but a test that binds a pool port to
+    # fake "in use" must not be probed by another worker's operator.
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    span = max(size, (end - 21000) // 3)
+    first = 21000 + (worker % 3) * span
+    starts = [*range(first, end - size, size), *range(21000, first, size)]
+    for start in starts:
         if all(_bindable(p) for p in range(start, start + size)):
             return f"{start}-{start + size - 1}"
     raise AssertionError(f"no free range of {size} ports for the pool")

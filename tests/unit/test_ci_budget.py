@@ -71,3 +71,17 @@ def test_a_bad_budget_is_refused_with_its_name():
     proc = subprocess.run([sys.executable, "-c", "from tests import ci_budget; ci_budget.budget_seconds()"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and ci_budget.BUDGET_ENV in proc.stderr, proc.stderr
+
+
+def test_every_tier_runs_in_exactly_one_stage_of_the_test_command():
+    """hack/test.sh runs the tiers in stages (STAGE_* arrays): a tier folder left out of them would never run in CI,
+    one listed twice would run twice. Every folder with tests is a tier of TIER_ORDER."""
+    import re
+
+    from tests import conftest
+
+    script = (REPO / "hack" / "test.sh").read_text()
+    staged = [folder for body in re.findall(r"^STAGE_\w+=\(([^)]*)\)", script, re.M) for folder in body.split()]
+    assert sorted(staged) == sorted(f"tests/{tier}" for tier in conftest.TIER_ORDER)
+    with_tests = {path.relative_to(REPO / "tests").parts[0] for path in (REPO / "tests").rglob("test_*.py")}
+    assert with_tests <= set(conftest.TIER_ORDER), with_tests - set(conftest.TIER_ORDER)
