@@ -59,7 +59,10 @@ ENGINE_CONTAINER = "engine"
 ROUTER_CONTAINER = "router"
 # Readiness means serving: vLLM's and the router's /health answer 200 only once they serve requests.
 HEALTH_PATH = "/health"
-STARTUP_PERIOD_SECONDS = 10
+# The startup probe's period is the delay between an engine that serves and the kubelet seeing it (half of it on
+# average), and a pair pays it per pod in order (decode Ready, then prefill created): 2 s, not 10. A probe of a
+# starting engine is a refused connection, so probing often costs nothing; failureThreshold keeps the window.
+STARTUP_PERIOD_SECONDS = 2
 READINESS_PROBE = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3, "successThreshold": 1}
 # FlagCX defaults for transport flagcx (docs/design.md): a same-vendor pair fails at init without hetero comm,
 # and registering RDMA memory needs IPC_LOCK.
