@@ -13,7 +13,9 @@ message to a prefill that is gone fails loudly (a Pull becomes a PullFailed) ins
   Welcome. Afterwards it forwards PullDone / PullFailed to the worker.
 - `PrefillSideChannel`: DEALER to PDPAIR_PEER_HOST:PDPAIR_PEER_PORT_BASE + tp_rank. While decode does not accept TCP
   connections it retries with capped exponential backoff and logs each attempt; it never blocks engine start-up.
-  Afterwards it hands each Pull to the worker.
+  Afterwards it hands each Pull to the worker. A ZMQ monitor on its socket, attached before it connects, reports
+  decode's disconnect (decode restarted): prefill closes the pair and handshakes again, even when decode went away
+  before the serve loop started (the DEALER alone would reconnect silently to the new decode, with a dead pair).
 """
 
 from __future__ import annotations
