@@ -76,7 +76,7 @@ else
   log "pytest, stage 1: ${STAGE_QUICK[*]}"
   pytest_stage "${STAGE_QUICK[@]}" || rc=$?
   e2e_log=$(mktemp -t pdpair-e2e.XXXXXX)
-  log "pytest, stage 2: ${STAGE_BESIDE_ENGINES[*]} on $E2E_WORKERS workers (output: $e2e_log, printed when done) beside ${STAGE_ENGINES[*]} on $ENGINE_WORKERS"
+  log "pytest, stage 2: ${STAGE_BESIDE_ENGINES[*]} on $E2E_WORKERS workers (output: $e2e_log, printed when done) beside ${STAGE_ENGINES[*]} (xdist workers: $ENGINE_WORKERS; 0 = one process)"
   pytest_stage -n "$E2E_WORKERS" --dist loadfile "${STAGE_BESIDE_ENGINES[@]}" >"$e2e_log" 2>&1 &
   e2e_pid=$!
   pytest_stage -n "$ENGINE_WORKERS" --dist loadfile "${STAGE_ENGINES[@]}" || rc=$?
