@@ -30,22 +30,22 @@ phase "real node: Debian packages" ensure_realnode_packages
 # mostly unpack and write: on 2 cores they overlap well.
 # - Go: the control plane (first needed by stage 2's tests/e2e), then the real node's binaries (stage 3);
 # - images: Debian base, operator, engine base (vLLM, torch), engine (pdpair layer): stage 3 only.
-go_log=$(mktemp -t pdpair-go-build.XXXXXX)
-images_log=$(mktemp -t pdpair-image-build.XXXXXX)
-log "Go builds (log: $go_log) and image builds (log: $images_log) in the background"
-(
-  set -e
+build_go() {
   phase "control plane (Go; background)" ensure_controlplane
   phase "real node: kubelet, kube-proxy, containerd (Go; background)" ensure_realnode_binaries
-) >"$go_log" 2>&1 &
-go_build=$!
-(
-  set -e
+}
+build_images() {
   phase "image: Debian base (background)" ensure_image base
   phase "image: operator (background)" ensure_image operator
   phase "image: engine base, vLLM and torch (background)" ensure_image engine-base
   phase "image: engine, pdpair layer (background)" ensure_image engine
-) >"$images_log" 2>&1 &
+}
+go_log=$(mktemp -t pdpair-go-build.XXXXXX)
+images_log=$(mktemp -t pdpair-image-build.XXXXXX)
+log "Go builds (log: $go_log) and image builds (log: $images_log) in the background"
+(set -e; build_go) >"$go_log" 2>&1 &
+go_build=$!
+(set -e; build_images) >"$images_log" 2>&1 &
 images_build=$!
 
 log "native C tests under ASan, UBSan and TSan"
@@ -90,16 +90,12 @@ else
 fi
 # A failed background build is retried here, in the foreground, before it fails the run: the fixtures that needed
 # it built it again already (same code, same locks), so this is quick when they succeeded.
-for job in "go_build:$go_log" "images_build:$images_log"; do
-  pid_var=${job%%:*}; job_log=${job#*:}
+for job in "go_build:$go_log:build_go" "images_build:$images_log:build_images"; do
+  IFS=: read -r pid_var job_log build <<<"$job"
   if ! wait "${!pid_var}"; then
     log "a background build failed (its log: $job_log, the end below); building again"
     tail -n 60 "$job_log" >&2
-    if [ "$pid_var" = go_build ]; then
-      (set -e; ensure_controlplane; ensure_realnode_binaries) || { [ "$rc" != 0 ] || rc=1; }
-    else
-      (set -e; for image in base operator engine-base engine; do ensure_image "$image"; done) || { [ "$rc" != 0 ] || rc=1; }
-    fi
+    (set -e; "$build") || { [ "$rc" != 0 ] || rc=1; }
   fi
 done
 exit "$rc"
