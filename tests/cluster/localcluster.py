@@ -35,7 +35,6 @@ import pathlib
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -50,6 +49,8 @@ import yaml
 
 if __package__ in (None, ""):  # run as a script: `tests.cluster.realnode` is imported for --real-nodes
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+from tests.cluster.ports import free_port  # noqa: E402  (after the path fix above)
 
 KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
@@ -225,39 +226,6 @@ def helm_path() -> pathlib.Path:
 # ---------------------------------------------------------------------------------------------------------------
 # Cluster
 # ---------------------------------------------------------------------------------------------------------------
-
-_handed_out_ports: set[int] = set()
-
-
-def _ephemeral_port_range() -> tuple[int, int]:
-    try:
-        low, high = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port() -> int:
-    """A loopback port that is free now, chosen below the kernel's ephemeral range.
-
-    bind(0) would hand out an ephemeral port, and the many outgoing connections a starting control plane opens
-    (apiserver -> etcd, controllers -> apiserver) draw from that same range, so such a port can be taken before
-    the component binds it. Clashes with other clusters are still possible; start() retries on new ports.
-    """
-    low, _ = _ephemeral_port_range()
-    rng = secrets.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(10000, low) if low > 11000 else rng.randrange(low // 2, low)
-        if port in _handed_out_ports:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out_ports.add(port)
-        return port
-    raise ClusterError("no free loopback port found below the ephemeral range after 200 tries")
 
 
 def _die_with_parent() -> None:

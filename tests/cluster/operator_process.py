@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,12 @@ from typing import Any
 import yaml
 
 from pdpair.operator import config
+from tests.cluster.ports import free_port
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "charts" / "pdpair"
 CRD_DIR = pathlib.Path(os.environ.get("PDPAIR_CRD_DIR") or CHART_DIR / "crds")  # override: try an edited CRD
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def install_crd(cluster: Any) -> None:

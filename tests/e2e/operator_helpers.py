@@ -36,6 +36,7 @@ from pdpair.contract import (
 )
 from tests.cluster import operator_process
 from tests.cluster.fixtures import OPERATOR_NAMESPACE
+from tests.cluster.ports import free_port_range
 from pdpair.operator.config import ENV_HEALTH_INTERVAL, ENV_WATCH_NAMESPACES
 from tests.cluster.localcluster import helm_path
 
@@ -113,38 +114,12 @@ def condition(pair, type_):
     return next((c for c in (pair.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 
 
-def ephemeral_port_range():
-    """This machine's net.ipv4.ip_local_port_range: ports the kernel hands to outgoing connections."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        first, last = (int(x) for x in f.read().split())
-    return first, last
-
-
 def pool_of_free_ports(size):
-    """A range of `size` ports where nothing listens on 127.0.0.1 now (the probe must not hit a stranger), below the
-    ephemeral range, as the chart demands of a real pool: there an unused port can be taken by an outgoing
-    connection, and a probe of it can connect to itself."""
-    end = ephemeral_port_range()[0]
-    # Under pytest-xdist (hack/test.sh runs this package on PDPAIR_E2E_WORKERS workers) each worker searches from
-    # its own third of 21000..end first: the workers' clusters are separate, but a test that binds a pool port to
-    # fake "in use" must not be probed by another worker's operator.
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    span = max(size, (end - 21000) // 3)
-    first = 21000 + (worker % 3) * span
-    starts = [*range(first, end - size, size), *range(21000, first, size)]
-    for start in starts:
-        if all(_bindable(p) for p in range(start, start + size)):
-            return f"{start}-{start + size - 1}"
-    raise AssertionError(f"no free range of {size} ports for the pool")
-
-
-def _bindable(port):
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    """A range of `size` ports where nothing listens now (the probe must not hit a stranger), below the ephemeral
+    range, as the chart demands of a real pool: there an unused port can be taken by an outgoing connection, and a
+    probe of it can connect to itself. Claimed machine-wide (tests/cluster/ports.py): another xdist worker's
+    operator, or an engine of the tier beside this one, is never given a port of it."""
+    return free_port_range(size)
 
 
 # kwok pods run no engine, so nothing serves their /metrics: these tests (issue 2) keep the health watch

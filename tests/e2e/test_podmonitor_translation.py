@@ -5,7 +5,6 @@ Prometheus' /api/v1/targets shows the relabelled targets without scraping them (
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 
@@ -17,6 +16,7 @@ from tests.cluster.incluster_prometheus import (
     podmonitor_scrape_configs, prometheus_config, render_chart_monitoring, with_file_sd,
 )
 from tests.cluster.pod_sd_sidecar import targets_for, write_atomically
+from tests.cluster.ports import free_port
 from tests.e2e.test_prometheus_alert import Prometheus, get_json
 from tests.monitoring_support import require_binary
 
@@ -76,9 +76,7 @@ class ConfiguredPrometheus(Prometheus):
     """tests/e2e/test_prometheus_alert.Prometheus (ready wait, stop), started on the prometheus.yml in `workdir`."""
 
     def __init__(self, workdir):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.workdir = workdir
         self.log = open(workdir / "prometheus.log", "w")

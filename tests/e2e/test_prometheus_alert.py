@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import pytest
 import yaml
 
 from pdpair import contract
+from tests.cluster.ports import free_port
 from tests.monitoring_support import require_binary, write_rules
 
 pytestmark = pytest.mark.prometheus
@@ -38,12 +38,6 @@ EVAL_SECONDS = 1
 SCRAPE_SECONDS = 1
 POLL_SECONDS = 0.1
 POD_LABELS = {"namespace": "e2e", "pair": "demo", "pod": "demo-decode"}  # what the PodMonitor would add
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str) -> dict:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from pdpair import contract
+from tests.cluster.ports import free_port  # noqa: F401  (the engine tests and benchmarks take it from here)
 
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -34,41 +33,6 @@ ENGINE_ARGS = [
     "--served-model-name", "tiny",
 ]
 START_TIMEOUT_SECONDS = 300.0
-
-
-_HANDED_OUT: set[int] = set()
-
-
-# Engine ports come from below the kernel's ephemeral range and below the e2e tier's port pools (21000 up,
-# tests/e2e/operator_helpers.py). A port bind(0) hands out is an ephemeral one: between this check and the engine's
-# bind (a minute or more later) any outgoing connection may take it, and the e2e tier, which runs beside this one
-# (hack/test.sh, stage 2), opens many (kube-apiservers, operators): a decode failed with EADDRINUSE so.
-ENGINE_PORT_RANGE = (12000, 21000)
-
-
-def free_port(count: int = 1) -> int:
-    """A port p such that p .. p+count-1 are free right now (binding them all, then releasing), in
-    ENGINE_PORT_RANGE, never one this process handed out before (two engines must not be given the same port)."""
-    rng = random.SystemRandom()
-    low, high = ENGINE_PORT_RANGE
-    for _ in range(200):
-        base = rng.randrange(low, high - count)
-        if _HANDED_OUT & set(range(base, base + count)):
-            continue
-        socks = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                sock.bind(("127.0.0.1", port))
-                socks.append(sock)
-            _HANDED_OUT.update(range(base, base + count))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free port range found")
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

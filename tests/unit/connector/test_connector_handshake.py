@@ -17,15 +17,10 @@ from pdpair.contract import parse_ports_in_use
 from pdpair.connector.metadata import KvLayout, Pull, PullDone, compatibility_factors, compatibility_hash
 from pdpair.connector.metrics import SignalAccounts
 from pdpair.connector.transports.tcp import TcpTransport
+from tests.cluster.ports import free_port
 
 FACTORS = compatibility_factors(KvLayout(["l0"], [4096], 32, "torch.float32", 1), "0.32.0")
 HASH = compatibility_hash(FACTORS)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_is_free(port: int) -> bool:

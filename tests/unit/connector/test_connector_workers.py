@@ -8,7 +8,6 @@ The stalled-push test proves that prefill serves Pulls off its side-channel thre
 from __future__ import annotations
 
 import logging
-import socket
 import time
 
 import pytest
@@ -18,18 +17,13 @@ from pdpair import contract, native
 from pdpair.connector.config import PdPairConfig
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest, SendRequest
 from pdpair.connector.worker import SLOW_PUSH_SECONDS, DecodeWorker, PrefillWorker
+from tests.cluster.ports import free_port
 
 NUM_BLOCKS = 8
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
 BLOCK_SHAPE = (2, 32, 2, 32)  # K/V, tokens per block, heads, head dim: 16 KiB of float32 per block and layer
 HANG_TIMEOUT = 30.0  # longer than any wait below: a test that needs it has failed
 DEADLINE = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(role: str, port: int) -> PdPairConfig:

@@ -11,20 +11,12 @@ import pytest
 
 from pdpair.connector import preflight
 from pdpair.contract import parse_ports_in_use, ports_in_use_message
+from tests.cluster.ports import free_port
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` ports free now (held open together so they differ, then released)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("0.0.0.0", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """`count` distinct ports free now (tests/cluster/ports.py: claimed, below the ephemeral range)."""
+    return [free_port() for _ in range(count)]
 
 
 def run_preflight(ports, log_path):
