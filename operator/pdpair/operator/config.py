@@ -1,4 +1,10 @@
-"""Operator configuration from the environment, validated once at start with a clear error."""
+"""Operator configuration from the environment, validated once at start with a clear error.
+
+SETTINGS is the one declaration of every variable: its name, the OperatorConfig field it fills, its default, how it
+is read and checked, what it means and the chart value that sets it. The dataclass defaults, `from_env`, the table
+in operator/README.md (`python -m pdpair.operator.config` prints it) come from it; tests/unit/operator/test_config.py
+checks the chart's README, values.yaml comments and deployment template against it.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,11 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 ENV_OPERATOR_NAMESPACE = "PDPAIR_OPERATOR_NAMESPACE"
 ENV_PORT_POOL = "PDPAIR_PORT_POOL"
-ENV_WATCH_NAMESPACES = "PDPAIR_WATCH_NAMESPACES"  # comma-separated; empty means all namespaces
+ENV_WATCH_NAMESPACES = "PDPAIR_WATCH_NAMESPACES"
 ENV_PROBE_INTERVAL = "PDPAIR_PROBE_INTERVAL_SECONDS"
 ENV_PROBE_TIMEOUT = "PDPAIR_PROBE_TIMEOUT_SECONDS"
 ENV_RESYNC_INTERVAL = "PDPAIR_RESYNC_INTERVAL_SECONDS"
@@ -20,22 +26,18 @@ ENV_LIVENESS_PORT = "PDPAIR_LIVENESS_PORT"
 ENV_METRICS_PORT = "PDPAIR_OPERATOR_METRICS_PORT"
 ENV_API_THREADS = "PDPAIR_API_THREADS"
 ENV_HEALTH_INTERVAL = "PDPAIR_HEALTH_INTERVAL_SECONDS"
-ENV_API_TIMEOUT = "PDPAIR_API_TIMEOUT_SECONDS"  # deadline of one Kubernetes API call (api.py)
-# How long a deleted pair keeps its port leases while its pods terminate (handlers.release_ports).
+ENV_API_TIMEOUT = "PDPAIR_API_TIMEOUT_SECONDS"
 ENV_POD_GONE_TIMEOUT = "PDPAIR_POD_GONE_TIMEOUT_SECONDS"
-# Leader election (election.py): off runs one operator alone; the chart turns it on for its replicas.
-ENV_LEADER_ELECT = "PDPAIR_LEADER_ELECT"  # true/false
+ENV_BUSY_PORT_QUARANTINE = "PDPAIR_BUSY_PORT_QUARANTINE_SECONDS"
+ENV_LEADER_ELECT = "PDPAIR_LEADER_ELECT"
 ENV_LEADER_LEASE_NAME = "PDPAIR_LEADER_LEASE_NAME"
 ENV_LEADER_LEASE_DURATION = "PDPAIR_LEADER_LEASE_DURATION_SECONDS"
 ENV_LEADER_RENEW_DEADLINE = "PDPAIR_LEADER_RENEW_DEADLINE_SECONDS"
 ENV_LEADER_RETRY_PERIOD = "PDPAIR_LEADER_RETRY_PERIOD_SECONDS"
-ENV_POD_NAME = "PDPAIR_POD_NAME"  # the candidate's identity (downward API); a random suffix is added per process
-
-DEFAULT_LEADER_LEASE_NAME = "pdpair-operator-leader"
-# How long a port found busy on a node (a process outside Kubernetes holds it) is kept from every pair (busy_ports.py).
-ENV_BUSY_PORT_QUARANTINE = "PDPAIR_BUSY_PORT_QUARANTINE_SECONDS"
+ENV_POD_NAME = "PDPAIR_POD_NAME"
 
 DEFAULT_PORT_POOL = "20000-29999"
+DEFAULT_LEADER_LEASE_NAME = "pdpair-operator-leader"
 
 
 class ConfigError(ValueError):
@@ -55,6 +57,9 @@ class PortPool:
     def size(self) -> int:
         return self.last - self.first + 1
 
+    def __str__(self) -> str:
+        return f"{self.first}-{self.last}"
+
     def __contains__(self, port: object) -> bool:
         return isinstance(port, int) and self.first <= port <= self.last
 
@@ -72,28 +77,165 @@ class PortPool:
         return cls(low, high)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# How a variable's text is read and checked
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Kind:
+    convert: Callable[[str], Any]  # raises ValueError (or ConfigError) on text that is not of this kind
+    expected: str  # "expected <this>, got ..."
+    valid: Callable[[Any], bool] = lambda value: True
+    rule: str = ""  # "must be <this>, got ..."
+
+
+def _bool_word(raw: str) -> bool:
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    if raw.lower() not in words:
+        raise ValueError(raw)
+    return words[raw.lower()]
+
+
+SECONDS = Kind(float, "a number", lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+COUNT = Kind(int, "a whole number >= 1", lambda v: v >= 1, ">= 1")
+PORT = Kind(int, "a port number", lambda v: 0 <= v <= 65535, "0..65535")  # 0 = pick a free port (tests)
+BOOL = Kind(_bool_word, "true or false")
+TEXT = Kind(str, "text")
+NAMESPACE_LIST = Kind(lambda raw: tuple(n.strip() for n in raw.split(",") if n.strip()), "a comma-separated list")
+POOL = Kind(PortPool.parse, "'FIRST-LAST'")
+# A Lease's name must be a DNS-1123 subdomain, as the apiserver demands.
+LEASE_NAME = Kind(str, "a name", lambda v: len(v) <= 253 and bool(re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", v)),
+                  "a valid Lease name (lower-case DNS-1123)")
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Setting:
+    env: str
+    field: str | None  # OperatorConfig's attribute; None: read elsewhere (`doc` says where)
+    default: Any  # REQUIRED: no default, the operator refuses to start without it
+    kind: Kind
+    doc: str
+    chart: str  # the chart value that sets it ("operator.…"), or "(what the chart derives it from)"
+
+    def read(self, env: Mapping[str, str]) -> Any:
+        raw = env.get(self.env, "").strip()
+        if not raw:
+            if self.default is REQUIRED:
+                raise ConfigError(f"{self.env} must be set: {self.doc}")
+            return self.default
+        try:
+            value = self.kind.convert(raw)
+        except ValueError as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"{self.env}: expected {self.kind.expected}, got {raw!r}") from None
+        if not self.kind.valid(value):
+            raise ConfigError(f"{self.env}: must be {self.kind.rule}, got {raw!r}")
+        return value
+
+    @property
+    def shown_default(self) -> str:
+        """The default as the docs show it."""
+        if self.default is REQUIRED:
+            return "required"
+        if isinstance(self.default, bool):
+            return str(self.default).lower()
+        if isinstance(self.default, float):
+            return f"{self.default:g}"
+        if isinstance(self.default, tuple):
+            return "empty"
+        return str(self.default)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(ENV_OPERATOR_NAMESPACE, "namespace", REQUIRED, TEXT,
+            "the namespace that holds the port leases (the operator's own)", "(the operator pod's namespace)"),
+    Setting(ENV_PORT_POOL, "port_pool", PortPool.parse(DEFAULT_PORT_POOL), POOL,
+            "the ports pairs are leased from, cluster-wide; below the nodes' ephemeral range",
+            "operator.portPool"),
+    Setting(ENV_WATCH_NAMESPACES, "watch_namespaces", (), NAMESPACE_LIST,
+            "namespaces whose pairs this operator manages, comma-separated; empty: all", "operator.watchNamespaces"),
+    Setting(ENV_PROBE_INTERVAL, "probe_interval", 1.0, SECONDS,
+            "seconds between TCP probes of decode's side channel (nothing wakes the pair when a listener opens)",
+            "operator.tuning.probeIntervalSeconds"),
+    Setting(ENV_PROBE_TIMEOUT, "probe_timeout", 0.5, SECONDS, "deadline of one probe in seconds",
+            "operator.tuning.probeTimeoutSeconds"),
+    Setting(ENV_RESYNC_INTERVAL, "resync_interval", 30.0, SECONDS, "seconds between full reconciles of every pair",
+            "operator.tuning.resyncIntervalSeconds"),
+    Setting(ENV_SWEEP_INTERVAL, "sweep_interval", 60.0, SECONDS,
+            "seconds between sweeps for leases whose pair is gone", "operator.tuning.sweepIntervalSeconds"),
+    Setting(ENV_POOL_RETRY, "pool_retry", 5.0, SECONDS, "seconds before retrying a pair that found the pool exhausted",
+            "operator.tuning.poolRetrySeconds"),
+    Setting(ENV_HEALTH_INTERVAL, "health_interval", 10.0, SECONDS,
+            "seconds between reads of the pods' signal metrics (health.py)", "operator.tuning.healthIntervalSeconds"),
+    Setting(ENV_LIVENESS_PORT, "liveness_port", 8080, PORT,
+            "kopf's /healthz; must differ from the metrics port (0: pick a free port, tests)", "operator.livenessPort"),
+    Setting(ENV_METRICS_PORT, "metrics_port", 9090, PORT, "the operator's /metrics (0: pick a free port, tests)",
+            "operator.metricsPort"),
+    Setting(ENV_API_THREADS, "api_threads", 32, COUNT, "threads for blocking Kubernetes API calls",
+            "operator.tuning.apiThreads"),
+    Setting(ENV_API_TIMEOUT, "api_timeout", 30.0, SECONDS,
+            "deadline of every Kubernetes API call the operator makes through the official client: read timeout = "
+            "this, connect = min(5, this); a timed-out call fails that pass, retried like any API error (kopf's "
+            "watches have their own, in handlers.configure)", "operator.tuning.apiTimeoutSeconds"),
+    Setting(ENV_POD_GONE_TIMEOUT, "pod_gone_timeout", 600.0, SECONDS,
+            "how long a deleted pair keeps its port leases while its pods terminate; then they are released with a "
+            "Warning Event naming the pods still there (docs/design.md, \"Port leases\")",
+            "operator.tuning.podGoneTimeoutSeconds"),
+    Setting(ENV_BUSY_PORT_QUARANTINE, "busy_port_quarantine", 600, COUNT,
+            "seconds a leased port found in use on a node (a process outside Kubernetes holds it) is kept from every "
+            "pair (busy_ports.py)", "operator.tuning.busyPortQuarantineSeconds"),
+    Setting(ENV_LEADER_ELECT, "leader_elect", False, BOOL,
+            "campaign for the leader Lease before acting (docs/design.md, \"Operator high availability\")",
+            "operator.leaderElection.enabled"),
+    Setting(ENV_LEADER_LEASE_NAME, "leader_lease_name", DEFAULT_LEADER_LEASE_NAME, LEASE_NAME,
+            "the leader Lease, in the operator's namespace", "(`<fullname>-operator-leader`)"),
+    Setting(ENV_LEADER_LEASE_DURATION, "leader_lease_duration", 15.0, SECONDS,
+            "a standby takes the Lease this long after the last renewal it saw",
+            "operator.leaderElection.leaseDurationSeconds"),
+    Setting(ENV_LEADER_RENEW_DEADLINE, "leader_renew_deadline", 10.0, SECONDS,
+            "the leader exits when no renewal succeeded for this long; retry < renew deadline < lease duration",
+            "operator.leaderElection.renewDeadlineSeconds"),
+    Setting(ENV_LEADER_RETRY_PERIOD, "leader_retry_period", 2.0, SECONDS,
+            "seconds between renewals and between a standby's tries", "operator.leaderElection.retryPeriodSeconds"),
+    Setting(ENV_POD_NAME, None, "the host name", TEXT,
+            "the candidate's identity in the leader Lease, plus a per-process suffix (read by __main__)",
+            "(the operator pod's name)"),
+)
+
+_BY_FIELD = {s.field: s for s in SETTINGS if s.field}
+
+
+def _default(field: str) -> Any:
+    return _BY_FIELD[field].default
+
+
 @dataclass(frozen=True)
 class OperatorConfig:
+    # Every default comes from SETTINGS; namespace (required) and port_pool have none here, so a config built in
+    # code names both.
     namespace: str
     port_pool: PortPool
-    watch_namespaces: tuple[str, ...] = ()
-    probe_interval: float = 1.0
-    probe_timeout: float = 0.5
-    resync_interval: float = 30.0
-    sweep_interval: float = 60.0
-    pool_retry: float = 5.0
-    liveness_port: int = 8080
-    metrics_port: int = 9090
-    api_threads: int = 32
-    health_interval: float = 10.0
-    api_timeout: float = 30.0
-    pod_gone_timeout: float = 600.0
-    leader_elect: bool = False
-    leader_lease_name: str = DEFAULT_LEADER_LEASE_NAME
-    leader_lease_duration: float = 15.0
-    leader_renew_deadline: float = 10.0
-    leader_retry_period: float = 2.0
-    busy_port_quarantine: int = 600
+    watch_namespaces: tuple[str, ...] = _default("watch_namespaces")
+    probe_interval: float = _default("probe_interval")
+    probe_timeout: float = _default("probe_timeout")
+    resync_interval: float = _default("resync_interval")
+    sweep_interval: float = _default("sweep_interval")
+    pool_retry: float = _default("pool_retry")
+    liveness_port: int = _default("liveness_port")
+    metrics_port: int = _default("metrics_port")
+    api_threads: int = _default("api_threads")
+    health_interval: float = _default("health_interval")
+    api_timeout: float = _default("api_timeout")
+    pod_gone_timeout: float = _default("pod_gone_timeout")
+    leader_elect: bool = _default("leader_elect")
+    leader_lease_name: str = _default("leader_lease_name")
+    leader_lease_duration: float = _default("leader_lease_duration")
+    leader_renew_deadline: float = _default("leader_renew_deadline")
+    leader_retry_period: float = _default("leader_retry_period")
+    busy_port_quarantine: int = _default("busy_port_quarantine")
 
     def __post_init__(self) -> None:
         if not (self.leader_retry_period < self.leader_renew_deadline < self.leader_lease_duration):
@@ -110,73 +252,17 @@ class OperatorConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorConfig":
         env = os.environ if env is None else env
-        namespace = env.get(ENV_OPERATOR_NAMESPACE, "").strip()
-        if not namespace:
-            raise ConfigError(f"{ENV_OPERATOR_NAMESPACE} must name the namespace that holds the port leases")
-        watch = tuple(n.strip() for n in env.get(ENV_WATCH_NAMESPACES, "").split(",") if n.strip())
-        return cls(
-            namespace=namespace,
-            port_pool=PortPool.parse(env.get(ENV_PORT_POOL, DEFAULT_PORT_POOL)),
-            watch_namespaces=watch,
-            probe_interval=_positive_float(env, ENV_PROBE_INTERVAL, 1.0),
-            probe_timeout=_positive_float(env, ENV_PROBE_TIMEOUT, 0.5),
-            resync_interval=_positive_float(env, ENV_RESYNC_INTERVAL, 30.0),
-            sweep_interval=_positive_float(env, ENV_SWEEP_INTERVAL, 60.0),
-            pool_retry=_positive_float(env, ENV_POOL_RETRY, 5.0),
-            liveness_port=_port(env, ENV_LIVENESS_PORT, 8080),
-            metrics_port=_port(env, ENV_METRICS_PORT, 9090),
-            api_threads=_positive_int(env, ENV_API_THREADS, 32),
-            health_interval=_positive_float(env, ENV_HEALTH_INTERVAL, 10.0),
-            api_timeout=_positive_float(env, ENV_API_TIMEOUT, 30.0),
-            pod_gone_timeout=_positive_float(env, ENV_POD_GONE_TIMEOUT, 600.0),
-            leader_elect=_bool(env, ENV_LEADER_ELECT, False),
-            leader_lease_name=_lease_name(env.get(ENV_LEADER_LEASE_NAME, "").strip() or DEFAULT_LEADER_LEASE_NAME),
-            leader_lease_duration=_positive_float(env, ENV_LEADER_LEASE_DURATION, 15.0),
-            leader_renew_deadline=_positive_float(env, ENV_LEADER_RENEW_DEADLINE, 10.0),
-            leader_retry_period=_positive_float(env, ENV_LEADER_RETRY_PERIOD, 2.0),
-            busy_port_quarantine=_positive_int(env, ENV_BUSY_PORT_QUARANTINE, 600),
-        )
+        return cls(**{s.field: s.read(env) for s in SETTINGS if s.field})
 
 
-def _parse(env: Mapping[str, str], name: str, default, convert, expected: str, valid, rule: str):
-    """One env setting: the default when unset, else `convert(raw)`; a clear error naming the variable otherwise."""
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = convert(raw)
-    except ValueError:
-        raise ConfigError(f"{name}: expected {expected}, got {raw!r}") from None
-    if not valid(value):
-        raise ConfigError(f"{name}: must be {rule}, got {raw!r}")
-    return value
+def settings_markdown() -> str:
+    """The table of operator/README.md, "Configuration (environment)"."""
+    rows = ["| variable | default | must be | chart value | meaning |", "|---|---|---|---|---|"]
+    for s in SETTINGS:
+        chart = f"`{s.chart}`" if s.chart.startswith("operator.") else s.chart
+        rows.append(f"| `{s.env}` | `{s.shown_default}` | {s.kind.rule or s.kind.expected} | {chart} | {s.doc} |")
+    return "\n".join(rows) + "\n"
 
 
-def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
-    return _parse(env, name, default, float, "a number", lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
-
-
-def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
-    return _parse(env, name, default, int, "a whole number >= 1", lambda v: v >= 1, ">= 1")
-
-
-def _port(env: Mapping[str, str], name: str, default: int) -> int:
-    # 0 = pick a free port (tests)
-    return _parse(env, name, default, int, "a port number", lambda v: 0 <= v <= 65535, "0..65535")
-
-
-def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-    return _parse(env, name, default, lambda raw: words[raw.lower()] if raw.lower() in words else _no(raw),
-                  "true or false", lambda v: True, "true or false")
-
-
-def _no(raw: str) -> bool:
-    raise ValueError(raw)
-
-
-def _lease_name(name: str) -> str:
-    # a DNS-1123 subdomain, as the apiserver demands of a Lease's name
-    if len(name) > 253 or not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name):
-        raise ConfigError(f"{ENV_LEADER_LEASE_NAME}: {name!r} is not a valid Lease name (lower-case DNS-1123)")
-    return name
+if __name__ == "__main__":
+    print(settings_markdown(), end="")

@@ -82,3 +82,109 @@ def test_chart_deployment_sets_only_variables_the_operator_reads():
     assert in_chart, "the chart's deployment sets no PDPAIR_* variable"
     assert in_chart <= read, f"the chart sets variables the operator ignores: {sorted(in_chart - read)}"
     assert read <= in_chart, f"the operator reads variables the chart cannot set: {sorted(read - in_chart)}"
+
+
+# --- One declaration per setting (config.SETTINGS): everything else is generated from it or checked against it ---
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
+# Chart values whose default differs from the operator's on purpose.
+CHART_DEFAULT_DIFFERS = {"operator.leaderElection.enabled": "the chart runs 2 replicas, so they campaign"}
+
+
+def test_every_config_field_is_declared_once_with_its_default():
+    import dataclasses
+
+    from pdpair.operator import config
+
+    fields = {f.name: f for f in dataclasses.fields(OperatorConfig)}
+    declared = [s.field for s in config.SETTINGS if s.field]
+    assert sorted(declared) == sorted(fields) and len(set(declared)) == len(declared)
+    assert len({s.env for s in config.SETTINGS}) == len(config.SETTINGS)
+    defaults = OperatorConfig.from_env(BASE)
+    for s in config.SETTINGS:
+        if s.field and s.field != "namespace":
+            assert getattr(defaults, s.field) == s.default, s.env
+            if fields[s.field].default is not dataclasses.MISSING:
+                assert fields[s.field].default == s.default, s.env
+    env_constants = {v for k, v in vars(config).items() if k.startswith("ENV_")}
+    assert env_constants == {s.env for s in config.SETTINGS}
+
+
+def test_operator_readme_table_is_generated_from_the_settings():
+    from pdpair.operator import config
+
+    readme = (ROOT / "operator" / "pdpair" / "operator" / "README.md").read_text()
+    block = readme.split("<!-- settings:begin -->\n", 1)[1].split("<!-- settings:end -->", 1)[0]
+    assert block == config.settings_markdown(), "run `python -m pdpair.operator.config` and paste its table"
+
+
+def _values_comment(lines, key_path):
+    """The comment block just above `key_path`'s line in values.yaml, and the line itself."""
+    indent, index = 0, 0
+    for key in key_path:
+        index = next(i for i in range(index, len(lines))
+                     if lines[i].startswith(" " * indent + key + ":"))
+        indent += 2
+    comment = []
+    i = index - 1
+    while i >= 0 and lines[i].lstrip().startswith("#"):
+        comment.insert(0, lines[i].strip().lstrip("#").strip())
+        i -= 1
+    return " ".join(comment), lines[index]
+
+
+def test_chart_values_docs_and_template_agree_with_the_settings():
+    import re
+
+    import yaml
+
+    from pdpair.operator import config
+
+    values_text = (ROOT / "charts" / "pdpair" / "values.yaml").read_text()
+    values = yaml.safe_load(values_text)
+    chart_readme = (ROOT / "charts" / "pdpair" / "README.md").read_text()
+    template = (ROOT / "charts" / "pdpair" / "templates" / "operator" / "deployment.yaml").read_text()
+    [tuning_dict] = re.findall(r'range \$key, \$env := dict ((?:"[^"]+" ?)+)', template)
+    template_tuning = dict(zip(*[iter(re.findall(r'"([^"]+)"', tuning_dict))] * 2))
+    tuning = {}
+    for s in config.SETTINGS:
+        if not s.chart.startswith("operator."):
+            continue
+        path = s.chart.split(".")
+        value = values
+        for key in path:
+            value = value[key]
+        [row] = [line for line in chart_readme.splitlines() if line.startswith(f"| `{s.chart}` |")]
+        comment, _ = _values_comment(values_text.splitlines(), path)
+        if path[1] == "tuning":
+            tuning[path[2]] = s.env
+            # null in values.yaml: the operator's default applies, and both docs name it
+            assert value is None, s.chart
+            assert f"(default {s.shown_default})" in comment, (s.chart, comment)
+            assert f"`null` ({s.shown_default})" in row, (s.chart, row)
+        elif s.chart in CHART_DEFAULT_DIFFERS:
+            assert value != s.default
+        else:
+            shown = ",".join(value) if isinstance(value, list) else str(value)
+            assert shown == (s.shown_default if s.shown_default != "empty" else ""), (s.chart, value)
+        assert s.env in comment or s.env in row or path[1] == "tuning", (s.chart, "names its variable")
+    assert template_tuning == tuning
+
+
+def test_docs_that_quote_a_default_quote_the_declared_one():
+    """`PDPAIR_X (N)`, a number in parentheses after a variable in any Markdown file, must be the declared default
+    (docs/design.md quotes several)."""
+    import re
+
+    from pdpair.operator import config
+
+    quoted = 0
+    for doc in ROOT.rglob("*.md"):
+        if ".git" in doc.parts or ".venv" in doc.parts:
+            continue
+        text = doc.read_text(errors="replace")
+        for s in config.SETTINGS:
+            for found in re.findall(re.escape(s.env) + r"`? \(`?([0-9][0-9.]*)", text):
+                quoted += 1
+                assert found.strip("` ") == s.shown_default, (str(doc), s.env, found)
+    assert quoted >= 3
