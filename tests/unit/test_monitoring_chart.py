@@ -111,3 +111,15 @@ def test_dashboard_json_is_a_grafana_dashboard():
 def test_bad_values_are_refused(sets, expected):
     error = render_error(*sets)
     assert expected in error, error
+
+
+def test_the_restart_panel_names_every_restart_reason():
+    """The reason label's words live in health.RESTART_REASONS; the dashboard's restart panel lists them for the
+    reader (it once missed port_in_use)."""
+    from pdpair.operator.health import RESTART_REASONS
+
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    [restarts] = [p for p in panels if "pdpair_operator_pair_restarts_total" in json.dumps(p.get("targets", []))
+                  and "why" in p.get("description", "")]
+    named = set(restarts["description"].split("(", 1)[1].rstrip(").").split(", "))
+    assert named == set(RESTART_REASONS)

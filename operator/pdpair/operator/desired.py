@@ -1,7 +1,8 @@
-"""The pure planner: given spec, status and what was observed, which single step comes next.
+"""The step planner: given spec, status and what was observed, which single step comes next.
 
-No client, no kopf, no clock: the executor (handlers.Reconciler) observes, calls `desired_state`, applies the
-plan, and calls again. The order it encodes:
+No client, no kopf, no clock. planner.plan (the one owner of a pass's decisions) calls `desired_state` once the
+restart question is settled; the executor (reconciler.PairReconciler) applies the plan, observes again, and asks
+again. The order it encodes:
 
   1. lease ports                          (PortsLeased)
   2. replace stale pods, in order:        prefill and router first, decode after they are gone, wait all gone
@@ -49,9 +50,13 @@ from pdpair.contract import (
 
 from .status import FALSE, TRUE, Condition
 
-# The spec fields pods are built from; a change to any of them is a rollout (restartPolicy is not).
+# The spec fields pods are built from; a change to any of them is a rollout. Every property of the CRD's spec is in
+# exactly one of these two tuples (tests/unit/operator/test_spec_fingerprint.py fails on a new field in neither, so a
+# new pod-affecting field can not silently never roll out). The fingerprint of every example is pinned there too:
+# changing this list rolls every serving pair on operator upgrade.
 POD_SPEC_FIELDS = ("model", "servedModelName", "image", "prefill", "decode", "connector", "network", "router",
                    "startupTimeoutSeconds")
+SPEC_FIELDS_NOT_IN_PODS = ("rolloutStrategy", "rollout", "restartPolicy")  # how to roll and restart, not what
 
 
 def _plain(value: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The executor: observe one pair, ask the planner (desired.py) for the next step, apply it, write status.
+"""The executor: observe one pair, ask the planner (planner.plan) for the pass's plan, apply it, write status.
 
 One `PairReconciler` lives in each pair's kopf daemon (handlers.py). Every pass is level-triggered: it starts from
 what the apiserver and the pod index say now, so a pass that dies half-way (SIGKILL, 409, apiserver restart) is
