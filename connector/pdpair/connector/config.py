@@ -10,23 +10,25 @@ from typing import Any
 
 from pdpair import contract
 
+# Defaults shared with the operator and the CRD (hang timeout, slots and their bounds, FlagCX's env) are declared
+# once, in pdpair.contract; PDPAIR_TRANSPORT_SLOTS is capped lower for flagcx (MAX_FLAGCX_TRANSPORT_SLOTS).
+from pdpair.contract import (
+    DEFAULT_HANG_TIMEOUT_SECONDS,
+    DEFAULT_TRANSPORT_SLOTS,
+    FLAGCX_ENV_DEFAULTS,
+    MAX_FLAGCX_TRANSPORT_SLOTS,
+    MAX_TRANSPORT_SLOTS,
+)
+
 KV_ROLE_TO_ROLE = {"kv_producer": contract.ROLE_PREFILL, "kv_consumer": contract.ROLE_DECODE}
 
-DEFAULT_HANG_TIMEOUT_SECONDS = 60.0
 # How long prefill keeps a finished request's blocks for decode to claim; past it they are freed (and a late pull
 # is refused). Several hang timeouts, so a slow decode is never served freed blocks.
 SEND_LEASE_FACTOR = 4.0
-# PDPAIR_TRANSPORT_SLOTS (spec.connector.slots): request slots per peer connection. Same default and bounds as the
-# CRD; flagcx is capped lower because FlagCX's IB request pool per connection holds 256 (more would drop puts).
-DEFAULT_TRANSPORT_SLOTS = 256
-MAX_TRANSPORT_SLOTS = 4096
-MAX_FLAGCX_TRANSPORT_SLOTS = 256
-# Read by libflagcx itself. A same-vendor pair needs a heterogeneous communicator for one-sided ops (without it
-# init fails at flagcxReadCounter), so the connector sets it to 1 before loading libflagcx unless the pod sets it.
 ENV_FLAGCX_USE_HETERO_COMM = "FLAGCX_USE_HETERO_COMM"
 ENV_FLAGCX_LIB_PATH = "FLAGCX_LIB_PATH"
 ENV_FLAGCX_PATH = "FLAGCX_PATH"
-FLAGCX_USE_HETERO_COMM_DEFAULT = "1"
+FLAGCX_USE_HETERO_COMM_DEFAULT = FLAGCX_ENV_DEFAULTS[ENV_FLAGCX_USE_HETERO_COMM]
 
 
 class ConfigError(ValueError):

@@ -27,6 +27,20 @@ TRANSPORT_FLAGCX = "flagcx"
 TRANSPORT_TCP = "tcp"
 TRANSPORTS = (TRANSPORT_FLAGCX, TRANSPORT_TCP)
 
+# Defaults the operator and the connector share, declared once. The CRD states the same default and bounds for
+# spec.connector.hangTimeoutSeconds and spec.connector.slots (tests/unit/test_contract_defaults.py checks); the
+# connector applies them when a pod runs without the operator's env.
+DEFAULT_HANG_TIMEOUT_SECONDS = 60.0  # deadline of one signal wait; a wait older than this is a hang
+DEFAULT_TRANSPORT_SLOTS = 256  # request slots per peer connection (puts in flight); a full pool defers posts
+MAX_TRANSPORT_SLOTS = 4096
+# FlagCX's IB adaptor has 256 request slots per connection and its RMA proxy ring holds 256 descriptors: more
+# would drop puts, which is the signal-wait hang pdpair exists to end.
+MAX_FLAGCX_TRANSPORT_SLOTS = 256
+# Read by libflagcx itself: a same-vendor pair needs a heterogeneous communicator for one-sided ops (without it init
+# fails at flagcxReadCounter). The operator puts these in flagcx pods and the connector sets them before loading
+# libflagcx; a value the pod sets itself always wins.
+FLAGCX_ENV_DEFAULTS = {"FLAGCX_USE_HETERO_COMM": "1"}
+
 PHASE_PENDING = "Pending"
 PHASE_DECODE_STARTING = "DecodeStarting"
 PHASE_PREFILL_STARTING = "PrefillStarting"

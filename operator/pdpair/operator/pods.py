@@ -18,6 +18,7 @@ import math
 from typing import Any, Mapping
 
 from pdpair.contract import (
+    FLAGCX_ENV_DEFAULTS,
     ANNOTATION_SPEC_HASH,
     API_VERSION,
     ENV_GENERATION,
@@ -66,7 +67,6 @@ STARTUP_PERIOD_SECONDS = 2
 READINESS_PROBE = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3, "successThreshold": 1}
 # FlagCX defaults for transport flagcx (docs/design.md): a same-vendor pair fails at init without hetero comm,
 # and registering RDMA memory needs IPC_LOCK.
-FLAGCX_ENV_DEFAULTS = {"FLAGCX_USE_HETERO_COMM": "1"}
 FLAGCX_CAPABILITY = "IPC_LOCK"
 # The last init container of every hostNetwork pod: binds each port the pod will use on its node, and on a busy one
 # fails the pod with `pdpair: ports in use on this node: ...` as its termination message (pdpair.connector.preflight),

@@ -54,7 +54,7 @@ from pdpair.connector.transports.base import (
     TransportError,
     seconds_left,
 )
-from pdpair.contract import ENV_TRANSPORT_SLOTS, TRANSPORT_FLAGCX
+from pdpair.contract import ENV_TRANSPORT_SLOTS, MAX_FLAGCX_TRANSPORT_SLOTS, TRANSPORT_FLAGCX
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,7 @@ LIBRARY_NAME = "libflagcx.so"
 SUPPORTED_VERSION_MIN = 10000
 SUPPORTED_VERSION_MAX = 10099
 
-# FlagCX's IB adaptor has 256 request slots per connection and its RMA proxy ring holds 256 descriptors.
-DEFAULT_SLOTS = 256
+DEFAULT_SLOTS = MAX_FLAGCX_TRANSPORT_SLOTS  # the most FlagCX holds per connection (pdpair.contract says why)
 DEFAULT_BLOCKING_CALL_SECONDS = 60.0
 UNIQUE_ID_BYTES = 256
 FLAGCX_PTR_HOST = 0x1

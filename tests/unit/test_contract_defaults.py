@@ -1,0 +1,28 @@
+"""The defaults the operator, the connector and the CRD share are declared once (pdpair.contract) and the CRD states
+the same: a test fails when one drifts.
+
+Cost: under a second; no cluster.
+"""
+
+from __future__ import annotations
+
+from pdpair import contract
+from pdpair.connector import config as connector_config
+from pdpair.connector.transports import flagcx
+from pdpair.operator import pods
+from tests.crd_defaults import spec_schema
+
+
+def test_the_crd_states_the_contract_defaults():
+    connector = spec_schema()["properties"]["connector"]["properties"]
+    assert connector["hangTimeoutSeconds"]["default"] == contract.DEFAULT_HANG_TIMEOUT_SECONDS
+    assert connector["slots"]["default"] == contract.DEFAULT_TRANSPORT_SLOTS
+    assert connector["slots"]["maximum"] == contract.MAX_TRANSPORT_SLOTS
+
+
+def test_the_connector_and_the_operator_use_the_contract_defaults():
+    assert connector_config.DEFAULT_HANG_TIMEOUT_SECONDS is contract.DEFAULT_HANG_TIMEOUT_SECONDS
+    assert connector_config.DEFAULT_TRANSPORT_SLOTS is contract.DEFAULT_TRANSPORT_SLOTS
+    assert flagcx.DEFAULT_SLOTS == contract.MAX_FLAGCX_TRANSPORT_SLOTS
+    assert pods.FLAGCX_ENV_DEFAULTS is contract.FLAGCX_ENV_DEFAULTS
+    assert connector_config.FLAGCX_USE_HETERO_COMM_DEFAULT == contract.FLAGCX_ENV_DEFAULTS["FLAGCX_USE_HETERO_COMM"]
