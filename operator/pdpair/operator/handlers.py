@@ -42,7 +42,7 @@ from pdpair.contract import (
 from . import health, spec_fields
 from .api import TimedApi
 from .config import OperatorConfig
-from .desired import PodView
+from .observed import PodView
 from .ports import PortLeaser, port_of
 from .reconciler import PairReconciler, Runtime, api_status
 from .service import ServiceView

@@ -35,7 +35,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdpair import contract
-from pdpair.operator.desired import PENDING_SCHEDULING, pending_for_scheduling
+from pdpair.operator.observed import PENDING_SCHEDULING, pending_for_scheduling
 from pdpair.operator.status import FALSE, TRUE, UNKNOWN, Condition, now_rfc3339
 
 __all__ = [

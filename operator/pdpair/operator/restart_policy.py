@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from .desired import PENDING_SCHEDULING
+from .observed import PENDING_SCHEDULING
 
 __all__ = [
     "RestartPolicy",

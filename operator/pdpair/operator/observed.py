@@ -1,0 +1,138 @@
+"""What one reconcile pass observed of a pair: its pods (PodView), the lease and probe results, the health finding,
+the restart record (Observed). Pure data, read by every planner (planner.py, desired.py, rollout.py,
+restart_policy.py) and filled by the executor (reconciler.py) and the health watch (health.py); it decides
+nothing, so none of those imports a planner for it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from pdpair.contract import ANNOTATION_SPEC_HASH, LABEL_GENERATION, LABEL_ROLE
+
+
+def _plain(value: Any) -> Any:
+    return dict(value) if isinstance(value, Mapping) else list(value)
+
+
+PENDING_SCHEDULING = "Pending for scheduling"  # how messages name a pod the scheduler has not placed yet
+
+
+def is_scheduled(pod: Mapping[str, Any]) -> bool:
+    """Bound to a node (API JSON): spec.nodeName set or the PodScheduled condition True."""
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return bool((pod.get("spec") or {}).get("nodeName")) or any(
+        c.get("type") == "PodScheduled" and c.get("status") == "True" for c in conditions)
+
+
+def pending_for_scheduling(pod: Mapping[str, Any] | None) -> bool:
+    """Pending and not yet bound to a node. Such a pod never blocks on the pair and never triggers a restart: a
+    Pending pod that is already scheduled (pulling images, starting containers) has started as far as the scheduler
+    is concerned. The one definition; PodView.pending_scheduling is the same rule on the parsed view."""
+    return bool(pod) and (pod.get("status") or {}).get("phase") == "Pending" and not is_scheduled(pod)
+
+
+@dataclass(frozen=True)
+class PodView:
+    name: str
+    role: str
+    generation: int
+    spec_hash: str = ""
+    phase: str = "Pending"  # Pending | Running | Succeeded | Failed | Unknown
+    ready: bool = False
+    ip: str | None = None
+    deleting: bool = False
+    scheduled: bool = False
+    restarts: int = 0
+    uid: str = ""
+    # What health.py reads of the API object (pod_fact, pending_for_scheduling): metadata name/uid/deletion, spec
+    # nodeName, status. Not the whole pod: the pod index holds one per pod, and a whole pod (managedFields, env,
+    # probes) costs ~150 dicts, most of the operator's memory at 1000 pairs.
+    raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def running(self) -> bool:
+        return self.phase == "Running" and bool(self.ip) and not self.deleting
+
+    @property
+    def pending_scheduling(self) -> bool:
+        return self.phase == "Pending" and not self.scheduled
+
+    @property
+    def failed(self) -> bool:
+        return self.phase in ("Failed", "Succeeded")
+
+    @classmethod
+    def from_pod(cls, pod: Mapping[str, Any]) -> "PodView":
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        annotations = meta.get("annotations") or {}
+        status = pod.get("status") or {}
+        conditions = status.get("conditions") or []
+        cond = {c.get("type"): c.get("status") for c in conditions}
+        try:
+            generation = int(labels.get(LABEL_GENERATION, "0"))
+        except ValueError:
+            generation = 0
+        restarts = sum(int(cs.get("restartCount") or 0) for cs in status.get("containerStatuses") or [])
+        return cls(
+            name=meta.get("name", ""),
+            role=labels.get(LABEL_ROLE, ""),
+            generation=generation,
+            spec_hash=annotations.get(ANNOTATION_SPEC_HASH, ""),
+            phase=status.get("phase") or "Pending",
+            ready=cond.get("Ready") == "True",
+            ip=status.get("podIP") or None,
+            deleting=bool(meta.get("deletionTimestamp")),
+            scheduled=is_scheduled(pod),
+            restarts=restarts,
+            uid=meta.get("uid", ""),
+            raw=_health_view(pod),
+        )
+
+
+def _health_view(pod: Mapping[str, Any]) -> dict[str, Any]:
+    meta = pod.get("metadata") or {}
+    return json.loads(json.dumps({
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "deletionTimestamp") if meta.get(k) is not None},
+        "spec": {"nodeName": (pod.get("spec") or {}).get("nodeName")},
+        "status": pod.get("status") or {},
+    }, default=_plain))
+
+
+@dataclass(frozen=True)
+class HealthFinding:
+    """The latest health verdict on one generation of the pair (the health watch's; see health.py)."""
+
+    generation: int
+    restart: bool  # the verdict calls for an ordered restart
+    reason: str | None  # a health.RESTART_REASONS code when restart
+    message: str
+    pending: bool = False  # a pod is Pending for scheduling: no verdict
+
+
+@dataclass(frozen=True)
+class Observed:
+    pods: tuple[PodView, ...] = ()
+    ports_complete: bool = False  # the leases cover every required block
+    pool_exhausted: bool = False
+    pool_message: str = ""
+    decode_listening: bool = False  # the current decode pod accepted on every rank
+    probe_message: str = ""
+    restart_reason: str | None = None  # set by planner.plan only: the restart it decided to do now
+    # What planner.plan decides restarts from (desired_state itself ignores these):
+    meta_generation: int = 0  # the pair's metadata.generation
+    restart_times: tuple[float, ...] = ()  # earlier restarts (epoch seconds), from the pair's annotation
+    health: HealthFinding | None = None
+    ports_replaced: str | None = None  # busy ports the pair no longer holds were re-leased: restart on the new ones
+    # A Surge rollout's new generation (rollout.py): its port set and its decode's listener
+    rollout_ports_complete: bool = False
+    rollout_pool_exhausted: bool = False
+    rollout_pool_message: str = ""
+    rollout_decode_listening: bool = False
+    rollout_probe_message: str = ""
+    rollout_rejection: str = ""  # the API server refused one of its pods (the message)
+    # Every port set the pair holds leases in, as the executor last read them (rollout.release_left_slot)
+    leased_slots: frozenset[str] = frozenset()
