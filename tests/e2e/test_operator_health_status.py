@@ -14,7 +14,7 @@ import time
 import pytest
 
 from pdpair.contract import COND_SIGNALS_HEALTHY, GROUP, PLURAL
-from pdpair.operator.health import HEALTH_REFRESH_INTERVALS
+from pdpair.operator.health import HEALTH_REFRESH_INTERVALS, UNREACHABLE_THRESHOLD
 from tests.cluster.apiserver_metrics import counts_delta, write_counts
 from tests.e2e.operator_helpers import (
     NO_HEALTH,
@@ -123,8 +123,16 @@ def test_health_in_status_column_and_operator_restart(platform, cluster_namespac
             old, new = before_kill["status"], pair["status"]
             assert (new["phase"], new["pairGeneration"], new.get("restarts")) == ("Ready", 1, old.get("restarts"))
             assert (after["verdict"], after["reason"], after["pairGeneration"]) == ("Healthy", "", 1)
-            assert {r: (e["pod"], e["state"]) for r, e in after["roles"].items()} == \
-                {r: (e["pod"], e["state"]) for r, e in old["health"]["roles"].items()}
+            # The same pods, each healthy, or unreachable for fewer scrapes in a row than a verdict needs: on the
+            # busy 2-core box one scrape of an exporter can miss its 2 s deadline (R8: A's last write said prefill
+            # `unreachable`, streak 1, verdict Healthy; B's first said `healthy`), and the verdict above holds.
+            for health in (after, old["health"]):
+                assert {r: e["pod"] for r, e in health["roles"].items()} == {"decode": "kv-decode-g1",
+                                                                            "prefill": "kv-prefill-g1"}
+                for role, entry in health["roles"].items():
+                    assert entry["state"] == "healthy" or (
+                        entry["state"] == "unreachable" and entry["unreachableStreak"] < UNREACHABLE_THRESHOLD), \
+                        (role, entry)
             # SignalsHealthy never flipped: same status, same lastTransitionTime as before the restart
             assert condition(pair, COND_SIGNALS_HEALTHY) == condition(before_kill, COND_SIGNALS_HEALTHY)
             recorder.stop()
