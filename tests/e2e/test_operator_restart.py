@@ -119,7 +119,7 @@ def test_hang_detected_and_pair_restarted_in_order(platform, cluster_namespace, 
             prefill_x = Exporter(ports[PREFILL_METRICS], "prefill", 1)
             exporters += [decode_x, prefill_x]
             wait_for(phase_is(api, ns, "hang", "Ready", 1), 30, "generation 1 Ready")
-            wait_for(lambda: condition(api.pair(ns, "hang"), COND_SIGNALS_HEALTHY).get("status") == "True", 10,
+            wait_for(lambda: condition(api.pair(ns, "hang"), COND_SIGNALS_HEALTHY).get("status") == "True", 30,
                      "SignalsHealthy True")
             recorder = PodRecorder(api, ns)
             hung_at = time.monotonic()

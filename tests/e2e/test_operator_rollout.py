@@ -147,9 +147,10 @@ def test_surge_rollout_switches_the_service_then_drains_the_old_generation(platf
             # The new decode waits for its listener (on the new port set); the old pods stay meanwhile.
             wait_for(lambda: any(p["metadata"]["name"] == "surge-decode-g2" and p["status"].get("pod_ip")
                                  for p in api.pods(ns)), 60, "the new decode running")
-            mid = api.pair(ns, "surge")
+            # status.rollout.pods is written by a later pass than the one that created the pod: wait for it
+            mid = wait_for(lambda: (lambda p: p if (p["status"].get("rollout") or {}).get("pods") == ["surge-decode-g2"]
+                                    else None)(api.pair(ns, "surge")), 30, "status.rollout.pods naming the new decode")
             assert mid["status"]["pairGeneration"] == 1 and mid["status"]["phase"] == "Ready"
-            assert mid["status"]["rollout"]["pods"] == ["surge-decode-g2"]
             assert {p["metadata"]["name"] for p in api.pods(ns)} >= {"surge-decode-g1", "surge-prefill-g1",
                                                                      "surge-router-g1"}
             listeners.append(listen(port_named(rollout["ports"], DECODE_SIDECHANNEL_0)))
