@@ -50,7 +50,7 @@ import yaml
 if __package__ in (None, ""):  # run as a script: `tests.cluster.realnode` is imported for --real-nodes
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-from tests.cluster.ports import free_port  # noqa: E402  (after the path fix above)
+from tests.cluster.ports import free_port, pid_alive  # noqa: E402  (after the path fix above)
 
 KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
@@ -839,7 +839,7 @@ class LocalCluster:
 def _cmd_up(args: argparse.Namespace) -> int:
     workdir = pathlib.Path(args.dir).resolve()
     pid_file = workdir / "localcluster.pid"
-    if pid_file.exists() and _pid_alive(int(pid_file.read_text())):
+    if pid_file.exists() and pid_alive(int(pid_file.read_text())):
         print(f"a cluster is already running from {workdir} (pid {pid_file.read_text().strip()})", file=sys.stderr)
         return 1
     workdir.mkdir(parents=True, exist_ok=True)
@@ -901,16 +901,6 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _cmd_down(args: argparse.Namespace) -> int:
     workdir = pathlib.Path(args.dir).resolve()
     pid_file = workdir / "localcluster.pid"
@@ -918,10 +908,10 @@ def _cmd_down(args: argparse.Namespace) -> int:
         print(f"no running cluster recorded in {workdir}", file=sys.stderr)
         return 1
     pid = int(pid_file.read_text())
-    if _pid_alive(pid):
+    if pid_alive(pid):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 60
-        while _pid_alive(pid):
+        while pid_alive(pid):
             if time.monotonic() > deadline:
                 print(f"pid {pid} did not stop within 60s", file=sys.stderr)
                 return 1

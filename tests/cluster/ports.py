@@ -53,7 +53,7 @@ def free_port(count: int = 1) -> int:
         for _ in range(ATTEMPTS):
             base = rng.randrange(low, high - count + 1)
             ports = range(base, base + count)
-            if all(_claimable(claims / str(p)) and _bindable(p) for p in ports):
+            if all(_claimable(claims / str(p)) and port_is_free(p) for p in ports):
                 for port in ports:
                     (claims / str(port)).write_text(f"{os.getpid()}\n")
                 return base
@@ -84,10 +84,11 @@ def _claimable(claim: pathlib.Path) -> bool:
         age = time.time() - claim.stat().st_mtime
     except (FileNotFoundError, ValueError, IndexError):
         return True
-    return age > CLAIM_TTL_SECONDS or not _alive(owner)
+    return age > CLAIM_TTL_SECONDS or not pid_alive(owner)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """The process exists (it may belong to another user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -97,7 +98,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _bindable(port: int) -> bool:
+def port_is_free(port: int) -> bool:
+    """Nothing is bound to `port` on any address of this host now."""
     # 0.0.0.0 rather than 127.0.0.1: a listener on any address of this host makes the bind fail.
     with socket.socket() as sock:
         try:

@@ -36,7 +36,7 @@ def narrow_range(monkeypatch, low: int, size: int) -> None:
 def unbound_port_run(size: int) -> int:
     """The first of `size` ports below the ephemeral range that nothing is bound to now."""
     for low in range(ports.ephemeral_port_range()[0] - size - 1, ports.LOWEST_PORT, -size):
-        if all(ports._bindable(p) for p in range(low, low + size)):
+        if all(ports.port_is_free(p) for p in range(low, low + size)):
             return low
     pytest.skip("no run of free ports on this machine")
 

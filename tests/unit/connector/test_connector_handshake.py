@@ -17,19 +17,10 @@ from pdpair.contract import parse_ports_in_use
 from pdpair.connector.metadata import KvLayout, Pull, PullDone, compatibility_factors, compatibility_hash
 from pdpair.connector.metrics import SignalAccounts
 from pdpair.connector.transports.tcp import TcpTransport
-from tests.cluster.ports import free_port
+from tests.cluster.ports import free_port, port_is_free
 
 FACTORS = compatibility_factors(KvLayout(["l0"], [4096], 32, "torch.float32", 1), "0.32.0")
 HASH = compatibility_hash(FACTORS)
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("0.0.0.0", port))
-            return True
-        except OSError:
-            return False
 
 
 class Side:
