@@ -11,8 +11,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import os
-import socket
 import threading
 import time
 
