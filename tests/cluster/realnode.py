@@ -54,7 +54,6 @@ import yaml
 if __package__ in (None, ""):  # run as a script: make `tests.cluster` importable
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-from tests.cluster.ports import pid_alive  # noqa: E402
 from tests.cluster.localcluster import (  # noqa: E402
     GO_MODULES_DIR, KUBERNETES_VERSION, REPO_ROOT, BuildError, ClusterError, LocalCluster, _Component, _build_lock,
     NO_DEBUG_LDFLAGS, _kube_ldflags, _run_go, _tail, _write_kubeconfig, build, cache_root,
@@ -429,6 +428,10 @@ def _registry_dir() -> pathlib.Path:
     return path
 
 
+def _pid_alive(pid: int) -> bool:
+    return pathlib.Path(f"/proc/{pid}").exists()
+
+
 def _remove_cgroup_tree(path: pathlib.Path, timeout: float = 15.0) -> None:
     """SIGKILLs every process left in the tree (containers outlive a killed supervisor), then removes it."""
     if not path.is_dir():
@@ -463,9 +466,9 @@ def sweep_stale_clusters(log: Callable[[str], None] = lambda msg: None) -> list[
             entries.append((path, json.loads(path.read_text())))
         except (OSError, json.JSONDecodeError):
             continue
-    alive = [e for _, e in entries if pid_alive(e["harness_pid"])]
+    alive = [e for _, e in entries if _pid_alive(e["harness_pid"])]
     for path, entry in entries:
-        if pid_alive(entry["harness_pid"]):
+        if _pid_alive(entry["harness_pid"]):
             continue
         for netns in entry.get("netns", []):
             if not pathlib.Path(f"/run/netns/{netns}").exists():
@@ -475,7 +478,7 @@ def sweep_stale_clusters(log: Callable[[str], None] = lambda msg: None) -> list[
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), 9)
             deadline = time.monotonic() + 10
-            while any(pid_alive(int(p)) for p in pids) and time.monotonic() < deadline:
+            while any(_pid_alive(int(p)) for p in pids) and time.monotonic() < deadline:
                 time.sleep(0.1)
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
             swept.append(netns)
