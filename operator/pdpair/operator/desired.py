@@ -1,6 +1,7 @@
 """The step planner: given spec, status and what was observed, which single step comes next.
 
-No client, no kopf, no clock. planner.plan (the one owner of a pass's decisions) calls `desired_state` once the
+No client, no kopf, no clock, and no import of rollout.py (which builds on this module). planner.next_step picks
+this Recreate planner or rollout.py's Surge one; planner.plan (the one owner of a pass's decisions) calls it once the
 restart question is settled; the executor (reconciler.PairReconciler) applies the plan, observes again, and asks
 again. The order it encodes:
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from pdpair.contract import (
     COND_DECODE_LISTENING,
@@ -139,18 +140,6 @@ def broken_reason(pods: Iterable[PodView], generation: int) -> str | None:
     if prefill is not None and (decode is None or decode.deleting):
         return f"decode pod of generation {generation} vanished while prefill {prefill.name} runs"
     return None
-
-
-def desired_state(
-    spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Observed, now: float | None = None
-) -> Plan:
-    """The next step. `now` (epoch seconds) is only read by a Surge rollout's deadlines (drain, progress)."""
-    from . import rollout  # rollout.py builds on this module
-
-    status = status or {}
-    surge = rollout.surge_plan(spec, status, observed, now)
-    plan = surge if surge is not None else recreate_state(spec, status, observed)
-    return rollout.release_left_slot(plan, status, observed)
 
 
 def recreate_state(
@@ -343,61 +332,3 @@ def _listening(status: str, reason: str, message: str = "") -> Condition:
 
 def _prefill(status: str, reason: str) -> Condition:
     return Condition(COND_PREFILL_READY, status, reason, "")
-
-
-# --- simulation for tests ---------------------------------------------------------------------------
-@dataclass
-class SimWorld:
-    """A tiny fake of the outside world for table tests: pods appear Running/Ready as soon as they're made."""
-
-    spec: Mapping[str, Any]
-    status: dict[str, Any] = field(default_factory=dict)
-    pods: dict[str, PodView] = field(default_factory=dict)
-    ports_complete: bool = True
-    listening: Callable[[PodView], bool] = lambda pod: True
-    log: list[str] = field(default_factory=list)
-
-    def observe(self, restart_reason: str | None = None) -> Observed:
-        decode = next(
-            (p for p in self.pods.values()
-             if p.role == ROLE_DECODE and p.generation == current_generation(self.status, self.pods.values())),
-            None,
-        )
-        return Observed(
-            pods=tuple(self.pods.values()),
-            ports_complete=self.ports_complete,
-            decode_listening=bool(decode and decode.running and self.listening(decode)),
-            restart_reason=restart_reason,
-        )
-
-    def apply(self, plan: Plan) -> None:
-        self.status["pairGeneration"] = plan.pair_generation
-        self.status["phase"] = plan.phase
-        for name in plan.delete:
-            self.log.append(f"delete {name}")
-            self.pods.pop(name)  # the sim's pods vanish at once
-        if plan.create:
-            name = f"p-{plan.create}-{plan.pair_generation}"
-            self.log.append(f"create {name}")
-            self.pods[name] = PodView(
-                name, plan.create, plan.pair_generation, spec_fingerprint(self.spec), "Running", True, "127.0.0.1",
-                scheduled=True,
-            )
-
-
-def simulate_until_ready(world: SimWorld, max_steps: int = 50, restart_reason: str | None = None) -> list[Plan]:
-    """Run plan→apply until Ready (or a step repeats with no effect); returns every plan."""
-    plans: list[Plan] = []
-    reason = restart_reason
-    for _ in range(max_steps):
-        plan = desired_state(world.spec, world.status, world.observe(reason))
-        reason = None  # a restart request is consumed by the plan that bumps the generation
-        plans.append(plan)
-        if plan.step == STEP_READY:
-            return plans
-        before = (dict(world.pods), dict(world.status))
-        world.apply(plan)
-        if (dict(world.pods), dict(world.status)) == before:
-            return plans  # stuck: the caller asserts on the last step
-    raise AssertionError(f"no Ready after {max_steps} steps: {[p.step for p in plans]}")
-

@@ -122,7 +122,7 @@ class Observed:
     decode_listening: bool = False  # the current decode pod accepted on every rank
     probe_message: str = ""
     restart_reason: str | None = None  # set by planner.plan only: the restart it decided to do now
-    # What planner.plan decides restarts from (desired_state itself ignores these):
+    # What planner.plan decides restarts from (planner.next_step itself ignores these):
     meta_generation: int = 0  # the pair's metadata.generation
     restart_times: tuple[float, ...] = ()  # earlier restarts (epoch seconds), from the pair's annotation
     health: HealthFinding | None = None

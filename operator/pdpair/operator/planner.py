@@ -5,8 +5,9 @@ It owns, in this order:
   2. whether the pair needs a restart (a current pod failed or vanished, a health verdict for the current
      generation, ports found busy on the node) and whether it may restart now (restart_policy: backoff, budget,
      the scheduling gate), or must wait, or has spent its budget (Failed);
-  3. the ordered steps (desired.desired_state): leasing, decode first, the listener gate, prefill, router, and the
-     replacement of older generations (rollouts and restarts alike).
+  3. the ordered steps (next_step: rollout.py's Surge plan while one applies, else desired.py's Recreate plan):
+     leasing, decode first, the listener gate, prefill, router, and the replacement of older generations (rollouts
+     and restarts alike).
 
 Pure: no client, no kopf, no clock but `now` (epoch seconds). The executor (reconciler.py) observes, calls plan()
 once per pass, and applies what it returns. Everything it needs is in spec, status and `observed`, so a restarted
@@ -22,7 +23,7 @@ from typing import Any, Mapping
 from pdpair.contract import COND_READY, PHASE_FAILED, PHASE_RESTARTING
 
 from . import desired as d
-from . import health
+from . import health, rollout
 from .restart_policy import Action, RestartPolicy, decide, prune
 from .status import FALSE, Condition
 
@@ -53,6 +54,18 @@ class PairPlan:
     retry_at: float | None = None  # epoch seconds: when a backed-off restart may happen
 
 
+def next_step(
+    spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: d.Observed, now: float | None = None
+) -> d.Plan:
+    """The next step of the pair's ordered steps. `now` (epoch seconds) is only read by a Surge rollout's deadlines
+    (drain, progress). desired.py (Recreate) and rollout.py (Surge, built on desired.py) are siblings that never
+    import this module: the choice between them is made here, once."""
+    status = status or {}
+    surge = rollout.surge_plan(spec, status, observed, now)
+    steps = surge if surge is not None else d.recreate_state(spec, status, observed)
+    return rollout.release_left_slot(steps, status, observed)
+
+
 def halted(status: Mapping[str, Any], meta_generation: int) -> bool:
     """Failed at the spec it failed with: only a spec change (a new metadata.generation) moves the pair again."""
     return status.get("phase") == PHASE_FAILED and status.get("observedGeneration") == meta_generation
@@ -78,7 +91,7 @@ def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: d.
     if halted(status, observed.meta_generation):
         return PairPlan(OUTCOME_HALTED)
 
-    steps = d.desired_state(spec, status, dataclasses.replace(observed, restart_reason=None), now)
+    steps = next_step(spec, status, dataclasses.replace(observed, restart_reason=None), now)
     restart: Restart | None = None
     new_times: tuple[float, ...] | None = None
     if steps.step == d.STEP_BROKEN and observed.ports_replaced:
@@ -101,5 +114,5 @@ def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: d.
             restart = Restart(reason_code, message, counted=True)
             new_times = tuple(prune(policy, list(observed.restart_times) + [now], now))
     if restart is not None:
-        steps = d.desired_state(spec, status, dataclasses.replace(observed, restart_reason=restart.message), now)
+        steps = next_step(spec, status, dataclasses.replace(observed, restart_reason=restart.message), now)
     return PairPlan(OUTCOME_STEP, steps=steps, restart=restart, restart_times=new_times)

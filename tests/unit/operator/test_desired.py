@@ -4,7 +4,9 @@ import pytest
 
 from pdpair.contract import ANNOTATION_SPEC_HASH, LABEL_GENERATION, LABEL_ROLE
 from pdpair.operator import desired as d
-from pdpair.operator.desired import Observed, PodView, SimWorld, desired_state, simulate_until_ready, spec_fingerprint
+from pdpair.operator.desired import Observed, PodView, spec_fingerprint
+from pdpair.operator.planner import next_step
+from tests.unit.operator.sim import SimWorld, simulate_until_ready
 
 SPEC = {"model": "m", "image": "img:1", "router": {"enabled": True}}
 H = spec_fingerprint(SPEC)
@@ -67,7 +69,7 @@ CASES = [
 
 @pytest.mark.parametrize("name, status, observed, step, create, delete, phase", CASES, ids=[c[0] for c in CASES])
 def test_next_step(name, status, observed, step, create, delete, phase):
-    plan = desired_state(SPEC, status, observed)
+    plan = next_step(SPEC, status, observed)
     assert (plan.step, plan.create, plan.delete, plan.phase) == (step, create, delete, phase)
 
 
@@ -75,7 +77,7 @@ def test_prefill_never_created_before_listener():
     # Whatever else holds, no plan creates prefill while decode does not accept.
     for decode in (None, pod("decode", phase="Pending"), pod("decode")):
         pods = (decode,) if decode else ()
-        plan = desired_state(SPEC, {"pairGeneration": 1}, Observed(pods, ports_complete=True, decode_listening=False))
+        plan = next_step(SPEC, {"pairGeneration": 1}, Observed(pods, ports_complete=True, decode_listening=False))
         assert plan.create != "prefill"
 
 
@@ -126,7 +128,7 @@ def test_restart_request_replaces_in_order():
 
 def test_status_lag_after_crash_uses_pod_generation():
     # status says 1 but pods of generation 2 exist (SIGKILL between create and status write)
-    plan = desired_state(SPEC, {"pairGeneration": 1},
+    plan = next_step(SPEC, {"pairGeneration": 1},
                          Observed((pod("decode", 2),), ports_complete=True, decode_listening=True))
     assert plan.pair_generation == 2 and plan.step == d.STEP_CREATE_PREFILL
 
@@ -150,7 +152,7 @@ def test_a_prefill_that_never_becomes_ready_waits_without_a_deadline():
     observed = Observed((pod("decode"), pod("prefill", ready=False)), ports_complete=True, decode_listening=True)
     status = {"pairGeneration": 1, "phase": "PrefillStarting"}
     for _ in range(100):
-        plan = desired_state(SPEC, status, observed)
+        plan = next_step(SPEC, status, observed)
         assert (plan.step, plan.phase, plan.pair_generation) == (d.STEP_WAIT_PREFILL_READY, "PrefillStarting", 1)
         assert not plan.delete and plan.create is None and plan.broken_reason is None
         assert {c.type: c.status for c in plan.conditions}["Ready"] == "False"

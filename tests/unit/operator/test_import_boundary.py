@@ -18,3 +18,44 @@ def test_operator_modules_do_not_import_the_connector():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
     assert "pdpair.operator.handlers" in modules and "pdpair.operator.metrics" in modules
+
+
+def _operator_imports() -> dict[str, set[str]]:
+    """Each operator module -> the operator modules it imports, at any depth of its code (a function-level import
+    is still an edge of the circle)."""
+    import ast
+    import pathlib
+
+    folder = pathlib.Path(pdpair.operator.__path__[0])
+    names = {p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    edges: dict[str, set[str]] = {}
+    for name in names:
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 1 and node.module:  # from .x import y
+                    found.add(node.module.split(".")[0])
+                elif node.level == 1:  # from . import x, y
+                    found.update(a.name for a in node.names)
+                elif node.module and node.module.startswith("pdpair.operator."):
+                    found.add(node.module.split(".")[2])
+                elif node.module == "pdpair.operator":
+                    found.update(a.name for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name.split(".")[2] for a in node.names if a.name.startswith("pdpair.operator."))
+        edges[name] = (found & names) - {name}
+    return edges
+
+
+def test_operator_modules_import_each_other_without_a_circle():
+    """desired.py (Recreate) and rollout.py (Surge) once imported each other; planner.next_step now picks between
+    them. A topological sort of the import graph fails on any circle and names it."""
+    from graphlib import CycleError, TopologicalSorter
+
+    edges = _operator_imports()
+    assert "rollout" in edges["planner"] and "desired" in edges["rollout"] and not edges["desired"] & {"rollout", "planner"}
+    try:
+        list(TopologicalSorter(edges).static_order())
+    except CycleError as circle:
+        raise AssertionError(f"import circle among operator modules: {' -> '.join(circle.args[1])}") from None

@@ -16,7 +16,8 @@ import pytest
 from pdpair.contract import COND_PROGRESSING, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 from pdpair.operator import desired as d
 from pdpair.operator import rollout as r
-from pdpair.operator.desired import Observed, PodView, desired_state, spec_fingerprint
+from pdpair.operator.desired import Observed, PodView, spec_fingerprint
+from pdpair.operator.planner import next_step
 from tests.crd_defaults import with_crd_defaults
 
 
@@ -103,7 +104,7 @@ class World:
     def run(self, until, max_passes: int = 80, tick: float = 5.0, restart_at: int | None = None) -> list[d.Plan]:
         plans = []
         for i in range(max_passes):
-            plan = desired_state(self.spec, self.status, self.observe("hang" if i == restart_at else None), self.now)
+            plan = next_step(self.spec, self.status, self.observe("hang" if i == restart_at else None), self.now)
             plans.append(plan)
             self.apply(plan)
             if until(plan, self):
@@ -150,10 +151,10 @@ def test_old_generation_drains_for_drain_seconds_after_the_switch():
     assert world.status["rollout"]["phase"] == r.PHASE_DRAINING
     world.settle()
     world.now += 29
-    wait = desired_state(world.spec, world.status, world.observe(), world.now)
+    wait = next_step(world.spec, world.status, world.observe(), world.now)
     assert wait.step == r.STEP_ROLLOUT_DRAIN and not wait.delete and 0 < wait.wait_seconds <= 1
     world.now += 1
-    go = desired_state(world.spec, world.status, world.observe(), world.now)
+    go = next_step(world.spec, world.status, world.observe(), world.now)
     assert go.step == r.STEP_ROLLOUT_DELETE and go.delete == ("p-router-g1", "p-prefill-g1")
 
 
@@ -181,13 +182,13 @@ def test_a_failing_new_generation_is_rolled_back_and_the_old_one_keeps_serving()
     assert condition(plans[-1], COND_PROGRESSING).reason == "RolloutFailed"
     # the same spec is not tried again (a restarted operator reads failedRollout from status) ...
     world.settle()
-    hold = desired_state(world.spec, world.status, world.observe(), world.now + 5)
+    hold = next_step(world.spec, world.status, world.observe(), world.now + 5)
     assert hold.step == d.STEP_READY and hold.pair_generation == 1 and not hold.create and not hold.status_fields
     assert condition(hold, COND_PROGRESSING).reason == "RolloutFailed"
     assert {p.generation for p in world.pods.values()} == {1}
     # ... until the spec changes again
     world.spec = SURGE_V3
-    again = desired_state(world.spec, world.status, world.observe(), world.now + 10)
+    again = next_step(world.spec, world.status, world.observe(), world.now + 10)
     assert again.step == r.STEP_ROLLOUT_START and again.status_fields["failedRollout"] is None
 
 
@@ -205,7 +206,7 @@ def test_a_restarted_new_container_fails_the_rollout():
     world = World(SURGE_V2, pods={p.name: p for p in serving(1)})
     world.run(lambda plan, w: plan.step == r.STEP_ROLLOUT_START)
     world.pods["p-decode-g2"] = pod(ROLE_DECODE, 2, SURGE_V2, restarts=1)
-    plan = desired_state(world.spec, world.status, world.observe(), world.now)
+    plan = next_step(world.spec, world.status, world.observe(), world.now)
     assert world.status["rollout"]["phase"] == r.PHASE_PROGRESSING
     assert plan.status_fields["rollout"]["phase"] == r.PHASE_ROLLING_BACK
     assert "restarted" in plan.status_fields["failedRollout"]["reason"]
@@ -245,7 +246,7 @@ def test_serving_generation_broken_during_a_rollout_is_reported_for_the_restart_
     world = World(SURGE_V2, pods={p.name: p for p in serving(1)})
     world.run(lambda plan, w: "p-decode-g2" in w.pods)
     world.pods["p-prefill-g1"] = pod(ROLE_PREFILL, 1, SURGE, phase="Failed", ready=False)
-    plan = desired_state(world.spec, world.status, world.observe(), world.now)
+    plan = next_step(world.spec, world.status, world.observe(), world.now)
     assert plan.step == d.STEP_BROKEN and plan.pair_generation == 1 and "prefill" in plan.broken_reason
 
 
@@ -255,13 +256,13 @@ def test_serving_generation_broken_during_a_rollout_is_reported_for_the_restart_
      (pod(ROLE_DECODE, 1), pod(ROLE_PREFILL, 1, ready=False)), {"pairGeneration": 1}),
 ])
 def test_recreate_when_surge_does_not_apply(name, spec, pods, status):
-    plan = desired_state(spec, status, Observed(pods=pods, ports_complete=True, decode_listening=True), T0)
+    plan = next_step(spec, status, Observed(pods=pods, ports_complete=True, decode_listening=True), T0)
     assert plan.step == d.STEP_DELETE_PREFILL and plan.pair_generation == 2 and plan.rolled_out
     assert "rollout" not in plan.status_fields
 
 
 def test_start_records_the_rollout_in_status_before_any_pod():
-    plan = desired_state(SURGE_V2, {"pairGeneration": 4, "portSlot": "b"},
+    plan = next_step(SURGE_V2, {"pairGeneration": 4, "portSlot": "b"},
                          Observed(pods=serving(4), ports_complete=True, decode_listening=True), T0)
     assert plan.step == r.STEP_ROLLOUT_START and plan.create is None and not plan.delete
     rollout = plan.status_fields["rollout"]
@@ -275,7 +276,7 @@ def test_no_room_for_a_second_port_set_fails_the_rollout():
     world.run(lambda plan, w: plan.step == r.STEP_ROLLOUT_START)
     observed = replace(world.observe(), rollout_ports_complete=False, rollout_pool_exhausted=True,
                        rollout_pool_message="no 1 free port(s)")
-    plan = desired_state(world.spec, world.status, observed, world.now)
+    plan = next_step(world.spec, world.status, observed, world.now)
     assert plan.status_fields["rollout"]["phase"] == r.PHASE_ROLLING_BACK
     assert "no 1 free port(s)" in plan.status_fields["failedRollout"]["reason"]
 
@@ -283,7 +284,7 @@ def test_no_room_for_a_second_port_set_fails_the_rollout():
 def test_the_new_decode_waits_for_its_listener_before_prefill():
     world = World(SURGE_V2, pods={p.name: p for p in serving(1)})
     world.run(lambda plan, w: "p-decode-g2" in w.pods)
-    plan = desired_state(world.spec, world.status, replace(world.observe(), rollout_decode_listening=False), world.now)
+    plan = next_step(world.spec, world.status, replace(world.observe(), rollout_decode_listening=False), world.now)
     assert plan.step == d.STEP_WAIT_LISTENER and plan.probe_decode and plan.create is None
 
 
@@ -291,7 +292,7 @@ def test_a_new_pod_the_api_server_refuses_fails_the_rollout():
     world = World(SURGE_V2, pods={p.name: p for p in serving(1)})
     world.run(lambda plan, w: plan.step == r.STEP_ROLLOUT_START)
     observed = replace(world.observe(), rollout_rejection="the API server refused decode pod p-decode-g2 (422)")
-    plan = desired_state(world.spec, world.status, observed, world.now)
+    plan = next_step(world.spec, world.status, observed, world.now)
     assert plan.status_fields["rollout"]["phase"] == r.PHASE_ROLLING_BACK and plan.pair_generation == 1
     assert "refused decode pod" in plan.status_fields["failedRollout"]["reason"]
     assert condition(plan, "Ready").status == "True"  # the serving generation is not touched
@@ -299,7 +300,7 @@ def test_a_new_pod_the_api_server_refuses_fails_the_rollout():
 
 # --- a port set left behind: the pass that ended the rollout died before releasing it -------------------------
 def plan_for(spec, status, pods, slots, now=T0) -> d.Plan:
-    return desired_state(spec, status, Observed(pods=pods, ports_complete=True, decode_listening=True,
+    return next_step(spec, status, Observed(pods=pods, ports_complete=True, decode_listening=True,
                                                 leased_slots=frozenset(slots)), now)
 
 
@@ -313,7 +314,7 @@ def test_a_port_set_whose_release_died_after_the_status_write_is_released_by_the
         name, failing, serving_slot, left_slot):
     world = World(SURGE_V2, pods={p.name: p for p in serving(1)}, make_pod=failing)
     for _ in range(80):
-        plan = desired_state(world.spec, world.status, world.observe(), world.now)
+        plan = next_step(world.spec, world.status, world.observe(), world.now)
         world.apply(plan, dies_before_release=plan.step == r.STEP_ROLLOUT_DONE)
         if plan.step == r.STEP_ROLLOUT_DONE:
             break
@@ -323,12 +324,12 @@ def test_a_port_set_whose_release_died_after_the_status_write_is_released_by_the
     assert "rollout" not in world.status and world.status.get("portSlot", "a") == serving_slot
     assert world.slots == {"a", "b"} and "release" not in " ".join(world.log)
     world.now += 5
-    redo = desired_state(world.spec, world.status, world.observe(), world.now)
+    redo = next_step(world.spec, world.status, world.observe(), world.now)
     assert redo.step == d.STEP_READY and redo.release_slot == left_slot
     assert not redo.delete and not redo.create and "rollout" not in redo.status_fields
     world.apply(redo)
     assert world.slots == {serving_slot}
-    after = desired_state(world.spec, world.status, world.observe(), world.now + 5)
+    after = next_step(world.spec, world.status, world.observe(), world.now + 5)
     assert after.step == d.STEP_READY and after.release_slot is None
 
 
