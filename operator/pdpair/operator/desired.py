@@ -183,9 +183,9 @@ def recreate_state(
     # 2. stale pods go: prefill and router first, decode only after they are gone, then wait for all
     stale = [p for p in pods if p.generation != generation]
     if stale:
-        front = [p for p in stale if p.role != ROLE_DECODE]
-        if front:
-            to_delete = tuple(p.name for p in _ordered(front) if not p.deleting)
+        going = teardown(stale)
+        to_delete = going.delete
+        if going.front:
             return plan(
                 STEP_DELETE_PREFILL if to_delete else STEP_WAIT_GONE,
                 replacing_phase,
@@ -194,7 +194,6 @@ def recreate_state(
                  _prefill(FALSE, "Replacing"), _not_ready("Replacing")],
                 delete=to_delete,
             )
-        to_delete = tuple(p.name for p in stale if not p.deleting)
         return plan(
             STEP_DELETE_DECODE if to_delete else STEP_WAIT_GONE,
             replacing_phase,
@@ -315,6 +314,26 @@ def recreate_state(
 
 def _restarting(status: Mapping[str, Any]) -> bool:
     return status.get("phase") == PHASE_RESTARTING
+
+
+@dataclass(frozen=True)
+class Teardown:
+    delete: tuple[str, ...]  # pod names to delete now, in this order (none: wait)
+    front: bool  # prefill or router is still there: decode waits
+
+
+def teardown(pods: Iterable[PodView], decode_after_front_gone: bool = True) -> Teardown:
+    """The teardown order, the one definition (a restart's or rollout's old generation, a rolled-back generation, a
+    deleted pair): router and prefill first, decode after them, so no prefill pushes KV to a decode that is gone
+    and no new decode is made while an old prefill may still reach its port. A pod already being deleted is not
+    deleted again. `decode_after_front_gone`: decode goes only once prefill and router are gone (a replacement);
+    False: once they are being deleted (a deleted pair: nothing replaces it, and waiting out the front's grace
+    period first would only hold the port leases longer)."""
+    pods = list(pods)
+    front = [p for p in pods if p.role != ROLE_DECODE and (decode_after_front_gone or not p.deleting)]
+    if front:
+        return Teardown(tuple(p.name for p in _ordered(front) if not p.deleting), front=True)
+    return Teardown(tuple(p.name for p in pods if not p.deleting), front=False)
 
 
 def _ordered(pods: Iterable[PodView]) -> list[PodView]:

@@ -1,6 +1,6 @@
 """kopf handlers, with three loops that still live here (issue "One owner for every decision" moves them out): the
-health scrape (`watch_health`, `_scrape_pair`), the deletion's pod teardown in order (`_pods_gone`, which calls the
-API itself) and the orphan-lease sweep (`_sweep_forever`). Everything else reads its inputs and hands them to
+health scrape (`watch_health`, `_scrape_pair`), the deletion's pod teardown (`_pods_gone`, which executes the order
+planner.deleted_pair_teardown decides, until the pods are gone or its deadline passes) and the orphan-lease sweep (`_sweep_forever`). Everything else reads its inputs and hands them to
 reconciler.py / ports.py.
 
 - startup: settings (finalizer and progress storage in pdpair.io, posting level, watch timeouts), API clients,
@@ -34,12 +34,11 @@ from pdpair.contract import (
     PHASE_READY,
     PLURAL,
     PURPOSE_METRICS,
-    ROLE_DECODE,
     ROLES,
     VERSION,
 )
 
-from . import health, spec_fields
+from . import health, planner, spec_fields
 from .api import TimedApi
 from .config import OperatorConfig
 from .observed import PodView
@@ -311,18 +310,18 @@ async def _pods_gone(runtime: Runtime, body: kopf.Body, uid: str, logger: loggin
     while True:
         listed = await asyncio.to_thread(runtime.core.list_namespaced_pod, namespace,
                                          label_selector=f"{LABEL_PAIR_UID}={uid}")
-        pods = sorted(listed.items, key=lambda p: (p.metadata.labels or {}).get(LABEL_ROLE) == ROLE_DECODE)
+        pods = [PodView(p.metadata.name, (p.metadata.labels or {}).get(LABEL_ROLE, ""), 0,
+                        deleting=bool(p.metadata.deletion_timestamp), uid=p.metadata.uid) for p in listed.items]
         if not pods:
             return []
-        live = [p for p in pods if not p.metadata.deletion_timestamp]
-        front = [p for p in live if (p.metadata.labels or {}).get(LABEL_ROLE) != ROLE_DECODE]
-        for pod in front or live:  # decode goes only after prefill and router are already going
+        uids = {p.name: p.uid for p in pods}
+        for name in planner.deleted_pair_teardown(pods):  # the planner's order: decode after prefill and router
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(
-                    runtime.core.delete_namespaced_pod, pod.metadata.name, namespace,
-                    body=V1DeleteOptions(preconditions=V1Preconditions(uid=pod.metadata.uid)),
+                    runtime.core.delete_namespaced_pod, name, namespace,
+                    body=V1DeleteOptions(preconditions=V1Preconditions(uid=uids[name])),
                 )
-        names = [p.metadata.name for p in pods]
+        names = [p.name for p in pods]
         now = time.time()
         if now >= deadline:
             return names

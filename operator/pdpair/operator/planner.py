@@ -66,6 +66,12 @@ def next_step(
     return rollout.release_left_slot(steps, status, observed)
 
 
+def deleted_pair_teardown(pods: "list[d.PodView]") -> tuple[str, ...]:
+    """Which pods of a deleted pair to delete now (handlers.release_ports executes it until none is left): the
+    Recreate order, with decode going once prefill and router are being deleted (desired.teardown)."""
+    return d.teardown(pods, decode_after_front_gone=False).delete
+
+
 def halted(status: Mapping[str, Any], meta_generation: int) -> bool:
     """Failed at the spec it failed with: only a spec change (a new metadata.generation) moves the pair again."""
     return status.get("phase") == PHASE_FAILED and status.get("observedGeneration") == meta_generation

@@ -33,7 +33,6 @@ from typing import Any, Mapping
 from pdpair.contract import (
     COND_PROGRESSING,
     PURPOSE_HTTP,
-    ROLE_DECODE,
     ROLE_ROUTER,
     ROLLOUT_SURGE,
 )
@@ -292,10 +291,9 @@ def _finish(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d.Obse
                         status_fields={"rollout": dict(rollout)}, wait_seconds=left)
     left_pods = [p for p in observed.pods if p.generation == gone_generation]
     if left_pods:
-        front = [p for p in left_pods if p.role != ROLE_DECODE]
-        victims = d._ordered(front) if front else left_pods
-        to_delete = tuple(p.name for p in victims if not p.deleting)
-        what = "prefill and router" if front else "decode"
+        going = d.teardown(left_pods)
+        to_delete = going.delete
+        what = "prefill and router" if going.front else "decode"
         message = f"generation {gone_generation}: deleting its {what}" if to_delete else \
             f"waiting until generation {gone_generation}'s pods are gone"
         return step(STEP_ROLLOUT_DELETE if to_delete else STEP_ROLLOUT_WAIT_GONE, message, delete=to_delete,

@@ -156,3 +156,22 @@ def test_a_prefill_that_never_becomes_ready_waits_without_a_deadline():
         assert (plan.step, plan.phase, plan.pair_generation) == (d.STEP_WAIT_PREFILL_READY, "PrefillStarting", 1)
         assert not plan.delete and plan.create is None and plan.broken_reason is None
         assert {c.type: c.status for c in plan.conditions}["Ready"] == "False"
+
+
+def test_teardown_order_is_router_and_prefill_then_decode():
+    """desired.teardown, the one definition of the order, used by replacements (Recreate step 2, a Surge rollout's
+    old or rolled-back generation) and by a deleted pair (planner.deleted_pair_teardown, executed by handlers)."""
+    from pdpair.operator.planner import deleted_pair_teardown
+
+    decode, prefill, router = pod("decode"), pod("prefill"), pod("router")
+    going = d.teardown([decode, prefill, router])
+    assert going.front and going.delete == (router.name, prefill.name)  # decode waits
+    prefill_going = pod("prefill", deleting=True)
+    # a replacement waits until prefill is gone (a new decode must not race an old prefill) ...
+    assert d.teardown([decode, prefill_going]) == d.Teardown((), front=True)
+    # ... a deleted pair deletes decode once prefill is being deleted (nothing replaces it)
+    assert deleted_pair_teardown([decode, prefill_going]) == (decode.name,)
+    assert deleted_pair_teardown([decode, prefill, router]) == (router.name, prefill.name)
+    assert d.teardown([decode]) == d.Teardown((decode.name,), front=False)
+    assert d.teardown([pod("decode", deleting=True)]) == d.Teardown((), front=False)
+    assert deleted_pair_teardown([]) == ()
