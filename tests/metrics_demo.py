@@ -30,7 +30,8 @@ import time
 import urllib.request
 
 from pdpair import contract
-from pdpair.connector.metrics import SignalAccounts, serve
+from pdpair.connector.metrics import serve
+from pdpair.connector.signals import SignalAccounts
 
 PEER = "demo-peer:20000"
 STUCK_ID = "demo-stuck"

@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdpair import contract
-from pdpair.connector.metrics import PeerRanks, SignalAccounts, accounts_from_env, export_rank, serve
+from pdpair.connector.metrics import PeerRanks, accounts_from_env, export_rank, serve
+from pdpair.connector.signals import SignalAccounts
 
 RANK0 = ("rank", "0")  # every per-rank series of a TP = 1 engine (or of TP rank 0)
 

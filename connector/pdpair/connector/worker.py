@@ -32,7 +32,8 @@ from pdpair.connector.config import PdPairConfig
 from pdpair.connector.handshake import DecodeSideChannel, PrefillSideChannel
 from pdpair.connector.preflight import report_bind_failure
 from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
-from pdpair.connector.metrics import MetricsServer, PeerRanks, RankExporter, SignalAccounts, export_rank, serve
+from pdpair.connector.metrics import MetricsServer, PeerRanks, RankExporter, export_rank, serve
+from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
 from pdpair.connector.staging import HostStaging, block_runs
 from pdpair.connector.stats import PdPairKVConnectorStats

@@ -15,7 +15,7 @@ import torch
 from pdpair.connector.handshake import DecodeSideChannel, HandshakeError, PrefillSideChannel
 from pdpair.contract import parse_ports_in_use
 from pdpair.connector.metadata import KvLayout, Pull, PullDone, compatibility_factors, compatibility_hash
-from pdpair.connector.metrics import SignalAccounts
+from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.transports.tcp import TcpTransport
 from tests.cluster.ports import free_port, port_is_free
 

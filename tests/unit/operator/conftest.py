@@ -5,7 +5,8 @@ import socket
 
 import pytest
 
-from pdpair.connector.metrics import SignalAccounts, serve
+from pdpair.connector.metrics import serve
+from pdpair.connector.signals import SignalAccounts
 from pdpair.operator.health import ScrapeTarget
 
 
