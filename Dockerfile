@@ -16,13 +16,12 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY native/include native/include
 COPY native/src native/src
-COPY operator operator
-COPY connector connector
+COPY src src
 RUN python -m venv /opt/pdpair \
  && /opt/pdpair/bin/pip install --upgrade pip setuptools wheel \
  && /opt/pdpair/bin/pip install ".[operator,connector]"
 # Fail the build here, not in the cluster, if a package or the native extension does not load. Run from / so the
-# installed packages are imported, not the source folders (/src/operator would shadow nothing, but be sure).
+# installed packages are imported, not the source folders (/src/src would shadow nothing, but be sure).
 WORKDIR /
 RUN /opt/pdpair/bin/python -c "import pdpair.contract, pdpair.operator, pdpair.connector, pdpair.router, pdpair.native, kopf, kubernetes"
 

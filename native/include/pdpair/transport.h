@@ -42,7 +42,7 @@ extern "C" {
 /* Wire protocol version, exchanged in the handshake; peers with a different one are refused. */
 #define PDPAIR_PROTOCOL_VERSION 1
 
-/* The block between the cffi markers is parsed by connector/pdpair/native/_build.py: no macros inside. */
+/* The block between the cffi markers is parsed by src/pdpair/native/_build.py: no macros inside. */
 /* cffi-begin */
 
 /* Status codes. "Who": caller = misuse of the API, peer = the other side, system = OS/network. */

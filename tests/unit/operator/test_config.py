@@ -113,7 +113,7 @@ def test_every_config_field_is_declared_once_with_its_default():
 def test_operator_readme_table_is_generated_from_the_settings():
     from pdpair.operator import config
 
-    readme = (ROOT / "operator" / "pdpair" / "operator" / "README.md").read_text()
+    readme = (ROOT / "src" / "pdpair" / "operator" / "README.md").read_text()
     block = readme.split("<!-- settings:begin -->\n", 1)[1].split("<!-- settings:end -->", 1)[0]
     assert block == config.settings_markdown(), "run `python -m pdpair.operator.config` and paste its table"
 

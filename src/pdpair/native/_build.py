@@ -1,6 +1,6 @@
 """cffi builder (API/out-of-line mode) for pdpair.native._pdpair_native.
 
-setup.py names `connector/pdpair/native/_build.py:ffibuilder`, so `pip install` compiles native/src/*.c into the
+setup.py names `src/pdpair/native/_build.py:ffibuilder`, so `pip install` compiles native/src/*.c into the
 extension; nothing prebuilt is kept in git. The cdef is the block between the cffi markers of
 native/include/pdpair/transport.h, so the header stays the one description of the API, and the compiler checks
 that block against the real declarations.
