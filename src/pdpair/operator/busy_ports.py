@@ -54,7 +54,7 @@ def pod_ports_in_use(pod: Mapping[str, Any]) -> tuple[str, tuple[int, ...]]:
 
 
 def reports(pods: Iterable[Any], generation: int) -> list[PortsInUse]:
-    """The reports of the pods of `generation` (pods: desired.PodView, whose `raw` is the API object)."""
+    """The reports of the pods of `generation` (pods: observed.PodView, whose `raw` is the API object)."""
     found: list[PortsInUse] = []
     for pod in pods:
         if pod.generation != generation or pod.raw is None:

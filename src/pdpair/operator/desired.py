@@ -46,14 +46,7 @@ from pdpair.contract import (
     ROLE_ROUTER,
 )
 
-from .observed import (  # noqa: F401  (re-exported: the planners read `d.Observed`, `d.PodView`)
-    PENDING_SCHEDULING,
-    HealthFinding,
-    Observed,
-    PodView,
-    is_scheduled,
-    pending_for_scheduling,
-)
+from .observed import Observed, PodView
 from .status import FALSE, TRUE, Condition
 
 # The spec fields pods are built from; a change to any of them is a rollout. Every property of the CRD's spec is in

@@ -1,17 +1,20 @@
-"""The one planner: `plan(spec, status, observed, now)` decides everything a reconcile pass does.
+"""The one planner: `lease_plan(spec, status, pods)` and `plan(spec, status, observed, now)` decide everything a
+reconcile pass does, and `deleted_pair_teardown(pods)` what a deleted pair's cleanup does.
 
 It owns, in this order:
-  1. a Failed pair is left alone until its spec changes (status.phase Failed at this metadata.generation);
-  2. whether the pair needs a restart (a current pod failed or vanished, a health verdict for the current
-     generation, ports found busy on the node) and whether it may restart now (restart_policy: backoff, budget,
-     the scheduling gate), or must wait, or has spent its budget (Failed);
-  3. the ordered steps (next_step: rollout.py's Surge plan while one applies, else desired.py's Recreate plan):
-     leasing, decode first, the listener gate, prefill, router, and the replacement of older generations (rollouts
-     and restarts alike).
+  1. the port leases, first, because the pod steps depend on what is held (lease_plan, leases.py): lease or only
+     read each port set (the serving one, a Surge rollout's other one), quarantine busy ports and re-lease them;
+  2. a Failed pair is left alone until its spec changes (status.phase Failed at this metadata.generation);
+  3. whether the pair needs a restart (a current pod failed or vanished, a health verdict for the current
+     generation, ports found busy on the node and re-leased) and whether it may restart now (restart_policy:
+     backoff, budget, the scheduling gate), or must wait, or has spent its budget (Failed);
+  4. the ordered steps (next_step: rollout.py's Surge plan while one applies, else desired.py's Recreate plan):
+     decode first, the listener gate, prefill, router, the replacement of older generations (rollouts and
+     restarts alike, in desired.teardown's order) and the release of a port set no generation uses.
 
-Pure: no client, no kopf, no clock but `now` (epoch seconds). The executor (reconciler.py) observes, calls plan()
-once per pass, and applies what it returns. Everything it needs is in spec, status and `observed`, so a restarted
-operator plans exactly what the one before it would have.
+Pure: no client, no kopf, no clock but `now` (epoch seconds). The executor (reconciler.py) observes, calls
+lease_plan() and plan() once per pass, and carries out what they return. Everything they need is in spec, status
+and what the executor observed, so a restarted operator plans exactly what the one before it would have.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Any, Mapping
 from pdpair.contract import COND_READY, PHASE_FAILED, PHASE_RESTARTING
 
 from . import desired as d
-from . import health, rollout
+from .observed import PodView, Observed
+from . import busy_ports, health, leases, rollout
 from .restart_policy import Action, RestartPolicy, decide, prune
 from .status import FALSE, Condition
 
@@ -54,8 +58,24 @@ class PairPlan:
     retry_at: float | None = None  # epoch seconds: when a backed-off restart may happen
 
 
+@dataclass(frozen=True)
+class LeasePlan:
+    """The pass's port-lease steps (leases.py), carried out before the pod steps are planned: the pod steps need
+    to know which ports are held."""
+
+    serving: leases.LeaseStep
+    rollout: leases.LeaseStep | None  # a Surge rollout's other generation; None without a rollout
+    busy: tuple[busy_ports.PortsInUse, ...]  # busy-port reports of the serving generation (leases.quarantines)
+
+
+def lease_plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, pods: "tuple[PodView, ...]") -> LeasePlan:
+    status = status or {}
+    return LeasePlan(leases.serving_lease(spec, status, pods), leases.rollout_lease(spec, status, pods),
+                     tuple(leases.busy_reports(status, pods)))
+
+
 def next_step(
-    spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: d.Observed, now: float | None = None
+    spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Observed, now: float | None = None
 ) -> d.Plan:
     """The next step of the pair's ordered steps. `now` (epoch seconds) is only read by a Surge rollout's deadlines
     (drain, progress). desired.py (Recreate) and rollout.py (Surge, built on desired.py) are siblings that never
@@ -66,7 +86,7 @@ def next_step(
     return rollout.release_left_slot(steps, status, observed)
 
 
-def deleted_pair_teardown(pods: "list[d.PodView]") -> tuple[str, ...]:
+def deleted_pair_teardown(pods: "list[PodView]") -> tuple[str, ...]:
     """Which pods of a deleted pair to delete now (handlers.release_ports executes it until none is left): the
     Recreate order, with decode going once prefill and router are being deleted (desired.teardown)."""
     return d.teardown(pods, decode_after_front_gone=False).delete
@@ -77,7 +97,7 @@ def halted(status: Mapping[str, Any], meta_generation: int) -> bool:
     return status.get("phase") == PHASE_FAILED and status.get("observedGeneration") == meta_generation
 
 
-def failure(steps: d.Plan, observed: d.Observed) -> tuple[str, str] | None:
+def failure(steps: d.Plan, observed: Observed) -> tuple[str, str] | None:
     """(reason code, message) when the pair's current generation needs an ordered restart, else None."""
     if steps.step == d.STEP_BROKEN:
         for pod in observed.pods:
@@ -92,7 +112,7 @@ def failure(steps: d.Plan, observed: d.Observed) -> tuple[str, str] | None:
     return None
 
 
-def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: d.Observed, now: float) -> PairPlan:
+def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Observed, now: float) -> PairPlan:
     status = status or {}
     if halted(status, observed.meta_generation):
         return PairPlan(OUTCOME_HALTED)

@@ -31,13 +31,13 @@ from pdpair.contract import (
     VERSION,
 )
 
-from . import busy_ports
 from . import desired as d
-from . import health, planner, rollout
+from .observed import PodView, Observed, HealthFinding
+from . import health, leases, planner, rollout
 from .config import OperatorConfig
 from .lifecycle import probe_ranks
 from .pods import ManifestError, engine_pod, pod_name, router_pod
-from .ports import PairRef, PortLeaser, required_blocks, status_ports, ports_of
+from .ports import PairRef, PortLeaser, status_ports, ports_of
 from .service import ACTION_CREATE, ACTION_DELETE, ACTION_PATCH, ServiceView, plan_service, router_service, service_name
 from .status import FALSE, Condition, apply_conditions, now_rfc3339, status_diff
 
@@ -210,29 +210,23 @@ class PairReconciler:
                 return list(written)
         return recorded
 
-    async def ensure_ports(self, spec: Mapping[str, Any], pods: tuple[d.PodView, ...] = ()) -> None:
-        """Lease what the spec needs; `self.ports` then mirrors the pair's leases exactly ([] or None: none held).
-
-        One rule for rollouts, TP changes and operator restarts alike: while any pod built from another spec still
-        exists (running or terminating), the leases are left as they are, because that pod may still be bound to
-        them. They are re-leased only once every such pod is gone.
-        """
-        blocks = required_blocks(spec)
+    async def lease_serving(self, step: leases.LeaseStep) -> None:
+        """Carry out the serving port set's lease step (leases.serving_lease); `self.ports` then mirrors the pair's
+        leases exactly ([] or None: none held). Leases are re-read (the truth) once per resync interval, or when
+        the blocks change; after an exhausted pool, no sooner than pool_retry."""
         fresh = time.monotonic() - self.leases_checked_at < self.rt.config.resync_interval
-        want = d.spec_fingerprint(spec)
-        slot = rollout.serving_slot(self.status)
-        if any(p.spec_hash != want for p in pods):
+        if not step.leasing:
             if self.ports is None or not fresh:
-                held, self.leased_slots = await self.rt.leaser.held(self.ref, slot)
+                held, self.leased_slots = await self.rt.leaser.held(self.ref, step.slot)
                 self.ports = status_ports(held)
-                self.blocks = None  # unknown: re-leased (adopting what fits) once the old pods are gone
+                self.blocks = None  # unknown: re-leased (adopting what fits) once the other spec's pods are gone
                 self.leases_checked_at = time.monotonic()
             return
-        if self.ports is not None and blocks == self.blocks and fresh:
-            return  # re-read the leases (the truth) once per resync interval, or when the blocks change
+        if self.ports is not None and step.blocks == self.blocks and fresh:
+            return
         if self.ports is None and self.pool_message and time.monotonic() < self.next_lease_try:
             return
-        outcome = await self.rt.leaser.ensure(self.ref, blocks, before_release=self._unlist_ports, slot=slot)
+        outcome = await self.rt.leaser.ensure(self.ref, step.blocks, before_release=self._unlist_ports, slot=step.slot)
         self.leases_checked_at, self.leased_slots = time.monotonic(), outcome.slots
         if outcome.exhausted:
             self.ports, self.blocks = None, None
@@ -241,7 +235,7 @@ class PairReconciler:
             self.pool_message = outcome.message
             self.next_lease_try = time.monotonic() + self.rt.config.pool_retry
             return
-        self.ports, self.blocks, self.pool_message = status_ports(outcome.assignments), blocks, ""
+        self.ports, self.blocks, self.pool_message = status_ports(outcome.assignments), step.blocks, ""
         if outcome.claimed or outcome.released:
             self.emit(
                 "Normal",
@@ -251,40 +245,32 @@ class PairReconciler:
                 f"{ports_of(self.ports, ROLE_DECODE, PURPOSE_SIDECHANNEL)}",
             )
 
-    async def ensure_rollout_ports(self, spec: Mapping[str, Any], pods: tuple[d.PodView, ...]) -> None:
-        """The port set of a Surge rollout's other generation (rollout.py): leased for the new spec while it comes
-        up (Progressing); only read while it drains or rolls back (its pods may still be bound to them); none
-        without a rollout. Released by the plan (Plan.release_slot) once its pods are gone; a set left leased after
-        the rollout ended (the releasing pass died) too, seen in self.leased_slots."""
-        other = rollout.other_generation(self.status)
-        if other is None:
+    async def lease_rollout(self, step: leases.LeaseStep | None) -> None:
+        """Carry out the lease step of a Surge rollout's other generation (leases.rollout_lease); None: no rollout,
+        nothing held for it here (a set left leased after a rollout is released by the plan: Plan.release_slot)."""
+        if step is None:
             self.rollout_ports, self.rollout_blocks, self.rollout_pool_message = None, None, ""
             return
-        generation, slot = other
-        active = rollout.active_rollout(self.status) or {}
-        want = d.spec_fingerprint(spec)
         fresh = time.monotonic() - self.rollout_checked_at < self.rt.config.resync_interval
-        leasing = active.get("phase") == rollout.PHASE_PROGRESSING and active.get("specHash") == want and all(
-            p.spec_hash == want for p in pods if p.generation == generation)
-        if not leasing:
+        if not step.leasing:
             if self.rollout_ports is None or not fresh:
-                held, self.leased_slots = await self.rt.leaser.held(self.ref, slot)
+                held, self.leased_slots = await self.rt.leaser.held(self.ref, step.slot)
                 self.rollout_ports = status_ports(held)
                 self.rollout_blocks, self.rollout_checked_at = None, time.monotonic()
             return
-        blocks = required_blocks(spec)
-        if self.rollout_ports is not None and blocks == self.rollout_blocks and fresh:
+        if self.rollout_ports is not None and step.blocks == self.rollout_blocks and fresh:
             return
-        outcome = await self.rt.leaser.ensure(self.ref, blocks, before_release=self._unlist_rollout_ports, slot=slot)
+        outcome = await self.rt.leaser.ensure(self.ref, step.blocks, before_release=self._unlist_rollout_ports,
+                                              slot=step.slot)
         self.rollout_checked_at, self.leased_slots = time.monotonic(), outcome.slots
         if outcome.exhausted:
             self.rollout_ports, self.rollout_blocks, self.rollout_pool_message = None, None, outcome.message
             return
         self.rollout_ports, self.rollout_blocks, self.rollout_pool_message = (
-            status_ports(outcome.assignments), blocks, "")
+            status_ports(outcome.assignments), step.blocks, "")
         if outcome.claimed or outcome.released:
             self.emit("Normal", "PortsLeased",
-                      f"generation {generation}: {len(outcome.assignments)} ports leased in port set {slot} "
+                      f"generation {step.generation}: {len(outcome.assignments)} ports leased in port set {step.slot} "
                       f"({outcome.claimed} claimed); decode side channel "
                       f"{ports_of(self.rollout_ports, ROLE_DECODE, PURPOSE_SIDECHANNEL)}")
 
@@ -305,31 +291,30 @@ class PairReconciler:
             await self._patch_status({"ports": kept})
         self.ports = None
 
-    async def handle_ports_in_use(self, spec: Mapping[str, Any], pods: tuple[d.PodView, ...]) -> list[busy_ports.PortsInUse]:
-        """Ports the current generation's pods found busy on their node (busy_ports.py): quarantine the ones the pair
-        holds, lease replacements, say so in a PortInUse Event. Idempotent: a port already out of the pair's hands
-        is left alone, so a restarted operator only goes on to the restart."""
-        found = busy_ports.reports(pods, rollout.serving_generation(self.status, pods))
-        if not found or self.ports is None:
-            return found
-        fixed = [b.fixed for b in (self.blocks or required_blocks(spec)) if b.fixed is not None]
-        for report in found:
-            before = list(self.ports or [])
-            todo = busy_ports.plan(report.ports, (int(p["port"]) for p in before), self.rt.leaser.pool, fixed)
+    async def quarantine_busy(self, lease_plan: planner.LeasePlan) -> None:
+        """Carry out leases.quarantines for the busy-port reports: each held pool port becomes a quarantine Lease
+        on its node and is re-leased (lease_serving again), a PortInUse Event says so; a fixed port is reported once.
+        Idempotent: a port already out of the pair's hands is not in the plan, so a restarted operator only goes on
+        to the restart."""
+        for report in lease_plan.busy:
+            if self.ports is None:
+                return
+            (todo,) = leases.quarantines([report], self.ports, lease_plan.serving.blocks, self.rt.leaser.pool)
             for port in todo.fixed:
                 if (report.pod, port) not in self.unreplaceable_reported:
                     self.unreplaceable_reported.add((report.pod, port))
                     self.emit("Warning", "PortInUse",
                               f"{report.describe()}: port {port} is not the operator's to change (spec.router.port or "
                               f"outside the pool); free it on node {report.node} or change the spec")
-            if not todo.quarantine:
+            if not todo.ports:
                 continue
+            before = list(self.ports)
             ttl = self.rt.config.busy_port_quarantine
-            await self._unlist_ports(set(todo.quarantine))  # status stops listing them before they change hands
-            quarantined = [p for p in todo.quarantine
+            await self._unlist_ports(set(todo.ports))  # status stops listing them before they change hands
+            quarantined = [p for p in todo.ports
                            if await self.rt.leaser.quarantine(self.ref, p, report.node, ttl, report.describe())]
             self.leases_checked_at, self.blocks = 0.0, None  # re-read the leases now and claim what is missing
-            await self.ensure_ports(spec, pods)
+            await self.lease_serving(lease_plan.serving)
             moved = sorted({(p["role"], p["purpose"]) for p in before if int(p["port"]) in quarantined})
             replacement = ", ".join(
                 f"{role} {purpose} {ports_of(self.ports, role, purpose) if self.ports else 'pending (pool exhausted)'}"
@@ -339,24 +324,8 @@ class PairReconciler:
                       f"restarting the pair decode-first on the new ports")
             self.log.warning("pair %s/%s: %s; quarantined %s, replacement %s", self.ref.namespace, self.ref.name,
                              report.describe(), quarantined, replacement)
-        return found
 
-    def _ports_replaced(self, found: list[busy_ports.PortsInUse]) -> str | None:
-        """What to say when the pods found busy ports that the pair no longer holds (all replaced), else None. The
-        planner restarts a broken pair on it outside the restart budget: each such restart consumed a quarantined
-        port, so it cannot loop."""
-        if not found or self.ports is None:
-            return None
-        held = {int(p["port"]) for p in self.ports}
-        fixed = [b.fixed for b in (self.blocks or ()) if b.fixed is not None]
-        if not all(busy_ports.plan(r.ports, held, self.rt.leaser.pool, fixed).replaced for r in found):
-            return None
-        roles = sorted({r.role for r in found})
-        now_held = "; ".join(f"{role} ports {sorted(int(p['port']) for p in self.ports if p['role'] == role)}"
-                             for role in roles)
-        return f"{'; '.join(r.describe() for r in found)}; re-leased: {now_held}"
-
-    async def probe_decode(self, decode: d.PodView, ports: list[dict[str, Any]] | None = None) -> bool:
+    async def probe_decode(self, decode: PodView, ports: list[dict[str, Any]] | None = None) -> bool:
         ports = self.ports if ports is None else ports
         if decode.uid in self.listening_pods:
             return True
@@ -446,7 +415,7 @@ class PairReconciler:
         self.service_problem = message
 
     # --- one pass -----------------------------------------------------------------------------------
-    async def reconcile_once(self, pods: Iterable[d.PodView], services: Iterable[ServiceView] = ()) -> float:
+    async def reconcile_once(self, pods: Iterable[PodView], services: Iterable[ServiceView] = ()) -> float:
         """One level-triggered pass. Returns how long to sleep before the next one (a wakeup cuts it short)."""
         started = time.monotonic()
         spec = self.body["spec"]
@@ -458,9 +427,10 @@ class PairReconciler:
         if planner.halted(self.status, meta_generation):
             return cfg.resync_interval  # the restart budget is spent; only a spec change moves the pair again
 
-        await self.ensure_ports(spec, pods)
-        await self.ensure_rollout_ports(spec, pods)
-        in_use = await self.handle_ports_in_use(spec, pods)
+        lease_plan = planner.lease_plan(spec, self.status, pods)
+        await self.lease_serving(lease_plan.serving)
+        await self.lease_rollout(lease_plan.rollout)
+        await self.quarantine_busy(lease_plan)
         await self.ensure_service(services)
 
         generation = rollout.serving_generation(self.status, pods)
@@ -470,7 +440,7 @@ class PairReconciler:
         probe_message = self.probe_message
         rollout_listening, rollout_probe_message = await self._probe_rollout_decode(pods)
 
-        observed = d.Observed(
+        observed = Observed(
             pods=pods,
             ports_complete=self.ports is not None,
             pool_exhausted=bool(self.pool_message),
@@ -487,7 +457,8 @@ class PairReconciler:
             meta_generation=meta_generation,
             restart_times=tuple(self._restart_times()),
             health=self._health_finding(),
-            ports_replaced=self._ports_replaced(in_use),
+            ports_replaced=leases.ports_replaced(lease_plan.busy, self.ports, lease_plan.serving.blocks,
+                                                 self.rt.leaser.pool),
         )
         decided = planner.plan(spec, self.status, observed, time.time())
         if decided.outcome == planner.OUTCOME_HALTED:
@@ -557,7 +528,7 @@ class PairReconciler:
             return pass_delay(plan.step, cfg, plan.wait_seconds) if plan.wait_seconds is not None else cfg.resync_interval
         return pass_delay(plan.step, cfg, plan.wait_seconds)
 
-    async def _probe_rollout_decode(self, pods: tuple[d.PodView, ...]) -> tuple[bool, str]:
+    async def _probe_rollout_decode(self, pods: tuple[PodView, ...]) -> tuple[bool, str]:
         """The listener gate of a Surge rollout's new decode (on the rollout's port set): (listening, message)."""
         active = rollout.active_rollout(self.status)
         if not active or active.get("phase") != rollout.PHASE_PROGRESSING or not self.rollout_ports:
@@ -570,7 +541,7 @@ class PairReconciler:
         listening = await self.probe_decode(decode, self.rollout_ports)
         return listening, self.probe_message
 
-    def _rollout_fields(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> dict[str, Any]:
+    def _rollout_fields(self, plan: d.Plan, pods: tuple[PodView, ...]) -> dict[str, Any]:
         """plan.status_fields, with status.rollout's ports and pods filled in (what the executor holds)."""
         fields = dict(plan.status_fields)
         current = fields.get("rollout", self.status.get("rollout"))
@@ -580,14 +551,14 @@ class PairReconciler:
                                  "pods": sorted(p.name for p in pods if p.generation == generation)}
         return fields
 
-    def _health_finding(self) -> d.HealthFinding | None:
+    def _health_finding(self) -> HealthFinding | None:
         """The health watch's latest verdict, as it wrote it to status.health (for the planner)."""
         written = health.read_health(self._health())
         if written is None:
             return None
         generation = int(written["pairGeneration"])
         found = health.restart_reason(written, generation)
-        return d.HealthFinding(generation, found is not None, found[0] if found else None,
+        return HealthFinding(generation, found is not None, found[0] if found else None,
                                found[1] if found else str(written.get("message") or ""),
                                pending=written.get("verdict") == health.VERDICT_PENDING)
 
@@ -599,7 +570,7 @@ class PairReconciler:
         """SignalsHealthy for the current generation, from `status.health` (health.signals_condition)."""
         return [health.signals_condition(self._health(), generation)]
 
-    def _status_fields(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> dict[str, Any]:
+    def _status_fields(self, plan: d.Plan, pods: tuple[PodView, ...]) -> dict[str, Any]:
         names = {
             role: pod_name(self.ref.name, role, plan.pair_generation) for role in (ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER)
         }
@@ -616,7 +587,7 @@ class PairReconciler:
         return fields
 
     # --- actions ------------------------------------------------------------------------------------
-    async def _act(self, plan: d.Plan, pods: tuple[d.PodView, ...], meta_generation: int = 0) -> None:
+    async def _act(self, plan: d.Plan, pods: tuple[PodView, ...], meta_generation: int = 0) -> None:
         live = {p.uid for p in pods if not p.deleting}
         for uid in [u for u, at in self.deleted_unseen.items() if u not in live or time.monotonic() - at > CREATED_UNSEEN_WAIT]:
             del self.deleted_unseen[uid]
@@ -691,7 +662,7 @@ class PairReconciler:
                                  [self._rejected_condition(self.rejections[plan.create], plan)],
                                  meta_generation)
 
-    def _manifest(self, plan: d.Plan, pods: tuple[d.PodView, ...]) -> dict[str, Any]:
+    def _manifest(self, plan: d.Plan, pods: tuple[PodView, ...]) -> dict[str, Any]:
         body = {"metadata": dict(self.body["metadata"]), "spec": self.body["spec"]}
         spec_hash = d.spec_fingerprint(self.body["spec"])
         generation = _create_generation(plan)

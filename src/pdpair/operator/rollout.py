@@ -38,6 +38,7 @@ from pdpair.contract import (
 )
 
 from . import desired as d
+from .observed import Observed
 from .ports import DEFAULT_SLOT, other_slot, port_of
 from .spec_fields import defaulted
 from .status import FALSE, TRUE, Condition
@@ -120,12 +121,12 @@ def _progressing(status: str, reason: str, message: str) -> Condition:
     return Condition(COND_PROGRESSING, status, reason, message[:32768])
 
 
-def _without(observed: d.Observed, generation: int) -> d.Observed:
+def _without(observed: Observed, generation: int) -> Observed:
     return dataclasses.replace(observed, pods=tuple(p for p in observed.pods if p.generation != generation),
                                restart_reason=None)
 
 
-def surge_plan(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d.Observed,
+def surge_plan(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observed,
                now: float | None) -> d.Plan | None:
     """The plan while a Surge rollout runs or starts; None: desired.recreate_state plans."""
     rollout = active_rollout(status)
@@ -144,7 +145,7 @@ def surge_plan(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d.O
     return _finish(spec, status, observed, now, rollout)
 
 
-def _maybe_start(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d.Observed,
+def _maybe_start(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observed,
                  now: float | None) -> d.Plan | None:
     if not surge_requested(spec) or observed.restart_reason or not observed.ports_complete:
         return None
@@ -181,7 +182,7 @@ def _maybe_start(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d
     )
 
 
-def _progress(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d.Observed, now: float | None,
+def _progress(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observed, now: float | None,
               rollout: Mapping[str, Any]) -> d.Plan:
     old, new = int(rollout["fromGeneration"]), int(rollout["toGeneration"])
     serving = d.recreate_state(spec, status, _without(observed, new), pin_generation=old)
@@ -214,7 +215,7 @@ def _progress(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d.Ob
 
     if not observed.rollout_ports_complete:
         return going(STEP_ROLLOUT_LEASE_PORTS, "leasing its ports (the pair's second port set)")
-    mine = d.Observed(
+    mine = Observed(
         pods=tuple(p for p in observed.pods if p.generation == new), ports_complete=True,
         decode_listening=observed.rollout_decode_listening, probe_message=observed.rollout_probe_message)
     bring = d.recreate_state(spec, {"pairGeneration": new}, mine, pin_generation=new)
@@ -255,7 +256,7 @@ def _roll_back(serving: d.Plan, rollout: Mapping[str, Any], reason: str, failed:
         events=((("Warning", EVENT_FAILED, message),) if failed else ()))
 
 
-def _finish(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d.Observed, now: float | None,
+def _finish(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observed, now: float | None,
             rollout: Mapping[str, Any]) -> d.Plan:
     """Draining or RollingBack: the generation that does not serve goes, then its port set."""
     gone_generation, gone_slot = other_generation(status)  # type: ignore[misc]
@@ -310,7 +311,7 @@ def _finish(spec: Mapping[str, Any], status: Mapping[str, Any], observed: d.Obse
                 release_slot=gone_slot, events=events)
 
 
-def release_left_slot(plan: d.Plan, status: Mapping[str, Any], observed: d.Observed) -> d.Plan:
+def release_left_slot(plan: d.Plan, status: Mapping[str, Any], observed: Observed) -> d.Plan:
     """`plan`, releasing a port set that a finished rollout left leased, when it is safe to.
 
     A rollout ends with a status write (status.rollout removed), then the executor releases the other generation's

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from pdpair.operator import desired as d
+from pdpair.operator.observed import PodView, Observed
 from pdpair.operator.planner import next_step
 
 
@@ -16,18 +17,18 @@ class SimWorld:
 
     spec: Mapping[str, Any]
     status: dict[str, Any] = field(default_factory=dict)
-    pods: dict[str, d.PodView] = field(default_factory=dict)
+    pods: dict[str, PodView] = field(default_factory=dict)
     ports_complete: bool = True
-    listening: Callable[[d.PodView], bool] = lambda pod: True
+    listening: Callable[[PodView], bool] = lambda pod: True
     log: list[str] = field(default_factory=list)
 
-    def observe(self, restart_reason: str | None = None) -> d.Observed:
+    def observe(self, restart_reason: str | None = None) -> Observed:
         decode = next(
             (p for p in self.pods.values()
              if p.role == d.ROLE_DECODE and p.generation == d.current_generation(self.status, self.pods.values())),
             None,
         )
-        return d.Observed(
+        return Observed(
             pods=tuple(self.pods.values()),
             ports_complete=self.ports_complete,
             decode_listening=bool(decode and decode.running and self.listening(decode)),
@@ -43,7 +44,7 @@ class SimWorld:
         if plan.create:
             name = f"p-{plan.create}-{plan.pair_generation}"
             self.log.append(f"create {name}")
-            self.pods[name] = d.PodView(
+            self.pods[name] = PodView(
                 name, plan.create, plan.pair_generation, d.spec_fingerprint(self.spec), "Running", True, "127.0.0.1",
                 scheduled=True,
             )

@@ -9,7 +9,7 @@ import pytest
 from pdpair.contract import ports_in_use_message
 from pdpair.operator import busy_ports
 from pdpair.operator.config import PortPool
-from pdpair.operator.desired import PodView
+from pdpair.operator.observed import PodView
 from pdpair.operator.pods import PREFLIGHT_COMMAND, PREFLIGHT_CONTAINER, engine_pod, router_pod
 from pdpair.operator.ports import assign, required_blocks, status_ports
 from tests.crd_defaults import with_crd_defaults

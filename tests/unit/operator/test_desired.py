@@ -4,7 +4,8 @@ import pytest
 
 from pdpair.contract import ANNOTATION_SPEC_HASH, LABEL_GENERATION, LABEL_ROLE
 from pdpair.operator import desired as d
-from pdpair.operator.desired import Observed, PodView, spec_fingerprint
+from pdpair.operator.desired import spec_fingerprint
+from pdpair.operator.observed import Observed, PodView
 from pdpair.operator.planner import next_step
 from tests.unit.operator.sim import SimWorld, simulate_until_ready
 

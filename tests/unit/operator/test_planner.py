@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from pdpair.contract import PHASE_FAILED, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 from pdpair.operator import desired as d
 from pdpair.operator import health, planner, rollout
-from pdpair.operator.desired import HealthFinding, Observed, PodView, spec_fingerprint
+from pdpair.operator.desired import spec_fingerprint
+from pdpair.operator.observed import HealthFinding, Observed, PodView
 from pdpair.operator.restart_policy import RestartPolicy, restarts_in_window
 from tests.crd_defaults import with_crd_defaults
 

@@ -9,7 +9,7 @@ import pytest
 
 from pdpair.contract import LABEL_GENERATION, LABEL_ROLE
 from pdpair.operator import health
-from pdpair.operator.desired import PodView
+from pdpair.operator.observed import PodView
 
 
 def whole_pod(**status) -> dict:

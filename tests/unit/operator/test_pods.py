@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from pdpair import contract as c
 from pdpair.operator.pods import ManifestError, engine_pod, pod_name, router_pod

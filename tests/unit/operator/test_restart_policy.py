@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdpair.operator.desired import PodView, pending_for_scheduling
+from pdpair.operator.observed import PodView, pending_for_scheduling
 from pdpair.operator.restart_policy import (
     Action,
     RestartPolicy,

@@ -16,7 +16,8 @@ import pytest
 from pdpair.contract import COND_PROGRESSING, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 from pdpair.operator import desired as d
 from pdpair.operator import rollout as r
-from pdpair.operator.desired import Observed, PodView, spec_fingerprint
+from pdpair.operator.desired import spec_fingerprint
+from pdpair.operator.observed import Observed, PodView
 from pdpair.operator.planner import next_step
 from tests.crd_defaults import with_crd_defaults
 

@@ -27,7 +27,8 @@ from pdpair.contract import (
 )
 from pdpair.operator import rollout as r
 from pdpair.operator.config import OperatorConfig, PortPool
-from pdpair.operator.desired import PodView, spec_fingerprint
+from pdpair.operator.desired import spec_fingerprint
+from pdpair.operator.observed import PodView
 from pdpair.operator.ports import PortLeaser, assign, lease_name, lease_slot, required_blocks, status_ports
 from pdpair.operator.reconciler import PairReconciler, Runtime
 from tests.crd_defaults import with_crd_defaults

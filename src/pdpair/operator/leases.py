@@ -1,0 +1,110 @@
+"""The port-lease decisions of one pass. Pure: no client, no clock.
+
+Before planning pod steps, a pass needs the pair's ports; this module decides what happens to their Leases, and
+the executor (reconciler.py) carries it out with ports.PortLeaser:
+
+  - `serving_lease`: the serving generation's port set (status.ports) is leased to match the spec's blocks, or,
+    while any pod built from another spec still exists (running or terminating, so possibly still bound to them),
+    only read as it is. One rule for rollouts, TP changes and operator restarts alike.
+  - `rollout_lease`: a Surge rollout's other generation (rollout.py) has its own port set: leased for the new spec
+    while it comes up (Progressing), only read while it drains or rolls back; none without a rollout. Its release
+    is a pod-step decision (Plan.release_slot), made with the pods.
+  - `busy_ports`: ports the current generation's pods found busy on their node (busy_ports.py) that the pair still
+    holds from the pool are quarantined and re-leased; fixed ones (spec.router.port, outside the pool) are only
+    reported. `ports_replaced` says when every busy port is out of the pair's hands: then the planner restarts the
+    pair on the new ports, outside the restart budget (each such restart consumed a quarantined port).
+
+planner.lease_plan composes the first three for a pass; planner.plan takes `ports_replaced` through Observed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from . import busy_ports as busy
+from . import desired as d
+from .observed import PodView
+from . import rollout
+from .config import PortPool
+from .ports import PortBlock, required_blocks
+
+LEASE = "Lease"  # adopt, claim and release so that the set holds exactly `blocks`
+KEEP = "Keep"  # pods of another spec may still be bound to the set: read what is held, change nothing
+
+
+@dataclass(frozen=True)
+class LeaseStep:
+    """What to do with one port set of the pair this pass."""
+
+    mode: str  # LEASE or KEEP
+    slot: str  # the port set (ports.PORT_SLOTS)
+    blocks: tuple[PortBlock, ...]  # what the spec needs (LEASE leases exactly these)
+    generation: int | None = None  # the rollout generation the set belongs to (None: the serving one)
+
+    @property
+    def leasing(self) -> bool:
+        return self.mode == LEASE
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """One pod's busy-port report and what to do about it."""
+
+    report: busy.PortsInUse
+    ports: tuple[int, ...]  # pool ports the pair holds: quarantine them on report.node, lease replacements
+    fixed: tuple[int, ...]  # ports the operator cannot change: report only (the pod's failure takes the budget path)
+
+
+def serving_lease(spec: Mapping[str, Any], status: Mapping[str, Any], pods: Iterable[PodView]) -> LeaseStep:
+    want = d.spec_fingerprint(spec)
+    mode = KEEP if any(p.spec_hash != want for p in pods) else LEASE
+    return LeaseStep(mode, rollout.serving_slot(status), required_blocks(spec))
+
+
+def rollout_lease(spec: Mapping[str, Any], status: Mapping[str, Any], pods: Iterable[PodView]) -> LeaseStep | None:
+    other = rollout.other_generation(status)
+    if other is None:
+        return None
+    generation, slot = other
+    active = rollout.active_rollout(status) or {}
+    want = d.spec_fingerprint(spec)
+    leasing = active.get("phase") == rollout.PHASE_PROGRESSING and active.get("specHash") == want and all(
+        p.spec_hash == want for p in pods if p.generation == generation)
+    return LeaseStep(LEASE if leasing else KEEP, slot, required_blocks(spec), generation)
+
+
+def busy_reports(status: Mapping[str, Any], pods: Iterable[PodView]) -> list[busy.PortsInUse]:
+    """The busy-port reports of the serving generation's pods."""
+    pods = tuple(pods)
+    return busy.reports(pods, rollout.serving_generation(status, pods))
+
+
+def _fixed_ports(blocks: Iterable[PortBlock]) -> list[int]:
+    return [b.fixed for b in blocks if b.fixed is not None]
+
+
+def quarantines(reports: Iterable[busy.PortsInUse], held: Iterable[Mapping[str, Any]], blocks: Iterable[PortBlock],
+                pool: PortPool) -> list[Quarantine]:
+    """For each report, the ports to quarantine (held pool ports) and the ones only to report (fixed)."""
+    held_ports = [int(p["port"]) for p in held]
+    fixed = _fixed_ports(blocks)
+    out = []
+    for report in reports:
+        todo = busy.plan(report.ports, held_ports, pool, fixed)
+        out.append(Quarantine(report, todo.quarantine, todo.fixed))
+    return out
+
+
+def ports_replaced(reports: list[busy.PortsInUse], held: list[Mapping[str, Any]] | None,
+                   blocks: Iterable[PortBlock], pool: PortPool) -> str | None:
+    """What to say when the pods found busy ports that the pair no longer holds (all replaced), else None: the
+    planner's cue for a restart on the new ports."""
+    if not reports or held is None:
+        return None
+    if not all(q.ports == () and q.fixed == () for q in quarantines(reports, held, blocks, pool)):
+        return None
+    roles = sorted({r.role for r in reports})
+    now_held = "; ".join(f"{role} ports {sorted(int(p['port']) for p in held if p['role'] == role)}"
+                         for role in roles)
+    return f"{'; '.join(r.describe() for r in reports)}; re-leased: {now_held}"

@@ -1,0 +1,142 @@
+"""The port-lease decisions (leases.py, composed by planner.lease_plan): table tests and a property test over random
+pod sets and rollout states. Pure: milliseconds, no cluster."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdpair.contract import ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
+from pdpair.operator import leases, planner
+from pdpair.operator import rollout as r
+from pdpair.operator.busy_ports import PortsInUse
+from pdpair.operator.config import PortPool
+from pdpair.operator.desired import spec_fingerprint
+from pdpair.operator.observed import PodView
+from pdpair.operator.ports import other_slot, required_blocks
+from tests.crd_defaults import with_crd_defaults
+
+
+def make_spec(**extra):
+    return with_crd_defaults({"metadata": {"name": "p"}, "spec": {"model": "m", "image": "img:1", **extra}})["spec"]
+
+
+V1 = make_spec(rolloutStrategy="Surge")
+V2 = {**V1, "decode": {**V1["decode"], "args": ["--seed", "1"]}}
+POOL = PortPool(20000, 20099)
+
+
+def pod(role, gen, spec, raw=None):
+    return PodView(f"p-{role}-g{gen}", role, gen, spec_fingerprint(spec), "Running", True, "10.0.0.1", False, True, 0,
+                   uid=f"uid-{role}-{gen}", raw=raw)
+
+
+def pair(gen, spec):
+    return tuple(pod(role, gen, spec) for role in (ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER))
+
+
+def rollout_status(phase, from_gen=1, to_gen=2, slot="b", spec=V2):
+    serving = from_gen if phase != r.PHASE_DRAINING else to_gen
+    return {"pairGeneration": serving, "portSlot": slot if phase == r.PHASE_DRAINING else other_slot(slot),
+            "rollout": {"phase": phase, "fromGeneration": from_gen, "toGeneration": to_gen, "portSlot": slot,
+                        "specHash": spec_fingerprint(spec)}}
+
+
+def test_serving_set_is_leased_for_the_spec_when_every_pod_is_built_from_it():
+    step = leases.serving_lease(V1, {"pairGeneration": 1}, pair(1, V1))
+    assert step.leasing and step.slot == "a" and step.blocks == required_blocks(V1) and step.generation is None
+
+
+def test_serving_set_is_only_read_while_a_pod_of_another_spec_exists():
+    """A Recreate spec change or a TP change: the old pods may still be bound to the ports."""
+    step = leases.serving_lease(V2, {"pairGeneration": 1}, pair(1, V1))
+    assert step.mode == leases.KEEP
+
+
+def test_serving_slot_follows_status():
+    assert leases.serving_lease(V1, {"portSlot": "b"}, ()).slot == "b"
+
+
+def test_no_rollout_set_without_a_rollout():
+    assert leases.rollout_lease(V2, {"pairGeneration": 1}, pair(1, V1)) is None
+
+
+def test_rollout_set_is_leased_while_the_new_generation_comes_up():
+    status = rollout_status(r.PHASE_PROGRESSING)
+    step = leases.rollout_lease(V2, status, pair(1, V1) + (pod(ROLE_DECODE, 2, V2),))
+    assert step.leasing and step.slot == "b" and step.generation == 2
+    # the serving set is kept as it is meanwhile: generation 1's pods are of another spec
+    assert leases.serving_lease(V2, status, pair(1, V1)).mode == leases.KEEP
+
+
+def test_rollout_set_is_only_read_while_draining_or_rolling_back_or_for_another_spec():
+    for phase in (r.PHASE_DRAINING, r.PHASE_ROLLING_BACK):
+        step = leases.rollout_lease(V2, rollout_status(phase), pair(1, V1) + pair(2, V2))
+        assert step.mode == leases.KEEP, phase
+    # the spec moved on during the rollout: the new generation's ports are not re-leased under its pods
+    v3 = {**V1, "decode": {**V1["decode"], "args": ["--seed", "3"]}}
+    assert leases.rollout_lease(v3, rollout_status(r.PHASE_PROGRESSING), pair(2, V2)).mode == leases.KEEP
+
+
+def test_draining_reads_the_old_generation_in_the_other_set():
+    step = leases.rollout_lease(V2, rollout_status(r.PHASE_DRAINING, slot="b"), pair(1, V1) + pair(2, V2))
+    assert (step.generation, step.slot) == (1, "a")
+
+
+HELD = [{"role": "decode", "purpose": "sidechannel", "rank": 0, "port": 20000},
+        {"role": "prefill", "purpose": "sidechannel", "rank": 0, "port": 20001},
+        {"role": "router", "purpose": "http", "rank": 0, "port": 20002}]
+BUSY = PortsInUse("decode", "p-decode-g1", "n1", "port-preflight", (20000,))
+
+
+def test_a_held_pool_port_is_quarantined_and_then_counts_as_replaced():
+    blocks = required_blocks(V1)
+    (todo,) = leases.quarantines([BUSY], HELD, blocks, POOL)
+    assert todo.ports == (20000,) and todo.fixed == ()
+    assert leases.ports_replaced([BUSY], HELD, blocks, POOL) is None  # still held: quarantine first
+    re_leased = [{**HELD[0], "port": 20005}] + HELD[1:]
+    message = leases.ports_replaced([BUSY], re_leased, blocks, POOL)
+    assert message and "20000" in message and "decode ports [20005]" in message
+
+
+def test_a_fixed_or_foreign_port_is_only_reported_and_never_counts_as_replaced():
+    spec = make_spec(router={"port": 20002})
+    busy = PortsInUse("router", "p-router-g1", "n1", "port-preflight", (20002, 31000))
+    (todo,) = leases.quarantines([busy], HELD, required_blocks(spec), POOL)
+    assert todo.ports == () and set(todo.fixed) == {20002, 31000}
+    assert leases.ports_replaced([busy], HELD[:2], required_blocks(spec), POOL) is None
+
+
+def test_lease_plan_composes_the_steps_and_the_serving_generations_reports():
+    raw = {"spec": {"nodeName": "n1"}, "status": {"initContainerStatuses": [
+        {"name": "port-preflight", "state": {"terminated": {"message": "pdpair: ports in use on this node: 20000"}}}]}}
+    pods = (pod(ROLE_DECODE, 1, V1, raw=raw), pod(ROLE_PREFILL, 1, V1))
+    plan = planner.lease_plan(V1, {"pairGeneration": 1}, pods)
+    assert plan.serving.leasing and plan.rollout is None
+    assert [(b.pod, b.node, b.ports) for b in plan.busy] == [("p-decode-g1", "n1", (20000,))]
+
+
+PHASES = st.sampled_from([None, r.PHASE_PROGRESSING, r.PHASE_DRAINING, r.PHASE_ROLLING_BACK])
+SPECS = st.sampled_from([V1, V2])
+
+
+@settings(max_examples=300, deadline=None)
+@given(phase=PHASES, spec=SPECS, slot=st.sampled_from(["a", "b"]),
+       pods=st.lists(st.tuples(st.sampled_from([ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER]), st.integers(1, 2), SPECS),
+                     max_size=6))
+def test_lease_steps_keep_generations_apart_and_never_move_ports_under_a_pod(phase, spec, slot, pods):
+    """Over random pod sets and rollout states: the two generations' sets are disjoint (never the same slot), a set
+    is re-leased only when no pod that may be bound to it is of another spec (leases outlive pods), and the rollout
+    set is leased only for the spec being rolled out, while Progressing."""
+    views = tuple(pod(role, gen, s) for role, gen, s in {(p[0], p[1], spec_fingerprint(p[2])): p for p in pods}.values())
+    status = rollout_status(phase, slot=slot) if phase else {"pairGeneration": 1, "portSlot": slot}
+    plan = planner.lease_plan(spec, status, views)
+    if plan.rollout is not None:
+        assert plan.rollout.slot != plan.serving.slot
+        if plan.rollout.leasing:
+            assert phase == r.PHASE_PROGRESSING and spec_fingerprint(spec) == status["rollout"]["specHash"]
+            assert all(p.spec_hash == spec_fingerprint(spec) for p in views if p.generation == plan.rollout.generation)
+    else:
+        assert phase is None
+    if plan.serving.leasing:
+        assert all(p.spec_hash == spec_fingerprint(spec) for p in views)
