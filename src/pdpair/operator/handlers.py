@@ -236,7 +236,7 @@ async def watch_health(
             logger.warning("health check failed: %s: %s", type(exc).__name__, exc)
             continue
         runtime.wake(uid)  # the reconciler derives SignalsHealthy and the restart from what was just written
-        if verdict.restart and health.restart_reason(previous, generation) is None:
+        if verdict.restart and health.restart_finding(previous, generation) is None:
             if verdict.hung and runtime.metrics is not None:
                 runtime.metrics.hang_detected()
             kopf.event(body, type="Warning", reason="Unhealthy", message=f"{verdict.reason}: {verdict.message}"[:1024])

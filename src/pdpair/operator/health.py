@@ -9,7 +9,7 @@ No kopf import; the health daemon/timer in the handlers calls, per pair and per 
     patch = health_patch(status.get("health"), health, refresh_seconds)  # None: nothing worth a write
     ... patch status.health only, then wake the pair ...
 
-and the reconciler reads the verdict back from `status.health` (`restart_reason`, `signals_condition`), so nothing
+and the reconciler reads the verdict back from `status.health` (`restart_finding`, `signals_condition`), so nothing
 about health lives only in the operator's memory: a restarted operator reads the same verdict and streaks.
 
 Pod verdicts (`PodState`): healthy; hung (per `pdpair.contract.is_hung`; the details name the stuck transfer,
@@ -35,7 +35,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdpair import contract
-from pdpair.operator.observed import PENDING_SCHEDULING, pending_for_scheduling
+from pdpair.operator.observed import PENDING_SCHEDULING, Finding, pending_for_scheduling
 from pdpair.operator.status import FALSE, TRUE, UNKNOWN, Condition, now_rfc3339
 
 __all__ = [
@@ -55,7 +55,7 @@ __all__ = [
     "merge_patch",
     "read_health",
     "newest",
-    "restart_reason",
+    "restart_finding",
     "signals_condition",
     "parse_pod_metrics",
     "scrape_pod",
@@ -528,13 +528,15 @@ def _current(health: Any, generation: int) -> Mapping[str, Any] | None:
     return h if h is not None and h["pairGeneration"] == generation else None
 
 
-def restart_reason(health: Any, generation: int) -> tuple[str, str] | None:
-    """(reason code, message) when `status.health` says this generation must be restarted."""
-    h = _current(health, generation)
-    if h is None or h["verdict"] != VERDICT_UNHEALTHY:
+def restart_finding(health: Any, generation: int | None = None) -> Finding | None:
+    """The restart finding `status.health` holds about `generation` (default: the generation it judged), if its
+    verdict is unhealthy."""
+    h = read_health(health)
+    if h is None or (generation is not None and h["pairGeneration"] != generation) or h["verdict"] != VERDICT_UNHEALTHY:
         return None
     reason = h.get("reason")
-    return (reason if reason in RESTART_REASONS else REASON_UNREACHABLE), str(h.get("message") or "unhealthy")
+    return Finding(reason if reason in RESTART_REASONS else REASON_UNREACHABLE, str(h.get("message") or "unhealthy"),
+                   int(h["pairGeneration"]))
 
 
 def condition_reason(code: str | None) -> str:

@@ -103,14 +103,15 @@ def _health_view(pod: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class HealthFinding:
-    """The latest health verdict on one generation of the pair (the health watch's; see health.py)."""
+class Finding:
+    """Why one generation of the pair needs an ordered restart. The one shape a restart cause has from where it is
+    found (a pod's failure, the health watch's verdict in status.health, busy ports re-leased) through the planner's
+    decision (planner.PairPlan.restart) to the Restarting Event, status.lastRestart and the restart metric."""
 
-    generation: int
-    restart: bool  # the verdict calls for an ordered restart
-    reason: str | None  # a health.RESTART_REASONS code when restart
+    reason: str  # one of health.RESTART_REASONS (the metric label)
     message: str
-    pending: bool = False  # a pod is Pending for scheduling: no verdict
+    generation: int  # the pair generation it is about: a finding about an older one never restarts the new one
+    counted: bool = True  # against the restart budget (busy-port restarts are not: each consumed a quarantined port)
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class Observed:
     # What planner.plan decides restarts from (planner.next_step itself ignores these):
     meta_generation: int = 0  # the pair's metadata.generation
     restart_times: tuple[float, ...] = ()  # earlier restarts (epoch seconds), from the pair's annotation
-    health: HealthFinding | None = None
+    health: Finding | None = None  # the health watch's restart finding (health.restart_finding), if any
     ports_replaced: str | None = None  # busy ports the pair no longer holds were re-leased: restart on the new ones
     # A Surge rollout's new generation (rollout.py): its port set and its decode's listener
     rollout_ports_complete: bool = False

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 from pdpair.contract import COND_READY, PHASE_FAILED, PHASE_RESTARTING
 
 from . import desired as d
-from .observed import PodView, Observed
+from .observed import Finding, PodView, Observed
 from . import busy_ports, health, leases, rollout
 from .restart_policy import Action, RestartPolicy, decide, prune
 from .status import FALSE, Condition
@@ -38,19 +38,10 @@ OUTCOME_HALTED = "Halted"  # already Failed at this spec: touch nothing
 
 
 @dataclass(frozen=True)
-class Restart:
-    """An ordered restart this pass starts: the generation is bumped and the old pods are replaced in order."""
-
-    reason_code: str  # one of health.RESTART_REASONS (the metric label)
-    message: str
-    counted: bool  # against the restart budget (busy-port restarts are not: each consumed a quarantined port)
-
-
-@dataclass(frozen=True)
 class PairPlan:
     outcome: str
     steps: d.Plan | None = None  # for OUTCOME_STEP
-    restart: Restart | None = None
+    restart: Finding | None = None  # the ordered restart this pass starts (the generation is bumped)
     restart_times: tuple[float, ...] | None = None  # the new restart-times record, when it changed
     phase: str = ""  # for OUTCOME_BACKOFF / OUTCOME_FAILED
     message: str = ""
@@ -97,19 +88,21 @@ def halted(status: Mapping[str, Any], meta_generation: int) -> bool:
     return status.get("phase") == PHASE_FAILED and status.get("observedGeneration") == meta_generation
 
 
-def failure(steps: d.Plan, observed: Observed) -> tuple[str, str] | None:
-    """(reason code, message) when the pair's current generation needs an ordered restart, else None."""
+def failure(steps: d.Plan, observed: Observed) -> Finding | None:
+    """Why the pair's current generation needs an ordered restart (a current pod failed or vanished, busy ports
+    re-leased, the health watch's finding about this generation), else None."""
+    generation = steps.pair_generation
     if steps.step == d.STEP_BROKEN:
+        if observed.ports_replaced:
+            return Finding(health.REASON_PORT_IN_USE, observed.ports_replaced, generation, counted=False)
         for pod in observed.pods:
-            if pod.generation == steps.pair_generation and pod.raw is not None:
+            if pod.generation == generation and pod.raw is not None:
                 fact = health.pod_fact(pod.role, pod.raw)
                 if fact.reason:
-                    return fact.reason, fact.message
-        return health.REASON_POD_VANISHED, steps.broken_reason or "a pair pod vanished"
-    verdict = observed.health
-    if verdict is not None and verdict.generation == steps.pair_generation and verdict.restart:
-        return verdict.reason or health.REASON_HUNG, verdict.message
-    return None
+                    return Finding(fact.reason, fact.message, generation)
+        return Finding(health.REASON_POD_VANISHED, steps.broken_reason or "a pair pod vanished", generation)
+    found = observed.health
+    return found if found is not None and found.generation == generation else None
 
 
 def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Observed, now: float) -> PairPlan:
@@ -118,27 +111,21 @@ def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Ob
         return PairPlan(OUTCOME_HALTED)
 
     steps = next_step(spec, status, dataclasses.replace(observed, restart_reason=None), now)
-    restart: Restart | None = None
+    restart = failure(steps, observed)
     new_times: tuple[float, ...] | None = None
-    if steps.step == d.STEP_BROKEN and observed.ports_replaced:
-        restart = Restart(health.REASON_PORT_IN_USE, observed.ports_replaced, counted=False)
-    else:
-        found = failure(steps, observed)
-        if found is not None:
-            policy = RestartPolicy.from_spec(spec.get("restartPolicy"))
-            decision = decide(policy, observed.restart_times, now,
-                              pods_pending_scheduling=any(p.pending_scheduling for p in observed.pods))
-            reason_code, message = found
-            if decision.action == Action.BUDGET_EXHAUSTED:
-                text = f"restart budget spent ({decision.message}); last failure: {message}"
-                return PairPlan(OUTCOME_FAILED, phase=PHASE_FAILED, message=text,
-                                conditions=(Condition(COND_READY, FALSE, "RestartBudgetExhausted", text[:32768]),))
-            if decision.action in (Action.WAIT, Action.PENDING_SCHEDULING):
-                return PairPlan(OUTCOME_BACKOFF, phase=PHASE_RESTARTING, message=f"{message}; {decision.message}",
-                                conditions=(Condition(COND_READY, FALSE, "RestartBackoff", decision.message),),
-                                retry_at=decision.not_before)
-            restart = Restart(reason_code, message, counted=True)
-            new_times = tuple(prune(policy, list(observed.restart_times) + [now], now))
+    if restart is not None and restart.counted:
+        policy = RestartPolicy.from_spec(spec.get("restartPolicy"))
+        decision = decide(policy, observed.restart_times, now,
+                          pods_pending_scheduling=any(p.pending_scheduling for p in observed.pods))
+        if decision.action == Action.BUDGET_EXHAUSTED:
+            text = f"restart budget spent ({decision.message}); last failure: {restart.message}"
+            return PairPlan(OUTCOME_FAILED, phase=PHASE_FAILED, message=text,
+                            conditions=(Condition(COND_READY, FALSE, "RestartBudgetExhausted", text[:32768]),))
+        if decision.action in (Action.WAIT, Action.PENDING_SCHEDULING):
+            return PairPlan(OUTCOME_BACKOFF, phase=PHASE_RESTARTING, message=f"{restart.message}; {decision.message}",
+                            conditions=(Condition(COND_READY, FALSE, "RestartBackoff", decision.message),),
+                            retry_at=decision.not_before)
+        new_times = tuple(prune(policy, list(observed.restart_times) + [now], now))
     if restart is not None:
         steps = next_step(spec, status, dataclasses.replace(observed, restart_reason=restart.message), now)
     return PairPlan(OUTCOME_STEP, steps=steps, restart=restart, restart_times=new_times)

@@ -32,7 +32,7 @@ from pdpair.contract import (
 )
 
 from . import desired as d
-from .observed import PodView, Observed, HealthFinding
+from .observed import Finding, Observed, PodView
 from . import health, leases, planner, rollout
 from .config import OperatorConfig
 from .lifecycle import probe_ranks
@@ -485,7 +485,7 @@ class PairReconciler:
                                        f"ordered restart to generation {plan.pair_generation}: {restart.message}")
             extra["restarts"] = int(self.status.get("restarts") or 0) + 1
             extra["lastRestart"] = {"time": now_rfc3339(), "reason": restart.message[:1024]}
-            self._count_restart(restart.reason_code)
+            self._count_restart(restart.reason)
 
         if plan.rolled_out:
             self.emit("Normal", "RollingOut", f"spec changed: rolling out generation {plan.pair_generation}, decode first")
@@ -551,16 +551,9 @@ class PairReconciler:
                                  "pods": sorted(p.name for p in pods if p.generation == generation)}
         return fields
 
-    def _health_finding(self) -> HealthFinding | None:
-        """The health watch's latest verdict, as it wrote it to status.health (for the planner)."""
-        written = health.read_health(self._health())
-        if written is None:
-            return None
-        generation = int(written["pairGeneration"])
-        found = health.restart_reason(written, generation)
-        return HealthFinding(generation, found is not None, found[0] if found else None,
-                               found[1] if found else str(written.get("message") or ""),
-                               pending=written.get("verdict") == health.VERDICT_PENDING)
+    def _health_finding(self) -> Finding | None:
+        """The health watch's restart finding, as it wrote it to status.health (for the planner)."""
+        return health.restart_finding(self._health())
 
     def _health(self) -> Any:
         """`status.health` as the health watch last wrote it (kopf's live body: this reconciler never writes it)."""

@@ -1,5 +1,5 @@
 """status.health: what the health watch writes (health.observe, health_patch) and what the reconciler reads back
-from it (restart_reason, signals_condition). Scrapes come from real exporters (the connector's SignalAccounts on
+from it (restart_finding, signals_condition). Scrapes come from real exporters (the connector's SignalAccounts on
 real local HTTP servers); every round trip goes through the merge patch the watch sends, applied as the apiserver
 applies it (RFC 7386), so what is asserted is what a restarted operator would read."""
 
@@ -27,10 +27,11 @@ from pdpair.operator.health import (
     newest,
     next_streak,
     observe,
-    restart_reason,
+    restart_finding,
     scrape_pods,
     signals_condition,
 )
+from pdpair.operator.observed import Finding
 from pdpair.operator.status import status_diff
 
 T0 = datetime(2026, 12, 1, 8, 0, 0, tzinfo=timezone.utc)
@@ -145,11 +146,11 @@ def test_hung_pod_is_unhealthy_and_reads_back_as_a_restart(exporter):
     assert new["roles"]["decode"]["state"] == "hung" and new["roles"]["decode"]["deficit"] == 3
     assert new["roles"]["decode"]["oldestWaitSeconds"] >= 0.3
     assert new["roles"]["prefill"]["state"] == "healthy"
-    assert restart_reason(new, 1) == (REASON_HUNG, new["message"]) and "stuck" in new["message"]
+    assert restart_finding(new, 1) == Finding(REASON_HUNG, new["message"], 1) and "stuck" in new["message"]
     cond = signals_condition(new, 1)
     assert (cond.type, cond.status, cond.reason) == (contract.COND_SIGNALS_HEALTHY, "False", "Hung")
     # a verdict about another generation decides nothing
-    assert restart_reason(new, 2) is None
+    assert restart_finding(new, 2) is None
     assert (signals_condition(new, 2).status, signals_condition(new, 2).reason) == ("Unknown", "NotJudged")
 
 
@@ -159,7 +160,7 @@ def test_pending_pod_gives_pending(exporter):
                    "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False"}]}}
     new, verdict = observe(None, 1, scrape([decode]), {"decode": running(decode.pod), "prefill": unscheduled}, now=T0)
     assert new["verdict"] == VERDICT_PENDING and verdict.pending and not verdict.restart
-    assert restart_reason(new, 1) is None
+    assert restart_finding(new, 1) is None
     assert (signals_condition(new, 1).status, signals_condition(new, 1).reason) == ("Unknown", "PodsPending")
 
 
@@ -176,7 +177,7 @@ def test_pending_pod_gives_pending(exporter):
 def test_signals_healthy_from_status(status_health, generation, expected):
     cond = signals_condition(status_health, generation)
     assert (cond.status, cond.reason) == expected
-    assert (restart_reason(status_health, generation) is not None) == (expected[0] == "False")
+    assert (restart_finding(status_health, generation) is not None) == (expected[0] == "False")
 
 
 def test_only_meaningful_changes_write_at_once(exporter):

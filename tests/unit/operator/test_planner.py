@@ -18,7 +18,7 @@ from pdpair.contract import PHASE_FAILED, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 from pdpair.operator import desired as d
 from pdpair.operator import health, planner, rollout
 from pdpair.operator.desired import spec_fingerprint
-from pdpair.operator.observed import HealthFinding, Observed, PodView
+from pdpair.operator.observed import Finding, Observed, PodView
 from pdpair.operator.restart_policy import RestartPolicy, restarts_in_window
 from tests.crd_defaults import with_crd_defaults
 
@@ -48,7 +48,7 @@ def observed(pods=READY_PODS, **kw):
 
 
 def hung(gen=1):
-    return HealthFinding(gen, True, health.REASON_HUNG, "decode hung: 3 signals missing")
+    return Finding(health.REASON_HUNG, "decode hung: 3 signals missing", gen)
 
 
 CASES = [
@@ -100,7 +100,7 @@ CASES = [
 def test_plan(name, status, obs, now, outcome, reason, step):
     decided = planner.plan(SPEC, status, obs, now)
     assert decided.outcome == outcome
-    assert (decided.restart.reason_code if decided.restart else None) == reason
+    assert (decided.restart.reason if decided.restart else None) == reason
     assert (decided.steps.step if decided.steps else None) == step
     if decided.restart is not None:
         assert decided.steps.pair_generation == status["pairGeneration"] + 1
@@ -141,7 +141,7 @@ class World:
     restart_times: tuple[float, ...] = ()
     pods: dict[str, PodView] = field(default_factory=dict)
     accepting: set[str] = field(default_factory=set)  # decode pods whose listener accepts
-    health: HealthFinding | None = None
+    health: Finding | None = None
     now: float = NOW
     restarts: list[float] = field(default_factory=list)  # when counted restarts happened
     failed_at_generation: int | None = None  # metadata.generation the pair went Failed at
@@ -280,9 +280,9 @@ def apply_event(world: World, event) -> None:
         world.meta_generation += 1
     elif kind == "hung":
         gen = int(world.status.get("pairGeneration") or 1)
-        world.health = HealthFinding(gen, True, health.REASON_HUNG, "hung")
+        world.health = Finding(health.REASON_HUNG, "hung", gen)
     elif kind == "healthy":
-        world.health = HealthFinding(int(world.status.get("pairGeneration") or 1), False, None, "healthy")
+        world.health = None  # a healthy verdict holds no restart finding
     elif kind == "progress":  # every live pod one step: Pending -> scheduled -> Running -> Ready
         for name, p in list(world.pods.items()):
             if p.deleting or p.failed or p.ready:
@@ -349,7 +349,7 @@ def test_the_property_world_reaches_ready_and_restarts_in_order():
 
     settle()
     assert sorted(p.role for p in world.pods.values()) == [ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER]
-    world.health = HealthFinding(1, True, health.REASON_HUNG, "hung")
+    world.health = Finding(health.REASON_HUNG, "hung", 1)
     world.run_pass()
     deleting = sorted(p.role for p in world.pods.values() if p.deleting)
     assert deleting == [ROLE_PREFILL, ROLE_ROUTER] and world.status["pairGeneration"] == 2
