@@ -33,7 +33,8 @@ import pytest
 from engines import Process, engine, free_port, http_get, pair_env, router
 from test_pd_engine import completion, metric_in, tokens
 
-from pdpair.operator.health import PodState, ScrapeTarget, scrape_pods
+from pdpair.operator.health import PodState, ScrapeTarget
+from pdpair.operator.scrape import scrape_pods
 from pdpair.operator.lifecycle import probe_ranks
 
 TP = 2

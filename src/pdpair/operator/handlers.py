@@ -38,7 +38,7 @@ from pdpair.contract import (
     VERSION,
 )
 
-from . import health, planner, spec_fields
+from . import health, planner, scrape, spec_fields
 from .api import TimedApi
 from .config import OperatorConfig
 from .observed import PodView
@@ -254,7 +254,7 @@ async def _scrape_pair(
         port = port_of(ports, role, PURPOSE_METRICS)
         if pod.ip and port:
             targets.append(health.ScrapeTarget(role, pod.name, pod.ip, port))
-    scrapes = await health.scrape_pods(
+    scrapes = await scrape.scrape_pods(
         targets,
         expected_generation=generation,
         hang_timeout_seconds=spec_fields.hang_timeout_seconds(spec),

@@ -28,9 +28,9 @@ from pdpair.operator.health import (
     next_streak,
     observe,
     restart_finding,
-    scrape_pods,
     signals_condition,
 )
+from pdpair.operator.scrape import scrape_pods
 from pdpair.operator.observed import Finding
 from pdpair.operator.status import status_diff
 

@@ -22,9 +22,8 @@ from pdpair.operator.health import (
     ScrapeTarget,
     UNREACHABLE_THRESHOLD,
     pair_verdict,
-    parse_pod_metrics,
-    scrape_pods,
 )
+from pdpair.operator.scrape import parse_pod_metrics, scrape_pods
 
 
 @pytest.fixture

@@ -59,3 +59,28 @@ def test_operator_modules_import_each_other_without_a_circle():
         list(TopologicalSorter(edges).static_order())
     except CycleError as circle:
         raise AssertionError(f"import circle among operator modules: {' -> '.join(circle.args[1])}") from None
+
+
+DECISION_MODULES = ("planner", "leases", "desired", "rollout", "restart_policy", "busy_ports", "health", "observed")
+EXECUTOR_MODULES = ("reconciler", "handlers", "scrape", "api", "election", "metrics", "__main__")
+
+
+def test_decision_modules_load_no_client_and_no_executor():
+    """The planner and everything it decides with are pure: importing them loads no kopf, no kubernetes client, no
+    HTTP client (the health scrape's aiohttp lives in scrape.py), and no executor module. A subprocess, so the
+    test's own imports do not hide a new dependency."""
+    modules = [f"pdpair.operator.{m}" for m in DECISION_MODULES]
+    code = ("import importlib, json, sys\n"
+            f"for name in {modules!r}: importlib.import_module(name)\n"
+            "print(json.dumps(sorted({m.split('.')[0] if not m.startswith('pdpair.') else m for m in sys.modules})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert not loaded & {"kopf", "kubernetes", "aiohttp", "httpx", "urllib3"}, sorted(loaded)
+    assert not loaded & {f"pdpair.operator.{m}" for m in EXECUTOR_MODULES}, sorted(loaded)
+    assert set(modules) <= loaded
+
+
+def test_no_decision_module_imports_an_executor_module():
+    edges = _operator_imports()
+    for name in DECISION_MODULES:
+        assert not edges[name] & set(EXECUTOR_MODULES), f"{name} imports {sorted(edges[name] & set(EXECUTOR_MODULES))}"
