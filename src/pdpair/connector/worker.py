@@ -29,7 +29,7 @@ import torch
 from pdpair import contract
 from pdpair.connector import timeline
 from pdpair.connector.config import PdPairConfig
-from pdpair.connector.handshake import DecodeSideChannel, PrefillSideChannel
+from pdpair.connector.side_channel import DecodeSideChannel, PrefillSideChannel
 from pdpair.connector.preflight import report_bind_failure
 from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
 from pdpair.connector.metrics import MetricsServer, PeerRanks, RankExporter, export_rank, serve

@@ -48,6 +48,7 @@ from pdpair.connector.metadata import (
 )
 from pdpair.connector.transports.base import RANK_DECODE, RANK_PREFILL, PairComm, PairTransport, TransportError
 
+# The logger keeps the name it had before this module was renamed: log filters and readers of the logs know it.
 logger = logging.getLogger("pdpair.connector.handshake")
 
 POLL_MS = 100  # receive timeout of the side-channel loop: bounds how long stop() waits
