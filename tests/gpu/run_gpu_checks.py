@@ -145,7 +145,7 @@ def worker_transport(lib: str, rank: int, device: int | None):
     bound from the config, and the KV caches' device handed over with set_device."""
     from pdpair.connector.config import PdPairConfig
     from pdpair.connector.transports import make_transport
-    from pdpair.connector.transports.flagcx import find_library_path
+    from pdpair.connector.transports.flagcx_abi import find_library_path
 
     config = PdPairConfig.from_env("kv_producer" if rank == 0 else "kv_consumer", environ=pod_environment(lib, rank))
     for name, value in config.transport_environment().items():
@@ -481,7 +481,7 @@ def build(tree: Path, nccl: Path, skip: bool) -> Path | None:
 def flagcx_checks(tree: Path, lib: Path, expected_generation: str | None, gpus: int = 2) -> None:
     name = tree.name
     try:
-        from pdpair.connector.transports.flagcx import FlagcxLibrary
+        from pdpair.connector.transports.flagcx_abi import FlagcxLibrary
 
         loaded = FlagcxLibrary(str(lib))
         ok = expected_generation is None or loaded.generation == expected_generation

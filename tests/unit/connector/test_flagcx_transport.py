@@ -27,7 +27,8 @@ from pdpair.connector.transports.base import (  # noqa: E402
     TransportError,
     deadline_in,
 )
-from pdpair.connector.transports.flagcx import (  # noqa: E402
+from pdpair.connector.transports.flagcx import FlagcxTransport  # noqa: E402
+from pdpair.connector.transports.flagcx_abi import (  # noqa: E402
     ENV_FLAGCX_PATH,
     ENV_LIB_PATH,
     GENERATION_MR_INDEX,
@@ -35,7 +36,6 @@ from pdpair.connector.transports.flagcx import (  # noqa: E402
     RESULT_NAMES,
     FlagcxError,
     FlagcxLibraryError,
-    FlagcxTransport,
     find_library_path,
     result_name,
 )
