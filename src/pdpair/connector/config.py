@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdpair import contract
+from pdpair.connector import deadlines
 
 # Defaults shared with the operator and the CRD (hang timeout, slots and their bounds, FlagCX's env) are declared
 # once, in pdpair.contract; PDPAIR_TRANSPORT_SLOTS is capped lower for flagcx (MAX_FLAGCX_TRANSPORT_SLOTS).
@@ -22,9 +23,6 @@ from pdpair.contract import (
 
 KV_ROLE_TO_ROLE = {"kv_producer": contract.ROLE_PREFILL, "kv_consumer": contract.ROLE_DECODE}
 
-# How long prefill keeps a finished request's blocks for decode to claim; past it they are freed (and a late pull
-# is refused). Several hang timeouts, so a slow decode is never served freed blocks.
-SEND_LEASE_FACTOR = 4.0
 ENV_FLAGCX_USE_HETERO_COMM = "FLAGCX_USE_HETERO_COMM"
 ENV_FLAGCX_LIB_PATH = "FLAGCX_LIB_PATH"
 ENV_FLAGCX_PATH = "FLAGCX_PATH"
@@ -62,7 +60,7 @@ class PdPairConfig:
 
     @property
     def send_lease_seconds(self) -> float:
-        return SEND_LEASE_FACTOR * self.hang_timeout_seconds
+        return deadlines.send_lease_seconds(self.hang_timeout_seconds)
 
     def transport_environment(self) -> dict[str, str]:
         """Variables the transport's library reads, to set in this process before it loads (flagcx:

@@ -29,6 +29,7 @@ import torch
 from pdpair import contract
 from pdpair.connector import timeline
 from pdpair.connector.config import PdPairConfig
+from pdpair.connector.deadlines import flush_deadline, parked_pull_deadline, signal_wait_deadline, transport_blocking_seconds
 from pdpair.connector.side_channel import DecodeSideChannel, PrefillSideChannel
 from pdpair.connector.preflight import report_bind_failure
 from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
@@ -139,7 +140,7 @@ class _Worker:
 
             library_path = find_library_path(config.flagcx_locations())  # a clear error naming both variables
         self.transport: PairTransport = make_transport(config.transport, slots=config.transport_slots,
-                                                      blocking_seconds=config.hang_timeout_seconds,
+                                                      blocking_seconds=transport_blocking_seconds(config.hang_timeout_seconds),
                                                       library_path=library_path)
         self.accounts = SignalAccounts(config.role, config.hang_timeout_seconds, generation=config.generation,
                                        rank=tp_rank)
@@ -322,7 +323,8 @@ class DecodeWorker(_Worker):
             self._fail(recv.request_id, timed_out=False)
             return
         now = time.monotonic()
-        wait = _Wait(recv, slot, base, expected, nbytes, now, now + self.config.hang_timeout_seconds, comm)
+        deadline = signal_wait_deadline(self.config.hang_timeout_seconds, now)
+        wait = _Wait(recv, slot, base, expected, nbytes, now, deadline, comm)
         with self._lock:
             self._waits[recv.request_id] = wait
         self.accounts.open_wait(recv.request_id, side.peer_label, expected, wait.deadline)
@@ -592,7 +594,7 @@ class PrefillWorker(_Worker):
         with self._lock:
             entry = self._sends.get(pull.remote_request_id)
         if entry is None:
-            self._parked[pull.transfer_id] = (pull, time.monotonic() + self.config.hang_timeout_seconds)
+            self._parked[pull.transfer_id] = (pull, parked_pull_deadline(self.config.hang_timeout_seconds, time.monotonic()))
             self._pull_received[pull.transfer_id] = time.monotonic()
             return None
         self._submit(pull, entry[0], time.monotonic())
@@ -676,7 +678,7 @@ class PrefillWorker(_Worker):
                                     dst_block * chunk, chunk, pull.signal_slot)
                     nbytes += chunk
             last_put = time.monotonic()
-            comm.flush(last_put + self.config.hang_timeout_seconds)
+            comm.flush(flush_deadline(self.config.hang_timeout_seconds, last_put))
         except RuntimeError as exc:  # TransportError, or a CUDA error of the staging copies
             if not isinstance(exc, TransportError):
                 logger.error("transfer %s: staging the KV to host memory failed: %s", pull.transfer_id, exc)
