@@ -29,7 +29,7 @@ import torch
 from pdpair import contract
 from pdpair.connector import timeline
 from pdpair.connector.config import PdPairConfig
-from pdpair.connector.deadlines import flush_deadline, parked_pull_deadline, signal_wait_deadline, transport_blocking_seconds
+from pdpair.connector.deadlines import flush_deadline, parked_pull_deadline, signal_wait_deadline
 from pdpair.connector.side_channel import DecodeSideChannel, PrefillSideChannel
 from pdpair.connector.preflight import report_bind_failure
 from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
@@ -38,7 +38,7 @@ from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
 from pdpair.connector.staging import HostStaging, block_runs
 from pdpair.connector.stats import PdPairKVConnectorStats
-from pdpair.connector.transports import PairComm, PairTransport, SignalWaitTimeout, TransportError, make_transport
+from pdpair.connector.transports import PairComm, PairTransport, SignalWaitTimeout, TransportError, build_transport
 
 # TEST ONLY (test_corrupt_kv_file): the byte the corruption knob writes over every received KV block.
 TEST_CORRUPT_KV_BYTE = 0x3F
@@ -129,19 +129,7 @@ class _Worker:
         self.tp_size = tp_size
         self.block_size = block_size
         self.vllm_version = vllm_version
-        for name, value in config.transport_environment().items():
-            os.environ[name] = value  # read by the transport's C library, which is loaded next
-        if config.flagcx_use_hetero_comm not in (None, "1") and config.transport == contract.TRANSPORT_FLAGCX:
-            logger.warning("FLAGCX_USE_HETERO_COMM=%s set by the pod: one-sided puts need 1 on a same-vendor pair",
-                           config.flagcx_use_hetero_comm)
-        library_path = None
-        if config.transport == contract.TRANSPORT_FLAGCX:
-            from pdpair.connector.transports.flagcx import find_library_path
-
-            library_path = find_library_path(config.flagcx_locations())  # a clear error naming both variables
-        self.transport: PairTransport = make_transport(config.transport, slots=config.transport_slots,
-                                                      blocking_seconds=transport_blocking_seconds(config.hang_timeout_seconds),
-                                                      library_path=library_path)
+        self.transport: PairTransport = build_transport(config)
         self.accounts = SignalAccounts(config.role, config.hang_timeout_seconds, generation=config.generation,
                                        rank=tp_rank)
         # One metrics port per pod: rank 0 serves it and merges the other ranks' accounts, which each rank > 0
@@ -171,7 +159,7 @@ class _Worker:
         first = next(iter(kv_caches.values()))
         on_gpu = first.device.type == "cuda"
         if on_gpu:
-            # FlagCX/NCCL bind to the calling thread's device; the transport makes this one current in its threads.
+            # A transport whose library binds to the calling thread's device makes this one current in its threads.
             self.transport.set_device(first.device.index if first.device.index is not None else torch.cuda.current_device())
         stage = on_gpu and not self.transport.supports_device_memory
         self.regions = KvRegions.from_kv_caches(kv_caches, num_blocks, stage_on_host=stage)

@@ -28,8 +28,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pdpair.connector.deadlines import transport_blocking_seconds
 from pdpair.connector.transports.base import (
     DEFAULT_SIGNAL_SLOTS,
     RANK_DECODE,
@@ -42,6 +43,7 @@ from pdpair.connector.transports.base import (
     seconds_left,
 )
 from pdpair.connector.transports.flagcx_abi import (
+    ENV_USE_HETERO_COMM,
     FLAGCX_MEM_CCL,
     FLAGCX_PTR_HOST,
     FLAGCX_UINT8,
@@ -56,10 +58,14 @@ from pdpair.connector.transports.flagcx_abi import (
     WINDOW_SIGNAL_COUNTERS,
     FlagcxError,
     _libc_free,
+    find_library_path,
     load_library,
     result_name,
 )
 from pdpair.contract import ENV_TRANSPORT_SLOTS, MAX_FLAGCX_TRANSPORT_SLOTS, TRANSPORT_FLAGCX
+
+if TYPE_CHECKING:
+    from pdpair.connector.config import PdPairConfig
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +309,18 @@ class FlagcxTransport(PairTransport):
             raise
 
 
+
+
+def build(config: PdPairConfig) -> FlagcxTransport:
+    """The connector's flagcx transport (transports.build_transport, after FLAGCX_USE_HETERO_COMM got its default):
+    libflagcx from the config's FLAGCX_LIB_PATH / FLAGCX_PATH, not from this process's environment."""
+    hetero_comm = config.transport_env.get(ENV_USE_HETERO_COMM) or None
+    if hetero_comm not in (None, "1"):
+        log.warning("FLAGCX_USE_HETERO_COMM=%s set by the pod: one-sided puts need 1 on a same-vendor pair", hetero_comm)
+    library_path = find_library_path(config.transport_env)  # a clear error naming both variables
+    return FlagcxTransport(slots=config.transport_slots,
+                           blocking_seconds=transport_blocking_seconds(config.hang_timeout_seconds),
+                           library_path=library_path)
 
 
 # Signal buffers of communicators that could not be destroyed; never unmapped (see FlagcxPairComm.close).

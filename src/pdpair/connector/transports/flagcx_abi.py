@@ -37,6 +37,8 @@ log = logging.getLogger("pdpair.connector.transports.flagcx")
 
 ENV_LIB_PATH = "FLAGCX_LIB_PATH"
 ENV_FLAGCX_PATH = "FLAGCX_PATH"
+# Read by libflagcx itself when it loads: one-sided ops on a same-vendor pair need 1 (a heterogeneous comm).
+ENV_USE_HETERO_COMM = "FLAGCX_USE_HETERO_COMM"
 
 LIBRARY_NAME = "libflagcx.so"
 # flagcxGetVersion() = MAJOR*10000 + MINOR*100 + PATCH; upstream reports 1.0.0 for the whole bound generation.
