@@ -1,5 +1,5 @@
 /*
- * The slice of libflagcx's C ABI that pdpair binds (src/pdpair/connector/transports/flagcx.py), declared
+ * The slice of libflagcx's C ABI that pdpair binds (src/pdpair/connector/transports/flagcx_abi.py), declared
  * here by us from reading upstream's public header; no upstream code. TEST ONLY: the fake in fake_flagcx.c
  * implements exactly these symbols so the ctypes binding can be exercised on machines without CUDA/NCCL/IB.
  *

@@ -18,7 +18,7 @@ dir) and needs nlohmann's json.hpp under third-party/json/single_include. Checks
                bytes equal; throughput as a ratio to a plain pinned copy + TCP stream of the same bytes in the run
   rdma-flush   cuFlushGPUDirectRDMAWrites, which the binding calls after a wait on a GPU comm, runs on this GPU
 Each rank's transport is built the way the connector's worker builds it (worker_transport: PdPairConfig from a
-pod's variables, FLAGCX_PATH or FLAGCX_LIB_PATH resolved from the config, make_transport, set_device), so the checks
+pod's variables, FLAGCX_PATH or FLAGCX_LIB_PATH resolved from the config by build_transport, set_device), so the checks
 cover that path and not only FlagcxTransport.
 Options: --out DIR writes results.json there; --skip-build uses existing build/lib/libflagcx.so.
 """
@@ -140,21 +140,16 @@ def pod_environment(lib: str, rank: int) -> dict[str, str]:
 
 def worker_transport(lib: str, rank: int, device: int | None):
     """The transport as the connector's worker builds it (worker._Worker.__init__ and _prepare): PdPairConfig from the
-    pod's variables, its transport environment (FLAGCX_USE_HETERO_COMM=1) set before libflagcx loads, the library
-    that find_library_path resolves from the config (not from this process's environment), slots and the blocking
-    bound from the config, and the KV caches' device handed over with set_device."""
+    pod's variables, then build_transport: its transport environment (FLAGCX_USE_HETERO_COMM=1) set before libflagcx
+    loads, the library resolved from the config (not from this process's environment), slots and the blocking bound
+    from the config; then the KV caches' device handed over with set_device."""
     from pdpair.connector.config import PdPairConfig
-    from pdpair.connector.transports import make_transport
-    from pdpair.connector.transports.flagcx import find_library_path
+    from pdpair.connector.transports import build_transport
 
     config = PdPairConfig.from_env("kv_producer" if rank == 0 else "kv_consumer", environ=pod_environment(lib, rank))
-    for name, value in config.transport_environment().items():
-        os.environ[name] = value
-    library_path = find_library_path(config.flagcx_locations())
-    if os.path.realpath(library_path) != os.path.realpath(lib):
-        raise RuntimeError(f"the config resolved {library_path}, expected {lib}")
-    transport = make_transport(config.transport, slots=config.transport_slots,
-                               blocking_seconds=config.hang_timeout_seconds, library_path=library_path)
+    transport = build_transport(config)
+    if os.path.realpath(transport.lib.path) != os.path.realpath(lib):
+        raise RuntimeError(f"the config resolved {transport.lib.path}, expected {lib}")
     if device is not None:
         transport.set_device(device)
     return transport
@@ -481,7 +476,7 @@ def build(tree: Path, nccl: Path, skip: bool) -> Path | None:
 def flagcx_checks(tree: Path, lib: Path, expected_generation: str | None, gpus: int = 2) -> None:
     name = tree.name
     try:
-        from pdpair.connector.transports.flagcx import FlagcxLibrary
+        from pdpair.connector.transports.flagcx_abi import FlagcxLibrary
 
         loaded = FlagcxLibrary(str(lib))
         ok = expected_generation is None or loaded.generation == expected_generation

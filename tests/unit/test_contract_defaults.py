@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pdpair import contract
 from pdpair.connector import config as connector_config
-from pdpair.connector.transports import flagcx
+from pdpair.connector.transports import TRANSPORT_SPECS, flagcx
 from pdpair.operator import pods
 from tests.crd_defaults import spec_schema
 
@@ -25,4 +25,5 @@ def test_the_connector_and_the_operator_use_the_contract_defaults():
     assert connector_config.DEFAULT_TRANSPORT_SLOTS is contract.DEFAULT_TRANSPORT_SLOTS
     assert flagcx.DEFAULT_SLOTS == contract.MAX_FLAGCX_TRANSPORT_SLOTS
     assert pods.FLAGCX_ENV_DEFAULTS is contract.FLAGCX_ENV_DEFAULTS
-    assert connector_config.FLAGCX_USE_HETERO_COMM_DEFAULT == contract.FLAGCX_ENV_DEFAULTS["FLAGCX_USE_HETERO_COMM"]
+    assert TRANSPORT_SPECS[contract.TRANSPORT_FLAGCX].env_defaults is contract.FLAGCX_ENV_DEFAULTS
+    assert TRANSPORT_SPECS[contract.TRANSPORT_FLAGCX].max_slots == contract.MAX_FLAGCX_TRANSPORT_SLOTS

@@ -5,30 +5,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdpair import contract
+from pdpair.connector import deadlines
+from pdpair.connector.transports import transport_spec
 
-# Defaults shared with the operator and the CRD (hang timeout, slots and their bounds, FlagCX's env) are declared
-# once, in pdpair.contract; PDPAIR_TRANSPORT_SLOTS is capped lower for flagcx (MAX_FLAGCX_TRANSPORT_SLOTS).
-from pdpair.contract import (
-    DEFAULT_HANG_TIMEOUT_SECONDS,
-    DEFAULT_TRANSPORT_SLOTS,
-    FLAGCX_ENV_DEFAULTS,
-    MAX_FLAGCX_TRANSPORT_SLOTS,
-    MAX_TRANSPORT_SLOTS,
-)
+# Defaults shared with the operator and the CRD (hang timeout, slots and their bounds) are declared once, in
+# pdpair.contract; a transport may cap PDPAIR_TRANSPORT_SLOTS lower (TransportSpec.max_slots).
+from pdpair.contract import DEFAULT_HANG_TIMEOUT_SECONDS, DEFAULT_TRANSPORT_SLOTS, MAX_TRANSPORT_SLOTS
 
 KV_ROLE_TO_ROLE = {"kv_producer": contract.ROLE_PREFILL, "kv_consumer": contract.ROLE_DECODE}
-
-# How long prefill keeps a finished request's blocks for decode to claim; past it they are freed (and a late pull
-# is refused). Several hang timeouts, so a slow decode is never served freed blocks.
-SEND_LEASE_FACTOR = 4.0
-ENV_FLAGCX_USE_HETERO_COMM = "FLAGCX_USE_HETERO_COMM"
-ENV_FLAGCX_LIB_PATH = "FLAGCX_LIB_PATH"
-ENV_FLAGCX_PATH = "FLAGCX_PATH"
-FLAGCX_USE_HETERO_COMM_DEFAULT = FLAGCX_ENV_DEFAULTS[ENV_FLAGCX_USE_HETERO_COMM]
 
 
 class ConfigError(ValueError):
@@ -49,11 +37,9 @@ class PdPairConfig:
     peer_host: str | None  # prefill
     peer_port_base: int | None  # prefill
     transport_slots: int = DEFAULT_TRANSPORT_SLOTS  # request slots per peer connection (puts in flight)
-    flagcx_use_hetero_comm: str | None = None  # FLAGCX_USE_HETERO_COMM as the pod set it (None: unset)
-    # Where libflagcx.so is (transports/flagcx.find_library_path resolves them; read here so the connector has
-    # one env reader): FLAGCX_LIB_PATH (the file or its directory), FLAGCX_PATH (a FlagCX build tree).
-    flagcx_lib_path: str = ""
-    flagcx_path: str = ""
+    # The transport's own variables as the pod set them (TransportSpec.env_names, e.g. flagcx's FLAGCX_LIB_PATH):
+    # read here so the connector has one env reader; the transport's build reads them from here.
+    transport_env: Mapping[str, str] = field(default_factory=dict, hash=False)
     # Test-only knobs, from kv_connector_extra_config (the drop knob also from contract.ENV_TEST_DROP_SIGNALS_FILE);
     # never set by the operator.
     test_corrupt_kv_file: str | None = None  # decode: while this file exists, received KV is overwritten
@@ -62,18 +48,12 @@ class PdPairConfig:
 
     @property
     def send_lease_seconds(self) -> float:
-        return SEND_LEASE_FACTOR * self.hang_timeout_seconds
+        return deadlines.send_lease_seconds(self.hang_timeout_seconds)
 
     def transport_environment(self) -> dict[str, str]:
-        """Variables the transport's library reads, to set in this process before it loads (flagcx:
-        FLAGCX_USE_HETERO_COMM=1 unless the pod set it; the pod's value always wins)."""
-        if self.transport == contract.TRANSPORT_FLAGCX and self.flagcx_use_hetero_comm is None:
-            return {ENV_FLAGCX_USE_HETERO_COMM: FLAGCX_USE_HETERO_COMM_DEFAULT}
-        return {}
-
-    def flagcx_locations(self) -> dict[str, str]:
-        """FLAGCX_LIB_PATH and FLAGCX_PATH as the pod set them (empty: unset), for flagcx.find_library_path."""
-        return {ENV_FLAGCX_LIB_PATH: self.flagcx_lib_path, ENV_FLAGCX_PATH: self.flagcx_path}
+        """Variables the transport's library reads, to set in this process before it loads: the transport's
+        defaults the pod left unset (TransportSpec.env_defaults; the pod's value always wins)."""
+        return transport_spec(self.transport).process_environment(self.transport_env)
 
     def listen_port(self, tp_rank: int) -> int:
         assert self.listen_port_base is not None
@@ -144,9 +124,7 @@ class PdPairConfig:
             peer_host=peer_host,
             peer_port_base=peer_base,
             transport_slots=transport_slots,
-            flagcx_use_hetero_comm=env.get(ENV_FLAGCX_USE_HETERO_COMM) or None,
-            flagcx_lib_path=env.get(ENV_FLAGCX_LIB_PATH, ""),
-            flagcx_path=env.get(ENV_FLAGCX_PATH, ""),
+            transport_env={name: env[name] for name in transport_spec(transport).env_names if name in env},
             test_corrupt_kv_file=str(corrupt) if corrupt else None,
             test_drop_signals_file=str(drop) if drop else None,
             test_delay_listener_file=str(delay_listener) if delay_listener else None,
@@ -177,10 +155,11 @@ def _transport_slots(env: Mapping[str, str], transport: str) -> int:
         raise ConfigError(f"{name}={raw!r} is not an integer (request slots per peer connection)") from None
     if not 1 <= value <= MAX_TRANSPORT_SLOTS:
         raise ConfigError(f"{name}={value} must be in 1..{MAX_TRANSPORT_SLOTS} (request slots per peer connection)")
-    if transport == contract.TRANSPORT_FLAGCX and value > MAX_FLAGCX_TRANSPORT_SLOTS:
+    spec = transport_spec(transport)
+    if value > spec.max_slots:
         raise ConfigError(
-            f"{name}={value} must be <= {MAX_FLAGCX_TRANSPORT_SLOTS} with {contract.ENV_TRANSPORT}="
-            f"{contract.TRANSPORT_FLAGCX}: FlagCX's IB request pool per connection holds {MAX_FLAGCX_TRANSPORT_SLOTS}"
+            f"{name}={value} must be <= {spec.max_slots} with {contract.ENV_TRANSPORT}={transport}: "
+            f"{spec.max_slots_reason}"
         )
     return value
 

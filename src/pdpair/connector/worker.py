@@ -29,7 +29,8 @@ import torch
 from pdpair import contract
 from pdpair.connector import timeline
 from pdpair.connector.config import PdPairConfig
-from pdpair.connector.handshake import DecodeSideChannel, PrefillSideChannel
+from pdpair.connector.deadlines import flush_deadline, parked_pull_deadline, signal_wait_deadline
+from pdpair.connector.side_channel import DecodeSideChannel, PrefillSideChannel
 from pdpair.connector.preflight import report_bind_failure
 from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
 from pdpair.connector.metrics import MetricsServer, PeerRanks, RankExporter, export_rank, serve
@@ -37,7 +38,7 @@ from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
 from pdpair.connector.staging import HostStaging, block_runs
 from pdpair.connector.stats import PdPairKVConnectorStats
-from pdpair.connector.transports import PairComm, PairTransport, SignalWaitTimeout, TransportError, make_transport
+from pdpair.connector.transports import PairComm, PairTransport, SignalWaitTimeout, TransportError, build_transport
 
 # TEST ONLY (test_corrupt_kv_file): the byte the corruption knob writes over every received KV block.
 TEST_CORRUPT_KV_BYTE = 0x3F
@@ -128,19 +129,7 @@ class _Worker:
         self.tp_size = tp_size
         self.block_size = block_size
         self.vllm_version = vllm_version
-        for name, value in config.transport_environment().items():
-            os.environ[name] = value  # read by the transport's C library, which is loaded next
-        if config.flagcx_use_hetero_comm not in (None, "1") and config.transport == contract.TRANSPORT_FLAGCX:
-            logger.warning("FLAGCX_USE_HETERO_COMM=%s set by the pod: one-sided puts need 1 on a same-vendor pair",
-                           config.flagcx_use_hetero_comm)
-        library_path = None
-        if config.transport == contract.TRANSPORT_FLAGCX:
-            from pdpair.connector.transports.flagcx import find_library_path
-
-            library_path = find_library_path(config.flagcx_locations())  # a clear error naming both variables
-        self.transport: PairTransport = make_transport(config.transport, slots=config.transport_slots,
-                                                      blocking_seconds=config.hang_timeout_seconds,
-                                                      library_path=library_path)
+        self.transport: PairTransport = build_transport(config)
         self.accounts = SignalAccounts(config.role, config.hang_timeout_seconds, generation=config.generation,
                                        rank=tp_rank)
         # One metrics port per pod: rank 0 serves it and merges the other ranks' accounts, which each rank > 0
@@ -170,7 +159,7 @@ class _Worker:
         first = next(iter(kv_caches.values()))
         on_gpu = first.device.type == "cuda"
         if on_gpu:
-            # FlagCX/NCCL bind to the calling thread's device; the transport makes this one current in its threads.
+            # A transport whose library binds to the calling thread's device makes this one current in its threads.
             self.transport.set_device(first.device.index if first.device.index is not None else torch.cuda.current_device())
         stage = on_gpu and not self.transport.supports_device_memory
         self.regions = KvRegions.from_kv_caches(kv_caches, num_blocks, stage_on_host=stage)
@@ -322,7 +311,8 @@ class DecodeWorker(_Worker):
             self._fail(recv.request_id, timed_out=False)
             return
         now = time.monotonic()
-        wait = _Wait(recv, slot, base, expected, nbytes, now, now + self.config.hang_timeout_seconds, comm)
+        deadline = signal_wait_deadline(self.config.hang_timeout_seconds, now)
+        wait = _Wait(recv, slot, base, expected, nbytes, now, deadline, comm)
         with self._lock:
             self._waits[recv.request_id] = wait
         self.accounts.open_wait(recv.request_id, side.peer_label, expected, wait.deadline)
@@ -592,7 +582,7 @@ class PrefillWorker(_Worker):
         with self._lock:
             entry = self._sends.get(pull.remote_request_id)
         if entry is None:
-            self._parked[pull.transfer_id] = (pull, time.monotonic() + self.config.hang_timeout_seconds)
+            self._parked[pull.transfer_id] = (pull, parked_pull_deadline(self.config.hang_timeout_seconds, time.monotonic()))
             self._pull_received[pull.transfer_id] = time.monotonic()
             return None
         self._submit(pull, entry[0], time.monotonic())
@@ -676,7 +666,7 @@ class PrefillWorker(_Worker):
                                     dst_block * chunk, chunk, pull.signal_slot)
                     nbytes += chunk
             last_put = time.monotonic()
-            comm.flush(last_put + self.config.hang_timeout_seconds)
+            comm.flush(flush_deadline(self.config.hang_timeout_seconds, last_put))
         except RuntimeError as exc:  # TransportError, or a CUDA error of the staging copies
             if not isinstance(exc, TransportError):
                 logger.error("transfer %s: staging the KV to host memory failed: %s", pull.transfer_id, exc)

@@ -138,5 +138,5 @@ def test_flagcx_gets_hetero_comm_unless_the_pod_set_it():
     config = PdPairConfig.from_env("kv_consumer", {}, flagcx)
     assert config.transport_environment() == {"FLAGCX_USE_HETERO_COMM": "1"}
     config = PdPairConfig.from_env("kv_consumer", {}, {**flagcx, "FLAGCX_USE_HETERO_COMM": "0"})
-    assert config.flagcx_use_hetero_comm == "0" and config.transport_environment() == {}
+    assert config.transport_env["FLAGCX_USE_HETERO_COMM"] == "0" and config.transport_environment() == {}
     assert PdPairConfig.from_env("kv_consumer", {}, DECODE).transport_environment() == {}  # tcp loads no libflagcx

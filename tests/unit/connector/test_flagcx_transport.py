@@ -27,7 +27,8 @@ from pdpair.connector.transports.base import (  # noqa: E402
     TransportError,
     deadline_in,
 )
-from pdpair.connector.transports.flagcx import (  # noqa: E402
+from pdpair.connector.transports.flagcx import FlagcxTransport  # noqa: E402
+from pdpair.connector.transports.flagcx_abi import (  # noqa: E402
     ENV_FLAGCX_PATH,
     ENV_LIB_PATH,
     GENERATION_MR_INDEX,
@@ -35,8 +36,6 @@ from pdpair.connector.transports.flagcx import (  # noqa: E402
     RESULT_NAMES,
     FlagcxError,
     FlagcxLibraryError,
-    FlagcxTransport,
-    find_library_path,
     result_name,
 )
 
@@ -780,18 +779,22 @@ def test_a_comm_that_failed_with_an_error_code_is_destroyed_not_leaked(monkeypat
 
 
 def test_the_connector_finds_libflagcx_through_its_config_not_the_process_environment(monkeypatch, fake_libs):
-    """PdPairConfig is the connector's one env reader: the library the worker loads is the one the config read,
-    whatever the process environment says by the time the transport is made."""
+    """PdPairConfig is the connector's one env reader: the library the worker loads (build_transport) is the one the
+    config read, whatever the process environment says by the time the transport is made."""
     from pdpair import contract
     from pdpair.connector.config import PdPairConfig
+    from pdpair.connector.transports import build_transport
 
     pod_env = {contract.ENV_TRANSPORT: "flagcx", contract.ENV_LISTEN_PORT_BASE: "20000", contract.ENV_GENERATION: "1",
-               ENV_LIB_PATH: fake_libs["uid-ptr"]}
+               ENV_LIB_PATH: fake_libs["uid-ptr"], contract.ENV_TRANSPORT_SLOTS: "7"}
     config = PdPairConfig.from_env("kv_consumer", {}, pod_env)
     monkeypatch.setenv(ENV_LIB_PATH, "/nonexistent/libflagcx.so")
-    transport = make_transport("flagcx", library_path=find_library_path(config.flagcx_locations()))
+    monkeypatch.delenv("FLAGCX_USE_HETERO_COMM", raising=False)  # build_transport sets it; restored after the test
+    transport = build_transport(config)
     assert transport.lib.path == os.path.realpath(fake_libs["uid-ptr"])
+    assert (transport.slots, transport.blocking_seconds) == (7, config.hang_timeout_seconds)
+    assert os.environ["FLAGCX_USE_HETERO_COMM"] == "1"
     unset = PdPairConfig.from_env("kv_consumer", {}, {k: v for k, v in pod_env.items() if k != ENV_LIB_PATH})
     with pytest.raises(FlagcxLibraryError) as info:
-        find_library_path(unset.flagcx_locations())
+        build_transport(unset)
     assert ENV_LIB_PATH in str(info.value) and ENV_FLAGCX_PATH in str(info.value)

@@ -16,6 +16,7 @@ import json
 import secrets
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from pdpair.connector.transports.base import (
     DEFAULT_SIGNAL_SLOTS,
@@ -33,6 +34,9 @@ try:
     from pdpair import native
 except ImportError as exc:  # pragma: no cover - depends on the build
     raise ImportError(f"the tcp transport needs the native binding pdpair.native (pip install -e . builds it): {exc}") from exc
+
+if TYPE_CHECKING:
+    from pdpair.connector.config import PdPairConfig
 
 REGION_TABLE_TIMEOUT_SECONDS = 30.0
 
@@ -183,3 +187,8 @@ class TcpTransport(PairTransport):
         for context, listener in pending:
             listener.close()
             context.close()
+
+
+def build(config: PdPairConfig) -> TcpTransport:
+    """The connector's tcp transport (transports.build_transport): it reads no environment of its own."""
+    return TcpTransport(request_slots=config.transport_slots)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 import zmq
 
 from pdpair import contract
+from pdpair.connector.deadlines import handshake_deadline
 from pdpair.connector.preflight import report_bind_failure
 from pdpair.connector.metadata import (
     Accepted,
@@ -48,6 +49,7 @@ from pdpair.connector.metadata import (
 )
 from pdpair.connector.transports.base import RANK_DECODE, RANK_PREFILL, PairComm, PairTransport, TransportError
 
+# The logger keeps the name it had before this module was renamed: log filters and readers of the logs know it.
 logger = logging.getLogger("pdpair.connector.handshake")
 
 POLL_MS = 100  # receive timeout of the side-channel loop: bounds how long stop() waits
@@ -299,7 +301,7 @@ class DecodeSideChannel(_SideChannel):
         if self._send(sock, identity, Accepted()) is not None:
             self.accounts.on_handshake(contract.OUTCOME_ERROR)
             return
-        deadline = time.monotonic() + self.hang_timeout_seconds
+        deadline = handshake_deadline(self.hang_timeout_seconds, time.monotonic())
         try:
             comm = self.transport.init_pair(hello.unique_id, RANK_DECODE, deadline)
         except TransportError as exc:
@@ -428,7 +430,7 @@ class PrefillSideChannel(_SideChannel):
                 return self._failed(sock, "refused", f"refused: {reply.reason}")
             if not isinstance(reply, Accepted):
                 return self._failed(sock, contract.OUTCOME_ERROR, f"unexpected {type(reply).__name__}")
-            deadline = time.monotonic() + self.hang_timeout_seconds
+            deadline = handshake_deadline(self.hang_timeout_seconds, time.monotonic())
             comm = self.transport.init_pair(uid, RANK_PREFILL, deadline)
             try:
                 table, indices, _ = self.register_regions(comm)

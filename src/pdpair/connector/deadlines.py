@@ -1,0 +1,42 @@
+"""Every bound the connector derives from the hang timeout (PDPAIR_HANG_TIMEOUT_SECONDS), named for its use.
+
+One knob bounds every wait of a pair, so an operator tunes one number and the hang verdict (`contract.is_hung`)
+agrees with the waits it judges. Deadlines are `time.monotonic()` values; `start` is the moment the bound counts from.
+"""
+
+from __future__ import annotations
+
+# Prefill keeps a finished request's blocks for decode to claim for several hang timeouts, so a slow decode is never
+# served freed blocks; past the lease they are freed (and a late Pull is refused).
+SEND_LEASE_FACTOR = 4.0
+
+
+def handshake_deadline(hang_timeout_seconds: float, start: float) -> float:
+    """Both sides, after Accepted: init_pair, registering the regions and exchanging the region tables."""
+    return start + hang_timeout_seconds
+
+
+def signal_wait_deadline(hang_timeout_seconds: float, pulled_at: float) -> float:
+    """Decode: a load's wait for all its signals, counted from its Pull."""
+    return pulled_at + hang_timeout_seconds
+
+
+def parked_pull_deadline(hang_timeout_seconds: float, received_at: float) -> float:
+    """Prefill: a Pull that came before its request's blocks (scheduler metadata) waits until then, then PullFailed."""
+    return received_at + hang_timeout_seconds
+
+
+def flush_deadline(hang_timeout_seconds: float, last_put: float) -> float:
+    """Prefill: every put of one Pull has completed locally."""
+    return last_put + hang_timeout_seconds
+
+
+def send_lease_seconds(hang_timeout_seconds: float) -> float:
+    """Prefill: how long a finished request's blocks stay held for decode's Pull."""
+    return SEND_LEASE_FACTOR * hang_timeout_seconds
+
+
+def transport_blocking_seconds(hang_timeout_seconds: float) -> float:
+    """A transport's bound on a blocking call without a caller's deadline (flagcx: a put waiting for a slot, a
+    collective registration)."""
+    return hang_timeout_seconds
