@@ -29,7 +29,7 @@ from pdpair.contract import (
     ROLE_DECODE,
 )
 from pdpair.operator import config as opconfig
-from tests.cluster import operator_process
+from devcluster import operator_process
 from tests.e2e.operator_helpers import NO_HEALTH, OPERATOR_NS, wait_for
 
 

@@ -32,11 +32,11 @@ from pdpair.contract import (
     VERSION,
     status_port_name,
 )
-from tests.cluster import operator_process
-from tests.cluster.fixtures import OPERATOR_NAMESPACE
-from tests.cluster.ports import free_port_range
+from devcluster import operator_process
+from devcluster.fixtures import OPERATOR_NAMESPACE
+from devcluster.ports import free_port_range
 from pdpair.operator.config import ENV_HEALTH_INTERVAL, ENV_WATCH_NAMESPACES
-from tests.cluster.localcluster import helm_path
+from devcluster.localcluster import helm_path
 
 OPERATOR_NS = OPERATOR_NAMESPACE  # one name: cluster_namespace cleans the port leases it holds
 PORTS_PER_PAIR_NO_ROUTER = 6  # side channel + metrics + http, for decode and prefill (TP 1)
@@ -115,7 +115,7 @@ def condition(pair, type_):
 def pool_of_free_ports(size):
     """A range of `size` ports where nothing listens now (the probe must not hit a stranger), below the ephemeral
     range, as the chart demands of a real pool: there an unused port can be taken by an outgoing connection, and a
-    probe of it can connect to itself. Claimed machine-wide (tests/cluster/ports.py): another xdist worker's
+    probe of it can connect to itself. Claimed machine-wide (devcluster/ports.py): another xdist worker's
     operator, or an engine of the tier beside this one, is never given a port of it."""
     return free_port_range(size)
 

@@ -14,8 +14,8 @@ import pytest
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from tests.cluster import localcluster
-from tests.cluster.localcluster import KUBERNETES_VERSION, ClusterError, LocalCluster, helm_path, kubectl_path
+from devcluster import localcluster
+from devcluster.localcluster import KUBERNETES_VERSION, ClusterError, LocalCluster, helm_path, kubectl_path
 
 pytestmark = pytest.mark.cluster
 

@@ -1,7 +1,7 @@
 """The InferencePair CRD on a real kube-apiserver: bad specs are refused at create time with a message that names
 the field, good specs are accepted and come back defaulted, status is validated, and the printer columns work.
 
-Everything here runs against tests/cluster's local control plane (etcd + kube-apiserver); no operator runs.
+Everything here runs against devcluster's local control plane (etcd + kube-apiserver); no operator runs.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 
 from pdpair.contract import COND_SIGNALS_HEALTHY, GROUP, PLURAL
 from pdpair.operator.health import HEALTH_REFRESH_INTERVALS, UNREACHABLE_THRESHOLD
-from tests.cluster.apiserver_metrics import counts_delta, write_counts
+from devcluster.apiserver_metrics import counts_delta, write_counts
 from tests.e2e.operator_helpers import (
     NO_HEALTH,
     Api,

@@ -39,7 +39,7 @@ from pdpair.contract import (
     ROLE_ROUTER,
     VERSION,
 )
-from tests.cluster import operator_process
+from devcluster import operator_process
 from pdpair.operator.config import ENV_WATCH_NAMESPACES
 from tests.e2e.operator_helpers import (
     DECODE_SIDECHANNEL_0,

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from pdpair.contract import GROUP, PLURAL
-from tests.cluster.apiserver_metrics import by_kind, counts_delta, key_name, write_counts
+from devcluster.apiserver_metrics import by_kind, counts_delta, key_name, write_counts
 from tests.e2e.operator_helpers import (
     PORTS_PER_PAIR_NO_ROUTER,
     Api,

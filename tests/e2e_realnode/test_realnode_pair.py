@@ -1,7 +1,7 @@
 """The product on real Kubernetes nodes: images built here, `helm install` of the chart, an InferencePair whose
 prefill and decode run vLLM in containers on two different nodes, and completions through the pair's Service.
 
-Everything runs in the `real_cluster` fixture (tests/cluster/realnode.py): two nodes with containerd, runc, CNI,
+Everything runs in the `real_cluster` fixture (devcluster/realnode.py): two nodes with containerd, runc, CNI,
 kubelet and kube-proxy, in network namespaces of their own. The tiny model reaches the pods through a hostPath
 volume (per-role pod templates), never through the image. Requests are sent from inside a node's namespace
 (`real_cluster.node_exec`), i.e. from the cluster network.
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from pdpair.contract import GROUP, PLURAL
-from tests.cluster.realnode_product import (
+from devcluster.realnode_product import (
     PROMPTS, completion, leader_pod_name, operator_logs, operator_pods, wait_for,
 )
 

@@ -8,7 +8,7 @@ pair serves again with the same greedy outputs.
   path in the container's /tmp; `kubectl exec` creates the file, so from the next request on prefill's native sender
   drops every signal. The recreated prefill pod has a fresh container filesystem, so the knob is gone after the
   restart (checked, not assumed). The pair's hang timeout is pair_manifest's 30 s.
-- The Prometheus: tests/cluster/incluster_prometheus.py, configured from `helm template` of the chart (the PodMonitor
+- The Prometheus: devcluster/incluster_prometheus.py, configured from `helm template` of the chart (the PodMonitor
   translated the way prometheus-operator would, the PrometheusRule's groups as its rules file). prometheus-operator
   itself is not run. For a test, the chart values are tuned: scrape every 1 s, evaluate every 1 s, the alert's
   `for` 0 s, so it fires between the hang (oldest wait > the pod's hang timeout) and the operator's restart (same
@@ -31,11 +31,11 @@ import time
 import pytest
 
 from pdpair.contract import ALERT_SIGNAL_DEFICIT, GROUP, PLURAL, VERSION
-from tests.cluster.incluster_prometheus import InClusterPrometheus, prometheus_image
-from tests.cluster.realnode_product import (
+from devcluster.incluster_prometheus import InClusterPrometheus, prometheus_image
+from devcluster.realnode_product import (
     _COMPLETION_SNIPPET, ENGINE_START_TIMEOUT, PROMPTS, SERVED_NAME, completion, unique, wait_for,
 )
-from tests.cluster.realnode_watch import Recorder, listening_since, pod_steps
+from devcluster.realnode_watch import Recorder, listening_since, pod_steps
 from tests.e2e_realnode.serving_pair import DROP_SIGNALS_KNOB
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]

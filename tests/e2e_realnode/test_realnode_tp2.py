@@ -67,11 +67,11 @@ from pdpair.contract import (
 from pdpair.operator.health import pod_fact
 from pdpair.operator.lifecycle import ProbeResult
 from pdpair.operator.ports import ports_of, required_blocks
-from tests.cluster.realnode_product import (
+from devcluster.realnode_product import (
     ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, SERVED_NAME, completion, container_processes, describe,
     operator_logs, pair_manifest, wait_for,
 )
-from tests.cluster.realnode_watch import Recorder, listening_since, pod_steps
+from devcluster.realnode_watch import Recorder, listening_since, pod_steps
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
 

@@ -4,7 +4,7 @@ kube-scheduler and kwok (fake nodes), built from upstream Go modules and run on 
 
 Python API (stable; other test suites depend on it):
 
-    from tests.cluster.localcluster import LocalCluster, build, kubectl_path, helm_path
+    from devcluster.localcluster import LocalCluster, build, kubectl_path, helm_path
 
     build()                                   # builds/caches the binaries (idempotent)
     with LocalCluster() as cluster:           # starts everything, waits for readiness
@@ -16,9 +16,9 @@ Python API (stable; other test suites depend on it):
         api = cluster.api_client()            # kubernetes.client.ApiClient as admin
 
 CLI:
-    python tests/cluster/localcluster.py build
-    python tests/cluster/localcluster.py up --dir D [--background]   # writes D/kubeconfig
-    python tests/cluster/localcluster.py down --dir D
+    python devcluster/localcluster.py build
+    python devcluster/localcluster.py up --dir D [--background]   # writes D/kubeconfig
+    python devcluster/localcluster.py down --dir D
 """
 from __future__ import annotations
 
@@ -47,17 +47,17 @@ from typing import Callable, Iterator
 
 import yaml
 
-if __package__ in (None, ""):  # run as a script: `tests.cluster.realnode` is imported for --real-nodes
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: `devcluster.realnode` is imported for --real-nodes
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tests.cluster.ports import free_port, pid_alive  # noqa: E402  (after the path fix above)
+from devcluster.ports import free_port, pid_alive  # noqa: E402  (after the path fix above)
 
 KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 
 CLUSTER_DIR = pathlib.Path(__file__).resolve().parent
-REPO_ROOT = CLUSTER_DIR.parent.parent
+REPO_ROOT = CLUSTER_DIR.parent
 GO_MODULES_DIR = CLUSTER_DIR / "go"
 TOOLS_SCRIPT = REPO_ROOT / "hack" / "tools.sh"
 
@@ -130,9 +130,9 @@ def _check_kube_gomod() -> None:
     gomod = (GO_MODULES_DIR / "kube" / "go.mod").read_text()
     if f"k8s.io/kubernetes {KUBERNETES_VERSION}" not in gomod:
         raise BuildError(
-            f"tests/cluster/go/kube/go.mod does not require k8s.io/kubernetes {KUBERNETES_VERSION}; regenerate it: "
-            f"python tests/cluster/go/gen_kube_gomod.py {KUBERNETES_VERSION} --out tests/cluster/go/kube && "
-            "(cd tests/cluster/go/kube && go mod tidy)"
+            f"devcluster/go/kube/go.mod does not require k8s.io/kubernetes {KUBERNETES_VERSION}; regenerate it: "
+            f"python devcluster/go/gen_kube_gomod.py {KUBERNETES_VERSION} --out devcluster/go/kube && "
+            "(cd devcluster/go/kube && go mod tidy)"
         )
 
 
@@ -845,7 +845,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     if args.background:
         if args.real_nodes:
-            from tests.cluster.realnode import build_node
+            from devcluster.realnode import build_node
             build_node()
         else:
             build()  # build in the foreground so errors show here, not in a log
@@ -881,7 +881,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         (workdir / stale).unlink(missing_ok=True)
     shutil.rmtree(workdir / "etcd-data", ignore_errors=True)
     if args.real_nodes:
-        from tests.cluster.realnode import RealNodeCluster
+        from devcluster.realnode import RealNodeCluster
         cluster = RealNodeCluster(workdir, nodes=args.real_nodes, start_timeout=args.timeout, keep_workdir=True,
                                   log=print)
     else:
@@ -927,7 +927,7 @@ def main(argv: list[str] | None = None) -> int:
     build_cmd = sub.add_parser(
         "build", help="build and cache etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok")
     build_cmd.add_argument("--real-node", action="store_true",
-                           help="also kubelet, kube-proxy, containerd and the pause image (tests/cluster/realnode.py)")
+                           help="also kubelet, kube-proxy, containerd and the pause image (devcluster/realnode.py)")
     up = sub.add_parser("up", help="start a cluster; writes DIR/kubeconfig")
     up.add_argument("--real-nodes", type=int, default=0, metavar="N",
                     help="N real nodes (containerd+kubelet+kube-proxy) in network namespaces instead of kwok")
@@ -940,7 +940,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "build":
             if args.real_node:
-                from tests.cluster.realnode import build_node
+                from devcluster.realnode import build_node
                 build_node()
             else:
                 build()

@@ -14,16 +14,16 @@ The root namespace reaches the apiserver through a loopback listener (127.0.0.1:
 into the hub, so `cluster.kubeconfig`, `cluster.kubectl()` and `cluster.api_client()` work as with LocalCluster.
 Tests reach pods and Services from inside a node namespace with `cluster.node_exec()`.
 
-    from tests.cluster.realnode import RealNodeCluster, build_node
+    from devcluster.realnode import RealNodeCluster, build_node
     with RealNodeCluster(nodes=2) as cluster:
         cluster.import_image(archive)            # an OCI archive, into every node's containerd
         cluster.kubectl("apply", "-f", ...)
         cluster.node_exec("n1", ["python3", "-c", ...])
 
 CLI (the one of localcluster.py):
-    python tests/cluster/localcluster.py build --real-node
-    python tests/cluster/localcluster.py up --dir D --real-nodes 2 [--background]
-    python tests/cluster/localcluster.py down --dir D
+    python devcluster/localcluster.py build --real-node
+    python devcluster/localcluster.py up --dir D --real-nodes 2 [--background]
+    python devcluster/localcluster.py down --dir D
 """
 from __future__ import annotations
 
@@ -51,10 +51,10 @@ from typing import Callable, Iterator
 
 import yaml
 
-if __package__ in (None, ""):  # run as a script: make `tests.cluster` importable
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: make `devcluster` importable
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tests.cluster.localcluster import (  # noqa: E402
+from devcluster.localcluster import (  # noqa: E402
     GO_MODULES_DIR, KUBERNETES_VERSION, REPO_ROOT, BuildError, ClusterError, LocalCluster, _Component, _build_lock,
     NO_DEBUG_LDFLAGS, _kube_ldflags, _run_go, _tail, _write_kubeconfig, build, cache_root,
 )
@@ -88,7 +88,7 @@ NODE_BINARIES = {"kubelet": KUBERNETES_VERSION, "kube-proxy": KUBERNETES_VERSION
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Build: kubelet + kube-proxy (tests/cluster/go/kube), containerd (tests/cluster/go/containerd), pause image
+# Build: kubelet + kube-proxy (devcluster/go/kube), containerd (devcluster/go/containerd), pause image
 # ---------------------------------------------------------------------------------------------------------------
 
 def node_binary_path(name: str) -> pathlib.Path:
