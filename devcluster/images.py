@@ -35,8 +35,9 @@ from typing import Callable
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from devcluster.localcluster import REPO_ROOT, BuildError, _tail, cache_root  # noqa: E402
-from devcluster.realnode import write_oci_archive_from_files  # noqa: E402
+from devcluster.build import REPO_ROOT, cache_root  # noqa: E402
+from devcluster.errors import BuildError, _tail  # noqa: E402
+from devcluster.oci import write_oci_archive_from_files  # noqa: E402
 
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"

@@ -42,8 +42,8 @@ if __package__ in (None, ""):
 import yaml  # noqa: E402
 
 from devcluster.images import Image, _Lock, debian_base, images_dir  # noqa: E402
-from devcluster.localcluster import BuildError  # noqa: E402
-from devcluster.realnode import write_oci_archive_from_files  # noqa: E402
+from devcluster.errors import BuildError  # noqa: E402
+from devcluster.oci import write_oci_archive_from_files  # noqa: E402
 
 PROMETHEUS_BINARY = pathlib.Path("/usr/bin/prometheus")
 PROMETHEUS_PORT = 9090

@@ -23,7 +23,7 @@ from typing import Iterator
 if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from devcluster.localcluster import cache_root  # noqa: E402
+from devcluster.build import cache_root  # noqa: E402
 
 PROMETHEUS_OPERATOR_MODULE = "github.com/prometheus-operator/prometheus-operator"
 # The one pin. The proxy serves only some releases of the root module (v0.85.0 on 2026-11-30; v0.90.0 and

@@ -16,7 +16,7 @@ import time
 import uuid
 
 from pdpair.contract import API_VERSION, KIND
-from devcluster.localcluster import REPO_ROOT, helm_path
+from devcluster.build import REPO_ROOT, helm_path
 
 CHART = REPO_ROOT / "charts" / "pdpair"
 OPERATOR_NS = "pdpair-system"

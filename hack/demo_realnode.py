@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from pdpair.contract import GROUP, LABEL_PAIR, LABEL_ROLE, PLURAL, VERSION  # noqa: E402
 from devcluster.images import engine_image, operator_image  # noqa: E402
-from devcluster.realnode import RealNodeCluster, build_node  # noqa: E402
+from devcluster.build import build_node  # noqa: E402
+from devcluster.realnode import RealNodeCluster  # noqa: E402
 from devcluster.realnode_product import (  # noqa: E402
     OPERATOR_NS, RELEASE, build_model, completion, install_operator, operator_logs, pair_manifest,
 )

@@ -48,7 +48,8 @@ from devcluster import operator_process as devrun  # noqa: E402
 from pdpair.operator.pods import engine_pod  # noqa: E402
 from pdpair.operator.ports import assign, required_blocks, status_ports  # noqa: E402
 from devcluster.apiserver_metrics import by_kind, counts_delta, key_name, write_counts  # noqa: E402
-from devcluster.localcluster import LocalCluster, build, helm_path  # noqa: E402
+from devcluster.build import build, helm_path  # noqa: E402
+from devcluster.localcluster import LocalCluster  # noqa: E402
 
 OPERATOR_NS = "pdpair-system"
 PAIR_NS = "scale"

@@ -36,7 +36,7 @@ from devcluster import operator_process
 from devcluster.fixtures import OPERATOR_NAMESPACE
 from devcluster.ports import free_port_range
 from pdpair.operator.config import ENV_HEALTH_INTERVAL, ENV_WATCH_NAMESPACES
-from devcluster.localcluster import helm_path
+from devcluster.build import helm_path
 
 OPERATOR_NS = OPERATOR_NAMESPACE  # one name: cluster_namespace cleans the port leases it holds
 PORTS_PER_PAIR_NO_ROUTER = 6  # side channel + metrics + http, for decode and prefill (TP 1)

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from pdpair import contract
-from devcluster.localcluster import helm_path
+from devcluster.build import helm_path
 from devcluster.monitoring_crds import install_prometheus_operator_crds
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,9 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from devcluster import localcluster
-from devcluster.localcluster import KUBERNETES_VERSION, ClusterError, LocalCluster, helm_path, kubectl_path
+from devcluster.build import KUBERNETES_VERSION, helm_path, kubectl_path
+from devcluster.errors import ClusterError
+from devcluster.localcluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
 

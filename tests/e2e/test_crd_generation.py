@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdpair import contract
-from devcluster.localcluster import kubectl_path
+from devcluster.build import kubectl_path
 from tests.e2e.test_crd_validation import CRD_PATH, install_crd
 
 REPO = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@
 holds, and a prefill that never becomes ready leaves the pair PrefillStarting (no Ready, no restart).
 
 The operator runs as `python -m pdpair.operator` under the chart's ServiceAccount (tests/e2e/operator_helpers.py).
-kwok plays no probes: a pod labelled NEVER_READY_LABEL runs but stays not Ready (devcluster/localcluster.py).
+kwok plays no probes: a pod labelled NEVER_READY_LABEL runs but stays not Ready (devcluster/kwok.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pdpair.contract import (
     ROLE_DECODE,
 )
 from pdpair.operator.config import ENV_HEALTH_INTERVAL
-from devcluster.localcluster import NEVER_READY_LABEL
+from devcluster.kwok import NEVER_READY_LABEL
 from tests.e2e.operator_helpers import (
     Api,
     PodRecorder,

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from devcluster.images import debian_base
-from devcluster.realnode import KUBELET_HOST_SYSCTLS, RealNodeCluster, _read_sysctl
+from devcluster.hoststate import KUBELET_HOST_SYSCTLS, _read_sysctl
+from devcluster.realnode import RealNodeCluster
 from devcluster.realnode_product import FETCH_STATUS_SNIPPET, SERVICE_PROGRAMMING_SECONDS
 
 # The session's real cluster is torn down in the last test's teardown, which pytest-timeout counts too.
@@ -129,7 +130,7 @@ def test_a_cluster_whose_harness_was_killed_is_swept_by_the_next_start():
     assert netns == [f"{prefix}-hub", f"{prefix}-n1"], netns  # what a killed harness leaves
     deadline = time.monotonic() + 60
     while True:  # the node supervisor (PR_SET_PDEATHSIG) finishes its own cleanup first
-        from devcluster.realnode import sweep_stale_clusters
+        from devcluster.hoststate import sweep_stale_clusters
         swept = sweep_stale_clusters()
         if any(name.startswith(prefix) for name in swept) or time.monotonic() > deadline:
             break
