@@ -26,7 +26,7 @@ from pdpair.contract import GROUP, LABEL_PAIR, LABEL_ROLE, PLURAL, VERSION  # no
 from devcluster.images import engine_image, operator_image  # noqa: E402
 from devcluster.build import build_node  # noqa: E402
 from devcluster.realnode import RealNodeCluster  # noqa: E402
-from devcluster.realnode_product import (  # noqa: E402
+from devcluster.product import (  # noqa: E402
     OPERATOR_NS, RELEASE, build_model, completion, install_operator, operator_logs, pair_manifest,
 )
 

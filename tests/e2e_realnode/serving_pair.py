@@ -29,7 +29,7 @@ import time
 import yaml
 
 from pdpair.contract import ENV_TEST_DROP_SIGNALS_FILE, GROUP, LABEL_PAIR, PLURAL
-from devcluster.realnode_product import ENGINE_START_TIMEOUT, describe, operator_logs, pair_manifest, wait_for
+from devcluster.product import ENGINE_START_TIMEOUT, describe, operator_logs, pair_manifest, wait_for
 
 NAME = "serving"
 DROP_SIGNALS_KNOB = "/tmp/pdpair-drop-signals"  # the file that makes prefill drop every KV signal while it exists

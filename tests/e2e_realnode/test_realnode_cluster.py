@@ -12,7 +12,7 @@ import pytest
 from devcluster.images import debian_base
 from devcluster.hoststate import KUBELET_HOST_SYSCTLS, _read_sysctl
 from devcluster.realnode import RealNodeCluster
-from devcluster.realnode_product import FETCH_STATUS_SNIPPET, SERVICE_PROGRAMMING_SECONDS
+from devcluster.product import FETCH_STATUS_SNIPPET, SERVICE_PROGRAMMING_SECONDS
 
 # The session's real cluster is torn down in the last test's teardown, which pytest-timeout counts too.
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]

@@ -33,7 +33,7 @@ from pdpair.contract import (
     ROLE_ROUTER,
 )
 from pdpair.operator.ports import required_blocks
-from devcluster.realnode_product import (
+from devcluster.product import (
     CHART, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, container_processes, describe, leader_pod_name,
     operator_logs, operator_pods, pod_logs, wait_for,
 )

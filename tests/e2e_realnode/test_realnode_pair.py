@@ -15,7 +15,7 @@ import time
 import pytest
 
 from pdpair.contract import GROUP, PLURAL
-from devcluster.realnode_product import (
+from devcluster.product import (
     PROMPTS, completion, leader_pod_name, operator_logs, operator_pods, wait_for,
 )
 

@@ -25,7 +25,7 @@ from pdpair.contract import (
 )
 from pdpair.operator.config import DEFAULT_PORT_POOL, PortPool
 from pdpair.operator.pods import PREFLIGHT_CONTAINER
-from devcluster.realnode_product import (
+from devcluster.product import (
     ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, operator_logs, pair_manifest, pod_logs,
     wait_for,
 )
@@ -85,7 +85,7 @@ def start_foreign_listener(cluster, node: str, ports: list[int]) -> subprocess.P
 def test_ports_held_by_a_foreign_process_on_decodes_node_are_replaced_and_the_pair_serves(
         real_cluster, operator_release, baseline_outputs, images, model_dir, namespace):
     name = "busy-ports"
-    # The release uses the chart's default pool (devcluster/realnode_product.install_operator sets none).
+    # The release uses the chart's default pool (devcluster/product.install_operator sets none).
     busy = next_free(PortPool.parse(DEFAULT_PORT_POOL), leased_ports(real_cluster), 3)
     foreign = start_foreign_listener(real_cluster, DECODE_NODE, busy)
     try:

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from pdpair.contract import GROUP, LABEL_PAIR_UID, LABEL_PORT_LEASE, PLURAL
-from devcluster.realnode_product import (
+from devcluster.product import (
     ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, SERVED_NAME, completion, wait_for,
 )
 

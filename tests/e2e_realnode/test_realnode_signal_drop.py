@@ -32,7 +32,7 @@ import pytest
 
 from pdpair.contract import ALERT_SIGNAL_DEFICIT, GROUP, PLURAL, VERSION
 from devcluster.incluster_prometheus import InClusterPrometheus, prometheus_image
-from devcluster.realnode_product import (
+from devcluster.product import (
     _COMPLETION_SNIPPET, ENGINE_START_TIMEOUT, PROMPTS, SERVED_NAME, completion, unique, wait_for,
 )
 from devcluster.realnode_watch import Recorder, listening_since, pod_steps

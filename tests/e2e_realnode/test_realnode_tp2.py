@@ -13,7 +13,7 @@ What is asserted (each could fail):
    when the TCP connect to decode's base + r is refused), so both of decode's listeners accepted at prefill's
    first attempt. And `ss -ltnp` in n2's network namespace shows the two ports held by two different processes of
    the decode pod (its two workers, by their cgroup), with the decode container never restarted;
-2. phase Ready, and greedy outputs of realnode_product.PROMPTS through the router Service equal the single TP = 1
+2. phase Ready, and greedy outputs of devcluster.product.PROMPTS through the router Service equal the single TP = 1
    engine's (`baseline_outputs`; tests/engine/test_tp2_engine.py found TP = 2 and TP = 1 equal token for token);
 3. per-rank visibility: decode's and prefill's /metrics (rank 0's port; rank 0 merges the other rank's series)
    carry rank="0" and rank="1" series; decode counted every request's KV transfer on BOTH ranks with equal bytes
@@ -67,7 +67,7 @@ from pdpair.contract import (
 from pdpair.operator.health import pod_fact
 from pdpair.operator.lifecycle import ProbeResult
 from pdpair.operator.ports import ports_of, required_blocks
-from devcluster.realnode_product import (
+from devcluster.product import (
     ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, SERVED_NAME, completion, container_processes, describe,
     operator_logs, pair_manifest, wait_for,
 )
