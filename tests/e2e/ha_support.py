@@ -30,7 +30,8 @@ from pdpair.contract import (
 )
 from pdpair.operator import config as opconfig
 from devcluster import operator_process
-from tests.e2e.operator_helpers import NO_HEALTH, OPERATOR_NS, wait_for
+from tests.e2e.operator_helpers import NO_HEALTH, OPERATOR_NS
+from devcluster.waiting import wait_for
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from devcluster.fixtures import OPERATOR_NAMESPACE
 from devcluster.ports import free_port_range
 from pdpair.operator.config import ENV_HEALTH_INTERVAL, ENV_WATCH_NAMESPACES
 from devcluster.build import helm_path
+from devcluster.waiting import wait_for
 
 OPERATOR_NS = OPERATOR_NAMESPACE  # one name: cluster_namespace cleans the port leases it holds
 PORTS_PER_PAIR_NO_ROUTER = 6  # side channel + metrics + http, for decode and prefill (TP 1)
@@ -95,17 +96,6 @@ class Api:
 
     def events(self, ns):
         return self.core.list_namespaced_event(ns).items
-
-
-def wait_for(predicate, timeout, what, interval=0.25):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def condition(pair, type_):

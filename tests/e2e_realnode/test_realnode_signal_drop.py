@@ -33,8 +33,9 @@ import pytest
 from pdpair.contract import ALERT_SIGNAL_DEFICIT, GROUP, PLURAL, VERSION
 from devcluster.incluster_prometheus import InClusterPrometheus, prometheus_image
 from devcluster.product import (
-    _COMPLETION_SNIPPET, ENGINE_START_TIMEOUT, PROMPTS, SERVED_NAME, completion, unique, wait_for,
+    _COMPLETION_SNIPPET, ENGINE_START_TIMEOUT, PROMPTS, SERVED_NAME, completion, unique,
 )
+from devcluster.waiting import wait_for
 from devcluster.realnode_watch import Recorder, listening_since, pod_steps
 from tests.e2e_realnode.serving_pair import DROP_SIGNALS_KNOB
 
@@ -93,7 +94,7 @@ def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order
     up_query = f'up{{namespace="{namespace}",pair="{PAIR}"}}'
     wait_for(lambda: sorted(r["metric"]["pod"] for r in prometheus.query(up_query) if r["value"][1] == "1")
              == [decode_g1, prefill_g1], 120, "Prometheus scraping prefill and decode (up == 1)",
-             lambda: json.dumps(prometheus.targets(), indent=1)[-3000:] + prometheus.logs())
+             diagnose=lambda: json.dumps(prometheus.targets(), indent=1)[-3000:] + prometheus.logs(), interval=1.0)
     firing_query = (f'ALERTS{{alertname="{ALERT_SIGNAL_DEFICIT}",alertstate="firing",namespace="{namespace}"}}')
     assert prometheus.query(firing_query) == [], "the alert fires on a healthy pair"
 
@@ -133,7 +134,7 @@ def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order
     requester.start()
     try:
         wait_for(ready(g1 + 1), ENGINE_START_TIMEOUT + 240, f"the restarted pair (generation {g1 + 1}) Ready",
-                 diagnose)
+                 diagnose=diagnose, interval=1.0)
         t_ready = time.monotonic()
         again = completion(real_cluster, "n1", ip, port, PROMPTS[0])
         t_first_token = time.monotonic()
