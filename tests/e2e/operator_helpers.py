@@ -1,5 +1,5 @@
-"""Shared by the operator e2e tests (test_operator_lifecycle.py, test_operator_restart.py): the `platform` fixture,
-an API wrapper, the operator subprocess, waits, and a pod-event recorder. Not a test module.
+"""Shared by the operator e2e tests (test_operator_lifecycle.py, test_operator_restart.py): an API wrapper,
+the operator subprocess and a pod-event recorder (the `platform` fixture is in conftest.py). Not a test module.
 
 The operator runs as `python -m pdpair.operator` under the chart's ServiceAccount and RBAC, watches only the test's
 namespace and leases from a pool of its own; the kwok nodes have IP 127.0.0.1, so a test can open the real decode
@@ -13,8 +13,6 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-
-import pytest
 
 from pdpair.contract import (
     API_VERSION,
@@ -36,25 +34,12 @@ from devcluster import operator_process
 from devcluster.fixtures import OPERATOR_NAMESPACE
 from devcluster.ports import free_port_range
 from pdpair.operator.config import ENV_HEALTH_INTERVAL, ENV_WATCH_NAMESPACES
-from devcluster.build import helm_path
 from devcluster.waiting import wait_for
 
 OPERATOR_NS = OPERATOR_NAMESPACE  # one name: cluster_namespace cleans the port leases it holds
 PORTS_PER_PAIR_NO_ROUTER = 6  # side channel + metrics + http, for decode and prefill (TP 1)
 DECODE_SIDECHANNEL_0 = status_port_name(ROLE_DECODE, PURPOSE_SIDECHANNEL, 0)
 ROUTER_HTTP_0 = status_port_name(ROLE_ROUTER, PURPOSE_HTTP, 0)
-
-
-@pytest.fixture(scope="module")
-def platform(local_cluster):
-    """CRD + chart RBAC installed, kwok nodes with IP 127.0.0.1, the operator's kubeconfig."""
-    operator_process.install_crd(local_cluster)
-    kubeconfig = operator_process.install_operator_rbac(local_cluster, helm_path(), OPERATOR_NS)
-    for i in range(2):
-        name = f"kwok-op-{i}"
-        if local_cluster.kubectl("get", "node", name, check=False).returncode != 0:
-            local_cluster.add_node(name, ip="127.0.0.1", capacity={"pods": "1000"})
-    return local_cluster, kubeconfig
 
 
 class Api:

@@ -16,7 +16,7 @@ import pytest
 
 from pdpair import contract
 from devcluster.build import kubectl_path
-from tests.e2e.test_crd_validation import CRD_PATH, install_crd
+from tests.e2e.crd_support import CRD_PATH, install_crd
 
 REPO = Path(__file__).resolve().parents[2]
 ETCD_OBJECT_LIMIT = 1_572_864  # etcd's default --max-request-bytes, the largest object the apiserver can store

@@ -41,7 +41,6 @@ from tests.e2e.operator_helpers import (
     PORTS_PER_PAIR_NO_ROUTER,
     Api,
     cleanup_pairs,
-    platform,  # noqa: F401  (fixture)
     pool_of_free_ports,
 )
 from devcluster.waiting import wait_for

@@ -31,7 +31,6 @@ from tests.e2e.operator_helpers import (
     Api,
     cleanup_pairs,
     create_many,
-    platform,  # noqa: F401  (fixture)
     pool_of_free_ports,
 )
 from devcluster.waiting import wait_for

@@ -19,7 +19,6 @@ from tests.e2e.operator_helpers import (
     Api,
     cleanup_pairs,
     operator,
-    platform,  # noqa: F401  (fixture)
     pool_of_free_ports,
 )
 from devcluster.waiting import wait_for

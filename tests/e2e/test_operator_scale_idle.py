@@ -21,7 +21,6 @@ from tests.e2e.operator_helpers import (
     cleanup_pairs,
     create_many,
     operator,
-    platform,  # noqa: F401  (fixture)
     pool_of_free_ports,
 )
 from devcluster.waiting import wait_for

@@ -43,7 +43,6 @@ from tests.e2e.operator_helpers import (
     PodRecorder,
     cleanup_pairs,
     operator,
-    platform,  # noqa: F401  (fixture)
     pool_of_free_ports,
 )
 from devcluster.waiting import wait_for
