@@ -21,8 +21,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pdpair.contract import GROUP, LABEL_PAIR_UID, LABEL_PORT_LEASE, PLURAL, VERSION  # noqa: E402
-from tests.cluster import operator_process  # noqa: E402
-from tests.cluster.localcluster import LocalCluster, helm_path  # noqa: E402
+from devcluster import operator_process  # noqa: E402
+from devcluster.build import helm_path  # noqa: E402
+from devcluster.localcluster import LocalCluster  # noqa: E402
 
 OPERATOR_NS = "pdpair-system"
 EXAMPLE = ROOT / "examples" / "inferencepair.yaml"

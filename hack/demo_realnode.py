@@ -5,7 +5,7 @@ InferencePair whose prefill (node n1) and decode (node n2) run vLLM from the eng
 the pair's Service from inside the cluster network, a timeline, and a full teardown.
 
 No stand-in anywhere: decode's KV listener is the real connector's, and the operator starts prefill only once that
-listener accepts (the timeline shows it). Everything is built or reused from caches first (tests/cluster/).
+listener accepts (the timeline shows it). Everything is built or reused from caches first (devcluster/).
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pdpair.contract import GROUP, LABEL_PAIR, LABEL_ROLE, PLURAL, VERSION  # noqa: E402
-from tests.cluster.images import engine_image, operator_image  # noqa: E402
-from tests.cluster.realnode import RealNodeCluster, build_node  # noqa: E402
-from tests.cluster.realnode_product import (  # noqa: E402
+from devcluster.images import engine_image, operator_image  # noqa: E402
+from devcluster.build import build_node  # noqa: E402
+from devcluster.realnode import RealNodeCluster  # noqa: E402
+from devcluster.product import (  # noqa: E402
     OPERATOR_NS, RELEASE, build_model, completion, install_operator, operator_logs, pair_manifest,
 )
 

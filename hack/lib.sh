@@ -77,12 +77,12 @@ ensure_tools() {
 
 ensure_controlplane() {
   log "control plane binaries (built from Go modules, cached by version)"
-  "$PY" "$PDPAIR_ROOT/tests/cluster/localcluster.py" build
+  "$PY" "$PDPAIR_ROOT/devcluster/localcluster.py" build
   log "prometheus-operator CRDs (from the Go module proxy, cached) for server-side checks of the monitoring objects"
-  "$PY" "$PDPAIR_ROOT/tests/cluster/monitoring_crds.py" >/dev/null
+  "$PY" "$PDPAIR_ROOT/devcluster/monitoring_crds.py" >/dev/null
 }
 
-# A real Kubernetes node (tests/cluster/realnode.py): runc, CNI plugins, iptables/nftables, conntrack from Debian;
+# A real Kubernetes node (devcluster/realnode.py): runc, CNI plugins, iptables/nftables, conntrack from Debian;
 # buildah + debootstrap build the images without a registry or a Docker daemon.
 ensure_realnode_packages() {
   local need=0
@@ -99,13 +99,13 @@ ensure_realnode_packages() {
 
 ensure_realnode_binaries() {
   log "real-node binaries: kubelet, kube-proxy (k8s.io/kubernetes), containerd (Go module proxy), pause image; cached"
-  "$PY" "$PDPAIR_ROOT/tests/cluster/localcluster.py" build --real-node
+  "$PY" "$PDPAIR_ROOT/devcluster/localcluster.py" build --real-node
 }
 
-# `ensure_image base|operator|engine-base|engine` (tests/cluster/images.py; cached by content).
+# `ensure_image base|operator|engine-base|engine` (devcluster/images.py; cached by content).
 ensure_image() {
-  log "image $1 via buildah (tests/cluster/images.py; cached by content)"
-  PDPAIR_SHARED="$PDPAIR_SHARED" "$PY" "$PDPAIR_ROOT/tests/cluster/images.py" "$1" >/dev/null
+  log "image $1 via buildah (devcluster/images.py; cached by content)"
+  PDPAIR_SHARED="$PDPAIR_SHARED" "$PY" "$PDPAIR_ROOT/devcluster/images.py" "$1" >/dev/null
 }
 
 ensure_realnode() {

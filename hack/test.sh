@@ -25,7 +25,7 @@ phase "kubectl, helm" ensure_tools
 phase "real node: Debian packages" ensure_realnode_packages
 
 # Builds in the background, while the tiers that do not need them run; every fixture that needs a build takes the
-# same lock and calls the same builder (tests/cluster/localcluster.py, realnode.py, images.py), so it waits for
+# same lock and calls the same builder (devcluster/localcluster.py, realnode.py, images.py), so it waits for
 # what is still being built and never builds it twice. Two jobs, because the Go builds compute and the image builds
 # mostly unpack and write: on 2 cores they overlap well.
 # - Go: the control plane (first needed by stage 2's tests/e2e), then the real node's binaries (stage 3);

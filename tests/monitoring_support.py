@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.cluster.localcluster import helm_path
+from devcluster.build import helm_path
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "pdpair"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "engine"))
-sys.path.insert(0, str(HERE.parents[1]))  # engines.py imports tests.cluster.ports
+sys.path.insert(0, str(HERE.parents[1]))  # engines.py imports devcluster.ports
 
 from engines import ENGINE_ENV, Process, engine, free_port, http_get, http_post, pair_env, router  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402

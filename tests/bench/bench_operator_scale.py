@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The operator at scale (issue 12, item 2): N InferencePairs to Ready on kwok nodes, against the real local control
-plane (tests/cluster/localcluster.py), compared with a floor measured in the same run.
+plane (devcluster/localcluster.py), compared with a floor measured in the same run.
 
 One run, in order:
 1. baseline: the cluster's own write rate with no operator (kwok node leases, controllers), from the apiserver's
@@ -44,11 +44,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "src"))
 
 from pdpair.contract import API_VERSION, GROUP, KIND, LABEL_PAIR_UID, PLURAL, VERSION  # noqa: E402
 from pdpair.operator import config as opconfig  # noqa: E402
-from tests.cluster import operator_process as devrun  # noqa: E402
+from devcluster import operator_process as devrun  # noqa: E402
 from pdpair.operator.pods import engine_pod  # noqa: E402
 from pdpair.operator.ports import assign, required_blocks, status_ports  # noqa: E402
-from tests.cluster.apiserver_metrics import by_kind, counts_delta, key_name, write_counts  # noqa: E402
-from tests.cluster.localcluster import LocalCluster, build, helm_path  # noqa: E402
+from devcluster.apiserver_metrics import by_kind, counts_delta, key_name, write_counts  # noqa: E402
+from devcluster.build import build, helm_path  # noqa: E402
+from devcluster.localcluster import LocalCluster  # noqa: E402
 
 OPERATOR_NS = "pdpair-system"
 PAIR_NS = "scale"

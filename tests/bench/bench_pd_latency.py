@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "engine"))
-sys.path.insert(0, str(HERE.parents[1]))  # engines.py imports tests.cluster.ports
+sys.path.insert(0, str(HERE.parents[1]))  # engines.py imports devcluster.ports
 sys.path.insert(0, str(HERE))
 
 from engines import Process, engine, free_port, http_post, pair_env, router  # noqa: E402

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Real-node cluster setup (tests/cluster/realnode.py) against the kwok cluster (the baseline, same run).
+"""Real-node cluster setup (devcluster/realnode.py) against the kwok cluster (the baseline, same run).
 
 Measures, with every binary and image already cached (the cold numbers are in docs/benchmarks.md):
 - build check (all cached), control plane start, nodes Ready, pod Ready after `kubectl apply` (an imported
@@ -18,9 +18,9 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-from tests.cluster.images import debian_base  # noqa: E402
-from tests.cluster.localcluster import LocalCluster  # noqa: E402
-from tests.cluster.realnode import RealNodeCluster  # noqa: E402
+from devcluster.images import debian_base  # noqa: E402
+from devcluster.localcluster import LocalCluster  # noqa: E402
+from devcluster.realnode import RealNodeCluster  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:

@@ -29,8 +29,9 @@ from pdpair.contract import (
     ROLE_DECODE,
 )
 from pdpair.operator import config as opconfig
-from tests.cluster import operator_process
-from tests.e2e.operator_helpers import NO_HEALTH, OPERATOR_NS, wait_for
+from devcluster import operator_process
+from tests.e2e.operator_helpers import NO_HEALTH, OPERATOR_NS
+from devcluster.waiting import wait_for
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Shared by the operator e2e tests (test_operator_lifecycle.py, test_operator_restart.py): the `platform` fixture,
-an API wrapper, the operator subprocess, waits, and a pod-event recorder. Not a test module.
+"""Shared by the operator e2e tests (test_operator_lifecycle.py, test_operator_restart.py): an API wrapper,
+the operator subprocess and a pod-event recorder (the `platform` fixture is in conftest.py). Not a test module.
 
 The operator runs as `python -m pdpair.operator` under the chart's ServiceAccount and RBAC, watches only the test's
 namespace and leases from a pool of its own; the kwok nodes have IP 127.0.0.1, so a test can open the real decode
@@ -13,8 +13,6 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-
-import pytest
 
 from pdpair.contract import (
     API_VERSION,
@@ -32,28 +30,16 @@ from pdpair.contract import (
     VERSION,
     status_port_name,
 )
-from tests.cluster import operator_process
-from tests.cluster.fixtures import OPERATOR_NAMESPACE
-from tests.cluster.ports import free_port_range
+from devcluster import operator_process
+from devcluster.fixtures import OPERATOR_NAMESPACE
+from devcluster.ports import free_port_range
 from pdpair.operator.config import ENV_HEALTH_INTERVAL, ENV_WATCH_NAMESPACES
-from tests.cluster.localcluster import helm_path
+from devcluster.waiting import wait_for
 
 OPERATOR_NS = OPERATOR_NAMESPACE  # one name: cluster_namespace cleans the port leases it holds
 PORTS_PER_PAIR_NO_ROUTER = 6  # side channel + metrics + http, for decode and prefill (TP 1)
 DECODE_SIDECHANNEL_0 = status_port_name(ROLE_DECODE, PURPOSE_SIDECHANNEL, 0)
 ROUTER_HTTP_0 = status_port_name(ROLE_ROUTER, PURPOSE_HTTP, 0)
-
-
-@pytest.fixture(scope="module")
-def platform(local_cluster):
-    """CRD + chart RBAC installed, kwok nodes with IP 127.0.0.1, the operator's kubeconfig."""
-    operator_process.install_crd(local_cluster)
-    kubeconfig = operator_process.install_operator_rbac(local_cluster, helm_path(), OPERATOR_NS)
-    for i in range(2):
-        name = f"kwok-op-{i}"
-        if local_cluster.kubectl("get", "node", name, check=False).returncode != 0:
-            local_cluster.add_node(name, ip="127.0.0.1", capacity={"pods": "1000"})
-    return local_cluster, kubeconfig
 
 
 class Api:
@@ -97,17 +83,6 @@ class Api:
         return self.core.list_namespaced_event(ns).items
 
 
-def wait_for(predicate, timeout, what, interval=0.25):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-
-
 def condition(pair, type_):
     return next((c for c in (pair.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 
@@ -115,7 +90,7 @@ def condition(pair, type_):
 def pool_of_free_ports(size):
     """A range of `size` ports where nothing listens now (the probe must not hit a stranger), below the ephemeral
     range, as the chart demands of a real pool: there an unused port can be taken by an outgoing connection, and a
-    probe of it can connect to itself. Claimed machine-wide (tests/cluster/ports.py): another xdist worker's
+    probe of it can connect to itself. Claimed machine-wide (devcluster/ports.py): another xdist worker's
     operator, or an engine of the tier beside this one, is never given a port of it."""
     return free_port_range(size)
 

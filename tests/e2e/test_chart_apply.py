@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from pdpair import contract
-from tests.cluster.localcluster import helm_path
-from tests.cluster.monitoring_crds import install_prometheus_operator_crds
+from devcluster.build import helm_path
+from devcluster.monitoring_crds import install_prometheus_operator_crds
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "pdpair"

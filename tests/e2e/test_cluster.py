@@ -14,8 +14,10 @@ import pytest
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from tests.cluster import localcluster
-from tests.cluster.localcluster import KUBERNETES_VERSION, ClusterError, LocalCluster, helm_path, kubectl_path
+from devcluster import localcluster
+from devcluster.build import KUBERNETES_VERSION, helm_path, kubectl_path
+from devcluster.errors import ClusterError
+from devcluster.localcluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
 

@@ -1,6 +1,6 @@
 """The CRD's pod-template schemas are what hack/gen_crd.py makes from the pinned apiserver's own OpenAPI.
 
-The script runs against the test control plane (kube-apiserver v1.36.3, tests/cluster) in --check mode: any drift
+The script runs against the test control plane (kube-apiserver v1.36.3, devcluster) in --check mode: any drift
 between the committed CRD and the generated one fails, with the diff. The stored CRD must stay far below etcd's
 1.5 MiB object limit.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from pdpair import contract
-from tests.cluster.localcluster import kubectl_path
-from tests.e2e.test_crd_validation import CRD_PATH, install_crd
+from devcluster.build import kubectl_path
+from tests.e2e.crd_support import CRD_PATH, install_crd
 
 REPO = Path(__file__).resolve().parents[2]
 ETCD_OBJECT_LIMIT = 1_572_864  # etcd's default --max-request-bytes, the largest object the apiserver can store

@@ -1,7 +1,7 @@
 """The InferencePair CRD on a real kube-apiserver: bad specs are refused at create time with a message that names
 the field, good specs are accepted and come back defaulted, status is validated, and the printer columns work.
 
-Everything here runs against tests/cluster's local control plane (etcd + kube-apiserver); no operator runs.
+Everything here runs against devcluster's local control plane (etcd + kube-apiserver); no operator runs.
 """
 
 from __future__ import annotations
@@ -28,34 +28,9 @@ from tests.engine_args_corpus import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-CRD_PATH = REPO / "charts" / "pdpair" / "crds" / "inferencepairs.pdpair.io.yaml"
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 pytestmark = pytest.mark.cluster
-
-
-def install_crd(cluster) -> None:
-    """Server-side apply of the chart's CRD, then wait until the apiserver serves it."""
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=pdpair-tests", "-f", str(CRD_PATH))
-    cluster.wait_crd_established(f"{contract.PLURAL}.{contract.GROUP}")
-
-
-@pytest.fixture(scope="module")
-def crd_namespace(local_cluster):
-    import uuid
-
-    install_crd(local_cluster)
-    name = f"crd-{uuid.uuid4().hex[:8]}"
-    local_cluster.create_namespace(name)
-    yield name
-    local_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
-@pytest.fixture(scope="module")
-def custom_api(local_cluster):
-    from kubernetes import client
-
-    return client.CustomObjectsApi(local_cluster.api_client())
 
 
 def minimal(name: str) -> dict:

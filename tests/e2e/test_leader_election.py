@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from pdpair.operator.election import ElectionSettings, LeaderElector
-from tests.e2e.operator_helpers import wait_for
+from devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 

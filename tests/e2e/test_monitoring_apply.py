@@ -1,5 +1,5 @@
 """The chart's monitoring objects (PodMonitor, ServiceMonitor, PrometheusRule, dashboard ConfigMap) applied to a
-real apiserver that serves prometheus-operator's own CRDs (tests/cluster/monitoring_crds.py fetches them from the
+real apiserver that serves prometheus-operator's own CRDs (devcluster/monitoring_crds.py fetches them from the
 Go module proxy). The apiserver validates each object against the CRD's structural schema with
 fieldValidation=Strict (`kubectl --validate=strict`), so an unknown field, a wrong type or a malformed duration in a
 template fails here; the last tests prove that these checks do reject such objects.
@@ -14,7 +14,7 @@ import uuid
 import pytest
 import yaml
 
-from tests.cluster.monitoring_crds import (CRD_FILES, MONITORING_GROUP, PROMETHEUS_OPERATOR_VERSION,
+from devcluster.monitoring_crds import (CRD_FILES, MONITORING_GROUP, PROMETHEUS_OPERATOR_VERSION,
                                            install_prometheus_operator_crds)
 from tests.e2e.test_chart_apply import helm_template, qualified
 

@@ -41,10 +41,9 @@ from tests.e2e.operator_helpers import (
     PORTS_PER_PAIR_NO_ROUTER,
     Api,
     cleanup_pairs,
-    platform,  # noqa: F401  (fixture)
     pool_of_free_ports,
-    wait_for,
 )
+from devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -126,12 +125,13 @@ def test_seeded_chaos_converges_with_nothing_done_twice(platform, cluster_namesp
         replicas.wait_leader(60)
         for kill in range(1, KILLS + 1):
             if expected:  # give restarts and spec changes a target: some pair has finished its last action
-                wait_for(lambda: _ready_pairs(api, ns, expected), CONVERGE_TIMEOUT, "a settled pair to act on", 0.2)
+                wait_for(lambda: _ready_pairs(api, ns, expected), CONVERGE_TIMEOUT, "a settled pair to act on",
+                         interval=0.2)
             for _ in range(rng.randint(1, 3)):
                 _act(api, ns, rng, expected, names, actions)
             time.sleep(rng.uniform(0.0, 3.0))  # the leader is somewhere in the middle of that work
             # A leader that lost the apiserver may have fenced itself out: kill whoever leads next.
-            leader = wait_for(replicas.leader, TIMING.failover_bound + 60, "a live leader to kill", 0.05)
+            leader = wait_for(replicas.leader, TIMING.failover_bound + 60, "a live leader to kill", interval=0.05)
             identity = lease_holder(api, replicas.lease_name)
             replicas.kill(leader)
             last_fault = time.monotonic()
@@ -153,7 +153,8 @@ def test_seeded_chaos_converges_with_nothing_done_twice(platform, cluster_namesp
                              "router": {"enabled": False}, "restartPolicy": RESTART_POLICY}})
                 expected[name] = Expected()
                 actions.append(f"create {name}")
-        wait_for(lambda: converged(api, ns, expected), CONVERGE_TIMEOUT, "every pair converged after the chaos", 0.5)
+        wait_for(lambda: converged(api, ns, expected), CONVERGE_TIMEOUT, "every pair converged after the chaos",
+                 interval=0.5)
         convergence = time.monotonic() - last_fault
         facts = audit(api, ns, expected, ledger, PORTS_PER_PAIR_NO_ROUTER, events_may_be_lost=True)
         kills = sum(1 for f in faults if f.startswith("kill"))

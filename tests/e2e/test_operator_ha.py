@@ -31,10 +31,9 @@ from tests.e2e.operator_helpers import (
     Api,
     cleanup_pairs,
     create_many,
-    platform,  # noqa: F401  (fixture)
     pool_of_free_ports,
-    wait_for,
 )
+from devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -63,7 +62,7 @@ def _metric_samples(proc):
 def _kill_leader_and_time_failover(replicas, api, ns, expected, what):
     """SIGKILL the leader; return (the new leader, when the kill happened, seconds from the kill to the new holder).
     The supervisor restarts the killed replica, as the kubelet would: it comes back as the standby."""
-    old_name = wait_for(replicas.leader, 30, "a live leader", 0.05)
+    old_name = wait_for(replicas.leader, 30, "a live leader", interval=0.05)
     old_identity = lease_holder(api, replicas.lease_name)
     killed_at_wall, killed_at = time.time(), time.monotonic()
     replicas.kill(old_name)
@@ -110,13 +109,14 @@ def test_leader_sigkill_during_creates_and_restarts_does_nothing_twice(platform,
 
         # 1. Kill the leader while the pairs are being created and their pods started.
         create_many(api, ns, sorted(expected))
-        wait_for(lambda: len(ledger.seen) >= 3, 60, "the first pods created", 0.02)
+        wait_for(lambda: len(ledger.seen) >= 3, 60, "the first pods created", interval=0.02)
         new_leader, killed_at, failover_create = _kill_leader_and_time_failover(replicas, api, ns, expected,
                                                                                 "during creates")
         wait_for(lambda: any(line.startswith("pdpair_operator_port_pool_size")
                              for line in _metric_samples(replicas.procs[new_leader]) or []), 60,
                  "the new leader serving the operator metrics")
-        wait_for(lambda: converged(api, ns, expected), CONVERGE_TIMEOUT, "every pair Ready after the failover", 0.2)
+        wait_for(lambda: converged(api, ns, expected), CONVERGE_TIMEOUT, "every pair Ready after the failover",
+                 interval=0.2)
         print(f"all {PAIRS} pairs Ready {time.monotonic() - killed_at:.1f}s after the kill")
 
         # 2. Trigger ordered restarts (the decode pod of a Ready pair vanishes) and kill the leader mid-restart.
@@ -125,16 +125,17 @@ def test_leader_sigkill_during_creates_and_restarts_does_nothing_twice(platform,
             api.core.delete_namespaced_pod(f"{name}-decode-g1", ns)
             expected[name].restarts += 1
         wait_for(lambda: any((api.pair(ns, n).get("status") or {}).get("pairGeneration") == 2 for n in victims), 30,
-                 "the first restart under way", 0.02)
+                 "the first restart under way", interval=0.02)
         _, killed_at, failover_restart = _kill_leader_and_time_failover(replicas, api, ns, expected,
                                                                         "during restarts")
-        wait_for(lambda: converged(api, ns, expected), CONVERGE_TIMEOUT, "every pair Ready after the restarts", 0.2)
+        wait_for(lambda: converged(api, ns, expected), CONVERGE_TIMEOUT, "every pair Ready after the restarts",
+                 interval=0.2)
         print(f"restarted pairs Ready {time.monotonic() - killed_at:.1f}s after the kill")
 
         # 3. A spec change, then a graceful handoff: SIGTERM releases the Lease, the standby leads within a retry.
         api.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "ha11", {"spec": {"image": "img:2"}})
         expected["ha11"].rollouts += 1
-        leader = wait_for(replicas.leader, 30, "a live leader", 0.05)
+        leader = wait_for(replicas.leader, 30, "a live leader", interval=0.05)
         identity = lease_holder(api, replicas.lease_name)
         stopping = replicas.procs[leader]
         stopped_at = time.monotonic()
@@ -146,7 +147,7 @@ def test_leader_sigkill_during_creates_and_restarts_does_nothing_twice(platform,
         assert stopping.proc.returncode == 0, stopping.log_tail()
         assert "leader election: released lease" in stopping.log_tail(), "SIGTERM did not release the Lease"
         assert handoff < TIMING.lease_duration + 20
-        wait_for(lambda: converged(api, ns, expected), CONVERGE_TIMEOUT, "the rollout finished", 0.5)
+        wait_for(lambda: converged(api, ns, expected), CONVERGE_TIMEOUT, "the rollout finished", interval=0.5)
 
         facts = audit(api, ns, expected, ledger, PORTS_PER_PAIR_NO_ROUTER)
         print(f"audit: {facts}; failovers {failover_create:.2f}s (creates), {failover_restart:.2f}s (restarts), "

@@ -15,7 +15,7 @@ import pytest
 
 from pdpair.contract import COND_SIGNALS_HEALTHY, GROUP, PLURAL
 from pdpair.operator.health import HEALTH_REFRESH_INTERVALS, UNREACHABLE_THRESHOLD
-from tests.cluster.apiserver_metrics import counts_delta, write_counts
+from devcluster.apiserver_metrics import counts_delta, write_counts
 from tests.e2e.operator_helpers import (
     NO_HEALTH,
     Api,
@@ -23,10 +23,9 @@ from tests.e2e.operator_helpers import (
     cleanup_pairs,
     condition,
     operator,
-    platform,  # noqa: F401  (fixture)
     pool_of_free_ports,
-    wait_for,
 )
+from devcluster.waiting import wait_for
 from tests.e2e.test_operator_restart import (
     DECODE_METRICS,
     DECODE_SIDECHANNEL,

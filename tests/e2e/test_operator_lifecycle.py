@@ -39,7 +39,7 @@ from pdpair.contract import (
     ROLE_ROUTER,
     VERSION,
 )
-from tests.cluster import operator_process
+from devcluster import operator_process
 from pdpair.operator.config import ENV_WATCH_NAMESPACES
 from tests.e2e.operator_helpers import (
     DECODE_SIDECHANNEL_0,
@@ -54,10 +54,9 @@ from tests.e2e.operator_helpers import (
     condition,
     create_many,
     operator,
-    platform,  # noqa: F401  (fixture)
     pool_of_free_ports,
-    wait_for,
 )
+from devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 

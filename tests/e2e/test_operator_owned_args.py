@@ -1,7 +1,7 @@
 """A pair that an older CRD admitted (Helm never upgrades CRDs) with an owned-flag spelling in its args: the operator
 builds no engine pod and says why, in a ReconcileError Event naming the field and the entry.
 
-Real control plane (tests/cluster), the real operator as a subprocess; the "older CRD" is the chart's CRD with the
+Real control plane (devcluster), the real operator as a subprocess; the "older CRD" is the chart's CRD with the
 args rules taken out, put in place for this test and replaced by the chart's afterwards.
 """
 
@@ -14,15 +14,14 @@ import pytest
 import yaml
 
 from pdpair.contract import GROUP, LABEL_ROLE, PLURAL, ROLES
-from tests.cluster import operator_process
+from devcluster import operator_process
 from tests.e2e.operator_helpers import (
     Api,
     cleanup_pairs,
     operator,
-    platform,  # noqa: F401  (fixture)
     pool_of_free_ports,
-    wait_for,
 )
+from devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 

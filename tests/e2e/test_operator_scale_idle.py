@@ -14,17 +14,16 @@ import time
 import pytest
 
 from pdpair.contract import GROUP, PLURAL
-from tests.cluster.apiserver_metrics import by_kind, counts_delta, key_name, write_counts
+from devcluster.apiserver_metrics import by_kind, counts_delta, key_name, write_counts
 from tests.e2e.operator_helpers import (
     PORTS_PER_PAIR_NO_ROUTER,
     Api,
     cleanup_pairs,
     create_many,
     operator,
-    platform,  # noqa: F401  (fixture)
     pool_of_free_ports,
-    wait_for,
 )
+from devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -2,7 +2,7 @@
 holds, and a prefill that never becomes ready leaves the pair PrefillStarting (no Ready, no restart).
 
 The operator runs as `python -m pdpair.operator` under the chart's ServiceAccount (tests/e2e/operator_helpers.py).
-kwok plays no probes: a pod labelled NEVER_READY_LABEL runs but stays not Ready (tests/cluster/localcluster.py).
+kwok plays no probes: a pod labelled NEVER_READY_LABEL runs but stays not Ready (devcluster/kwok.py).
 """
 
 from __future__ import annotations
@@ -20,17 +20,16 @@ from pdpair.contract import (
     ROLE_DECODE,
 )
 from pdpair.operator.config import ENV_HEALTH_INTERVAL
-from tests.cluster.localcluster import NEVER_READY_LABEL
+from devcluster.kwok import NEVER_READY_LABEL
 from tests.e2e.operator_helpers import (
     Api,
     PodRecorder,
     cleanup_pairs,
     condition,
     operator,
-    platform,  # noqa: F401  (fixture)
     pool_of_free_ports,
-    wait_for,
 )
+from devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 

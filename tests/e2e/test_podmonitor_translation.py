@@ -1,4 +1,4 @@
-"""The chart's PodMonitor, translated by the harness (tests/cluster/incluster_prometheus.py) and fed the discovery
+"""The chart's PodMonitor, translated by the harness (devcluster/incluster_prometheus.py) and fed the discovery
 sidecar's targets (pod_sd_sidecar.py), selects and labels pods in a REAL Prometheus (Debian's) exactly as the
 PodMonitor says: only the pair pods' prefill/decode `metrics` ports, with namespace/pod/pair/job/endpoint labels.
 Prometheus' /api/v1/targets shows the relabelled targets without scraping them (the addresses go nowhere)."""
@@ -12,11 +12,11 @@ import pytest
 import yaml
 
 from pdpair import contract
-from tests.cluster.incluster_prometheus import (
+from devcluster.incluster_prometheus import (
     podmonitor_scrape_configs, prometheus_config, render_chart_monitoring, with_file_sd,
 )
-from tests.cluster.pod_sd_sidecar import targets_for, write_atomically
-from tests.cluster.ports import free_port
+from devcluster.pod_sd_sidecar import targets_for, write_atomically
+from devcluster.ports import free_port
 from tests.e2e.test_prometheus_alert import Prometheus, get_json
 from tests.monitoring_support import require_binary
 

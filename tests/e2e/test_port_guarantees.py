@@ -41,10 +41,9 @@ from tests.e2e.operator_helpers import (
     cleanup_pairs,
     condition,
     operator,
-    platform,  # noqa: F401  (fixture)
     pool_of_free_ports,
-    wait_for,
 )
+from devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -43,10 +43,9 @@ from tests.e2e.operator_helpers import (
     PodRecorder,
     cleanup_pairs,
     operator,
-    platform,  # noqa: F401  (fixture)
     pool_of_free_ports,
-    wait_for,
 )
+from devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from pdpair import contract
-from tests.cluster.ports import free_port
+from devcluster.ports import free_port
 from tests.monitoring_support import require_binary, write_rules
 
 pytestmark = pytest.mark.prometheus

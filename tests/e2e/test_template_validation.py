@@ -13,13 +13,11 @@ from typing import Any, Callable
 import pytest
 
 from pdpair import contract
-from tests.e2e.test_crd_validation import (  # noqa: F401  (crd_namespace, custom_api are fixtures)
+from tests.e2e.test_crd_validation import (
     at,
     both,
     create,
     create_error,
-    crd_namespace,
-    custom_api,
     minimal,
 )
 

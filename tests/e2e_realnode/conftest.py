@@ -12,10 +12,10 @@ import uuid
 
 import pytest
 
-from tests.cluster.fixtures import real_cluster  # noqa: F401  (pytest finds fixtures by name)
-from tests.cluster.images import engine_image, operator_image
+from devcluster.fixtures import real_cluster  # noqa: F401  (pytest finds fixtures by name)
+from devcluster.images import engine_image, operator_image
 from tests.e2e_realnode.serving_pair import ServingPair
-from tests.cluster.realnode_product import (
+from devcluster.product import (
     ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, baseline_pod, build_model, completion, describe, install_operator,
     pod_logs, unique,
 )

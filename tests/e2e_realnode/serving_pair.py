@@ -29,7 +29,8 @@ import time
 import yaml
 
 from pdpair.contract import ENV_TEST_DROP_SIGNALS_FILE, GROUP, LABEL_PAIR, PLURAL
-from tests.cluster.realnode_product import ENGINE_START_TIMEOUT, describe, operator_logs, pair_manifest, wait_for
+from devcluster.product import ENGINE_START_TIMEOUT, describe, operator_logs, pair_manifest
+from devcluster.waiting import wait_for
 
 NAME = "serving"
 DROP_SIGNALS_KNOB = "/tmp/pdpair-drop-signals"  # the file that makes prefill drop every KV signal while it exists
@@ -96,7 +97,7 @@ class ServingPair:
         self.cluster.kubectl("delete", f"{PLURAL}.{GROUP}", self.name, "-n", self.namespace, "--ignore-not-found",
                              "--wait=true", "--timeout=120s", timeout=150)
         wait_for(lambda: not self.pods(), 180, f"the pods of pair {self.name} to go",
-                 lambda: describe(self.cluster, self.namespace))
+                 diagnose=lambda: describe(self.cluster, self.namespace), interval=1.0)
 
     def ready(self) -> dict:
         """The precondition of a shared scenario; returns the pair's status once it serves (see the module doc)."""
@@ -105,13 +106,15 @@ class ServingPair:
             if settled:
                 return settled
             try:
-                return wait_for(self._settled, READY_TIMEOUT, f"the shared pair {self.name} to settle", self.diagnose)
+                return wait_for(self._settled, READY_TIMEOUT, f"the shared pair {self.name} to settle",
+                                diagnose=self.diagnose, interval=1.0)
             except AssertionError as exc:
                 print(f"[serving-pair] the pair left by an earlier scenario did not settle; creating it again:\n"
                       f"{str(exc)[-2000:]}")
             self.delete()
         self.created += 1
         t0 = self.apply()
-        status = wait_for(self._settled, READY_TIMEOUT, f"the shared pair {self.name} Ready", self.diagnose)
+        status = wait_for(self._settled, READY_TIMEOUT, f"the shared pair {self.name} Ready", diagnose=self.diagnose,
+                          interval=1.0)
         print(f"[serving-pair] created {self.name}: apply -> Ready {time.monotonic() - t0:.1f}s")
         return status

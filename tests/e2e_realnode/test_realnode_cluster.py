@@ -1,4 +1,4 @@
-"""The real-node cluster itself (tests/cluster/realnode.py): two kubelets on containerd+runc+CNI in network
+"""The real-node cluster itself (devcluster/realnode.py): two kubelets on containerd+runc+CNI in network
 namespaces of their own, kube-proxy Services across nodes, the `kubernetes` Service from a pod, no route out,
 and a teardown that leaves nothing on the host."""
 from __future__ import annotations
@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from tests.cluster.images import debian_base
-from tests.cluster.realnode import KUBELET_HOST_SYSCTLS, RealNodeCluster, _read_sysctl
-from tests.cluster.realnode_product import FETCH_STATUS_SNIPPET, SERVICE_PROGRAMMING_SECONDS
+from devcluster.images import debian_base
+from devcluster.hoststate import KUBELET_HOST_SYSCTLS, _read_sysctl
+from devcluster.realnode import RealNodeCluster
+from devcluster.product import FETCH_STATUS_SNIPPET, SERVICE_PROGRAMMING_SECONDS
 
 # The session's real cluster is torn down in the last test's teardown, which pytest-timeout counts too.
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
@@ -112,7 +113,7 @@ def test_a_cluster_whose_harness_was_killed_is_swept_by_the_next_start():
     import signal
     import time
 
-    code = ("import sys, time; from tests.cluster.realnode import RealNodeCluster\n"
+    code = ("import sys, time; from devcluster.realnode import RealNodeCluster\n"
             "c = RealNodeCluster(nodes=1); c.start()\n"
             "print('UP', c.prefix, flush=True); time.sleep(600)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[2]),
@@ -129,7 +130,7 @@ def test_a_cluster_whose_harness_was_killed_is_swept_by_the_next_start():
     assert netns == [f"{prefix}-hub", f"{prefix}-n1"], netns  # what a killed harness leaves
     deadline = time.monotonic() + 60
     while True:  # the node supervisor (PR_SET_PDEATHSIG) finishes its own cleanup first
-        from tests.cluster.realnode import sweep_stale_clusters
+        from devcluster.hoststate import sweep_stale_clusters
         swept = sweep_stale_clusters()
         if any(name.startswith(prefix) for name in swept) or time.monotonic() > deadline:
             break

@@ -33,10 +33,11 @@ from pdpair.contract import (
     ROLE_ROUTER,
 )
 from pdpair.operator.ports import required_blocks
-from tests.cluster.realnode_product import (
+from devcluster.product import (
     CHART, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, container_processes, describe, leader_pod_name,
-    operator_logs, operator_pods, pod_logs, wait_for,
+    operator_logs, operator_pods, pod_logs,
 )
+from devcluster.waiting import wait_for
 from tests.e2e_realnode.serving_pair import READY_TIMEOUT
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
@@ -165,7 +166,7 @@ def _wait_ready(cluster, ns: str, name: str, diagnose, *, generation: int | None
             return None
         return status
     return wait_for(ready, timeout, f"pair {name} phase Ready" + (f" at generation {generation}" if generation else ""),
-                    diagnose)
+                    diagnose=diagnose, interval=1.0)
 
 
 def _service(cluster, ns: str, name: str) -> tuple[str, int]:
@@ -193,13 +194,13 @@ def test_operator_pod_deleted_during_pair_startup_converges_without_duplicates(
     name, namespace = serving_pair.name, serving_pair.namespace
     serving_pair.delete()  # a first start is this scenario's meaning
     # The chart runs 2 replicas; the one that acts is the leader Lease's holder: delete that one.
-    leader = wait_for(lambda: leader_pod_name(real_cluster), 120, "an operator leader")
+    leader = wait_for(lambda: leader_pod_name(real_cluster), 120, "an operator leader", interval=1.0)
     [old_operator] = [p for p in operator_pods(real_cluster) if p["metadata"]["name"] == leader]
     watch = PodWatch(real_cluster, namespace, name)
     diagnose = _diagnose(real_cluster, namespace, name, watch, time.monotonic())
     t_apply = serving_pair.apply()
     decode_added = wait_for(lambda: watch.first(t_apply, lambda e: e.type == "ADDED" and e.role == ROLE_DECODE), 180,
-                            "the decode pod", diagnose)
+                            "the decode pod", diagnose=diagnose, interval=1.0)
     real_cluster.kubectl("delete", "pod", "-n", OPERATOR_NS, old_operator["metadata"]["name"], "--wait=false")
     t_delete = time.monotonic()
     prefill_before = [e for e in watch.since(t_apply) if e.role == ROLE_PREFILL and e.t <= t_delete]
@@ -213,7 +214,8 @@ def test_operator_pod_deleted_during_pair_startup_converges_without_duplicates(
         holder = leader_pod_name(real_cluster)
         fresh = [p for p in pods if p["metadata"]["name"] == holder and holder != leader and _ready(p)]
         return fresh[0] if fresh and gone else None
-    new_operator = wait_for(new_leader_ready, 300, "another operator replica leading and the old one gone", diagnose)
+    new_operator = wait_for(new_leader_ready, 300, "another operator replica leading and the old one gone",
+                            diagnose=diagnose, interval=1.0)
     print(f"[faults] {name}: operator {new_operator['metadata']['name']} leads and the old leader is gone "
           f"{time.monotonic() - t_delete:.1f}s after the delete")
 
@@ -294,7 +296,8 @@ def test_helm_upgrade_of_the_operator_keeps_a_serving_pair_untouched(
     reader = threading.Thread(target=lambda: results.extend(json.loads(l) for l in client.stdout), daemon=True)
     reader.start()
     try:
-        wait_for(lambda: len(results) >= 2, 120, "the client's first requests", lambda: str(results))
+        wait_for(lambda: len(results) >= 2, 120, "the client's first requests", diagnose=lambda: str(results),
+                 interval=1.0)
         stamp = uuid.uuid4().hex[:12]
         t0 = time.monotonic()
         operator_release("upgrade", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--reuse-values",
@@ -311,16 +314,16 @@ def test_helm_upgrade_of_the_operator_keeps_a_serving_pair_untouched(
             leading = [p for p in fresh if p["metadata"]["name"] == holder]
             return leading[0] if len(fresh) == len(pods) and leading else None
         operator = wait_for(new_operator, 300, "every operator replica Ready from the new revision, one leading",
-                            diagnose)
+                            diagnose=diagnose, interval=1.0)
         # The new operator has taken the pair over: its first reconcile pass logs the pair's step.
         wait_for(lambda: f"pair {namespace}/{name}: Ready" in real_cluster.kubectl(
             "logs", "-n", OPERATOR_NS, operator["metadata"]["name"], check=False).stdout, 120,
-            "the new operator's first pass over the pair", diagnose)
+            "the new operator's first pass over the pair", diagnose=diagnose, interval=1.0)
         # Then two more health ticks' worth of traffic (the operator's default health interval is 10 s).
         n = len(results)
         t_taken = time.monotonic()
         wait_for(lambda: time.monotonic() - t_taken >= 25 and len(results) >= n + 3, 180,
-                 "traffic after the takeover", lambda: str(results[-5:]))
+                 "traffic after the takeover", diagnose=lambda: str(results[-5:]), interval=1.0)
     finally:
         client.stdin.close()
         try:
@@ -386,7 +389,7 @@ def test_decode_engine_killed_in_its_container_restarts_the_pair_in_order(
     # Detection: the operator's first deletion of an old pod.
     first_delete = wait_for(
         lambda: watch.first(t_kill, lambda e: e.deleting and e.generation == str(g1)), 240,
-        "the operator to start deleting the old generation's pods", diagnose)
+        "the operator to start deleting the old generation's pods", diagnose=diagnose, interval=1.0)
     status = _wait_ready(real_cluster, namespace, name, diagnose, generation=g1 + 1)
     t_ready = time.monotonic()
     ip, port = _service(real_cluster, namespace, name)

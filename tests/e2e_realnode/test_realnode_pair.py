@@ -1,7 +1,7 @@
 """The product on real Kubernetes nodes: images built here, `helm install` of the chart, an InferencePair whose
 prefill and decode run vLLM in containers on two different nodes, and completions through the pair's Service.
 
-Everything runs in the `real_cluster` fixture (tests/cluster/realnode.py): two nodes with containerd, runc, CNI,
+Everything runs in the `real_cluster` fixture (devcluster/realnode.py): two nodes with containerd, runc, CNI,
 kubelet and kube-proxy, in network namespaces of their own. The tiny model reaches the pods through a hostPath
 volume (per-role pod templates), never through the image. Requests are sent from inside a node's namespace
 (`real_cluster.node_exec`), i.e. from the cluster network.
@@ -15,9 +15,10 @@ import time
 import pytest
 
 from pdpair.contract import GROUP, PLURAL
-from tests.cluster.realnode_product import (
-    PROMPTS, completion, leader_pod_name, operator_logs, operator_pods, wait_for,
+from devcluster.product import (
+    PROMPTS, completion, leader_pod_name, operator_logs, operator_pods,
 )
+from devcluster.waiting import wait_for
 
 # The session's real cluster is torn down in the last test's teardown, which pytest-timeout counts too.
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
@@ -55,10 +56,11 @@ def test_operator_runs_as_pods_with_the_charts_service_account_liveness_and_one_
         assert status["phase"] == "Running" and status["containerStatuses"][0]["ready"], status
         # The kubelet really probes it: its probe counter for this pod grows past two successes.
         wait_for(lambda: _liveness_probe_successes(real_cluster, spec["nodeName"], pod["metadata"]["name"]) >= 2,
-                 120, "two successful liveness probes by the kubelet", lambda: operator_logs(real_cluster))
+                 120, "two successful liveness probes by the kubelet", diagnose=lambda: operator_logs(real_cluster),
+                 interval=1.0)
         assert status["containerStatuses"][0]["restartCount"] == 0
     leader = wait_for(lambda: leader_pod_name(real_cluster), 120, "an operator replica holding the leader Lease",
-                      lambda: operator_logs(real_cluster))
+                      diagnose=lambda: operator_logs(real_cluster), interval=1.0)
     assert leader in {p["metadata"]["name"] for p in pods}, leader
 
 
@@ -104,7 +106,7 @@ def test_pair_on_two_nodes_serves_through_its_service_like_a_single_engine(real_
     assert outputs == expected, f"pair outputs differ from the single engine:\npair: {outputs}\nbaseline: {expected}"
     wait_for(lambda: transfers_ok() >= transfers_before + len(PROMPTS), 30,
              f"{len(PROMPTS)} more ok KV transfers counted by decode (from {transfers_before})",
-             lambda: f"counted {transfers_ok()}")
+             diagnose=lambda: f"counted {transfers_ok()}", interval=1.0)
 
     # KV health on the resource, from the real engines' metrics: the health watch judged this generation Healthy,
     # SignalsHealthy follows it, and `kubectl get -o wide` shows it.
@@ -112,7 +114,7 @@ def test_pair_on_two_nodes_serves_through_its_service_like_a_single_engine(real_
         health = pair().get("status", {}).get("health") or {}
         return health if health.get("verdict") == "Healthy" and health.get("pairGeneration") == generation else {}
 
-    health = wait_for(judged, 90, f"status.health Healthy for generation {generation}", diagnose)
+    health = wait_for(judged, 90, f"status.health Healthy for generation {generation}", diagnose=diagnose, interval=1.0)
     assert {role: health["roles"][role]["state"] for role in ("decode", "prefill")} == {
         "decode": "healthy", "prefill": "healthy"}, health
     assert health["roles"]["decode"]["pod"] == decode["metadata"]["name"], health

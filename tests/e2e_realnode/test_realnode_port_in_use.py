@@ -25,10 +25,10 @@ from pdpair.contract import (
 )
 from pdpair.operator.config import DEFAULT_PORT_POOL, PortPool
 from pdpair.operator.pods import PREFLIGHT_CONTAINER
-from tests.cluster.realnode_product import (
+from devcluster.product import (
     ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, operator_logs, pair_manifest, pod_logs,
-    wait_for,
 )
+from devcluster.waiting import wait_for
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
 
@@ -85,7 +85,7 @@ def start_foreign_listener(cluster, node: str, ports: list[int]) -> subprocess.P
 def test_ports_held_by_a_foreign_process_on_decodes_node_are_replaced_and_the_pair_serves(
         real_cluster, operator_release, baseline_outputs, images, model_dir, namespace):
     name = "busy-ports"
-    # The release uses the chart's default pool (tests/cluster/realnode_product.install_operator sets none).
+    # The release uses the chart's default pool (devcluster/product.install_operator sets none).
     busy = next_free(PortPool.parse(DEFAULT_PORT_POOL), leased_ports(real_cluster), 3)
     foreign = start_foreign_listener(real_cluster, DECODE_NODE, busy)
     try:
@@ -111,7 +111,7 @@ def test_ports_held_by_a_foreign_process_on_decodes_node_are_replaced_and_the_pa
 
         # The first decode fails in its preflight, seconds after it is scheduled: a PortInUse Event names the ports.
         t0 = time.monotonic()
-        [event] = wait_for(lambda: events("PortInUse"), 300, "a PortInUse Event", diagnose)
+        [event] = wait_for(lambda: events("PortInUse"), 300, "a PortInUse Event", diagnose=diagnose, interval=1.0)
         print(f"[realnode-e2e] PortInUse {time.monotonic() - t0:.1f}s after apply: {event['message']}")
         message = event["message"]
         assert f"ports {' '.join(map(str, busy))} in use on node {DECODE_NODE}" in message, (busy, message)
@@ -125,7 +125,7 @@ def test_ports_held_by_a_foreign_process_on_decodes_node_are_replaced_and_the_pa
         # Two engine starts one after the other (decode, then prefill once decode listens): under load each takes
         # up to ENGINE_START_TIMEOUT (a first run here saw decode listen after 8.5 min at load 25 on 2 cores).
         wait_for(lambda: pair().get("status", {}).get("phase") == "Ready", 2 * ENGINE_START_TIMEOUT,
-                 "pair phase Ready on the replacement ports", diagnose)
+                 "pair phase Ready on the replacement ports", diagnose=diagnose, interval=1.0)
         print(f"[realnode-e2e] apply -> Ready on replacement ports {time.monotonic() - t0:.1f}s")
         status = pair()["status"]
         decode_ports = {p["port"] for p in status["ports"] if p["role"] == "decode"}
@@ -158,7 +158,8 @@ def test_ports_held_by_a_foreign_process_on_decodes_node_are_replaced_and_the_pa
         real_cluster.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", namespace, "--wait=true", "--timeout=120s",
                              timeout=150)
         wait_for(lambda: not json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)
-                 ["items"], 120, "the pair's pods to go", lambda: describe(real_cluster, namespace))
+                 ["items"], 120, "the pair's pods to go", diagnose=lambda: describe(real_cluster, namespace),
+                 interval=1.0)
     finally:
         foreign.kill()
         foreign.wait(timeout=30)

@@ -24,9 +24,10 @@ import time
 import pytest
 
 from pdpair.contract import GROUP, LABEL_PAIR_UID, LABEL_PORT_LEASE, PLURAL
-from tests.cluster.realnode_product import (
-    ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, SERVED_NAME, completion, wait_for,
+from devcluster.product import (
+    ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, SERVED_NAME, completion,
 )
+from devcluster.waiting import wait_for
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
 
@@ -121,7 +122,7 @@ def _rollout_under_load(real_cluster, serving_pair, baseline_outputs, strategy, 
     try:
         t_load = time.time()
         wait_for(lambda: load.ok_since(t_load) >= 2 * CLIENTS, 300, "requests served before the rollout",
-                 lambda: json.dumps(load.records[-5:]))
+                 diagnose=lambda: json.dumps(load.records[-5:]), interval=1.0)
         t_change = time.time()
         # The base args plus a scheduler bound: every strategy sets its own value, so each patch changes the spec.
         patch = {"spec": {role: {"args": ENGINE_ARGS + harmless_args} for role in ("prefill", "decode")}}
@@ -140,10 +141,10 @@ def _rollout_under_load(real_cluster, serving_pair, baseline_outputs, strategy, 
                 p["metadata"]["labels"]["pdpair.io/generation"] == str(g2) for p in pods)
 
         wait_for(rolled_out, 2 * ENGINE_START_TIMEOUT + 300, f"generation {g2} serving and generation {g1} gone",
-                 diagnose)
+                 diagnose=diagnose, interval=1.0)
         t_done = time.time()
         wait_for(lambda: load.ok_since(t_done) >= 2 * CLIENTS, 300, "requests served after the rollout",
-                 lambda: json.dumps(load.records[-5:]))
+                 diagnose=lambda: json.dumps(load.records[-5:]), interval=1.0)
     finally:
         records = load.stop()
     failed = [r for r in records if not r["ok"]]
@@ -189,4 +190,5 @@ def test_deleting_the_shared_pair_removes_its_pods_and_releases_its_leases(real_
 
     assert leases(), "the serving pair holds no port lease"
     serving_pair.delete()
-    wait_for(lambda: not leases(), 120, "the pair's leases to be released", lambda: json.dumps(leases())[-2000:])
+    wait_for(lambda: not leases(), 120, "the pair's leases to be released",
+             diagnose=lambda: json.dumps(leases())[-2000:], interval=1.0)

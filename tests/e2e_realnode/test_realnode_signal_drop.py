@@ -8,7 +8,7 @@ pair serves again with the same greedy outputs.
   path in the container's /tmp; `kubectl exec` creates the file, so from the next request on prefill's native sender
   drops every signal. The recreated prefill pod has a fresh container filesystem, so the knob is gone after the
   restart (checked, not assumed). The pair's hang timeout is pair_manifest's 30 s.
-- The Prometheus: tests/cluster/incluster_prometheus.py, configured from `helm template` of the chart (the PodMonitor
+- The Prometheus: devcluster/incluster_prometheus.py, configured from `helm template` of the chart (the PodMonitor
   translated the way prometheus-operator would, the PrometheusRule's groups as its rules file). prometheus-operator
   itself is not run. For a test, the chart values are tuned: scrape every 1 s, evaluate every 1 s, the alert's
   `for` 0 s, so it fires between the hang (oldest wait > the pod's hang timeout) and the operator's restart (same
@@ -31,11 +31,12 @@ import time
 import pytest
 
 from pdpair.contract import ALERT_SIGNAL_DEFICIT, GROUP, PLURAL, VERSION
-from tests.cluster.incluster_prometheus import InClusterPrometheus, prometheus_image
-from tests.cluster.realnode_product import (
-    _COMPLETION_SNIPPET, ENGINE_START_TIMEOUT, PROMPTS, SERVED_NAME, completion, unique, wait_for,
+from devcluster.incluster_prometheus import InClusterPrometheus, prometheus_image
+from devcluster.product import (
+    _COMPLETION_SNIPPET, ENGINE_START_TIMEOUT, PROMPTS, SERVED_NAME, completion, unique,
 )
-from tests.cluster.realnode_watch import Recorder, listening_since, pod_steps
+from devcluster.waiting import wait_for
+from devcluster.realnode_watch import Recorder, listening_since, pod_steps
 from tests.e2e_realnode.serving_pair import DROP_SIGNALS_KNOB
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
@@ -93,7 +94,7 @@ def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order
     up_query = f'up{{namespace="{namespace}",pair="{PAIR}"}}'
     wait_for(lambda: sorted(r["metric"]["pod"] for r in prometheus.query(up_query) if r["value"][1] == "1")
              == [decode_g1, prefill_g1], 120, "Prometheus scraping prefill and decode (up == 1)",
-             lambda: json.dumps(prometheus.targets(), indent=1)[-3000:] + prometheus.logs())
+             diagnose=lambda: json.dumps(prometheus.targets(), indent=1)[-3000:] + prometheus.logs(), interval=1.0)
     firing_query = (f'ALERTS{{alertname="{ALERT_SIGNAL_DEFICIT}",alertstate="firing",namespace="{namespace}"}}')
     assert prometheus.query(firing_query) == [], "the alert fires on a healthy pair"
 
@@ -133,7 +134,7 @@ def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order
     requester.start()
     try:
         wait_for(ready(g1 + 1), ENGINE_START_TIMEOUT + 240, f"the restarted pair (generation {g1 + 1}) Ready",
-                 diagnose)
+                 diagnose=diagnose, interval=1.0)
         t_ready = time.monotonic()
         again = completion(real_cluster, "n1", ip, port, PROMPTS[0])
         t_first_token = time.monotonic()

@@ -13,7 +13,7 @@ What is asserted (each could fail):
    when the TCP connect to decode's base + r is refused), so both of decode's listeners accepted at prefill's
    first attempt. And `ss -ltnp` in n2's network namespace shows the two ports held by two different processes of
    the decode pod (its two workers, by their cgroup), with the decode container never restarted;
-2. phase Ready, and greedy outputs of realnode_product.PROMPTS through the router Service equal the single TP = 1
+2. phase Ready, and greedy outputs of devcluster.product.PROMPTS through the router Service equal the single TP = 1
    engine's (`baseline_outputs`; tests/engine/test_tp2_engine.py found TP = 2 and TP = 1 equal token for token);
 3. per-rank visibility: decode's and prefill's /metrics (rank 0's port; rank 0 merges the other rank's series)
    carry rank="0" and rank="1" series; decode counted every request's KV transfer on BOTH ranks with equal bytes
@@ -67,11 +67,12 @@ from pdpair.contract import (
 from pdpair.operator.health import pod_fact
 from pdpair.operator.lifecycle import ProbeResult
 from pdpair.operator.ports import ports_of, required_blocks
-from tests.cluster.realnode_product import (
+from devcluster.product import (
     ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, SERVED_NAME, completion, container_processes, describe,
-    operator_logs, pair_manifest, wait_for,
+    operator_logs, pair_manifest,
 )
-from tests.cluster.realnode_watch import Recorder, listening_since, pod_steps
+from devcluster.waiting import wait_for
+from devcluster.realnode_watch import Recorder, listening_since, pod_steps
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
 
@@ -172,7 +173,7 @@ def tp2(real_cluster, operator_release, baseline_outputs, images, model_dir, nam
         real_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
         # Two TP = 2 engine starts one after the other (decode, then prefill once decode listens).
         wait_for(lambda: run.pair().get("status", {}).get("phase") == "Ready", 2 * ENGINE_START_TIMEOUT,
-                 "the TP = 2 pair's phase Ready", run.diagnose)
+                 "the TP = 2 pair's phase Ready", diagnose=run.diagnose, interval=1.0)
         run.seconds["apply_to_ready"] = time.monotonic() - t_apply
         svc = json.loads(real_cluster.kubectl("get", "service", NAME, "-n", namespace, "-o", "json").stdout)
         ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
@@ -277,7 +278,8 @@ def test_each_rank_has_its_series_and_moved_its_share_of_the_kv(tp2):
         return samples if done else None
 
     decode = wait_for(decode_transfers, 30, f"{len(PROMPTS)} ok KV transfers on each of decode's {TP} ranks",
-                      lambda: str([s for s in tp2.metrics(ROLE_DECODE) if s[0] == "pdpair_kv_transfers_total"]))
+                      diagnose=lambda: str([s for s in tp2.metrics(ROLE_DECODE) if s[0] == "pdpair_kv_transfers_total"]),
+                      interval=1.0)
     prefill = tp2.metrics(ROLE_PREFILL)
     for name in ("pdpair_kv_transfers_total", "pdpair_kv_transfer_bytes_total", "pdpair_handshakes_total",
                  "pdpair_listener_ready", "pdpair_signals_expected_total"):
@@ -314,7 +316,7 @@ def test_health_is_healthy_for_generation_1(tp2):
         health = tp2.pair().get("status", {}).get("health") or {}
         return health if health.get("verdict") == "Healthy" and health.get("pairGeneration") == 1 else {}
 
-    health = wait_for(judged, 90, "status.health Healthy for generation 1", tp2.diagnose)
+    health = wait_for(judged, 90, "status.health Healthy for generation 1", diagnose=tp2.diagnose, interval=1.0)
     assert {role: health["roles"][role]["state"] for role in (ROLE_DECODE, ROLE_PREFILL)} == {
         ROLE_DECODE: "healthy", ROLE_PREFILL: "healthy"}, health
     assert health["roles"][ROLE_DECODE]["pod"] == tp2.pods()[ROLE_DECODE]["metadata"]["name"], health
@@ -400,12 +402,13 @@ def test_killing_one_decode_tp_worker_restarts_the_pair_in_order(tp2, baseline_o
             st = tp2.pair().get("status") or {}
             return st if int(st.get("restarts") or 0) > restarts_before else {}
 
-        recorded = wait_for(restarted, 300, "status.restarts to count the restart", tp2.diagnose)
+        recorded = wait_for(restarted, 300, "status.restarts to count the restart", diagnose=tp2.diagnose, interval=1.0)
         t_recorded = time.monotonic()
         # Two TP = 2 engine starts one after the other, as at apply.
         ready = wait_for(lambda: (lambda st: st if st.get("phase") == "Ready" and int(st.get("pairGeneration") or 0)
                                   == g1 + 1 else None)(tp2.pair().get("status") or {}),
-                         2 * ENGINE_START_TIMEOUT, f"the pair Ready at generation {g1 + 1}", tp2.diagnose)
+                         2 * ENGINE_START_TIMEOUT, f"the pair Ready at generation {g1 + 1}", diagnose=tp2.diagnose,
+                         interval=1.0)
         t_ready = time.monotonic()
         new = tp2.pods()
         first = completion(cluster, PREFILL_NODE, svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"],
@@ -502,6 +505,8 @@ def test_deleting_the_tp2_pair_removes_its_pods_and_releases_its_leases(tp2):
     tp2.cluster.kubectl("delete", f"{PLURAL}.{GROUP}", NAME, "-n", tp2.namespace, "--wait=true", "--timeout=120s",
                         timeout=150)
     wait_for(lambda: not json.loads(tp2.cluster.kubectl("get", "pods", "-n", tp2.namespace, "-o", "json").stdout)
-             ["items"], 120, "the pair's pods to go", lambda: describe(tp2.cluster, tp2.namespace))
-    wait_for(lambda: not leases(), 60, f"the pair's port leases released (held: {held})", lambda: str(leases()))
+             ["items"], 120, "the pair's pods to go", diagnose=lambda: describe(tp2.cluster, tp2.namespace),
+             interval=1.0)
+    wait_for(lambda: not leases(), 60, f"the pair's port leases released (held: {held})",
+             diagnose=lambda: str(leases()), interval=1.0)
     print(f"[realnode-e2e] tp2 module wall time (after the session fixtures): {time.monotonic() - tp2.t_module:.1f}s")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from pdpair import contract
-from tests.cluster.ports import free_port  # noqa: F401  (the engine tests and benchmarks take it from here)
+from devcluster.ports import free_port  # noqa: F401  (the engine tests and benchmarks take it from here)
 
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",

@@ -36,6 +36,7 @@ from test_pd_engine import completion, metric_in, tokens
 from pdpair.operator.health import PodState, ScrapeTarget
 from pdpair.operator.scrape import scrape_pods
 from pdpair.operator.lifecycle import probe_ranks
+from devcluster.waiting import wait_for
 
 TP = 2
 # The KV deadline of both engines. With 8 s, CI once failed the first request after rank 1 paired: rank 1's
@@ -95,17 +96,6 @@ def worker_pid(proc: Process, rank: int) -> int:
     match = re.search(rf"\(pdpair pid=(\d+)\)[^\n]*PdPairConnector worker side \(TP rank {rank} of {TP}\)", proc.log())
     assert match, f"{proc.name}: no start-up log line of TP rank {rank}"
     return int(match.group(1))
-
-
-def wait_for(what: str, check, timeout: float, interval: float = 0.5):
-    """Poll `check()` until it returns something truthy; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
-        time.sleep(interval)
 
 
 def failed(status: int, payload: dict) -> bool:
@@ -239,8 +229,8 @@ def half_paired_pair_refuses_to_proceed(tp2) -> None:
     assert ranked(tp2.decode_metrics, "pdpair_listener_ready", 1) == 0
     # Prefill's rank 1 keeps retrying (bounded backoff), never sends its uid, never inits a pair.
     retries = ranked(tp2.prefill_metrics, "pdpair_handshakes_total", 1, outcome="retry")
-    wait_for("prefill rank 1 retries again",
-             lambda: ranked(tp2.prefill_metrics, "pdpair_handshakes_total", 1, outcome="retry") > retries, 30)
+    wait_for(lambda: ranked(tp2.prefill_metrics, "pdpair_handshakes_total", 1, outcome="retry") > retries, 30,
+             "prefill rank 1 retries again", interval=0.5)
     assert ranked(tp2.prefill_metrics, "pdpair_handshakes_total", 1, outcome="ok") == 0
     assert "pdpair-sidechannel-prefill-r1: paired" not in tp2.prefill.log()
     assert http_get(tp2.prefill.url + "/health")[0] == 200
@@ -355,7 +345,8 @@ def test_killing_one_decode_worker_fails_the_pair_visibly(tp2):
     status, payload = ask(tp2.router.url, "Is anyone still decoding?")
     assert failed(status, payload) or status >= 400, f"status {status}: {json.dumps(payload)[:400]}"
     assert time.monotonic() - started < 90
-    wait_for("decode stops serving", lambda: not tp2.decode.alive() or http_get_status(tp2.decode.url) != 200, 90)
+    wait_for(lambda: not tp2.decode.alive() or http_get_status(tp2.decode.url) != 200, 90, "decode stops serving",
+             interval=0.5)
     tp2.prefill.wait_log("closed the side channel", 90)
     assert http_get(tp2.prefill.url + "/health")[0] == 200  # prefill itself is fine: it waits for a new decode
 

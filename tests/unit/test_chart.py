@@ -1,6 +1,6 @@
 """The Helm chart lints strictly, renders for every scenario, and refuses bad values with a clear error.
 
-Uses the helm binary from hack/tools.sh (via tests.cluster.localcluster.helm_path); no cluster needed.
+Uses the helm binary from hack/tools.sh (via devcluster.build.helm_path); no cluster needed.
 tests/e2e/test_chart_apply.py applies the rendered chart to a real apiserver.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from pdpair import contract
-from tests.cluster.localcluster import helm_path
+from devcluster.build import helm_path
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "pdpair"

@@ -1,8 +1,8 @@
-"""The image cache keeps a bounded number of archives per image name (tests/cluster/images.py)."""
+"""The image cache keeps a bounded number of archives per image name (devcluster/images.py)."""
 
 import os
 
-from tests.cluster import images
+from devcluster import images
 
 
 def test_prune_keeps_the_newest_archives_of_that_name_only(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """The harness's stand-in for prometheus-operator: the chart's PodMonitor as a Prometheus scrape job, the
-PrometheusRule as a rules file, and the discovery sidecar's targets (tests/cluster/incluster_prometheus.py,
+PrometheusRule as a rules file, and the discovery sidecar's targets (devcluster/incluster_prometheus.py,
 pod_sd_sidecar.py). Pure functions on the rendered chart; the same config run by a real Prometheus is
 tests/e2e/test_podmonitor_translation.py, and in the cluster tests/e2e_realnode/test_realnode_signal_drop.py."""
 from __future__ import annotations
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from pdpair import contract
-from tests.cluster.incluster_prometheus import (
+from devcluster.incluster_prometheus import (
     SD_DIR, UnsupportedMonitorField, manifests, podmonitor_scrape_configs, prometheus_config,
     render_chart_monitoring, rules_file, with_file_sd,
 )
-from tests.cluster.pod_sd_sidecar import parse_jobs, pod_targets, targets_for
+from devcluster.pod_sd_sidecar import parse_jobs, pod_targets, targets_for
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""tests/cluster/ports.py, the one port allocator of every test process: claimed ports are never handed out twice
+"""devcluster/ports.py, the one port allocator of every test process: claimed ports are never handed out twice
 across processes, a port something is bound to is skipped, a claim ends with its process or its TTL.
 
 Cost: about 2 s (two short Python subprocesses), no cluster, no engine.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import ports
+from devcluster import ports
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def test_two_processes_drawing_from_a_small_range_never_get_the_same_port(claims
     low = unbound_port_run(size)
     script = textwrap.dedent(f"""
         import pathlib, sys
-        from tests.cluster import ports
+        from devcluster import ports
         ports.CLAIM_DIR = pathlib.Path({str(claims)!r})
         ports.LOWEST_PORT = {low}
         ports.ephemeral_port_range = lambda: ({low + size}, 60999)

@@ -17,7 +17,7 @@ from pdpair.contract import parse_ports_in_use
 from pdpair.connector.metadata import KvLayout, Pull, PullDone, compatibility_factors, compatibility_hash
 from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.transports.tcp import TcpTransport
-from tests.cluster.ports import free_port, port_is_free
+from devcluster.ports import free_port, port_is_free
 
 FACTORS = compatibility_factors(KvLayout(["l0"], [4096], 32, "torch.float32", 1), "0.32.0")
 HASH = compatibility_hash(FACTORS)

@@ -17,7 +17,7 @@ from pdpair import contract, native
 from pdpair.connector.config import PdPairConfig
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest, SendRequest
 from pdpair.connector.worker import SLOW_PUSH_SECONDS, DecodeWorker, PrefillWorker
-from tests.cluster.ports import free_port
+from devcluster.ports import free_port
 
 NUM_BLOCKS = 8
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn")

@@ -11,11 +11,11 @@ import pytest
 
 from pdpair.connector import preflight
 from pdpair.contract import parse_ports_in_use, ports_in_use_message
-from tests.cluster.ports import free_port
+from devcluster.ports import free_port
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free now (tests/cluster/ports.py: claimed, below the ephemeral range)."""
+    """`count` distinct ports free now (devcluster/ports.py: claimed, below the ephemeral range)."""
     return [free_port() for _ in range(count)]
 
 

@@ -1,7 +1,7 @@
 """Run the operator for real on a local control plane: install the chart's CRD and RBAC, start
 `python -m pdpair.operator` as a subprocess under the chart's ServiceAccount. Used by the e2e tests and the demo.
 
-`cluster` is a tests.cluster.localcluster.LocalCluster (duck-typed: kubectl(), wait_crd_established(),
+`cluster` is a devcluster.localcluster.LocalCluster (duck-typed: kubectl(), wait_crd_established(),
 service_account_kubeconfig(), create_namespace()); `helm` is the path of a helm binary.
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 import yaml
 
 from pdpair.operator import config
-from tests.cluster.ports import free_port
+from devcluster.ports import free_port
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHART_DIR = REPO_ROOT / "charts" / "pdpair"
 CRD_DIR = pathlib.Path(os.environ.get("PDPAIR_CRD_DIR") or CHART_DIR / "crds")  # override: try an edited CRD
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")

@@ -4,7 +4,8 @@ kube-scheduler and kwok (fake nodes), built from upstream Go modules and run on 
 
 Python API (stable; other test suites depend on it):
 
-    from tests.cluster.localcluster import LocalCluster, build, kubectl_path, helm_path
+    from devcluster.build import build, kubectl_path, helm_path
+    from devcluster.localcluster import LocalCluster
 
     build()                                   # builds/caches the binaries (idempotent)
     with LocalCluster() as cluster:           # starts everything, waits for readiness
@@ -16,19 +17,13 @@ Python API (stable; other test suites depend on it):
         api = cluster.api_client()            # kubernetes.client.ApiClient as admin
 
 CLI:
-    python tests/cluster/localcluster.py build
-    python tests/cluster/localcluster.py up --dir D [--background]   # writes D/kubeconfig
-    python tests/cluster/localcluster.py down --dir D
+    python devcluster/localcluster.py build
+    python devcluster/localcluster.py up --dir D [--background]   # writes D/kubeconfig
+    python devcluster/localcluster.py down --dir D
 """
 from __future__ import annotations
 
 import argparse
-import base64
-import contextlib
-import ctypes
-import datetime
-import fcntl
-import functools
 import json
 import os
 import pathlib
@@ -42,367 +37,26 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import yaml
 
-if __package__ in (None, ""):  # run as a script: `tests.cluster.realnode` is imported for --real-nodes
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: `devcluster.realnode` is imported for --real-nodes
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tests.cluster.ports import free_port, pid_alive  # noqa: E402  (after the path fix above)
+from devcluster.build import COMPONENT_VERSIONS, build, kubectl_path  # noqa: E402  (after the path fix above)
+from devcluster.errors import COMPONENT_LOG_TAIL_CHARS, BuildError, ClusterError, _tail  # noqa: E402
+from devcluster.kwok import FAKE_NODE_LABEL, POD_CIDR, _node_stage_configs  # noqa: E402
+from devcluster.ports import free_port, pid_alive  # noqa: E402
+from devcluster.processes import _Component, _die_with_parent, _write_kubeconfig  # noqa: E402
 
-KUBERNETES_VERSION = "v1.36.3"
-ETCD_VERSION = "v3.6.16"
-KWOK_VERSION = "v0.8.0"
-
-CLUSTER_DIR = pathlib.Path(__file__).resolve().parent
-REPO_ROOT = CLUSTER_DIR.parent.parent
-GO_MODULES_DIR = CLUSTER_DIR / "go"
-TOOLS_SCRIPT = REPO_ROOT / "hack" / "tools.sh"
-
-KUBE_COMPONENTS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
-COMPONENT_VERSIONS = {
-    "etcd": ETCD_VERSION,
-    "kube-apiserver": KUBERNETES_VERSION,
-    "kube-controller-manager": KUBERNETES_VERSION,
-    "kube-scheduler": KUBERNETES_VERSION,
-    "kwok": KWOK_VERSION,
-}
-
-# kwok manages only nodes carrying this label, so a Node created by hand (or by another tool) is left alone.
-FAKE_NODE_LABEL = ("localcluster.pdpair.io/fake-node", "kwok")
 SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
-# A pod carrying this label runs but never becomes Ready (a model that never finishes loading): kwok plays no
-# probes, so tests that need a not-ready container set it in the pod template.
-NEVER_READY_LABEL = ("localcluster.pdpair.io/readiness", "never")
-POD_CIDR = "10.244.0.0/16"  # kwok hands out pod IPs from here for pods without hostNetwork
 DEFAULT_NODE_CAPACITY = {"cpu": "64", "memory": "512Gi", "pods": "110"}
-COMPONENT_LOG_TAIL_CHARS = 4000
-
-
-class BuildError(RuntimeError):
-    """A Go build step failed; the message names the module, the command and the tail of its output."""
-
-
-class ClusterError(RuntimeError):
-    """The cluster failed to start or to do what was asked; the message carries the relevant log tail."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Build
-# ---------------------------------------------------------------------------------------------------------------
-
-def cache_root() -> pathlib.Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "pdpair"
-
-
-def component_dir(component: str) -> pathlib.Path:
-    return cache_root() / "controlplane" / f"{component}-{COMPONENT_VERSIONS[component]}"
-
-
-def binary_path(component: str) -> pathlib.Path:
-    return component_dir(component) / component
-
-
-def _tail(text: str, limit: int = COMPONENT_LOG_TAIL_CHARS) -> str:
-    return text if len(text) <= limit else "...\n" + text[-limit:]
-
-
-def _run_go(module: str, args: list[str], cwd: pathlib.Path, log: Callable[[str], None]) -> None:
-    env = dict(os.environ)
-    env["GOFLAGS"] = (env.get("GOFLAGS", "") + " -buildvcs=false").strip()
-    cmd = ["go", *args]
-    log(f"[build] {module}: {' '.join(cmd)} (in {cwd.relative_to(REPO_ROOT)})")
-    try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    except FileNotFoundError as exc:
-        raise BuildError(f"module {module}: `go` is not on PATH ({exc}); install Go >= 1.26") from exc
-    if proc.returncode != 0:
-        raise BuildError(
-            f"module {module}: command `{' '.join(cmd)}` in {cwd} failed with exit code {proc.returncode}:\n"
-            + _tail(proc.stdout + proc.stderr)
-        )
-
-
-def _check_kube_gomod() -> None:
-    gomod = (GO_MODULES_DIR / "kube" / "go.mod").read_text()
-    if f"k8s.io/kubernetes {KUBERNETES_VERSION}" not in gomod:
-        raise BuildError(
-            f"tests/cluster/go/kube/go.mod does not require k8s.io/kubernetes {KUBERNETES_VERSION}; regenerate it: "
-            f"python tests/cluster/go/gen_kube_gomod.py {KUBERNETES_VERSION} --out tests/cluster/go/kube && "
-            "(cd tests/cluster/go/kube && go mod tidy)"
-        )
-
-
-@contextlib.contextmanager
-def _build_lock(name: str) -> Iterator[None]:
-    """Serialise builds of one component across processes (several engineers share the cache)."""
-    lock_dir = cache_root() / "controlplane"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / f".{name}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _install(built: pathlib.Path, component: str) -> None:
-    dest_dir = component_dir(component)
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    tmp = dest_dir / f".{component}.tmp"
-    shutil.copy2(built, tmp)
-    os.replace(tmp, dest_dir / component)  # atomic: a reader never sees a half-written binary
-
-
-# No symbol table or DWARF: the linker's slowest part for binaries this size, and nobody debugs them here. Not
-# -trimpath: it changes every package's build-cache key, so a cache filled without it would be rebuilt whole.
-NO_DEBUG_LDFLAGS = ("-s", "-w")
-
-
-def _kube_ldflags() -> str:
-    major, minor, _ = KUBERNETES_VERSION.lstrip("v").split(".")
-    pkg = "k8s.io/component-base/version"
-    return " ".join([
-        *NO_DEBUG_LDFLAGS,
-        f"-X {pkg}.gitVersion={KUBERNETES_VERSION}",
-        f"-X {pkg}.gitMajor={major}",
-        f"-X {pkg}.gitMinor={minor}",
-        f"-X {pkg}.gitTreeState=clean",
-    ])
-
-
-def build(log: Callable[[str], None] = print) -> dict[str, pathlib.Path]:
-    """Builds (or reuses from the cache) every control-plane binary; returns component -> binary path."""
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="pdpair-cpbuild-") as out:
-        out_dir = pathlib.Path(out)
-        with _build_lock("kube"):
-            missing = [c for c in KUBE_COMPONENTS if not binary_path(c).is_file()]
-            if missing:
-                _check_kube_gomod()
-                t0 = time.monotonic()
-                _run_go("kube", ["build", "-ldflags", _kube_ldflags(), "-o", f"{out_dir}/",
-                                 *[f"./cmd/{c}" for c in missing]], GO_MODULES_DIR / "kube", log)
-                for c in missing:
-                    _install(out_dir / c, c)
-                log(f"[build] kube ({', '.join(missing)}) built in {time.monotonic() - t0:.0f}s")
-        for component, module, package in (
-            ("etcd", "etcd", "go.etcd.io/etcd/server/v3"),
-            ("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok"),
-        ):
-            with _build_lock(component):
-                if binary_path(component).is_file():
-                    continue
-                t0 = time.monotonic()
-                _run_go(module, ["build", "-ldflags", " ".join(NO_DEBUG_LDFLAGS), "-o", str(out_dir / component),
-                                 package], GO_MODULES_DIR / module, log)
-                _install(out_dir / component, component)
-                log(f"[build] {component} built in {time.monotonic() - t0:.0f}s")
-    paths = {c: binary_path(c) for c in COMPONENT_VERSIONS}
-    log(f"[build] control plane ready in {time.monotonic() - started:.1f}s: {component_dir('etcd').parent}")
-    return paths
-
-
-@functools.lru_cache(maxsize=None)
-def tools_bin_dir() -> pathlib.Path:
-    """Runs hack/tools.sh (cached after the first run) and returns the directory holding kubectl and helm."""
-    proc = subprocess.run(["bash", str(TOOLS_SCRIPT)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise ClusterError(f"{TOOLS_SCRIPT} failed with exit code {proc.returncode}:\n{_tail(proc.stderr)}")
-    return pathlib.Path(proc.stdout.strip().splitlines()[-1])
-
-
-def kubectl_path() -> pathlib.Path:
-    return tools_bin_dir() / "kubectl"
-
-
-def helm_path() -> pathlib.Path:
-    return tools_bin_dir() / "helm"
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Cluster
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _die_with_parent() -> None:
-    # Children get SIGTERM if the Python process that started them dies, so a killed test run leaves no cluster.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _write_kubeconfig(path: pathlib.Path, server: str, ca_file: pathlib.Path, user: str, token: str) -> None:
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "local", "cluster": {"server": server, "certificate-authority": str(ca_file)}}],
-        "users": [{"name": user, "user": {"token": token}}],
-        "contexts": [{"name": "local", "context": {"cluster": "local", "user": user}}],
-        "current-context": "local",
-    }
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    path.chmod(0o600)
-
-
-def _node_stage_configs() -> list[dict]:
-    """kwok Stage configs: nodes become Ready and keep heartbeating; pods go Running/Ready and are removed when
-    deleted. Templates keep any addresses/capacity already on the Node, so add_node() decides the InternalIP."""
-    node_status = """\
-{{ $now := Now }}
-conditions:
-{{ range NodeConditions }}
-- type: {{ .type | Quote }}
-  status: {{ .status | Quote }}
-  reason: {{ .reason | Quote }}
-  message: {{ .message | Quote }}
-  lastHeartbeatTime: {{ $now | Quote }}
-  lastTransitionTime: {{ $now | Quote }}
-{{ end }}
-{{ if not .status.addresses }}
-addresses:
-- type: InternalIP
-  address: {{ NodeIP | Quote }}
-- type: Hostname
-  address: {{ NodeName | Quote }}
-{{ end }}
-{{ if not .status.capacity }}
-capacity: {cpu: "64", memory: 512Gi, pods: "110"}
-{{ end }}
-{{ if not .status.allocatable }}
-allocatable: {cpu: "64", memory: 512Gi, pods: "110"}
-{{ end }}
-nodeInfo:
-  architecture: amd64
-  operatingSystem: linux
-  kubeletVersion: {{ printf "kwok-%s" Version | Quote }}
-  containerRuntimeVersion: fake
-  kernelVersion: fake
-  kubeProxyVersion: fake
-  osImage: fake
-  bootID: ""
-  machineID: ""
-  systemUUID: ""
-phase: Running
-"""
-    heartbeat_status = """\
-{{ $now := Now }}
-conditions:
-{{ range NodeConditions }}
-- type: {{ .type | Quote }}
-  status: {{ .status | Quote }}
-  reason: {{ .reason | Quote }}
-  message: {{ .message | Quote }}
-  lastHeartbeatTime: {{ $now | Quote }}
-  lastTransitionTime: {{ $.metadata.creationTimestamp | Quote }}
-{{ end }}
-"""
-    pod_running_status = """\
-{{ $now := Now }}
-phase: Running
-startTime: {{ $now | Quote }}
-conditions:
-{{ range list "Initialized" "PodScheduled" }}
-- type: {{ . }}
-  status: "True"
-  lastTransitionTime: {{ $now | Quote }}
-{{ end }}
-{{ range list "ContainersReady" "Ready" }}
-- type: {{ . }}
-  status: "@READY@"
-  lastTransitionTime: {{ $now | Quote }}
-{{ end }}
-{{ range .spec.readinessGates }}
-- type: {{ .conditionType | Quote }}
-  status: "True"
-  lastTransitionTime: {{ $now | Quote }}
-{{ end }}
-containerStatuses:
-{{ range .spec.containers }}
-- name: {{ .name | Quote }}
-  image: {{ .image | Quote }}
-  imageID: ""
-  ready: @ready@
-  started: true
-  restartCount: 0
-  state: {running: {startedAt: {{ $now | Quote }}}}
-{{ end }}
-{{ with .spec.initContainers }}
-initContainerStatuses:
-{{ range . }}
-- name: {{ .name | Quote }}
-  image: {{ .image | Quote }}
-  imageID: ""
-  ready: true
-  restartCount: 0
-  state: {terminated: {exitCode: 0, reason: Completed, startedAt: {{ $now | Quote }}, finishedAt: {{ $now | Quote }}}}
-{{ end }}
-{{ end }}
-{{ with NodeIPsWith .spec.nodeName }}
-hostIP: {{ index . 0 | Quote }}
-hostIPs:
-{{ range . }}
-- ip: {{ . | Quote }}
-{{ end }}
-{{ end }}
-{{ with PodIPsWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) ( or .metadata.name "" ) ( or .metadata.namespace "" ) }}
-podIP: {{ index . 0 | Quote }}
-podIPs:
-{{ range . }}
-- ip: {{ . | Quote }}
-{{ end }}
-{{ end }}
-"""
-
-    def stage(name: str, kind: str, match: list[dict], next_: dict, delay_ms: int | None = None) -> dict:
-        spec: dict = {"resourceRef": {"apiGroup": "v1", "kind": kind}, "selector": {"matchExpressions": match},
-                      "next": next_}
-        if delay_ms is not None:
-            spec["delay"] = {"durationMilliseconds": delay_ms, "jitterDurationMilliseconds": delay_ms + 5000}
-        return {"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage", "metadata": {"name": name}, "spec": spec}
-
-    ready_is = '.status.conditions.[] | select( .type == "Ready" ) | .status'
-    never_ready = f'.metadata.labels["{NEVER_READY_LABEL[0]}"]'
-
-    def running(ready: bool) -> str:
-        return pod_running_status.replace("@READY@", str(ready)).replace("@ready@", str(ready).lower())
-    return [
-        stage("localcluster-node-initialize", "Node",
-              [{"key": ready_is, "operator": "NotIn", "values": ["True"]}],
-              {"statusTemplate": node_status}),
-        # Node leases (kwok --node-lease-duration-seconds) are the main heartbeat; this refreshes the conditions
-        # now and then so the node lifecycle controller never sees stale status.
-        stage("localcluster-node-heartbeat", "Node",
-              [{"key": ".status.phase", "operator": "In", "values": ["Running"]},
-               {"key": ready_is, "operator": "In", "values": ["True"]}],
-              {"statusTemplate": heartbeat_status}, delay_ms=20000),
-        stage("localcluster-pod-running", "Pod",
-              [{"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
-               {"key": ".status.phase", "operator": "In", "values": ["Pending"]},
-               {"key": never_ready, "operator": "DoesNotExist"}],
-              {"statusTemplate": running(True)}),
-        stage("localcluster-pod-running-never-ready", "Pod",
-              [{"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
-               {"key": ".status.phase", "operator": "In", "values": ["Pending"]},
-               {"key": never_ready, "operator": "In", "values": [NEVER_READY_LABEL[1]]}],
-              {"statusTemplate": running(False)}),
-        stage("localcluster-pod-delete", "Pod",
-              [{"key": ".metadata.deletionTimestamp", "operator": "Exists"}],
-              {"delete": True}),
-    ]
-
-
-@dataclass
-class _Component:
-    name: str
-    argv: list[str]
-    health_url: str | None  # None: alive-and-running is all we can check
-    process: subprocess.Popen | None = None
-    log_path: pathlib.Path | None = None
-    env: dict = field(default_factory=dict)
-
 
 class LocalCluster:
     """etcd + kube-apiserver + kube-controller-manager + kube-scheduler + kwok on free loopback ports.
@@ -845,7 +499,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     if args.background:
         if args.real_nodes:
-            from tests.cluster.realnode import build_node
+            from devcluster.build import build_node
             build_node()
         else:
             build()  # build in the foreground so errors show here, not in a log
@@ -881,7 +535,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         (workdir / stale).unlink(missing_ok=True)
     shutil.rmtree(workdir / "etcd-data", ignore_errors=True)
     if args.real_nodes:
-        from tests.cluster.realnode import RealNodeCluster
+        from devcluster.realnode import RealNodeCluster
         cluster = RealNodeCluster(workdir, nodes=args.real_nodes, start_timeout=args.timeout, keep_workdir=True,
                                   log=print)
     else:
@@ -927,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     build_cmd = sub.add_parser(
         "build", help="build and cache etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok")
     build_cmd.add_argument("--real-node", action="store_true",
-                           help="also kubelet, kube-proxy, containerd and the pause image (tests/cluster/realnode.py)")
+                           help="also kubelet, kube-proxy, containerd and the pause image (devcluster/build.py)")
     up = sub.add_parser("up", help="start a cluster; writes DIR/kubeconfig")
     up.add_argument("--real-nodes", type=int, default=0, metavar="N",
                     help="N real nodes (containerd+kubelet+kube-proxy) in network namespaces instead of kwok")
@@ -940,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "build":
             if args.real_node:
-                from tests.cluster.realnode import build_node
+                from devcluster.build import build_node
                 build_node()
             else:
                 build()

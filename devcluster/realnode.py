@@ -14,61 +14,44 @@ The root namespace reaches the apiserver through a loopback listener (127.0.0.1:
 into the hub, so `cluster.kubeconfig`, `cluster.kubectl()` and `cluster.api_client()` work as with LocalCluster.
 Tests reach pods and Services from inside a node namespace with `cluster.node_exec()`.
 
-    from tests.cluster.realnode import RealNodeCluster, build_node
+    from devcluster.realnode import RealNodeCluster
     with RealNodeCluster(nodes=2) as cluster:
         cluster.import_image(archive)            # an OCI archive, into every node's containerd
         cluster.kubectl("apply", "-f", ...)
         cluster.node_exec("n1", ["python3", "-c", ...])
 
 CLI (the one of localcluster.py):
-    python tests/cluster/localcluster.py build --real-node
-    python tests/cluster/localcluster.py up --dir D --real-nodes 2 [--background]
-    python tests/cluster/localcluster.py down --dir D
+    python devcluster/localcluster.py build --real-node
+    python devcluster/localcluster.py up --dir D --real-nodes 2 [--background]
+    python devcluster/localcluster.py down --dir D
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import datetime
 import fcntl
-import hashlib
-import io
 import ipaddress
 import json
 import os
 import pathlib
 import secrets
-import selectors
-import shutil
-import socket
 import subprocess
 import sys
-import tarfile
-import tempfile
-import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import yaml
 
-if __package__ in (None, ""):  # run as a script: make `tests.cluster` importable
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # run as a script: make `devcluster` importable
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tests.cluster.localcluster import (  # noqa: E402
-    GO_MODULES_DIR, KUBERNETES_VERSION, REPO_ROOT, BuildError, ClusterError, LocalCluster, _Component, _build_lock,
-    NO_DEBUG_LDFLAGS, _kube_ldflags, _run_go, _tail, _write_kubeconfig, build, cache_root,
+from devcluster.build import PAUSE_IMAGE, build, build_node, cache_root, node_binary_path, pause_archive_path  # noqa: E402
+from devcluster.errors import ClusterError, _tail  # noqa: E402
+from devcluster.hoststate import (  # noqa: E402
+    KUBELET_HOST_SYSCTLS, _host_cgroup_hierarchies, _read_sysctl, _registry_dir, _write_sysctl, sweep_stale_clusters,
 )
-
-CONTAINERD_VERSION = "v2.4.2"
-# runc, CNI plugins, iptables, conntrack come from Debian; hack/lib.sh ensure_realnode installs these packages.
-DEBIAN_PACKAGES = ("runc", "containernetworking-plugins", "iptables", "nftables", "conntrack")
-REQUIRED_HOST_FILES = {"/usr/sbin/runc": "runc", "/usr/lib/cni/bridge": "containernetworking-plugins",
-                       "/usr/lib/cni/host-local": "containernetworking-plugins",
-                       "/usr/lib/cni/loopback": "containernetworking-plugins",
-                       "/usr/lib/cni/portmap": "containernetworking-plugins",
-                       "/usr/sbin/iptables": "iptables", "/usr/sbin/conntrack": "conntrack"}
-PAUSE_VERSION = "3.10.2"  # kubernetes v1.36.3 build/pause/Makefile TAG; the binary is compiled from its pause.c
-PAUSE_IMAGE = f"localhost/pdpair/pause:{PAUSE_VERSION}"
+from devcluster.localcluster import LocalCluster  # noqa: E402
+from devcluster.network import LoopbackForwarder, _ip, in_netns  # noqa: E402
+from devcluster.processes import _Component, _write_kubeconfig  # noqa: E402
 
 HUB_IP = "198.18.0.1"
 NODE_NET = ipaddress.ip_network("198.18.0.0/24")
@@ -76,278 +59,6 @@ CLUSTER_POD_CIDR = "198.18.64.0/18"   # kube-proxy's clusterCIDR; node i gets 19
 SERVICE_CIDR = "198.19.0.0/16"
 KUBERNETES_SERVICE_IP = "198.19.0.1"
 APISERVER_PORT = 6443
-# The kubelet writes these host-wide sysctls at start (it cannot be told not to); they are put back.
-KUBELET_HOST_SYSCTLS = ("vm.overcommit_memory", "kernel.panic", "kernel.panic_on_oops")
-
-CLONE_NEWNET = 0x40000000
-_libc = ctypes.CDLL("libc.so.6", use_errno=True)
-
-NODE_BINARIES = {"kubelet": KUBERNETES_VERSION, "kube-proxy": KUBERNETES_VERSION,
-                 "containerd": CONTAINERD_VERSION, "containerd-shim-runc-v2": CONTAINERD_VERSION,
-                 "ctr": CONTAINERD_VERSION}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Build: kubelet + kube-proxy (tests/cluster/go/kube), containerd (tests/cluster/go/containerd), pause image
-# ---------------------------------------------------------------------------------------------------------------
-
-def node_binary_path(name: str) -> pathlib.Path:
-    return cache_root() / "controlplane" / f"{name}-{NODE_BINARIES[name]}" / name
-
-
-def pause_archive_path() -> pathlib.Path:
-    return cache_root() / "controlplane" / f"pause-{PAUSE_VERSION}-{KUBERNETES_VERSION}" / "pause.oci.tar"
-
-
-def _install_binary(built: pathlib.Path, dest: pathlib.Path) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    shutil.copy2(built, tmp)
-    os.replace(tmp, dest)
-
-
-def check_host_packages() -> None:
-    missing = sorted({pkg for path, pkg in REQUIRED_HOST_FILES.items() if not os.path.exists(path)})
-    if missing:
-        raise BuildError(f"Debian packages missing for the real node: {' '.join(missing)}; install them with "
-                         f"`apt-get install -y --no-install-recommends {' '.join(DEBIAN_PACKAGES)}` "
-                         "(hack/lib.sh ensure_realnode does)")
-
-
-def build_node(log: Callable[[str], None] = print) -> dict[str, pathlib.Path]:
-    """Builds (or reuses) the control plane, kubelet, kube-proxy, containerd, shim, ctr and the pause image."""
-    build(log=log)
-    check_host_packages()
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="pdpair-nodebuild-") as out:
-        out_dir = pathlib.Path(out)
-        with _build_lock("kube-node"):
-            missing = [c for c in ("kubelet", "kube-proxy") if not node_binary_path(c).is_file()]
-            if missing:
-                t0 = time.monotonic()
-                _run_go("kube", ["build", "-ldflags", _kube_ldflags(), "-o", f"{out_dir}/",
-                                 *[f"./cmd/{c}" for c in missing]], GO_MODULES_DIR / "kube", log)
-                for c in missing:
-                    _install_binary(out_dir / c, node_binary_path(c))
-                log(f"[build] {', '.join(missing)} built in {time.monotonic() - t0:.0f}s")
-        with _build_lock("containerd"):
-            names = ("containerd", "containerd-shim-runc-v2", "ctr")
-            if not all(node_binary_path(n).is_file() for n in names):
-                t0 = time.monotonic()
-                env_before = os.environ.get("CGO_ENABLED")
-                os.environ["CGO_ENABLED"] = "0"  # static: the shim is exec'd in other mount namespaces
-                try:
-                    _run_go("containerd", [
-                        "build", "-tags", "no_btrfs no_devmapper no_zfs",
-                        "-ldflags", " ".join([*NO_DEBUG_LDFLAGS,
-                                              f"-X github.com/containerd/containerd/v2/version.Version={CONTAINERD_VERSION}"]),
-                        "-o", f"{out_dir}/", *[f"github.com/containerd/containerd/v2/cmd/{n}" for n in names]],
-                        GO_MODULES_DIR / "containerd", log)
-                finally:
-                    if env_before is None:
-                        os.environ.pop("CGO_ENABLED", None)
-                    else:
-                        os.environ["CGO_ENABLED"] = env_before
-                for n in names:
-                    _install_binary(out_dir / n, node_binary_path(n))
-                log(f"[build] containerd {CONTAINERD_VERSION} built in {time.monotonic() - t0:.0f}s")
-        with _build_lock("pause"):
-            if not pause_archive_path().is_file():
-                _build_pause(out_dir, log)
-    log(f"[build] real-node parts ready in {time.monotonic() - started:.1f}s")
-    return {n: node_binary_path(n) for n in NODE_BINARIES}
-
-
-def _kubernetes_module_dir() -> pathlib.Path:
-    proc = subprocess.run(["go", "list", "-m", "-f", "{{.Dir}}", "k8s.io/kubernetes"], cwd=GO_MODULES_DIR / "kube",
-                          capture_output=True, text=True)
-    if proc.returncode != 0 or not proc.stdout.strip():
-        raise BuildError(f"cannot locate k8s.io/kubernetes in the module cache: {proc.stderr}")
-    return pathlib.Path(proc.stdout.strip())
-
-
-def _build_pause(out_dir: pathlib.Path, log: Callable[[str], None]) -> None:
-    source = _kubernetes_module_dir() / "build" / "pause" / "linux" / "pause.c"
-    binary = out_dir / "pause"
-    cmd = ["gcc", "-Os", "-Wall", "-Werror", "-static", f"-DVERSION=v{PAUSE_VERSION}-pdpair", "-o", str(binary),
-           str(source)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise BuildError(f"pause: `{' '.join(cmd)}` failed: {proc.stderr}")
-    layer = io.BytesIO()
-    with tarfile.open(fileobj=layer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        info = tar.gettarinfo(str(binary), arcname="pause")
-        info.uid = info.gid = 0
-        info.uname = info.gname = "root"
-        info.mtime = 0
-        with open(binary, "rb") as fh:
-            tar.addfile(info, fh)
-    dest = pause_archive_path()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(".pause.oci.tar.tmp")
-    write_oci_archive(tmp, PAUSE_IMAGE, [layer.getvalue()],
-                      {"Entrypoint": ["/pause"], "User": "65535:65535"})
-    os.replace(tmp, dest)
-    log(f"[build] pause image {PAUSE_IMAGE} from {source}")
-
-
-def write_oci_archive(dest: pathlib.Path, ref: str, layers: list[bytes], config: dict) -> str:
-    """Writes an OCI image layout tar (uncompressed layers) that `ctr images import` takes; returns the manifest
-    digest. `ref` goes into the index's ref-name annotation, which is the image name after import."""
-    with tempfile.TemporaryDirectory(prefix="pdpair-oci-") as tmp:
-        paths = []
-        for i, data in enumerate(layers):
-            paths.append(pathlib.Path(tmp) / f"layer{i}.tar")
-            paths[-1].write_bytes(data)
-        return write_oci_archive_from_files(dest, ref, paths, config)
-
-
-def write_oci_archive_from_files(dest: pathlib.Path, ref: str, layers: list[pathlib.Path], config: dict) -> str:
-    """write_oci_archive for layer tar files (streamed, never read whole into memory)."""
-    blobs: dict[str, bytes | pathlib.Path] = {}
-
-    def blob(data: bytes) -> dict:
-        digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        blobs[digest] = data
-        return {"digest": digest, "size": len(data)}
-
-    def file_blob(path: pathlib.Path) -> dict:
-        h = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-        digest = "sha256:" + h.hexdigest()
-        blobs[digest] = path
-        return {"digest": digest, "size": path.stat().st_size}
-
-    layer_descs = [{"mediaType": "application/vnd.oci.image.layer.v1.tar", **file_blob(p)} for p in layers]
-    image_config = {
-        "architecture": "amd64", "os": "linux", "config": config,
-        "rootfs": {"type": "layers", "diff_ids": [d["digest"] for d in layer_descs]},
-        # One history entry per layer, as every builder writes: buildah checks that an image built FROM this one
-        # has as many non-empty history entries as layers, and refuses a second-generation child otherwise
-        # ("history lists 2 non-empty layers, but we have 3 layers on disk": engine on engine-base on this base).
-        "history": [{"created_by": f"pdpair: {p.name}"} for p in layers],
-    }
-    config_desc = {"mediaType": "application/vnd.oci.image.config.v1+json",
-                   **blob(json.dumps(image_config, sort_keys=True).encode())}
-    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                "config": config_desc, "layers": layer_descs}
-    manifest_desc = {"mediaType": "application/vnd.oci.image.manifest.v1+json",
-                     **blob(json.dumps(manifest, sort_keys=True).encode()),
-                     "annotations": {"org.opencontainers.image.ref.name": ref, "io.containerd.image.name": ref}}
-    index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [manifest_desc]}
-
-    def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-        info = tarfile.TarInfo(name)
-        info.size = len(data)
-        info.mode = 0o644
-        tar.addfile(info, io.BytesIO(data))
-
-    with tarfile.open(dest, "w") as tar:
-        add(tar, "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
-        add(tar, "index.json", json.dumps(index).encode())
-        for digest, data in blobs.items():
-            name = f"blobs/sha256/{digest.split(':', 1)[1]}"
-            if isinstance(data, pathlib.Path):
-                info = tarfile.TarInfo(name)
-                info.size = data.stat().st_size
-                info.mode = 0o644
-                with open(data, "rb") as fh:
-                    tar.addfile(info, fh)
-            else:
-                add(tar, name, data)
-    return manifest_desc["digest"]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Network namespaces
-# ---------------------------------------------------------------------------------------------------------------
-
-def _ip(*args: str) -> None:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise ClusterError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
-
-
-def in_netns(netns: str, fn: Callable[[], object]) -> object:
-    """Runs fn in a fresh thread that has joined network namespace `netns` (setns is per thread); sockets
-    created there stay in that namespace. Returns fn's result or raises its exception."""
-    result: dict = {}
-
-    def target() -> None:
-        try:
-            with open(f"/run/netns/{netns}") as fh:
-                if _libc.setns(fh.fileno(), CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), f"setns({netns}) failed")
-            result["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            result["error"] = exc
-
-    thread = threading.Thread(target=target, name=f"netns-{netns}", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result.get("value")
-
-
-class LoopbackForwarder:
-    """127.0.0.1:<port> in the root namespace -> host:port inside a network namespace (one thread per
-    connection). This is how tests and the CLI user reach the apiserver without any route out of the cluster."""
-
-    def __init__(self, netns: str, target: tuple[str, int]):
-        self.netns = netns
-        self.target = target
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(128)
-        self.port = self._listener.getsockname()[1]
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name="apiserver-forwarder", daemon=True)
-
-    def start(self) -> "LoopbackForwarder":
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            upstream = in_netns(self.netns, lambda: socket.create_connection(self.target, timeout=10))
-        except OSError:
-            conn.close()
-            return
-        upstream.settimeout(None)
-        sel = selectors.DefaultSelector()
-        sel.register(conn, selectors.EVENT_READ, upstream)
-        sel.register(upstream, selectors.EVENT_READ, conn)
-        try:
-            while not self._closed:
-                for key, _ in sel.select(timeout=1.0):
-                    data = key.fileobj.recv(65536)
-                    if not data:
-                        return
-                    key.data.sendall(data)
-        except OSError:
-            pass
-        finally:
-            sel.close()
-            conn.close()
-            upstream.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -392,118 +103,10 @@ def _write_serving_certs(directory: pathlib.Path) -> None:
         pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
 
 
+
 # ---------------------------------------------------------------------------------------------------------------
 # The cluster
 # ---------------------------------------------------------------------------------------------------------------
-
-def _host_cgroup_hierarchies() -> list[dict]:
-    """The cgroup mounts under /sys/fs/cgroup as the host has them (the supervisor re-creates them)."""
-    out = []
-    for line in pathlib.Path("/proc/self/mountinfo").read_text().splitlines():
-        left, right = line.split(" - ", 1)
-        mountpoint = left.split()[4]
-        fstype, _source, options = right.split()[:3]
-        if fstype in ("cgroup", "cgroup2") and mountpoint.startswith("/sys/fs/cgroup/"):
-            opts = ",".join(o for o in options.split(",") if o not in ("rw", "ro"))
-            out.append({"name": mountpoint[len("/sys/fs/cgroup/"):], "fstype": fstype, "options": opts})
-    for entry in pathlib.Path("/sys/fs/cgroup").iterdir():
-        if entry.is_symlink():
-            out.append({"name": entry.name, "fstype": "symlink", "symlink": os.readlink(entry)})
-    if not out:
-        raise ClusterError("no cgroup hierarchies mounted under /sys/fs/cgroup")
-    return out
-
-
-def _read_sysctl(key: str) -> str:
-    return pathlib.Path("/proc/sys", key.replace(".", "/")).read_text().strip()
-
-
-def _write_sysctl(key: str, value: str) -> None:
-    pathlib.Path("/proc/sys", key.replace(".", "/")).write_text(value)
-
-
-def _registry_dir() -> pathlib.Path:
-    path = cache_root() / "realnode-clusters"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _pid_alive(pid: int) -> bool:
-    return pathlib.Path(f"/proc/{pid}").exists()
-
-
-def _remove_cgroup_tree(path: pathlib.Path, timeout: float = 15.0) -> None:
-    """SIGKILLs every process left in the tree (containers outlive a killed supervisor), then removes it."""
-    if not path.is_dir():
-        return
-    deadline = time.monotonic() + timeout
-    dirs = sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True) + [path]
-    while True:
-        pids = set()
-        for d in dirs:
-            with contextlib.suppress(OSError):
-                pids |= {int(x) for x in (d / "cgroup.procs").read_text().split()}
-        if not pids or time.monotonic() > deadline:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 9)
-        time.sleep(0.2)
-    for sub in dirs:
-        with contextlib.suppress(OSError):
-            sub.rmdir()
-
-
-def sweep_stale_clusters(log: Callable[[str], None] = lambda msg: None) -> list[str]:
-    """Removes what clusters whose harness process died (SIGKILL, a killed test run) left behind: processes still
-    in their namespaces, the namespaces, their cgroup trees, their work directory (unless kept), and (when no other
-    cluster is alive) the host sysctls
-    the kubelet changed. Every cluster records itself under ~/.cache/pdpair/realnode-clusters/ while it runs."""
-    swept = []
-    entries = []
-    for path in _registry_dir().glob("*.json"):
-        try:
-            entries.append((path, json.loads(path.read_text())))
-        except (OSError, json.JSONDecodeError):
-            continue
-    alive = [e for _, e in entries if _pid_alive(e["harness_pid"])]
-    for path, entry in entries:
-        if _pid_alive(entry["harness_pid"]):
-            continue
-        for netns in entry.get("netns", []):
-            if not pathlib.Path(f"/run/netns/{netns}").exists():
-                continue
-            pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), 9)
-            deadline = time.monotonic() + 10
-            while any(_pid_alive(int(p)) for p in pids) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
-            swept.append(netns)
-        for root in entry.get("cgroup_roots", []):
-            for h in _host_cgroup_hierarchies():
-                if h["fstype"] in ("cgroup", "cgroup2"):
-                    target = pathlib.Path("/sys/fs/cgroup") / h["name"] / root.strip("/")
-                    if target.exists():
-                        _remove_cgroup_tree(target)
-                        swept.append(str(target))
-        workdir = pathlib.Path(entry.get("workdir") or "")
-        if not entry.get("keep_workdir", True) and workdir.name.startswith("pdpair-cluster-") and workdir.is_dir():
-            # its containerd state and images are ~10 GiB: a few killed runs filled the disk
-            subprocess.run(["rm", "-rf", "--one-file-system", str(workdir)], capture_output=True)
-            swept.append(str(workdir))
-        if not alive:
-            for key, value in (entry.get("saved_sysctls") or {}).items():
-                if _read_sysctl(key) != value:
-                    _write_sysctl(key, value)
-                    swept.append(f"sysctl {key}={value}")
-        path.unlink(missing_ok=True)
-    if swept:
-        log(f"[realnode] swept what dead clusters left: {swept}")
-    return swept
-
 
 class RealNode:
     def __init__(self, cluster: "RealNodeCluster", index: int):

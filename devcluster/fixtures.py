@@ -5,7 +5,7 @@ during the later packages.
 - `local_cluster` (package): one running LocalCluster shared by the tests of tests/e2e. A start failure is an
   error, never a skip: the test command builds everything it needs.
 - `cluster_namespace` (function): a fresh namespace with its default ServiceAccount, deleted afterwards.
-- `real_cluster` (package): a RealNodeCluster (tests/cluster/realnode.py): the same control plane plus two real
+- `real_cluster` (package): a RealNodeCluster (devcluster/realnode.py): the same control plane plus two real
   nodes (containerd, runc, CNI, kubelet, kube-proxy) in network namespaces of its own. Started on first use only.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from kubernetes import client
 
 from pdpair.contract import LABEL_PAIR_NAMESPACE, LABEL_PORT_LEASE
-from tests.cluster.localcluster import LocalCluster
-from tests.cluster.realnode import RealNodeCluster
+from devcluster.localcluster import LocalCluster
+from devcluster.realnode import RealNodeCluster
 
 OPERATOR_NAMESPACE = "pdpair-system"  # where the e2e operators keep their port leases
 

@@ -14,7 +14,7 @@ Every archive is cached under ${XDG_CACHE_HOME:-~/.cache}/pdpair/images/, keyed 
 unchanged tree reuses the archive and any edit rebuilds it. `RealNodeCluster.import_image(archive)` puts an
 archive into every node's containerd.
 
-    python tests/cluster/images.py base|operator|engine-base|engine   # build (or reuse); print image name and archive
+    python devcluster/images.py base|operator|engine-base|engine   # build (or reuse); print image name and archive
 """
 from __future__ import annotations
 
@@ -33,10 +33,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tests.cluster.localcluster import REPO_ROOT, BuildError, _tail, cache_root  # noqa: E402
-from tests.cluster.realnode import write_oci_archive_from_files  # noqa: E402
+from devcluster.build import REPO_ROOT, cache_root  # noqa: E402
+from devcluster.errors import BuildError, _tail  # noqa: E402
+from devcluster.oci import write_oci_archive_from_files  # noqa: E402
 
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"

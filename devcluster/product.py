@@ -12,11 +12,10 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 
 from pdpair.contract import API_VERSION, KIND
-from tests.cluster.localcluster import REPO_ROOT, helm_path
+from devcluster.build import REPO_ROOT, helm_path
 
 CHART = REPO_ROOT / "charts" / "pdpair"
 OPERATOR_NS = "pdpair-system"
@@ -71,19 +70,6 @@ SERVICE_PROGRAMMING_SECONDS = 60.0
 
 PROMPTS = ["The quick brown fox", "Kubernetes runs pods;", "Prefill computes the prompt,", "Hello world! 0123"]
 ENGINE_START_TIMEOUT = 600.0
-
-
-def wait_for(fn, timeout: float, what: str, diagnose=lambda: ""):
-    """Polls fn() once a second until it returns something truthy (returned), or fails after `timeout` seconds
-    with `what` and diagnose()'s text."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{diagnose()}")
-        time.sleep(1.0)
 
 
 def describe(cluster, ns: str) -> str:

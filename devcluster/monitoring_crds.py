@@ -4,7 +4,7 @@ They come from the prometheus-operator root module's zip (`example/prometheus-op
 module proxy (`go mod download`, checksum-verified against sum.golang.org), and are copied into
 `${XDG_CACHE_HOME:-~/.cache}/pdpair/prometheus-operator-crds/<version>/`. Nothing fetched is committed.
 
-    python tests/cluster/monitoring_crds.py              # fetch (or reuse) and print the directory
+    python devcluster/monitoring_crds.py              # fetch (or reuse) and print the directory
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import time
 from typing import Iterator
 
 if __package__ in (None, ""):  # run as a script
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tests.cluster.localcluster import cache_root  # noqa: E402
+from devcluster.build import cache_root  # noqa: E402
 
 PROMETHEUS_OPERATOR_MODULE = "github.com/prometheus-operator/prometheus-operator"
 # The one pin. The proxy serves only some releases of the root module (v0.85.0 on 2026-11-30; v0.90.0 and

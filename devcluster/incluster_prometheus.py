@@ -19,8 +19,8 @@ a ClusterRole to get/list/watch pods) fills with the same per-container-port tar
 labels Prometheus' pod role would discover. The relabel rules, i.e. the PodMonitor's selection and labels, are
 untouched. The tests reach Prometheus' HTTP API through `cluster.node_exec` (`InClusterPrometheus.api`).
 
-    python tests/cluster/incluster_prometheus.py config [--set k=v ...]   # print the translated prometheus.yml
-    python tests/cluster/incluster_prometheus.py image                    # build (or reuse) the image archive
+    python devcluster/incluster_prometheus.py config [--set k=v ...]   # print the translated prometheus.yml
+    python devcluster/incluster_prometheus.py image                    # build (or reuse) the image archive
 """
 from __future__ import annotations
 
@@ -37,13 +37,13 @@ import time
 from typing import Any, Callable, Mapping
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import yaml  # noqa: E402
 
-from tests.cluster.images import Image, _Lock, debian_base, images_dir  # noqa: E402
-from tests.cluster.localcluster import BuildError  # noqa: E402
-from tests.cluster.realnode import write_oci_archive_from_files  # noqa: E402
+from devcluster.images import Image, _Lock, debian_base, images_dir  # noqa: E402
+from devcluster.errors import BuildError  # noqa: E402
+from devcluster.oci import write_oci_archive_from_files  # noqa: E402
 
 PROMETHEUS_BINARY = pathlib.Path("/usr/bin/prometheus")
 PROMETHEUS_PORT = 9090

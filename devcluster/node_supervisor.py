@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One real Kubernetes node: containerd, kubelet and kube-proxy started from ONE process inside the node's
 network namespace, so that all three share one mount namespace (the kubelet's volume mounts must be visible to
-containerd). Started by tests/cluster/realnode.py as `ip netns exec <node-netns> python3 node_supervisor.py CFG`;
+containerd). Started by devcluster/realnode.py as `ip netns exec <node-netns> python3 node_supervisor.py CFG`;
 stdlib only.
 
 `ip netns exec` gives us a private mount namespace (mounts here never reach the host) and a fresh /sys without
