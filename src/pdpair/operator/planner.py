@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from pdpair.contract import COND_READY, PHASE_FAILED, PHASE_RESTARTING
+from pdpair.contract import COND_READY, PHASE_FAILED, PHASE_RESTARTING, ROLE_DECODE, ROLE_PREFILL
 
 from . import desired as d
 from .observed import Finding, PodView, Observed
@@ -63,6 +63,39 @@ def lease_plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, pods: 
     status = status or {}
     return LeasePlan(leases.serving_lease(spec, status, pods), leases.rollout_lease(spec, status, pods),
                      tuple(leases.busy_reports(status, pods)))
+
+
+@dataclass(frozen=True)
+class ListenerProbes:
+    """The decode pods whose side-channel listener the executor probes this pass (the gate before prefill)."""
+
+    serving: PodView | None  # the serving generation's decode, on status.ports
+    rollout: PodView | None  # a Progressing Surge rollout's new decode, on the rollout's port set
+
+
+def _gate_open(pods: "tuple[PodView, ...]", generation: int) -> PodView | None:
+    """The generation's decode when its listener gate is still to be passed: it runs and no prefill of its
+    generation exists yet (a prefill exists only because the gate was passed: never re-gated, e.g. after an
+    operator restart)."""
+    decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation), None)
+    gated = any(p.role == ROLE_PREFILL and p.generation == generation for p in pods)
+    return decode if decode is not None and decode.running and not gated else None
+
+
+def listener_probes(status: Mapping[str, Any] | None, pods: "tuple[PodView, ...]") -> ListenerProbes:
+    status = status or {}
+    active = rollout.active_rollout(status)
+    new_decode = None
+    if active and active.get("phase") == rollout.PHASE_PROGRESSING:
+        new_decode = _gate_open(pods, int(active["toGeneration"]))
+    return ListenerProbes(_gate_open(pods, rollout.serving_generation(status, pods)), new_decode)
+
+
+def service_generation(status: Mapping[str, Any] | None) -> int | None:
+    """The generation whose router the pair's Service selects: during a Surge rollout two routers exist and the
+    Service selects the serving generation's; otherwise any router of the pair (None)."""
+    status = status or {}
+    return int(status.get("pairGeneration") or 0) if rollout.active_rollout(status) else None
 
 
 def next_step(

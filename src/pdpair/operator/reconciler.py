@@ -345,8 +345,7 @@ class PairReconciler:
         body = {"metadata": self.body["metadata"], "spec": self.body["spec"]}
         # During a Surge rollout two routers exist: the Service selects the serving generation's. Its port stays
         # the one clients know (status.servicePort, kept from before the first Surge switch).
-        generation = int(self.status.get("pairGeneration") or 0) if rollout.active_rollout(self.status) else None
-        desired = router_service(body, self.ports, generation, self.status.get("servicePort"))
+        desired = router_service(body, self.ports, planner.service_generation(self.status), self.status.get("servicePort"))
         if desired is None and d.router_enabled(self.body["spec"]):
             return  # the router port is not leased yet: leave whatever exists alone
         name = service_name(self.ref.name)
@@ -434,11 +433,13 @@ class PairReconciler:
         await self.ensure_service(services)
 
         generation = rollout.serving_generation(self.status, pods)
-        decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation), None)
-        gated = any(p.role == ROLE_PREFILL and p.generation == generation for p in pods)  # gate already passed
-        listening = bool(decode) and decode.running and not gated and await self.probe_decode(decode)
+        probes = planner.listener_probes(self.status, pods)
+        listening = probes.serving is not None and await self.probe_decode(probes.serving)
         probe_message = self.probe_message
-        rollout_listening, rollout_probe_message = await self._probe_rollout_decode(pods)
+        rollout_listening, rollout_probe_message = False, ""
+        if probes.rollout is not None and self.rollout_ports:
+            rollout_listening = await self.probe_decode(probes.rollout, self.rollout_ports)
+            rollout_probe_message = self.probe_message
 
         observed = Observed(
             pods=pods,
@@ -527,19 +528,6 @@ class PairReconciler:
         if plan.create and pod_name(self.ref.name, plan.create, _create_generation(plan)) in self.created_unseen:
             return pass_delay(plan.step, cfg, plan.wait_seconds) if plan.wait_seconds is not None else cfg.resync_interval
         return pass_delay(plan.step, cfg, plan.wait_seconds)
-
-    async def _probe_rollout_decode(self, pods: tuple[PodView, ...]) -> tuple[bool, str]:
-        """The listener gate of a Surge rollout's new decode (on the rollout's port set): (listening, message)."""
-        active = rollout.active_rollout(self.status)
-        if not active or active.get("phase") != rollout.PHASE_PROGRESSING or not self.rollout_ports:
-            return False, ""
-        generation = int(active["toGeneration"])
-        decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation), None)
-        gated = any(p.role == ROLE_PREFILL and p.generation == generation for p in pods)
-        if decode is None or not decode.running or gated:
-            return False, ""
-        listening = await self.probe_decode(decode, self.rollout_ports)
-        return listening, self.probe_message
 
     def _rollout_fields(self, plan: d.Plan, pods: tuple[PodView, ...]) -> dict[str, Any]:
         """plan.status_fields, with status.rollout's ports and pods filled in (what the executor holds)."""
