@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE.parents[1]))  # engines.py imports devcluster.ports
 
 from engines import ENGINE_ENV, Process, engine, free_port, http_get, http_post, pair_env, router  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
+import quiet  # noqa: E402  (tests/bench/quiet.py: the load guard)
 
 WORDS = "signal put decode prefill block layer engine pair router token cache region slot deadline".split()
 
@@ -181,6 +182,7 @@ def main() -> int:
     parser.add_argument("--setups", default="single,pdpair,nixl", help="any of single,pdpair,pdpair-tp2,nixl")
     parser.add_argument("--ucx-tls", default="", help="UCX_TLS for the NIXL engines (default: UCX chooses)")
     args = parser.parse_args()
+    box_before = quiet.require_quiet("bench_connector")  # exits when the box is too busy to measure
 
     work = Path(tempfile.mkdtemp(prefix="pdpair-bench-"))
     model = build_tiny_model(work / "model")
@@ -241,7 +243,8 @@ def main() -> int:
         "prompt_tokens_approx": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "ucx_tls": args.ucx_tls or "(UCX default)",
-        "load_average_after": __import__("os").getloadavg(),
+        "box_before": box_before,
+        "box_after": quiet.report_after("bench_connector"),
         "results": results,
         "logs": str(logs),
     }

@@ -50,6 +50,7 @@ from pdpair.operator.ports import assign, required_blocks, status_ports  # noqa:
 from devcluster.apiserver_metrics import by_kind, counts_delta, key_name, write_counts  # noqa: E402
 from devcluster.build import build, helm_path  # noqa: E402
 from devcluster.localcluster import LocalCluster  # noqa: E402
+import quiet  # noqa: E402  (tests/bench/quiet.py: the load guard)
 
 OPERATOR_NS = "pdpair-system"
 PAIR_NS = "scale"
@@ -323,6 +324,7 @@ def main() -> int:
     parser.add_argument("--out", type=pathlib.Path)
     parser.add_argument("--workdir", type=pathlib.Path, help="keep the cluster's and operator's files here")
     args = parser.parse_args()
+    result_box = {"box_before": quiet.require_quiet("bench_operator_scale")}  # exits when the box is too busy to measure
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the cluster stops, the operators are killed
     started_operators: list[devrun.OperatorProcess] = []
@@ -470,6 +472,7 @@ def main() -> int:
           f"{samples[-1][1]:.0f} / {result['restart_rss_mib']:.0f} MiB | {result['settle_seconds']:.0f} s | "
           f"{idle_op / idle_seconds:.2f} ({idle_rate:.2f}; {base_rate:.2f}) | {100 * result['idle_cpu_fraction']:.1f}% | "
           f"{restart_seconds:.1f} s |")
+    result.update(result_box, box_after=quiet.report_after("bench_operator_scale"))
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -40,6 +40,7 @@ from engines import Process, engine, free_port, http_post, pair_env, router  # n
 from tiny_model import build_tiny_model  # noqa: E402
 
 from bench_connector import histogram  # noqa: E402  (sum, count) of a histogram on a /metrics URL
+import quiet  # noqa: E402  (tests/bench/quiet.py: the load guard)
 
 VLLM_BENCH = (
     "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
@@ -182,6 +183,7 @@ def main() -> int:
                              "native .so): adds setup pdpair-before, same flow, its own pair and router")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    box_before = quiet.require_quiet("bench_pd_latency")  # exits when the box is too busy to measure
     if args.before:
         wanted_extra = ["pdpair-before"]
     else:
@@ -369,6 +371,7 @@ def main() -> int:
         for proc in reversed(procs):
             proc.stop()
     report["load_average_end"] = os.getloadavg()
+    report["box_before"], report["box_after"] = box_before, quiet.report_after("bench_pd_latency")
     print(json.dumps(report, indent=2))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))

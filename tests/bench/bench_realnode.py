@@ -21,6 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 from devcluster.images import debian_base  # noqa: E402
 from devcluster.localcluster import LocalCluster  # noqa: E402
 from devcluster.realnode import RealNodeCluster  # noqa: E402
+import quiet  # noqa: E402  (tests/bench/quiet.py: the load guard)
 
 
 def rss_mib(pid: int) -> float:
@@ -58,6 +59,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nodes", type=int, default=2)
     args = parser.parse_args()
+    quiet.require_quiet("bench_realnode")  # exits when the box is too busy to measure
 
     t0 = time.monotonic()
     kwok = LocalCluster()
@@ -114,6 +116,7 @@ def main() -> int:
         print(f"| {name} (control plane) | {value:.0f} |")
     print(f"| total | {sum(rss.values()) + sum(control_plane.values()):.0f} |")
     print(f"\nleftovers after stop: {left or 'none'}")
+    quiet.report_after("bench_realnode")
     return 1 if left else 0
 
 

@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pdpair.native import Connection, Context
+import quiet  # noqa: E402  (tests/bench/quiet.py: the load guard)
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
@@ -181,6 +182,7 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--bytes", type=int, default=512 * MIB, help="bytes per throughput trial")
     args = parser.parse_args()
+    quiet.require_quiet("bench_transport")  # exits when the box is too busy to measure
     total_bytes, trials, samples, puts = args.bytes, args.trials, 5000, 100_000
     if args.quick:
         total_bytes, trials, samples, puts = 64 * MIB, 3, 1000, 20_000
@@ -210,6 +212,7 @@ def main() -> int:
     ok = ov["lost"] == 0 and ov["wait_value"] == ov["puts"]
     if not ok:
         print("\nERROR: signals were lost", file=sys.stderr)
+    quiet.report_after("bench_transport")
     return 0 if ok else 1
 
 
