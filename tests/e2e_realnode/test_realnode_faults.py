@@ -432,15 +432,16 @@ def test_decode_engine_killed_in_its_container_restarts_the_pair_in_order(
     # One pod per role in the new generation.
     added = [e.role for e in events if e.type == "ADDED" and e.generation == new_gen]
     assert sorted(added) == sorted(ROLES), timeline
-    # The gate: decode's listener accepted before the new prefill existed (the operator's DecodeListening Event).
+    # The listener: the operator saw the new decode accept (its DecodeListening Event) before the router, which it
+    # creates only once the pair can serve (prefill starts beside decode and pairs when the listener accepts).
     new_decode = next(e.name for e in events if e.type == "ADDED" and e.role == ROLE_DECODE and e.generation == new_gen)
     listening = _pair_events(real_cluster, namespace, name, "DecodeListening")
     assert any(new_decode in ev["message"] for ev in listening), listening
-    prefill_pod = next(p for p in _pods(real_cluster, namespace, name).values()
-                       if p["metadata"]["labels"][LABEL_ROLE] == ROLE_PREFILL)
+    router_pod = next(p for p in _pods(real_cluster, namespace, name).values()
+                      if p["metadata"]["labels"][LABEL_ROLE] == ROLE_ROUTER)
     # Event times may carry microseconds, creationTimestamp has whole seconds: compare whole seconds.
     listened_at = max(_seconds(ev["time"]) for ev in listening if new_decode in ev["message"])
-    assert listened_at <= _seconds(prefill_pod["metadata"]["creationTimestamp"]), (listening, prefill_pod["metadata"])
+    assert listened_at <= _seconds(router_pod["metadata"]["creationTimestamp"]), (listening, router_pod["metadata"])
 
     _assert_serves_like_baseline(real_cluster, namespace, name, baseline_outputs)
 

@@ -205,7 +205,11 @@ def tp2(real_cluster, operator_release, baseline_outputs, images, model_dir, nam
                          "--timeout=120s", timeout=150, check=False)
 
 
-def test_decode_listens_on_both_rank_ports_before_prefill_is_created(tp2):
+def test_prefill_starts_beside_decode_and_pairs_on_both_ranks_once_decode_listens(tp2):
+    """Parallel start, ordered pairing, at TP = 2 (where the seed's wrong order hung both sides): prefill is created
+    once decode runs, not after its listener; each prefill rank hands its unique id only to a decode rank that
+    accepted (a refused connect is a retry, never a handshake), pairs exactly once, and prefill's readiness (/readyz)
+    says both ranks are paired; the pair is Ready, and gets its router, only after the operator saw both listeners."""
     pair = tp2.pair()
     status, by_role = pair["status"], tp2.pods()
     decode = by_role[ROLE_DECODE]
@@ -219,30 +223,34 @@ def test_decode_listens_on_both_rank_ports_before_prefill_is_created(tp2):
     decode_ip = decode["status"]["podIP"]
     assert env[ROLE_PREFILL][ENV_PEER_HOST] == decode_ip, (env[ROLE_PREFILL], decode_ip)
 
-    # The order, as the API server saw it: decode created, DecodeListening True with every port probed, prefill
-    # created, then the router.
+    # The order, as the API server saw it: decode created, then prefill (beside it, while decode loads); the router
+    # only after DecodeListening True with every port probed.
     steps = {s: (t, rv) for t, rv, s in pod_steps(tp2.pod_events)}
     names = {role: p["metadata"]["name"] for role, p in by_role.items()}
     created = {role: steps.get(f"create {names[role]}") for role in (ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER)}
     assert all(created.values()), (created, [s for _, _, s in pod_steps(tp2.pod_events)])
     listening = listening_since(tp2.pair_events, 1)
     assert listening is not None, "no pair status with DecodeListening True for generation 1"
-    assert created[ROLE_DECODE][1] < listening[1] < created[ROLE_PREFILL][1] < created[ROLE_ROUTER][1], \
-        (created, listening)
+    assert created[ROLE_DECODE][1] < created[ROLE_PREFILL][1] < created[ROLE_ROUTER][1], (created, listening)
+    assert listening[1] < created[ROLE_ROUTER][1], (created, listening)
     first_listening = next(p for _, rv, _, p in tp2.pair_events if rv == listening[1])
     condition = next(c for c in first_listening["status"]["conditions"] if c["type"] == COND_DECODE_LISTENING)
     assert condition["message"] == ProbeResult(decode_ip, tuple(side), ()).describe(), (condition, side)
-    print(f"[realnode-e2e] tp2 startup order: decode created -> listening {listening[0] - created[ROLE_DECODE][0]:.1f}s"
-          f" ({condition['message']}) -> prefill created {created[ROLE_PREFILL][0] - listening[0]:.1f}s later")
+    print(f"[realnode-e2e] tp2 startup: prefill created {created[ROLE_PREFILL][0] - created[ROLE_DECODE][0]:.1f}s "
+          f"after decode, decode listening {listening[0] - created[ROLE_DECODE][0]:.1f}s after decode "
+          f"({condition['message']}), router {created[ROLE_ROUTER][0] - listening[0]:.1f}s after that")
 
-    # The engines' side of it: prefill's rank r reached decode's base + r at its first attempt (a refused connect
-    # would have counted a retry), once, on both ranks.
+    # The engines' side of it: each prefill rank paired with decode's base + r exactly once (its attempts before
+    # decode listened were refused connects, counted as retries, never a uid sent), and is paired now.
     prefill_metrics = tp2.metrics(ROLE_PREFILL)
+    handshakes = [s for s in prefill_metrics if s[0] == "pdpair_handshakes_total"]
     for rank in map(str, range(TP)):
-        assert value(prefill_metrics, "pdpair_handshakes_total", rank=rank, outcome="retry") == 0, \
-            [s for s in prefill_metrics if s[0] == "pdpair_handshakes_total"]
-        assert value(prefill_metrics, "pdpair_handshakes_total", rank=rank, outcome="ok") == 1, \
-            [s for s in prefill_metrics if s[0] == "pdpair_handshakes_total"]
+        assert value(prefill_metrics, "pdpair_handshakes_total", rank=rank, outcome="ok") == 1, handshakes
+        for outcome in ("refused", "timeout", "error"):
+            assert value(prefill_metrics, "pdpair_handshakes_total", rank=rank, outcome=outcome) == 0, handshakes
+        assert value(prefill_metrics, "pdpair_peer_paired", rank=rank) == 1, prefill_metrics
+    print(f"[realnode-e2e] tp2 prefill retries before decode listened: "
+          f"{[value(prefill_metrics, 'pdpair_handshakes_total', rank=str(r), outcome='retry') for r in range(TP)]}")
 
     # Both listeners are decode's, one per worker process, from inside n2's network namespace (hostNetwork).
     listeners = tp2.cluster.node_exec(DECODE_NODE, ["ss", "-ltnpH"]).stdout
@@ -444,7 +452,8 @@ def test_killing_one_decode_tp_worker_restarts_the_pair_in_order(tp2, baseline_o
                for cs in p["status"].get("containerStatuses") or []), timeline
 
     # Restarted in order, by resourceVersion: the decode pod ended, the restart was recorded, the old front pods were
-    # gone before the old decode was deleted, the new decode listened on both rank ports before the new prefill.
+    # gone before the old decode was deleted, the new decode was created before the new prefill (which starts beside
+    # it), and the new decode listened on both rank ports (the operator's probe) before the pair was Ready again.
     def rv_of(name: str, pred, what: str) -> int:
         found = next((rv for rv, kind, p in pod_log if p["metadata"]["name"] == name and pred(kind, p)), None)
         assert found is not None, f"{what} ({name}) not in the pod watch:\n{timeline}"
@@ -467,9 +476,11 @@ def test_killing_one_decode_tp_worker_restarts_the_pair_in_order(tp2, baseline_o
         ("old decode deleting", rv_of(old[ROLE_DECODE], deleting, "old decode deleting")),
         ("old decode gone", rv_of(old[ROLE_DECODE], lambda k, _: k == "DELETED", "old decode gone")),
         ("new decode created", rv_of(names[ROLE_DECODE], lambda k, _: k == "ADDED", "new decode created")),
-        ("new decode listening", listening[1]),
         ("new prefill created", rv_of(names[ROLE_PREFILL], lambda k, _: k == "ADDED", "new prefill created")),
     ]
+    ready_rv = next(rv for _, rv, _, p in pairs.events if (p.get("status") or {}).get("phase") == "Ready"
+                    and int(p["status"].get("pairGeneration") or 0) == g1 + 1)
+    assert dict(order)["new decode created"] < listening[1] <= ready_rv, (order, listening, ready_rv)
     router_gone = rv_of(old[ROLE_ROUTER], lambda k, _: k == "DELETED", "old router gone")
     assert [what for what, _ in sorted(order, key=lambda x: x[1])] == [what for what, _ in order], \
         f"{order}\n{timeline}"

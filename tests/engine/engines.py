@@ -175,6 +175,8 @@ def engine(
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDPAIR_")}
     env.update(ENGINE_ENV)
     env.update(pdpair_env or {})
+    if pdpair_env:  # as the operator sets it: the connector's /readyz checks the engine's own /health on this port
+        env.setdefault(contract.ENV_HTTP_PORT, str(port))
     env.update(extra_env or {})
     return Process(name, argv, env, log_dir / f"{name}.log", port)
 

@@ -88,6 +88,7 @@ class Tp2Pair:
     drop_knob: Path
     tp1_outputs: dict[str, list[int]]
     prefill_healthy_while_decode_absent: bool
+    prefill_readyz_while_decode_absent: tuple[int, bytes]  # prefill's readiness (/readyz) then: 503, not paired
     rss: dict[str, int]
 
 
@@ -132,6 +133,7 @@ def tp2(tiny_model, tmp_path_factory) -> Tp2Pair:
         for rank in range(TP):
             prefill.wait_log(f"pdpair-sidechannel-prefill-r{rank}: handshake attempt 2 ", 60)
         healthy_before = http_get(prefill.url + "/health")[0] == 200
+        readyz_before = http_get(f"http://127.0.0.1:{prefill_metrics}/readyz")
         started.append(decode.start())
         baseline.wait_healthy()  # its requests overlap decode's start-up
         tp1_outputs = {}
@@ -154,7 +156,7 @@ def tp2(tiny_model, tmp_path_factory) -> Tp2Pair:
               f"{rss['decode'] / 2**30:.2f} GiB (API server + engine core + 2 workers), TP = 1 plain engine "
               f"{baseline_rss / 2**30:.2f} GiB")
         yield Tp2Pair(prefill, decode, rtr, listen_base, f"http://127.0.0.1:{decode_metrics}",
-                      f"http://127.0.0.1:{prefill_metrics}", hold, drop, tp1_outputs, healthy_before, rss)
+                      f"http://127.0.0.1:{prefill_metrics}", hold, drop, tp1_outputs, healthy_before, readyz_before, rss)
     finally:
         for proc in reversed(started):
             proc.stop()
@@ -202,6 +204,9 @@ def ask(url: str, prompt: str) -> tuple[int, dict]:
 
 def test_prefill_started_before_decode_retries_on_every_rank(tp2):
     assert tp2.prefill_healthy_while_decode_absent, "prefill must serve /health while decode is still absent"
+    # ...but it is not ready: its readiness (the operator's probe for prefill pods) waits for the pairing
+    status, body = tp2.prefill_readyz_while_decode_absent
+    assert status == 503 and json.loads(body)["paired"] == {"0": False, "1": False}, (status, body)
     for rank in range(TP):
         assert ranked(tp2.prefill_metrics, "pdpair_handshakes_total", rank, outcome="retry") >= 2
     assert ranked(tp2.prefill_metrics, "pdpair_handshakes_total", 0, outcome="ok") == 1
@@ -216,6 +221,8 @@ def test_decode_listening_on_rank_0_only_holds_prefill_back_without_a_hang(tp2):
     tp2.prefill.wait_log("pdpair-sidechannel-prefill-r1: paired with decode", 60)
     probe = asyncio.run(probe_ranks("127.0.0.1", ports, timeout=PROBE_TIMEOUT_SECONDS))
     assert probe.all_accept, probe.describe()
+    status, body = http_get(tp2.prefill_metrics + "/readyz")
+    assert status == 200 and json.loads(body) == {"paired": {"0": True, "1": True}, "status": "ok"}, (status, body)
     status, payload = ask(tp2.router.url, "Both ranks are paired now.")
     assert status == 200 and len(tokens(payload)) == MAX_TOKENS, payload
 
@@ -234,6 +241,8 @@ def half_paired_pair_refuses_to_proceed(tp2) -> None:
     assert ranked(tp2.prefill_metrics, "pdpair_handshakes_total", 1, outcome="ok") == 0
     assert "pdpair-sidechannel-prefill-r1: paired" not in tp2.prefill.log()
     assert http_get(tp2.prefill.url + "/health")[0] == 200
+    status, body = http_get(tp2.prefill_metrics + "/readyz")  # serving, half paired: not ready
+    assert status == 503 and json.loads(body)["paired"] == {"0": True, "1": False}, (status, body)
 
     # A request cannot proceed on a half-paired pair, and it does not wait for the deadline either: rank 0 moves its
     # half of the KV, rank 1 has no pair, so it fails the load without opening a signal wait.

@@ -89,6 +89,9 @@ def test_every_contract_pod_metric_is_exported_with_its_type_and_labels(served):
         (family,) = found
         assert family.type == metric.kind, metric.name
         assert family.documentation == metric.help, metric.name
+        if metric is contract.PEER_PAIRED:  # prefill's pairing: declared on every pod, a series only on prefill
+            assert not family.samples, family.samples
+            continue
         assert family.samples, f"{metric.name} has no samples"
         for s in family.samples:
             assert s.name in metric.series_names, (s.name, metric.series_names)
@@ -448,3 +451,16 @@ def test_rank_zero_serves_every_tp_ranks_series_and_verdict(clock):
     finally:
         server.stop()
         exporter.stop()
+
+
+def test_prefill_exports_its_pairing_from_the_start():
+    """pdpair_peer_paired is 0 on prefill until its side channel pairs (side_channel.py sets it), so a rule or a
+    dashboard sees "not paired" rather than "absent"; prefill's /readyz reads the same state."""
+    accounts = SignalAccounts("prefill", 10.0)
+    server = serve(0, accounts, addr="127.0.0.1")
+    try:
+        assert samples(server.port, "pdpair_peer_paired") == {(("rank", "0"), ("role", "prefill")): 0.0}
+        accounts.set_paired(True)
+        assert samples(server.port, "pdpair_peer_paired") == {(("rank", "0"), ("role", "prefill")): 1.0}
+    finally:
+        server.stop()

@@ -37,6 +37,7 @@ class PdPairConfig:
     peer_host: str | None  # prefill
     peer_port_base: int | None  # prefill
     transport_slots: int = DEFAULT_TRANSPORT_SLOTS  # request slots per peer connection (puts in flight)
+    http_port: int | None = None  # the engine's own API port (PDPAIR_HTTP_PORT): /readyz checks its /health
     # The transport's own variables as the pod set them (TransportSpec.env_names, e.g. flagcx's FLAGCX_LIB_PATH):
     # read here so the connector has one env reader; the transport's build reads them from here.
     transport_env: Mapping[str, str] = field(default_factory=dict, hash=False)
@@ -92,6 +93,7 @@ class PdPairConfig:
         transport_slots = _transport_slots(env, transport)
         hang = _float(env, contract.ENV_HANG_TIMEOUT_SECONDS, default=DEFAULT_HANG_TIMEOUT_SECONDS)
         metrics_port = _port(env, contract.ENV_METRICS_PORT, required=False)
+        http_port = _port(env, contract.ENV_HTTP_PORT, required=False)
         listen_base = _port(env, contract.ENV_LISTEN_PORT_BASE, required=role == contract.ROLE_DECODE)
         peer_host = env.get(contract.ENV_PEER_HOST) or None
         peer_base = _port(env, contract.ENV_PEER_PORT_BASE, required=role == contract.ROLE_PREFILL)
@@ -119,6 +121,7 @@ class PdPairConfig:
             transport=transport,
             hang_timeout_seconds=hang,
             metrics_port=metrics_port,
+            http_port=http_port,
             listen_host="0.0.0.0",
             listen_port_base=listen_base,
             peer_host=peer_host,

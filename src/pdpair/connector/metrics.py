@@ -1,4 +1,4 @@
-"""The connector's pod metrics server: /metrics and /healthz of the signal accounts (signals.py), and the TP
+"""The connector's pod metrics server: /metrics, /healthz and /readyz of the signal accounts (signals.py), and the TP
 ranks' exporters (no vllm import; safe anywhere).
 
 Every metric comes from `pdpair.contract.POD_METRICS` (name, type, labels, help); nothing is retyped here.
@@ -26,7 +26,8 @@ created in a row in one process never collide on metric registration)::
 
 Semantics of the accounts (waits, deficit, oldest wait, timeouts, /healthz's verdict): signals.py, where they are
 decided. Here: /healthz answers 503 with JSON naming the oldest stuck transfer (id, peer, expected, received,
-age_seconds) when the accounts say hung, else 200. At TP > 1, rank 0 serves the pod's port with
+age_seconds) when the accounts say hung, else 200. /readyz (prefill's readiness probe) answers 200 once every rank
+is paired with decode and the engine's own /health answers 200 (`readiness`). At TP > 1, rank 0 serves the pod's port with
 `serve(..., ranks=PeerRanks(port, (1, ...)))` and each other rank runs `export_rank(port, accounts)`; see "TP
 ranks" below.
 """
@@ -38,6 +39,7 @@ import os
 import socket
 import socketserver
 import threading
+import urllib.request
 from dataclasses import dataclass
 from typing import Callable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -68,24 +70,73 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def _app(accounts: SignalAccounts, ranks: "PeerRanks | None" = None) -> Callable:
+def _json(start_response, ok: bool, payload: dict) -> list[bytes]:
+    body = json.dumps(payload).encode()
+    status = "200 OK" if ok else "503 Service Unavailable"
+    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
+ENGINE_HEALTH_TIMEOUT_SECONDS = 2.0  # below the readiness probe's 3 s timeout (pods.READINESS_PROBE)
+
+
+def _engine_serves(url: str | None) -> str | None:
+    """None when the engine's own /health answers 200 (or no URL: nothing to check), else why not."""
+    if url is None:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=ENGINE_HEALTH_TIMEOUT_SECONDS) as resp:
+            return None if resp.status == 200 else f"engine {url} answered {resp.status}"
+    except (OSError, ValueError) as exc:  # refused while vLLM starts, a timeout, an HTTP error status
+        return f"engine {url}: {exc}"
+
+
+def readiness(accounts: SignalAccounts, ranks: "PeerRanks | None" = None,
+              engine_health_url: str | None = None) -> tuple[bool, dict]:
+    """Prefill's readiness (/readyz): every TP rank paired with decode, and the engine serving. Prefill starts beside
+    decode and pairs once decode's listener accepts (side_channel.py retries until then), so a Ready prefill is one
+    that can push KV now, never one still waiting for its decode."""
+    if accounts.role != contract.ROLE_PREFILL:  # decode pairs with whoever comes: ready when its engine serves
+        engine = _engine_serves(engine_health_url)
+        return engine is None, {"status": engine or "ok"}
+    paired = {accounts.rank: accounts.paired}
+    unreachable = {}
+    for rank, snapshot in (ranks.fetch().items() if ranks is not None else ()):
+        if isinstance(snapshot, dict):
+            paired[str(rank)] = bool(snapshot.get("paired"))
+        else:
+            unreachable[str(rank)] = snapshot
+    waiting = sorted((r for r, ok in paired.items() if not ok), key=int)
+    engine = _engine_serves(engine_health_url) if not waiting and not unreachable else None
+    body: dict = {"paired": {r: paired[r] for r in sorted(paired, key=int)}}
+    if waiting:
+        body["status"] = f"waiting for decode: rank{'s' if len(waiting) > 1 else ''} {', '.join(waiting)} not paired"
+    elif unreachable:
+        body["status"], body["unreachable_ranks"] = "rank_unreachable", unreachable
+    elif engine is not None:
+        body["status"] = engine
+    else:
+        body["status"] = "ok"
+    return body["status"] == "ok", body
+
+
+def _app(accounts: SignalAccounts, ranks: "PeerRanks | None" = None, engine_health_url: str | None = None) -> Callable:
     metrics_app = make_wsgi_app(accounts.registry if ranks is None else _MergedRegistry(accounts, ranks))
 
     def app(environ, start_response):
         path = environ.get("PATH_INFO", "")
+        if path == contract.READYZ_PATH:
+            return _json(start_response, *readiness(accounts, ranks, engine_health_url))
         if path == contract.HEALTHZ_PATH:
             if ranks is None:
                 report = accounts.health()
                 unhealthy, payload = report.hung, report.as_json()
             else:
                 unhealthy, payload = _merged_health(accounts, ranks)
-            body = json.dumps(payload).encode()
-            status = "503 Service Unavailable" if unhealthy else "200 OK"
-            start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
-            return [body]
+            return _json(start_response, not unhealthy, payload)
         if path in (contract.METRICS_PATH, "/"):
             return metrics_app(environ, start_response)
-        body = b"not found: try /metrics or /healthz\n"
+        body = b"not found: try /metrics, /healthz or /readyz\n"
         start_response("404 Not Found", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
         return [body]
 
@@ -102,12 +153,14 @@ def serve(
     hang_timeout_seconds: float | None = None,
     addr: str = "0.0.0.0",
     ranks: "PeerRanks | None" = None,
+    engine_health_url: str | None = None,
 ) -> MetricsServer:
     """Serve /metrics and /healthz for `accounts` on `port` (0 = any free port, see `.port`) in a daemon thread.
 
     `hang_timeout_seconds` defaults to the accounts' own; a different value is refused (one pod, one timeout).
     `ranks`: the other TP ranks of this engine (each a worker process running `export_rank`); their per-rank series
-    are merged into /metrics and their verdicts into /healthz at every request.
+    are merged into /metrics and their verdicts into /healthz at every request. `engine_health_url`: the engine's own
+    /health, which /readyz checks once every rank is paired (prefill's readiness; see `readiness`).
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an int in 0..65535, got {port!r}")
@@ -115,7 +168,7 @@ def serve(
         raise ValueError(
             f"hang_timeout_seconds {hang_timeout_seconds} differs from the accounts' {accounts.hang_timeout_seconds}"
         )
-    httpd = make_server(addr, port, _app(accounts, ranks), ThreadingWSGIServer, handler_class=_QuietHandler)
+    httpd = make_server(addr, port, _app(accounts, ranks, engine_health_url), ThreadingWSGIServer, handler_class=_QuietHandler)
     # A short poll interval makes stop() quick (shutdown waits for the serve loop to notice).
     thread = threading.Thread(
         target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name=f"pdpair-metrics-{httpd.server_address[1]}"
@@ -170,7 +223,8 @@ def _snapshot(accounts: SignalAccounts) -> dict:
             "samples": [[s.name, s.labels, s.value] for s in family.samples],
         })
     report = accounts.health()
-    return {"rank": accounts.rank, "families": families, "health": {**report.as_json(), "hung": report.hung}}
+    return {"rank": accounts.rank, "families": families, "health": {**report.as_json(), "hung": report.hung},
+            "paired": accounts.paired}
 
 
 class RankExporter:

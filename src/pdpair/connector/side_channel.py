@@ -12,7 +12,8 @@ message to a prefill that is gone fails loudly (a Pull becomes a PullFailed) ins
   Accepted, inits its side of the pair, registers its regions (callback), waits for prefill's Regions and answers
   Welcome. Afterwards it forwards PullDone / PullFailed to the worker.
 - `PrefillSideChannel`: DEALER to PDPAIR_PEER_HOST:PDPAIR_PEER_PORT_BASE + tp_rank. While decode does not accept TCP
-  connections it retries with capped exponential backoff and logs each attempt; it never blocks engine start-up.
+  connections it retries with capped exponential backoff (logged at attempts 1, 2, 4, ...); it never blocks engine
+  start-up. It reports the pairing (`SignalAccounts.set_paired`): prefill's readiness (/readyz) waits for it.
   Afterwards it hands each Pull to the worker. A ZMQ monitor on its socket, attached before it connects, reports
   decode's disconnect (decode restarted): prefill closes the pair and handshakes again, even when decode went away
   before the serve loop started (the DEALER alone would reconnect silently to the new decode, with a dead pair).
@@ -55,7 +56,10 @@ logger = logging.getLogger("pdpair.connector.handshake")
 POLL_MS = 100  # receive timeout of the side-channel loop: bounds how long stop() waits
 READY_TIMEOUT_SECONDS = 10.0
 RETRY_INITIAL_SECONDS = 0.2
-RETRY_MAX_SECONDS = 5.0
+# Prefill starts beside decode (the operator no longer waits for decode's listener to create it), so it may retry for
+# a whole engine cold start; the cap bounds the delay between decode's listener opening and the pairing: a refused
+# connect a second is cheap. A retry is logged on attempts 1, 2, 4, 8, ... (every one is counted in the metrics).
+RETRY_MAX_SECONDS = 1.0
 # The Hello exchange must answer quickly; init_pair and region registration get the hang timeout.
 HELLO_REPLY_TIMEOUT_SECONDS = 5.0
 # Longest a side-channel send (or a receive) may block, e.g. when the peer stopped reading and the high-water mark
@@ -387,15 +391,20 @@ class PrefillSideChannel(_SideChannel):
             if outcome is None:  # stopped
                 break
             if outcome == "connected":
-                self._serve()
+                self.accounts.set_paired(True)
+                try:
+                    self._serve()
+                finally:
+                    self.accounts.set_paired(False)
                 if self.stopped.is_set():
                     break
                 backoff = RETRY_INITIAL_SECONDS
                 continue
-            logger.warning(
-                "%s: handshake attempt %d with decode %s:%d did not complete (%s); retrying in %.1fs",
-                self.name, self.attempts, self.peer_host, self.peer_port, outcome, backoff,
-            )
+            if self.attempts & (self.attempts - 1) == 0:  # 1, 2, 4, 8, ...: a cold start is ~100 attempts
+                logger.warning(
+                    "%s: handshake attempt %d with decode %s:%d did not complete (%s); retrying in %.1fs",
+                    self.name, self.attempts, self.peer_host, self.peer_port, outcome, backoff,
+                )
             self.stopped.wait(backoff)
             backoff = min(backoff * 2, RETRY_MAX_SECONDS)
         self._close_comm()

@@ -174,6 +174,8 @@ class SignalAccounts:
         self._seconds = m[contract.KV_TRANSFER_SECONDS.name].labels(role=role, rank=self.rank)
         self._listener = m[contract.LISTENER_READY.name]
         self._handshakes = m[contract.HANDSHAKES.name]
+        self._paired_gauge = m[contract.PEER_PAIRED.name]
+        self._paired = False
         self._inflight = m[contract.TRANSPORT_INFLIGHT.name]
         self._slots = m[contract.TRANSPORT_SLOTS.name]
         self._requeues = m[contract.TRANSPORT_REQUEUES.name]
@@ -185,6 +187,8 @@ class SignalAccounts:
             self._handshakes.labels(role=role, rank=self.rank, outcome=outcome)
         if role == contract.ROLE_DECODE:
             self._listener.labels(role=role, rank=self.rank).set(0)  # 0 until this rank's listener binds
+        else:
+            self._paired_gauge.labels(role=role, rank=self.rank).set(0)  # 0 until this rank pairs with decode
         self.set_pair_generation(generation)
 
     # --- transfers -------------------------------------------------------------------------------
@@ -243,6 +247,21 @@ class SignalAccounts:
         if not isinstance(outcome, str) or not re.fullmatch(r"[a-z][a-z_]{0,31}", outcome):
             raise ValueError(f"handshake outcome must be a short lower_case word, got {outcome!r}")
         self._handshakes.labels(role=self.role, rank=self.rank, outcome=outcome).inc()
+
+    def set_paired(self, paired: bool) -> None:
+        """Prefill: this rank finished the handshake with decode (True) or its side channel dropped (False)."""
+        if self.role != contract.ROLE_PREFILL:
+            raise ValueError(f"only prefill pairs with a peer; these accounts are {self.role}'s")
+        if not isinstance(paired, bool):
+            raise ValueError(f"paired must be a bool, got {paired!r}")
+        with self._lock:
+            self._paired = paired
+        self._paired_gauge.labels(role=self.role, rank=self.rank).set(1 if paired else 0)
+
+    @property
+    def paired(self) -> bool:
+        with self._lock:
+            return self._paired
 
     def set_listener_ready(self, rank: int, ready: bool) -> None:
         _check_count("rank", rank)

@@ -140,7 +140,9 @@ class _Worker:
             if tp_rank == 0:
                 peers = PeerRanks(config.metrics_port, tuple(range(1, tp_size))) if tp_size > 1 else None
                 try:
-                    self.metrics_server = serve(config.metrics_port, self.accounts, ranks=peers)
+                    health_url = (f"http://127.0.0.1:{config.http_port}/health" if config.http_port else None)
+                    self.metrics_server = serve(config.metrics_port, self.accounts, ranks=peers,
+                                                engine_health_url=health_url)
                 except OSError as exc:  # taken after the pod's preflight: tell the operator, which re-leases
                     report_bind_failure(config.metrics_port, exc, "the connector's metrics server")
                     raise

@@ -162,6 +162,9 @@ POD_ENV = (
 
 METRICS_PATH = "/metrics"
 HEALTHZ_PATH = "/healthz"
+# Prefill's readiness (the operator's default readinessProbe, on the metrics port): 200 once every rank is paired with
+# decode and the engine serves (its own /health); 503 with the reason before. Decode keeps vLLM's /health.
+READYZ_PATH = "/readyz"
 # containerPort name of PDPAIR_METRICS_PORT on pair pods; the chart's PodMonitor scrapes the port by this name.
 METRICS_PORT_NAME = "metrics"
 # containerPort name of PDPAIR_HTTP_PORT on every pair pod; the router's Service targets it by this name.
@@ -235,6 +238,10 @@ LISTENER_READY = Metric(
 HANDSHAKES = Metric(
     "pdpair_handshakes_total", "counter", ("role", "rank", "outcome"), "Side-channel uid exchanges by outcome."
 )
+PEER_PAIRED = Metric(
+    "pdpair_peer_paired", "gauge", ("role", "rank"),
+    "1 while this prefill rank is paired with its decode (handshake done, side channel up); prefill only.",
+)
 TRANSPORT_INFLIGHT = Metric(
     "pdpair_transport_inflight", "gauge", ("rank", "peer"), "Puts posted and not yet completed."
 )
@@ -259,6 +266,7 @@ POD_METRICS = (
     KV_TRANSFER_SECONDS,
     LISTENER_READY,
     HANDSHAKES,
+    PEER_PAIRED,
     TRANSPORT_INFLIGHT,
     TRANSPORT_SLOTS,
     TRANSPORT_REQUEUES,

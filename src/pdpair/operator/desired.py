@@ -8,16 +8,20 @@ again. The order it encodes:
   1. lease ports                          (PortsLeased)
   2. replace stale pods, in order:        prefill and router first, decode after they are gone, wait all gone
   3. create decode                        (phase DecodeStarting)
-  4. wait until decode runs with an IP, then until its listener accepts on every rank (DecodeListening)
-  5. create prefill with the peer address (phase PrefillStarting), wait Ready (PrefillReady), and decode Ready
+  4. wait until decode runs with an IP (its address: prefill is given it at creation)
+  5. create prefill at once (phase PrefillStarting): both engines load at the same time. The pairing stays in
+     order: prefill's connector hands its unique id only to a decode listener that accepted (it retries until
+     then), and prefill's readiness (/readyz, pods.py) passes only once every rank is paired and its engine serves.
+     Wait prefill Ready (PrefillReady), decode Ready, and decode's listener seen accepting on every rank by the
+     operator's own probe (DecodeListening)
   6. create router (when enabled), wait Ready
   7. Ready
 
 With spec.rolloutStrategy Surge, rollout.py plans a spec change of a serving pair instead: the new generation goes
 through steps 3-7 beside the serving one, on its own port set, then takes over (see rollout.py).
 
-"Ready" of a pod is its Ready condition: every container's readiness probe passes (the engine's is vLLM's
-/health, see pods.py), so a pair is Ready only when both engines serve. No step has a deadline: a pod that loads
+"Ready" of a pod is its Ready condition: every container's readiness probe passes (decode's is vLLM's /health,
+prefill's the connector's /readyz: paired and serving, see pods.py), so a pair is Ready only when both serve, paired. No step has a deadline: a pod that loads
 its model slowly stays in its step (the kubelet's startupProbe is the deadline, spec.startupTimeoutSeconds).
 
 A spec change (of anything the pods are built from) or a restart request moves the pair to a new pairGeneration;
@@ -235,37 +239,33 @@ def recreate_state(
             [leased, _listening(FALSE, "DecodeNotRunning", why), _prefill(FALSE, "WaitingForDecode"),
              _not_ready("DecodeStarting")],
         )
-    # A current prefill exists only because the gate was passed; don't re-gate it (e.g. after an operator restart).
-    if not observed.decode_listening and prefill is None:
-        msg = observed.probe_message or f"probing decode {decode.ip} side-channel ports"
-        return plan(
-            STEP_WAIT_LISTENER,
-            PHASE_DECODE_STARTING,
-            msg,
-            [leased, _listening(FALSE, "NotAccepting", msg), _prefill(FALSE, "WaitingForDecodeListener"),
-             _not_ready("DecodeStarting")],
-            probe_decode=True,
-        )
-    listening = _listening(
-        TRUE, "Accepting",
-        (observed.probe_message if observed.decode_listening else "") or f"decode {decode.ip} accepted on every rank",
-    )
+    # The listener, as the operator's probe saw it; a generation that was Ready already passed it (a probe that
+    # fails later, e.g. on a loaded operator after its restart, does not take a serving pair out of Ready).
+    listened = observed.decode_listening or (was_ready(status, generation) and prefill is not None and prefill.ready)
+    if listened:
+        listening = _listening(TRUE, "Accepting", (observed.probe_message if observed.decode_listening else "")
+                               or f"decode {decode.ip} accepted on every rank")
+    else:
+        probing = observed.probe_message or f"probing decode {decode.ip} side-channel ports"
+        listening = _listening(FALSE, "NotAccepting", probing)
 
-    # 5. prefill
+    # 5. prefill: at once, beside the loading decode; it pairs when decode's listener accepts
     if prefill is None:
         return plan(
             STEP_CREATE_PREFILL,
             PHASE_PREFILL_STARTING,
-            f"decode listens; creating prefill (generation {generation})",
+            f"decode runs; creating prefill beside it (generation {generation})",
             [leased, listening, _prefill(FALSE, "Creating"), _not_ready("PrefillStarting")],
             create=ROLE_PREFILL,
+            probe_decode=not listened,
         )
     if not (prefill.running and prefill.ready):
         return plan(
             STEP_WAIT_PREFILL_READY,
             PHASE_PREFILL_STARTING,
-            "waiting for the prefill pod to be Ready",
+            "waiting for prefill to pair with decode and serve (its readiness: /readyz)",
             [leased, listening, _prefill(FALSE, "Starting"), _not_ready("PrefillStarting")],
+            probe_decode=not listened,
         )
     prefill_ready = _prefill(TRUE, "PodReady")
     # Ready means serving: decode's readiness probe (vLLM /health) must pass too, not only its listener.
@@ -275,6 +275,15 @@ def recreate_state(
             PHASE_PREFILL_STARTING,
             "waiting for the decode pod to be Ready",
             [leased, listening, prefill_ready, _not_ready("DecodeNotReady")],
+            probe_decode=not listened,
+        )
+    if not listened:
+        return plan(
+            STEP_WAIT_LISTENER,
+            PHASE_PREFILL_STARTING,
+            probing,
+            [leased, listening, prefill_ready, _not_ready("DecodeNotListening")],
+            probe_decode=True,
         )
 
     # 6. router
@@ -307,6 +316,11 @@ def recreate_state(
 
 def _restarting(status: Mapping[str, Any]) -> bool:
     return status.get("phase") == PHASE_RESTARTING
+
+
+def was_ready(status: Mapping[str, Any], generation: int) -> bool:
+    """status says this generation was Ready (the serving one keeps phase Ready during a Surge rollout)."""
+    return status.get("phase") == PHASE_READY and int(status.get("pairGeneration") or 0) == generation
 
 
 @dataclass(frozen=True)

@@ -67,19 +67,24 @@ def lease_plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, pods: 
 
 @dataclass(frozen=True)
 class ListenerProbes:
-    """The decode pods whose side-channel listener the executor probes this pass (the gate before prefill)."""
+    """The decode pods whose side-channel listener the executor probes this pass (a condition of Ready)."""
 
     serving: PodView | None  # the serving generation's decode, on status.ports
     rollout: PodView | None  # a Progressing Surge rollout's new decode, on the rollout's port set
 
 
-def _gate_open(pods: "tuple[PodView, ...]", generation: int) -> PodView | None:
-    """The generation's decode when its listener gate is still to be passed: it runs and no prefill of its
-    generation exists yet (a prefill exists only because the gate was passed: never re-gated, e.g. after an
-    operator restart)."""
+def _to_probe(pods: "tuple[PodView, ...]", generation: int, status: Mapping[str, Any] | None = None) -> PodView | None:
+    """The generation's decode while its listener is still to be seen accepting: it runs, and the generation was not
+    Ready yet with its prefill Ready (prefill starts beside decode and pairs when the listener accepts, so its
+    readiness proves the listener; desired.recreate_state reads the result). The executor caches a decode seen
+    accepting, so each is probed until then, not after."""
     decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation), None)
-    gated = any(p.role == ROLE_PREFILL and p.generation == generation for p in pods)
-    return decode if decode is not None and decode.running and not gated else None
+    if decode is None or not decode.running:
+        return None
+    prefill = next((p for p in pods if p.role == ROLE_PREFILL and p.generation == generation), None)
+    if status is not None and d.was_ready(status, generation) and prefill is not None and prefill.ready:
+        return None
+    return decode
 
 
 def listener_probes(status: Mapping[str, Any] | None, pods: "tuple[PodView, ...]") -> ListenerProbes:
@@ -87,8 +92,8 @@ def listener_probes(status: Mapping[str, Any] | None, pods: "tuple[PodView, ...]
     active = rollout.active_rollout(status)
     new_decode = None
     if active and active.get("phase") == rollout.PHASE_PROGRESSING:
-        new_decode = _gate_open(pods, int(active["toGeneration"]))
-    return ListenerProbes(_gate_open(pods, rollout.serving_generation(status, pods)), new_decode)
+        new_decode = _to_probe(pods, int(active["toGeneration"]))
+    return ListenerProbes(_to_probe(pods, rollout.serving_generation(status, pods), status), new_decode)
 
 
 def service_generation(status: Mapping[str, Any] | None) -> int | None:

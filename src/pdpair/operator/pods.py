@@ -43,6 +43,7 @@ from pdpair.contract import (
     PURPOSE_HTTP,
     PURPOSE_METRICS,
     PURPOSE_SIDECHANNEL,
+    READYZ_PATH,
     ROLE_DECODE,
     ROLE_PREFILL,
     ROLE_ROUTER,
@@ -215,10 +216,15 @@ def _merge_env(user: list[Mapping[str, Any]], ours: list[dict[str, str]]) -> lis
     return [dict(e) for e in user if e.get("name") not in owned] + ours
 
 
-def _default_probes(container: dict[str, Any], startup_timeout: int) -> None:
-    """readinessProbe and startupProbe on the container's http port, unless the template brought its own."""
+def _default_probes(container: dict[str, Any], startup_timeout: int, role: str) -> None:
+    """readinessProbe and startupProbe, unless the template brought its own. The startup probe is the engine's
+    /health on its http port. Readiness: decode's is the same; prefill's is the connector's /readyz on the metrics
+    port (every rank paired with decode, and the engine's /health), because prefill starts beside decode and pairs
+    only once decode's listener accepts: a prefill that serves but is not paired yet must not make the pair Ready."""
     action = {"httpGet": {"path": HEALTH_PATH, "port": HTTP_PORT_NAME, "scheme": "HTTP"}}
-    container.setdefault("readinessProbe", {**action, **READINESS_PROBE})
+    ready = ({"httpGet": {"path": READYZ_PATH, "port": METRICS_PORT_NAME, "scheme": "HTTP"}}
+             if role == ROLE_PREFILL else action)
+    container.setdefault("readinessProbe", {**ready, **READINESS_PROBE})
     container.setdefault("startupProbe", {
         **action,
         "periodSeconds": STARTUP_PERIOD_SECONDS,
@@ -320,7 +326,8 @@ def engine_pod(
     spec_hash: str,
     peer_host: str | None = None,
 ) -> dict[str, Any]:
-    """The decode or prefill pod. Prefill needs `peer_host`: decode's IP, whose listener was probed."""
+    """The decode or prefill pod. Prefill needs `peer_host`: decode's IP (decode runs; its listener may not accept
+    yet: prefill's connector retries until it does, and prefill's readiness waits for the pairing)."""
     if role not in KV_ROLE:
         raise ManifestError(f"engine role must be prefill or decode, got {role!r}")
     spec = pair["spec"]
@@ -370,7 +377,7 @@ def engine_pod(
     })
     if role_spec.get("resources"):
         container["resources"] = copy.deepcopy(role_spec["resources"])
-    _default_probes(container, spec_fields.startup_timeout_seconds(spec))
+    _default_probes(container, spec_fields.startup_timeout_seconds(spec), role)
     for key in SCHEDULING_FIELDS:
         if role_spec.get(key):
             pod["spec"][key] = copy.deepcopy(role_spec[key])

@@ -182,26 +182,39 @@ def test_prefill_notices_a_decode_that_went_away_before_its_serve_loop_started(m
         prefill.stop()
 
 
+def paired_within(accounts: SignalAccounts, want: bool, seconds: float = 5.0) -> bool:
+    """The pairing state prefill's readiness (/readyz) reads, as it settles after `connected` flips."""
+    deadline = time.monotonic() + seconds
+    while accounts.paired != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return accounts.paired == want and accounts.registry.get_sample_value(
+        "pdpair_peer_paired", {"role": "prefill", "rank": "0"}) == float(want)
+
+
 def test_prefill_pairs_again_with_a_restarted_decode():
+    """Also the pairing state prefill's readiness reads: 0 before, 1 while paired, 0 when decode went, 1 again."""
     port = free_port()
     prefill_side = Side(3.0)
     prefill, prefill_accounts = make_prefill(port, prefill_side)
     first, _ = make_decode(port, Side(0.0))
+    assert paired_within(prefill_accounts, False, 0)
     first.start_and_wait()
     prefill.start()
     try:
-        assert prefill.connected.wait(15)
+        assert prefill.connected.wait(15) and paired_within(prefill_accounts, True)
         old_comm = prefill.comm
         first.stop()  # decode's process restarts (same generation, same port)
         deadline = time.monotonic() + 10
         while prefill.connected.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not prefill.connected.is_set(), "prefill must notice that decode went away"
+        assert paired_within(prefill_accounts, False)
         second_side = Side(0.0)
         second, _ = make_decode(port, second_side)
         second.start_and_wait()
         try:
             assert prefill.connected.wait(20) and second.connected.wait(5)
+            assert paired_within(prefill_accounts, True)
             assert prefill.comm is not old_comm
             assert handshakes(prefill_accounts, "ok") == 2
             slot = 1

@@ -26,22 +26,29 @@ CASES = [
     ("decode pending", {"pairGeneration": 1},
      Observed((pod("decode", phase="Pending", scheduled=False),), ports_complete=True),
      d.STEP_WAIT_DECODE_RUNNING, None, (), "DecodeStarting"),
-    ("decode runs, not listening", {"pairGeneration": 1},
-     Observed((pod("decode"),), ports_complete=True, decode_listening=False),
-     d.STEP_WAIT_LISTENER, None, (), "DecodeStarting"),
+    ("decode runs, not listening yet: prefill is created beside it", {"pairGeneration": 1},
+     Observed((pod("decode", ready=False),), ports_complete=True, decode_listening=False),
+     d.STEP_CREATE_PREFILL, "prefill", (), "PrefillStarting"),
     ("decode listens", {"pairGeneration": 1},
      Observed((pod("decode"),), ports_complete=True, decode_listening=True),
      d.STEP_CREATE_PREFILL, "prefill", (), "PrefillStarting"),
+    ("prefill not ready (not paired yet), decode not listening", {"pairGeneration": 1},
+     Observed((pod("decode", ready=False), pod("prefill", ready=False)), ports_complete=True, decode_listening=False),
+     d.STEP_WAIT_PREFILL_READY, None, (), "PrefillStarting"),
     ("prefill not ready", {"pairGeneration": 1},
      Observed((pod("decode"), pod("prefill", ready=False)), ports_complete=True, decode_listening=True),
      d.STEP_WAIT_PREFILL_READY, None, (), "PrefillStarting"),
+    ("both Ready but the operator has not seen the listener accept: no router, no Ready", {"pairGeneration": 1},
+     Observed((pod("decode"), pod("prefill")), ports_complete=True, decode_listening=False),
+     d.STEP_WAIT_LISTENER, None, (), "PrefillStarting"),
     ("prefill ready, decode listens but is not Ready (still loading): no router, no Ready", {"pairGeneration": 1},
      Observed((pod("decode", ready=False), pod("prefill")), ports_complete=True, decode_listening=True),
      d.STEP_WAIT_DECODE_READY, None, (), "PrefillStarting"),
     ("router missing", {"pairGeneration": 1},
      Observed((pod("decode"), pod("prefill")), ports_complete=True, decode_listening=True),
      d.STEP_CREATE_ROUTER, "router", (), "PrefillStarting"),
-    ("prefill exists: the gate was passed, no re-probe (operator restart)", {"pairGeneration": 1},
+    ("a Ready generation stays Ready when a later probe fails (operator restart, loaded box)",
+     {"pairGeneration": 1, "phase": "Ready"},
      Observed((pod("decode"), pod("prefill"), pod("router")), ports_complete=True, decode_listening=False),
      d.STEP_READY, None, (), "Ready"),
     ("all ready", {"pairGeneration": 1},
@@ -74,12 +81,15 @@ def test_next_step(name, status, observed, step, create, delete, phase):
     assert (plan.step, plan.create, plan.delete, plan.phase) == (step, create, delete, phase)
 
 
-def test_prefill_never_created_before_listener():
-    # Whatever else holds, no plan creates prefill while decode does not accept.
-    for decode in (None, pod("decode", phase="Pending"), pod("decode")):
+def test_prefill_is_created_once_decode_runs_and_never_before():
+    """Parallel start: prefill needs decode's address (its IP, known once decode runs), not its listener; the
+    pairing order is the connector's (prefill retries until decode accepts) and prefill's readiness waits for it."""
+    for decode in (None, pod("decode", phase="Pending", scheduled=False), pod("decode", phase="Pending")):
         pods = (decode,) if decode else ()
         plan = next_step(SPEC, {"pairGeneration": 1}, Observed(pods, ports_complete=True, decode_listening=False))
         assert plan.create != "prefill"
+    plan = next_step(SPEC, {"pairGeneration": 1}, Observed((pod("decode", ready=False),), ports_complete=True))
+    assert plan.create == "prefill" and plan.probe_decode
 
 
 def test_spec_change_bumps_generation_and_replaces_in_order():
@@ -110,11 +120,13 @@ def test_fresh_pair_reaches_ready_decode_first():
     assert world.status["pairGeneration"] == 1
 
 
-def test_gate_holds_until_listening():
-    world = SimWorld({**SPEC, "router": {"enabled": False}}, listening=lambda p: False)
+def test_ready_waits_for_the_listener_the_operator_saw():
+    """Both engines start at once, but the pair is not Ready (and gets no router) until the operator's own probe
+    saw decode's listener accept on every rank."""
+    world = SimWorld(SPEC, listening=lambda p: False)
     plans = simulate_until_ready(world)
-    assert plans[-1].step == d.STEP_WAIT_LISTENER
-    assert not any(p.role == "prefill" for p in world.pods.values())
+    assert plans[-1].step == d.STEP_WAIT_LISTENER and plans[-1].probe_decode
+    assert {p.role for p in world.pods.values()} == {"decode", "prefill"}
 
 
 def test_restart_request_replaces_in_order():

@@ -142,17 +142,19 @@ def test_lease_steps_keep_generations_apart_and_never_move_ports_under_a_pod(pha
         assert all(p.spec_hash == spec_fingerprint(spec) for p in views)
 
 
-def test_listener_probes_name_each_generations_decode_until_its_prefill_exists():
-    """planner.listener_probes: the serving decode is probed while no prefill of its generation exists; a Progressing
-    rollout's new decode likewise; a decode that does not run yet, or one whose gate was passed, is not probed."""
+def test_listener_probes_name_each_generations_decode_until_it_was_seen_serving():
+    """planner.listener_probes: a running decode is probed (prefill or not: both start at once) until its generation
+    was Ready with a Ready prefill (paired, so the listener accepted); a Progressing rollout's new decode likewise;
+    a decode that does not run yet is not probed."""
     pending_decode = PodView("p-decode-g1", ROLE_DECODE, 1, spec_fingerprint(V1), "Pending", uid="u")
     assert planner.listener_probes({"pairGeneration": 1}, (pending_decode,)).serving is None
     decode = pod(ROLE_DECODE, 1, V1)
     assert planner.listener_probes({"pairGeneration": 1}, (decode,)).serving == decode
-    assert planner.listener_probes({"pairGeneration": 1}, pair(1, V1)).serving is None  # gate passed
+    assert planner.listener_probes({"pairGeneration": 1}, pair(1, V1)).serving == decode  # prefill exists: still
+    assert planner.listener_probes({"pairGeneration": 1, "phase": "Ready"}, pair(1, V1)).serving is None
     status = rollout_status(r.PHASE_PROGRESSING)
     new_decode = pod(ROLE_DECODE, 2, V2)
-    probes = planner.listener_probes(status, pair(1, V1) + (new_decode,))
+    probes = planner.listener_probes({**status, "phase": "Ready"}, pair(1, V1) + (new_decode, pod(ROLE_PREFILL, 2, V2)))
     assert probes.serving is None and probes.rollout == new_decode
     assert planner.listener_probes(rollout_status(r.PHASE_ROLLING_BACK), pair(1, V1) + (new_decode,)).rollout is None
 

@@ -189,6 +189,9 @@ class World:
             hit = [n for n in plan.delete if n in self.pods and self.pods[n].generation == serving]
             if hit:
                 raise Violation(f"a {active['phase']} rollout deleted serving generation {serving}'s pods {hit}")
+        was_ready = self.status.get("phase") == "Ready" and self.status.get("pairGeneration") == plan.pair_generation
+        if plan.step == d.STEP_READY and not was_ready and not self.listening(plan.pair_generation):
+            raise Violation(f"generation {plan.pair_generation} Ready before the operator saw its decode listen")
         if decided.restart is not None:
             self.health = None
             if decided.restart.counted:
@@ -221,10 +224,10 @@ class World:
         twins = [p.name for p in self.pods.values() if p.role == role and p.generation == gen]
         if twins:
             raise Violation(f"second {role} pod for generation {gen} while {twins} exist")
-        if role == ROLE_PREFILL:
+        if role == ROLE_PREFILL:  # parallel start: decode's address (it runs), not its listener
             decode = next((p for p in obs.pods if p.role == ROLE_DECODE and p.generation == gen), None)
-            if decode is None or not decode.running or decode.name not in self.accepting:
-                raise Violation(f"prefill of generation {gen} created without a listening decode ({decode})")
+            if decode is None or not decode.running:
+                raise Violation(f"prefill of generation {gen} created before its decode runs ({decode})")
         name = f"p-{role}-{gen}-{self.creates}"
         self.creates += 1
         self.pod_slots[name] = plan.create_slot or rollout.serving_slot(self.status)
@@ -291,7 +294,7 @@ def apply_event(world: World, event) -> None:
                 world.pods[name] = _with(p, scheduled=True)
             elif p.phase == "Pending":
                 world.pods[name] = _with(p, phase="Running", ip="10.0.0.2")
-            else:
+            elif p.role != ROLE_PREFILL or world.listening(p.generation):  # prefill's /readyz: paired
                 world.pods[name] = _with(p, ready=True)
     elif kind == "listen":  # every running decode accepts
         world.accepting |= {p.name for p in world.pods.values() if p.role == ROLE_DECODE and p.running}

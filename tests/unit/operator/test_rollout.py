@@ -282,11 +282,17 @@ def test_no_room_for_a_second_port_set_fails_the_rollout():
     assert "no 1 free port(s)" in plan.status_fields["failedRollout"]["reason"]
 
 
-def test_the_new_decode_waits_for_its_listener_before_prefill():
+def test_the_new_prefill_starts_beside_the_new_decode_and_the_switch_waits_for_its_listener():
+    """Parallel start in a Surge rollout: the new prefill is created once the new decode runs; the new generation
+    does not take over until the operator saw the new decode's listener accept."""
     world = World(SURGE_V2, pods={p.name: p for p in serving(1)})
     world.run(lambda plan, w: "p-decode-g2" in w.pods)
     plan = next_step(world.spec, world.status, replace(world.observe(), rollout_decode_listening=False), world.now)
-    assert plan.step == d.STEP_WAIT_LISTENER and plan.probe_decode and plan.create is None
+    assert plan.create == ROLE_PREFILL and plan.create_generation == 2 and plan.probe_decode
+    for role in (ROLE_PREFILL, ROLE_ROUTER):
+        world.pods[f"p-{role}-g2"] = pod(role, 2, SURGE_V2)
+    plan = next_step(world.spec, world.status, replace(world.observe(), rollout_decode_listening=False), world.now)
+    assert plan.step == d.STEP_WAIT_LISTENER and plan.probe_decode and not plan.switch_ports
 
 
 def test_a_new_pod_the_api_server_refuses_fails_the_rollout():

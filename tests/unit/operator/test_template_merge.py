@@ -240,6 +240,15 @@ def test_default_probes_hit_health_on_the_http_port():
     assert startup["periodSeconds"] * startup["failureThreshold"] == 1800  # the 30-minute default window
 
 
+def test_prefill_is_ready_once_paired_through_the_connectors_readyz():
+    """Prefill starts beside decode and pairs when decode's listener accepts: its readiness is the connector's
+    /readyz on the metrics port (paired on every rank, engine serving); its startup probe stays vLLM's /health."""
+    engine = container(build(pair(), "prefill"), ENGINE_CONTAINER)
+    assert engine["readinessProbe"]["httpGet"] == {"path": c.READYZ_PATH, "port": c.METRICS_PORT_NAME, "scheme": "HTTP"}
+    assert engine["startupProbe"]["httpGet"] == {"path": "/health", "port": c.HTTP_PORT_NAME, "scheme": "HTTP"}
+    assert c.METRICS_PORT_NAME in {p["name"] for p in engine["ports"]}
+
+
 @pytest.mark.parametrize("seconds", [60, 95, 7200])
 def test_startup_window_follows_the_spec(seconds):
     startup = container(build(pair(startupTimeoutSeconds=seconds)), ENGINE_CONTAINER)["startupProbe"]
