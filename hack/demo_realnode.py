@@ -2,10 +2,13 @@
 """The demo on real nodes (`bash hack/demo.sh`): two Kubernetes nodes (kubelet, containerd, runc, CNI, kube-proxy)
 in network namespaces of their own, the operator installed with `helm install` from the image built here, an
 InferencePair whose prefill (node n1) and decode (node n2) run vLLM from the engine image, a completion sent to
-the pair's Service from inside the cluster network, a timeline, and a full teardown.
+the pair's Service from inside the cluster network, then a single engine pod (no connector) of the same image and
+model beside it, the same prompt to both, a timeline, and a full teardown.
 
-No stand-in anywhere: decode's KV listener is the real connector's, and the operator starts prefill only once that
-listener accepts (the timeline shows it). Everything is built or reused from caches first (devcluster/).
+No stand-in anywhere: decode's KV listener is the real connector's. The operator creates prefill as soon as decode
+runs, so both engines load at once; prefill pairs once decode's listener accepts, and the pair is Ready once the
+operator saw that listener (the timeline shows each step). The single engine's apply-to-first-token is the yardstick
+of the pair's. Everything is built or reused from caches first (devcluster/).
 """
 from __future__ import annotations
 
@@ -27,10 +30,12 @@ from devcluster.images import engine_image, operator_image  # noqa: E402
 from devcluster.build import build_node  # noqa: E402
 from devcluster.realnode import RealNodeCluster  # noqa: E402
 from devcluster.product import (  # noqa: E402
-    OPERATOR_NS, RELEASE, build_model, completion, install_operator, operator_logs, pair_manifest,
+    ENGINE_START_TIMEOUT, OPERATOR_NS, RELEASE, baseline_pod, build_model, completion, install_operator, operator_logs,
+    pair_manifest,
 )
 
 PAIR, NAMESPACE = "tiny-tcp", "default"
+SINGLE = "single-engine"  # one plain engine pod (no connector), the yardstick
 PROMPT = "Kubernetes runs pods;"
 
 
@@ -69,10 +74,12 @@ def watch_pods(core, timeline: Timeline, stop: threading.Event) -> None:
     state: dict[str, tuple] = {}
     while not stop.is_set():
         try:
-            for ev in watch.Watch().stream(core.list_namespaced_pod, NAMESPACE, label_selector=f"{LABEL_PAIR}={PAIR}",
-                                           timeout_seconds=5):
+            for ev in watch.Watch().stream(core.list_namespaced_pod, NAMESPACE, timeout_seconds=5):
                 pod = ev["object"]
-                name, role = pod.metadata.name, (pod.metadata.labels or {}).get(LABEL_ROLE)
+                labels = pod.metadata.labels or {}
+                if labels.get(LABEL_PAIR) != PAIR and pod.metadata.name != SINGLE:
+                    continue
+                name, role = pod.metadata.name, labels.get(LABEL_ROLE, "single engine, no connector")
                 ready = any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
                 now = (ev["type"], pod.status.phase, ready, pod.spec.node_name)
                 if ev["type"] == "DELETED":
@@ -142,8 +149,28 @@ def main() -> int:
                 ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
                 say(f"sending a completion to Service {PAIR} ({ip}:{port}) from inside node n1's network")
                 answer = completion(cluster, "n1", ip, port, PROMPT)
-                say(f"first token after {time.monotonic() - applied:.1f}s; answer to {PROMPT!r}: {answer!r}")
+                pair_seconds = time.monotonic() - applied
+                say(f"pair: first answer {pair_seconds:.1f}s after kubectl apply: {answer!r}")
+                say("(the tiny test model's weights are random, so its words are nonsense by design: what shows the KV "
+                    "moved right is that the pair answers exactly as one engine does, greedy, same model)")
+                single = baseline_pod(SINGLE, NAMESPACE, engine.ref, model, "n1")
+                cluster.kubectl("apply", "-f", "-", input=json.dumps(single))
+                single_applied = time.monotonic()
+                say(f"kubectl apply: Pod {NAMESPACE}/{SINGLE}, one engine without a connector, same image and model, n1")
+                cluster.kubectl("wait", "-n", NAMESPACE, "--for=condition=Ready", f"pod/{SINGLE}",
+                                f"--timeout={int(ENGINE_START_TIMEOUT)}s", timeout=ENGINE_START_TIMEOUT + 30)
+                single_ip = json.loads(cluster.kubectl("get", "pod", SINGLE, "-n", NAMESPACE, "-o", "json").stdout
+                                       )["status"]["podIP"]
+                single_answer = completion(cluster, "n1", single_ip, 8000, PROMPT)
+                single_seconds = time.monotonic() - single_applied
+                say(f"single engine: first answer {single_seconds:.1f}s after kubectl apply: {single_answer!r}")
+                say(f"the pair's answer {'EQUALS' if answer == single_answer else 'DIFFERS FROM'} the single engine's; "
+                    f"apply to first answer: pair {pair_seconds:.1f}s, single engine {single_seconds:.1f}s "
+                    f"(ratio {pair_seconds / single_seconds:.2f}; load average {' '.join(f'{x:.1f}' for x in __import__('os').getloadavg())})")
                 time.sleep(0.5)  # let the watchers print the last changes
+                cluster.kubectl("delete", "pod", SINGLE, "-n", NAMESPACE, "--wait=true", "--timeout=60s", timeout=90)
+                if answer != single_answer:
+                    return 1
                 say("cleaning up: delete the pair, helm uninstall, stop the nodes and the control plane")
                 cluster.kubectl("delete", f"{PLURAL}.{GROUP}", PAIR, "-n", NAMESPACE, "--wait=true",
                                 "--timeout=120s", timeout=150)
