@@ -3,7 +3,8 @@
 ServiceAccount, and examples/inferencepair.yaml walking through its phases to Ready. Then everything is cleaned up.
 
 No engine runs on kwok's fake nodes, so nothing would ever listen on decode's side-channel port. The demo opens that
-listener itself (a plain TCP socket on 127.0.0.1) to show the gate opening, and says so when it does.
+listener itself (a plain TCP socket on 127.0.0.1) to show the pair held back until it listens (prefill is created
+beside the running decode, but no router and no Ready), and says so when it does.
 """
 
 from __future__ import annotations
@@ -114,14 +115,15 @@ def main() -> int:
                     stop_printing.set()
                     break
                 side = [p["port"] for p in status.get("ports") or [] if p.get("name") == "decode-sidechannel-0"]
-                decode_running = phase == "DecodeStarting" and "does not accept" in (message or "")
-                if listener is None and side and decode_running:
+                waiting = phase in ("DecodeStarting", "PrefillStarting") and "does not accept" in (message or "")
+                if listener is None and side and waiting:
                     gate_seen = gate_seen or time.monotonic()
                     if time.monotonic() - gate_seen >= GATE_HOLD_SECONDS:
                         pods = [p.metadata.name for p in core.list_namespaced_pod(
                             ns, label_selector=f"{LABEL_PAIR_UID}={pair['metadata']['uid']}").items]
-                        say(f"gate closed for {GATE_HOLD_SECONDS:.0f}s: pods are {pods}, no prefill while nothing "
-                            f"listens on decode's side-channel port {side[0]}", started)
+                        say(f"held for {GATE_HOLD_SECONDS:.0f}s: pods are {pods} (prefill starts beside decode), no "
+                            f"router and no Ready while nothing listens on decode's side-channel port {side[0]}",
+                            started)
                         say("NOTE: no engine runs on kwok nodes, so the DEMO ITSELF now opens a TCP listener on "
                             f"127.0.0.1:{side[0]} standing in for decode's KV side channel", started)
                         listener = socket.socket()

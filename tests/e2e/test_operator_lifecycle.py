@@ -509,7 +509,8 @@ def test_tensor_parallel_change_releases_old_ports_after_old_pods(platform, clus
         assert len(side) == 2 and side[1] == side[0] + 1
         env = {e["name"]: e["value"] for e in decode["spec"]["containers"][0]["env"]}
         assert env[ENV_LISTEN_PORT_BASE] == str(side[0])
-        assert [p["metadata"]["name"] for p in api.pods(ns)] == ["tp-decode-g2"]  # g1 pods gone before g2
+        names = {p["metadata"]["name"] for p in api.pods(ns)}  # g1 pods gone before g2 (prefill g2 may run beside)
+        assert "tp-decode-g2" in names and names <= {"tp-decode-g2", "tp-prefill-g2"}, names
         check_leases_match_status(api, ns, 1, PORTS_PER_PAIR_NO_ROUTER + 2)
         print(f"\nTP 1 -> 2: ports {sorted(old_ports)} -> {sorted(p['port'] for p in pair['status']['ports'])}")
         cleanup_pairs(api, ns)

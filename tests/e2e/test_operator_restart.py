@@ -143,7 +143,10 @@ def test_hang_detected_and_pair_restarted_in_order(platform, cluster_namespace, 
             exporters.clear()
             wait_for(lambda: any(k == "create" and n == "hang-decode-g2" for _, k, n in recorder.events), 30,
                      "the new decode pod")
-            time.sleep(2.5)  # prefill g2 may start beside decode g2; generation 2 is not Ready before decode listens
+            # Parallel start: prefill g2 comes beside decode g2, before its listener opens...
+            wait_for(lambda: any(k == "create" and n == "hang-prefill-g2" for _, k, n in recorder.events), 30,
+                     "prefill g2 beside the not yet listening decode g2")
+            time.sleep(2.5)  # ...and generation 2 is not Ready while decode g2 does not listen
             assert (api.pair(ns, "hang").get("status") or {}).get("phase") != "Ready", \
                 "generation 2 Ready before decode g2 listened"
             exporters += [Exporter(ports[DECODE_METRICS], "decode", 2),
@@ -159,7 +162,7 @@ def test_hang_detected_and_pair_restarted_in_order(platform, cluster_namespace, 
             assert [o for o in order if not o.startswith("create hang-") or o.endswith("-g2")][:4] == [
                 "delete hang-prefill-g1", "delete hang-decode-g1", "create hang-decode-g2", "create hang-prefill-g2"]
             prefill_created = next(t for t, k, n in recorder.events if k == "create" and n == "hang-prefill-g2")
-            assert prefill_created >= opened
+            assert prefill_created <= opened, "prefill g2 waited for decode g2's listener (no parallel start)"
             status = recovered["status"]
             assert status["restarts"] == 1 and "hung" in status["lastRestart"]["reason"]
             events = [e for e in api.events(ns) if e.involved_object.kind == KIND]

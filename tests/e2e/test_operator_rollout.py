@@ -143,12 +143,14 @@ def test_surge_rollout_switches_the_service_then_drains_the_old_generation(platf
             svc = wait_for(lambda: (lambda s: s if (s.spec.selector or {}).get(LABEL_GENERATION) == "1" else None)(
                 service_of(api, ns, "surge")), 30, "the Service pinned to generation 1")
 
-            # The new decode waits for its listener (on the new port set); the old pods stay meanwhile.
+            # The new decode runs and the new prefill starts beside it; the switch waits for the new decode's
+            # listener (on the new port set); the old pods stay meanwhile.
             wait_for(lambda: any(p["metadata"]["name"] == "surge-decode-g2" and p["status"].get("pod_ip")
                                  for p in api.pods(ns)), 60, "the new decode running")
             # status.rollout.pods is written by a later pass than the one that created the pod: wait for it
-            mid = wait_for(lambda: (lambda p: p if (p["status"].get("rollout") or {}).get("pods") == ["surge-decode-g2"]
-                                    else None)(api.pair(ns, "surge")), 30, "status.rollout.pods naming the new decode")
+            mid = wait_for(lambda: (lambda p: p if (p["status"].get("rollout") or {}).get("pods")
+                                    == ["surge-decode-g2", "surge-prefill-g2"] else None)(api.pair(ns, "surge")), 30,
+                           "status.rollout.pods naming the new decode and the new prefill beside it")
             assert mid["status"]["pairGeneration"] == 1 and mid["status"]["phase"] == "Ready"
             assert {p["metadata"]["name"] for p in api.pods(ns)} >= {"surge-decode-g1", "surge-prefill-g1",
                                                                      "surge-router-g1"}
@@ -258,7 +260,9 @@ def test_a_failing_new_generation_is_rolled_back_and_the_old_one_keeps_serving(p
         listeners = []
         deleted = [o for o in recorder.order() if o.startswith("delete ")]
         print(f"\nrollback order: {', '.join(recorder.order())}")
-        assert deleted == ["delete back-decode-g2"]  # only the new generation's pod; the old one was never touched
+        # only the new generation's pods (its prefill, when it started beside the failing decode, then its decode);
+        # the old generation was never touched
+        assert deleted in (["delete back-decode-g2"], ["delete back-prefill-g2", "delete back-decode-g2"]), deleted
         events = collections.Counter(e.reason for e in api.events(ns) if e.involved_object.kind == KIND)
         assert events["RolloutFailed"] >= 1 and events["RolloutRolledBack"] >= 1
         assert decode["metadata"]["labels"][LABEL_GENERATION] == "2"
