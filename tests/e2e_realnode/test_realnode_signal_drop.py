@@ -160,8 +160,12 @@ def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order
     when = {s: (t, rv) for t, rv, s in steps}
     listening = listening_since(pairs.events, g1 + 1)
     assert listening is not None, f"no pair status with DecodeListening True for generation {g1 + 1}"
-    assert when[f"create {decode_g2}"][1] < listening[1] < when[f"create {prefill_g2}"][1], \
-        (when, listening)
+    # Parallel start: prefill g2 is created once decode g2 runs (beside it, while it loads); generation g1 + 1 was
+    # Ready only after the operator saw decode g2 listen.
+    ready_rv = next(rv for _, rv, _, p in pairs.events if (p.get("status") or {}).get("phase") == "Ready"
+                    and int(p["status"].get("pairGeneration") or 0) == g1 + 1)
+    assert when[f"create {decode_g2}"][1] < when[f"create {prefill_g2}"][1], when
+    assert when[f"create {decode_g2}"][1] < listening[1] <= ready_rv, (when, listening, ready_rv)
 
     status = pair()["status"]
     assert status["restarts"] == restarts_before + 1 and "hung" in status["lastRestart"]["reason"], status
@@ -180,8 +184,8 @@ def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order
           f"-> operator's first deletion (restart decision) {t_delete - t_knob:.1f}s; "
           f"restart: first deletion -> decode g1 deleted {when[f'delete {decode_g1}'][0] - t_delete:.1f}s, "
           f"-> decode g2 created {when[f'create {decode_g2}'][0] - t_delete:.1f}s, "
-          f"-> decode g2 listening {listening[0] - t_delete:.1f}s, "
-          f"-> prefill g2 created {when[f'create {prefill_g2}'][0] - t_delete:.1f}s; "
+          f"-> prefill g2 created {when[f'create {prefill_g2}'][0] - t_delete:.1f}s, "
+          f"-> decode g2 listening {listening[0] - t_delete:.1f}s; "
           f"-> Ready again {t_ready - t_knob:.1f}s; -> first token again {t_first_token - t_knob:.1f}s; "
           f"the stuck request: {stuck or 'still open'}")
 
