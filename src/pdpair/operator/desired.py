@@ -241,7 +241,7 @@ def recreate_state(
         )
     # The listener, as the operator's probe saw it; a generation that was Ready already passed it (a probe that
     # fails later, e.g. on a loaded operator after its restart, does not take a serving pair out of Ready).
-    listened = observed.decode_listening or (was_ready(status, generation) and prefill is not None and prefill.ready)
+    listened = observed.decode_listening or listener_proven(status, generation, prefill)
     if listened:
         listening = _listening(TRUE, "Accepting", (observed.probe_message if observed.decode_listening else "")
                                or f"decode {decode.ip} accepted on every rank")
@@ -318,9 +318,12 @@ def _restarting(status: Mapping[str, Any]) -> bool:
     return status.get("phase") == PHASE_RESTARTING
 
 
-def was_ready(status: Mapping[str, Any], generation: int) -> bool:
-    """status says this generation was Ready (the serving one keeps phase Ready during a Surge rollout)."""
-    return status.get("phase") == PHASE_READY and int(status.get("pairGeneration") or 0) == generation
+def listener_proven(status: Mapping[str, Any], generation: int, prefill: PodView | None) -> bool:
+    """The generation was Ready (status says so; the serving one keeps phase Ready during a Surge rollout) and its
+    prefill is Ready: a Ready prefill is a paired one (its /readyz), so decode's listener accepted, whatever a later
+    probe says. The one statement of that rule: recreate_state reads it, planner.listener_probes skips the probe."""
+    return (status.get("phase") == PHASE_READY and int(status.get("pairGeneration") or 0) == generation
+            and prefill is not None and prefill.ready)
 
 
 @dataclass(frozen=True)

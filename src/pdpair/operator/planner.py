@@ -82,7 +82,7 @@ def _to_probe(pods: "tuple[PodView, ...]", generation: int, status: Mapping[str,
     if decode is None or not decode.running:
         return None
     prefill = next((p for p in pods if p.role == ROLE_PREFILL and p.generation == generation), None)
-    if status is not None and d.was_ready(status, generation) and prefill is not None and prefill.ready:
+    if status is not None and d.listener_proven(status, generation, prefill):
         return None
     return decode
 
