@@ -191,7 +191,10 @@ def test_delete_pairs_removes_pods_and_leases(platform, cluster_namespace, tmp_p
     with operator(platform, ns, pool_of_free_ports(60), tmp_path):
         for i in range(5):
             api.create_pair(ns, f"d{i}")
-        wait_for(lambda: len([p for p in api.pods(ns) if p["status"].get("phase") == "Running"]) == 5, 60,
+        # Counts decode pods only: with the parallel start each prefill is created as soon as its decode runs, so
+        # "exactly 5 pods Running" could be skipped over between two polls (it was, on a loaded CI run).
+        wait_for(lambda: len([p for p in api.pods(ns) if p["status"].get("phase") == "Running"
+                              and p["metadata"]["labels"].get(LABEL_ROLE) == ROLE_DECODE]) == 5, 120,
                  "5 decode pods running")
         assert len(api.leases(ns)) == 5 * PORTS_PER_PAIR_NO_ROUTER
         for i in range(5):
