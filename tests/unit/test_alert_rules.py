@@ -83,6 +83,8 @@ def test_values_shape_the_rendered_rules(tmp_path):
         "monitoring.prometheusRule.alerts.portPoolLow.enabled=false",
         "monitoring.prometheusRule.alerts.restartLoop.restarts=7",
         "monitoring.prometheusRule.alerts.restartLoop.window=2h",
+        "monitoring.prometheusRule.alerts.nodeLost.window=1h",
+        "monitoring.prometheusRule.alerts.nodeLost.severity=critical",
         "monitoring.prometheusRule.additionalLabels.team=serving",
     )
     proc = promtool("check", "rules", "rules.yaml", cwd=tmp_path)
@@ -93,4 +95,7 @@ def test_values_shape_the_rendered_rules(tmp_path):
     assert contract.ALERT_PORT_POOL_LOW not in alerts
     assert alerts[contract.ALERT_SIGNAL_DEFICIT]["for"] == "5s"
     assert "[2h])) >= 7" in alerts[contract.ALERT_RESTART_LOOP]["expr"]
+    assert '{reason="node_lost"}[1h])) > 0' in alerts[contract.ALERT_NODE_LOST]["expr"]
+    assert alerts[contract.ALERT_NODE_LOST]["labels"]["severity"] == "critical"
+    assert "in the last 1h" in alerts[contract.ALERT_NODE_LOST]["annotations"]["description"]
     assert all(a["labels"]["team"] == "serving" and a["labels"]["severity"] for a in alerts.values())

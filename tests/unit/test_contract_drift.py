@@ -10,6 +10,7 @@ import promql_parser
 import pytest
 
 from pdpair import contract
+from pdpair.operator.health import RESTART_REASONS  # the `reason` label values of pdpair_operator_pair_restarts_total
 from tests.monitoring_support import DASHBOARD, alert_rules, one, render, rules_from_chart
 
 # Labels Prometheus adds to every pod series: prometheus-operator (namespace, pod, ...), the scrape (job, instance)
@@ -17,7 +18,8 @@ from tests.monitoring_support import DASHBOARD, alert_rules, one, render, rules_
 TARGET_LABELS = {"namespace", "pod", "container", "endpoint", "service", "job", "instance", "pair"}
 SERIES = {series: metric for metric in contract.ALL_METRICS for series in metric.series_names}
 LABEL_VALUES = {"phase": set(contract.PHASES), "outcome": {contract.OUTCOME_OK, contract.OUTCOME_TIMEOUT,
-                                                           contract.OUTCOME_ERROR}, "role": set(contract.ROLES)}
+                                                           contract.OUTCOME_ERROR}, "role": set(contract.ROLES),
+                "reason": set(RESTART_REASONS)}
 # Grafana variables, replaced by a value of the same shape before parsing.
 GRAFANA_VARS = {"$__rate_interval": "5m", "$__range": "1h", "$__interval": "1m", "$namespace": ".*", "$pair": ".*"}
 
@@ -93,6 +95,8 @@ def test_the_checker_catches_drift():
     assert problems_in('pdpair_signal_deficit{gpu="0"}')  # label the metric does not have
     assert problems_in('pdpair_operator_pair_phase{phase="Runing"}')  # not a phase
     assert problems_in('pdpair_kv_transfers_total{outcome!="fine"}')
+    assert problems_in('pdpair_operator_pair_restarts_total{reason="node_gone"}')  # not a restart reason
+    assert problems_in('pdpair_operator_pair_restarts_total{reason="node_lost"}') == []
     assert problems_in("sum by (gpu) (pdpair_signal_deficit)")  # grouping by a label nobody has
     assert problems_in("pdpair_signal_deficit > on (gpu) pdpair_hang_timeout_seconds")
     assert problems_in('{__name__="pdpair_signal_deficit"}')  # a selector without a literal name

@@ -101,6 +101,7 @@ def test_dashboard_json_is_a_grafana_dashboard():
         (["monitoring.prometheusRule.alerts.notReady.severity=page"], "notReady/severity"),
         (["monitoring.prometheusRule.alerts.portPoolLow.freeRatio=2"], "portPoolLow/freeRatio"),
         (["monitoring.prometheusRule.alerts.restartLoop.restarts=0"], "restartLoop/restarts"),
+        (["monitoring.prometheusRule.alerts.nodeLost.window=15"], "nodeLost/window"),
         (["monitoring.prometheusRule.additionalLabels.severity=page"], "additionalLabels"),
         (["monitoring.prometheusRule.alerts.bogus.enabled=true"], "bogus"),
         (["monitoring.podmonitor.enabled=true"], "podmonitor"),

@@ -62,8 +62,9 @@ COND_PREFILL_READY = "PrefillReady"
 COND_READY = "Ready"
 COND_SIGNALS_HEALTHY = "SignalsHealthy"
 COND_PROGRESSING = "Progressing"  # a Surge rollout: the new generation comes up beside the serving one
+COND_NODE_LOST = "NodeLost"  # True while a pod of the pair sits on a lost node (it names the node and the pods)
 CONDITIONS = (COND_PORTS_LEASED, COND_DECODE_LISTENING, COND_PREFILL_READY, COND_READY, COND_SIGNALS_HEALTHY,
-              COND_PROGRESSING)
+              COND_PROGRESSING, COND_NODE_LOST)
 
 # spec.rolloutStrategy
 ROLLOUT_RECREATE = "Recreate"
@@ -108,6 +109,14 @@ LABEL_PORT_QUARANTINE = "pdpair.io/port-quarantine"  # on a port Lease held for 
 QUARANTINE_HOLDER_PREFIX = "node-busy/"  # holderIdentity of such a Lease: node-busy/<node>
 ANNOTATION_QUARANTINE_NODE = "pdpair.io/busy-on-node"
 ANNOTATION_QUARANTINE_REASON = "pdpair.io/busy-reason"
+
+# --- a port fenced to a pod on a lost node (docs/design.md, "Lost nodes") ----------------------------------------
+# A pod whose node is lost (unreachable, or NotReady for longer than the operator's nodeLostSeconds) may still be
+# running and bound to its ports, however long the partition lasts. Its pair's leases of those ports become fence
+# Leases (LABEL_PORT_QUARANTINE too, so no pair leases them), held for exactly as long as that pod object exists: the
+# sweep releases one only once the pod named in ANNOTATION_FENCED_POD (namespace/name/uid) is gone. No TTL.
+FENCE_HOLDER_PREFIX = "node-lost/"  # holderIdentity of a fence Lease: node-lost/<node>
+ANNOTATION_FENCED_POD = "pdpair.io/fenced-pod"  # <namespace>/<name>/<uid> of the pod the port stays fenced to
 
 
 def ports_in_use_message(ports, detail: str = "") -> str:
@@ -321,6 +330,7 @@ ALERT_NOT_READY = "PdPairNotReady"
 ALERT_RESTART_BUDGET_EXHAUSTED = "PdPairRestartBudgetExhausted"
 ALERT_PORT_POOL_LOW = "PdPairPortPoolLow"
 ALERT_TRANSFER_ERRORS = "PdPairTransferErrors"
+ALERT_NODE_LOST = "PdPairNodeLost"
 ALERTS = (
     ALERT_SIGNAL_DEFICIT,
     ALERT_RESTART_LOOP,
@@ -328,6 +338,7 @@ ALERTS = (
     ALERT_RESTART_BUDGET_EXHAUSTED,
     ALERT_PORT_POOL_LOW,
     ALERT_TRANSFER_ERRORS,
+    ALERT_NODE_LOST,
 )
 
 

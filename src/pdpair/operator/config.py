@@ -29,6 +29,7 @@ ENV_HEALTH_INTERVAL = "PDPAIR_HEALTH_INTERVAL_SECONDS"
 ENV_API_TIMEOUT = "PDPAIR_API_TIMEOUT_SECONDS"
 ENV_POD_GONE_TIMEOUT = "PDPAIR_POD_GONE_TIMEOUT_SECONDS"
 ENV_BUSY_PORT_QUARANTINE = "PDPAIR_BUSY_PORT_QUARANTINE_SECONDS"
+ENV_NODE_LOST_SECONDS = "PDPAIR_NODE_LOST_SECONDS"
 ENV_LEADER_ELECT = "PDPAIR_LEADER_ELECT"
 ENV_LEADER_LEASE_NAME = "PDPAIR_LEADER_LEASE_NAME"
 ENV_LEADER_LEASE_DURATION = "PDPAIR_LEADER_LEASE_DURATION_SECONDS"
@@ -181,12 +182,19 @@ SETTINGS: tuple[Setting, ...] = (
             "this, connect = min(5, this); a timed-out call fails that pass, retried like any API error (kopf's "
             "watches have their own, in handlers.configure)", "operator.tuning.apiTimeoutSeconds"),
     Setting(ENV_POD_GONE_TIMEOUT, "pod_gone_timeout", 600.0, SECONDS,
-            "how long a deleted pair keeps its port leases while its pods terminate; then they are released with a "
-            "Warning Event naming the pods still there (docs/design.md, \"Port leases\")",
+            "how long a deleted pair keeps its port leases while its pods terminate; then the ports of pods still "
+            "there stay fenced to them and the rest are released, with a Warning Event naming those pods "
+            "(docs/design.md, \"Port leases\")",
             "operator.tuning.podGoneTimeoutSeconds"),
     Setting(ENV_BUSY_PORT_QUARANTINE, "busy_port_quarantine", 600, COUNT,
             "seconds a leased port found in use on a node (a process outside Kubernetes holds it) is kept from every "
             "pair (busy_ports.py)", "operator.tuning.busyPortQuarantineSeconds"),
+    Setting(ENV_NODE_LOST_SECONDS, "node_lost_seconds", 30.0, SECONDS,
+            "a pair pod's node whose Ready condition is False or Unknown this long counts as lost (at once when it "
+            "carries the node.kubernetes.io/unreachable taint): the pair is re-homed on Ready nodes and the pod's "
+            "ports stay fenced to it until it is gone (nodes.py; docs/design.md, \"Lost nodes\"). Long enough to "
+            "ride out a kubelet restart, far below the 300 s after which the cluster would evict the pods",
+            "operator.tuning.nodeLostSeconds"),
     Setting(ENV_LEADER_ELECT, "leader_elect", False, BOOL,
             "campaign for the leader Lease before acting (docs/design.md, \"Operator high availability\")",
             "operator.leaderElection.enabled"),
@@ -236,6 +244,7 @@ class OperatorConfig:
     leader_renew_deadline: float = _default("leader_renew_deadline")
     leader_retry_period: float = _default("leader_retry_period")
     busy_port_quarantine: int = _default("busy_port_quarantine")
+    node_lost_seconds: float = _default("node_lost_seconds")
 
     def __post_init__(self) -> None:
         if not (self.leader_retry_period < self.leader_renew_deadline < self.leader_lease_duration):

@@ -177,8 +177,10 @@ def recreate_state(
         )
     leased = Condition(COND_PORTS_LEASED, TRUE, "Leased", "every port is leased")
 
-    # 2. stale pods go: prefill and router first, decode only after they are gone, then wait for all
-    stale = [p for p in pods if p.generation != generation]
+    # 2. stale pods go: prefill and router first, decode only after they are gone, then wait for all. A pod on a lost
+    # node counts as gone once it is being deleted and its ports are fenced to it (observed.fenced, planner.plan):
+    # its kubelet cannot confirm the deletion for as long as the node is lost, and no new pod can share its ports.
+    stale = [p for p in pods if p.generation != generation and p.name not in observed.fenced]
     if stale:
         going = teardown(stale)
         to_delete = going.delete

@@ -7,11 +7,14 @@ reconciler.py / ports.py.
   the port leaser, the orphan-lease sweep.
 - index `pair_pods`: the pods of each pair (by the pair-uid label), kept live by the watch; `pair_services` the same
   for the router Service.
+- index `node_views`: every Node as observed.NodeView (Ready condition, unreachable taint); a change of either wakes
+  the pairs with a pod on that node (lost nodes: nodes.py, planner.py).
 - events on pairs, their pods and their Service wake that pair's daemon, so reaction is immediate, not per poll.
 - daemon `reconcile`: one per pair, loops PairReconciler.reconcile_once (it also drives the probe gate).
 - delete: waits for the daemon to stop, deletes the pair's pods (prefill and router first) and waits until they are
   gone (deleted AND terminated: a pod object disappears only once the kubelet has stopped it), then stops listing
-  the ports in status and releases the leases. A port is never leased again while a process may still hold it.
+  the ports in status and releases the leases. A port is never leased again while a process may still hold it:
+  the ports of a pod still there at the deadline (on a lost node, say) are fenced to it, not released.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ from pdpair.contract import (
 from . import health, planner, scrape, spec_fields
 from .api import TimedApi
 from .config import OperatorConfig
-from .observed import PodView
-from .ports import PortLeaser, port_of
+from .observed import NodeView, PodView
+from .ports import PairRef, PortLeaser, port_of
 from .reconciler import PairReconciler, Runtime, api_status
 from .service import ServiceView
 
@@ -134,6 +137,37 @@ async def pod_changed(labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
         runtime.wake(labels[LABEL_PAIR_UID])
 
 
+@kopf.index("v1", "nodes")
+async def node_views(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeView]:
+    return {name: NodeView.from_node(body)}
+
+
+@kopf.on.event("v1", "nodes")
+async def node_changed(name: str, body: kopf.Body, memo: kopf.Memo, pair_pods: kopf.Index, **_: Any) -> None:
+    """Wake the pairs with a pod on the node when what decides a lost node changed (not on every heartbeat)."""
+    runtime: Runtime | None = memo.get("runtime")
+    if runtime is None:
+        return
+    view = NodeView.from_node(body)
+    seen = runtime.nodes_seen.get(name)
+    runtime.nodes_seen[name] = view
+    if seen is not None and (seen.ready, seen.since, seen.unreachable) == (view.ready, view.since, view.unreachable):
+        return
+    for uid, pods in pair_pods.items():
+        if any(p.node == name for p in pods):
+            runtime.wake(uid)
+
+
+def _nodes_of(pods: list[PodView], node_views: kopf.Index) -> dict[str, NodeView]:
+    """The NodeViews of the nodes the pods are bound to (a node not in the index is left out: not judged)."""
+    out: dict[str, NodeView] = {}
+    for pod in pods:
+        if pod.node and pod.node not in out:
+            for view in node_views.get(pod.node, ()):
+                out[pod.node] = view
+    return out
+
+
 @kopf.index("v1", "services", labels={LABEL_PAIR_UID: kopf.PRESENT})
 async def pair_services(body: kopf.Body, labels: kopf.Labels, **_: Any) -> dict[str, ServiceView]:
     return {labels[LABEL_PAIR_UID]: ServiceView.from_service(body)}
@@ -156,7 +190,7 @@ async def pair_changed(uid: str, memo: kopf.Memo, **_: Any) -> None:
 @kopf.daemon(GROUP, VERSION, PLURAL, id="reconcile", cancellation_backoff=5.0, cancellation_timeout=5.0)
 async def reconcile(
     body: kopf.Body, uid: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, logger: logging.Logger,
-    pair_pods: kopf.Index, pair_services: kopf.Index, **_: Any,
+    pair_pods: kopf.Index, pair_services: kopf.Index, node_views: kopf.Index, **_: Any,
 ) -> None:
     runtime: Runtime = memo["runtime"]
     wake = runtime.wakeups.setdefault(uid, asyncio.Event())
@@ -173,7 +207,9 @@ async def reconcile(
         while not stopped:
             wake.clear()
             try:
-                delay = await reconciler.reconcile_once(list(pair_pods.get(uid, ())), list(pair_services.get(uid, ())))
+                pods = list(pair_pods.get(uid, ()))
+                delay = await reconciler.reconcile_once(pods, list(pair_services.get(uid, ())),
+                                                        _nodes_of(pods, node_views))
                 failures, last_error = 0, ""
             except asyncio.CancelledError:
                 raise
@@ -276,9 +312,18 @@ async def release_ports(body: kopf.Body, uid: str, memo: kopf.Memo, logger: logg
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     left = await _pods_gone(runtime, body, uid, logger)
     if left:
-        kopf.event(body, type="Warning", reason="PortsReleasedWithPodsLeft",
-                   message=(f"pods {', '.join(left)} were not gone {runtime.config.pod_gone_timeout:.0f}s after the "
-                            f"pair's deletion; releasing its port leases anyway")[:1024])
+        # A pod still there may still run, bound to its ports (a lost node's kubelet cannot stop it): those ports
+        # are fenced to it, never released; the sweep frees each once its pod is gone.
+        ref = PairRef(namespace, name, uid)
+        fenced: list[int] = []
+        for pod in left:
+            fenced += [port for port in pod.ports
+                       if await runtime.leaser.fence(ref, port, pod.node or "?", f"{namespace}/{pod.name}/{pod.uid}",
+                                                     f"pod {pod.name} of deleted pair {namespace}/{name} still exists")]
+        kopf.event(body, type="Warning", reason="PortsFencedWithPodsLeft",
+                   message=(f"pods {', '.join(p.name for p in left)} were not gone "
+                            f"{runtime.config.pod_gone_timeout:.0f}s after the pair's deletion; their ports "
+                            f"{sorted(fenced)} stay fenced to them until they are gone, the rest are released")[:1024])
     status = body.get("status") or {}
     if status.get("ports") or status.get("rollout"):
         # Stop listing the ports (a Surge rollout's second set too) before the leases go: no moment where two pairs
@@ -298,9 +343,10 @@ POD_GONE_POLL = 1.0
 POD_GONE_SLOW = 30.0  # a wait this long (or half the bound, if less) gets an Event saying what it waits for
 
 
-async def _pods_gone(runtime: Runtime, body: kopf.Body, uid: str, logger: logging.Logger) -> list[str]:
+async def _pods_gone(runtime: Runtime, body: kopf.Body, uid: str, logger: logging.Logger) -> list[PodView]:
     """Delete the pair's pods (prefill and router before decode) and wait until none is left, at most
-    config.pod_gone_timeout after the pair's deletion began. Returns the names still there at the deadline."""
+    config.pod_gone_timeout after the pair's deletion began. Returns the pods still there at the deadline (name,
+    uid, node and declared ports filled in)."""
     from kubernetes.client import V1DeleteOptions, V1Preconditions
 
     namespace = body["metadata"]["namespace"]
@@ -311,7 +357,9 @@ async def _pods_gone(runtime: Runtime, body: kopf.Body, uid: str, logger: loggin
         listed = await asyncio.to_thread(runtime.core.list_namespaced_pod, namespace,
                                          label_selector=f"{LABEL_PAIR_UID}={uid}")
         pods = [PodView(p.metadata.name, (p.metadata.labels or {}).get(LABEL_ROLE, ""), 0,
-                        deleting=bool(p.metadata.deletion_timestamp), uid=p.metadata.uid) for p in listed.items]
+                        deleting=bool(p.metadata.deletion_timestamp), uid=p.metadata.uid,
+                        node=(p.spec.node_name or "") if p.spec else "", ports=_declared_ports(p))
+                for p in listed.items]
         if not pods:
             return []
         uids = {p.name: p.uid for p in pods}
@@ -324,7 +372,7 @@ async def _pods_gone(runtime: Runtime, body: kopf.Body, uid: str, logger: loggin
         names = [p.name for p in pods]
         now = time.time()
         if now >= deadline:
-            return names
+            return pods
         if not told_slow and now - began >= min(POD_GONE_SLOW, runtime.config.pod_gone_timeout / 2):
             told_slow = True
             kopf.event(body, type="Normal", reason="WaitingForPods",
@@ -332,6 +380,13 @@ async def _pods_gone(runtime: Runtime, body: kopf.Body, uid: str, logger: loggin
                                 f"{max(0.0, deadline - now):.0f}s more)")[:1024])
             logger.info("waiting for pods %s to be gone before releasing the ports", names)
         await asyncio.sleep(POD_GONE_POLL)
+
+
+def _declared_ports(pod: Any) -> tuple[int, ...]:
+    """Every containerPort of a V1Pod (on the host network, the ports it binds on its node)."""
+    spec = pod.spec
+    containers = list((spec.init_containers or []) + (spec.containers or [])) if spec else []
+    return tuple(sorted({int(p.container_port) for c in containers for p in c.ports or [] if p.container_port}))
 
 
 def _parse_time(text: str | None) -> float | None:
@@ -369,6 +424,17 @@ async def _pair_alive(runtime: Runtime, namespace: str, name: str, uid: str) -> 
     return (pair.get("metadata") or {}).get("uid") == uid
 
 
+async def _pod_exists(runtime: Runtime, namespace: str, name: str, uid: str) -> bool:
+    """A pod of that name and uid exists (deleting or not): its fenced ports stay fenced."""
+    try:
+        pod = await asyncio.to_thread(runtime.core.read_namespaced_pod, name, namespace)
+    except Exception as exc:
+        if api_status(exc) == 404:
+            return False
+        raise
+    return pod.metadata.uid == uid
+
+
 async def _sweep_forever(runtime: Runtime) -> None:
     while True:
         try:
@@ -378,6 +444,7 @@ async def _sweep_forever(runtime: Runtime) -> None:
             if released:
                 log.info("orphan sweep released %d leases", released)
             await runtime.leaser.sweep_quarantines()  # ports found busy on a node come back after their TTL
+            await runtime.leaser.sweep_fences(lambda ns, name, uid: _pod_exists(runtime, ns, name, uid))
             await runtime.leaser.refresh_taken()
         except asyncio.CancelledError:
             raise

@@ -62,6 +62,7 @@ __all__ = [
     "REASON_POD_VANISHED",
     "REASON_UNREACHABLE",
     "REASON_PORT_IN_USE",
+    "REASON_NODE_LOST",
     "RESTART_REASONS",
 ]
 
@@ -73,6 +74,7 @@ REASON_POD_FAILED = "pod_failed"
 REASON_POD_VANISHED = "pod_vanished"
 REASON_UNREACHABLE = "unreachable"
 REASON_PORT_IN_USE = "port_in_use"  # a leased port was busy on the node: re-leased, restarted outside the budget
+REASON_NODE_LOST = "node_lost"  # a current pod's node is lost (nodes.py): its ports fenced, re-homed elsewhere
 RESTART_REASONS = (
     REASON_HUNG,
     REASON_STALE_GENERATION,
@@ -81,6 +83,7 @@ RESTART_REASONS = (
     REASON_POD_VANISHED,
     REASON_UNREACHABLE,
     REASON_PORT_IN_USE,
+    REASON_NODE_LOST,
 )
 
 

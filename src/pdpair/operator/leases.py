@@ -9,12 +9,16 @@ the executor (reconciler.py) carries it out with ports.PortLeaser:
   - `rollout_lease`: a Surge rollout's other generation (rollout.py) has its own port set: leased for the new spec
     while it comes up (Progressing), only read while it drains or rolls back; none without a rollout. Its release
     is a pod-step decision (Plan.release_slot), made with the pods.
+  - `fences`: a pod on a lost node (nodes.py) may still run, bound to its ports, for as long as the partition
+    lasts: the ports it declares that the pair holds (either port set) become fence Leases held until that pod
+    object is gone (ports.PortLeaser.fence, sweep_fences), and the pair is leased replacements. Any generation's pod:
+    a stale one on a lost node fences as well as a current one.
   - `busy_ports`: ports the current generation's pods found busy on their node (busy_ports.py) that the pair still
     holds from the pool are quarantined and re-leased; fixed ones (spec.router.port, outside the pool) are only
     reported. `ports_replaced` says when every busy port is out of the pair's hands: then the planner restarts the
     pair on the new ports, outside the restart budget (each such restart consumed a quarantined port).
 
-planner.lease_plan composes the first three for a pass; planner.plan takes `ports_replaced` through Observed.
+planner.lease_plan composes the first four for a pass; planner.plan takes `ports_replaced` through Observed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, Iterable, Mapping
 
 from . import busy_ports as busy
 from . import desired as d
+from .nodes import LostPods
 from .observed import PodView
 from . import rollout
 from .config import PortPool
@@ -108,3 +113,38 @@ def ports_replaced(reports: list[busy.PortsInUse], held: list[Mapping[str, Any]]
     now_held = "; ".join(f"{role} ports {sorted(int(p['port']) for p in held if p['role'] == role)}"
                          for role in roles)
     return f"{'; '.join(r.describe() for r in reports)}; re-leased: {now_held}"
+
+
+@dataclass(frozen=True)
+class Fence:
+    """One pod on a lost node and the ports the pair still holds of those it declares: fence them to it."""
+
+    pod: PodView
+    why: str  # why its node is lost (nodes.lost_reason)
+    ports: tuple[int, ...]
+
+    @property
+    def pod_ref(self) -> str:
+        """<namespace>/<name>/<uid> for the fence Lease (ANNOTATION_FENCED_POD)."""
+        namespace = str(((self.pod.raw or {}).get("metadata") or {}).get("namespace") or "")
+        return f"{namespace}/{self.pod.name}/{self.pod.uid}"
+
+
+def fences(lost: LostPods, held: Iterable[Mapping[str, Any]], pool: PortPool) -> list[Fence]:
+    """For each pod on a lost node, the held pool ports (status.ports entries of either port set) it declares; a
+    pod none of whose ports the pair holds any more is left out (fenced already, or never bound to the pair's). A
+    fixed port (spec.router.port, outside the pool) is not the operator's to fence: it is left as it is."""
+    held_ports = {int(p["port"]) for p in held if int(p["port"]) in pool}
+    out = []
+    for pod in lost.pods:
+        ports = tuple(sorted(set(pod.ports) & held_ports))
+        if ports:
+            out.append(Fence(pod, (lost.reasons or {}).get(pod.node, f"node {pod.node} is lost"), ports))
+    return out
+
+
+def fenced_pods(lost: LostPods, held_pool_ports: Iterable[int]) -> frozenset[str]:
+    """The pods on lost nodes that count as gone for the order of a teardown: being deleted, and none of the pool
+    ports the pair holds is one of theirs (all fenced to them). Until both hold they are waited for like any pod."""
+    held = set(held_pool_ports)
+    return frozenset(p.name for p in lost.pods if p.deleting and not set(p.ports) & held)

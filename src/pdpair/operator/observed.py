@@ -1,5 +1,5 @@
-"""What one reconcile pass observed of a pair: its pods (PodView), the lease and probe results, the health finding,
-the restart record (Observed). Pure data, read by every planner (planner.py, desired.py, rollout.py,
+"""What one reconcile pass observed of a pair: its pods (PodView), the nodes they run on (NodeView), the lease and
+probe results, the health finding, the restart record (Observed). Pure data, read by every planner (planner.py, desired.py, rollout.py,
 restart_policy.py) and filled by the executor (reconciler.py) and the health watch (health.py); it decides
 nothing, so none of those imports a planner for it.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Mapping
 
 from pdpair.contract import ANNOTATION_SPEC_HASH, LABEL_GENERATION, LABEL_ROLE
@@ -47,6 +48,8 @@ class PodView:
     scheduled: bool = False
     restarts: int = 0
     uid: str = ""
+    node: str = ""  # spec.nodeName ("" until scheduled)
+    ports: tuple[int, ...] = ()  # every containerPort it declares: on the host network, the ports it binds there
     # What health.py reads of the API object (pod_fact, pending_for_scheduling): metadata name/uid/deletion, spec
     # nodeName, status. Not the whole pod: the pod index holds one per pod, and a whole pod (managedFields, env,
     # probes) costs ~150 dicts, most of the operator's memory at 1000 pairs.
@@ -77,6 +80,9 @@ class PodView:
         except ValueError:
             generation = 0
         restarts = sum(int(cs.get("restartCount") or 0) for cs in status.get("containerStatuses") or [])
+        spec = pod.get("spec") or {}
+        ports = sorted({int(p["containerPort"]) for c in (spec.get("initContainers") or []) + (spec.get("containers") or [])
+                        for p in c.get("ports") or [] if p.get("containerPort")})
         return cls(
             name=meta.get("name", ""),
             role=labels.get(LABEL_ROLE, ""),
@@ -89,6 +95,8 @@ class PodView:
             scheduled=is_scheduled(pod),
             restarts=restarts,
             uid=meta.get("uid", ""),
+            node=str(spec.get("nodeName") or ""),
+            ports=tuple(ports),
             raw=_health_view(pod),
         )
 
@@ -137,3 +145,47 @@ class Observed:
     rollout_rejection: str = ""  # the API server refused one of its pods (the message)
     # Every port set the pair holds leases in, as the executor last read them (rollout.release_left_slot)
     leased_slots: frozenset[str] = frozenset()
+    # Lost nodes (nodes.py): the nodes of the pair's pods as the node index has them, how long a not-Ready node
+    # waits before it counts as lost (PDPAIR_NODE_LOST_SECONDS; infinite: never judged), and the pool ports the pair
+    # holds after this pass's lease steps (a pod on a lost node none of whose ports it holds is fenced)
+    nodes: Mapping[str, "NodeView"] = field(default_factory=dict)  # node name -> NodeView (below)
+    node_lost_seconds: float = float("inf")
+    held_pool_ports: frozenset[int] = frozenset()
+    fenced: frozenset[str] = frozenset()  # set by planner.plan only: pods on lost nodes that count as gone
+
+
+TAINT_UNREACHABLE = "node.kubernetes.io/unreachable"
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What the operator keeps of a Node (the node index holds one per node)."""
+
+    name: str
+    ready: str = ""  # the Ready condition's status: True | False | Unknown | "" (none reported yet)
+    since: float | None = None  # epoch seconds of the Ready condition's lastTransitionTime
+    unreachable: bool = False  # carries the node.kubernetes.io/unreachable taint (any effect)
+
+    @classmethod
+    def from_node(cls, node: Mapping[str, Any]) -> "NodeView":
+        meta = node.get("metadata") or {}
+        spec = node.get("spec") or {}
+        conditions = (node.get("status") or {}).get("conditions") or []
+        ready = next((c for c in conditions if c.get("type") == "Ready"), None) or {}
+        return cls(
+            name=str(meta.get("name") or ""),
+            ready=str(ready.get("status") or ""),
+            since=_epoch(ready.get("lastTransitionTime")),
+            unreachable=any(t.get("key") == TAINT_UNREACHABLE for t in spec.get("taints") or []),
+        )
+
+
+def _epoch(value: Any) -> float | None:
+    if isinstance(value, datetime):
+        return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp()
+    if not value:
+        return None
+    try:
+        return datetime.strptime(str(value), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return None

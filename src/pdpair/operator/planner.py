@@ -3,10 +3,11 @@ reconcile pass does, and `deleted_pair_teardown(pods)` what a deleted pair's cle
 
 It owns, in this order:
   1. the port leases, first, because the pod steps depend on what is held (lease_plan, leases.py): lease or only
-     read each port set (the serving one, a Surge rollout's other one), quarantine busy ports and re-lease them;
+     read each port set (the serving one, a Surge rollout's other one), quarantine busy ports and re-lease them,
+     fence the ports of pods on lost nodes (nodes.py) and re-lease them;
   2. a Failed pair is left alone until its spec changes (status.phase Failed at this metadata.generation);
-  3. whether the pair needs a restart (a current pod failed or vanished, a health verdict for the current
-     generation, ports found busy on the node and re-leased) and whether it may restart now (restart_policy:
+  3. whether the pair needs a restart (a current pod's node is lost, a current pod failed or vanished, a health
+     verdict for the current generation, ports found busy on the node and re-leased) and whether it may restart now (restart_policy:
      backoff, budget, the scheduling gate), or must wait, or has spent its budget (Failed);
   4. the ordered steps (next_step: rollout.py's Surge plan while one applies, else desired.py's Recreate plan):
      decode first, the listener gate, prefill, router, the replacement of older generations (rollouts and
@@ -23,13 +24,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from pdpair.contract import COND_READY, PHASE_FAILED, PHASE_RESTARTING, ROLE_DECODE, ROLE_PREFILL
+from pdpair.contract import COND_NODE_LOST, COND_READY, PHASE_FAILED, PHASE_RESTARTING, ROLE_DECODE, ROLE_PREFILL
 
 from . import desired as d
 from .observed import Finding, PodView, Observed
-from . import busy_ports, health, leases, rollout
+from . import busy_ports, health, leases, nodes, rollout
 from .restart_policy import Action, RestartPolicy, decide, prune
-from .status import FALSE, Condition
+from .status import FALSE, TRUE, Condition
 
 OUTCOME_STEP = "Step"  # apply `steps` (create/delete/probe), maybe after recording `restart`
 OUTCOME_BACKOFF = "RestartBackoff"  # a restart is due but must wait (backoff, or a pod Pending for scheduling)
@@ -57,12 +58,16 @@ class LeasePlan:
     serving: leases.LeaseStep
     rollout: leases.LeaseStep | None  # a Surge rollout's other generation; None without a rollout
     busy: tuple[busy_ports.PortsInUse, ...]  # busy-port reports of the serving generation (leases.quarantines)
+    lost: nodes.LostPods = nodes.LostPods()  # the pair's pods on lost nodes (leases.fences)
 
 
-def lease_plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, pods: "tuple[PodView, ...]") -> LeasePlan:
+def lease_plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, pods: "tuple[PodView, ...]",
+               node_views: Mapping[str, nodes.NodeView] | None = None, now: float = 0.0,
+               node_lost_seconds: float = float("inf")) -> LeasePlan:
     status = status or {}
     return LeasePlan(leases.serving_lease(spec, status, pods), leases.rollout_lease(spec, status, pods),
-                     tuple(leases.busy_reports(status, pods)))
+                     tuple(leases.busy_reports(status, pods)),
+                     nodes.lost_pods(pods, node_views or {}, now, node_lost_seconds))
 
 
 @dataclass(frozen=True)
@@ -126,10 +131,18 @@ def halted(status: Mapping[str, Any], meta_generation: int) -> bool:
     return status.get("phase") == PHASE_FAILED and status.get("observedGeneration") == meta_generation
 
 
-def failure(steps: d.Plan, observed: Observed) -> Finding | None:
-    """Why the pair's current generation needs an ordered restart (a current pod failed or vanished, busy ports
-    re-leased, the health watch's finding about this generation), else None."""
+def failure(steps: d.Plan, observed: Observed, lost: nodes.LostPods | None = None) -> Finding | None:
+    """Why the pair's current generation needs an ordered restart (a current pod on a lost node, a current pod
+    failed or vanished, busy ports re-leased, the health watch's finding about this generation), else None. A lost
+    node comes first: its pods look failed or vanished too (the node lifecycle controller marks them), and only
+    this cause says why."""
     generation = steps.pair_generation
+    stranded = nodes.LostPods(tuple(p for p in lost.pods if p.generation == generation), lost.reasons) if lost else None
+    if stranded and stranded.pods:
+        # Outside the restart budget and its backoff (as busy ports): re-homing must not wait, and it cannot loop,
+        # since the new pods are scheduled onto Ready nodes (the lost node's taints keep them off it).
+        return Finding(health.REASON_NODE_LOST, f"{stranded.describe()}; re-homing generation {generation} "
+                       f"on Ready nodes, its ports there fenced", generation, counted=False)
     if steps.step == d.STEP_BROKEN:
         if observed.ports_replaced:
             return Finding(health.REASON_PORT_IN_USE, observed.ports_replaced, generation, counted=False)
@@ -148,8 +161,11 @@ def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Ob
     if halted(status, observed.meta_generation):
         return PairPlan(OUTCOME_HALTED)
 
+    lost = nodes.lost_pods(observed.pods, observed.nodes, now, observed.node_lost_seconds)
+    observed = dataclasses.replace(observed, fenced=leases.fenced_pods(lost, observed.held_pool_ports))
+    node_condition = node_lost_condition(lost)
     steps = next_step(spec, status, dataclasses.replace(observed, restart_reason=None), now)
-    restart = failure(steps, observed)
+    restart = failure(steps, observed, lost)
     new_times: tuple[float, ...] | None = None
     if restart is not None and restart.counted:
         policy = RestartPolicy.from_spec(spec.get("restartPolicy"))
@@ -161,9 +177,21 @@ def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Ob
                             conditions=(Condition(COND_READY, FALSE, "RestartBudgetExhausted", text[:32768]),))
         if decision.action in (Action.WAIT, Action.PENDING_SCHEDULING):
             return PairPlan(OUTCOME_BACKOFF, phase=PHASE_RESTARTING, message=f"{restart.message}; {decision.message}",
-                            conditions=(Condition(COND_READY, FALSE, "RestartBackoff", decision.message),),
+                            conditions=(Condition(COND_READY, FALSE, "RestartBackoff", decision.message),
+                                        node_condition),
                             retry_at=decision.not_before)
         new_times = tuple(prune(policy, list(observed.restart_times) + [now], now))
     if restart is not None:
         steps = next_step(spec, status, dataclasses.replace(observed, restart_reason=restart.message), now)
+    wait = steps.wait_seconds
+    if lost.recheck_seconds is not None:  # a not-Ready node turns lost then, and nothing else wakes the pair
+        wait = lost.recheck_seconds if wait is None else min(wait, lost.recheck_seconds)
+    steps = dataclasses.replace(steps, conditions=steps.conditions + (node_condition,), wait_seconds=wait)
     return PairPlan(OUTCOME_STEP, steps=steps, restart=restart, restart_times=new_times)
+
+
+def node_lost_condition(lost: nodes.LostPods) -> Condition:
+    """NodeLost: True while a pod of the pair (any generation) sits on a lost node, naming nodes and pods."""
+    if lost.pods:
+        return Condition(COND_NODE_LOST, TRUE, "NodeLost", lost.describe()[:32768])
+    return Condition(COND_NODE_LOST, FALSE, "NodesReady", "no pod of the pair is on a lost node")

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from pdpair.contract import (
+    ANNOTATION_FENCED_POD,
     ANNOTATION_QUARANTINE_NODE,
     ANNOTATION_QUARANTINE_REASON,
+    FENCE_HOLDER_PREFIX,
     LABEL_PAIR,
     LABEL_PAIR_NAMESPACE,
     LABEL_PAIR_UID,
@@ -478,12 +480,28 @@ class PortLeaser:
                 released += await self._release_port(port, lease.metadata.uid)
         return released
 
-    # - quarantine: a port found busy on a node (busy_ports.py) --------------------------------------
+    # - quarantine: a port found busy on a node (busy_ports.py); fence: a port of a pod on a lost node (nodes.py) --
     async def quarantine(self, pair: PairRef, port: int, node: str, seconds: int, reason: str) -> bool:
         """Turn the pair's lease of `port` into a quarantine Lease (holder node-busy/<node>, leaseDurationSeconds
         `seconds`), in one update, so no moment leaves the port free for another pair. A port nobody leases is
         claimed as quarantined. True when the port is quarantined now (by this call or before); False when another
         pair holds it (nothing to do: it is not ours) or the lease changed under us (the next pass retries)."""
+        return await self._hand_over(pair, port, f"{QUARANTINE_HOLDER_PREFIX}{node}", int(seconds),
+                                     {ANNOTATION_QUARANTINE_NODE: node, ANNOTATION_QUARANTINE_REASON: reason[:1024]},
+                                     f"quarantined for {seconds}s (busy on node {node}): {reason}")
+
+    async def fence(self, pair: PairRef, port: int, node: str, pod: str, reason: str) -> bool:
+        """Turn the pair's lease of `port` into a fence Lease (holder node-lost/<node>, no duration) held for as
+        long as the pod `pod` (<namespace>/<name>/<uid>) exists: a pod on a lost node may still run and be bound to
+        the port, however long the partition lasts. sweep_fences releases it once that pod is gone. Same answers as
+        quarantine()."""
+        return await self._hand_over(pair, port, f"{FENCE_HOLDER_PREFIX}{node}", None,
+                                     {ANNOTATION_QUARANTINE_NODE: node, ANNOTATION_QUARANTINE_REASON: reason[:1024],
+                                      ANNOTATION_FENCED_POD: pod},
+                                     f"fenced to pod {pod} on lost node {node}: {reason}")
+
+    async def _hand_over(self, pair: PairRef, port: int, holder: str, seconds: int | None,
+                         annotations: dict[str, str], what: str) -> bool:
         from datetime import datetime, timezone
 
         from kubernetes.client import V1Lease, V1LeaseSpec, V1ObjectMeta
@@ -492,11 +510,9 @@ class PortLeaser:
         now = datetime.now(timezone.utc)
         meta = V1ObjectMeta(
             name=lease_name(port), namespace=self.namespace,
-            labels={LABEL_PORT_LEASE: "true", LABEL_PORT_QUARANTINE: "true"},
-            annotations={ANNOTATION_QUARANTINE_NODE: node, ANNOTATION_QUARANTINE_REASON: reason[:1024]},
+            labels={LABEL_PORT_LEASE: "true", LABEL_PORT_QUARANTINE: "true"}, annotations=annotations,
         )
-        spec = V1LeaseSpec(holder_identity=f"{QUARANTINE_HOLDER_PREFIX}{node}", lease_duration_seconds=int(seconds),
-                           acquire_time=now, renew_time=now)
+        spec = V1LeaseSpec(holder_identity=holder, lease_duration_seconds=seconds, acquire_time=now, renew_time=now)
         try:
             current = await self._call(self.api.read_namespaced_lease, lease_name(port), self.namespace)
         except ApiException as exc:
@@ -521,11 +537,12 @@ class PortLeaser:
             raise
         async with self._lock:
             self.taken.add(port)
-        log.info("port %d quarantined for %ds (busy on node %s): %s", port, seconds, node, reason)
+        log.info("port %d %s", port, what)
         return True
 
     async def sweep_quarantines(self, now: Any = None) -> list[int]:
-        """Delete the quarantine Leases whose time is over; returns their ports (free for leasing again)."""
+        """Delete the quarantine Leases whose time is over; returns their ports (free for leasing again). Fence
+        Leases have no time: sweep_fences ends them."""
         from datetime import datetime, timezone
 
         now = now or datetime.now(timezone.utc)
@@ -533,6 +550,8 @@ class PortLeaser:
         for lease in await self.list_leases(f"{LABEL_PORT_QUARANTINE}=true"):
             port = _lease_port(lease)
             spec = lease.spec
+            if ANNOTATION_FENCED_POD in (lease.metadata.annotations or {}):
+                continue
             renewed = (spec.renew_time or spec.acquire_time) if spec else None
             if port is None or not quarantine_expired(renewed, spec.lease_duration_seconds if spec else None, now):
                 continue
@@ -540,6 +559,24 @@ class PortLeaser:
                 freed.append(port)
         if freed:
             log.info("quarantine over for ports %s: free for leasing again", freed)
+        return freed
+
+    async def sweep_fences(self, pod_exists: Callable[[str, str, str], Awaitable[bool]]) -> list[int]:
+        """Delete the fence Leases whose pod is gone; returns their ports. `pod_exists(namespace, name, uid)` is
+        awaited (True while a pod of that name and uid exists)."""
+        freed: list[int] = []
+        for lease in await self.list_leases(f"{LABEL_PORT_QUARANTINE}=true"):
+            port = _lease_port(lease)
+            ref = (lease.metadata.annotations or {}).get(ANNOTATION_FENCED_POD)
+            if port is None or ref is None:
+                continue
+            namespace, _, rest = ref.partition("/")
+            name, _, uid = rest.partition("/")
+            if await pod_exists(namespace, name, uid):
+                continue
+            if await self._release_port(port, lease.metadata.uid):
+                freed.append(port)
+                log.info("port %d: its fenced pod %s is gone; free for leasing again", port, ref)
         return freed
 
     async def sweep_orphans(self, pair_uid_alive) -> int:

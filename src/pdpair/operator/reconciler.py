@@ -32,7 +32,7 @@ from pdpair.contract import (
 )
 
 from . import desired as d
-from .observed import Finding, Observed, PodView
+from .observed import Finding, NodeView, Observed, PodView
 from . import health, leases, planner, rollout
 from .config import OperatorConfig
 from .lifecycle import probe_ranks
@@ -58,6 +58,7 @@ class Runtime:
     wakeups: dict[str, asyncio.Event] = field(default_factory=dict)
     exited: dict[str, asyncio.Event] = field(default_factory=dict)
     metrics: Any = None  # metrics.OperatorMetrics, when served
+    nodes_seen: dict[str, Any] = field(default_factory=dict)  # node name -> the NodeView a node event last woke for
 
     def wake(self, uid: str) -> None:
         event = self.wakeups.get(uid)
@@ -325,6 +326,36 @@ class PairReconciler:
             self.log.warning("pair %s/%s: %s; quarantined %s, replacement %s", self.ref.namespace, self.ref.name,
                              report.describe(), quarantined, replacement)
 
+    async def fence_lost(self, lease_plan: planner.LeasePlan) -> None:
+        """Carry out leases.fences for the pods on lost nodes: each held pool port such a pod declares becomes a
+        fence Lease held until that pod is gone (status stops listing it first), the pair is leased replacements,
+        and a NodeLost Event says so. Idempotent: a port already fenced is no longer held, so it is not planned
+        again (a restarted operator goes on to the restart)."""
+        held = list(self.ports or []) + list(self.rollout_ports or [])
+        todo = leases.fences(lease_plan.lost, held, self.rt.leaser.pool)
+        if not todo:
+            return
+        serving = {int(p["port"]) for p in self.ports or []}
+        rolling = {int(p["port"]) for p in self.rollout_ports or []}
+        for fence in todo:
+            ports = set(fence.ports)
+            if ports & serving:
+                await self._unlist_ports(ports & serving)  # status stops listing them before they change hands
+            if ports & rolling:
+                await self._unlist_rollout_ports(ports & rolling)
+            fenced = [p for p in fence.ports
+                      if await self.rt.leaser.fence(self.ref, p, fence.pod.node, fence.pod_ref, fence.why)]
+            self.emit("Warning", "NodeLost",
+                      f"{fence.why}: {fence.pod.role} pod {fence.pod.name} may still run there; its ports {fenced} "
+                      f"are fenced to it until it is gone (no pair is leased them), replacements leased")
+            self.log.warning("pair %s/%s: %s; %s pod %s: ports %s fenced", self.ref.namespace, self.ref.name,
+                             fence.why, fence.pod.role, fence.pod.name, fenced)
+        self.leases_checked_at, self.blocks = 0.0, None  # re-read the leases now and claim what is missing
+        await self.lease_serving(lease_plan.serving)
+        if lease_plan.rollout is not None:
+            self.rollout_checked_at, self.rollout_blocks = 0.0, None
+            await self.lease_rollout(lease_plan.rollout)
+
     async def probe_decode(self, decode: PodView, ports: list[dict[str, Any]] | None = None) -> bool:
         ports = self.ports if ports is None else ports
         if decode.uid in self.listening_pods:
@@ -414,8 +445,10 @@ class PairReconciler:
         self.service_problem = message
 
     # --- one pass -----------------------------------------------------------------------------------
-    async def reconcile_once(self, pods: Iterable[PodView], services: Iterable[ServiceView] = ()) -> float:
-        """One level-triggered pass. Returns how long to sleep before the next one (a wakeup cuts it short)."""
+    async def reconcile_once(self, pods: Iterable[PodView], services: Iterable[ServiceView] = (),
+                             node_views: Mapping[str, NodeView] | None = None) -> float:
+        """One level-triggered pass. Returns how long to sleep before the next one (a wakeup cuts it short).
+        `node_views`: the nodes of the pair's pods, as the node index has them (lost nodes: nodes.py)."""
         started = time.monotonic()
         spec = self.body["spec"]
         meta_generation = int(self.body["metadata"].get("generation") or 0)
@@ -426,10 +459,12 @@ class PairReconciler:
         if planner.halted(self.status, meta_generation):
             return cfg.resync_interval  # the restart budget is spent; only a spec change moves the pair again
 
-        lease_plan = planner.lease_plan(spec, self.status, pods)
+        node_views = dict(node_views or {})
+        lease_plan = planner.lease_plan(spec, self.status, pods, node_views, time.time(), cfg.node_lost_seconds)
         await self.lease_serving(lease_plan.serving)
         await self.lease_rollout(lease_plan.rollout)
         await self.quarantine_busy(lease_plan)
+        await self.fence_lost(lease_plan)
         await self.ensure_service(services)
 
         generation = rollout.serving_generation(self.status, pods)
@@ -460,6 +495,10 @@ class PairReconciler:
             health=self._health_finding(),
             ports_replaced=leases.ports_replaced(lease_plan.busy, self.ports, lease_plan.serving.blocks,
                                                  self.rt.leaser.pool),
+            nodes=node_views,
+            node_lost_seconds=cfg.node_lost_seconds,
+            held_pool_ports=frozenset(int(p["port"]) for p in (self.ports or []) + (self.rollout_ports or [])
+                                      if int(p["port"]) in self.rt.leaser.pool),
         )
         decided = planner.plan(spec, self.status, observed, time.time())
         if decided.outcome == planner.OUTCOME_HALTED:

@@ -290,7 +290,7 @@ def _finish(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observ
         if left is not None and left > 0:
             return step(STEP_ROLLOUT_DRAIN, f"generation {gone_generation} drains in-flight requests ({left:.0f}s left)",
                         status_fields={"rollout": dict(rollout)}, wait_seconds=left)
-    left_pods = [p for p in observed.pods if p.generation == gone_generation]
+    left_pods = [p for p in observed.pods if p.generation == gone_generation and p.name not in observed.fenced]
     if left_pods:
         going = d.teardown(left_pods)
         to_delete = going.delete
@@ -325,7 +325,7 @@ def release_left_slot(plan: d.Plan, status: Mapping[str, Any], observed: Observe
     after = {**status, **plan.status_fields}
     if plan.release_slot or active_rollout(status) is not None or active_rollout(after) is not None:
         return plan
-    if any(p.generation != plan.pair_generation for p in observed.pods):
+    if any(p.generation != plan.pair_generation and p.name not in observed.fenced for p in observed.pods):
         return plan  # an older generation's pod (a Recreate replacement, a pod the index still shows) may use it
     left = sorted(s for s in observed.leased_slots if s != serving_slot(after))
     return dataclasses.replace(plan, release_slot=left[0]) if left else plan

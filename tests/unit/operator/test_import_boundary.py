@@ -61,7 +61,8 @@ def test_operator_modules_import_each_other_without_a_circle():
         raise AssertionError(f"import circle among operator modules: {' -> '.join(circle.args[1])}") from None
 
 
-DECISION_MODULES = ("planner", "leases", "desired", "rollout", "restart_policy", "busy_ports", "health", "observed")
+DECISION_MODULES = ("planner", "leases", "desired", "rollout", "restart_policy", "busy_ports", "nodes", "health",
+                    "observed")
 EXECUTOR_MODULES = ("reconciler", "handlers", "scrape", "api", "election", "metrics", "__main__")
 
 

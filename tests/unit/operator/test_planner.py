@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 
 from pdpair.contract import PHASE_FAILED, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 from pdpair.operator import desired as d
-from pdpair.operator import health, planner, rollout
+from pdpair.operator import health, leases, planner, rollout
+from pdpair.operator.config import PortPool
 from pdpair.operator.desired import spec_fingerprint
-from pdpair.operator.observed import Finding, Observed, PodView
+from pdpair.operator.observed import Finding, NodeView, Observed, PodView
 from pdpair.operator.restart_policy import RestartPolicy, restarts_in_window
 from tests.crd_defaults import with_crd_defaults
 
@@ -26,6 +27,9 @@ POLICY = {"maxRestarts": 3, "windowSeconds": 600, "backoffSeconds": 10, "maxBack
 SPEC = {"model": "m", "image": "img:1", "router": {"enabled": True}, "restartPolicy": POLICY}
 H = spec_fingerprint(SPEC)
 NOW = 1_000_000.0
+POOL = PortPool(20000, 29999)
+NODES = ("n1", "n2")
+NODE_LOST_SECONDS = 30.0
 
 
 def raw(name, phase="Running", restarts=0, deleting=False, node="n1"):
@@ -111,7 +115,7 @@ def test_plan(name, status, obs, now, outcome, reason, step):
             assert decided.restart_times is None  # the record is untouched
     if outcome == planner.OUTCOME_BACKOFF:
         assert decided.phase == "Restarting" and {c.type: c.reason for c in decided.conditions} == {
-            "Ready": "RestartBackoff"}
+            "Ready": "RestartBackoff", "NodeLost": "NodesReady"}
 
 
 def test_backoff_says_when_the_restart_may_happen():
@@ -148,6 +152,22 @@ class World:
     creates: int = 0
     slots: set[str] = field(default_factory=set)  # port sets leased (the serving one; a rollout's while Progressing)
     pod_slots: dict[str, str] = field(default_factory=dict)  # pod name -> the port set it was built on
+    # Lost nodes: the ports each port set holds now (replacements come from a counter, as the leaser claims free
+    # ones), the ports fenced to pods on lost nodes, and which nodes are lost (unreachable) now
+    held: dict[str, set[int]] = field(default_factory=dict)
+    fenced: set[int] = field(default_factory=set)
+    next_port: int = 20000
+    lost: set[str] = field(default_factory=set)
+
+    def _lease(self, slot: str) -> None:
+        if slot not in self.held:
+            self.held[slot] = set()
+        while len(self.held[slot]) < 3:  # decode, prefill, router: one port each is enough to follow them
+            self.held[slot].add(self.next_port)
+            self.next_port += 1
+
+    def node_views(self) -> dict[str, NodeView]:
+        return {n: NodeView(n, "Unknown" if n in self.lost else "True", self.now - 5, n in self.lost) for n in NODES}
 
     def listening(self, generation: int | None) -> bool:
         decode = next((p for p in self.pods.values() if p.role == ROLE_DECODE and p.generation == generation
@@ -160,7 +180,20 @@ class World:
         self.slots.add(rollout.serving_slot(self.status))  # the executor leases first (ensure_*_ports)
         if active and active["phase"] == rollout.PHASE_PROGRESSING:
             self.slots.add(active["portSlot"])
+        for slot in self.slots:
+            self._lease(slot)
+        # then fences the ports of pods on lost nodes, and leases replacements (reconciler.fence_lost)
+        lease_plan = planner.lease_plan(self.spec, self.status, pods, self.node_views(), self.now, NODE_LOST_SECONDS)
+        held = [{"port": p} for ports in self.held.values() for p in ports]
+        for fence in leases.fences(lease_plan.lost, held, POOL):
+            for ports in self.held.values():
+                ports -= set(fence.ports)
+            self.fenced |= set(fence.ports)
+        for slot in self.slots:
+            self._lease(slot)
         return Observed(pods, ports_complete=True, leased_slots=frozenset(self.slots),
+                        nodes=self.node_views(), node_lost_seconds=NODE_LOST_SECONDS,
+                        held_pool_ports=frozenset(p for ports in self.held.values() for p in ports),
                         decode_listening=self.listening(rollout.serving_generation(self.status, pods)),
                         meta_generation=self.meta_generation, restart_times=self.restart_times, health=self.health,
                         rollout_ports_complete=True,
@@ -212,11 +245,13 @@ class World:
         if plan.create:
             self._create(plan, obs)
         if plan.release_slot:  # after the status write and the pod actions, as the executor does
-            users = [n for n, p in self.pods.items() if self.pod_slots[n] == plan.release_slot]
+            users = [n for n, p in self.pods.items() if self.pod_slots[n] == plan.release_slot
+                     and not set(p.ports) <= self.fenced]  # a pod whose ports are all fenced uses none of the set's
             if plan.release_slot == rollout.serving_slot(self.status) or users:
                 raise Violation(f"port set {plan.release_slot} released while it serves ({self.status.get('portSlot')}) "
                                 f"or pods use it: {users}")
             self.slots.discard(plan.release_slot)
+            self.held.pop(plan.release_slot, None)
 
     def _create(self, plan: d.Plan, obs: Observed) -> None:
         role = plan.create
@@ -230,9 +265,15 @@ class World:
                 raise Violation(f"prefill of generation {gen} created before its decode runs ({decode})")
         name = f"p-{role}-{gen}-{self.creates}"
         self.creates += 1
-        self.pod_slots[name] = plan.create_slot or rollout.serving_slot(self.status)
+        slot = plan.create_slot or rollout.serving_slot(self.status)
+        self.pod_slots[name] = slot
+        ports = tuple(sorted(self.held.get(slot, ())))
+        stranded = {p for q in self.pods.values() if q.node in self.lost for p in q.ports}
+        if set(ports) & (stranded | self.fenced):
+            raise Violation(f"{name} created on ports {ports} that a pod on a lost node may still hold "
+                            f"({sorted(stranded | self.fenced)})")
         self.pods[name] = PodView(name, role, gen, spec_fingerprint(self.spec), "Pending", False, None, False, False,
-                                  0, f"uid-{name}", raw=raw(name, "Pending", node=""))
+                                  0, f"uid-{name}", ports=ports, raw=raw(name, "Pending", node=""))
 
     def check_budget(self) -> None:
         policy = RestartPolicy.from_spec(self.spec["restartPolicy"])
@@ -244,8 +285,7 @@ class World:
 
 def _with(pod_: PodView, **kw) -> PodView:
     new = dataclasses.replace(pod_, **kw)
-    return dataclasses.replace(new, raw=raw(new.name, new.phase, new.restarts, new.deleting,
-                                            node="n1" if new.scheduled else ""))
+    return dataclasses.replace(new, raw=raw(new.name, new.phase, new.restarts, new.deleting, node=new.node))
 
 
 def _deleting(pod_: PodView) -> PodView:
@@ -256,7 +296,7 @@ def _deleting(pod_: PodView) -> PodView:
 # hang, restart and spend their budgets; stormy ones fail pods mid-startup.
 GOOD = ["pass"] * 4 + ["progress"] * 3 + ["listen", "gone"]
 FAULTS = ["unlisten", "fail", "container_restart", "external_delete", "hung", "healthy", "spec_edit", "crash_pass",
-          "operator_restart", "tick", "tick"]
+          "operator_restart", "tick", "tick", "node_lost", "node_back"]
 
 
 @st.composite
@@ -286,20 +326,31 @@ def apply_event(world: World, event) -> None:
         world.health = Finding(health.REASON_HUNG, "hung", gen)
     elif kind == "healthy":
         world.health = None  # a healthy verdict holds no restart finding
+    elif kind == "node_lost":  # a partition: the node's pods keep running, no deletion there is confirmed
+        world.lost.add(NODES[index % len(NODES)])
+    elif kind == "node_back":  # its kubelet is back: it ends the pods deleted meanwhile
+        back = NODES[index % len(NODES)]
+        world.lost.discard(back)
+        for name in [n for n, p in world.pods.items() if p.deleting and p.node == back]:
+            del world.pods[name]
+            world.accepting.discard(name)
     elif kind == "progress":  # every live pod one step: Pending -> scheduled -> Running -> Ready
         for name, p in list(world.pods.items()):
-            if p.deleting or p.failed or p.ready:
+            if p.deleting or p.failed or p.ready or p.node in world.lost:
                 continue
             if not p.scheduled:
-                world.pods[name] = _with(p, scheduled=True)
+                ready_nodes = [n for n in NODES if n not in world.lost]  # the scheduler skips tainted nodes
+                if ready_nodes:
+                    prefer = "n2" if p.role == ROLE_DECODE else "n1"
+                    world.pods[name] = _with(p, scheduled=True, node=prefer if prefer in ready_nodes else ready_nodes[0])
             elif p.phase == "Pending":
                 world.pods[name] = _with(p, phase="Running", ip="10.0.0.2")
             elif p.role != ROLE_PREFILL or world.listening(p.generation):  # prefill's /readyz: paired
                 world.pods[name] = _with(p, ready=True)
     elif kind == "listen":  # every running decode accepts
         world.accepting |= {p.name for p in world.pods.values() if p.role == ROLE_DECODE and p.running}
-    elif kind == "gone":  # the kubelet finishes every deletion
-        for name in [n for n, p in world.pods.items() if p.deleting]:
+    elif kind == "gone":  # the kubelets finish every deletion they can see (not on a lost node)
+        for name in [n for n, p in world.pods.items() if p.deleting and p.node not in world.lost]:
             del world.pods[name]
             world.accepting.discard(name)
     elif target is None:
@@ -343,7 +394,8 @@ def test_the_property_world_reaches_ready_and_restarts_in_order():
                 if p.deleting:
                     del world.pods[name]
                 elif not p.ready:
-                    world.pods[name] = _with(p, scheduled=True, phase="Running", ip="10.0.0.2", ready=True)
+                    world.pods[name] = _with(p, scheduled=True, phase="Running", ip="10.0.0.2", ready=True,
+                                             node=p.node or ("n2" if p.role == ROLE_DECODE else "n1"))
                     if p.role == ROLE_DECODE:
                         world.accepting.add(name)
             if world.status.get("phase") == "Ready":
@@ -358,3 +410,54 @@ def test_the_property_world_reaches_ready_and_restarts_in_order():
     assert deleting == [ROLE_PREFILL, ROLE_ROUTER] and world.status["pairGeneration"] == 2
     settle()
     assert {p.generation for p in world.pods.values()} == {2} and world.restarts == [NOW]
+
+
+def _settle(world: World, max_passes: int = 80) -> None:
+    """Passes and a cooperative cluster until the pair is Ready: kubelets finish deletions on nodes that are not
+    lost, pods are scheduled onto Ready nodes (decode prefers n2), run, become Ready, decode listens."""
+    for _ in range(max_passes):
+        world.run_pass()
+        apply_event(world, ("gone", 0, 0.0))
+        for _ in range(3):
+            apply_event(world, ("progress", 0, 0.0))
+        apply_event(world, ("listen", 0, 0.0))
+        if world.status.get("phase") == "Ready" and not any(
+                p.generation == world.status["pairGeneration"] and p.node in world.lost for p in world.pods.values()):
+            return
+    raise AssertionError(f"not Ready: {world.status}, pods {world.pods}")
+
+
+@pytest.mark.parametrize("strategy", ["Recreate", "Surge"])
+@pytest.mark.parametrize("lose_after_passes", [0, 1, 2, 3, 4, 6, 9, None])
+def test_a_lost_node_never_blocks_the_pair_and_its_pods_ports_are_never_reused(strategy, lose_after_passes):
+    """Node n2 (where decode runs) is cut off at some step of the startup (None: once Ready): its pods keep running
+    and their deletion is never confirmed while the partition lasts. The pair must still reach Ready on n1, once,
+    with no pod ever created on a port a pod on n2 may hold (World._create checks it); after the partition heals,
+    the old pods go and their fences with them."""
+    world = World(copy.deepcopy(admitted_spec(strategy)))
+    if lose_after_passes is None:
+        _settle(world)
+    else:
+        for _ in range(lose_after_passes):
+            world.run_pass()
+            for _ in range(2):
+                apply_event(world, ("progress", 0, 0.0))
+            apply_event(world, ("listen", 0, 0.0))
+    before = world.status.get("pairGeneration")
+    world.lost.add("n2")
+    stranded = {n for n, p in world.pods.items() if p.node == "n2"}
+    _settle(world)
+    serving = [p for p in world.pods.values() if p.generation == world.status["pairGeneration"]]
+    assert sorted(p.role for p in serving) == [ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER]
+    assert all(p.node == "n1" for p in serving), serving
+    if stranded:
+        assert world.status["pairGeneration"] > (before or 0)
+        assert stranded <= set(world.pods), "a pod on the lost node vanished without its kubelet"
+        assert world.fenced >= {port for n in stranded for port in world.pods[n].ports}
+        conditions = {c.type: c.status for c in planner.plan(world.spec, world.status, world.observe(), world.now)
+                      .steps.conditions}
+        assert conditions["NodeLost"] == "True"
+    assert not world.restarts, "a node-lost restart took from the restart budget"
+    apply_event(world, ("node_back", 1, 0.0))
+    _settle(world)
+    assert not any(p.node == "n2" for p in world.pods.values() if p.generation != world.status["pairGeneration"])
