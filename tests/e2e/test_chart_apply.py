@@ -154,6 +154,7 @@ ALLOWED = [
     *[(v, "events", None, ANY) for v in ("create", "patch")],
     *[(v, "events.events.k8s.io", None, ANY) for v in ("create", "patch")],
     *[(v, "namespaces", None, None) for v in ("list", "watch")],
+    *[(v, "nodes", None, None) for v in ("get", "list", "watch")],  # read only: lost nodes (docs/design.md)
     *[(v, "customresourcedefinitions.apiextensions.k8s.io", None, None) for v in ("list", "watch")],
     *[(v, "leases.coordination.k8s.io", None, OWN) for v in ("get", "list", "watch", "create", "delete", "update",
                                                               "patch")],
@@ -174,7 +175,8 @@ DENIED = [
     ("update", "services", None, ANY),
     ("patch", "services", "status", ANY),
     ("delete", "nodes", None, None),
-    ("get", "nodes", None, None),
+    ("patch", "nodes", None, None),
+    ("update", "nodes", "status", None),
     ("create", "leases.coordination.k8s.io", None, ANY),
     ("delete", "leases.coordination.k8s.io", None, ANY),
     ("delete", "events", None, ANY),
