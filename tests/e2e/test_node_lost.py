@@ -144,7 +144,7 @@ def test_a_partitioned_node_is_left_behind_with_its_ports_fenced_and_the_pair_se
             wait_for(lambda: (condition(api.pair(ns, "nl"), COND_NODE_LOST) or {}).get("status") == "False", 30,
                      "condition NodeLost False")
             print(f"\nnode lost: restart decided {decided:.1f}s after the cut (nodeLostSeconds {NODE_LOST_SECONDS}), "
-                  f"generation 2 Ready {serving}s after it; fences released {freed}s after the heal")
+                  f"generation 2 Ready {serving}s after the cut; fences released {freed}s after the heal")
             api.delete_pair(ns, "nl")
             wait_for(lambda: not api.pairs(ns), 60, "pair deleted")
     finally:
