@@ -29,6 +29,7 @@ MODULE_ORDER = (
     "test_realnode_rollout",      # Surge, Recreate, then the serving pair is deleted
     "test_realnode_port_in_use",  # a pair of its own: a stranger on its ports before the lease
     "test_realnode_tp2",          # a TP = 2 pair of its own
+    "test_realnode_node_lost",    # a pair of its own; cuts node n2 off the cluster for a while, so last
 )
 
 

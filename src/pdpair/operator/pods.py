@@ -65,7 +65,10 @@ HEALTH_PATH = "/health"
 # average), and a pair pays it per pod in order (decode Ready, then prefill created): 2 s, not 10. A probe of a
 # starting engine is a refused connection, so probing often costs nothing; failureThreshold keeps the window.
 STARTUP_PERIOD_SECONDS = 2
-READINESS_PROBE = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3, "successThreshold": 1}
+# Every 2 s: a pod's Ready lags its readiness by up to one period, on the pair's start path once per step (engines,
+# then the router; a 5 s period cost the demo up to 10 s of its 34 s apply-to-answer). 8 failures in a row (16 s)
+# before NotReady, about the 15 s the old 5 s x 3 tolerated, so a slow /health on a loaded node flaps no sooner.
+READINESS_PROBE = {"periodSeconds": 2, "timeoutSeconds": 3, "failureThreshold": 8, "successThreshold": 1}
 # FlagCX defaults for transport flagcx (docs/design.md): a same-vendor pair fails at init without hetero comm,
 # and registering RDMA memory needs IPC_LOCK.
 FLAGCX_CAPABILITY = "IPC_LOCK"
