@@ -11,8 +11,12 @@ fences go with them, no force delete.
 Nothing pins a pod to a node here (the demo's pair pins them): preferred node affinity places decode and the router
 on n2 and prefill on n1 at first, and lets the replacements go to n1.
 
-Cost: about 4 minutes, two vLLM cold starts at once twice (the pair, then its replacement), plus the grace period
-(50 s on Kubernetes 1.36) and the heal. Runs last: it takes node n2 away for a while.
+Whichever comes first restarts the pair: the health watch (n2's pods unreachable three times, a budgeted restart)
+or the lost node (outside the budget); the old pods go only once n2 counts as lost and their ports are fenced.
+
+Cost: about 3 to 4 minutes on the session's cluster: two vLLM cold starts at once, twice (the pair, then its
+replacement), the grace period (50 s on Kubernetes 1.36: measured 53.7 s from link-down to NodeLost) and the heal
+(the fences go at the operator's next sweep, up to 60 s). Runs last: it takes node n2 away for a while.
 """
 from __future__ import annotations
 
@@ -157,7 +161,7 @@ def test_a_partitioned_node_is_left_behind_and_the_pair_serves_from_the_other_no
         released = time.monotonic() - healed
         assert pair()["status"]["restarts"] == 1
         print(f"\n[realnode-e2e] partition of {CUT_NODE} (operator leader there: {leader_on_cut}): restart decided "
-              f"{decided:.1f}s after link-down ({reason[:120]}); NodeLost {lost_after:.1f}s after it (node "
+              f"{decided:.1f}s after link-down ({reason[:120]}); NodeLost {lost_after:.1f}s after link-down (node "
               f"Ready={ready['status']} since {ready['lastTransitionTime']}); serving again from n1 "
               f"{serving_again:.1f}s after link-down; link up: old pods gone in {old_gone:.1f}s, fences released "
               f"in {released:.1f}s")
