@@ -110,7 +110,8 @@ def operator_release(real_cluster, images):
     """`helm install` of charts/pdpair with the image built here; the operator runs as a pod, in-cluster config.
     One release for the package: modules that change it (helm upgrade) must leave it serving."""
     t0 = time.monotonic()
-    helm = install_operator(real_cluster, images["operator"].ref)
+    # Sweeps every 10 s (chart default 60): the partition test waits for the sweep to free its fenced ports.
+    helm = install_operator(real_cluster, images["operator"].ref, "operator.tuning.sweepIntervalSeconds=10")
     print(f"[realnode-e2e] helm install --wait took {time.monotonic() - t0:.1f}s")
     yield helm
     helm("uninstall", "pdpair", "--namespace", OPERATOR_NS, "--wait", "--timeout", "120s")
