@@ -148,7 +148,10 @@ def _hash_tree(paths: list[pathlib.Path], h) -> None:
     for path in sorted(paths):
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
         for f in files:
-            if "__pycache__" in f.parts or f.suffix in (".pyc", ".so", ".o"):
+            # Build leftovers, never sources: bytecode, the native build's objects, and pip's egg-info (its PKG-INFO
+            # embeds the README, so a README edit re-keyed both images: ~4 min of rebuilds in a warm CI run).
+            if "__pycache__" in f.parts or f.suffix in (".pyc", ".so", ".o") or any(
+                    part.endswith(".egg-info") for part in f.parts):
                 continue
             h.update(str(f.relative_to(REPO_ROOT)).encode() + b"\0")
             # By content, never by mtime: ../shared is copied afresh for each CI run, and an mtime key rebuilt the

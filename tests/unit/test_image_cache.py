@@ -20,3 +20,29 @@ def test_prune_keeps_the_newest_archives_of_that_name_only(tmp_path, monkeypatch
     assert not any(p.exists() for p in engine[:2])
     assert images.prune_archives("pdpair", keep=1) == [operator[0]]  # "pdpair" never matches pdpair-engine-*
     assert all(p.exists() for p in engine[2:])
+
+
+def test_an_images_key_follows_the_sources_not_the_build_leftovers(tmp_path, monkeypatch):
+    """pip's egg-info (its PKG-INFO embeds the README), bytecode and native objects in src/ are not sources: a README
+    edit re-keyed both images before, ~4 min of rebuilds in a warm CI run. A source edit still re-keys them."""
+    import hashlib
+
+    monkeypatch.setattr(images, "REPO_ROOT", tmp_path)
+    src = tmp_path / "src"
+    (src / "pdpair").mkdir(parents=True)
+    (src / "pdpair" / "mod.py").write_text("x = 1\n")
+
+    def key():
+        h = hashlib.sha256()
+        images._hash_tree([src], h)
+        return h.hexdigest()
+
+    before = key()
+    (src / "pdpair.egg-info").mkdir()
+    (src / "pdpair.egg-info" / "PKG-INFO").write_text("Description: the README, as it is today\n")
+    (src / "pdpair" / "__pycache__").mkdir()
+    (src / "pdpair" / "__pycache__" / "mod.cpython-311.pyc").write_bytes(b"\0")
+    (src / "pdpair" / "_native.abi3.so").write_bytes(b"\0")
+    assert key() == before
+    (src / "pdpair" / "mod.py").write_text("x = 2\n")
+    assert key() != before
