@@ -54,10 +54,12 @@ FOREIGN_HOST = "127.0.0.2"
 
 
 def decode_pod(api, ns, generation):
+    """Generation `generation`'s decode pod once the scheduler has bound it (the tests need its node: an unbound pod
+    read on a loaded box made the quarantine's holder `node-busy/None`), or None."""
     for pod in api.pods(ns):
         labels = pod["metadata"]["labels"]
         if labels[LABEL_ROLE] == ROLE_DECODE and labels[LABEL_GENERATION] == str(generation) \
-                and not pod["metadata"].get("deletion_timestamp"):
+                and not pod["metadata"].get("deletion_timestamp") and pod["spec"].get("node_name"):
             return pod
     return None
 
@@ -121,7 +123,7 @@ def test_a_port_busy_on_the_node_is_quarantined_and_the_pair_restarts_on_others(
     with operator(platform, ns, pool_of_free_ports(16), tmp_path, env=env):
         recorder = PodRecorder(api, ns)
         api.create_pair(ns, "busy")
-        first = wait_for(lambda: decode_pod(api, ns, 1), 60, "the first decode pod")
+        first = wait_for(lambda: decode_pod(api, ns, 1), 60, "the first decode pod, bound to a node")
         node, busy = first["spec"]["node_name"], side_port(first)
 
         # "A debugger" on the node holds the leased side-channel port, on another loopback address: the preflight's
@@ -203,7 +205,7 @@ def test_an_operator_that_died_after_the_quarantine_finishes_the_move(
     pool = pool_of_free_ports(16)
     with operator(platform, ns, pool, tmp_path, name="operator-1"):
         api.create_pair(ns, "again")
-        first = wait_for(lambda: decode_pod(api, ns, 1), 60, "the first decode pod")
+        first = wait_for(lambda: decode_pod(api, ns, 1), 60, "the first decode pod, bound to a node")
     node, busy = first["spec"]["node_name"], side_port(first)
     with socket.socket() as foreign:
         foreign.bind((FOREIGN_HOST, busy))

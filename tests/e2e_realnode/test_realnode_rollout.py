@@ -57,7 +57,13 @@ def client(i):
                 text = json.load(resp)["choices"][0]["text"]
             out({"t": t, "dur": time.time() - t, "prompt": prompt, "ok": True, "text": text})
         except Exception as exc:
-            out({"t": t, "dur": time.time() - t, "prompt": prompt, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            body = ""
+            try:
+                body = exc.read().decode(errors="replace") if hasattr(exc, "read") else ""  # the router's JSON error
+            except Exception:
+                pass
+            out({"t": t, "dur": time.time() - t, "prompt": prompt, "ok": False,
+                 "error": f"{type(exc).__name__}: {exc} {body}"[:1000]})
             time.sleep(0.2)
 threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
 for th in threads: th.start()
@@ -157,7 +163,8 @@ def _rollout_under_load(real_cluster, serving_pair, baseline_outputs, strategy, 
           f"({len(during)} sent during the rollout), {len(wrong)} outputs differ from the baseline; "
           f"spec change -> generation {g2} serving {switched[0] - t_change:.1f}s, -> generation {g1} gone "
           f"{t_done - t_change:.1f}s; longest time without a completed request {longest_gap:.1f}s; "
-          f"first failures: {[r['error'] for r in failed[:3]]}")
+          f"first failures (seconds after the spec change; the switch at {switched[0] - t_change:.1f}): "
+          f"{[(round(r['t'] - t_change, 1), r['error']) for r in failed[:3]]}")
     return records, failed, wrong, status, g2
 
 

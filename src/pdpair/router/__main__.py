@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 
 from aiohttp import web
@@ -31,19 +32,27 @@ def _seconds(raw: str) -> float:
         raise argparse.ArgumentTypeError(f"{raw!r}: must be a finite number of seconds > 0") from exc
 
 
+# Each default is declared once, on RouterConfig.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+
+
 def build_parser() -> argparse.ArgumentParser:
+    seconds = {name: f"{value:g}" for name, value in _DEFAULTS.items() if name.endswith("_seconds")}
     parser = argparse.ArgumentParser(prog="pdpair-router", description=__doc__)
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     parser.add_argument("--port", type=_port, required=True, help="port to listen on, 0..65535 (0: kernel picks)")
     parser.add_argument("--prefill", required=True, help="prefill engine base URL, e.g. http://10.0.0.5:8000")
     parser.add_argument("--decode", required=True, help="decode engine base URL")
-    parser.add_argument("--prefill-timeout", type=_seconds, default=120.0, help="seconds for the prefill answer (default 120)")
+    parser.add_argument("--prefill-timeout", type=_seconds, default=_DEFAULTS["prefill_timeout_seconds"],
+                        help=f"seconds for the prefill answer (default {seconds['prefill_timeout_seconds']})")
+    parser.add_argument("--decode-timeout", type=_seconds, default=_DEFAULTS["decode_timeout_seconds"],
+                        help=f"seconds for the whole decode answer (default {seconds['decode_timeout_seconds']})")
+    parser.add_argument("--connect-timeout", type=_seconds, default=_DEFAULTS["connect_timeout_seconds"],
+                        help=f"seconds to connect to either engine (default {seconds['connect_timeout_seconds']})")
     parser.add_argument(
-        "--decode-timeout", type=_seconds, default=600.0, help="seconds for the whole decode answer (default 600)"
-    )
-    parser.add_argument(
-        "--connect-timeout", type=_seconds, default=10.0, help="seconds to connect to either engine (default 10)"
-    )
+        "--idle-connection-timeout", type=_seconds, default=_DEFAULTS["idle_connection_seconds"],
+        help="seconds a kept-alive connection to an engine may idle and still be reused; keep it below the engines' "
+             f"keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) (default {seconds['idle_connection_seconds']})")
     return parser
 
 
@@ -52,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app = make_app(RouterConfig(args.prefill, args.decode, args.prefill_timeout, args.decode_timeout, args.connect_timeout))
+        app = make_app(RouterConfig(args.prefill, args.decode, args.prefill_timeout, args.decode_timeout,
+                                    args.connect_timeout, args.idle_connection_timeout))
     except ValueError as exc:
         parser.error(str(exc))
     web.run_app(app, host=args.host, port=args.port, print=None)

@@ -4,6 +4,13 @@ not) goes back to the client.
 
 Errors are explicit: an unreachable peer or a 5xx from it is a 502, a peer that exceeds its timeout a 504, each with
 a JSON body naming the peer and the cause; a 4xx from a peer is the client's fault and is passed through.
+
+Kept-alive connections to the engines are reused only while idle for less than `idle_connection_seconds`, below
+the engines' own keep-alive (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a request written on a connection that the
+engine is closing at that moment fails at once (a disconnect, a sporadic 502 under load). A prefill request that
+fails that way, before any answer, is sent once more on a new connection: prefill computes one token and keeps the
+KV for a decode that never comes, which the connector frees at its deadline. A decode request is never sent twice
+(its KV may already be read).
 X-Request-Id is taken from the client (or made) and sent to both engines and back to the client.
 """
 
@@ -35,6 +42,7 @@ class RouterConfig:
     prefill_timeout_seconds: float = 120.0
     decode_timeout_seconds: float = 600.0
     connect_timeout_seconds: float = 10.0
+    idle_connection_seconds: float = 2.0
 
 
 class PeerError(Exception):
@@ -65,6 +73,24 @@ def prefill_body(body: dict, chat: bool) -> dict:
     return out
 
 
+# The peer closed or reset the connection before answering: a kept-alive connection it was closing (a new one is
+# worth one more try). Not a refused connection (ClientConnectorError, a subclass of ClientOSError): nothing listens.
+def _disconnected(exc: BaseException) -> bool:
+    return isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and \
+        not isinstance(exc, aiohttp.ClientConnectorError)
+
+
+async def _post_prefill(session: aiohttp.ClientSession, url: str, body: dict, headers: dict, timeout: float) -> dict:
+    try:
+        return await _post_json(session, "prefill", url, body, headers, timeout)
+    except PeerError as exc:
+        if not _disconnected(exc.__cause__):
+            raise
+        logger.warning("request %s: %s; sending it once more on a new connection", headers.get(REQUEST_ID_HEADER),
+                       exc.message)
+        return await _post_json(session, "prefill", url, body, headers, timeout)
+
+
 async def _post_json(session: aiohttp.ClientSession, peer: str, url: str, body: dict, headers: dict, timeout: float) -> dict:
     try:
         async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
@@ -80,7 +106,7 @@ async def _post_json(session: aiohttp.ClientSession, peer: str, url: str, body: 
     except asyncio.TimeoutError:
         raise PeerError(504, peer, f"{peer} {url} did not answer within {timeout:.0f}s") from None
     except aiohttp.ClientError as exc:
-        raise PeerError(502, peer, f"{peer} {url} unreachable: {exc}") from None
+        raise PeerError(502, peer, f"{peer} {url} unreachable: {exc}") from exc
 
 
 async def _proxy(request: web.Request) -> web.StreamResponse:
@@ -98,9 +124,8 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     path = request.path
     chat = path.endswith("/chat/completions")
     try:
-        first = await _post_json(
-            session, "prefill", config.prefill_url + path, prefill_body(body, chat), headers,
-            config.prefill_timeout_seconds,
+        first = await _post_prefill(
+            session, config.prefill_url + path, prefill_body(body, chat), headers, config.prefill_timeout_seconds,
         )
         params = first.get("kv_transfer_params")
         if not isinstance(params, dict):
@@ -187,16 +212,17 @@ def make_app(config: RouterConfig) -> web.Application:
     check_timeout("--prefill-timeout", config.prefill_timeout_seconds)
     check_timeout("--decode-timeout", config.decode_timeout_seconds)
     check_timeout("--connect-timeout", config.connect_timeout_seconds)
+    check_timeout("--idle-connection-timeout", config.idle_connection_seconds)
     app = web.Application(client_max_size=64 * 2**20)
     app[_CONFIG] = RouterConfig(
         config.prefill_url.rstrip("/"), config.decode_url.rstrip("/"), config.prefill_timeout_seconds,
-        config.decode_timeout_seconds, config.connect_timeout_seconds,
+        config.decode_timeout_seconds, config.connect_timeout_seconds, config.idle_connection_seconds,
     )
 
     async def client_ctx(app: web.Application):
         app[_CLIENT] = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(connect=config.connect_timeout_seconds),
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=config.idle_connection_seconds),
         )
         yield
         await app[_CLIENT].close()

@@ -27,11 +27,18 @@ class Engine:
         self.status = 200
         self.delay = 0.0
         self.params: dict | None = PARAMS
+        self.peers: list[int] = []  # the client port of each request's connection
+        self.drop_first = 0  # drop the connection of this many first requests without an answer
         self.stream_chunks = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n', b"data: [DONE]\n\n"]
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append((request.path, body, request.headers.copy()))
+        self.peers.append(request.transport.get_extra_info("peername")[1])
+        if self.drop_first:
+            self.drop_first -= 1
+            request.transport.abort()
+            return web.Response()
         if self.delay:
             await asyncio.sleep(self.delay)
         if self.status != 200:
@@ -244,3 +251,66 @@ def test_cli_accepts_the_edge_values():
     args = build_parser().parse_args(["--port", "0", "--connect-timeout", "0.001", *BASE_ARGS])
     assert args.port == 0 and args.connect_timeout == 0.001 and args.decode_timeout == 600.0
     assert build_parser().parse_args(["--port", "65535", *BASE_ARGS]).port == 65535
+
+
+def test_the_readme_table_lists_every_flag_with_its_default():
+    """Docs checked from the one declaration: each router flag is a row of the connector README's "Router CLI" table,
+    with the parser's default (RouterConfig's) or "required"."""
+    import pathlib
+    import re
+
+    readme = pathlib.Path(__file__).resolve().parents[3] / "src/pdpair/connector/README.md"
+    table = readme.read_text().split("## Router CLI", 1)[1].split("\n## ", 1)[0]
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `(--[a-z-]+)` \| ([^|]+) \|", table, re.M)}
+    for action in build_parser()._actions:
+        flag = next((o for o in action.option_strings if o.startswith("--")), None)
+        if flag in (None, "--help"):
+            continue
+        want = "required" if action.required else (f"{action.default:g}" if isinstance(action.default, float)
+                                                    else f"`{action.default}`")
+        assert rows.get(flag, "").strip() == want, (flag, rows.get(flag), want)
+
+
+@pytest.mark.asyncio
+async def test_an_idle_connection_is_not_reused_past_its_timeout(stack):
+    """A connection idle longer than idle_connection_seconds is not reused (vLLM closes its idle ones at 5 s: a
+    request written on one it is closing fails); back-to-back requests do reuse one. Cost: ~1 s."""
+    prefill, decode, start_router, client = stack
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    ports = []
+
+    async def send(router):
+        async with client.post(router + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+        ports.append(prefill.peers[-1])
+
+    keeping = await start_router(idle_connection_seconds=30.0)
+    await send(keeping)
+    await send(keeping)
+    assert ports[0] == ports[1], "back-to-back requests should share a kept-alive connection"
+    ports.clear()
+    short = await start_router(idle_connection_seconds=0.2)
+    await send(short)
+    await asyncio.sleep(1.0)
+    await send(short)
+    assert ports[0] != ports[1], "a connection idle past idle_connection_seconds was reused"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("peer", ["prefill", "decode"])
+async def test_a_connection_dropped_before_an_answer(stack, peer):
+    """The engine drops the connection of its first request without answering (what a kept-alive connection closed
+    under the request looks like): prefill's request is sent once more and the client gets its answer; decode's is
+    not (its KV may be read already): the client gets a 502 naming decode. Cost: < 1 s."""
+    prefill, decode, start_router, client = stack
+    engine = prefill if peer == "prefill" else decode
+    engine.drop_first = 1
+    router = await start_router()
+    async with client.post(router + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}) as resp:
+        status, answer = resp.status, await resp.json()
+    if peer == "prefill":
+        assert status == 200 and answer["id"] == "decode-answer", answer
+        assert len(prefill.received) == 2 and len(decode.received) == 1
+    else:
+        assert status == 502 and answer["error"]["peer"] == "decode", answer
+        assert len(prefill.received) == 1 and len(decode.received) == 1
