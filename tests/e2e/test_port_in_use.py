@@ -29,7 +29,6 @@ from pdpair.contract import (
     LABEL_PORT_QUARANTINE,
     LABEL_ROLE,
     LEASE_NAME_PREFIX,
-    PURPOSE_SIDECHANNEL,
     QUARANTINE_HOLDER_PREFIX,
     ROLE_DECODE,
     parse_ports_in_use,
