@@ -14,7 +14,7 @@ import sys
 import tempfile
 import uuid
 
-from pdpair.contract import API_VERSION, KIND
+from pdpair.contract import ANNOTATION_FENCED_POD, API_VERSION, KIND, LEASE_NAME_PREFIX
 from devcluster.build import REPO_ROOT, helm_path
 
 CHART = REPO_ROOT / "charts" / "pdpair"
@@ -247,6 +247,14 @@ def baseline_pod(name: str, namespace: str, engine_ref: str, model_dir: pathlib.
             }],
         },
     }
+
+
+def fenced_ports(leases: list[dict], pod_prefix: str = "") -> dict[int, str]:
+    """Port -> fenced pod (`<ns>/<name>/<uid>`) of each fence Lease (JSON form) whose pod reference starts with
+    `pod_prefix`: the tests' one reading of the operator's fences (quarantine-labelled Leases naming a pod)."""
+    return {int(lease["metadata"]["name"].removeprefix(LEASE_NAME_PREFIX)): ref for lease in leases
+            if (ref := (lease["metadata"].get("annotations") or {}).get(ANNOTATION_FENCED_POD, ""))
+            and ref.startswith(pod_prefix)}
 
 
 def unique(prefix: str) -> str:

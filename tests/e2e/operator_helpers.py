@@ -21,6 +21,7 @@ from pdpair.contract import (
     LABEL_PAIR_NAMESPACE,
     LABEL_PAIR_UID,
     LABEL_PORT_LEASE,
+    LABEL_PORT_QUARANTINE,
     LEASE_NAME_PREFIX,
     PLURAL,
     PURPOSE_HTTP,
@@ -71,6 +72,13 @@ class Api:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+    def fences(self, pod_prefix=""):
+        """Port -> fenced pod of the operator's fence Leases (devcluster.product.fenced_ports)."""
+        from devcluster.product import fenced_ports
+
+        leases = self.coord.list_namespaced_lease(OPERATOR_NS, label_selector=f"{LABEL_PORT_QUARANTINE}=true").items
+        return fenced_ports([self.coord.api_client.sanitize_for_serialization(l) for l in leases], pod_prefix)
 
     def pods(self, ns):
         return [p.to_dict() for p in self.core.list_namespaced_pod(ns).items]

@@ -19,18 +19,15 @@ from datetime import datetime, timezone
 import pytest
 
 from pdpair.contract import (
-    ANNOTATION_FENCED_POD,
     COND_NODE_LOST,
     LABEL_GENERATION,
-    LABEL_PORT_QUARANTINE,
     LABEL_ROLE,
-    LEASE_NAME_PREFIX,
     ROLE_DECODE,
     ROLE_PREFILL,
 )
 from pdpair.operator.config import ENV_BUSY_PORT_QUARANTINE, ENV_NODE_LOST_SECONDS, ENV_SWEEP_INTERVAL
 from tests.e2e.ha_support import DecodeListeners
-from tests.e2e.operator_helpers import NO_HEALTH, OPERATOR_NS, Api, condition, operator, pool_of_free_ports
+from tests.e2e.operator_helpers import NO_HEALTH, Api, condition, operator, pool_of_free_ports
 from devcluster.kwok import FAKE_NODE_LABEL
 from devcluster.waiting import wait_for
 
@@ -43,12 +40,6 @@ POOL_LABEL = "pdpair.test/node-lost-pool"
 
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def fences(api, pod_ref_prefix=""):
-    leases = api.coord.list_namespaced_lease(OPERATOR_NS, label_selector=f"{LABEL_PORT_QUARANTINE}=true").items
-    return {int(l.metadata.name.removeprefix(LEASE_NAME_PREFIX)): ref for l in leases
-            if (ref := (l.metadata.annotations or {}).get(ANNOTATION_FENCED_POD, "")) and ref.startswith(pod_ref_prefix)}
 
 
 def declared_ports(pod):
@@ -122,14 +113,14 @@ def test_a_partitioned_node_is_left_behind_with_its_ports_fenced_and_the_pair_se
                 "the lost node's pods should still exist, deleted but unconfirmed"
             new_ports = set().union(*(declared_ports(p) for p in new))
             assert not new_ports & old_ports, f"generation 2 shares ports {new_ports & old_ports} with the lost pods"
-            fenced = fences(api, f"{ns}/")
+            fenced = api.fences(f"{ns}/")
             assert old_ports <= set(fenced), (sorted(old_ports), fenced)
             reasons = {e.reason for e in api.events(ns) if e.involved_object.name == "nl"}
             assert "NodeLost" in reasons
 
             # The partition outlives the busy-port quarantine's TTL and several sweeps: the fences hold.
             time.sleep(QUARANTINE_SECONDS + 4)
-            assert old_ports <= set(fences(api, f"{ns}/")), "a fence ended while its pod still exists"
+            assert old_ports <= set(api.fences(f"{ns}/")), "a fence ended while its pod still exists"
             assert (api.pair(ns, "nl")["status"]).get("restarts") == 1, "restarted more than once"
 
             # The heal: kwok takes the node back, confirms the deletions; the sweep frees the fenced ports.
@@ -139,7 +130,7 @@ def test_a_partitioned_node_is_left_behind_with_its_ports_fenced_and_the_pair_se
             healed = time.monotonic()
             wait_for(lambda: not [p for p in api.core.list_namespaced_pod(ns).items
                                   if p.metadata.labels[LABEL_GENERATION] == "1"], 60, "the lost pods gone after the heal")
-            wait_for(lambda: not old_ports & set(fences(api)), 30, "the fences released")
+            wait_for(lambda: not old_ports & set(api.fences()), 30, "the fences released")
             freed = f"{time.monotonic() - healed:.1f}"
             wait_for(lambda: (condition(api.pair(ns, "nl"), COND_NODE_LOST) or {}).get("status") == "False", 30,
                      "condition NodeLost False")

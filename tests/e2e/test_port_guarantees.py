@@ -23,12 +23,10 @@ import urllib.request
 import pytest
 
 from pdpair.contract import (
-    ANNOTATION_FENCED_POD,
     COND_PORTS_LEASED,
     COND_READY,
     GROUP,
     LABEL_PAIR_UID,
-    LABEL_PORT_QUARANTINE,
     LABEL_ROLE,
     LEASE_NAME_PREFIX,
     PLURAL,
@@ -38,7 +36,6 @@ from pdpair.contract import (
 from pdpair.operator.config import ENV_POD_GONE_TIMEOUT
 from tests.e2e.operator_helpers import (
     NO_HEALTH,
-    OPERATOR_NS,
     PORTS_PER_PAIR_NO_ROUTER,
     Api,
     cleanup_pairs,
@@ -60,13 +57,6 @@ def status_ports(pair):
 def lease_ports(api, ns, uid):
     return {int(l.metadata.name.removeprefix(LEASE_NAME_PREFIX)) for l in api.leases(ns)
             if l.metadata.labels[LABEL_PAIR_UID] == uid}
-
-
-def fenced_ports(api, pod_prefix):
-    """Port -> fenced pod (<ns>/<name>/<uid>) of every fence Lease whose pod reference starts with pod_prefix."""
-    leases = api.coord.list_namespaced_lease(OPERATOR_NS, label_selector=f"{LABEL_PORT_QUARANTINE}=true").items
-    return {int(l.metadata.name.removeprefix(LEASE_NAME_PREFIX)): ref for l in leases
-            if (ref := (l.metadata.annotations or {}).get(ANNOTATION_FENCED_POD, "")) and ref.startswith(pod_prefix)}
 
 
 def pod_named(api, ns, predicate):
@@ -213,15 +203,15 @@ def test_pod_gone_wait_is_bounded_and_told(platform, cluster_namespace, tmp_path
             # more than one sweep of the operator (every 10 s here).
             declared = {int(p.container_port) for c in api.core.read_namespaced_pod(name, ns).spec.containers
                         for p in c.ports or []}
-            assert declared and declared <= set(fenced_ports(api, f"{ns}/{name}/")), fenced_ports(api, "")
+            assert declared and declared <= set(api.fences(f"{ns}/{name}/")), api.fences("")
             time.sleep(12)
-            assert declared <= set(fenced_ports(api, f"{ns}/{name}/")), "a fence ended while its pod still exists"
+            assert declared <= set(api.fences(f"{ns}/{name}/")), "a fence ended while its pod still exists"
             print(f"\npair with a stuck pod gone after {waited:.1f}s (bound {timeout}s); ports {sorted(declared)} "
                   f"fenced to the pod")
         finally:
             release_pod(api, ns, name)
         freed_from = time.monotonic()
-        wait_for(lambda: not declared & set(fenced_ports(api, "")), 60, "the fences released once the pod is gone")
+        wait_for(lambda: not declared & set(api.fences("")), 60, "the fences released once the pod is gone")
         print(f"fences released {time.monotonic() - freed_from:.1f}s after the pod's finalizer was removed")
 
 

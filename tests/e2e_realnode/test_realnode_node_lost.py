@@ -28,11 +28,12 @@ import pytest
 import yaml
 
 from pdpair.contract import (
-    ANNOTATION_FENCED_POD, ANNOTATION_RESTART_TIMES, COND_NODE_LOST, GROUP, LABEL_PORT_QUARANTINE, LEASE_NAME_PREFIX,
+    ANNOTATION_RESTART_TIMES, COND_NODE_LOST, GROUP, LABEL_PORT_QUARANTINE,
     PLURAL,
 )
 from devcluster.product import (
-    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, leader_pod_name, operator_logs, pair_manifest,
+    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, fenced_ports, leader_pod_name, operator_logs,
+    pair_manifest,
 )
 from devcluster.waiting import wait_for
 
@@ -67,11 +68,9 @@ def test_a_partitioned_node_is_left_behind_and_the_pair_serves_from_the_other_no
         return json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
 
     def fences() -> dict[int, str]:
-        leases = json.loads(cluster.kubectl("get", "leases", "-n", OPERATOR_NS, "-l", f"{LABEL_PORT_QUARANTINE}=true",
-                                            "-o", "json").stdout)["items"]
-        return {int(l["metadata"]["name"].removeprefix(LEASE_NAME_PREFIX)): ref for l in leases
-                if (ref := (l["metadata"].get("annotations") or {}).get(ANNOTATION_FENCED_POD, "")).startswith(
-                    f"{namespace}/")}
+        return fenced_ports(json.loads(cluster.kubectl("get", "leases", "-n", OPERATOR_NS, "-l",
+                                                       f"{LABEL_PORT_QUARANTINE}=true", "-o", "json").stdout)["items"],
+                            f"{namespace}/")
 
     def declared(pod) -> set[int]:
         return {int(p["containerPort"]) for c in pod["spec"]["containers"] for p in c.get("ports") or []}

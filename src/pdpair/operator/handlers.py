@@ -33,7 +33,6 @@ from pdpair.contract import (
     FINALIZER,
     GROUP,
     LABEL_PAIR_UID,
-    LABEL_ROLE,
     PHASE_READY,
     PLURAL,
     PURPOSE_METRICS,
@@ -356,10 +355,9 @@ async def _pods_gone(runtime: Runtime, body: kopf.Body, uid: str, logger: loggin
     while True:
         listed = await asyncio.to_thread(runtime.core.list_namespaced_pod, namespace,
                                          label_selector=f"{LABEL_PAIR_UID}={uid}")
-        pods = [PodView(p.metadata.name, (p.metadata.labels or {}).get(LABEL_ROLE, ""), 0,
-                        deleting=bool(p.metadata.deletion_timestamp), uid=p.metadata.uid,
-                        node=(p.spec.node_name or "") if p.spec else "", ports=_declared_ports(p))
-                for p in listed.items]
+        # The one reading of a pod (observed.PodView.from_pod) on the API's own JSON form of the listed V1Pods.
+        serialize = runtime.core.api_client.sanitize_for_serialization
+        pods = [PodView.from_pod(serialize(p)) for p in listed.items]
         if not pods:
             return []
         uids = {p.name: p.uid for p in pods}
@@ -380,13 +378,6 @@ async def _pods_gone(runtime: Runtime, body: kopf.Body, uid: str, logger: loggin
                                 f"{max(0.0, deadline - now):.0f}s more)")[:1024])
             logger.info("waiting for pods %s to be gone before releasing the ports", names)
         await asyncio.sleep(POD_GONE_POLL)
-
-
-def _declared_ports(pod: Any) -> tuple[int, ...]:
-    """Every containerPort of a V1Pod (on the host network, the ports it binds on its node)."""
-    spec = pod.spec
-    containers = list((spec.init_containers or []) + (spec.containers or [])) if spec else []
-    return tuple(sorted({int(p.container_port) for c in containers for p in c.ports or [] if p.container_port}))
 
 
 def _parse_time(text: str | None) -> float | None:
