@@ -164,7 +164,8 @@ class Replicas:
 
 
 class DecodeListeners:
-    """A listening socket on each decode side-channel port listed in a pair's status (the engine's listener)."""
+    """A listening socket on each decode side-channel port listed in a pair's status (the engine's listener): the
+    serving generation's (status.ports) and a Surge rollout's new one (status.rollout.ports)."""
 
     def __init__(self, api, ns):
         self.api, self.ns = api, ns
@@ -178,7 +179,8 @@ class DecodeListeners:
             try:
                 wanted = set()
                 for pair in self.api.pairs(self.ns):
-                    for port in (pair.get("status") or {}).get("ports") or []:
+                    status = pair.get("status") or {}
+                    for port in (status.get("ports") or []) + ((status.get("rollout") or {}).get("ports") or []):
                         if port.get("role") == ROLE_DECODE and port.get("purpose") == PURPOSE_SIDECHANNEL:
                             wanted.add(int(port["port"]))
                 for port in wanted - set(self.sockets):

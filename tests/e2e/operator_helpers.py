@@ -51,6 +51,7 @@ class Api:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.coord = client.CoordinationV1Api(api)
+        self.policy = client.PolicyV1Api(api)
 
     def create_pair(self, ns, name, **spec_overrides):
         spec = {"model": "m", "image": "img:1", "network": {"hostNetwork": True}, "router": {"enabled": False}}

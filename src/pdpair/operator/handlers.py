@@ -7,9 +7,11 @@ reconciler.py / ports.py.
   the port leaser, the orphan-lease sweep.
 - index `pair_pods`: the pods of each pair (by the pair-uid label), kept live by the watch; `pair_services` the same
   for the router Service.
-- index `node_views`: every Node as observed.NodeView (Ready condition, unreachable taint); a change of either wakes
-  the pairs with a pod on that node (lost nodes: nodes.py, planner.py).
-- events on pairs, their pods and their Service wake that pair's daemon, so reaction is immediate, not per poll.
+- index `node_views`: every Node as observed.NodeView (Ready condition, unreachable taint, cordon); a change of any
+  wakes the pairs with a pod on that node (lost and cordoned nodes: nodes.py, planner.py, rollout.py).
+- index `pair_budgets`: the PodDisruptionBudget of each pair (disruption.py); the reconciler makes a missing one.
+- events on pairs, their pods, their Service and their PodDisruptionBudget wake that pair's daemon, so reaction is
+  immediate, not per poll.
 - daemon `reconcile`: one per pair, loops PairReconciler.reconcile_once (it also drives the probe gate).
 - delete: waits for the daemon to stop, deletes the pair's pods (prefill and router first) and waits until they are
   gone (deleted AND terminated: a pod object disappears only once the kubelet has stopped it), then stops listing
@@ -87,6 +89,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     settings.networking.request_timeout = 60
     settings.watching.label_selectors["pods"] = LABEL_PAIR_UID  # only pods we made reach the operator
     settings.watching.label_selectors["services"] = LABEL_PAIR_UID  # and only Services we made
+    settings.watching.label_selectors["poddisruptionbudgets"] = LABEL_PAIR_UID  # and PodDisruptionBudgets
 
     asyncio.get_running_loop().set_default_executor(
         concurrent.futures.ThreadPoolExecutor(max_workers=config.api_threads, thread_name_prefix="pdpair-api")
@@ -98,7 +101,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     held = await leaser.refresh_taken()
     core = TimedApi(kubernetes.client.CoreV1Api(api), timeout)
     custom = TimedApi(kubernetes.client.CustomObjectsApi(api), timeout)
-    runtime = Runtime(config, core, custom, leaser)
+    policy = TimedApi(kubernetes.client.PolicyV1Api(api), timeout)
+    runtime = Runtime(config, core, custom, leaser, policy=policy)
     memo["runtime"] = runtime
     memo["sweeper"] = asyncio.create_task(_sweep_forever(runtime), name="pdpair-lease-sweep")
     memo["metrics_server"] = _start_metrics(runtime)
@@ -150,7 +154,8 @@ async def node_changed(name: str, body: kopf.Body, memo: kopf.Memo, pair_pods: k
     view = NodeView.from_node(body)
     seen = runtime.nodes_seen.get(name)
     runtime.nodes_seen[name] = view
-    if seen is not None and (seen.ready, seen.since, seen.unreachable) == (view.ready, view.since, view.unreachable):
+    if seen is not None and (seen.ready, seen.since, seen.unreachable, seen.unschedulable) == \
+            (view.ready, view.since, view.unreachable, view.unschedulable):
         return
     for uid, pods in pair_pods.items():
         if any(p.node == name for p in pods):
@@ -179,6 +184,18 @@ async def service_changed(labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> Non
         runtime.wake(labels[LABEL_PAIR_UID])  # e.g. someone deleted the router Service: recreate it now
 
 
+@kopf.index("policy", "v1", "poddisruptionbudgets", labels={LABEL_PAIR_UID: kopf.PRESENT})
+async def pair_budgets(name: str, labels: kopf.Labels, **_: Any) -> dict[str, str]:
+    return {labels[LABEL_PAIR_UID]: name}
+
+
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={LABEL_PAIR_UID: kopf.PRESENT})
+async def budget_changed(labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    runtime: Runtime | None = memo.get("runtime")
+    if runtime:
+        runtime.wake(labels[LABEL_PAIR_UID])  # e.g. someone deleted the pair's PodDisruptionBudget: make it again
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def pair_changed(uid: str, memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime | None = memo.get("runtime")
@@ -189,7 +206,7 @@ async def pair_changed(uid: str, memo: kopf.Memo, **_: Any) -> None:
 @kopf.daemon(GROUP, VERSION, PLURAL, id="reconcile", cancellation_backoff=5.0, cancellation_timeout=5.0)
 async def reconcile(
     body: kopf.Body, uid: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, logger: logging.Logger,
-    pair_pods: kopf.Index, pair_services: kopf.Index, node_views: kopf.Index, **_: Any,
+    pair_pods: kopf.Index, pair_services: kopf.Index, node_views: kopf.Index, pair_budgets: kopf.Index, **_: Any,
 ) -> None:
     runtime: Runtime = memo["runtime"]
     wake = runtime.wakeups.setdefault(uid, asyncio.Event())
@@ -208,7 +225,7 @@ async def reconcile(
             try:
                 pods = list(pair_pods.get(uid, ()))
                 delay = await reconciler.reconcile_once(pods, list(pair_services.get(uid, ())),
-                                                        _nodes_of(pods, node_views))
+                                                        _nodes_of(pods, node_views), list(pair_budgets.get(uid, ())))
                 failures, last_error = 0, ""
             except asyncio.CancelledError:
                 raise

@@ -63,6 +63,7 @@ __all__ = [
     "REASON_UNREACHABLE",
     "REASON_PORT_IN_USE",
     "REASON_NODE_LOST",
+    "REASON_NODE_DRAIN",
     "RESTART_REASONS",
 ]
 
@@ -75,6 +76,7 @@ REASON_POD_VANISHED = "pod_vanished"
 REASON_UNREACHABLE = "unreachable"
 REASON_PORT_IN_USE = "port_in_use"  # a leased port was busy on the node: re-leased, restarted outside the budget
 REASON_NODE_LOST = "node_lost"  # a current pod's node is lost (nodes.py): its ports fenced, re-homed elsewhere
+REASON_NODE_DRAIN = "node_drain"  # a Recreate pair's current pod is on a cordoned node: moved, outside the budget
 RESTART_REASONS = (
     REASON_HUNG,
     REASON_STALE_GENERATION,
@@ -84,6 +86,7 @@ RESTART_REASONS = (
     REASON_UNREACHABLE,
     REASON_PORT_IN_USE,
     REASON_NODE_LOST,
+    REASON_NODE_DRAIN,
 )
 
 

@@ -9,7 +9,12 @@ A node is lost when
 A node the operator has not seen (no Node object in its index) is not judged: the pod garbage collector ends pods
 bound to a deleted node, and an index still filling must not look like a lost cluster.
 
-What the planner does with it (planner.py, docs/design.md "Lost nodes"): a pod on a lost node is treated as gone for
+A node is cordoned when spec.unschedulable is set (`kubectl cordon`, `kubectl drain`) and it is still Ready: the
+pair's PodDisruptionBudget (disruption.py) refuses the drain's evictions of its Ready pods, and the planner moves
+the pair off the node itself, in order (rollout.py: a Surge re-home; planner.failure: a Recreate pair's ordered
+restart), after which the drain finds the pods gone (docs/design.md, "Drained nodes").
+
+What the planner does with a lost node (planner.py, docs/design.md "Lost nodes"): a pod on a lost node is treated as gone for
 the ordering of a restart once it is being deleted and the pair no longer holds any of its ports (they are fenced to
 it: leases.fence_ports), never sooner; the current generation with a pod there restarts (NodeLost).
 """
@@ -80,3 +85,21 @@ def lost_pods(pods: Iterable[Any], nodes: Mapping[str, NodeView], now: float, lo
         if left is not None:
             recheck = left if recheck is None else min(recheck, left)
     return LostPods(tuple(found), reasons, recheck)
+
+
+def cordoned(node: NodeView | None) -> bool:
+    """`node` is cordoned (spec.unschedulable: `kubectl cordon`, the first step of `kubectl drain`) and still
+    reachable: its pods are to move before an eviction takes them. A lost node is the NodeLost path's, not this."""
+    return node is not None and node.unschedulable and not node.unreachable and node.ready == "True"
+
+
+def cordoned_pods(pods: Iterable[Any], nodes: Mapping[str, NodeView]) -> tuple[Any, ...]:
+    """The pods (observed.PodView, bound to a node, not being deleted) on a cordoned node."""
+    return tuple(p for p in pods if p.node and not p.deleting and cordoned(nodes.get(p.node)))
+
+
+def describe_cordoned(pods: Iterable[Any]) -> str:
+    by_node: dict[str, list[str]] = {}
+    for pod in pods:
+        by_node.setdefault(pod.node, []).append(f"{pod.role} pod {pod.name}")
+    return "; ".join(f"node {node} is cordoned: {', '.join(sorted(names))}" for node, names in sorted(by_node.items()))

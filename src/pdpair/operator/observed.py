@@ -165,6 +165,7 @@ class NodeView:
     ready: str = ""  # the Ready condition's status: True | False | Unknown | "" (none reported yet)
     since: float | None = None  # epoch seconds of the Ready condition's lastTransitionTime
     unreachable: bool = False  # carries the node.kubernetes.io/unreachable taint (any effect)
+    unschedulable: bool = False  # spec.unschedulable: cordoned (kubectl cordon, or the first step of kubectl drain)
 
     @classmethod
     def from_node(cls, node: Mapping[str, Any]) -> "NodeView":
@@ -177,6 +178,7 @@ class NodeView:
             ready=str(ready.get("status") or ""),
             since=_epoch(ready.get("lastTransitionTime")),
             unreachable=any(t.get("key") == TAINT_UNREACHABLE for t in spec.get("taints") or []),
+            unschedulable=bool(spec.get("unschedulable")),
         )
 
 

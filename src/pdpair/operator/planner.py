@@ -6,7 +6,8 @@ It owns, in this order:
      read each port set (the serving one, a Surge rollout's other one), quarantine busy ports and re-lease them,
      fence the ports of pods on lost nodes (nodes.py) and re-lease them;
   2. a Failed pair is left alone until its spec changes (status.phase Failed at this metadata.generation);
-  3. whether the pair needs a restart (a current pod's node is lost, a current pod failed or vanished, a health
+  3. whether the pair needs a restart (a current pod's node is lost, a Recreate pair's pod is on a cordoned node,
+     a current pod failed or vanished, a health
      verdict for the current generation, ports found busy on the node and re-leased) and whether it may restart now (restart_policy:
      backoff, budget, the scheduling gate), or must wait, or has spent its budget (Failed);
   4. the ordered steps (next_step: rollout.py's Surge plan while one applies, else desired.py's Recreate plan):
@@ -131,7 +132,8 @@ def halted(status: Mapping[str, Any], meta_generation: int) -> bool:
     return status.get("phase") == PHASE_FAILED and status.get("observedGeneration") == meta_generation
 
 
-def failure(steps: d.Plan, observed: Observed, lost: nodes.LostPods | None = None) -> Finding | None:
+def failure(steps: d.Plan, observed: Observed, lost: nodes.LostPods | None = None,
+            spec: Mapping[str, Any] | None = None) -> Finding | None:
     """Why the pair's current generation needs an ordered restart (a current pod on a lost node, a current pod
     failed or vanished, busy ports re-leased, the health watch's finding about this generation), else None. A lost
     node comes first: its pods look failed or vanished too (the node lifecycle controller marks them), and only
@@ -152,6 +154,15 @@ def failure(steps: d.Plan, observed: Observed, lost: nodes.LostPods | None = Non
                 if fact.reason:
                     return Finding(fact.reason, fact.message, generation)
         return Finding(health.REASON_POD_VANISHED, steps.broken_reason or "a pair pod vanished", generation)
+    if steps.step == d.STEP_READY and spec is not None and not rollout.surge_requested(spec):
+        # A Recreate pair with a pod on a cordoned node: an ordered restart moves it (the new pods are scheduled
+        # elsewhere; a Surge pair is re-homed by rollout.py instead, without a gap). Outside the budget: cordoning
+        # is the cluster's decision, not a failure of the pair.
+        moving = nodes.cordoned_pods([p for p in observed.pods if p.generation == generation], observed.nodes)
+        if moving:
+            return Finding(health.REASON_NODE_DRAIN, f"{nodes.describe_cordoned(moving)}; moving generation "
+                           f"{generation} to schedulable nodes (Recreate: an ordered restart)", generation,
+                           counted=False)
     found = observed.health
     return found if found is not None and found.generation == generation else None
 
@@ -165,7 +176,7 @@ def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Ob
     observed = dataclasses.replace(observed, fenced=leases.fenced_pods(lost, observed.held_pool_ports))
     node_condition = node_lost_condition(lost)
     steps = next_step(spec, status, dataclasses.replace(observed, restart_reason=None), now)
-    restart = failure(steps, observed, lost)
+    restart = failure(steps, observed, lost, spec)
     new_times: tuple[float, ...] | None = None
     if restart is not None and restart.counted:
         policy = RestartPolicy.from_spec(spec.get("restartPolicy"))

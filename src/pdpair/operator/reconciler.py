@@ -38,6 +38,7 @@ from .config import OperatorConfig
 from .lifecycle import probe_ranks
 from .pods import ManifestError, engine_pod, pod_name, router_pod
 from .ports import PairRef, PortLeaser, status_ports, ports_of
+from . import disruption
 from .service import ACTION_CREATE, ACTION_DELETE, ACTION_PATCH, ServiceView, plan_service, router_service, service_name
 from .status import FALSE, Condition, apply_conditions, now_rfc3339, status_diff
 
@@ -58,6 +59,7 @@ class Runtime:
     wakeups: dict[str, asyncio.Event] = field(default_factory=dict)
     exited: dict[str, asyncio.Event] = field(default_factory=dict)
     metrics: Any = None  # metrics.OperatorMetrics, when served
+    policy: Any = None  # kubernetes.client.PolicyV1Api: the pairs' PodDisruptionBudgets (disruption.py); None: none
     nodes_seen: dict[str, Any] = field(default_factory=dict)  # node name -> the NodeView a node event last woke for
 
     def wake(self, uid: str) -> None:
@@ -167,6 +169,7 @@ class PairReconciler:
         self.last_step = ""
         self.service: str | None = (self.status.get("service") or None)  # the router Service we own, by name
         self.service_problem = ""  # the last Service error reported as an Event (reported once, not per pass)
+        self.budget_problem = ""  # the same for the PodDisruptionBudget
         # The restart-times annotation as this reconciler last wrote it, until the watch shows it: a cache for the
         # watch's lag, not state (the annotation on the pair is the record; see _restart_times)
         self.restart_times_written: tuple[tuple[float, ...], float] | None = None
@@ -444,11 +447,39 @@ class PairReconciler:
             self.log.warning("pair %s/%s: %s", self.ref.namespace, self.ref.name, message)
         self.service_problem = message
 
+    async def ensure_budget(self, budgets: Iterable[str]) -> None:
+        """The pair's PodDisruptionBudget (disruption.py), made when the watch shows none. A failure (RBAC of an
+        older chart, a foreign object of that name) is reported once and retried next pass; it never stops the
+        pods' steps."""
+        if self.rt.policy is None or list(budgets):
+            return
+        from kubernetes.client import V1PodDisruptionBudget
+
+        manifest = disruption.pair_budget(self.body)
+        name = manifest["metadata"]["name"]
+        try:
+            await asyncio.to_thread(self.rt.policy.create_namespaced_pod_disruption_budget, self.ref.namespace,
+                                    V1PodDisruptionBudget.from_dict(manifest))
+        except Exception as exc:
+            if api_status(exc) == 409:
+                return  # made by an earlier pass the watch has not shown yet (or someone else's: it stays theirs)
+            message = f"PodDisruptionBudget {name}: {type(exc).__name__}: {str(exc)[:500]}"
+            if message != self.budget_problem:
+                self.emit("Warning", "DisruptionBudgetError", message)
+                self.log.warning("pair %s/%s: %s", self.ref.namespace, self.ref.name, message)
+            self.budget_problem = message
+            return
+        self.budget_problem = ""
+        self.emit("Normal", "DisruptionBudgetCreated",
+                  f"created PodDisruptionBudget {name} (maxUnavailable 0: a drain waits until the pair has moved)")
+
     # --- one pass -----------------------------------------------------------------------------------
     async def reconcile_once(self, pods: Iterable[PodView], services: Iterable[ServiceView] = (),
-                             node_views: Mapping[str, NodeView] | None = None) -> float:
+                             node_views: Mapping[str, NodeView] | None = None,
+                             budgets: Iterable[str] | None = None) -> float:
         """One level-triggered pass. Returns how long to sleep before the next one (a wakeup cuts it short).
-        `node_views`: the nodes of the pair's pods, as the node index has them (lost nodes: nodes.py)."""
+        `node_views`: the nodes of the pair's pods, as the node index has them (lost nodes: nodes.py); `budgets`:
+        the names of the pair's PodDisruptionBudgets the watch shows (None: not watched, none is made)."""
         started = time.monotonic()
         spec = self.body["spec"]
         meta_generation = int(self.body["metadata"].get("generation") or 0)
@@ -466,6 +497,8 @@ class PairReconciler:
         await self.quarantine_busy(lease_plan)
         await self.fence_lost(lease_plan)
         await self.ensure_service(services)
+        if budgets is not None:
+            await self.ensure_budget(budgets)
 
         generation = rollout.serving_generation(self.status, pods)
         probes = planner.listener_probes(self.status, pods)

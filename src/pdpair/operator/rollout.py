@@ -3,7 +3,8 @@
 Pure like desired.py (spec, status, observed, now -> Plan); `now` is epoch seconds passed in by the executor.
 The rollout lives in status.rollout, so a restarted operator carries on where the last one stopped:
 
-  (no rollout)  the serving generation F is Ready and the spec changed  -> Progressing (RollingOut Event)
+  (no rollout)  the serving generation F is Ready and the spec changed, or a pod of F sits on a cordoned node
+                (nodes.cordoned: kubectl cordon/drain; same spec, a re-home)  -> Progressing (RollingOut Event)
   Progressing   generation T = F+1 goes through desired.py's steps 3-7 (decode, listener probe, prefill, router)
                 beside F, on the pair's other port set (ports.py slots "a"/"b"); the router Service keeps
                 selecting F's router. When T is Ready: status.pairGeneration = T, status.ports = T's ports, the
@@ -38,6 +39,7 @@ from pdpair.contract import (
 )
 
 from . import desired as d
+from . import nodes
 from .observed import Observed
 from .ports import DEFAULT_SLOT, other_slot, port_of
 from .spec_fields import defaulted
@@ -154,7 +156,11 @@ def _maybe_start(spec: Mapping[str, Any], status: Mapping[str, Any], observed: O
     if any(p.generation != generation for p in observed.pods):
         return None  # older pods are still being replaced (a Recreate in progress)
     serving = [p for p in observed.pods if not p.deleting]
-    if not serving or all(p.spec_hash == want for p in serving):
+    # A pod on a cordoned node (kubectl cordon / drain) moves with a rollout of the same spec: the new generation's
+    # pods are scheduled elsewhere (the node is unschedulable), then this one is drained and deleted by us. The
+    # pair's PodDisruptionBudget refuses the drain's evictions meanwhile, so the drain ends once we are done.
+    moving = nodes.cordoned_pods(serving, observed.nodes)
+    if not serving or (all(p.spec_hash == want for p in serving) and not moving):
         return None
     plan = d.recreate_state(spec, status, observed, pin_generation=generation)
     failed = status.get("failedRollout") or {}
@@ -167,6 +173,10 @@ def _maybe_start(spec: Mapping[str, Any], status: Mapping[str, Any], observed: O
     to = generation + 1
     slot = other_slot(serving_slot(status))
     message = f"rolling out generation {to} beside generation {generation} (Surge), decode first"
+    why = "spec changed"
+    if all(p.spec_hash == want for p in serving):
+        why = nodes.describe_cordoned(moving)
+        message = f"re-homing: {message}, on schedulable nodes"
     started = rfc3339(now if now is not None else 0.0)
     return dataclasses.replace(
         plan,
@@ -178,7 +188,7 @@ def _maybe_start(spec: Mapping[str, Any], status: Mapping[str, Any], observed: O
                         "portSlot": slot, "startedAt": started, "message": message},
             "failedRollout": None,
         },
-        events=(("Normal", EVENT_ROLLING_OUT, f"spec changed: {message}"),),
+        events=(("Normal", EVENT_ROLLING_OUT, f"{why}: {message}"[:1024]),),
     )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+import pytest
+
 from pdpair.operator import leases, nodes
 from pdpair.operator.config import PortPool
 from pdpair.operator.observed import TAINT_UNREACHABLE, NodeView, PodView
@@ -81,3 +83,34 @@ def test_a_lost_pod_counts_as_gone_only_once_deleted_and_fenced():
     running_fenced = pod("c", ports=(20003,))
     lost = nodes.LostPods((deleting_fenced, deleting_held, running_fenced))
     assert leases.fenced_pods(lost, {20002, 20010}) == {"a"}
+
+
+@pytest.mark.parametrize("view, want", [
+    (NodeView("n", "True", unschedulable=True), True),
+    (NodeView("n", "True"), False),
+    (NodeView("n", "Unknown", unschedulable=True), False),  # not Ready: the lost-node rule's, not a move
+    (NodeView("n", "True", unreachable=True, unschedulable=True), False),
+    (None, False),  # a node not seen is not judged
+])
+def test_cordoned(view, want):
+    assert nodes.cordoned(view) is want
+
+
+def test_cordoned_pods_skips_pods_being_deleted_and_unbound_ones():
+    views = {"n1": NodeView("n1", "True", unschedulable=True), "n2": NodeView("n2", "True")}
+    pods = [PodView("a", "decode", 1, node="n1"), PodView("b", "prefill", 1, node="n2"),
+            PodView("c", "router", 1, node="n1", deleting=True), PodView("d", "router", 1)]
+    assert [p.name for p in nodes.cordoned_pods(pods, views)] == ["a"]
+    assert nodes.describe_cordoned(nodes.cordoned_pods(pods, views)) == "node n1 is cordoned: decode pod a"
+
+
+def test_the_pair_budget_selects_every_pod_of_the_pair_and_allows_no_disruption():
+    from pdpair.contract import LABEL_PAIR_UID
+    from pdpair.operator import disruption
+
+    pair = {"metadata": {"name": "p", "namespace": "ns", "uid": "u-1"}}
+    budget = disruption.pair_budget(pair)
+    assert budget["metadata"]["name"] == "p" and budget["metadata"]["namespace"] == "ns"
+    assert budget["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert budget["spec"] == {"selector": {"matchLabels": {LABEL_PAIR_UID: "u-1"}}, "maxUnavailable": 0,
+                              "unhealthyPodEvictionPolicy": "AlwaysAllow"}

@@ -158,6 +158,7 @@ class World:
     fenced: set[int] = field(default_factory=set)
     next_port: int = 20000
     lost: set[str] = field(default_factory=set)
+    cordoned: set[str] = field(default_factory=set)  # nodes cordoned (kubectl cordon / drain) now
 
     def _lease(self, slot: str) -> None:
         if slot not in self.held:
@@ -167,7 +168,8 @@ class World:
             self.next_port += 1
 
     def node_views(self) -> dict[str, NodeView]:
-        return {n: NodeView(n, "Unknown" if n in self.lost else "True", self.now - 5, n in self.lost) for n in NODES}
+        return {n: NodeView(n, "Unknown" if n in self.lost else "True", self.now - 5, n in self.lost,
+                            n in self.cordoned) for n in NODES}
 
     def listening(self, generation: int | None) -> bool:
         decode = next((p for p in self.pods.values() if p.role == ROLE_DECODE and p.generation == generation
@@ -296,7 +298,7 @@ def _deleting(pod_: PodView) -> PodView:
 # hang, restart and spend their budgets; stormy ones fail pods mid-startup.
 GOOD = ["pass"] * 4 + ["progress"] * 3 + ["listen", "gone"]
 FAULTS = ["unlisten", "fail", "container_restart", "external_delete", "hung", "healthy", "spec_edit", "crash_pass",
-          "operator_restart", "tick", "tick", "node_lost", "node_back"]
+          "operator_restart", "tick", "tick", "node_lost", "node_back", "cordon", "uncordon"]
 
 
 @st.composite
@@ -334,12 +336,16 @@ def apply_event(world: World, event) -> None:
         for name in [n for n, p in world.pods.items() if p.deleting and p.node == back]:
             del world.pods[name]
             world.accepting.discard(name)
+    elif kind == "cordon":  # kubectl cordon / the first step of kubectl drain (its evictions are refused: PDB)
+        world.cordoned.add(NODES[index % len(NODES)])
+    elif kind == "uncordon":
+        world.cordoned.discard(NODES[index % len(NODES)])
     elif kind == "progress":  # every live pod one step: Pending -> scheduled -> Running -> Ready
         for name, p in list(world.pods.items()):
             if p.deleting or p.failed or p.ready or p.node in world.lost:
                 continue
             if not p.scheduled:
-                ready_nodes = [n for n in NODES if n not in world.lost]  # the scheduler skips tainted nodes
+                ready_nodes = [n for n in NODES if n not in world.lost | world.cordoned]  # it skips tainted nodes
                 if ready_nodes:
                     prefer = "n2" if p.role == ROLE_DECODE else "n1"
                     world.pods[name] = _with(p, scheduled=True, node=prefer if prefer in ready_nodes else ready_nodes[0])
@@ -461,3 +467,19 @@ def test_a_lost_node_never_blocks_the_pair_and_its_pods_ports_are_never_reused(s
     apply_event(world, ("node_back", 1, 0.0))
     _settle(world)
     assert not any(p.node == "n2" for p in world.pods.values() if p.generation != world.status["pairGeneration"])
+
+
+def test_a_recreate_pair_on_a_cordoned_node_restarts_off_it_outside_the_budget():
+    pods = tuple(dataclasses.replace(p, node="n1") for p in READY_PODS)
+    decided = planner.plan(SPEC, {"pairGeneration": 1}, observed(pods, nodes={"n1": NodeView("n1", "True", NOW, False,
+                                                                                                True)}), NOW)
+    assert decided.outcome == planner.OUTCOME_STEP and decided.restart is not None
+    assert decided.restart.reason == health.REASON_NODE_DRAIN and not decided.restart.counted
+    assert "node n1 is cordoned" in decided.restart.message and decided.steps.pair_generation == 2
+    assert decided.restart_times is None  # outside the budget: no restart time recorded
+    # Schedulable, or a Surge pair (rollout.py re-homes it instead): no restart.
+    calm = planner.plan(SPEC, {"pairGeneration": 1}, observed(pods, nodes={"n1": NodeView("n1", "True", NOW)}), NOW)
+    assert calm.restart is None
+    surge = planner.plan({**SPEC, "rolloutStrategy": "Surge"}, {"pairGeneration": 1},
+                         observed(pods, nodes={"n1": NodeView("n1", "True", NOW, False, True)}), NOW)
+    assert surge.restart is None

@@ -17,7 +17,7 @@ from pdpair.contract import COND_PROGRESSING, ROLE_DECODE, ROLE_PREFILL, ROLE_RO
 from pdpair.operator import desired as d
 from pdpair.operator import rollout as r
 from pdpair.operator.desired import spec_fingerprint
-from pdpair.operator.observed import Observed, PodView
+from pdpair.operator.observed import NodeView, Observed, PodView
 from pdpair.operator.planner import next_step
 from tests.crd_defaults import with_crd_defaults
 
@@ -59,6 +59,7 @@ class World:
     log: list[str] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     make_pod: Any = None  # (role, generation) -> PodView | None to override
+    nodes: dict[str, Any] = field(default_factory=dict)  # node name -> NodeView
 
     def observe(self, restart_reason: str | None = None) -> Observed:
         active = r.active_rollout(self.status)
@@ -67,7 +68,7 @@ class World:
             self.slots.add(active["portSlot"])  # the executor leases the rollout's port set first
         return Observed(pods=tuple(self.pods.values()), ports_complete=True, decode_listening=True,
                         restart_reason=restart_reason, rollout_ports_complete=progressing,
-                        rollout_decode_listening=progressing, leased_slots=frozenset(self.slots))
+                        rollout_decode_listening=progressing, leased_slots=frozenset(self.slots), nodes=self.nodes)
 
     def apply(self, plan: d.Plan, dies_before_release: bool = False) -> None:
         """`dies_before_release`: the pass dies after its status write and pod actions, before Plan.release_slot
@@ -387,3 +388,53 @@ def test_the_serving_port_set_is_never_released(status, pods):
     spec = SURGE_V2 if serving_slot == "b" else SURGE
     assert plan_for(spec, status, pods, {serving_slot}).release_slot is None
     assert plan_for(spec, status, pods, {"a", "b"}).release_slot == ({"a", "b"} - {serving_slot}).pop()
+
+
+# --- a cordoned node (kubectl cordon / drain): the pair moves off it (docs/design.md, "Drained nodes") ---------------
+CORDONED = NodeView("n1", ready="True", unschedulable=True)
+
+
+def on_node(pods, node="n1"):
+    return {p.name: replace(p, node=node) for p in pods}
+
+
+def test_a_pod_on_a_cordoned_node_is_re_homed_by_a_surge_of_the_same_spec():
+    """Same spec: the rollout's new generation is scheduled elsewhere (the node is unschedulable), switched, then
+    the old one drained and deleted, with a Ready router behind the Service at every pass."""
+    world = World(SURGE, pods=on_node(serving(1)), nodes={"n1": CORDONED})
+    checks = []
+
+    def until(plan, w):
+        checks.append(w.service_target_ready())
+        return ready_without_rollout(plan, w)
+
+    plans = world.run(until)
+    assert all(checks), checks
+    assert world.log == [
+        "create p-decode-g2 on b", "create p-prefill-g2 on b", "create p-router-g2 on b",
+        "delete p-router-g1", "delete p-prefill-g1", "delete p-decode-g1", "release a",
+    ]
+    assert world.events == [r.EVENT_ROLLING_OUT, r.EVENT_SWITCHED, r.EVENT_DRAINED]
+    assert {p.phase for p in plans} == {"Ready"}
+    start = next(p for p in plans if p.step == r.STEP_ROLLOUT_START)
+    assert "node n1 is cordoned" in start.events[0][2] and "re-homing" in start.message
+    assert world.status["rollout" if "rollout" in world.status else "pairGeneration"] == 2
+    assert all(p.generation == 2 and p.node != "n1" for p in world.pods.values())
+    # Off the node, nothing more to do: the next pass is Ready with no rollout.
+    assert next_step(world.spec, world.status, world.observe(), world.now).step == d.STEP_READY
+
+
+@pytest.mark.parametrize("name, node, pods", [
+    ("the node is schedulable", NodeView("n1", ready="True"), serving(1)),
+    ("the node is cordoned but not Ready (the lost-node path's)", NodeView("n1", ready="Unknown", unschedulable=True),
+     serving(1)),
+    ("the node is cordoned and unreachable", NodeView("n1", ready="True", unschedulable=True, unreachable=True),
+     serving(1)),
+    ("the pair is not Ready: nothing to protect", CORDONED,
+     (pod(ROLE_DECODE, 1), pod(ROLE_PREFILL, 1, ready=False))),
+])
+def test_no_re_home(name, node, pods):
+    plan = next_step(SURGE, {"pairGeneration": 1},
+                     Observed(pods=tuple(on_node(pods).values()), ports_complete=True, decode_listening=True,
+                              nodes={"n1": node}), T0)
+    assert plan.step != r.STEP_ROLLOUT_START and "rollout" not in plan.status_fields, (name, plan.step)
