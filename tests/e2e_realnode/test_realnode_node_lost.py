@@ -4,7 +4,8 @@ a serving pair whose decode and router run there, prefill on n1; n2's kubelet an
 The controller manager runs at upstream defaults: after its node-monitor grace period it marks n2 Unknown and taints
 it unreachable; the operator then counts n2 lost at once, fences the ports of the pods there, and restarts the pair
 on n1 without waiting for deletions n2 cannot confirm. Measured from link-down: the restart decision, and the pair
-serving again through its Service with outputs equal to the single engine's. During the partition the cut-off decode
+serving again through its Service with outputs equal to the single engine's. A steady client in n1 counts its
+failed requests (never retried): they fail while the partition is detected; none sent after generation 2 serves. During the partition the cut-off decode
 still answers inside n2's network (a partition, not a stopped kubelet). Link up: n2's kubelet ends the old pods, the
 fences go with them, no force delete.
 
@@ -36,10 +37,13 @@ from devcluster.product import (
     pair_manifest,
 )
 from devcluster.waiting import wait_for
+from tests.e2e_realnode.load import Load
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(1800)]
 
 NAME = "partition"
+LOAD_CLIENTS = 2
+LOAD_TIMEOUT = 10.0  # seconds per request: one sent to the cut-off router fails after it
 CUT_NODE = "n2"
 
 
@@ -103,10 +107,17 @@ def test_a_partitioned_node_is_left_behind_and_the_pair_serves_from_the_other_no
                 "get", "pods", "-n", OPERATOR_NS, "--field-selector", f"spec.nodeName={CUT_NODE}", "-o", "json"
             ).stdout)["items"]}
 
+        # A steady client in n1 (two threads, 10 s per request, a failed request counted and never retried): its
+        # requests fail while the partition is being detected, none sent once the new generation serves.
+        svc = json.loads(cluster.kubectl("get", "service", NAME, "-n", namespace, "-o", "json").stdout)
+        load = Load(cluster, svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"], LOAD_CLIENTS, LOAD_TIMEOUT)
+        loading = time.time()
         link = ["ip", "-n", cluster.hub, "link", "set", hub_link]
-        subprocess.run(link + ["down"], check=True)
-        cut = time.monotonic()
         try:
+            wait_for(lambda: load.ok_since(loading) >= LOAD_CLIENTS, 120, "the client's answers before the cut",
+                     diagnose=lambda: json.dumps(load.records[-3:]), interval=1.0)
+            subprocess.run(link + ["down"], check=True)
+            cut, cut_wall = time.monotonic(), time.time()
             # Whichever comes first restarts the pair once: the health watch (n2's pods unreachable 3 times, a
             # budgeted restart) or the lost node (the unreachable taint after the grace period, outside the budget).
             # Either way the old pods can only go once n2 counts as lost and their ports are fenced.
@@ -135,7 +146,9 @@ def test_a_partitioned_node_is_left_behind_and_the_pair_serves_from_the_other_no
             wait_for(lambda: serving(2), 2 * ENGINE_START_TIMEOUT, "generation 2 Ready", diagnose=diagnose,
                      interval=1.0)
             assert answers() == {p: baseline_outputs[p] for p in PROMPTS}
-            serving_again = time.monotonic() - cut
+            serving_again, serving_wall = time.monotonic() - cut, time.time()
+            wait_for(lambda: load.ok_since(serving_wall) >= 2 * LOAD_CLIENTS, 120, "the client's answers after",
+                     diagnose=lambda: json.dumps(load.records[-3:]), interval=1.0)
             now = pods()
             new = [p for p in now if p["metadata"]["labels"]["pdpair.io/generation"] == "2"]
             assert {p["spec"]["nodeName"] for p in new} == {"n1"}, [(p["metadata"]["name"], p["spec"]["nodeName"])
@@ -151,7 +164,14 @@ def test_a_partitioned_node_is_left_behind_and_the_pair_serves_from_the_other_no
             assert len(counted) <= 1 and by_node_rule == (not counted), (reason, counted)
         finally:
             subprocess.run(link + ["up"], check=True)
+            records = load.stop()
         healed = time.monotonic()
+        failed = [r for r in records if not r["ok"]]
+        late = [r for r in failed if r["t"] >= serving_wall]
+        assert not late, f"requests sent after generation 2 served failed: {late[:3]}"
+        wrong = [r for r in records if r["ok"] and r["text"] != baseline_outputs[r["prompt"]]]
+        assert not wrong, wrong[:3]
+        first_ok = min((r["t"] + r["dur"] for r in records if r["ok"] and r["t"] >= cut_wall), default=None)
         wait_for(lambda: not [p for p in pods() if p["metadata"]["labels"]["pdpair.io/generation"] == "1"], 300,
                  "n2's kubelet ends the old pods", diagnose=diagnose, interval=1.0)
         old_gone = time.monotonic() - healed
@@ -163,7 +183,9 @@ def test_a_partitioned_node_is_left_behind_and_the_pair_serves_from_the_other_no
               f"{decided:.1f}s after link-down ({reason[:120]}); NodeLost {lost_after:.1f}s after link-down (node "
               f"Ready={ready['status']} since {ready['lastTransitionTime']}); serving again from n1 "
               f"{serving_again:.1f}s after link-down; link up: old pods gone in {old_gone:.1f}s, fences released "
-              f"in {released:.1f}s")
+              f"in {released:.1f}s; the client: {len(failed)} of {len(records)} requests failed, all sent before "
+              f"generation 2 served, its first answer after the cut "
+              f"{(first_ok - cut_wall) if first_ok else float('nan'):.1f}s after link-down")
     finally:
         cluster.kubectl("delete", f"{PLURAL}.{GROUP}", NAME, "-n", namespace, "--wait=true", "--timeout=180s",
                         timeout=210, check=False)

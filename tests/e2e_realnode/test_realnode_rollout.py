@@ -16,94 +16,21 @@ shared pair and checks that its pods go and its port leases are released.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
 from pdpair.contract import GROUP, LABEL_PAIR_UID, LABEL_PORT_LEASE, PLURAL
 from devcluster.product import (
-    ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, SERVED_NAME, completion,
+    ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion,
 )
 from devcluster.waiting import wait_for
+from tests.e2e_realnode.load import Load
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
 
-CLIENTS = 4
+CLIENTS = 4  # each sends one greedy completion after the other (load.py)
 DRAIN_SECONDS = 20
-
-# Runs inside node n1's namespaces: CLIENTS threads, each sending one greedy completion after the other until stdin
-# closes; one JSON line per request: {"t", "dur", "prompt", "ok", "text" | "error"}. A failed request is retried
-# after 0.2 s (no tight loop while a Service has no endpoint), and each retry counts as one more request.
-_LOAD_SNIPPET = r"""
-import json, sys, threading, time, urllib.request
-url, model, clients, prompts = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
-stop = threading.Event()
-lock = threading.Lock()
-def out(rec):
-    with lock:
-        sys.stdout.write(json.dumps(rec) + "\n"); sys.stdout.flush()
-def client(i):
-    n = i
-    while not stop.is_set():
-        prompt = prompts[n % len(prompts)]; n += 1
-        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()
-        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-        t = time.time()
-        try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                text = json.load(resp)["choices"][0]["text"]
-            out({"t": t, "dur": time.time() - t, "prompt": prompt, "ok": True, "text": text})
-        except Exception as exc:
-            body = ""
-            try:
-                body = exc.read().decode(errors="replace") if hasattr(exc, "read") else ""  # the router's JSON error
-            except Exception:
-                pass
-            out({"t": t, "dur": time.time() - t, "prompt": prompt, "ok": False,
-                 "error": f"{type(exc).__name__}: {exc} {body}"[:1000]})
-            time.sleep(0.2)
-threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-for th in threads: th.start()
-sys.stdin.read()
-stop.set()
-for th in threads: th.join()
-"""
-
-
-class Load:
-    """The load generator in n1's namespaces (nsenter, like RealNodeCluster.node_exec, but running meanwhile)."""
-
-    def __init__(self, cluster, ip: str, port: int):
-        pid = cluster.node("n1").pid("kubelet")
-        self.proc = subprocess.Popen(
-            ["nsenter", "-t", str(pid), "-m", "-n", sys.executable, "-c", _LOAD_SNIPPET,
-             f"http://{ip}:{port}/v1/completions", SERVED_NAME, str(CLIENTS), json.dumps(PROMPTS)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.records: list[dict] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.records.append(json.loads(line))
-
-    def ok_since(self, t: float) -> int:
-        return sum(1 for r in list(self.records) if r["ok"] and r["t"] >= t)
-
-    def stop(self) -> list[dict]:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=180)  # the requests in flight finish (urlopen's own timeout is 120 s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self._reader.join(timeout=30)
-        assert self.proc.returncode == 0, self.proc.stderr.read()[-2000:]
-        return self.records
-
 
 def _rollout_under_load(real_cluster, serving_pair, baseline_outputs, strategy, harmless_args):
     name, namespace = serving_pair.name, serving_pair.namespace
@@ -124,7 +51,7 @@ def _rollout_under_load(real_cluster, serving_pair, baseline_outputs, strategy, 
     ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
     assert completion(real_cluster, "n1", ip, port, PROMPTS[0]) == baseline_outputs[PROMPTS[0]]  # Service programmed
 
-    load = Load(real_cluster, ip, port)
+    load = Load(real_cluster, ip, port, CLIENTS)
     try:
         t_load = time.time()
         wait_for(lambda: load.ok_since(t_load) >= 2 * CLIENTS, 300, "requests served before the rollout",
