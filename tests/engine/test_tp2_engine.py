@@ -221,8 +221,12 @@ def test_decode_listening_on_rank_0_only_holds_prefill_back_without_a_hang(tp2):
     tp2.prefill.wait_log("pdpair-sidechannel-prefill-r1: paired with decode", 60)
     probe = asyncio.run(probe_ranks("127.0.0.1", ports, timeout=PROBE_TIMEOUT_SECONDS))
     assert probe.all_accept, probe.describe()
-    status, body = http_get(tp2.prefill_metrics + "/readyz")
-    assert status == 200 and json.loads(body) == {"paired": {"0": True, "1": True}, "status": "ok"}, (status, body)
+    # Paired on both ranks and serving: /readyz starts the warm-up completion (connector/warmup.py), ready once done.
+    status, body = wait_for(lambda: (lambda r: r if r[0] == 200 else None)(http_get(tp2.prefill_metrics + "/readyz")),
+                            120, "prefill's /readyz 200 (paired, warmed up)", interval=0.5)
+    ready = json.loads(body)
+    assert ready["paired"] == {"0": True, "1": True} and ready["status"] == "ok", ready
+    assert ready["warmup"].startswith("ok"), ready
     status, payload = ask(tp2.router.url, "Both ranks are paired now.")
     assert status == 200 and len(tokens(payload)) == MAX_TOKENS, payload
 

@@ -26,8 +26,8 @@ created in a row in one process never collide on metric registration)::
 
 Semantics of the accounts (waits, deficit, oldest wait, timeouts, /healthz's verdict): signals.py, where they are
 decided. Here: /healthz answers 503 with JSON naming the oldest stuck transfer (id, peer, expected, received,
-age_seconds) when the accounts say hung, else 200. /readyz (prefill's readiness probe) answers 200 once every rank
-is paired with decode and the engine's own /health answers 200 (`readiness`). At TP > 1, rank 0 serves the pod's port with
+age_seconds) when the accounts say hung, else 200. /readyz (every engine pod's readiness probe) answers 200 once every
+rank is paired with decode (prefill), the engine's own /health answers 200 and its warm-up is done (`readiness`). At TP > 1, rank 0 serves the pod's port with
 `serve(..., ranks=PeerRanks(port, (1, ...)))` and each other rank runs `export_rank(port, accounts)`; see "TP
 ranks" below.
 """
@@ -53,6 +53,7 @@ from pdpair import contract
 from pdpair.httpserver import StoppableServer
 
 from .signals import SignalAccounts
+from .warmup import Warmup
 
 __all__ = [
     "MetricsServer",
@@ -92,13 +93,17 @@ def _engine_serves(url: str | None) -> str | None:
 
 
 def readiness(accounts: SignalAccounts, ranks: "PeerRanks | None" = None,
-              engine_health_url: str | None = None) -> tuple[bool, dict]:
-    """Prefill's readiness (/readyz): every TP rank paired with decode, and the engine serving. Prefill starts beside
-    decode and pairs once decode's listener accepts (side_channel.py retries until then), so a Ready prefill is one
-    that can push KV now, never one still waiting for its decode."""
-    if accounts.role != contract.ROLE_PREFILL:  # decode pairs with whoever comes: ready when its engine serves
+              engine_health_url: str | None = None, warmup: "Warmup | None" = None) -> tuple[bool, dict]:
+    """An engine pod's readiness (/readyz). Prefill: every TP rank paired with decode, and the engine serving.
+    Prefill starts beside decode and pairs once decode's listener accepts (side_channel.py retries until then), so a
+    Ready prefill is one that can push KV now, never one still waiting for its decode. Decode pairs with whoever
+    comes: its engine serving. Both: then `warmup` done (warmup.py: one completion through the engine's own API,
+    so the first user request pays no first-call compile)."""
+    if accounts.role != contract.ROLE_PREFILL:
         engine = _engine_serves(engine_health_url)
-        return engine is None, {"status": engine or "ok"}
+        if engine is not None:
+            return False, {"status": engine}
+        return _warmed(warmup, {})
     paired = {accounts.rank: accounts.paired}
     unreachable = {}
     for rank, snapshot in (ranks.fetch().items() if ranks is not None else ()):
@@ -116,17 +121,27 @@ def readiness(accounts: SignalAccounts, ranks: "PeerRanks | None" = None,
     elif engine is not None:
         body["status"] = engine
     else:
-        body["status"] = "ok"
-    return body["status"] == "ok", body
+        return _warmed(warmup, body)
+    return False, body
 
 
-def _app(accounts: SignalAccounts, ranks: "PeerRanks | None" = None, engine_health_url: str | None = None) -> Callable:
+def _warmed(warmup: "Warmup | None", body: dict) -> tuple[bool, dict]:
+    if warmup is None:
+        return True, {**body, "status": "ok"}
+    done, what = warmup.state()
+    if not done:
+        return False, {**body, "status": what}
+    return True, {**body, "status": "ok", "warmup": what}
+
+
+def _app(accounts: SignalAccounts, ranks: "PeerRanks | None" = None, engine_health_url: str | None = None,
+         warmup: "Warmup | None" = None) -> Callable:
     metrics_app = make_wsgi_app(accounts.registry if ranks is None else _MergedRegistry(accounts, ranks))
 
     def app(environ, start_response):
         path = environ.get("PATH_INFO", "")
         if path == contract.READYZ_PATH:
-            return _json(start_response, *readiness(accounts, ranks, engine_health_url))
+            return _json(start_response, *readiness(accounts, ranks, engine_health_url, warmup))
         if path == contract.HEALTHZ_PATH:
             if ranks is None:
                 report = accounts.health()
@@ -154,13 +169,15 @@ def serve(
     addr: str = "0.0.0.0",
     ranks: "PeerRanks | None" = None,
     engine_health_url: str | None = None,
+    warmup: "Warmup | None" = None,
 ) -> MetricsServer:
     """Serve /metrics and /healthz for `accounts` on `port` (0 = any free port, see `.port`) in a daemon thread.
 
     `hang_timeout_seconds` defaults to the accounts' own; a different value is refused (one pod, one timeout).
     `ranks`: the other TP ranks of this engine (each a worker process running `export_rank`); their per-rank series
     are merged into /metrics and their verdicts into /healthz at every request. `engine_health_url`: the engine's own
-    /health, which /readyz checks once every rank is paired (prefill's readiness; see `readiness`).
+    /health, which /readyz checks once every rank is paired (prefill's readiness; see `readiness`). `warmup`: the
+    engine's warm-up (warmup.py), which /readyz starts once the engine serves and waits for.
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an int in 0..65535, got {port!r}")
@@ -168,7 +185,8 @@ def serve(
         raise ValueError(
             f"hang_timeout_seconds {hang_timeout_seconds} differs from the accounts' {accounts.hang_timeout_seconds}"
         )
-    httpd = make_server(addr, port, _app(accounts, ranks, engine_health_url), ThreadingWSGIServer, handler_class=_QuietHandler)
+    httpd = make_server(addr, port, _app(accounts, ranks, engine_health_url, warmup), ThreadingWSGIServer,
+                        handler_class=_QuietHandler)
     # A short poll interval makes stop() quick (shutdown waits for the serve loop to notice).
     thread = threading.Thread(
         target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name=f"pdpair-metrics-{httpd.server_address[1]}"

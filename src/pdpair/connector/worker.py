@@ -35,6 +35,7 @@ from pdpair.connector.preflight import report_bind_failure
 from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
 from pdpair.connector.metrics import MetricsServer, PeerRanks, RankExporter, export_rank, serve
 from pdpair.connector.signals import SignalAccounts
+from pdpair.connector.warmup import Warmup
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
 from pdpair.connector.staging import HostStaging, block_runs
 from pdpair.connector.stats import PdPairKVConnectorStats
@@ -140,9 +141,10 @@ class _Worker:
             if tp_rank == 0:
                 peers = PeerRanks(config.metrics_port, tuple(range(1, tp_size))) if tp_size > 1 else None
                 try:
-                    health_url = (f"http://127.0.0.1:{config.http_port}/health" if config.http_port else None)
+                    api = f"http://127.0.0.1:{config.http_port}" if config.http_port else None
                     self.metrics_server = serve(config.metrics_port, self.accounts, ranks=peers,
-                                                engine_health_url=health_url)
+                                                engine_health_url=f"{api}/health" if api else None,
+                                                warmup=Warmup(api) if api else None)
                 except OSError as exc:  # taken after the pod's preflight: tell the operator, which re-leases
                     report_bind_failure(config.metrics_port, exc, "the connector's metrics server")
                     raise

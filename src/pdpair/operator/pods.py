@@ -221,12 +221,13 @@ def _merge_env(user: list[Mapping[str, Any]], ours: list[dict[str, str]]) -> lis
 
 def _default_probes(container: dict[str, Any], startup_timeout: int, role: str) -> None:
     """readinessProbe and startupProbe, unless the template brought its own. The startup probe is the engine's
-    /health on its http port. Readiness: decode's is the same; prefill's is the connector's /readyz on the metrics
-    port (every rank paired with decode, and the engine's /health), because prefill starts beside decode and pairs
-    only once decode's listener accepts: a prefill that serves but is not paired yet must not make the pair Ready."""
+    /health on its http port. Readiness is the connector's /readyz on the metrics port: the engine's /health, then
+    one warm-up completion through its API (connector/warmup.py: a first-call compile at TP > 1 is paid before
+    Ready, not by the first user request); for prefill also every rank paired with decode, because prefill starts
+    beside decode and pairs only once decode's listener accepts: a prefill that serves but is not paired yet must
+    not make the pair Ready."""
     action = {"httpGet": {"path": HEALTH_PATH, "port": HTTP_PORT_NAME, "scheme": "HTTP"}}
-    ready = ({"httpGet": {"path": READYZ_PATH, "port": METRICS_PORT_NAME, "scheme": "HTTP"}}
-             if role == ROLE_PREFILL else action)
+    ready = {"httpGet": {"path": READYZ_PATH, "port": METRICS_PORT_NAME, "scheme": "HTTP"}}
     container.setdefault("readinessProbe", {**ready, **READINESS_PROBE})
     container.setdefault("startupProbe", {
         **action,

@@ -1,5 +1,6 @@
-"""Prefill's readiness, /readyz on the connector's metrics server (the operator's default readinessProbe for prefill,
-pods.py): 503 until every TP rank is paired with decode, then the engine's own /health decides. Real HTTP servers on
+"""An engine pod's readiness, /readyz on the connector's metrics server (the operator's default readinessProbe,
+pods.py): prefill 503 until every TP rank is paired with decode; then the engine's own /health, then its warm-up
+completion (warmup.py) decide. Real HTTP servers on
 loopback (the metrics server, a stand-in for vLLM's /health) and a real rank exporter; about a second."""
 
 from __future__ import annotations
@@ -15,26 +16,49 @@ import pytest
 from pdpair import contract
 from pdpair.connector.metrics import PeerRanks, export_rank, readiness, serve
 from pdpair.connector.signals import SignalAccounts
+from pdpair.connector.warmup import WARMUP_PROMPT, Warmup
 from devcluster.ports import free_port
 
 
 class Engine:
-    """vLLM's /health stand-in: answers `status` (200 or 503)."""
+    """vLLM's HTTP stand-in: /health answers `status` (200 or 503); /v1/models names one model; /v1/completions
+    answers `completion_status` after `completion_delay` seconds and records each body (the warm-up's)."""
 
     def __init__(self, status: int = 200) -> None:
         self.status = status
+        self.completion_status = 200
+        self.completion_delay = 0.0
+        self.completions: list[dict] = []
+        self.release = threading.Event()
+        self.release.set()
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - stdlib name
+                if self.path == "/v1/models":
+                    body = json.dumps({"data": [{"id": "tiny"}]}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 self.send_response(outer.status if self.path == "/health" else 404)
                 self.end_headers()
+
+            def do_POST(self):  # noqa: N802 - stdlib name
+                outer.completions.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                outer.release.wait(30)
+                self.send_response(outer.completion_status if self.path == "/v1/completions" else 404)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
 
             def log_message(self, *args):
                 pass
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/health"
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.url = f"{self.base}/health"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
@@ -118,3 +142,59 @@ def get_unreachable(port: int, engine: Engine) -> tuple[int, dict]:
         return get(f"http://127.0.0.1:{server.port}{contract.READYZ_PATH}")
     finally:
         server.stop()
+
+
+def _until(predicate, seconds=10.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_ready_only_once_the_warm_up_completion_is_answered(engine, role):
+    """The first /readyz after the engine serves starts one completion (max_tokens 1, the served model's name);
+    not ready while it runs, ready once it is answered; never a second one."""
+    accounts = SignalAccounts(role, 30.0)
+    if role == "prefill":
+        accounts.set_paired(True)
+    warmup = Warmup(engine.base)
+    engine.release.clear()  # the engine holds the completion (a compile in progress)
+    ready, body = readiness(accounts, engine_health_url=engine.url, warmup=warmup)
+    assert not ready and body["status"].startswith("warming up"), body
+    _until(lambda: engine.completions)
+    assert readiness(accounts, engine_health_url=engine.url, warmup=warmup)[0] is False
+    engine.release.set()
+    ready, body = _until(lambda: (lambda r: r if r[0] else None)(readiness(accounts, engine_health_url=engine.url,
+                                                                             warmup=warmup)))
+    assert body["status"] == "ok" and body["warmup"].startswith("ok"), body
+    assert engine.completions == [{"model": "tiny", "prompt": WARMUP_PROMPT, "max_tokens": 1, "temperature": 0}]
+
+
+def test_no_warm_up_before_the_engine_serves(engine):
+    engine.status = 503
+    warmup = Warmup(engine.base)
+    assert readiness(SignalAccounts("decode", 30.0), engine_health_url=engine.url, warmup=warmup)[0] is False
+    assert not engine.completions and warmup._thread is None
+
+
+@pytest.mark.parametrize("failure", ["error", "timeout"])
+def test_a_failed_warm_up_is_reported_and_does_not_hold_readiness(engine, failure):
+    """A warm-up is an optimisation: an error status, or no answer within its deadline, ends it with the reason in
+    /readyz's body, and the pod is ready (its /health said it serves)."""
+    if failure == "error":
+        engine.completion_status = 500
+    else:
+        engine.release.clear()
+    warmup = Warmup(engine.base, timeout_seconds=1.0)
+    accounts = SignalAccounts("decode", 30.0)
+    ready, body = _until(lambda: (lambda r: r if r[0] else None)(readiness(accounts, engine_health_url=engine.url,
+                                                                             warmup=warmup)))
+    assert body["warmup"].startswith("failed"), body
+    assert ("500" in body["warmup"]) if failure == "error" else ("timed out" in body["warmup"].lower()), body
+    engine.release.set()

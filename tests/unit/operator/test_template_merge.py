@@ -231,11 +231,14 @@ def test_shorthand_fields_still_apply():
 
 
 # --- probes ---------------------------------------------------------------------------------------------------
-def test_default_probes_hit_health_on_the_http_port():
+def test_default_probes_start_on_health_and_ready_through_the_connectors_readyz():
+    """Decode: started = vLLM's /health; Ready = the connector's /readyz (the engine serves and its warm-up
+    completion is done)."""
     engine = container(build(pair()), ENGINE_CONTAINER)
-    for probe in ("readinessProbe", "startupProbe"):
-        assert engine[probe]["httpGet"] == {"path": "/health", "port": c.HTTP_PORT_NAME, "scheme": "HTTP"}, probe
-    assert c.HTTP_PORT_NAME in {p["name"] for p in engine["ports"]}
+    assert engine["startupProbe"]["httpGet"] == {"path": "/health", "port": c.HTTP_PORT_NAME, "scheme": "HTTP"}
+    assert engine["readinessProbe"]["httpGet"] == {"path": c.READYZ_PATH, "port": c.METRICS_PORT_NAME,
+                                                   "scheme": "HTTP"}
+    assert {c.HTTP_PORT_NAME, c.METRICS_PORT_NAME} <= {p["name"] for p in engine["ports"]}
     startup = engine["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] == 1800  # the 30-minute default window
 
