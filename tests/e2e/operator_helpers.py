@@ -43,6 +43,17 @@ DECODE_SIDECHANNEL_0 = status_port_name(ROLE_DECODE, PURPOSE_SIDECHANNEL, 0)
 ROUTER_HTTP_0 = status_port_name(ROLE_ROUTER, PURPOSE_HTTP, 0)
 
 
+def own_nodes(cluster, api, label: str, pool: str, names, cordoned=()) -> dict:
+    """kwok nodes of the test's own (`names`, labelled `label=pool`, `cordoned` ones unschedulable), tainted so that
+    no other test's pod lands there; returns the placement (nodeSelector and toleration) that puts a role there."""
+    for name in names:
+        cluster.add_node(name, ip="127.0.0.1", labels={label: pool}, capacity={"pods": "100"})
+        api.core.patch_node(name, {"spec": {"taints": [{"key": label, "value": pool, "effect": "NoSchedule"}],
+                                            "unschedulable": name in cordoned}})
+    return {"nodeSelector": {label: pool},
+            "tolerations": [{"key": label, "operator": "Equal", "value": pool, "effect": "NoSchedule"}]}
+
+
 class Api:
     def __init__(self, cluster):
         from kubernetes import client

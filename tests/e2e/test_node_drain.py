@@ -17,7 +17,7 @@ import pytest
 
 from pdpair.contract import LABEL_GENERATION, LABEL_PAIR_UID, LABEL_ROLE, ROLE_DECODE, ROLE_PREFILL
 from tests.e2e.ha_support import DecodeListeners
-from tests.e2e.operator_helpers import NO_HEALTH, Api, operator, pool_of_free_ports
+from tests.e2e.operator_helpers import NO_HEALTH, Api, operator, own_nodes, pool_of_free_ports
 from devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
@@ -47,12 +47,7 @@ def test_a_drained_node_waits_for_the_pair_to_move_off_it(platform, cluster_name
     drained, spare = f"{pool}-drained", f"{pool}-spare"
     # Two nodes of the test's own, tainted so no other test's pod lands there; `spare` cordoned until the pair runs,
     # so its pods start on `drained`.
-    for name in (drained, spare):
-        cluster.add_node(name, ip="127.0.0.1", labels={POOL_LABEL: pool}, capacity={"pods": "100"})
-        api.core.patch_node(name, {"spec": {"taints": [{"key": POOL_LABEL, "value": pool, "effect": "NoSchedule"}],
-                                            "unschedulable": name == spare}})
-    placement = {"nodeSelector": {POOL_LABEL: pool},
-                 "tolerations": [{"key": POOL_LABEL, "operator": "Equal", "value": pool, "effect": "NoSchedule"}]}
+    placement = own_nodes(cluster, api, POOL_LABEL, pool, (drained, spare), cordoned=(spare,))
     listeners = DecodeListeners(api, ns)
     try:
         with operator(platform, ns, pool_of_free_ports(30), tmp_path, env=NO_HEALTH):

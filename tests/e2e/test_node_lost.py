@@ -27,7 +27,7 @@ from pdpair.contract import (
 )
 from pdpair.operator.config import ENV_BUSY_PORT_QUARANTINE, ENV_NODE_LOST_SECONDS, ENV_SWEEP_INTERVAL
 from tests.e2e.ha_support import DecodeListeners
-from tests.e2e.operator_helpers import NO_HEALTH, Api, condition, operator, pool_of_free_ports
+from tests.e2e.operator_helpers import NO_HEALTH, Api, condition, operator, own_nodes, pool_of_free_ports
 from devcluster.kwok import FAKE_NODE_LABEL
 from devcluster.waiting import wait_for
 
@@ -55,12 +55,7 @@ def test_a_partitioned_node_is_left_behind_with_its_ports_fenced_and_the_pair_se
     lost, good = f"{pool}-lost", f"{pool}-good"
     # Two nodes of the test's own, tainted so no other test's pod lands there; `good` cordoned until the pair runs,
     # so both pods start on `lost`.
-    for name in (lost, good):
-        cluster.add_node(name, ip="127.0.0.1", labels={POOL_LABEL: pool}, capacity={"pods": "100"})
-        api.core.patch_node(name, {"spec": {"taints": [{"key": POOL_LABEL, "value": pool, "effect": "NoSchedule"}],
-                                            "unschedulable": name == good}})
-    placement = {"nodeSelector": {POOL_LABEL: pool},
-                 "tolerations": [{"key": POOL_LABEL, "operator": "Equal", "value": pool, "effect": "NoSchedule"}]}
+    placement = own_nodes(cluster, api, POOL_LABEL, pool, (lost, good), cordoned=(good,))
     env = {**NO_HEALTH, ENV_NODE_LOST_SECONDS: str(NODE_LOST_SECONDS), ENV_SWEEP_INTERVAL: "2",
            ENV_BUSY_PORT_QUARANTINE: str(QUARANTINE_SECONDS)}
     listeners = DecodeListeners(api, ns)

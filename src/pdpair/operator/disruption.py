@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from pdpair.contract import LABEL_PAIR, LABEL_PAIR_UID
+from pdpair.contract import LABEL_PAIR_UID
 
-from .pods import owner_reference
+from .pods import owned_metadata
 
 
 def budget_name(pair_name: str) -> str:
@@ -31,12 +31,7 @@ def pair_budget(pair: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": {
-            "name": budget_name(meta["name"]),
-            "namespace": meta["namespace"],
-            "labels": {LABEL_PAIR: meta["name"], LABEL_PAIR_UID: meta["uid"]},
-            "ownerReferences": [owner_reference(pair)],
-        },
+        "metadata": owned_metadata(pair, budget_name(meta["name"]), "disruption-budget"),
         "spec": {
             "selector": {"matchLabels": {LABEL_PAIR_UID: meta["uid"]}},
             "maxUnavailable": 0,

@@ -112,17 +112,28 @@ def owner_reference(pair: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def pod_labels(pair: Mapping[str, Any], role: str, generation: int) -> dict[str, str]:
+def owned_labels(pair: Mapping[str, Any], component: str) -> dict[str, str]:
+    """The labels of everything the pair owns (pods, the router Service, the PodDisruptionBudget): the pair's name
+    and uid (the operator's watches select on the uid) and the recommended app.kubernetes.io set."""
     meta = pair["metadata"]
     return {
         LABEL_PAIR: meta["name"],
         LABEL_PAIR_UID: meta["uid"],
-        LABEL_ROLE: role,
-        LABEL_GENERATION: str(generation),
         "app.kubernetes.io/name": "pdpair",
-        "app.kubernetes.io/component": role,
+        "app.kubernetes.io/component": component,
         "app.kubernetes.io/managed-by": "pdpair-operator",
     }
+
+
+def owned_metadata(pair: Mapping[str, Any], name: str, component: str, **labels: str) -> dict[str, Any]:
+    """metadata of an object the pair owns beside its pods: in its namespace, `owned_labels` (+ `labels`), and the
+    pair as controller owner, so the garbage collector removes it with the pair."""
+    return {"name": name, "namespace": pair["metadata"]["namespace"],
+            "labels": {**owned_labels(pair, component), **labels}, "ownerReferences": [owner_reference(pair)]}
+
+
+def pod_labels(pair: Mapping[str, Any], role: str, generation: int) -> dict[str, str]:
+    return {**owned_labels(pair, role), LABEL_ROLE: role, LABEL_GENERATION: str(generation)}
 
 
 ENGINE_ENTRYPOINT = ["python", "-m", "vllm.entrypoints.openai.api_server"]

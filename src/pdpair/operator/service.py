@@ -15,13 +15,12 @@ from pdpair.contract import (
     HTTP_PORT_NAME,
     LABEL_GENERATION,
     LABEL_PAIR,
-    LABEL_PAIR_UID,
     LABEL_ROLE,
     PURPOSE_HTTP,
     ROLE_ROUTER,
 )
 
-from .pods import owner_reference
+from .pods import owned_metadata
 from .ports import port_of
 
 ACTION_CREATE = "create"
@@ -58,19 +57,7 @@ def router_service(pair: Mapping[str, Any], ports: list[Mapping[str, Any]] | Non
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": service_name(meta["name"]),
-            "namespace": meta["namespace"],
-            "labels": {
-                LABEL_PAIR: meta["name"],
-                LABEL_PAIR_UID: meta["uid"],
-                LABEL_ROLE: ROLE_ROUTER,
-                "app.kubernetes.io/name": "pdpair",
-                "app.kubernetes.io/component": ROLE_ROUTER,
-                "app.kubernetes.io/managed-by": "pdpair-operator",
-            },
-            "ownerReferences": [owner_reference(pair)],
-        },
+        "metadata": owned_metadata(pair, service_name(meta["name"]), ROLE_ROUTER, **{LABEL_ROLE: ROLE_ROUTER}),
         "spec": {
             "type": "ClusterIP",
             "selector": router_selector(meta["name"], generation),
