@@ -146,6 +146,9 @@ def test_a_partitioned_node_is_left_behind_and_the_pair_serves_from_the_other_no
             wait_for(lambda: serving(2), 2 * ENGINE_START_TIMEOUT, "generation 2 Ready", diagnose=diagnose,
                      interval=1.0)
             assert answers() == {p: baseline_outputs[p] for p in PROMPTS}
+            # The Service kept the port clients know (service.kept_service_port), though the router's was fenced.
+            assert json.loads(cluster.kubectl("get", "service", NAME, "-n", namespace, "-o", "json").stdout)[
+                "spec"]["ports"][0]["port"] == svc["spec"]["ports"][0]["port"]
             serving_again, serving_wall = time.monotonic() - cut, time.time()
             wait_for(lambda: load.ok_since(serving_wall) >= 2 * LOAD_CLIENTS, 120, "the client's answers after",
                      diagnose=lambda: json.dumps(load.records[-3:]), interval=1.0)

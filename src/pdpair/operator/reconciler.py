@@ -39,7 +39,10 @@ from .lifecycle import probe_ranks
 from .pods import ManifestError, engine_pod, pod_name, router_pod
 from .ports import PairRef, PortLeaser, status_ports, ports_of
 from . import disruption
-from .service import ACTION_CREATE, ACTION_DELETE, ACTION_PATCH, ServiceView, plan_service, router_service, service_name
+from .service import (
+    ACTION_CREATE, ACTION_DELETE, ACTION_PATCH, ServiceView, kept_service_port, plan_service, router_service,
+    service_name,
+)
 from .status import FALSE, Condition, apply_conditions, now_rfc3339, status_diff
 
 log = logging.getLogger(__name__)
@@ -379,11 +382,12 @@ class PairReconciler:
         body = {"metadata": self.body["metadata"], "spec": self.body["spec"]}
         # During a Surge rollout two routers exist: the Service selects the serving generation's. Its port stays
         # the one clients know (status.servicePort, kept from before the first Surge switch).
-        desired = router_service(body, self.ports, planner.service_generation(self.status), self.status.get("servicePort"))
-        if desired is None and d.router_enabled(self.body["spec"]):
-            return  # the router port is not leased yet: leave whatever exists alone
         name = service_name(self.ref.name)
         observed = next((s for s in services if s.name == name), None)
+        desired = router_service(body, self.ports, planner.service_generation(self.status),
+                                 kept_service_port(self.body["spec"], self.status, observed, self.ref.uid))
+        if desired is None and d.router_enabled(self.body["spec"]):
+            return  # the router port is not leased yet: leave whatever exists alone
         action = plan_service(desired, observed, self.ref.uid)
         try:
             if action == ACTION_CREATE:

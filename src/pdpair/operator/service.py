@@ -98,6 +98,22 @@ def _ports(ports: Any) -> tuple[tuple[str, int, str], ...]:
     )
 
 
+def kept_service_port(spec: Mapping[str, Any], status: Mapping[str, Any], observed: "ServiceView | None",
+                      pair_uid: str) -> int | None:
+    """The port the pair's Service keeps, or None (then it takes the router's leased port): clients know a Service
+    by its port, so once the Service exists it keeps its port when the router's changes (a Surge switch to the other
+    port set, records it in status.servicePort; a restart whose router port was fenced on a lost node or found busy
+    on its node gets a new one), and only the router container's named targetPort follows. A fixed
+    spec.router.port is the user's choice: it is the Service's port, always."""
+    if (spec.get("router") or {}).get("port"):
+        return None
+    if status.get("servicePort"):
+        return int(status["servicePort"])
+    if observed is not None and not observed.deleting and pair_uid in observed.owner_uids and observed.ports:
+        return int(observed.ports[0][1])
+    return None
+
+
 def plan_service(
     desired: Mapping[str, Any] | None, observed: ServiceView | None, pair_uid: str
 ) -> str | None:

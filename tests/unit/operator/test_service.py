@@ -116,3 +116,23 @@ def test_view_of_an_api_object_matches_its_manifest():
                  "ports": [{**DESIRED["spec"]["ports"][0]}]},
     }
     assert plan_service(DESIRED, ServiceView.from_service(api_object), UID) is None
+
+
+def test_the_service_keeps_the_port_clients_know_when_the_routers_changes():
+    """A restart whose router port was fenced (lost node) or found busy gets a new router port: the existing
+    Service keeps its port (clients know it), only targetPort (by name) follows. A fixed spec.router.port wins."""
+    from pdpair.operator.service import kept_service_port
+
+    p = pair()
+    first = router_service(p, leased(p["spec"]))
+    ours = ServiceView.from_service({**first, "metadata": {**first["metadata"], "uid": "s1"}})
+    known = first["spec"]["ports"][0]["port"]
+    assert kept_service_port(p["spec"], {}, ours, UID) == known
+    assert kept_service_port(p["spec"], {"servicePort": 20100}, ours, UID) == 20100  # a Surge switch recorded it
+    assert kept_service_port(p["spec"], {}, None, UID) is None  # none yet: the router's leased port
+    assert kept_service_port(p["spec"], {}, ours, "someone-else") is None
+    moved = [{**q, "port": q["port"] + 50} if q["role"] == c.ROLE_ROUTER else q for q in leased(p["spec"])]
+    again = router_service(p, moved, service_port=kept_service_port(p["spec"], {}, ours, UID))
+    assert again["spec"]["ports"][0]["port"] == known and plan_service(again, ours, UID) is None
+    fixed = pair({"enabled": True, "port": 8123})
+    assert kept_service_port(fixed["spec"], {"servicePort": 20100}, ours, UID) is None
