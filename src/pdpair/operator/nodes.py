@@ -62,11 +62,7 @@ class LostPods:
         return frozenset(p.name for p in self.pods)
 
     def describe(self) -> str:
-        by_node: dict[str, list[str]] = {}
-        for pod in self.pods:
-            by_node.setdefault(pod.node, []).append(f"{pod.role} pod {pod.name}")
-        return "; ".join(f"{(self.reasons or {}).get(node, f'node {node} is lost')}: {', '.join(sorted(names))}"
-                         for node, names in sorted(by_node.items()))
+        return _describe(self.pods, lambda node: (self.reasons or {}).get(node, f"node {node} is lost"))
 
 
 def lost_pods(pods: Iterable[Any], nodes: Mapping[str, NodeView], now: float, lost_after: float) -> LostPods:
@@ -99,7 +95,12 @@ def cordoned_pods(pods: Iterable[Any], nodes: Mapping[str, NodeView]) -> tuple[A
 
 
 def describe_cordoned(pods: Iterable[Any]) -> str:
+    return _describe(pods, lambda node: f"node {node} is cordoned")
+
+
+def _describe(pods: Iterable[Any], why) -> str:
+    """`<why(node)>: <role> pod <name>, ...` per node, nodes and pods sorted."""
     by_node: dict[str, list[str]] = {}
     for pod in pods:
         by_node.setdefault(pod.node, []).append(f"{pod.role} pod {pod.name}")
-    return "; ".join(f"node {node} is cordoned: {', '.join(sorted(names))}" for node, names in sorted(by_node.items()))
+    return "; ".join(f"{why(node)}: {', '.join(sorted(names))}" for node, names in sorted(by_node.items()))

@@ -230,7 +230,7 @@ def _merge_env(user: list[Mapping[str, Any]], ours: list[dict[str, str]]) -> lis
     return [dict(e) for e in user if e.get("name") not in owned] + ours
 
 
-def _default_probes(container: dict[str, Any], startup_timeout: int, role: str) -> None:
+def _default_probes(container: dict[str, Any], startup_timeout: int) -> None:
     """readinessProbe and startupProbe, unless the template brought its own. The startup probe is the engine's
     /health on its http port. Readiness is the connector's /readyz on the metrics port: the engine's /health, then
     one warm-up completion through its API (connector/warmup.py: a first-call compile at TP > 1 is paid before
@@ -392,7 +392,7 @@ def engine_pod(
     })
     if role_spec.get("resources"):
         container["resources"] = copy.deepcopy(role_spec["resources"])
-    _default_probes(container, spec_fields.startup_timeout_seconds(spec), role)
+    _default_probes(container, spec_fields.startup_timeout_seconds(spec))
     for key in SCHEDULING_FIELDS:
         if role_spec.get(key):
             pod["spec"][key] = copy.deepcopy(role_spec[key])
