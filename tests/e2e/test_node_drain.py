@@ -16,6 +16,7 @@ import uuid
 import pytest
 
 from pdpair.contract import LABEL_GENERATION, LABEL_PAIR_UID, LABEL_ROLE, ROLE_DECODE, ROLE_PREFILL
+from pdpair.operator import disruption
 from tests.e2e.ha_support import DecodeListeners
 from tests.e2e.operator_helpers import NO_HEALTH, Api, operator, own_nodes, pool_of_free_ports
 from devcluster.waiting import wait_for
@@ -62,11 +63,24 @@ def test_a_drained_node_waits_for_the_pair_to_move_off_it(platform, cluster_name
             budget = wait_for(lambda: next(iter(api.policy.list_namespaced_pod_disruption_budget(ns).items), None),
                               30, "the pair's PodDisruptionBudget")
             assert [o.uid for o in budget.metadata.owner_references] == [uid]
-            assert budget.spec.max_unavailable == 0 and budget.spec.selector.match_labels == {LABEL_PAIR_UID: uid}
+            assert budget.spec.min_available == disruption.NO_READY_POD_EVICTED
+            assert budget.spec.max_unavailable is None
+            assert budget.spec.selector.match_labels == {LABEL_PAIR_UID: uid}
             assert budget.spec.unhealthy_pod_eviction_policy == "AlwaysAllow"
             # An eviction of a Ready pod of the serving pair is refused (the API answers 429).
             wait_for(lambda: _evict(api, ns, old[ROLE_DECODE].metadata.name) == 429, 30,
                      "an eviction refused by the budget (the disruption controller computes it first)")
+            # The disruption controller computes the budget without the pods' controller's /scale (an InferencePair
+            # has none): no CalculateExpectedPodCountFailed, as maxUnavailable caused (stop 29's CI).
+            failed = [e.message for e in api.events(ns) if e.reason == "CalculateExpectedPodCountFailed"]
+            assert failed == [], failed
+            if strategy == "Recreate":
+                # A budget an older operator made (maxUnavailable 0) is patched back to the current spec.
+                name = budget.metadata.name
+                api.policy.patch_namespaced_pod_disruption_budget(
+                    name, ns, {"spec": {"minAvailable": None, "maxUnavailable": 0}})
+                wait_for(lambda: api.policy.read_namespaced_pod_disruption_budget(name, ns).spec.min_available
+                         == disruption.NO_READY_POD_EVICTED, 30, "the outdated budget patched back")
 
             api.core.patch_node(spare, {"spec": {"unschedulable": False}})
             drain: dict = {}

@@ -9,7 +9,8 @@ reconciler.py / ports.py.
   for the router Service.
 - index `node_views`: every Node as observed.NodeView (Ready condition, unreachable taint, cordon); a change of any
   wakes the pairs with a pod on that node (lost and cordoned nodes: nodes.py, planner.py, rollout.py).
-- index `pair_budgets`: the PodDisruptionBudget of each pair (disruption.py); the reconciler makes a missing one.
+- index `pair_budgets`: the PodDisruptionBudget of each pair, its name and spec (disruption.py); the reconciler makes
+  a missing one and patches an outdated one.
 - events on pairs, their pods, their Service and their PodDisruptionBudget wake that pair's daemon, so reaction is
   immediate, not per poll.
 - daemon `reconcile`: one per pair, loops PairReconciler.reconcile_once (it also drives the probe gate).
@@ -42,7 +43,7 @@ from pdpair.contract import (
     VERSION,
 )
 
-from . import health, planner, scrape, spec_fields
+from . import disruption, health, planner, scrape, spec_fields
 from .api import TimedApi
 from .config import OperatorConfig
 from .observed import NodeView, PodView
@@ -185,8 +186,8 @@ async def service_changed(labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> Non
 
 
 @kopf.index("policy", "v1", "poddisruptionbudgets", labels={LABEL_PAIR_UID: kopf.PRESENT})
-async def pair_budgets(name: str, labels: kopf.Labels, **_: Any) -> dict[str, str]:
-    return {labels[LABEL_PAIR_UID]: name}
+async def pair_budgets(name: str, labels: kopf.Labels, spec: kopf.Spec, **_: Any) -> dict[str, tuple[str, tuple]]:
+    return {labels[LABEL_PAIR_UID]: (name, disruption.budget_shape(spec))}
 
 
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={LABEL_PAIR_UID: kopf.PRESENT})

@@ -451,19 +451,31 @@ class PairReconciler:
             self.log.warning("pair %s/%s: %s", self.ref.namespace, self.ref.name, message)
         self.service_problem = message
 
-    async def ensure_budget(self, budgets: Iterable[str]) -> None:
-        """The pair's PodDisruptionBudget (disruption.py), made when the watch shows none. A failure (RBAC of an
-        older chart, a foreign object of that name) is reported once and retried next pass; it never stops the
-        pods' steps."""
-        if self.rt.policy is None or list(budgets):
+    async def ensure_budget(self, budgets: Iterable[tuple[str, tuple]]) -> None:
+        """The pair's PodDisruptionBudget (disruption.py), made when the watch shows none and patched back to its spec
+        when the watch shows another (one made by an older operator). A failure (RBAC of an older chart, a foreign
+        object of that name) is reported once and retried next pass; it never stops the pods' steps."""
+        if self.rt.policy is None:
             return
-        from kubernetes.client import V1PodDisruptionBudget
-
+        existing = list(budgets)
         manifest = disruption.pair_budget(self.body)
         name = manifest["metadata"]["name"]
         try:
-            await asyncio.to_thread(self.rt.policy.create_namespaced_pod_disruption_budget, self.ref.namespace,
-                                    V1PodDisruptionBudget.from_dict(manifest))
+            if existing:
+                patch = disruption.budget_outdated(existing[0][1], self.body)
+                if patch is None:
+                    return
+                await asyncio.to_thread(self.rt.policy.patch_namespaced_pod_disruption_budget, existing[0][0],
+                                        self.ref.namespace, patch)
+                done = ("DisruptionBudgetUpdated", f"PodDisruptionBudget {existing[0][0]}: now {patch['spec']}")
+            else:
+                from kubernetes.client import V1PodDisruptionBudget
+
+                await asyncio.to_thread(self.rt.policy.create_namespaced_pod_disruption_budget, self.ref.namespace,
+                                        V1PodDisruptionBudget.from_dict(manifest))
+                done = ("DisruptionBudgetCreated", f"created PodDisruptionBudget {name} (minAvailable "
+                        f"{disruption.NO_READY_POD_EVICTED}: no Ready pod is evicted; a drain waits until the pair "
+                        "has moved)")
         except Exception as exc:
             if api_status(exc) == 409:
                 return  # made by an earlier pass the watch has not shown yet (or someone else's: it stays theirs)
@@ -474,16 +486,16 @@ class PairReconciler:
             self.budget_problem = message
             return
         self.budget_problem = ""
-        self.emit("Normal", "DisruptionBudgetCreated",
-                  f"created PodDisruptionBudget {name} (maxUnavailable 0: a drain waits until the pair has moved)")
+        self.emit("Normal", *done)
 
     # --- one pass -----------------------------------------------------------------------------------
     async def reconcile_once(self, pods: Iterable[PodView], services: Iterable[ServiceView] = (),
                              node_views: Mapping[str, NodeView] | None = None,
-                             budgets: Iterable[str] | None = None) -> float:
+                             budgets: Iterable[tuple[str, tuple]] | None = None) -> float:
         """One level-triggered pass. Returns how long to sleep before the next one (a wakeup cuts it short).
         `node_views`: the nodes of the pair's pods, as the node index has them (lost nodes: nodes.py); `budgets`:
-        the names of the pair's PodDisruptionBudgets the watch shows (None: not watched, none is made)."""
+        the (name, disruption.budget_shape) of the pair's PodDisruptionBudgets the watch shows (None: not watched,
+        none is made)."""
         started = time.monotonic()
         spec = self.body["spec"]
         meta_generation = int(self.body["metadata"].get("generation") or 0)

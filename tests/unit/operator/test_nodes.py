@@ -112,5 +112,21 @@ def test_the_pair_budget_selects_every_pod_of_the_pair_and_allows_no_disruption(
     budget = disruption.pair_budget(pair)
     assert budget["metadata"]["name"] == "p" and budget["metadata"]["namespace"] == "ns"
     assert budget["metadata"]["ownerReferences"][0]["uid"] == "u-1"
-    assert budget["spec"] == {"selector": {"matchLabels": {LABEL_PAIR_UID: "u-1"}}, "maxUnavailable": 0,
+    assert budget["spec"] == {"selector": {"matchLabels": {LABEL_PAIR_UID: "u-1"}},
+                              "minAvailable": disruption.NO_READY_POD_EVICTED,
                               "unhealthyPodEvictionPolicy": "AlwaysAllow"}
+
+
+def test_a_budget_of_an_older_operator_is_patched_back_and_a_current_one_is_left_alone():
+    from pdpair.operator import disruption
+
+    pair = {"metadata": {"name": "p", "namespace": "ns", "uid": "u-1"}}
+    current = disruption.budget_shape(disruption.pair_budget(pair)["spec"])
+    assert disruption.budget_outdated(current, pair) is None
+    older = disruption.budget_shape({"maxUnavailable": 0, "unhealthyPodEvictionPolicy": "AlwaysAllow"})
+    patch = disruption.budget_outdated(older, pair)
+    # a merge patch: maxUnavailable null removes it (both set is refused by the apiserver)
+    assert patch == {"spec": {"minAvailable": disruption.NO_READY_POD_EVICTED, "maxUnavailable": None,
+                              "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
+    edited = disruption.budget_shape({"minAvailable": 1, "unhealthyPodEvictionPolicy": "IfHealthyBudget"})
+    assert disruption.budget_outdated(edited, pair) == patch
