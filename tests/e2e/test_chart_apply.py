@@ -155,7 +155,7 @@ ALLOWED = [
     *[(v, "events.events.k8s.io", None, ANY) for v in ("create", "patch")],
     *[(v, "namespaces", None, None) for v in ("list", "watch")],
     *[(v, "nodes", None, None) for v in ("get", "list", "watch")],  # read only: lost nodes (docs/design.md)
-    *[(v, "poddisruptionbudgets.policy", None, ANY) for v in ("get", "list", "watch", "create")],
+    *[(v, "poddisruptionbudgets.policy", None, ANY) for v in ("get", "list", "watch", "create", "patch")],
     *[(v, "customresourcedefinitions.apiextensions.k8s.io", None, None) for v in ("list", "watch")],
     *[(v, "leases.coordination.k8s.io", None, OWN) for v in ("get", "list", "watch", "create", "delete", "update",
                                                               "patch")],
@@ -176,7 +176,8 @@ DENIED = [
     ("update", "services", None, ANY),
     ("patch", "services", "status", ANY),
     ("delete", "nodes", None, None),
-    *[(v, "poddisruptionbudgets.policy", None, ANY) for v in ("delete", "patch", "update")],  # made, never changed
+    # patched only back to the current shape (budget_outdated), never deleted or replaced
+    *[(v, "poddisruptionbudgets.policy", None, ANY) for v in ("delete", "update")],
     ("patch", "nodes", None, None),
     ("update", "nodes", "status", None),
     ("create", "leases.coordination.k8s.io", None, ANY),
