@@ -1,10 +1,15 @@
 """P/D latency and concurrency benchmark: pdpair vs vLLM's NixlConnector vs a single engine, all in one run.
 
     .venv/bin/python tests/bench/bench_pd_latency.py [--sequential 20] [--concurrency 1,4,16,64] \
-        [--nixl-site DIR] [--out results.json]
+        [--nixl-site DIR] [--bind] [--out results.json]
 
-Starts a single engine, a pdpair prefill+decode pair and (when `nixl` imports, from --nixl-site or the venv) a vLLM
-NixlConnector pair, same tiny model; both P/D pairs sit behind the same `pdpair.router`. Then:
+Starts a single engine, a pdpair prefill+decode pair, (when `nixl` imports, from --nixl-site or the venv) a vLLM
+NixlConnector pair and "dp": two single engines behind a round-robin proxy (rr_proxy.py: the pair's two cores used
+as data parallelism), same tiny model; both P/D pairs sit behind the same `pdpair.router`. `--bind` pins each
+engine's whole process tree (API server, engine core, worker) to one core with `taskset` and OMP_NUM_THREADS=1:
+the single engine core 0; each pair's prefill core 0 and decode core 1; dp's engines cores 0 and 1. So a pair is
+compared with a one-core engine on one core per engine, no engine oversubscribes the cores, and only one setup is
+measured at a time (idle engines sleep). The router, the proxy and the client float. Then:
 1. Sequential, round robin over the setups (one request in flight on the machine): streamed TTFT and time per output
    token (TPOT, first to last chunk / (chunks - 1)) at the client; ratios against the single engine of the same round.
 2. pdpair's per-request timeline (PDPAIR_TIMELINE_LOG=1 on its engines and router), joined across processes by the
@@ -162,9 +167,29 @@ def vllm_bench(url: str, model_dir: Path, concurrency: int, prompts: int, input_
     }
 
 
+# --bind: the core of each engine process tree (by Process name); see the module docstring.
+CORES = {"single": "0", "pdpair-prefill": "0", "pdpair-decode": "1", "pdpair-before-prefill": "0",
+         "pdpair-before-decode": "1", "nixl-prefill": "0", "nixl-decode": "1", "dp-0": "0", "dp-1": "1"}
+BIND = False  # set from --bind in main()
+
+
 def start(procs: list[Process], proc: Process) -> Process:
+    core = CORES.get(proc.name) if BIND else None
+    if core is not None:
+        # taskset execs the engine (same pid); its spawned engine core and workers inherit the mask. vLLM keeps an
+        # OMP_NUM_THREADS set from outside, and "<core>" makes its worker pin its one OpenMP thread there too.
+        proc.argv = ["taskset", "-c", core, *proc.argv]
+        proc.env = {**proc.env, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": core}
     procs.append(proc.start())
     return proc
+
+
+def rr_proxy(log_dir: Path, backends: list[str]) -> Process:
+    port = free_port()
+    argv = [sys.executable, str(HERE / "rr_proxy.py"), "--port", str(port)]
+    for url in backends:
+        argv += ["--backend", url]
+    return Process("dp-proxy", argv, dict(os.environ), log_dir / "dp-proxy.log", port)
 
 
 def main() -> int:
@@ -176,13 +201,16 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--prompts-per-client", type=int, default=4, help="vllm bench prompts = max(16, this x concurrency)")
-    parser.add_argument("--setups", default="single,pdpair,nixl")
+    parser.add_argument("--setups", default="single,pdpair,nixl,dp")
+    parser.add_argument("--bind", action="store_true", help="one core per engine process tree (module docstring)")
     parser.add_argument("--nixl-site", type=Path, help="a pip --target dir holding nixl (kept off the shared venv)")
     parser.add_argument("--before", type=Path,
                         help="source root of an older connector (e.g. `git archive <commit> src` (`connector` before the one source tree), plus the "
                              "native .so): adds setup pdpair-before, same flow, its own pair and router")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    global BIND
+    BIND = args.bind
     box_before = quiet.require_quiet("bench_pd_latency")  # exits when the box is too busy to measure
     if args.before:
         wanted_extra = ["pdpair-before"]
@@ -202,6 +230,7 @@ def main() -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU",
         "model": "tiny random Llama (2 layers, hidden 64, 2 KV heads x 32, float32, block 32)",
         "load_average_start": os.getloadavg(),
+        "binding": {"mode": "taskset, one core per engine", "cores": CORES} if args.bind else {"mode": "none"},
         "logs": str(logs),
     }
     try:
@@ -232,6 +261,8 @@ def main() -> int:
                 nixl.append(start(procs, engine(f"nixl-{role}", model, logs, kv_transfer_config=config, extra_env={
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
                     **extra_path})))
+        if "dp" in wanted:
+            dp = [start(procs, engine(f"dp-{i}", model, logs)) for i in range(2)]
         if "single" in wanted:
             single.wait_healthy()
             setups.append(Setup("single", single.url))
@@ -261,6 +292,12 @@ def main() -> int:
             nrtr.name, nrtr.log_path = "nixl-router", logs / "nixl-router.log"
             start(procs, nrtr).wait_healthy(60)
             setups.append(Setup("nixl", nrtr.url, lambda: histogram(nixl[0].url + "/metrics", "vllm:nixl_xfer_time_seconds")))
+
+        if "dp" in wanted:
+            for proc in dp:
+                proc.wait_healthy()
+            start(procs, rr_proxy(logs, [proc.url for proc in dp])).wait_healthy(60)
+            setups.append(Setup("dp", procs[-1].url))
 
         # Warm-up (NIXL's first request also does its handshake and may fail under load: retried).
         for setup in setups:
@@ -361,6 +398,10 @@ def main() -> int:
                 for name, r in row.items():
                     if name != "single":
                         r["throughput_ratio_to_single"] = round(r["requests_per_s"] / row["single"]["requests_per_s"], 3)
+            if "dp" in row:
+                for name in ("pdpair", "nixl"):
+                    if name in row:
+                        row[name]["throughput_ratio_to_dp"] = round(row[name]["requests_per_s"] / row["dp"]["requests_per_s"], 3)
             if "nixl" in row:
                 for name in ("pdpair", "pdpair-before"):
                     if name in row:

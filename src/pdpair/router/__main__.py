@@ -1,4 +1,7 @@
-"""`python -m pdpair.router --port P --prefill URL --decode URL` (also installed as `pdpair-router`)."""
+"""`python -m pdpair.router --port P --prefill URL --decode URL` (also installed as `pdpair-router`).
+
+Repeat --prefill and --decode for several instances of a role: each request goes to one decode and one prefill
+chosen by load; an instance's index is its place among its role's flags."""
 
 from __future__ import annotations
 
@@ -41,8 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdpair-router", description=__doc__)
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     parser.add_argument("--port", type=_port, required=True, help="port to listen on, 0..65535 (0: kernel picks)")
-    parser.add_argument("--prefill", required=True, help="prefill engine base URL, e.g. http://10.0.0.5:8000")
-    parser.add_argument("--decode", required=True, help="decode engine base URL")
+    parser.add_argument("--prefill", action="append", required=True, metavar="URL",
+                        help="prefill engine base URL, e.g. http://10.0.0.5:8000; repeat it for several prefills")
+    parser.add_argument("--decode", action="append", required=True, metavar="URL",
+                        help="decode engine base URL; repeat it for several decodes")
     parser.add_argument("--prefill-timeout", type=_seconds, default=_DEFAULTS["prefill_timeout_seconds"],
                         help=f"seconds for the prefill answer (default {seconds['prefill_timeout_seconds']})")
     parser.add_argument("--decode-timeout", type=_seconds, default=_DEFAULTS["decode_timeout_seconds"],
@@ -53,7 +58,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-connection-timeout", type=_seconds, default=_DEFAULTS["idle_connection_seconds"],
         help="seconds a kept-alive connection to an engine may idle and still be reused; keep it below the engines' "
              f"keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) (default {seconds['idle_connection_seconds']})")
+    parser.add_argument(
+        "--failure-cooldown", type=_seconds, default=_DEFAULTS["failure_cooldown_seconds"],
+        help="seconds an instance that failed a request (refused, reset, 5xx, timeout) is not chosen while another "
+             f"instance of its role is available (default {seconds['failure_cooldown_seconds']})")
+    parser.add_argument(
+        "--debug-routing", action="store_true", default=_DEFAULTS["debug_routing"],
+        help="honour the request header X-Pdpair-Route: <prefill index>,<decode index> (0-based, in the order of "
+             "the flags), which forces the instances; for tests of every combination (default off)")
+    parser.add_argument(
+        "--log-choices", action="store_true", default=_DEFAULTS["log_choices"],
+        help="log one INFO line per request: its id, the chosen prefill and decode, the outstanding counts seen "
+             "(default off)")
     return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
+        prefill_timeout_seconds=args.prefill_timeout, decode_timeout_seconds=args.decode_timeout,
+        connect_timeout_seconds=args.connect_timeout, idle_connection_seconds=args.idle_connection_timeout,
+        failure_cooldown_seconds=args.failure_cooldown, debug_routing=args.debug_routing, log_choices=args.log_choices,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,8 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app = make_app(RouterConfig(args.prefill, args.decode, args.prefill_timeout, args.decode_timeout,
-                                    args.connect_timeout, args.idle_connection_timeout))
+        app = make_app(config_from_args(args))
     except ValueError as exc:
         parser.error(str(exc))
     web.run_app(app, host=args.host, port=args.port, print=None)

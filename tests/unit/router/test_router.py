@@ -8,67 +8,13 @@ import socket
 import aiohttp
 import pytest
 import pytest_asyncio
-from aiohttp import web
 
 from pdpair.router.__main__ import build_parser
 from pdpair.router.__main__ import main as router_main
 from pdpair.router.app import REQUEST_ID_HEADER, RouterConfig, make_app
-
-PARAMS = {"do_remote_prefill": True, "remote_request_id": "cmpl-prefill-1", "remote_generation": 0}
-
-
-class Engine:
-    """A tiny HTTP engine that records what it received and answers as told."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.received: list[tuple[str, dict, dict]] = []
-        self.status = 200
-        self.delay = 0.0
-        self.params: dict | None = PARAMS
-        self.peers: list[int] = []  # the client port of each request's connection
-        self.drop_first = 0  # drop the connection of this many first requests without an answer
-        self.stream_chunks = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n', b"data: [DONE]\n\n"]
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.received.append((request.path, body, request.headers.copy()))
-        self.peers.append(request.transport.get_extra_info("peername")[1])
-        if self.drop_first:
-            self.drop_first -= 1
-            request.transport.abort()
-            return web.Response()
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        if self.status != 200:
-            return web.json_response({"error": f"{self.name} failed"}, status=self.status)
-        if body.get("stream"):
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            for chunk in self.stream_chunks:
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
-        answer = {"id": f"{self.name}-answer", "choices": [{"text": self.name}]}
-        if self.params is not None:
-            answer["kv_transfer_params"] = self.params
-        return web.json_response(answer)
-
-
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return runner, f"http://127.0.0.1:{port}"
-
-
-async def _engine_server(engine: Engine) -> tuple[web.AppRunner, str]:
-    app = web.Application()
-    app.router.add_post("/v1/completions", engine.handle)
-    app.router.add_post("/v1/chat/completions", engine.handle)
-    return await _serve(app)
+from tests.router_support import PARAMS, Engine
+from tests.router_support import engine_server as _engine_server
+from tests.router_support import serve as _serve
 
 
 @pytest_asyncio.fixture
@@ -80,7 +26,7 @@ async def stack():
     runners += [p_runner, d_runner]
 
     async def start_router(**overrides):
-        config = RouterConfig(overrides.pop("prefill_url", p_url), overrides.pop("decode_url", d_url), **overrides)
+        config = RouterConfig(overrides.pop("prefill_urls", (p_url,)), overrides.pop("decode_urls", (d_url,)), **overrides)
         runner, url = await _serve(make_app(config))
         runners.append(runner)
         return url
@@ -136,7 +82,7 @@ async def test_unreachable_prefill_is_502_naming_it(stack):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, never listening: connection refused
-        router = await start_router(prefill_url=dead)
+        router = await start_router(prefill_urls=(dead,))
         async with client.post(router + "/v1/completions", json={"prompt": "x"}) as resp:
             assert resp.status == 502
             error = (await resp.json())["error"]
@@ -200,15 +146,16 @@ async def test_non_json_body_is_400(stack):
 
 def test_bad_url_is_refused_at_start():
     with pytest.raises(ValueError, match="--prefill must be an http"):
-        make_app(RouterConfig("localhost:8000", "http://x"))
+        make_app(RouterConfig(("localhost:8000",), ("http://x",)))
 
 
-@pytest.mark.parametrize("field", ["prefill_timeout_seconds", "decode_timeout_seconds", "connect_timeout_seconds"])
+@pytest.mark.parametrize("field", ["prefill_timeout_seconds", "decode_timeout_seconds", "connect_timeout_seconds",
+                                   "failure_cooldown_seconds"])
 @pytest.mark.parametrize("seconds", [0, -1.0, float("nan"), float("inf"), float("-inf")])
 def test_timeouts_without_a_deadline_are_refused(field, seconds):
     """aiohttp reads <= 0 as no deadline; nan and inf are none either."""
     flag = "--" + field.removesuffix("_seconds").replace("_", "-")
-    config = RouterConfig("http://p", "http://d", **{field: seconds})
+    config = RouterConfig(("http://p",), ("http://d",), **{field: seconds})
     with pytest.raises(ValueError, match=f"{flag} must be a finite number of seconds > 0"):
         make_app(config)
 
@@ -254,7 +201,7 @@ def test_cli_accepts_the_edge_values():
 
 def test_the_readme_table_lists_every_flag_with_its_default():
     """Docs checked from the one declaration: each router flag is a row of the connector README's "Router CLI" table,
-    with the parser's default (RouterConfig's) or "required"."""
+    with the parser's default (RouterConfig's), "required", or "off" for a switch."""
     import pathlib
     import re
 
@@ -265,8 +212,14 @@ def test_the_readme_table_lists_every_flag_with_its_default():
         flag = next((o for o in action.option_strings if o.startswith("--")), None)
         if flag in (None, "--help"):
             continue
-        want = "required" if action.required else (f"{action.default:g}" if isinstance(action.default, float)
-                                                    else f"`{action.default}`")
+        if action.required:
+            want = "required"
+        elif isinstance(action.default, bool):
+            want = "on" if action.default else "off"
+        elif isinstance(action.default, float):
+            want = f"{action.default:g}"
+        else:
+            want = f"`{action.default}`"
         assert rows.get(flag, "").strip() == want, (flag, rows.get(flag), want)
 
 

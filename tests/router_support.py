@@ -1,0 +1,77 @@
+"""Shared by the router tests (tests/unit/router/): real aiohttp servers standing in for the vLLM engines (their HTTP
+side only), and the router served on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+PARAMS = {"do_remote_prefill": True, "remote_request_id": "cmpl-prefill-1", "remote_generation": 0}
+
+
+class Engine:
+    """A tiny HTTP engine that records what it received and answers as told."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.received: list[tuple[str, dict, dict]] = []
+        self.status = 200
+        self.delay = 0.0
+        self.params: dict | None = PARAMS
+        self.peers: list[int] = []  # the client port of each request's connection
+        self.drop_first = 0  # drop the connection of this many first requests without an answer
+        self.stream_chunks = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n', b"data: [DONE]\n\n"]
+        self.kv_usage: float | None = None  # served on /metrics as vLLM's vllm:kv_cache_usage_perc when set
+        self.metrics_scrapes = 0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append((request.path, body, request.headers.copy()))
+        self.peers.append(request.transport.get_extra_info("peername")[1])
+        if self.drop_first:
+            self.drop_first -= 1
+            request.transport.abort()
+            return web.Response()
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.status != 200:
+            return web.json_response({"error": f"{self.name} failed"}, status=self.status)
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for chunk in self.stream_chunks:
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+        answer = {"id": f"{self.name}-answer", "choices": [{"text": self.name}]}
+        if self.params is not None:
+            answer["kv_transfer_params"] = self.params
+        return web.json_response(answer)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        self.metrics_scrapes += 1
+        if self.kv_usage is None:
+            return web.Response(status=404)
+        return web.Response(text=(
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {self.kv_usage}\n'
+        ))
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def engine_server(engine: Engine) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/v1/completions", engine.handle)
+    app.router.add_post("/v1/chat/completions", engine.handle)
+    app.router.add_get("/metrics", engine.metrics)
+    return await serve(app)
