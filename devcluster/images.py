@@ -5,16 +5,21 @@
   archive (localhost/pdpair/debian-python:<key>). It stands in for the public `python:3.11-slim-bookworm` that the
   Dockerfiles name by default (both have python3.11, pip-capable venvs, apt and ca-certificates).
 - Images from the repository's Dockerfiles (the operator image from /Dockerfile, the engine image from
-  images/engine/Dockerfile), built with Debian's buildah: vfs storage under the cache, chroot isolation,
-  `--pull-never`, the base passed as `--build-arg PYTHON_IMAGE=...`. A user builds the same files with
-  `docker build` from the public base.
+  images/engine/Dockerfile, the CUDA engine image from images/engine-cuda/Dockerfile), built with Debian's buildah:
+  vfs storage under the cache, chroot isolation, `--pull-never`, the base passed as `--build-arg PYTHON_IMAGE=...`.
+  A user builds the same files with `docker build` from the public base.
+- The CUDA engine image compiles libflagcx from upstream FlagCX sources that are never committed here: `flagcx-src`
+  extracts the Dockerfile's FLAGCX_COMMIT from a FlagCX git directory (PDPAIR_FLAGCX_GIT_DIR, default the mirror
+  beside the checkout) into the gitignored images/engine-cuda/flagcx-src/, and `engine-cuda` refuses to build
+  without that commit there.
 
 Every archive is cached under ${XDG_CACHE_HOME:-~/.cache}/pdpair/images/, keyed by a content hash of its inputs
 (the Dockerfile, every file of the build context the Dockerfile can COPY, the build args and the base's key), so an
 unchanged tree reuses the archive and any edit rebuilds it. `RealNodeCluster.import_image(archive)` puts an
 archive into every node's containerd.
 
-    python devcluster/images.py base|operator|engine-base|engine   # build (or reuse); print image name and archive
+    python devcluster/images.py base|operator|engine-base|engine|engine-cuda   # build (or reuse); print name, archive
+    python devcluster/images.py flagcx-src   # fill images/engine-cuda/flagcx-src/ with the pinned FlagCX commit
 """
 from __future__ import annotations
 
@@ -49,6 +54,14 @@ WHEEL_DIRS = (pathlib.Path(os.environ.get("PDPAIR_SHARED", REPO_ROOT.parent / "s
               pathlib.Path("/opt/wheels"))
 HOST_TRUST_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pip.conf")
 ENGINE_WHEELS_DIR = REPO_ROOT / "images" / "engine-base" / "wheels"  # gitignored; the build context's local wheels
+ENGINE_CUDA_DOCKERFILE = REPO_ROOT / "images" / "engine-cuda" / "Dockerfile"
+# Upstream FlagCX sources for the CUDA engine image: gitignored (all but .gitkeep), never committed.
+FLAGCX_SOURCE_DIR = REPO_ROOT / "images" / "engine-cuda" / "flagcx-src"
+FLAGCX_SOURCE_KEEP = (".gitkeep",)
+# Written last by prepare_flagcx_source (an interrupted extraction has none); the Dockerfile compares it with its
+# FLAGCX_COMMIT and flagcx.sh records it in /opt/flagcx/BUILD-INFO.
+FLAGCX_COMMIT_FILE = ".pdpair-flagcx-commit"
+DEFAULT_FLAGCX_GIT_DIR = REPO_ROOT.parent / ".mirror" / "flagos-ai+FlagCX" / "repo"
 
 
 @dataclass(frozen=True)
@@ -184,10 +197,12 @@ def prune_archives(name: str, keep: int = KEEP_ARCHIVES) -> list[pathlib.Path]:
 
 def build_dockerfile_image(name: str, dockerfile: pathlib.Path, inputs: list[pathlib.Path],
                            build_args: dict[str, str] | None = None, log: Callable[[str], None] = print,
-                           base: Image | None = None, base_arg: str = "PYTHON_IMAGE") -> Image:
+                           base: Image | None = None, base_arg: str = "PYTHON_IMAGE",
+                           keep_archives: int = KEEP_ARCHIVES) -> Image:
     """Builds `dockerfile` (context: the repository root) with buildah FROM `base` (default: the Debian base),
     passed as the build arg `base_arg`; returns the cached OCI archive. `inputs` are the context paths the
-    Dockerfile COPYs (they key the cache, with the base's key)."""
+    Dockerfile COPYs (they key the cache, with the base's key). `keep_archives`: archives of this name kept, this
+    build's included."""
     base = base or debian_base(log)
     args = {base_arg: base.ref, **(build_args or {})}
     h = hashlib.sha256()
@@ -226,7 +241,7 @@ def build_dockerfile_image(name: str, dockerfile: pathlib.Path, inputs: list[pat
         pip_cache = host_pip_cache()
         pip_cache.mkdir(parents=True, exist_ok=True)
         cmd += ["--volume", f"{pip_cache}:/root/.cache/pip"]
-        prune_archives(name, KEEP_ARCHIVES - 1)  # room for this one first: a full disk fails the build
+        prune_archives(name, keep_archives - 1)  # room for this one first: a full disk fails the build
         tmp_archive = archive.with_name(archive.name + ".tmp")
         try:
             for attempt in range(1, BUILD_ATTEMPTS + 1):
@@ -295,15 +310,105 @@ def engine_image(log: Callable[[str], None] = print) -> Image:
                                   log=log, base=engine_base_image(log), base_arg="ENGINE_BASE_IMAGE")
 
 
+def dockerfile_arg(dockerfile: pathlib.Path, name: str) -> str:
+    """The default value of `ARG name=value` in `dockerfile` (its first such line): the Dockerfile is the one place
+    a pin is declared, and the code that needs it reads it from there."""
+    pattern = re.compile(rf"^ARG\s+{re.escape(name)}=(.*)$")
+    for line in dockerfile.read_text().splitlines():
+        match = pattern.match(line.strip())
+        if match:
+            return match.group(1).strip().strip('"')
+    raise BuildError(f"{dockerfile}: no `ARG {name}=<default>` line")
+
+
+def flagcx_git_dir() -> pathlib.Path:
+    """The FlagCX git directory to extract sources from: PDPAIR_FLAGCX_GIT_DIR (a bare clone or a clone's .git),
+    else the mirror beside this checkout."""
+    return pathlib.Path(os.environ.get("PDPAIR_FLAGCX_GIT_DIR") or DEFAULT_FLAGCX_GIT_DIR)
+
+
+def flagcx_source_commit(dest: pathlib.Path = FLAGCX_SOURCE_DIR) -> str | None:
+    """The FlagCX commit whose tree `dest` holds (its commit file), or None."""
+    path = dest / FLAGCX_COMMIT_FILE
+    return path.read_text().strip() if path.is_file() else None
+
+
+def check_flagcx_source(commit: str, dest: pathlib.Path = FLAGCX_SOURCE_DIR) -> None:
+    """BuildError naming `commit` unless `dest` holds that FlagCX commit's tree (the Dockerfile checks the same)."""
+    have = flagcx_source_commit(dest)
+    if have == commit:
+        return
+    state = ("does not exist" if not dest.is_dir() else "holds no extracted FlagCX tree" if have is None
+             else f"holds FlagCX {have}")
+    raise BuildError(
+        f"{dest} {state}, but the CUDA engine image builds FlagCX {commit} (FLAGCX_COMMIT in "
+        f"{ENGINE_CUDA_DOCKERFILE.relative_to(REPO_ROOT)}): run `python devcluster/images.py flagcx-src` first "
+        f"(it extracts {commit} from {flagcx_git_dir()}; set PDPAIR_FLAGCX_GIT_DIR to another FlagCX git directory)")
+
+
+def prepare_flagcx_source(commit: str | None = None, git_dir: pathlib.Path | None = None,
+                          dest: pathlib.Path = FLAGCX_SOURCE_DIR, log: Callable[[str], None] = print) -> str:
+    """Fills `dest` with `git archive <commit>` of FlagCX (default: the Dockerfile's FLAGCX_COMMIT) from `git_dir`
+    (default flagcx_git_dir()), replacing whatever it held, and writes the full commit into its commit file last.
+    Returns the full commit. Nothing of it is ever committed here (.gitignore)."""
+    commit = commit or dockerfile_arg(ENGINE_CUDA_DOCKERFILE, "FLAGCX_COMMIT")
+    if flagcx_source_commit(dest) == commit:  # already there (also without the git directory)
+        return commit
+    git_dir = git_dir or flagcx_git_dir()
+    if not git_dir.exists():
+        raise BuildError(f"no FlagCX git directory at {git_dir} to extract FlagCX {commit} from; set "
+                         "PDPAIR_FLAGCX_GIT_DIR to a FlagCX clone's .git (or a bare clone)")
+    resolved = subprocess.run(["git", f"--git-dir={git_dir}", "rev-parse", "--verify", "--quiet",
+                               f"{commit}^{{commit}}"], capture_output=True, text=True)
+    if resolved.returncode != 0:
+        raise BuildError(f"FlagCX commit {commit} is not in {git_dir} (fetch it there first)")
+    full = resolved.stdout.strip()
+    if flagcx_source_commit(dest) == full:
+        return full
+    dest.mkdir(parents=True, exist_ok=True)
+    for entry in dest.iterdir():
+        if entry.name in FLAGCX_SOURCE_KEEP:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    log(f"[images] git --git-dir={git_dir} archive {full} | tar -x -C {dest}")
+    archive = subprocess.Popen(["git", f"--git-dir={git_dir}", "archive", full], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    untar = subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, capture_output=True, text=True)
+    archive.stdout.close()
+    archive_err = archive.stderr.read().decode(errors="replace")
+    if archive.wait() != 0 or untar.returncode != 0:
+        raise BuildError(f"extracting FlagCX {full} from {git_dir} failed: {_tail(archive_err + untar.stderr, 2000)}")
+    (dest / FLAGCX_COMMIT_FILE).write_text(full + "\n")
+    return full
+
+
+def engine_cuda_image(log: Callable[[str], None] = print) -> Image:
+    """vLLM's CUDA build, pdpair and libflagcx in one image (images/engine-cuda/Dockerfile). Not built by any test;
+    it needs images/engine-cuda/flagcx-src/ at the Dockerfile's FLAGCX_COMMIT (`flagcx-src` below) and fails with a
+    BuildError naming that commit otherwise. PyPI serves everything else (the torch it pins is a CUDA 13 build)."""
+    check_flagcx_source(dockerfile_arg(ENGINE_CUDA_DOCKERFILE, "FLAGCX_COMMIT"))
+    inputs = [REPO_ROOT / p for p in ("pyproject.toml", "setup.py", "native/include", "native/src",
+                                      "src", "images/engine-cuda")]
+    # One archive only: it is several times the CPU engine's size, and older ones are deleted before the build.
+    return build_dockerfile_image("pdpair-engine-cuda", ENGINE_CUDA_DOCKERFILE, inputs, log=log, keep_archives=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("image", choices=("base", "operator", "engine-base", "engine"))
+    parser.add_argument("image", choices=("base", "operator", "engine-base", "engine", "engine-cuda", "flagcx-src"))
     args = parser.parse_args(argv)
     try:
+        if args.image == "flagcx-src":
+            commit = prepare_flagcx_source()
+            print(f"{FLAGCX_SOURCE_DIR} {commit}")
+            return 0
         image = {"base": debian_base, "operator": operator_image, "engine-base": engine_base_image,
-                 "engine": engine_image}[args.image]()
+                 "engine": engine_image, "engine-cuda": engine_cuda_image}[args.image]()
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

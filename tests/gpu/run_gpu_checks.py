@@ -40,6 +40,10 @@ import traceback
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve()
+# The pinned FlagCX commits (abbreviated) and the API generation each must load as (docs/gpu.md, "The two API
+# generations"); a tree whose directory name holds one is judged against it. images/engine-cuda/Dockerfile builds one
+# of them (its FLAGCX_COMMIT / FLAGCX_GENERATION); tests/unit/test_engine_cuda_image.py keeps the two in step.
+FLAGCX_PINNED_COMMITS = {"6493e5f8": "mr-index", "0c721293": "window"}
 RESULTS: list[dict] = []
 # --cpu-dry-run (on a machine without GPUs, against tests/flagcx_abi's fake): the same orchestration, CPU tensors.
 DRY_RUN = os.environ.get("PDPAIR_GPU_CHECKS_DRY_RUN") == "1"
@@ -638,8 +642,7 @@ def main() -> int:
         for tree in trees:
             lib = build(tree, nccl, opts.skip_build)
             if lib is not None:
-                expected = {"6493e5f8": "mr-index", "0c721293": "window"}
-                generation = next((g for c, g in expected.items() if c in tree.name), None)
+                generation = next((g for c, g in FLAGCX_PINNED_COMMITS.items() if c in tree.name), None)
                 flagcx_checks(tree, lib, generation, gpus)
     else:
         report("flagcx", False, "FLAGCX_SRC not set: no FlagCX tree to build")

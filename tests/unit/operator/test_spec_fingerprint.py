@@ -19,12 +19,13 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 # spec_fingerprint of each example as the operator sees it (CRD defaults filled in), measured on 2207864. A change
 # here means every serving pair of that shape rolls when the new operator starts: only on purpose, and say so in
-# the release notes.
+# the release notes. flagcx-rdma and gpu-pair were re-pinned when the examples (not the operator) changed their
+# spec.image to the CUDA engine image (images/engine-cuda, issue 25).
 PINNED = {
     "cpu-pvc-model.yaml": "60234ea509fa92dd",
-    "flagcx-rdma.yaml": "2ddd70065f5aabdc",
+    "flagcx-rdma.yaml": "bd5e2d0792cf42bb",
     "gang-scheduled.yaml": "7e6fb674bcd74c84",
-    "gpu-pair.yaml": "55de452449b42182",
+    "gpu-pair.yaml": "a89daf5d1c950055",
     "hub-download.yaml": "944efbc96edf0f26",
     "inferencepair.yaml": "b61f3b01839fcadf",
 }
