@@ -78,12 +78,19 @@ build() {
     gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$work/cuda/lib64/libcuda.so" "$work/stub.c"
 
     local args=(USE_NVIDIA=1 "BUILDDIR=$prefix" "DEVICE_HOME=$work/cuda" "CCL_HOME=$prefix/nccl"
-                "JSON_INCLUDE_DIR=$json" "HOST_LINKER=g++ -Wl,-rpath,$(dirname "$cudart_so")")
+                "HOST_LINKER=g++ -Wl,-rpath,$(dirname "$cudart_so")")
     # shellcheck disable=SC2206 # FLAGCX_MAKE_ARGS is a list of VAR=value words
     args+=(${FLAGCX_MAKE_ARGS:-})
     # JSON_INCLUDE_DIR is a Makefile variable only in later trees (0c721293); 6493e5f8 looks in third-party/json
-    # (empty in a git archive) and the compiler's default path, which CPLUS_INCLUDE_PATH extends.
-    export CPLUS_INCLUDE_PATH=$json${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}
+    # (empty in a git archive) and the compiler's default path, which CPLUS_INCLUDE_PATH extends. A directory that
+    # is already on the compiler's default path (Debian's nlohmann-json3-dev: /usr/include) is named nowhere: as -I
+    # or in CPLUS_INCLUDE_PATH it moves ahead of libstdc++'s headers and their `#include_next <stdlib.h>` fails
+    # ("stdlib.h: No such file or directory", seen in the first image build).
+    case "$json" in
+        /usr/include | /usr/local/include) ;;
+        *) args+=("JSON_INCLUDE_DIR=$json")
+           export CPLUS_INCLUDE_PATH=$json${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH} ;;
+    esac
     echo "flagcx.sh: make -C $src -j${JOBS:-$(nproc)} ${args[*]}"
     local started=$SECONDS
     make -C "$src" -j"${JOBS:-$(nproc)}" "${args[@]}"
