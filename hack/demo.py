@@ -4,7 +4,7 @@ ServiceAccount, and examples/inferencepair.yaml walking through its phases to Re
 
 No engine runs on kwok's fake nodes, so nothing would ever listen on decode's side-channel port. The demo opens that
 listener itself (a plain TCP socket on 127.0.0.1) to show the pair held back until it listens (prefill is created
-beside the running decode, but no router and no Ready), and says so when it does.
+beside the running decode and the router beside them, but no Ready), and says so when it does.
 """
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ def main() -> int:
                     if time.monotonic() - gate_seen >= GATE_HOLD_SECONDS:
                         pods = [p.metadata.name for p in core.list_namespaced_pod(
                             ns, label_selector=f"{LABEL_PAIR_UID}={pair['metadata']['uid']}").items]
-                        say(f"held for {GATE_HOLD_SECONDS:.0f}s: pods are {pods} (prefill starts beside decode), no "
-                            f"router and no Ready while nothing listens on decode's side-channel port {side[0]}",
+                        say(f"held for {GATE_HOLD_SECONDS:.0f}s: pods are {pods} (prefill and the router start beside "
+                            f"decode), no Ready while nothing listens on decode's side-channel port {side[0]}",
                             started)
                         say("NOTE: no engine runs on kwok nodes, so the DEMO ITSELF now opens a TCP listener on "
                             f"127.0.0.1:{side[0]} standing in for decode's KV side channel", started)

@@ -24,6 +24,9 @@ class Engine:
         self.stream_chunks = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n', b"data: [DONE]\n\n"]
         self.kv_usage: float | None = None  # served on /metrics as vLLM's vllm:kv_cache_usage_perc when set
         self.metrics_scrapes = 0
+        self.ready = True  # its readiness (/readyz and /health): 200 when True, else 503
+        self.ready_delay = 0.0  # seconds before the readiness answer (one that never comes in time)
+        self.ready_asked = 0
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -48,6 +51,12 @@ class Engine:
         if self.params is not None:
             answer["kv_transfer_params"] = self.params
         return web.json_response(answer)
+
+    async def readiness(self, request: web.Request) -> web.Response:
+        self.ready_asked += 1
+        if self.ready_delay:
+            await asyncio.sleep(self.ready_delay)
+        return web.Response(status=200 if self.ready else 503, text=f"{self.name} ready={self.ready}")
 
     async def metrics(self, request: web.Request) -> web.Response:
         self.metrics_scrapes += 1
@@ -74,4 +83,6 @@ async def engine_server(engine: Engine) -> tuple[web.AppRunner, str]:
     app.router.add_post("/v1/completions", engine.handle)
     app.router.add_post("/v1/chat/completions", engine.handle)
     app.router.add_get("/metrics", engine.metrics)
+    app.router.add_get("/readyz", engine.readiness)
+    app.router.add_get("/health", engine.readiness)
     return await serve(app)

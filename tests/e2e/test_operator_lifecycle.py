@@ -87,11 +87,12 @@ def test_prefill_starts_beside_decode_and_ready_waits_for_the_listener(platform,
                                         None), 30, "the prefill pod beside the loading decode")
         penv = {e["name"]: e["value"] for e in prefill["spec"]["containers"][0]["env"]}
         assert penv[ENV_PEER_HOST] == "127.0.0.1" and penv[ENV_PEER_PORT_BASE] == str(side[0])
-        # ...but the pair is not Ready and gets no router while the listener does not accept (watch it a while).
+        # ...and the router beside them once prefill runs (its readiness is the engines'), but the pair is not Ready
+        # while the listener does not accept (watch it a while).
+        wait_for(lambda: "router" in {p["metadata"]["labels"][LABEL_ROLE] for p in api.pods(ns)}, 30,
+                 "the router pod beside the loading engines")
         deadline = time.monotonic() + 6
         while time.monotonic() < deadline:
-            roles = {p["metadata"]["labels"][LABEL_ROLE] for p in api.pods(ns)}
-            assert "router" not in roles, "the router was created before decode's listener accepted"
             assert api.pair(ns, "gate")["status"].get("phase") != "Ready", "Ready before decode's listener accepted"
             time.sleep(0.2)
         pair = api.pair(ns, "gate")

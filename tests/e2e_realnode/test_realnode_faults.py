@@ -1,9 +1,10 @@
 """Faults on the real nodes (issue 10, 6c/6e/6f): what a user's cluster does to a serving pair, with real vLLM pods.
 
-- e. the leading operator pod is deleted while a pair starts (decode exists, the router not yet: prefill is made as
-  soon as decode runs, ~1 s on a real node with the image there, so whether it exists at that moment is a race; the
-  router comes only after both engines' cold starts): the standby replica takes the leader Lease over and converges
-  with exactly one pod per role, no second set of port leases, and a serving pair.
+- e. the leading operator pod is deleted while a pair starts (decode exists and no pod is Ready yet: prefill is made
+  as soon as decode runs, ~1 s on a real node with the image there, and the router as soon as prefill runs, so which
+  of them exist at that moment is a race; no pod is Ready before the engines' cold starts): the standby replica
+  takes the leader Lease over and converges with exactly one pod per role, no second set of port leases, and a
+  serving pair.
 - f. `helm upgrade` rolls the operator replicas while a client sends requests: no failed request, the pair's pods
   keep their UIDs with no container restart, the pair stays Ready, and the leader runs the new revision.
 - c. decode's engine process is SIGKILLed inside its container: the operator restarts the pair IN ORDER (recorded
@@ -204,9 +205,10 @@ def test_operator_pod_deleted_during_pair_startup_converges_without_duplicates(
                             "the decode pod", diagnose=diagnose, interval=1.0)
     real_cluster.kubectl("delete", "pod", "-n", OPERATOR_NS, old_operator["metadata"]["name"], "--wait=false")
     t_delete = time.monotonic()
-    before = sorted({e.role for e in watch.since(t_apply) if e.t <= t_delete})
-    assert ROLE_ROUTER not in before, f"the router existed before the operator was deleted: the test missed its " \
-                                      f"window (pods seen by then: {before})"
+    seen = [e for e in watch.since(t_apply) if e.t <= t_delete]
+    before = sorted({e.role for e in seen})
+    assert not [e for e in seen if e.ready], f"a pod was Ready before the operator was deleted: the test missed " \
+                                             f"its window (pods seen by then: {before})"
     print(f"[faults] {name}: decode ADDED {decode_added.t - t_apply:.1f}s after apply; operator pod "
           f"{old_operator['metadata']['name']} deleted {t_delete - t_apply:.1f}s after apply, when these roles "
           f"had pods: {before}")
@@ -435,16 +437,17 @@ def test_decode_engine_killed_in_its_container_restarts_the_pair_in_order(
     # One pod per role in the new generation.
     added = [e.role for e in events if e.type == "ADDED" and e.generation == new_gen]
     assert sorted(added) == sorted(ROLES), timeline
-    # The listener: the operator saw the new decode accept (its DecodeListening Event) before the router, which it
-    # creates only once the pair can serve (prefill starts beside decode and pairs when the listener accepts).
+    # The listener: the operator saw the new decode accept (its DecodeListening Event) before the pair was Ready
+    # again (prefill starts beside decode and pairs when the listener accepts; the router starts beside them, and
+    # the pair is Ready only after the operator's own probe).
     new_decode = next(e.name for e in events if e.type == "ADDED" and e.role == ROLE_DECODE and e.generation == new_gen)
     listening = _pair_events(real_cluster, namespace, name, "DecodeListening")
     assert any(new_decode in ev["message"] for ev in listening), listening
-    router_pod = next(p for p in _pods(real_cluster, namespace, name).values()
-                      if p["metadata"]["labels"][LABEL_ROLE] == ROLE_ROUTER)
-    # Event times may carry microseconds, creationTimestamp has whole seconds: compare whole seconds.
+    ready_condition = next(c for c in status["conditions"] if c["type"] == "Ready")
+    # Event times may carry microseconds, condition times have whole seconds: compare whole seconds.
     listened_at = max(_seconds(ev["time"]) for ev in listening if new_decode in ev["message"])
-    assert listened_at <= _seconds(router_pod["metadata"]["creationTimestamp"]), (listening, router_pod["metadata"])
+    assert ready_condition["status"] == "True" and listened_at <= _seconds(ready_condition["lastTransitionTime"]), (
+        listening, ready_condition)
 
     _assert_serves_like_baseline(real_cluster, namespace, name, baseline_outputs)
 

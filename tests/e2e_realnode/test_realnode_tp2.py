@@ -210,7 +210,8 @@ def test_prefill_starts_beside_decode_and_pairs_on_both_ranks_once_decode_listen
     """Parallel start, ordered pairing, at TP = 2 (where the seed's wrong order hung both sides): prefill is created
     once decode runs, not after its listener; each prefill rank hands its unique id only to a decode rank that
     accepted (a refused connect is a retry, never a handshake), pairs exactly once, and prefill's readiness (/readyz)
-    says both ranks are paired; the pair is Ready, and gets its router, only after the operator saw both listeners."""
+    says both ranks are paired; the router is created beside them once prefill runs, and the pair is Ready only after
+    the operator saw both listeners."""
     pair = tp2.pair()
     status, by_role = pair["status"], tp2.pods()
     decode = by_role[ROLE_DECODE]
@@ -224,8 +225,8 @@ def test_prefill_starts_beside_decode_and_pairs_on_both_ranks_once_decode_listen
     decode_ip = decode["status"]["podIP"]
     assert env[ROLE_PREFILL][ENV_PEER_HOST] == decode_ip, (env[ROLE_PREFILL], decode_ip)
 
-    # The order, as the API server saw it: decode created, then prefill (beside it, while decode loads); the router
-    # only after DecodeListening True with every port probed.
+    # The order, as the API server saw it: decode created, then prefill (beside it, while decode loads), then the
+    # router (once prefill runs); the pair Ready only after DecodeListening True with every port probed.
     steps = {s: (t, rv) for t, rv, s in pod_steps(tp2.pod_events)}
     names = {role: p["metadata"]["name"] for role, p in by_role.items()}
     created = {role: steps.get(f"create {names[role]}") for role in (ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER)}
@@ -233,13 +234,16 @@ def test_prefill_starts_beside_decode_and_pairs_on_both_ranks_once_decode_listen
     listening = listening_since(tp2.pair_events, 1)
     assert listening is not None, "no pair status with DecodeListening True for generation 1"
     assert created[ROLE_DECODE][1] < created[ROLE_PREFILL][1] < created[ROLE_ROUTER][1], (created, listening)
-    assert listening[1] < created[ROLE_ROUTER][1], (created, listening)
+    ready = next(((t, rv) for t, rv, _, p in tp2.pair_events if (p.get("status") or {}).get("phase") == "Ready"
+                  and int(p["status"].get("pairGeneration") or 0) == 1), None)
+    assert ready is not None and listening[1] < ready[1], (created, listening, ready)
     first_listening = next(p for _, rv, _, p in tp2.pair_events if rv == listening[1])
     condition = next(c for c in first_listening["status"]["conditions"] if c["type"] == COND_DECODE_LISTENING)
     assert condition["message"] == ProbeResult(decode_ip, tuple(side), ()).describe(), (condition, side)
     print(f"[realnode-e2e] tp2 startup: prefill created {created[ROLE_PREFILL][0] - created[ROLE_DECODE][0]:.1f}s "
           f"after decode, decode listening {listening[0] - created[ROLE_DECODE][0]:.1f}s after decode "
-          f"({condition['message']}), router {created[ROLE_ROUTER][0] - listening[0]:.1f}s after that")
+          f"({condition['message']}); router created {created[ROLE_ROUTER][0] - created[ROLE_PREFILL][0]:.1f}s "
+          f"after prefill; pair Ready {ready[0] - listening[0]:.1f}s after decode listening")
 
     # The engines' side of it: each prefill rank paired with decode's base + r exactly once (its attempts before
     # decode listened were refused connects, counted as retries, never a uid sent), and is paired now.

@@ -12,9 +12,11 @@ again. The order it encodes:
   5. create prefill at once (phase PrefillStarting): both engines load at the same time. The pairing stays in
      order: prefill's connector hands its unique id only to a decode listener that accepted (it retries until
      then), and prefill's readiness (/readyz, pods.py) passes only once every rank is paired and its engine serves.
+     5b. once prefill runs with an IP: create the router (when enabled) beside the loading engines; its readiness
+     is both engine pods' readiness, so the Service sends nothing through it before they serve.
      Wait prefill Ready (PrefillReady), decode Ready, and decode's listener seen accepting on every rank by the
      operator's own probe (DecodeListening)
-  6. create router (when enabled), wait Ready
+  6. wait for the router to be Ready (re-create it if it went missing)
   7. Ready
 
 With spec.rolloutStrategy Surge, rollout.py plans a spec change of a serving pair instead: the new generation goes
@@ -261,6 +263,19 @@ def recreate_state(
             create=ROLE_PREFILL,
             probe_decode=not listened,
         )
+    # 5b. the router, as soon as prefill has an address too: its start (image, imports, bind) runs while the engines
+    # load, off the path to the first answer. Its readiness (/readyz: prefill's and decode's own readiness, pods.py)
+    # keeps the Service off it until both serve; the pair's Ready still waits for every step below.
+    if router_enabled(spec) and router is None and prefill.running:
+        return plan(
+            STEP_CREATE_ROUTER,
+            PHASE_PREFILL_STARTING,
+            "prefill runs; creating the router beside the loading engines",
+            [leased, listening, _prefill(TRUE, "PodReady") if prefill.ready else _prefill(FALSE, "Starting"),
+             _not_ready("RouterStarting")],
+            create=ROLE_ROUTER,
+            probe_decode=not listened,
+        )
     if not (prefill.running and prefill.ready):
         return plan(
             STEP_WAIT_PREFILL_READY,
@@ -288,7 +303,7 @@ def recreate_state(
             probe_decode=True,
         )
 
-    # 6. router
+    # 6. router: made at 5b; here only when it went missing later (someone deleted it)
     if router_enabled(spec):
         if router is None:
             return plan(

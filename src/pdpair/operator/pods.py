@@ -412,6 +412,8 @@ def router_pod(
     router_port = _require(port_of(ports, ROLE_ROUTER, PURPOSE_HTTP), "router http")
     prefill_http = _require(port_of(ports, ROLE_PREFILL, PURPOSE_HTTP), "prefill http")
     decode_http = _require(port_of(ports, ROLE_DECODE, PURPOSE_HTTP), "decode http")
+    prefill_metrics = _require(port_of(ports, ROLE_PREFILL, PURPOSE_METRICS), "prefill metrics")
+    decode_metrics = _require(port_of(ports, ROLE_DECODE, PURPOSE_METRICS), "decode metrics")
     if not (prefill_host and decode_host):
         raise ManifestError("the router needs both prefill and decode addresses")
     pod = _base_pod(pair, ROLE_ROUTER, generation, spec_hash)
@@ -425,12 +427,16 @@ def router_pod(
             "--port", str(router_port),
             "--prefill", f"http://{_host(prefill_host)}:{prefill_http}",
             "--decode", f"http://{_host(decode_host)}:{decode_http}",
+            # The engine pods' own readiness (paired, serving, warmed up): the router is created while they load,
+            # and its /readyz passes only once both do (desired.py, step 5).
+            "--prefill-ready", f"http://{_host(prefill_host)}:{prefill_metrics}{READYZ_PATH}",
+            "--decode-ready", f"http://{_host(decode_host)}:{decode_metrics}{READYZ_PATH}",
         ],
         "env": _merge_env(container.get("env") or [], ours),
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": router_port, "protocol": "TCP"}],
     })
     container.setdefault("readinessProbe", {
-        "httpGet": {"path": HEALTH_PATH, "port": HTTP_PORT_NAME, "scheme": "HTTP"}, **READINESS_PROBE})
+        "httpGet": {"path": READYZ_PATH, "port": HTTP_PORT_NAME, "scheme": "HTTP"}, **READINESS_PROBE})
     # The router runs where decode may run: decode's scheduling constraints (shorthand or template), unless the
     # router's own template sets them.
     decode_spec = spec.get(ROLE_DECODE) or {}

@@ -48,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prefill engine base URL, e.g. http://10.0.0.5:8000; repeat it for several prefills")
     parser.add_argument("--decode", action="append", required=True, metavar="URL",
                         help="decode engine base URL; repeat it for several decodes")
+    parser.add_argument(
+        "--prefill-ready", action="append", default=None, metavar="URL",
+        help="a prefill's own readiness URL (the operator gives its pod's /readyz), once per --prefill in the same "
+             "order; the router's /readyz passes while one prefill and one decode pass theirs (default: each "
+             "instance's URL + /health)")
+    parser.add_argument(
+        "--decode-ready", action="append", default=None, metavar="URL",
+        help="a decode's own readiness URL, once per --decode in the same order (default: each instance's URL + "
+             "/health)")
     parser.add_argument("--prefill-timeout", type=_seconds, default=_DEFAULTS["prefill_timeout_seconds"],
                         help=f"seconds for the prefill answer (default {seconds['prefill_timeout_seconds']})")
     parser.add_argument("--decode-timeout", type=_seconds, default=_DEFAULTS["decode_timeout_seconds"],
@@ -76,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
+        prefill_ready_urls=tuple(args.prefill_ready or ()), decode_ready_urls=tuple(args.decode_ready or ()),
         prefill_timeout_seconds=args.prefill_timeout, decode_timeout_seconds=args.decode_timeout,
         connect_timeout_seconds=args.connect_timeout, idle_connection_seconds=args.idle_connection_timeout,
         failure_cooldown_seconds=args.failure_cooldown, debug_routing=args.debug_routing, log_choices=args.log_choices,

@@ -40,6 +40,7 @@ import aiohttp
 from aiohttp import web
 
 from pdpair.connector import timeline
+from pdpair.contract import READYZ_PATH  # the router's readiness too: it has a prefill and a decode that are ready
 
 logger = logging.getLogger("pdpair.router")
 
@@ -47,6 +48,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 ROUTE_HEADER = "X-Pdpair-Route"
 KV_USAGE_METRIC = "vllm:kv_cache_usage_perc"
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+HEALTH_PATH = "/health"  # the router's liveness, and an engine's (vLLM's) readiness when no other URL is given
 
 
 @dataclass(frozen=True)
@@ -60,10 +62,17 @@ class RouterConfig:
     failure_cooldown_seconds: float = 5.0
     debug_routing: bool = False
     log_choices: bool = False
+    # Each instance's own readiness URL, in the order of its role's URLs (empty: its base URL + /health). The
+    # router's /readyz passes while at least one prefill and one decode pass theirs (`readiness`).
+    prefill_ready_urls: tuple[str, ...] = ()
+    decode_ready_urls: tuple[str, ...] = ()
     # Not flags: the design's constants (docs/xpyd.md section 5), fields only so that a test can shorten them.
     kv_scrape_interval_seconds: float = 1.0
     kv_scrape_timeout_seconds: float = 0.5
     kv_usage_max_age_seconds: float = 5.0
+    # Below the kubelet's readiness timeout for the router (operator/pods.py READINESS_PROBE, 3 s): every instance is
+    # asked at once, so one answer that never comes costs this, not the probe.
+    ready_check_timeout_seconds: float = 1.5
 
 
 class PeerError(Exception):
@@ -87,15 +96,19 @@ class Instance:
     cooldown_until: float = -math.inf  # on the pool's clock
     kv_usage: float | None = None
     kv_usage_at: float = -math.inf
+    ready_url: str = ""  # where its own readiness is asked (the router's /readyz); "" = url + /health
 
 
 class Pool:
     """The instances of one role, the requests in flight to each through this router, and the choice among them."""
 
     def __init__(self, role: str, urls: tuple[str, ...], cooldown_seconds: float,
-                 kv_usage_max_age_seconds: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 kv_usage_max_age_seconds: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 ready_urls: tuple[str, ...] = ()) -> None:
         self.role = role
-        self.instances = [Instance(role, index, url) for index, url in enumerate(urls)]
+        ready_urls = ready_urls or tuple(url + HEALTH_PATH for url in urls)
+        self.instances = [Instance(role, index, url, ready_url=ready)
+                          for index, (url, ready) in enumerate(zip(urls, ready_urls, strict=True))]
         self._cooldown = cooldown_seconds
         self._kv_max_age = kv_usage_max_age_seconds  # None: this role's choice ignores KV usage
         self._clock = clock
@@ -159,9 +172,11 @@ class Pool:
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.prefills = Pool("prefill", config.prefill_urls, config.failure_cooldown_seconds)
+        self.prefills = Pool("prefill", config.prefill_urls, config.failure_cooldown_seconds,
+                             ready_urls=config.prefill_ready_urls)
         self.decodes = Pool("decode", config.decode_urls, config.failure_cooldown_seconds,
-                            kv_usage_max_age_seconds=config.kv_usage_max_age_seconds)
+                            kv_usage_max_age_seconds=config.kv_usage_max_age_seconds,
+                            ready_urls=config.decode_ready_urls)
         self.session: aiohttp.ClientSession | None = None
 
 
@@ -422,6 +437,35 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def _instance_ready(router: Router, instance: Instance) -> tuple[bool, str]:
+    timeout = aiohttp.ClientTimeout(total=router.config.ready_check_timeout_seconds)
+    try:
+        async with router.session.get(instance.ready_url, timeout=timeout) as resp:
+            await resp.read()
+            return resp.status == 200, f"HTTP {resp.status}"
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+async def readiness(router: Router) -> tuple[bool, dict]:
+    """Ready while at least one prefill and one decode answer 200 on their own readiness URLs (the operator gives
+    each engine pod's /readyz: paired, serving, warmed up), all asked at once, each within
+    ready_check_timeout_seconds. The operator creates the router while the engines still load, so this is what keeps
+    the pair's Service off it until a request through it can be served."""
+    instances = [*router.prefills.instances, *router.decodes.instances]
+    answers = await asyncio.gather(*(_instance_ready(router, i) for i in instances))
+    body: dict = {"prefill": [], "decode": []}
+    for instance, (ok, detail) in zip(instances, answers):
+        body[instance.role].append({"index": instance.index, "url": instance.ready_url, "ready": ok, "detail": detail})
+    ready = all(any(entry["ready"] for entry in body[role]) for role in ("prefill", "decode"))
+    return ready, body
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    ready, body = await readiness(request.app[ROUTER])
+    return web.json_response({"ready": ready, **body}, status=200 if ready else 503)
+
+
 async def _models(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     cooling = set(router.decodes.cooling())
@@ -473,15 +517,32 @@ def check_urls(flag: str, urls: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def check_ready_urls(flag: str, ready_urls: tuple[str, ...], urls: tuple[str, ...]) -> tuple[str, ...]:
+    """() (each instance's /health), or one readiness URL per instance of the role, in the same order: a
+    ValueError naming `flag` otherwise (a count that differs would pair a readiness with the wrong instance)."""
+    if isinstance(ready_urls, str) or not isinstance(ready_urls, (tuple, list)):
+        raise ValueError(f"{flag} takes a tuple of URLs, got {ready_urls!r}")
+    if not ready_urls:
+        return ()
+    if len(ready_urls) != len(urls):
+        raise ValueError(f"{flag} is given {len(ready_urls)} time(s) for {len(urls)} instance(s): give it once per "
+                         f"instance, in the same order, or not at all (then each instance's {HEALTH_PATH})")
+    return check_urls(flag, ready_urls)
+
+
 def make_app(config: RouterConfig) -> web.Application:
     config = dataclasses.replace(config, prefill_urls=check_urls("--prefill", config.prefill_urls),
                                  decode_urls=check_urls("--decode", config.decode_urls))
+    config = dataclasses.replace(
+        config, prefill_ready_urls=check_ready_urls("--prefill-ready", config.prefill_ready_urls, config.prefill_urls),
+        decode_ready_urls=check_ready_urls("--decode-ready", config.decode_ready_urls, config.decode_urls))
     check_timeout("--prefill-timeout", config.prefill_timeout_seconds)
     check_timeout("--decode-timeout", config.decode_timeout_seconds)
     check_timeout("--connect-timeout", config.connect_timeout_seconds)
     check_timeout("--idle-connection-timeout", config.idle_connection_seconds)
     check_timeout("--failure-cooldown", config.failure_cooldown_seconds)
-    for field in ("kv_scrape_interval_seconds", "kv_scrape_timeout_seconds", "kv_usage_max_age_seconds"):
+    for field in ("kv_scrape_interval_seconds", "kv_scrape_timeout_seconds", "kv_usage_max_age_seconds",
+                  "ready_check_timeout_seconds"):
         check_timeout(field, getattr(config, field))
     app = web.Application(client_max_size=64 * 2**20)
     router = app[ROUTER] = Router(config)
@@ -503,6 +564,7 @@ def make_app(config: RouterConfig) -> web.Application:
     app.cleanup_ctx.append(client_ctx)
     for route in ROUTES:
         app.router.add_post(route, _proxy)
-    app.router.add_get("/health", _health)
+    app.router.add_get(HEALTH_PATH, _health)
+    app.router.add_get(READYZ_PATH, _readyz)
     app.router.add_get("/v1/models", _models)
     return app

@@ -18,6 +18,8 @@ def pod(role, gen=1, phase="Running", ready=True, ip="10.0.0.1", deleting=False,
                    deleting, scheduled, uid=f"uid-{role}-{gen}")
 
 
+ROUTER_LOADING = pod("router", ready=False)  # created beside the loading engines, its /readyz not passing yet
+
 CASES = [
     # name, status, observed, expected step, create, delete, phase
     ("no ports yet", {}, Observed(), d.STEP_LEASE_PORTS, None, (), "Pending"),
@@ -32,19 +34,31 @@ CASES = [
     ("decode listens", {"pairGeneration": 1},
      Observed((pod("decode"),), ports_complete=True, decode_listening=True),
      d.STEP_CREATE_PREFILL, "prefill", (), "PrefillStarting"),
-    ("prefill not ready (not paired yet), decode not listening", {"pairGeneration": 1},
+    ("prefill created, not running yet: no router (it needs prefill's address)", {"pairGeneration": 1},
+     Observed((pod("decode", ready=False), pod("prefill", phase="Pending", ready=False)), ports_complete=True,
+              decode_listening=False),
+     d.STEP_WAIT_PREFILL_READY, None, (), "PrefillStarting"),
+    ("prefill runs, both engines loading, decode not listening: the router is created beside them",
+     {"pairGeneration": 1},
      Observed((pod("decode", ready=False), pod("prefill", ready=False)), ports_complete=True, decode_listening=False),
+     d.STEP_CREATE_ROUTER, "router", (), "PrefillStarting"),
+    ("prefill not ready (not paired yet), decode not listening", {"pairGeneration": 1},
+     Observed((pod("decode", ready=False), pod("prefill", ready=False), ROUTER_LOADING), ports_complete=True,
+              decode_listening=False),
      d.STEP_WAIT_PREFILL_READY, None, (), "PrefillStarting"),
     ("prefill not ready", {"pairGeneration": 1},
-     Observed((pod("decode"), pod("prefill", ready=False)), ports_complete=True, decode_listening=True),
+     Observed((pod("decode"), pod("prefill", ready=False), ROUTER_LOADING), ports_complete=True, decode_listening=True),
      d.STEP_WAIT_PREFILL_READY, None, (), "PrefillStarting"),
-    ("both Ready but the operator has not seen the listener accept: no router, no Ready", {"pairGeneration": 1},
-     Observed((pod("decode"), pod("prefill")), ports_complete=True, decode_listening=False),
+    ("both Ready but the operator has not seen the listener accept: no Ready", {"pairGeneration": 1},
+     Observed((pod("decode"), pod("prefill"), pod("router")), ports_complete=True, decode_listening=False),
      d.STEP_WAIT_LISTENER, None, (), "PrefillStarting"),
-    ("prefill ready, decode listens but is not Ready (still loading): no router, no Ready", {"pairGeneration": 1},
-     Observed((pod("decode", ready=False), pod("prefill")), ports_complete=True, decode_listening=True),
+    ("prefill ready, decode listens but is not Ready (still loading): no Ready", {"pairGeneration": 1},
+     Observed((pod("decode", ready=False), pod("prefill"), ROUTER_LOADING), ports_complete=True, decode_listening=True),
      d.STEP_WAIT_DECODE_READY, None, (), "PrefillStarting"),
-    ("router missing", {"pairGeneration": 1},
+    ("engines Ready, listener seen, router not Ready yet", {"pairGeneration": 1},
+     Observed((pod("decode"), pod("prefill"), ROUTER_LOADING), ports_complete=True, decode_listening=True),
+     d.STEP_WAIT_ROUTER_READY, None, (), "PrefillStarting"),
+    ("router missing (deleted by someone)", {"pairGeneration": 1},
      Observed((pod("decode"), pod("prefill")), ports_complete=True, decode_listening=True),
      d.STEP_CREATE_ROUTER, "router", (), "PrefillStarting"),
     ("a Ready generation stays Ready when a later probe fails (operator restart, loaded box)",
@@ -121,12 +135,12 @@ def test_fresh_pair_reaches_ready_decode_first():
 
 
 def test_ready_waits_for_the_listener_the_operator_saw():
-    """Both engines start at once, but the pair is not Ready (and gets no router) until the operator's own probe
-    saw decode's listener accept on every rank."""
+    """Both engines and the router start at once, but the pair is not Ready until the operator's own probe saw
+    decode's listener accept on every rank."""
     world = SimWorld(SPEC, listening=lambda p: False)
     plans = simulate_until_ready(world)
     assert plans[-1].step == d.STEP_WAIT_LISTENER and plans[-1].probe_decode
-    assert {p.role for p in world.pods.values()} == {"decode", "prefill"}
+    assert {p.role for p in world.pods.values()} == {"decode", "prefill", "router"}
 
 
 def test_restart_request_replaces_in_order():
@@ -162,7 +176,8 @@ def test_podview_from_pod():
 def test_a_prefill_that_never_becomes_ready_waits_without_a_deadline():
     """Inside the startup window a slow model load is no failure: the plan stays WaitPrefillReady (no restart, no
     Ready) however often it is asked; only the kubelet's startupProbe (spec.startupTimeoutSeconds) ends it."""
-    observed = Observed((pod("decode"), pod("prefill", ready=False)), ports_complete=True, decode_listening=True)
+    observed = Observed((pod("decode"), pod("prefill", ready=False), ROUTER_LOADING), ports_complete=True,
+                        decode_listening=True)
     status = {"pairGeneration": 1, "phase": "PrefillStarting"}
     for _ in range(100):
         plan = next_step(SPEC, status, observed)

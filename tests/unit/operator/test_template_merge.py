@@ -18,7 +18,7 @@ from pdpair.operator.pods import (
     engine_pod,
     router_pod,
 )
-from pdpair.operator.ports import assign, required_blocks, status_ports
+from pdpair.operator.ports import assign, port_of, required_blocks, status_ports
 from tests.crd_defaults import with_crd_defaults
 
 VOLUMES = [
@@ -268,7 +268,13 @@ def test_router_gets_a_readiness_probe_and_keeps_its_template():
                  "priorityClassName": "edge", "tolerations": [{"key": "edge", "operator": "Exists"}]}}}
     pod = build(p, "router")
     router = container(pod, ROUTER_CONTAINER)
-    assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": c.HTTP_PORT_NAME, "scheme": "HTTP"}
+    # /readyz: the router is created while the engines load, and is Ready only once a prefill and a decode are; it
+    # asks each engine pod's own readiness (its /readyz on the metrics port)
+    assert router["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": c.HTTP_PORT_NAME, "scheme": "HTTP"}
+    command, ports = router["command"], leased(p)
+    for flag, host, role in (("--prefill-ready", "10.0.0.1", "prefill"), ("--decode-ready", "10.0.0.2", "decode")):
+        metrics = port_of(ports, role, c.PURPOSE_METRICS)
+        assert command[command.index(flag) + 1] == f"http://{host}:{metrics}/readyz", command
     assert router["resources"] == {"requests": {"cpu": "100m"}}
     assert router["command"][:3] == ["python", "-m", "pdpair.router"] and router["image"] == "img:1"
     assert container(pod, "log-shipper") == SIDECAR

@@ -216,6 +216,8 @@ def test_the_readme_table_lists_every_flag_with_its_default():
             want = "required"
         elif isinstance(action.default, bool):
             want = "on" if action.default else "off"
+        elif action.default is None:  # a repeatable flag given nowhere: the row says what stands in for it
+            want = "–"
         elif isinstance(action.default, float):
             want = f"{action.default:g}"
         else:
