@@ -78,7 +78,7 @@ def _json(start_response, ok: bool, payload: dict) -> list[bytes]:
     return [body]
 
 
-ENGINE_HEALTH_TIMEOUT_SECONDS = 2.0  # below the readiness probe's 3 s timeout (pods.READINESS_PROBE)
+ENGINE_HEALTH_TIMEOUT_SECONDS = 2.0  # below the readiness probe's 3 s timeout (pods.READINESS_PROBE) and the router's 2.5 s ask
 
 
 def _engine_serves(url: str | None) -> str | None:

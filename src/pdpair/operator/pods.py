@@ -69,6 +69,10 @@ STARTUP_PERIOD_SECONDS = 2
 # then the router; a 5 s period cost the demo up to 10 s of its 34 s apply-to-answer). 8 failures in a row (16 s)
 # before NotReady, about the 15 s the old 5 s x 3 tolerated, so a slow /health on a loaded node flaps no sooner.
 READINESS_PROBE = {"periodSeconds": 2, "timeoutSeconds": 3, "failureThreshold": 8, "successThreshold": 1}
+# The router's: every 1 s, because its Ready is the last step before the pair's first answer (the Service gets its
+# endpoint then) and its /readyz asks the engines' own readiness directly, not the kubelet's view of it; the same
+# 16 s of failures before NotReady. Its /readyz bounds each ask below the timeout (router/app.py).
+ROUTER_READINESS_PROBE = {**READINESS_PROBE, "periodSeconds": 1, "failureThreshold": 16}
 # FlagCX defaults for transport flagcx (docs/design.md): a same-vendor pair fails at init without hetero comm,
 # and registering RDMA memory needs IPC_LOCK.
 FLAGCX_CAPABILITY = "IPC_LOCK"
@@ -436,7 +440,7 @@ def router_pod(
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": router_port, "protocol": "TCP"}],
     })
     container.setdefault("readinessProbe", {
-        "httpGet": {"path": READYZ_PATH, "port": HTTP_PORT_NAME, "scheme": "HTTP"}, **READINESS_PROBE})
+        "httpGet": {"path": READYZ_PATH, "port": HTTP_PORT_NAME, "scheme": "HTTP"}, **ROUTER_READINESS_PROBE})
     # The router runs where decode may run: decode's scheduling constraints (shorthand or template), unless the
     # router's own template sets them.
     decode_spec = spec.get(ROLE_DECODE) or {}

@@ -70,9 +70,10 @@ class RouterConfig:
     kv_scrape_interval_seconds: float = 1.0
     kv_scrape_timeout_seconds: float = 0.5
     kv_usage_max_age_seconds: float = 5.0
-    # Below the kubelet's readiness timeout for the router (operator/pods.py READINESS_PROBE, 3 s): every instance is
-    # asked at once, so one answer that never comes costs this, not the probe.
-    ready_check_timeout_seconds: float = 1.5
+    # Above an engine's own /readyz bound on its engine's /health (connector/metrics.py, 2 s), below the kubelet's
+    # readiness timeout for the router (operator/pods.py ROUTER_READINESS_PROBE, 3 s): every instance is asked at
+    # once, so one answer that never comes costs this, not the probe.
+    ready_check_timeout_seconds: float = 2.5
 
 
 class PeerError(Exception):

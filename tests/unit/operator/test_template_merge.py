@@ -271,6 +271,7 @@ def test_router_gets_a_readiness_probe_and_keeps_its_template():
     # /readyz: the router is created while the engines load, and is Ready only once a prefill and a decode are; it
     # asks each engine pod's own readiness (its /readyz on the metrics port)
     assert router["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": c.HTTP_PORT_NAME, "scheme": "HTTP"}
+    assert (router["readinessProbe"]["periodSeconds"], router["readinessProbe"]["failureThreshold"]) == (1, 16)
     command, ports = router["command"], leased(p)
     for flag, host, role in (("--prefill-ready", "10.0.0.1", "prefill"), ("--decode-ready", "10.0.0.2", "decode")):
         metrics = port_of(ports, role, c.PURPOSE_METRICS)

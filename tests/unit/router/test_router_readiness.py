@@ -86,7 +86,7 @@ async def test_one_ready_instance_per_role_is_enough(fleet):
 
 @pytest.mark.asyncio
 async def test_an_instance_that_does_not_answer_in_time_is_not_ready(fleet):
-    """Every instance is asked at once, each bounded by ready_check_timeout_seconds (0.3 s here; 1.5 s by default,
+    """Every instance is asked at once, each bounded by ready_check_timeout_seconds (0.3 s here; 2.5 s by default,
     below the kubelet probe's 3 s): one that hangs costs that bound, not the probe. Bound asserted: 2.5 s."""
     start, client = fleet
     router, [prefill], decodes = await start(1, 2, ready_check_timeout_seconds=0.3)
@@ -126,3 +126,13 @@ def test_readiness_urls_must_match_their_instances():
     ):
         with pytest.raises(ValueError, match=match):
             make_app(RouterConfig(("http://p0:8000", "http://p1:8000"), ("http://d0:8000",), **kwargs))
+
+
+def test_the_bounds_nest_an_engine_inside_the_router_inside_the_kubelet():
+    """An engine's /readyz waits up to ENGINE_HEALTH_TIMEOUT_SECONDS for its engine's /health; the router must wait
+    longer than that for it (else a slow but healthy engine reads as not ready), and less than the kubelet waits for
+    the router's own probe (else the probe times out before the router can answer 503 with the reason)."""
+    from pdpair.connector.metrics import ENGINE_HEALTH_TIMEOUT_SECONDS
+    from pdpair.operator.pods import ROUTER_READINESS_PROBE
+
+    assert ENGINE_HEALTH_TIMEOUT_SECONDS < RouterConfig.ready_check_timeout_seconds < ROUTER_READINESS_PROBE["timeoutSeconds"]
