@@ -209,6 +209,8 @@ def test_a_prefill_that_never_becomes_ready_stays_starting(platform, cluster_nam
             ready = {c["type"]: c["status"] for c in prefill["status"]["conditions"]}["Ready"]
             assert ready == "False"
             generation = api.pair(ns, "slow")["status"]["pairGeneration"]
+            # The router starts beside the engines once prefill runs; its readiness is theirs, the pair's Ready too.
+            router = wait_for(lambda: pod_of(api, ns, "router"), 30, "the router pod beside the loading engines")
             # Watch well past several health intervals and reconcile passes: the pair must not move.
             observed_for = 20.0
             deadline = time.monotonic() + observed_for
@@ -223,7 +225,8 @@ def test_a_prefill_that_never_becomes_ready_stays_starting(platform, cluster_nam
                 assert status["pairGeneration"] == generation
                 pods = {p["metadata"]["name"]: p["metadata"]["uid"] for p in api.pods(ns)}
                 assert pods == {decode["metadata"]["name"]: decode["metadata"]["uid"],
-                                prefill["metadata"]["name"]: prefill["metadata"]["uid"]}, pods  # no router yet
+                                prefill["metadata"]["name"]: prefill["metadata"]["uid"],
+                                router["metadata"]["name"]: router["metadata"]["uid"]}, pods  # none replaced
                 polls += 1
                 time.sleep(0.5)
             assert polls >= 10
