@@ -19,6 +19,9 @@ prefill computes one token and keeps the KV for a decode that never comes, which
 deadline. A prefill that refused the connection never saw the request, so it is sent to another prefill when there
 is one. A decode request is never sent twice (its KV may already be read).
 X-Request-Id is taken from the client (or made) and sent to both engines and back to the client.
+
+/health is the router's liveness; /readyz its readiness: at least one prefill and one decode ready by their own
+readiness URLs (`readiness`), so a router started beside loading engines gets no traffic before they serve.
 """
 
 from __future__ import annotations
