@@ -64,6 +64,7 @@ class Runtime:
     metrics: Any = None  # metrics.OperatorMetrics, when served
     policy: Any = None  # kubernetes.client.PolicyV1Api: the pairs' PodDisruptionBudgets (disruption.py); None: none
     nodes_seen: dict[str, Any] = field(default_factory=dict)  # node name -> the NodeView a node event last woke for
+    events: Any = None  # events.EventPoster: the pairs' Events (handlers.py); None: kopf.event
 
     def wake(self, uid: str) -> None:
         event = self.wakeups.get(uid)
