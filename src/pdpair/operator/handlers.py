@@ -55,6 +55,28 @@ from .service import ServiceView
 log = logging.getLogger(__name__)
 
 DAEMON_STOP_WAIT = 15.0
+# The watch-event handlers below only wake a pair's daemon. kopf logs "Handler '<name>' succeeded." at INFO after each
+# call: at 1000 pairs 17.7k of the log's 24k lines while starting them, and formatting and writing those lines took
+# 5-7% of the event loop (py-spy). QuietWakeUps drops exactly those lines; failures are still logged.
+WAKE_UP_HANDLERS = ("pod_changed", "node_changed", "service_changed", "budget_changed", "pair_changed")
+
+
+class QuietWakeUps(logging.Filter):
+    """A filter for kopf's object logger: drops the INFO "succeeded" line of the wake-up handlers, nothing else."""
+
+    def __init__(self, names: tuple[str, ...] = WAKE_UP_HANDLERS) -> None:
+        super().__init__()
+        self.messages = frozenset(f"Handler {name!r} succeeded." for name in names)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.INFO and record.msg in self.messages)
+
+
+def quiet_wake_ups() -> None:
+    """Installs QuietWakeUps on kopf's object logger, once."""
+    objects = logging.getLogger("kopf.objects")
+    if not any(isinstance(f, QuietWakeUps) for f in objects.filters):
+        objects.addFilter(QuietWakeUps())
 EVENT_DRAIN_TIMEOUT = 5.0
 CONSISTENCY_TIMEOUT = 60.0
 
@@ -76,6 +98,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     import kubernetes
 
     config: OperatorConfig = memo.get("config") or OperatorConfig.from_env()
+    quiet_wake_ups()
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
