@@ -516,7 +516,7 @@ def _start_metrics(runtime: Runtime) -> Any:
     from .metrics import OperatorMetrics, serve
 
     runtime.metrics = OperatorMetrics()
-    runtime.metrics.set_port_pool(max(0, runtime.leaser.free_count()), runtime.config.port_pool.size)
+    runtime.metrics.read_port_pool(runtime.leaser.free_count, runtime.config.port_pool.size)
     server = serve(runtime.config.metrics_port, runtime.metrics)
     log.info("operator metrics on port %d", server.port)
     return server

@@ -846,4 +846,4 @@ class PairReconciler:
         if self.rt.metrics is not None:
             self.rt.metrics.observe_reconcile(seconds)
             self.rt.metrics.set_pair_phase(self.ref.namespace, self.ref.name, self.status.get("phase") or "Pending")
-            self.rt.metrics.set_port_pool(max(0, self.rt.leaser.free_count()), self.rt.leaser.pool.size)
+            # the pool gauge is read when scraped (metrics.read_port_pool), not recounted after every pass
