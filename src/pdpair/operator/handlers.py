@@ -43,7 +43,7 @@ from pdpair.contract import (
     VERSION,
 )
 
-from . import disruption, health, planner, scrape, spec_fields
+from . import disruption, health, memory, planner, scrape, spec_fields
 from .api import TimedApi
 from .config import OperatorConfig
 from .events import EventPoster, kubernetes_post
@@ -134,6 +134,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     memo["runtime"] = runtime
     memo["event_poster"] = asyncio.create_task(runtime.events.run(), name="pdpair-event-poster")
     memo["sweeper"] = asyncio.create_task(_sweep_forever(runtime), name="pdpair-lease-sweep")
+    memo["trimmer"] = asyncio.create_task(memory.trim_forever(), name="pdpair-malloc-trim")
     memo["metrics_server"] = _start_metrics(runtime)
     logger.info(
         "pdpair operator: pool %d-%d (%d held), leases in %s, probe every %.1fs",
@@ -149,9 +150,10 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     poster = memo.get("event_poster")
     if poster is not None:
         poster.cancel()
-    sweeper = memo.get("sweeper")
-    if sweeper is not None:
-        sweeper.cancel()
+    for name in ("sweeper", "trimmer"):
+        task = memo.get(name)
+        if task is not None:
+            task.cancel()
     server = memo.get("metrics_server")
     if server is not None:
         server.stop()
