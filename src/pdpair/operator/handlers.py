@@ -46,6 +46,7 @@ from pdpair.contract import (
 from . import disruption, health, memory, planner, scrape, spec_fields
 from .api import TimedApi
 from .config import OperatorConfig
+from .diffbase import LeanDiffBaseStorage
 from .events import EventPoster, kubernetes_post
 from .observed import NodeView, PodView
 from .ports import PairRef, PortLeaser, port_of
@@ -101,7 +102,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     quiet_wake_ups()
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = LeanDiffBaseStorage(  # kopf's, without deep-copying status (diffbase.py)
         prefix=GROUP, key="last-handled-configuration"
     )
     # The pairs' Events go through events.EventPoster (handlers._emitter), not kopf's queue; kopf posts none of its
