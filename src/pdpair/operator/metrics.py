@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -96,6 +96,15 @@ class OperatorMetrics:
             raise ValueError(f"need 0 <= free <= size, got free={free!r} size={size!r}")
         self._pool_free.set(free)
         self._pool_size.set(size)
+
+    def read_port_pool(self, free: Callable[[], int], size: int) -> None:
+        """The free-port gauge is computed when scraped, from `free()` (the leaser's count), not after every
+        reconcile pass: at 1000 pairs that set intersection after each pass took 4.3% of the event loop (py-spy).
+        `free()` runs in the scrape's thread; a count outside 0..size is clamped."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"need size >= 0, got {size!r}")
+        self._pool_size.set(size)
+        self._pool_free.set_function(lambda: min(size, max(0, free())))
 
     def observe_reconcile(self, seconds: float) -> None:
         if not seconds >= 0:

@@ -64,6 +64,7 @@ class Runtime:
     metrics: Any = None  # metrics.OperatorMetrics, when served
     policy: Any = None  # kubernetes.client.PolicyV1Api: the pairs' PodDisruptionBudgets (disruption.py); None: none
     nodes_seen: dict[str, Any] = field(default_factory=dict)  # node name -> the NodeView a node event last woke for
+    events: Any = None  # events.EventPoster: the pairs' Events (handlers.py); None: kopf.event
 
     def wake(self, uid: str) -> None:
         event = self.wakeups.get(uid)
@@ -845,4 +846,4 @@ class PairReconciler:
         if self.rt.metrics is not None:
             self.rt.metrics.observe_reconcile(seconds)
             self.rt.metrics.set_pair_phase(self.ref.namespace, self.ref.name, self.status.get("phase") or "Pending")
-            self.rt.metrics.set_port_pool(max(0, self.rt.leaser.free_count()), self.rt.leaser.pool.size)
+            # the pool gauge is read when scraped (metrics.read_port_pool), not recounted after every pass

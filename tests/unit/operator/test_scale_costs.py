@@ -91,3 +91,43 @@ def test_choose_run_is_the_lowest_fit_for_random_pools():
     full = PortPool(20000, 29999)
     taken = set(range(20000, 26000))
     assert choose_run(full, taken, 1) == 26000 and choose_run(full, taken, 3, 25000) == 26000
+
+
+def _pool_free(metrics: OperatorMetrics) -> float:
+    return next(s.value for fam in metrics.registry.collect() for s in fam.samples
+                if s.name == contract.OPERATOR_PORT_POOL_FREE.name)
+
+
+def test_the_pool_gauge_is_counted_when_scraped_not_after_every_pass():
+    """issue 23: at 1000 pairs the free count after every reconcile pass was still 4.3% of the event loop (py-spy,
+    6000 held ports). The gauge now reads the leaser's count at scrape time, and a pass does not count at all.
+    Cost: milliseconds, no I/O."""
+    from types import SimpleNamespace
+
+    from pdpair.operator.ports import PairRef
+    from pdpair.operator.reconciler import PairReconciler
+
+    leaser = PortLeaser(None, "ns", PortPool(20000, 20999))
+    calls = []
+
+    def free() -> int:
+        calls.append(1)
+        return leaser.free_count()
+
+    metrics = OperatorMetrics(CollectorRegistry())
+    metrics.read_port_pool(free, 1000)
+    assert _pool_free(metrics) == 1000
+    leaser.taken = set(range(20000, 20600)) | {80}
+    assert _pool_free(metrics) == 400
+    assert len(calls) == 2
+
+    class NoCounting(PortLeaser):
+        def free_count(self) -> int:
+            raise AssertionError("a reconcile pass counted the pool")
+
+    rt = SimpleNamespace(metrics=metrics, leaser=NoCounting(None, "ns", PortPool(20000, 20999)))
+    for _ in range(3):
+        PairReconciler._observe_duration(SimpleNamespace(rt=rt, ref=PairRef("ns", "p", "u"), status={"phase": "Ready"}),
+                                         0.01)
+    assert len(calls) == 2 and _pool_free(metrics) == 400
+    assert _pairs_gauge(metrics)["Ready"] == 1
