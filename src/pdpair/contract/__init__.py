@@ -145,6 +145,13 @@ ENV_GENERATION = "PDPAIR_GENERATION"
 ENV_LISTEN_PORT_BASE = "PDPAIR_LISTEN_PORT_BASE"
 ENV_PEER_HOST = "PDPAIR_PEER_HOST"
 ENV_PEER_PORT_BASE = "PDPAIR_PEER_PORT_BASE"
+# Prefill: every decode it pairs with, `host:portBase,host:portBase,...` (IPv6 hosts in brackets, `[fd00::7]:20000`).
+# Unset: the one decode of PDPAIR_PEER_HOST / PDPAIR_PEER_PORT_BASE (what the operator sets today, 1P1D).
+ENV_PEERS = "PDPAIR_PEERS"
+# Prefill: this instance's identity, sent in Hello and in kv_transfer_params, so a decode paired with several
+# prefills sends each Pull on the edge of the prefill that computed the request. Unset: `<hostname>:<PDPAIR_HTTP_PORT>`
+# (the HTTP port is leased per instance). Characters of a metric label value ([A-Za-z0-9_.:-[]/], at most 128).
+ENV_INSTANCE = "PDPAIR_INSTANCE"
 ENV_METRICS_PORT = "PDPAIR_METRICS_PORT"
 ENV_HTTP_PORT = "PDPAIR_HTTP_PORT"
 ENV_HANG_TIMEOUT_SECONDS = "PDPAIR_HANG_TIMEOUT_SECONDS"
@@ -162,6 +169,8 @@ POD_ENV = (
     ENV_LISTEN_PORT_BASE,
     ENV_PEER_HOST,
     ENV_PEER_PORT_BASE,
+    ENV_PEERS,
+    ENV_INSTANCE,
     ENV_METRICS_PORT,
     ENV_HTTP_PORT,
     ENV_HANG_TIMEOUT_SECONDS,
@@ -248,8 +257,9 @@ HANDSHAKES = Metric(
     "pdpair_handshakes_total", "counter", ("role", "rank", "outcome"), "Side-channel uid exchanges by outcome."
 )
 PEER_PAIRED = Metric(
-    "pdpair_peer_paired", "gauge", ("role", "rank"),
-    "1 while this prefill rank is paired with its decode (handshake done, side channel up); prefill only.",
+    "pdpair_peer_paired", "gauge", ("role", "rank", "peer"),
+    "1 while this prefill rank is paired with the decode `peer` (host:portBase; handshake done, side channel up), "
+    "0 while it is not yet or no longer; prefill only, one series per decode in its peer set.",
 )
 TRANSPORT_INFLIGHT = Metric(
     "pdpair_transport_inflight", "gauge", ("rank", "peer"), "Puts posted and not yet completed."
