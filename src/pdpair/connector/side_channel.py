@@ -408,8 +408,8 @@ class DecodeSideChannel(_SideChannel):
         self.accounts.on_handshake(contract.OUTCOME_OK)
         self.connected.set()
         logger.info(
-            "%s: paired with prefill %s (pair %s) rank %d (generation %d, transport %s); %d prefill(s) paired",
-            self.name, instance, hello.pair or "?", hello.tp_rank, hello.generation, hello.transport, paired,
+            "%s: paired with prefill %s rank %d (instance %s, generation %d, transport %s; %d prefill(s) paired)",
+            self.name, hello.pair or "?", hello.tp_rank, instance, hello.generation, hello.transport, paired,
         )
 
     def _await_regions(self, sock: zmq.Socket, identity: bytes, deadline: float) -> Regions:
