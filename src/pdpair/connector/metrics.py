@@ -27,7 +27,7 @@ created in a row in one process never collide on metric registration)::
 Semantics of the accounts (waits, deficit, oldest wait, timeouts, /healthz's verdict): signals.py, where they are
 decided. Here: /healthz answers 503 with JSON naming the oldest stuck transfer (id, peer, expected, received,
 age_seconds) when the accounts say hung, else 200. /readyz (every engine pod's readiness probe) answers 200 once every
-rank is paired with decode (prefill), the engine's own /health answers 200 and its warm-up is done (`readiness`). At TP > 1, rank 0 serves the pod's port with
+rank is paired with at least one decode of its peer set (prefill), the engine's own /health answers 200 and its warm-up is done (`readiness`). At TP > 1, rank 0 serves the pod's port with
 `serve(..., ranks=PeerRanks(port, (1, ...)))` and each other rank runs `export_rank(port, accounts)`; see "TP
 ranks" below.
 """
@@ -94,7 +94,8 @@ def _engine_serves(url: str | None) -> str | None:
 
 def readiness(accounts: SignalAccounts, ranks: "PeerRanks | None" = None,
               engine_health_url: str | None = None, warmup: "Warmup | None" = None) -> tuple[bool, dict]:
-    """An engine pod's readiness (/readyz). Prefill: every TP rank paired with decode, and the engine serving.
+    """An engine pod's readiness (/readyz). Prefill: every TP rank paired with at least one decode of its peer set
+    (pdpair_peer_paired{peer} says which), and the engine serving.
     Prefill starts beside decode and pairs once decode's listener accepts (side_channel.py retries until then), so a
     Ready prefill is one that can push KV now, never one still waiting for its decode. Decode pairs with whoever
     comes: its engine serving. Both: then `warmup` done (warmup.py: one completion through the engine's own API,

@@ -2,7 +2,8 @@
 
 Prefill (kv_producer): a request sent with kv_transfer_params {do_remote_decode: true} keeps its blocks when it
 finishes (request_finished returns True) and answers with kv_transfer_params that carry ITS request id
-(`remote_request_id`; decode's internal id differs), its pair and generation. The block ids go to the workers in the
+(`remote_request_id`; decode's internal id differs), its pair, generation and instance (`remote_instance`: decode
+pulls on that prefill's edge). The block ids go to the workers in the
 next step's metadata; the blocks are freed when a worker reports the send finished (or its lease expired).
 
 Decode (kv_consumer): a request with {do_remote_prefill: true} reports the prompt's tokens beyond its local prefix

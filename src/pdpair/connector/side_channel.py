@@ -10,13 +10,17 @@ message to a prefill that is gone fails loudly (a Pull becomes a PullFailed) ins
 - `DecodeSideChannel`: ROUTER bound on PDPAIR_LISTEN_PORT_BASE + tp_rank, started from register_kv_caches. On a
   Hello it checks generation and transport (a mismatch is refused with a log line naming both values), answers
   Accepted, inits its side of the pair, registers its regions (callback), waits for prefill's Regions and answers
-  Welcome. Afterwards it forwards PullDone / PullFailed to the worker.
-- `PrefillSideChannel`: DEALER to PDPAIR_PEER_HOST:PDPAIR_PEER_PORT_BASE + tp_rank. While decode does not accept TCP
+  Welcome. Each prefill instance (Hello.instance) gets its own edge (`DecodeEdge`: routing id, pair communicator);
+  a Hello from an instance that has one replaces that edge only. Afterwards it sends each Pull on the edge the
+  worker names and forwards PullDone / PullFailed to the worker.
+- `PrefillSideChannel`: DEALER to one decode's host:portBase + tp_rank (one per decode of the peer set and rank;
+  the worker starts and stops them, `PrefillWorker.set_peers`). While decode does not accept TCP
   connections it retries with capped exponential backoff (logged at attempts 1, 2, 4, ...); it never blocks engine
   start-up. It reports the pairing (`SignalAccounts.set_paired`): prefill's readiness (/readyz) waits for it.
   Afterwards it hands each Pull to the worker. A ZMQ monitor on its socket, attached before it connects, reports
   decode's disconnect (decode restarted): prefill closes the pair and handshakes again, even when decode went away
-  before the serve loop started (the DEALER alone would reconnect silently to the new decode, with a dead pair).
+  before the serve loop started (the DEALER alone would reconnect silently to the new decode, with a dead pair);
+  ZMTP heartbeats bound how long a decode whose host went silent goes unnoticed (DISCONNECT_GRACE_SECONDS).
 """
 
 from __future__ import annotations

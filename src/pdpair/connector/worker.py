@@ -8,6 +8,11 @@ pair -> failed_recving, which vLLM turns into an error or a recompute (kv_load_f
 stays open in the pod metrics (its deficit is real: signals went missing on this pair) and its slot is never reused,
 so /healthz reports the pod hung until the pair is restarted or the late signals arrive.
 
+Decode has one edge per paired prefill (side_channel.DecodeEdge, with its own pair communicator and signal slots): a
+request's Pull goes on the edge of the prefill named in its kv_transfer_params, and fails at once when that prefill
+is not paired. Prefill has one edge per decode of its peer set (`_PrefillEdge`, its own side channel and transport);
+`set_peers` replaces the set at runtime. A Pull is served on the edge it came on.
+
 Prefill: learns each finished request's blocks from the scheduler metadata, serves each Pull on a pool of
 PUSH_WORKERS threads (put_signal per layer and block, then flush; the reply goes back through the side channel's
 outbox) and reports the request's send finished, which frees its blocks. The side-channel thread only hands Pulls to
