@@ -127,6 +127,7 @@ class PdPairConfig:
     # built in code with peer_host/peer_port_base only: `peer_set()` gives that one
     peers: tuple[PeerAddress, ...] = ()
     instance: str = ""  # prefill's identity (PDPAIR_INSTANCE; `instance_id` falls back to default_instance)
+    peers_token: str | None = field(default=None, repr=False)  # prefill: PUT /pdpair/v1/peers bearer token
     transport_slots: int = DEFAULT_TRANSPORT_SLOTS  # request slots per peer connection (puts in flight)
     http_port: int | None = None  # the engine's own API port (PDPAIR_HTTP_PORT): /readyz checks its /health
     # The transport's own variables as the pod set them (TransportSpec.env_names, e.g. flagcx's FLAGCX_LIB_PATH):
@@ -224,6 +225,16 @@ class PdPairConfig:
                               "metric label value on decode)")
         if not instance and role == contract.ROLE_PREFILL:
             instance = default_instance(http_port)
+        peers_token = env.get(contract.ENV_PEERS_TOKEN) or None
+        if peers_token is not None:
+            if role != contract.ROLE_PREFILL:
+                raise ConfigError(f"{contract.ENV_PEERS_TOKEN} applies to prefill only (decode has no peer set)")
+            if metrics_port is None:
+                raise ConfigError(f"{contract.ENV_PEERS_TOKEN} needs {contract.ENV_METRICS_PORT}: the peer push is "
+                                  "served on the metrics port")
+            if len(peers_token) < 16 or not peers_token.isascii() or any(c.isspace() for c in peers_token):
+                raise ConfigError(f"{contract.ENV_PEERS_TOKEN} must be at least 16 printable ASCII characters "
+                                  "without spaces")
 
         corrupt = extra.pop("test_corrupt_kv_file", None)
         drop = extra.pop("test_drop_signals_file", None)
@@ -253,6 +264,7 @@ class PdPairConfig:
             peer_port_base=peer_base,
             peers=peers,
             instance=instance,
+            peers_token=peers_token,
             transport_slots=transport_slots,
             transport_env={name: env[name] for name in transport_spec(transport).env_names if name in env},
             test_corrupt_kv_file=str(corrupt) if corrupt else None,

@@ -39,7 +39,7 @@ from pdpair.connector.deadlines import flush_deadline, parked_pull_deadline, sig
 from pdpair.connector.side_channel import DecodeSideChannel, PrefillSideChannel
 from pdpair.connector.preflight import report_bind_failure
 from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
-from pdpair.connector.metrics import MetricsServer, PeerRanks, RankExporter, export_rank, serve
+from pdpair.connector.metrics import MetricsServer, PeerPush, PeerRanks, RankExporter, export_rank, serve
 from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.warmup import Warmup
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
@@ -143,19 +143,25 @@ class _Worker:
         # exports on a local socket (every rank runs in its own worker process).
         self.metrics_server: MetricsServer | None = None
         self.rank_exporter: RankExporter | None = None
+        # Prefill with PDPAIR_PEERS_TOKEN: the operator's peer push (PUT /pdpair/v1/peers) on rank 0's metrics port,
+        # forwarded to every other rank's exporter; each rank applies it to its own edges (`_apply_peer_push`).
+        push = config.peers_token is not None and config.role == contract.ROLE_PREFILL
         if config.metrics_port is not None:
             if tp_rank == 0:
                 peers = PeerRanks(config.metrics_port, tuple(range(1, tp_size))) if tp_size > 1 else None
                 try:
                     api = f"http://127.0.0.1:{config.http_port}" if config.http_port else None
+                    peer_push = PeerPush(config.peers_token, config.generation, self._apply_peer_push,
+                                         peers) if push else None
                     self.metrics_server = serve(config.metrics_port, self.accounts, ranks=peers,
                                                 engine_health_url=f"{api}/health" if api else None,
-                                                warmup=Warmup(api) if api else None)
+                                                warmup=Warmup(api) if api else None, peers=peer_push)
                 except OSError as exc:  # taken after the pod's preflight: tell the operator, which re-leases
                     report_bind_failure(config.metrics_port, exc, "the connector's metrics server")
                     raise
             else:
-                self.rank_exporter = export_rank(config.metrics_port, self.accounts)
+                self.rank_exporter = export_rank(config.metrics_port, self.accounts,
+                                                 self._apply_peer_push if push else None)
         self.regions: KvRegions | None = None
         self.layout: KvLayout | None = None
         self.local_hash = ""
@@ -164,6 +170,11 @@ class _Worker:
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)  # notified (under _lock) when a transfer settles
         self._counters_warned = False
+
+    def _apply_peer_push(self, peers) -> dict[str, bool]:
+        """The peer push's callback (metrics.PeerPush on rank 0, RankExporter on the others): apply `peers` (None:
+        only read the state). Prefill only; PrefillWorker defines both methods."""
+        return self.peer_state() if peers is None else self.set_peers(peers)
 
     def _prepare(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         first = next(iter(kv_caches.values()))

@@ -197,3 +197,20 @@ def test_bad_peer_settings_fail_with_the_variable_named(env, message):
 def test_pdpair_peers_is_prefill_only():
     with pytest.raises(ConfigError, match="PDPAIR_PEERS applies to prefill only"):
         PdPairConfig.from_env("kv_consumer", {}, {**DECODE, contract.ENV_PEERS: "a:1"})
+
+
+def test_peers_token_enables_the_peer_push_on_prefill_only():
+    """PDPAIR_PEERS_TOKEN: prefill's bearer token of PUT /pdpair/v1/peers, served on the metrics port."""
+    token = "t" * 16
+    env = {**PREFILL, contract.ENV_PEERS_TOKEN: token, contract.ENV_METRICS_PORT: "9100"}
+    assert PdPairConfig.from_env("kv_producer", {}, env).peers_token == token
+    assert token not in repr(PdPairConfig.from_env("kv_producer", {}, env))
+    for bad_env, message in (
+        ({**env, contract.ENV_PEERS_TOKEN: "short"}, "at least 16 printable ASCII"),
+        ({**env, contract.ENV_PEERS_TOKEN: "with a space in it!"}, "without spaces"),
+        ({k: v for k, v in env.items() if k != contract.ENV_METRICS_PORT}, "needs PDPAIR_METRICS_PORT"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            PdPairConfig.from_env("kv_producer", {}, bad_env)
+    with pytest.raises(ConfigError, match="PDPAIR_PEERS_TOKEN applies to prefill only"):
+        PdPairConfig.from_env("kv_consumer", {}, {**DECODE, contract.ENV_PEERS_TOKEN: token})
