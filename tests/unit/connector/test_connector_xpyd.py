@@ -8,6 +8,9 @@ so the tests pass on a busy 2-core box.
 
 from __future__ import annotations
 
+import select
+import socket
+import threading
 import time
 
 import pytest
@@ -16,6 +19,7 @@ import torch
 from pdpair import contract, native
 from pdpair.connector.config import PdPairConfig, PeerAddress
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest, SendRequest
+from pdpair.connector import side_channel
 from pdpair.connector.side_channel import DISCONNECT_GRACE_SECONDS
 from pdpair.connector.worker import DecodeWorker, PrefillWorker
 from devcluster.ports import free_port
@@ -338,3 +342,96 @@ def test_a_prefill_that_pairs_again_replaces_its_own_edge_only(cluster):
     assert settle(d, {"d-a", "d-b"}) == set()
     assert_moved(kv, [3], kva2, [1])
     assert_moved(kv, [4], kvb, [2])
+
+
+class FreezableProxy:
+    """A TCP forwarder in front of a decode's side-channel port. `freeze()` stops moving bytes both ways while every
+    connection stays open: to prefill, decode's host went silent (no FIN, no RST), as in a network partition."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.frozen = threading.Event()
+        self.stopped = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.1)
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = [self.listener]
+        self.threads = [threading.Thread(target=self._accept, daemon=True, name="test-proxy-accept")]
+        self.threads[0].start()
+
+    def freeze(self) -> None:
+        self.frozen.set()
+
+    def _accept(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=2)
+            except OSError:
+                client.close()
+                continue
+            self.sockets += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                thread = threading.Thread(target=self._pump, args=(src, dst), daemon=True, name="test-proxy-pump")
+                self.threads.append(thread)
+                thread.start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while not self.stopped.is_set():
+            if self.frozen.is_set():
+                time.sleep(0.05)  # hold everything: read nothing, send nothing, close nothing
+                continue
+            ready, _, _ = select.select([src], [], [], 0.05)
+            if not ready or self.frozen.is_set():
+                continue
+            try:
+                data = src.recv(65536)
+                if not data:
+                    return
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.stopped.set()
+        for thread in self.threads:
+            thread.join(5)
+        for sock in self.sockets:
+            sock.close()
+
+
+def test_a_decode_whose_host_goes_silent_fails_only_its_edges_pushes_within_the_grace(cluster, monkeypatch):
+    """Decode 0's side channel runs through a proxy that then freezes (bytes stop, connections stay open: no FIN, no
+    RST, as when a node drops off the network). Prefill's ZMTP heartbeat times out, its monitor reports the
+    disconnect, the edge's pair closes and the push held in flight on it fails: the send is reported finished within
+    the grace (1 s here, 5 s in production) plus the heartbeat interval, asserted with 5 s of margin. Decode 1's edge
+    serves throughout. Cost: about 3 s."""
+    monkeypatch.setattr(side_channel, "HEARTBEAT_INTERVAL_SECONDS", 0.5)
+    monkeypatch.setattr(side_channel, "DISCONNECT_GRACE_SECONDS", 1.0)
+    d0, kv0, port0 = cluster.decode()
+    d1, kv1, port1 = cluster.decode()
+    proxy = FreezableProxy(port0)
+    try:
+        p, pkv = cluster.prefill("prefill-a", [proxy.port, port1], seed=1)
+        wait_for("both edges paired", lambda: paired(p, d0, proxy.port, "prefill-a") and paired(p, d1, port1, "prefill-a"))
+        p.edge_side(peer(proxy.port)).comm._conn.set_fault(native.Fault.HOLD_SENDS, 1)  # TEST ONLY
+        send(p, "p-held", [1, 2])
+        recv(d0, "d0-held", "p-held", "prefill-a", [4, 5])
+        wait_for("the push to decode 0 is in flight", lambda: p._edges[peer(proxy.port)].inflight == 1)
+
+        proxy.freeze()
+        took = sent(p, "p-held", 1.0 + 0.5 + 5.0)
+        assert took < 1.0 + 0.5 + 5.0
+        assert p.peer_state()[f"127.0.0.1:{port1}"] is True
+        send(p, "p-other", [3])
+        recv(d1, "d1-1", "p-other", "prefill-a", [6])
+        assert settle(d1, {"d1-1"}) == set()
+        assert_moved(kv1, [6], pkv, [3])
+    finally:
+        for worker in cluster.prefills:  # prefill first: its edge must not wait on the frozen proxy
+            worker.shutdown()
+        cluster.prefills.clear()
+        proxy.close()
