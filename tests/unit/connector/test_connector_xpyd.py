@@ -78,8 +78,8 @@ class Cluster:
         self.prefills: list[PrefillWorker] = []
         self.decodes: list[DecodeWorker] = []
 
-    def decode(self) -> tuple[DecodeWorker, dict[str, torch.Tensor], int]:
-        port = free_port()
+    def decode(self, port: int | None = None) -> tuple[DecodeWorker, dict[str, torch.Tensor], int]:
+        port = free_port() if port is None else port
         worker = DecodeWorker(decode_config(port), 0, 1, 32, "0.32.0")
         kv = decode_kv()
         self.decodes.append(worker)
@@ -198,6 +198,33 @@ def test_one_prefill_pushes_to_two_decodes(cluster):
     assert signals(d1, "prefill-a") == (2 * 3, 2 * 3)
     sent(p, "p-1")
     sent(p, "p-2")
+
+
+def test_each_edge_retries_its_own_decode_until_it_listens(cluster):
+    """Prefill's set names a listening decode and one that does not listen yet: the first edge pairs and serves
+    (prefill is ready: its rank is paired with one decode) while the other edge keeps retrying, counted as retries;
+    once the second decode listens, that edge pairs too, without touching the first. Cost: about 2 s."""
+    d0, kv0, port0 = cluster.decode()
+    port1 = free_port()
+    p, pkv = cluster.prefill("prefill-a", [port0, port1], seed=1)
+    wait_for("paired with decode 0", lambda: paired(p, d0, port0, "prefill-a"))
+    wait_for("decode 1 retried", lambda: p.accounts.registry.get_sample_value(
+        "pdpair_handshakes_total", {"role": "prefill", "rank": "0", "outcome": "retry"}) >= 2)
+    assert p.peer_state() == {f"127.0.0.1:{port0}": True, f"127.0.0.1:{port1}": False} and p.accounts.paired
+    send(p, "p-1", [1])
+    recv(d0, "d0-1", "p-1", "prefill-a", [2])
+    assert settle(d0, {"d0-1"}) == set()
+    side0 = p.edge_side(peer(port0))
+    comm0 = side0.comm
+
+    d1, kv1, _ = cluster.decode(port1)
+    wait_for("paired with decode 1", lambda: paired(p, d1, port1, "prefill-a"))
+    assert p.edge_side(peer(port0)) is side0 and side0.comm is comm0  # the first edge never re-paired
+    send(p, "p-2", [3])
+    recv(d1, "d1-1", "p-2", "prefill-a", [4])
+    assert settle(d1, {"d1-1"}) == set()
+    assert_moved(kv0, [2], pkv, [1])
+    assert_moved(kv1, [4], pkv, [3])
 
 
 def test_two_prefills_push_to_one_decode(cluster):
