@@ -33,6 +33,8 @@ ENGINE_ARGS = [
     "--served-model-name", "tiny",
 ]
 START_TIMEOUT_SECONDS = 300.0
+# PDPAIR_INSTANCE of every prefill these tests start: the `peer` label of its edge on decode (signals, deficit).
+PREFILL_INSTANCE = "test-prefill"
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -196,6 +198,7 @@ def pair_env(role: str, *, generation: int, listen_base: int | None = None, peer
     if peer_base is not None:
         env[contract.ENV_PEER_HOST] = "127.0.0.1"
         env[contract.ENV_PEER_PORT_BASE] = str(peer_base)
+        env[contract.ENV_INSTANCE] = PREFILL_INSTANCE  # decode's `peer` label of this prefill's edge
     if metrics_port is not None:
         env[contract.ENV_METRICS_PORT] = str(metrics_port)
     return env

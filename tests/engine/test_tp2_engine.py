@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from engines import Process, engine, free_port, http_get, pair_env, router
+from engines import PREFILL_INSTANCE, Process, engine, free_port, http_get, pair_env, router
 from test_pd_engine import completion, metric_in, tokens
 
 from pdpair.operator.health import PodState, ScrapeTarget
@@ -267,7 +267,7 @@ def half_paired_pair_refuses_to_proceed(tp2) -> None:
     elapsed = time.monotonic() - started
     assert failed(status, payload), f"status {status}: {json.dumps(payload)[:400]}"
     assert elapsed < HANG_TIMEOUT_SECONDS, elapsed  # failed at once (about a second here), not at the deadline
-    assert "no prefill is paired on the side channel" in tp2.decode.log()
+    assert f"prefill '{PREFILL_INSTANCE}'" in tp2.decode.log() and "is not paired with this decode's rank 1" in tp2.decode.log()
     assert count(1, "error") == before[1, "error"] + 1
     assert count(0, "ok") == before[0, "ok"] + 1 and count(0, "error") == before[0, "error"]
     assert [ranked(tp2.decode_metrics, "pdpair_signal_wait_timeouts_total", r) for r in range(TP)] == timeouts
@@ -282,7 +282,7 @@ def test_outputs_equal_single_engines_at_tp2_and_tp1(tp2):
                                                          outcome="ok")
             out["pdpair_kv_transfer_bytes_total", r] = ranked(tp2.decode_metrics, "pdpair_kv_transfer_bytes_total", r)
             out["pdpair_signals_expected_total", r] = ranked(tp2.decode_metrics, "pdpair_signals_expected_total", r,
-                                                             peer=f"prefill-r{r}")
+                                                             peer=PREFILL_INSTANCE)
         return out
 
     before = counters()
@@ -307,15 +307,16 @@ def test_each_rank_has_its_own_side_channel_pair_regions_and_accounts(tp2):
         assert ranked(tp2.decode_metrics, "pdpair_listener_ready", rank) == 1
         assert ranked(tp2.decode_metrics, "pdpair_handshakes_total", rank, outcome="ok") == 1
         assert ranked(tp2.prefill_metrics, "pdpair_handshakes_total", rank, outcome="ok") == 1
-        # Decode's rank r waits only for signals from prefill's rank r, on its own pair communicator.
-        peer = f"prefill-r{rank}"
+        # Decode's rank r waits only for signals from prefill's rank r, on its own pair communicator (the edge's `peer`
+        # label is the prefill's instance; the rank label keeps the ranks apart).
+        peer = PREFILL_INSTANCE
         expected = ranked(tp2.decode_metrics, "pdpair_signals_expected_total", rank, peer=peer)
         assert expected > 0 and ranked(tp2.decode_metrics, "pdpair_signals_received_total", rank, peer=peer) == expected
         assert ranked(tp2.decode_metrics, "pdpair_signal_deficit", rank, peer=peer) == 0
         assert ranked(tp2.decode_metrics, "pdpair_transport_slots", rank, peer=peer) > 0
-        # Prefill's rank r reached decode's port base + r.
+        # Prefill's rank r reached its decode (peer = decode's host:portBase; rank r connects to base + r).
         assert ranked(tp2.prefill_metrics, "pdpair_transport_slots", rank,
-                      peer=f"127.0.0.1:{tp2.listen_base + rank}") > 0
+                      peer=f"127.0.0.1:{tp2.listen_base}") > 0
     for rank in range(TP):
         assert re.search(rf"pdpair-sidechannel-decode-r{rank}: paired with prefill test-pair rank {rank} ",
                          tp2.decode.log())
@@ -337,8 +338,8 @@ def test_signal_drop_on_rank_1_only_fails_at_the_deadline_and_the_pod_is_judged_
     assert "rank 1's transport drops every 2-th signal" in tp2.prefill.log()
     assert "rank 0's transport drops" not in tp2.prefill.log()
 
-    assert ranked(tp2.decode_metrics, "pdpair_signal_deficit", 1, peer="prefill-r1") > 0
-    assert ranked(tp2.decode_metrics, "pdpair_signal_deficit", 0, peer="prefill-r0") == 0
+    assert ranked(tp2.decode_metrics, "pdpair_signal_deficit", 1, peer=PREFILL_INSTANCE) > 0
+    assert ranked(tp2.decode_metrics, "pdpair_signal_deficit", 0, peer=PREFILL_INSTANCE) == 0
     assert ranked(tp2.decode_metrics, "pdpair_signal_wait_timeouts_total", 1) == timeouts[1] + 1
     assert ranked(tp2.decode_metrics, "pdpair_signal_wait_timeouts_total", 0) == timeouts[0]
     status, health = healthz(tp2.decode_metrics)
@@ -354,7 +355,7 @@ def test_signal_drop_on_rank_1_only_fails_at_the_deadline_and_the_pod_is_judged_
         expected_generation=GENERATION, hang_timeout_seconds=HANG_TIMEOUT_SECONDS, timeout=5.0,
     ))
     assert [s.state for s in scrapes] == [PodState.HUNG, PodState.HEALTHY], [s.message for s in scrapes]
-    assert "prefill-r1" in scrapes[0].message, scrapes[0].message
+    assert f"from {PREFILL_INSTANCE} rank 1" in scrapes[0].message, scrapes[0].message
 
 
 def test_killing_one_decode_worker_fails_the_pair_visibly(tp2):

@@ -21,6 +21,8 @@ from pdpair import contract
 from pdpair.connector.metrics import PeerRanks, accounts_from_env, export_rank, serve
 from pdpair.connector.signals import SignalAccounts
 
+PEER = "10.0.0.7:20000"  # the decode of prefill's peer set (host:portBase), the `peer` label of its pairing
+
 RANK0 = ("rank", "0")  # every per-rank series of a TP = 1 engine (or of TP rank 0)
 
 
@@ -453,14 +455,27 @@ def test_rank_zero_serves_every_tp_ranks_series_and_verdict(clock):
         exporter.stop()
 
 
-def test_prefill_exports_its_pairing_from_the_start():
-    """pdpair_peer_paired is 0 on prefill until its side channel pairs (side_channel.py sets it), so a rule or a
-    dashboard sees "not paired" rather than "absent"; prefill's /readyz reads the same state."""
+def test_prefill_exports_its_pairing_per_decode_from_the_start():
+    """pdpair_peer_paired{peer} is 0 for a decode of prefill's peer set from the moment its edge exists (the edge's
+    side channel calls set_paired(False, peer) when it is made, before any attempt), so a rule or a dashboard sees
+    "not paired" rather than "absent"; 1 while paired; its series goes when the decode leaves the set. Prefill's
+    /readyz reads `paired`: at least one decode paired. Cost: milliseconds."""
     accounts = SignalAccounts("prefill", 10.0)
     server = serve(0, accounts, addr="127.0.0.1")
+    other = "[fd00::9]:20010"
     try:
-        assert samples(server.port, "pdpair_peer_paired") == {(("rank", "0"), ("role", "prefill")): 0.0}
-        accounts.set_paired(True)
-        assert samples(server.port, "pdpair_peer_paired") == {(("rank", "0"), ("role", "prefill")): 1.0}
+        assert samples(server.port, "pdpair_peer_paired") == {}
+        accounts.set_paired(False, PEER)
+        accounts.set_paired(False, other)
+        assert samples(server.port, "pdpair_peer_paired") == {
+            (("peer", PEER), ("rank", "0"), ("role", "prefill")): 0.0,
+            (("peer", other), ("rank", "0"), ("role", "prefill")): 0.0,
+        }
+        assert not accounts.paired
+        accounts.set_paired(True, PEER)
+        assert accounts.paired and accounts.paired_peers() == {PEER: True, other: False}
+        accounts.forget_peer(PEER)
+        assert samples(server.port, "pdpair_peer_paired") == {(("peer", other), ("rank", "0"), ("role", "prefill")): 0.0}
+        assert not accounts.paired
     finally:
         server.stop()

@@ -3,8 +3,11 @@ at construction so a misconfigured pod fails at start with a message naming the 
 
 from __future__ import annotations
 
+import ipaddress
 import os
-from collections.abc import Mapping
+import re
+import socket
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +26,90 @@ class ConfigError(ValueError):
     """A setting is missing or invalid; the message names it."""
 
 
+# A metric label value (signals.py's rule): the instance id and a peer's address are both `peer` labels.
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.:\-\[\]/]{1,128}$")
+_HOST_NAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.\-]{0,251}[A-Za-z0-9_])?$")
+
+
+@dataclass(frozen=True, order=True)
+class PeerAddress:
+    """One decode prefill pairs with: its side-channel host and port base (TP rank r listens on port_base + r)."""
+
+    host: str
+    port_base: int
+
+    def port(self, tp_rank: int) -> int:
+        return self.port_base + tp_rank
+
+    @property
+    def label(self) -> str:
+        """`host:portBase` (`[v6]:portBase`): the `peer` label of this decode's series on prefill, and its name in logs."""
+        return f"[{self.host}]:{self.port_base}" if ":" in self.host else f"{self.host}:{self.port_base}"
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def parse_peer(text: str, what: str = contract.ENV_PEERS) -> PeerAddress:
+    """`host:portBase` or `[ipv6]:portBase`; ConfigError naming `what` and the entry."""
+    entry = text.strip()
+    if entry.startswith("["):
+        host, sep, port = entry[1:].partition("]:")
+        if not sep:
+            raise ConfigError(f"{what}: {entry!r} is not [ipv6]:portBase")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"{what}: {host!r} in {entry!r} is not an IPv6 address") from None
+    else:
+        host, sep, port = entry.rpartition(":")
+        if not sep or not host:
+            raise ConfigError(f"{what}: {entry!r} is not host:portBase")
+        if ":" in host:
+            raise ConfigError(f"{what}: {entry!r}: put an IPv6 address in brackets, [{host}]:{port}")
+        if not _HOST_NAME.match(host):
+            raise ConfigError(f"{what}: {host!r} in {entry!r} is not a host name or IPv4 address")
+    try:
+        value = int(port)
+    except ValueError:
+        raise ConfigError(f"{what}: the port of {entry!r} is not a number") from None
+    if not 1 <= value <= 65535:
+        raise ConfigError(f"{what}: the port of {entry!r} is not in 1..65535")
+    return PeerAddress(host, value)
+
+
+def parse_peers(text: str, what: str = contract.ENV_PEERS) -> tuple[PeerAddress, ...]:
+    """A comma-separated `host:portBase` list (see `parse_peer`): no empty entry, no decode named twice."""
+    peers: list[PeerAddress] = []
+    for entry in text.split(","):
+        if not entry.strip():
+            raise ConfigError(f"{what}={text!r}: an empty entry (a stray comma?)")
+        peer = parse_peer(entry, what)
+        if peer in peers:
+            raise ConfigError(f"{what}={text!r}: decode {peer} is named twice")
+        peers.append(peer)
+    return tuple(peers)
+
+
+def check_peer_set(peers: Iterable[PeerAddress], what: str = "peer set") -> tuple[PeerAddress, ...]:
+    """A peer set given in code (PrefillWorker.set_peers): PeerAddress values, no duplicate."""
+    out: list[PeerAddress] = []
+    for peer in peers:
+        if not isinstance(peer, PeerAddress):
+            raise ConfigError(f"{what}: {peer!r} is not a PeerAddress")
+        if peer in out:
+            raise ConfigError(f"{what}: decode {peer} is named twice")
+        out.append(peer)
+    return tuple(out)
+
+
+def default_instance(http_port: int | None) -> str:
+    """This prefill's identity when PDPAIR_INSTANCE is unset: `<hostname>:<PDPAIR_HTTP_PORT>` (the scheduler and
+    every TP worker process of one engine agree on it; the HTTP port is leased per instance)."""
+    host = socket.gethostname() or "localhost"
+    return f"{host}:{http_port}" if http_port else host
+
+
 @dataclass(frozen=True)
 class PdPairConfig:
     role: str  # contract.ROLE_PREFILL | contract.ROLE_DECODE
@@ -36,6 +123,11 @@ class PdPairConfig:
     listen_port_base: int | None  # decode
     peer_host: str | None  # prefill
     peer_port_base: int | None  # prefill
+    # prefill: every decode to pair with (PDPAIR_PEERS, or the one of PDPAIR_PEER_HOST/_PORT_BASE); empty in a config
+    # built in code with peer_host/peer_port_base only: `peer_set()` gives that one
+    peers: tuple[PeerAddress, ...] = ()
+    instance: str = ""  # prefill's identity (PDPAIR_INSTANCE; `instance_id` falls back to default_instance)
+    peers_token: str | None = field(default=None, repr=False)  # prefill: PUT /pdpair/v1/peers bearer token
     transport_slots: int = DEFAULT_TRANSPORT_SLOTS  # request slots per peer connection (puts in flight)
     http_port: int | None = None  # the engine's own API port (PDPAIR_HTTP_PORT): /readyz checks its /health
     # The transport's own variables as the pod set them (TransportSpec.env_names, e.g. flagcx's FLAGCX_LIB_PATH):
@@ -63,6 +155,18 @@ class PdPairConfig:
     def peer_port(self, tp_rank: int) -> int:
         assert self.peer_port_base is not None
         return self.peer_port_base + tp_rank
+
+    def peer_set(self) -> tuple[PeerAddress, ...]:
+        """Prefill's decodes at start: `peers`, else the one of `peer_host`/`peer_port_base`."""
+        if self.peers:
+            return self.peers
+        if self.peer_host is not None and self.peer_port_base is not None:
+            return (PeerAddress(self.peer_host, self.peer_port_base),)
+        return ()
+
+    @property
+    def instance_id(self) -> str:
+        return self.instance or default_instance(self.http_port)
 
     @classmethod
     def from_env(
@@ -95,10 +199,42 @@ class PdPairConfig:
         metrics_port = _port(env, contract.ENV_METRICS_PORT, required=False)
         http_port = _port(env, contract.ENV_HTTP_PORT, required=False)
         listen_base = _port(env, contract.ENV_LISTEN_PORT_BASE, required=role == contract.ROLE_DECODE)
+        peers_text = (env.get(contract.ENV_PEERS) or "").strip()
+        peers = parse_peers(peers_text) if peers_text else ()
+        if peers and role != contract.ROLE_PREFILL:
+            raise ConfigError(f"{contract.ENV_PEERS} applies to prefill only (decode accepts every prefill), not to {role}")
         peer_host = env.get(contract.ENV_PEER_HOST) or None
-        peer_base = _port(env, contract.ENV_PEER_PORT_BASE, required=role == contract.ROLE_PREFILL)
-        if role == contract.ROLE_PREFILL and not peer_host:
-            raise ConfigError(f"{contract.ENV_PEER_HOST} is required on prefill (the decode pod's address)")
+        peer_base = _port(env, contract.ENV_PEER_PORT_BASE, required=role == contract.ROLE_PREFILL and not peers)
+        if role == contract.ROLE_PREFILL and not peers and not peer_host:
+            raise ConfigError(f"{contract.ENV_PEER_HOST} is required on prefill (the decode pod's address), "
+                              f"or {contract.ENV_PEERS} (every decode's host:portBase)")
+        if peers and (peer_host or peer_base):
+            if not (peer_host and peer_base) or PeerAddress(peer_host, peer_base) not in peers:
+                raise ConfigError(
+                    f"{contract.ENV_PEER_HOST}={peer_host or ''!r} / {contract.ENV_PEER_PORT_BASE}={peer_base or ''!r} "
+                    f"name a decode that is not in {contract.ENV_PEERS}={peers_text!r}: set the list alone, or make "
+                    "it include that decode"
+                )
+        elif peer_host and peer_base:
+            peers = (PeerAddress(peer_host, peer_base),)
+        if peers:
+            peer_host, peer_base = peers[0].host, peers[0].port_base
+        instance = env.get(contract.ENV_INSTANCE) or ""
+        if instance and not _LABEL_VALUE.match(instance):
+            raise ConfigError(f"{contract.ENV_INSTANCE}={instance!r}: use at most 128 of [A-Za-z0-9_.:-[]/] (it is a "
+                              "metric label value on decode)")
+        if not instance and role == contract.ROLE_PREFILL:
+            instance = default_instance(http_port)
+        peers_token = env.get(contract.ENV_PEERS_TOKEN) or None
+        if peers_token is not None:
+            if role != contract.ROLE_PREFILL:
+                raise ConfigError(f"{contract.ENV_PEERS_TOKEN} applies to prefill only (decode has no peer set)")
+            if metrics_port is None:
+                raise ConfigError(f"{contract.ENV_PEERS_TOKEN} needs {contract.ENV_METRICS_PORT}: the peer push is "
+                                  "served on the metrics port")
+            if len(peers_token) < 16 or not peers_token.isascii() or any(c.isspace() for c in peers_token):
+                raise ConfigError(f"{contract.ENV_PEERS_TOKEN} must be at least 16 printable ASCII characters "
+                                  "without spaces")
 
         corrupt = extra.pop("test_corrupt_kv_file", None)
         drop = extra.pop("test_drop_signals_file", None)
@@ -126,6 +262,9 @@ class PdPairConfig:
             listen_port_base=listen_base,
             peer_host=peer_host,
             peer_port_base=peer_base,
+            peers=peers,
+            instance=instance,
+            peers_token=peers_token,
             transport_slots=transport_slots,
             transport_env={name: env[name] for name in transport_spec(transport).env_names if name in env},
             test_corrupt_kv_file=str(corrupt) if corrupt else None,

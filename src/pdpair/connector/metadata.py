@@ -19,13 +19,17 @@ import msgspec
 #      Regions -> Welcome (prefill connects, decode answers OK);
 #      per request Pull (decode -> prefill: blocks, signal slot, expected count) -> PullDone | PullFailed;
 #      one put_signal per (layer, block), so expected signals = layers x blocks.
-PDPAIR_CONNECTOR_VERSION = 1
+#   2: any prefill to any decode (xPyD). Hello carries `instance`, the prefill's identity (PDPAIR_INSTANCE);
+#      prefill's kv_transfer_params carry it as `remote_instance`, and decode sends that request's Pull on the edge of
+#      that prefill (decode refuses nothing new: a prefill it is not paired with fails the load at once).
+PDPAIR_CONNECTOR_VERSION = 2
 
 # Keys of kv_transfer_params. do_remote_* are vLLM's (the router and vLLM's own proxy use them); the rest are ours.
 PARAM_DO_REMOTE_DECODE = "do_remote_decode"
 PARAM_DO_REMOTE_PREFILL = "do_remote_prefill"
 PARAM_REMOTE_REQUEST_ID = "remote_request_id"
 PARAM_REMOTE_PAIR = "remote_pair"
+PARAM_REMOTE_INSTANCE = "remote_instance"  # the prefill that computed the request (its PDPAIR_INSTANCE); version >= 2
 PARAM_REMOTE_GENERATION = "remote_generation"
 PARAM_REMOTE_NUM_TOKENS = "remote_num_tokens"
 PARAM_REMOTE_NUM_BLOCKS = "remote_num_blocks"
@@ -72,6 +76,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     tp_rank: int
     transport: str
     unique_id: bytes
+    instance: str = ""  # the prefill's identity (PDPAIR_INSTANCE): one edge per instance on decode, a new Hello
+    # from the same instance replaces its edge
 
 
 class Accepted(msgspec.Struct, tag="accepted", frozen=True):

@@ -27,13 +27,14 @@ created in a row in one process never collide on metric registration)::
 Semantics of the accounts (waits, deficit, oldest wait, timeouts, /healthz's verdict): signals.py, where they are
 decided. Here: /healthz answers 503 with JSON naming the oldest stuck transfer (id, peer, expected, received,
 age_seconds) when the accounts say hung, else 200. /readyz (every engine pod's readiness probe) answers 200 once every
-rank is paired with decode (prefill), the engine's own /health answers 200 and its warm-up is done (`readiness`). At TP > 1, rank 0 serves the pod's port with
+rank is paired with at least one decode of its peer set (prefill), the engine's own /health answers 200 and its warm-up is done (`readiness`). At TP > 1, rank 0 serves the pod's port with
 `serve(..., ranks=PeerRanks(port, (1, ...)))` and each other rank runs `export_rank(port, accounts)`; see "TP
 ranks" below.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import socket
@@ -41,7 +42,7 @@ import socketserver
 import threading
 import urllib.request
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -62,6 +63,7 @@ __all__ = [
     "export_rank",
     "PeerRanks",
     "RankExporter",
+    "PeerPush",
 ]
 
 
@@ -94,7 +96,8 @@ def _engine_serves(url: str | None) -> str | None:
 
 def readiness(accounts: SignalAccounts, ranks: "PeerRanks | None" = None,
               engine_health_url: str | None = None, warmup: "Warmup | None" = None) -> tuple[bool, dict]:
-    """An engine pod's readiness (/readyz). Prefill: every TP rank paired with decode, and the engine serving.
+    """An engine pod's readiness (/readyz). Prefill: every TP rank paired with at least one decode of its peer set
+    (pdpair_peer_paired{peer} says which), and the engine serving.
     Prefill starts beside decode and pairs once decode's listener accepts (side_channel.py retries until then), so a
     Ready prefill is one that can push KV now, never one still waiting for its decode. Decode pairs with whoever
     comes: its engine serving. Both: then `warmup` done (warmup.py: one completion through the engine's own API,
@@ -134,12 +137,162 @@ def _warmed(warmup: "Warmup | None", body: dict) -> tuple[bool, dict]:
     return True, {**body, "status": "ok", "warmup": what}
 
 
+# --- the peer push (prefill): PUT /pdpair/v1/peers ----------------------------------------------------------
+MAX_PEERS_BODY_BYTES = 1 << 20
+_STATUS = {200: "200 OK", 400: "400 Bad Request", 401: "401 Unauthorized", 404: "404 Not Found",
+           405: "405 Method Not Allowed", 409: "409 Conflict", 413: "413 Payload Too Large",
+           502: "502 Bad Gateway", 503: "503 Service Unavailable"}
+
+
+class PeerPush:
+    """Prefill's `PUT /pdpair/v1/peers` (docs/xpyd.md section 3): the whole desired set of decodes, level-triggered,
+    `{"epoch": n, "generation": g, "decodes": [{"host": h, "portBase": p, ...}, ...]}` (other keys of a decode are
+    ignored). Bearer token (PDPAIR_PEERS_TOKEN, compared in constant time) else 401; the pod's generation else 409
+    (a prefill pairs only with decodes of its generation); an epoch older than the last one applied else 409 (a
+    deposed operator leader cannot undo its successor's push; the same epoch again is applied again). Rank 0
+    applies the set itself (`apply`, PrefillWorker.set_peers) and forwards it to every other TP rank's exporter (each
+    a worker process with its own edges); the answer is each rank's pairing per decode, 502 when a rank could not be
+    reached (the operator pushes again). `GET` answers the same state without changing it."""
+
+    def __init__(self, token: str, generation: int, apply: Callable[[tuple], dict[str, bool]],
+                 ranks: "PeerRanks | None" = None) -> None:
+        self._token = token.encode()
+        self.generation = generation
+        self._apply = apply
+        self._ranks = ranks
+        self._lock = threading.Lock()
+        self.epoch: int | None = None
+        self._decodes: list[dict] | None = None
+
+    def handle(self, method: str, authorization: str, body: bytes) -> tuple[int, dict]:
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._token):
+            return 401, {"error": "a valid bearer token is required (the pair's PDPAIR_PEERS_TOKEN)"}
+        if method == "GET":
+            with self._lock:
+                try:
+                    local = self._local_state()
+                except Exception as exc:  # noqa: BLE001 - e.g. the worker is still being built
+                    return 503, {"error": f"the peer set cannot be read yet: {type(exc).__name__}: {exc}"}
+                return self._state(local, self._forward(None))
+        if method != "PUT":
+            return 405, {"error": f"{method} is not allowed: PUT the whole peer set, or GET its state"}
+        try:
+            epoch, decodes, peers = self._parse(body)
+        except _Conflict as exc:
+            return 409, {"error": str(exc)}
+        except ValueError as exc:
+            return 400, {"error": str(exc)}
+        with self._lock:  # one push at a time, applied in epoch order
+            if self.epoch is not None and epoch < self.epoch:
+                return 409, {"error": f"epoch {epoch} is older than the last one applied ({self.epoch})",
+                             "epoch": self.epoch}
+            try:
+                local = self._apply(peers)
+            except Exception as exc:  # noqa: BLE001 - e.g. the worker is still being built: push again
+                return 503, {"error": f"the peer set was not applied: {type(exc).__name__}: {exc}"}
+            self.epoch, self._decodes = epoch, decodes
+            return self._state(local, self._forward(decodes))
+
+    def _parse(self, body: bytes) -> tuple[int, list[dict], tuple]:
+        from pdpair.connector.config import ConfigError, check_peer_set, parse_peer
+
+        try:
+            doc = json.loads(body)
+        except ValueError as exc:
+            raise ValueError(f"the body is not JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise ValueError("the body must be a JSON object {epoch, generation, decodes}")
+        epoch, generation, decodes = doc.get("epoch"), doc.get("generation"), doc.get("decodes")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+        if isinstance(generation, bool) or not isinstance(generation, int):
+            raise ValueError(f"generation must be an integer, got {generation!r}")
+        if generation != self.generation:
+            raise _Conflict(f"generation {generation}: this prefill is generation {self.generation} and pairs only "
+                            "with decodes of its own generation")
+        if not isinstance(decodes, list):
+            raise ValueError("decodes must be a list of {host, portBase}")
+        peers, clean = [], []
+        for i, item in enumerate(decodes):
+            if not isinstance(item, dict) or not isinstance(item.get("host"), str):
+                raise ValueError(f"decodes[{i}] must be an object with a string host and an integer portBase")
+            host, port = item["host"].strip("[]"), item.get("portBase")
+            if isinstance(port, bool) or not isinstance(port, int):
+                raise ValueError(f"decodes[{i}].portBase must be an integer, got {port!r}")
+            try:
+                peers.append(parse_peer(f"[{host}]:{port}" if ":" in host else f"{host}:{port}", f"decodes[{i}]"))
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+            clean.append({"host": host, "portBase": port})
+        try:
+            return epoch, clean, check_peer_set(peers, "decodes")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    def _local_state(self) -> dict[str, bool]:
+        return self._apply(None)
+
+    def _forward(self, decodes: list[dict] | None) -> dict[int, dict | str]:
+        if self._ranks is None:
+            return {}
+        request = {} if decodes is None else {"decodes": decodes}
+        return self._ranks.fetch(request)
+
+    def _state(self, local: dict[str, bool], remote: dict[int, dict | str]) -> tuple[int, dict]:
+        ranks: dict[str, Any] = {"0": local}
+        unreachable = {}
+        for rank, snapshot in remote.items():
+            if isinstance(snapshot, dict) and "peers" in snapshot and "peers_error" not in snapshot:
+                ranks[str(rank)] = snapshot["peers"]
+            else:
+                unreachable[str(rank)] = snapshot.get("peers_error") if isinstance(snapshot, dict) else snapshot
+        every = set().union(*(set(state) for state in ranks.values())) if ranks else set()
+        body: dict[str, Any] = {
+            "epoch": self.epoch, "generation": self.generation, "ranks": ranks,
+            # a decode is paired when every rank is (what the operator's "serving" needs)
+            "paired": {peer: all(state.get(peer, False) for state in ranks.values()) for peer in sorted(every)},
+        }
+        if unreachable:
+            body["unreachable_ranks"] = unreachable
+            return 502, body
+        return 200, body
+
+
+class _Conflict(ValueError):
+    pass
+
+
+def _peers_request(push: PeerPush | None, environ, start_response) -> list[bytes]:
+    if push is None:
+        return _reply(start_response, 404, {"error": f"no peer push on this pod (decode, or prefill without "
+                                                      f"{contract.ENV_PEERS_TOKEN})"})
+    method = environ.get("REQUEST_METHOD", "GET")
+    try:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        length = -1
+    if length < 0 or length > MAX_PEERS_BODY_BYTES:
+        return _reply(start_response, 413 if length > 0 else 400, {"error": "bad Content-Length"})
+    body = environ["wsgi.input"].read(length) if length else b""
+    status, payload = push.handle(method, environ.get("HTTP_AUTHORIZATION", ""), body)
+    return _reply(start_response, status, payload)
+
+
+def _reply(start_response, status: int, payload: dict) -> list[bytes]:
+    body = json.dumps(payload).encode()
+    start_response(_STATUS[status], [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
 def _app(accounts: SignalAccounts, ranks: "PeerRanks | None" = None, engine_health_url: str | None = None,
-         warmup: "Warmup | None" = None) -> Callable:
+         warmup: "Warmup | None" = None, peers: PeerPush | None = None) -> Callable:
     metrics_app = make_wsgi_app(accounts.registry if ranks is None else _MergedRegistry(accounts, ranks))
 
     def app(environ, start_response):
         path = environ.get("PATH_INFO", "")
+        if path == contract.PEERS_PATH:
+            return _peers_request(peers, environ, start_response)
         if path == contract.READYZ_PATH:
             return _json(start_response, *readiness(accounts, ranks, engine_health_url, warmup))
         if path == contract.HEALTHZ_PATH:
@@ -170,6 +323,7 @@ def serve(
     ranks: "PeerRanks | None" = None,
     engine_health_url: str | None = None,
     warmup: "Warmup | None" = None,
+    peers: PeerPush | None = None,
 ) -> MetricsServer:
     """Serve /metrics and /healthz for `accounts` on `port` (0 = any free port, see `.port`) in a daemon thread.
 
@@ -177,7 +331,8 @@ def serve(
     `ranks`: the other TP ranks of this engine (each a worker process running `export_rank`); their per-rank series
     are merged into /metrics and their verdicts into /healthz at every request. `engine_health_url`: the engine's own
     /health, which /readyz checks once every rank is paired (prefill's readiness; see `readiness`). `warmup`: the
-    engine's warm-up (warmup.py), which /readyz starts once the engine serves and waits for.
+    engine's warm-up (warmup.py), which /readyz starts once the engine serves and waits for. `peers`: prefill's
+    peer push (`PeerPush`), served on contract.PEERS_PATH.
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an int in 0..65535, got {port!r}")
@@ -185,7 +340,7 @@ def serve(
         raise ValueError(
             f"hang_timeout_seconds {hang_timeout_seconds} differs from the accounts' {accounts.hang_timeout_seconds}"
         )
-    httpd = make_server(addr, port, _app(accounts, ranks, engine_health_url, warmup), ThreadingWSGIServer,
+    httpd = make_server(addr, port, _app(accounts, ranks, engine_health_url, warmup, peers), ThreadingWSGIServer,
                         handler_class=_QuietHandler)
     # A short poll interval makes stop() quick (shutdown waits for the serve loop to notice).
     thread = threading.Thread(
@@ -231,7 +386,7 @@ def _family_key(name: str) -> str:
     return name if name in _PER_RANK else f"{name}_total"
 
 
-def _snapshot(accounts: SignalAccounts) -> dict:
+def _snapshot(accounts: SignalAccounts, peers: dict[str, bool] | None = None) -> dict:
     families = []
     for family in accounts.registry.collect():
         if _family_key(family.name) not in _PER_RANK:
@@ -241,17 +396,38 @@ def _snapshot(accounts: SignalAccounts) -> dict:
             "samples": [[s.name, s.labels, s.value] for s in family.samples],
         })
     report = accounts.health()
-    return {"rank": accounts.rank, "families": families, "health": {**report.as_json(), "hung": report.hung},
-            "paired": accounts.paired}
+    snapshot = {"rank": accounts.rank, "families": families, "health": {**report.as_json(), "hung": report.hung},
+                "paired": accounts.paired}
+    if peers is not None:
+        snapshot["peers"] = peers
+    return snapshot
+
+
+# How long a rank's exporter waits for the request line rank 0 sends first (an empty object: the snapshot only).
+RANK_REQUEST_TIMEOUT_SECONDS = 1.0
 
 
 class RankExporter:
-    """TP rank > 0: answers each connection on `rank_socket_name` with a JSON snapshot of its accounts."""
+    """TP rank > 0: answers each connection on `rank_socket_name` with a JSON snapshot of its accounts. Rank 0 sends a
+    request line first: `{}` for the snapshot, `{"decodes": [...]}` (prefill's peer push) to apply a peer set first
+    (`on_peers`: PrefillWorker.set_peers of this rank, given PeerAddress values; called with None for the state only);
+    the snapshot then carries `peers` (this rank's pairing per decode), or `peers_error`."""
 
-    def __init__(self, metrics_port: int, accounts: SignalAccounts) -> None:
+    def __init__(self, metrics_port: int, accounts: SignalAccounts,
+                 on_peers: Callable[[tuple | None], dict[str, bool]] | None = None) -> None:
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                self.request.sendall(json.dumps(_snapshot(accounts)).encode())
+                request = _read_request(self.request)
+                peers = error = None
+                if on_peers is not None:
+                    try:
+                        peers = on_peers(_peer_set(request["decodes"]) if "decodes" in request else None)
+                    except Exception as exc:  # noqa: BLE001 - rank 0 reports it; the exporter lives on
+                        error = f"{type(exc).__name__}: {exc}"
+                snapshot = _snapshot(accounts, peers)
+                if error is not None:
+                    snapshot["peers_error"] = error
+                self.request.sendall(json.dumps(snapshot).encode())
 
         class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             daemon_threads = True
@@ -272,8 +448,34 @@ class RankExporter:
             raise RuntimeError(f"rank metrics thread {self._thread.name} did not stop within {timeout}s")
 
 
-def export_rank(metrics_port: int, accounts: SignalAccounts) -> RankExporter:
-    return RankExporter(metrics_port, accounts)
+def _read_request(sock: socket.socket) -> dict:
+    """The request line rank 0 sends (bounded in time and size); {} when none or not an object."""
+    sock.settimeout(RANK_REQUEST_TIMEOUT_SECONDS)
+    data = b""
+    try:
+        while b"\n" not in data and len(data) < MAX_PEERS_BODY_BYTES:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        return {}
+    try:
+        request = json.loads(data.split(b"\n", 1)[0] or b"{}")
+    except ValueError:
+        return {}
+    return request if isinstance(request, dict) else {}
+
+
+def _peer_set(decodes: list[dict]) -> tuple:
+    from pdpair.connector.config import PeerAddress
+
+    return tuple(PeerAddress(str(d["host"]), int(d["portBase"])) for d in decodes)
+
+
+def export_rank(metrics_port: int, accounts: SignalAccounts,
+                on_peers: Callable[[tuple | None], dict[str, bool]] | None = None) -> RankExporter:
+    return RankExporter(metrics_port, accounts, on_peers)
 
 
 @dataclass(frozen=True)
@@ -284,14 +486,16 @@ class PeerRanks:
     ranks: tuple[int, ...]
     timeout: float = RANK_FETCH_TIMEOUT_SECONDS
 
-    def fetch(self) -> dict[int, dict | str]:
-        """rank -> its snapshot, or why it could not be read."""
+    def fetch(self, request: dict | None = None) -> dict[int, dict | str]:
+        """rank -> its snapshot, or why it could not be read. `request`: sent first (RankExporter says what)."""
         out: dict[int, dict | str] = {}
+        line = json.dumps(request or {}).encode() + b"\n"
         for rank in self.ranks:
             try:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                     sock.settimeout(self.timeout)
                     sock.connect(rank_socket_name(self.metrics_port, rank))
+                    sock.sendall(line)
                     chunks = []
                     while chunk := sock.recv(65536):
                         chunks.append(chunk)

@@ -2,7 +2,8 @@
 
 Prefill (kv_producer): a request sent with kv_transfer_params {do_remote_decode: true} keeps its blocks when it
 finishes (request_finished returns True) and answers with kv_transfer_params that carry ITS request id
-(`remote_request_id`; decode's internal id differs), its pair and generation. The block ids go to the workers in the
+(`remote_request_id`; decode's internal id differs), its pair, generation and instance (`remote_instance`: decode
+pulls on that prefill's edge). The block ids go to the workers in the
 next step's metadata; the blocks are freed when a worker reports the send finished (or its lease expired).
 
 Decode (kv_consumer): a request with {do_remote_prefill: true} reports the prompt's tokens beyond its local prefix
@@ -27,6 +28,7 @@ from pdpair.connector.metadata import (
     PARAM_DO_REMOTE_DECODE,
     PARAM_DO_REMOTE_PREFILL,
     PARAM_REMOTE_GENERATION,
+    PARAM_REMOTE_INSTANCE,
     PARAM_REMOTE_NUM_BLOCKS,
     PARAM_REMOTE_NUM_TOKENS,
     PARAM_REMOTE_PAIR,
@@ -45,12 +47,14 @@ logger = logging.getLogger("pdpair.connector.scheduler")
 
 @dataclass(frozen=True)
 class RecvRequest:
-    """Decode: load `len(block_ids)` blocks of prefill request `remote_request_id`, from its block `first_block`."""
+    """Decode: load `len(block_ids)` blocks of prefill request `remote_request_id`, from its block `first_block`, from
+    the prefill `remote_instance` (its PDPAIR_INSTANCE: the Pull goes on that prefill's edge)."""
 
     request_id: str
     remote_request_id: str
     first_block: int
     block_ids: list[int]
+    remote_instance: str
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,8 @@ class SendRequest:
 @dataclass
 class PdPairConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: list[RecvRequest] = field(default_factory=list)
-    # decode: prefill request ids whose blocks decode will never pull (full local hit, abort): free them
-    reqs_to_release: list[str] = field(default_factory=list)
+    # decode: (prefill instance, prefill request id) whose blocks decode will never pull (full local hit, abort)
+    reqs_to_release: list[tuple[str, str]] = field(default_factory=list)
     reqs_to_send: list[SendRequest] = field(default_factory=list)
     # the step runs no model (nothing scheduled): the workers may wait briefly for a transfer (worker.IDLE_WAIT_SECONDS)
     idle_step: bool = False
@@ -77,7 +81,7 @@ class PdPairScheduler:
         self.config = config
         self.block_size = block_size
         self._recv: list[RecvRequest] = []
-        self._release: list[str] = []
+        self._release: list[tuple[str, str]] = []
         self._new_sends: list[SendRequest] = []
         self._pending_sends: dict[str, float] = {}  # prefill request id -> expiry
         # decode, timeline log only: request id -> [allocated, load reported finished] wall-clock stamps
@@ -91,7 +95,7 @@ class PdPairScheduler:
     def _loadable(self, params: dict[str, Any] | None) -> bool:
         if not params or not params.get(PARAM_DO_REMOTE_PREFILL):
             return False
-        missing = [k for k in (PARAM_REMOTE_REQUEST_ID, PARAM_REMOTE_GENERATION) if k not in params]
+        missing = [k for k in (PARAM_REMOTE_REQUEST_ID, PARAM_REMOTE_GENERATION, PARAM_REMOTE_INSTANCE) if k not in params]
         if missing:
             logger.warning("kv_transfer_params without %s; computing the prompt locally", missing)
             return False
@@ -116,13 +120,14 @@ class PdPairScheduler:
         assert params is not None
         params[PARAM_DO_REMOTE_PREFILL] = False  # a re-entry after the load must not load again
         remote_id = params[PARAM_REMOTE_REQUEST_ID]
+        instance = str(params[PARAM_REMOTE_INSTANCE])
         if num_external_tokens <= 0:
-            self._release.append(remote_id)
+            self._release.append((instance, remote_id))
             return
         (group,) = blocks.blocks  # one KV cache group (no hybrid allocator with this connector)
         cached = sum(1 for b in group if b.block_hash is not None and not b.is_null)
         new_ids = [b.block_id for b in group if b.block_hash is None and not b.is_null]
-        self._recv.append(RecvRequest(request.request_id, remote_id, cached, new_ids))
+        self._recv.append(RecvRequest(request.request_id, remote_id, cached, new_ids, instance))
         if timeline.enabled():
             self._loads[request.request_id] = [timeline.now(), None]
 
@@ -138,7 +143,7 @@ class PdPairScheduler:
             if params.get(PARAM_DO_REMOTE_PREFILL) and self._loadable(params):
                 # Finished (aborted) before its blocks were allocated: let prefill free its copy now.
                 params[PARAM_DO_REMOTE_PREFILL] = False
-                self._release.append(params[PARAM_REMOTE_REQUEST_ID])
+                self._release.append((str(params[PARAM_REMOTE_INSTANCE]), params[PARAM_REMOTE_REQUEST_ID]))
             return False, None
         if not params.get(PARAM_DO_REMOTE_DECODE):
             return False, None
@@ -155,6 +160,7 @@ class PdPairScheduler:
             PARAM_DO_REMOTE_DECODE: False,
             PARAM_REMOTE_REQUEST_ID: request.request_id,
             PARAM_REMOTE_PAIR: self.config.pair,
+            PARAM_REMOTE_INSTANCE: self.config.instance_id,
             PARAM_REMOTE_GENERATION: self.config.generation,
             PARAM_REMOTE_NUM_TOKENS: request.num_computed_tokens,
             PARAM_REMOTE_NUM_BLOCKS: len(block_ids),

@@ -10,13 +10,17 @@ message to a prefill that is gone fails loudly (a Pull becomes a PullFailed) ins
 - `DecodeSideChannel`: ROUTER bound on PDPAIR_LISTEN_PORT_BASE + tp_rank, started from register_kv_caches. On a
   Hello it checks generation and transport (a mismatch is refused with a log line naming both values), answers
   Accepted, inits its side of the pair, registers its regions (callback), waits for prefill's Regions and answers
-  Welcome. Afterwards it forwards PullDone / PullFailed to the worker.
-- `PrefillSideChannel`: DEALER to PDPAIR_PEER_HOST:PDPAIR_PEER_PORT_BASE + tp_rank. While decode does not accept TCP
+  Welcome. Each prefill instance (Hello.instance) gets its own edge (`DecodeEdge`: routing id, pair communicator);
+  a Hello from an instance that has one replaces that edge only. Afterwards it sends each Pull on the edge the
+  worker names and forwards PullDone / PullFailed to the worker.
+- `PrefillSideChannel`: DEALER to one decode's host:portBase + tp_rank (one per decode of the peer set and rank;
+  the worker starts and stops them, `PrefillWorker.set_peers`). While decode does not accept TCP
   connections it retries with capped exponential backoff (logged at attempts 1, 2, 4, ...); it never blocks engine
   start-up. It reports the pairing (`SignalAccounts.set_paired`): prefill's readiness (/readyz) waits for it.
   Afterwards it hands each Pull to the worker. A ZMQ monitor on its socket, attached before it connects, reports
   decode's disconnect (decode restarted): prefill closes the pair and handshakes again, even when decode went away
-  before the serve loop started (the DEALER alone would reconnect silently to the new decode, with a dead pair).
+  before the serve loop started (the DEALER alone would reconnect silently to the new decode, with a dead pair);
+  ZMTP heartbeats bound how long a decode whose host went silent goes unnoticed (DISCONNECT_GRACE_SECONDS).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
@@ -67,6 +72,12 @@ HELLO_REPLY_TIMEOUT_SECONDS = 5.0
 # Longest a side-channel send (or a receive) may block, e.g. when the peer stopped reading and the high-water mark
 # is reached. Read when a socket is made.
 SEND_TIMEOUT_SECONDS = 5.0
+# A decode that disappears: prefill's monitor sees its side channel drop at once when decode's process ends (the
+# kernel closes the TCP connection), and within DISCONNECT_GRACE_SECONDS when decode's host goes silent (ZMTP
+# heartbeats every HEARTBEAT_INTERVAL_SECONDS, answered by decode's ZMQ I/O thread, never by a Python thread).
+# Then that edge's pair closes, which fails its pushes in flight at once; other edges are untouched.
+HEARTBEAT_INTERVAL_SECONDS = 1.0
+DISCONNECT_GRACE_SECONDS = 5.0
 
 
 def _bounded_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
@@ -105,7 +116,6 @@ class _SideChannel(threading.Thread):
         self._wake_tx.setsockopt(zmq.LINGER, 0)
         self._wake_tx.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
-        self.comm: PairComm | None = None
 
     def post(self, message: Message | None = None) -> None:
         """Queue a message for the peer (None only wakes the loop); safe from any thread."""
@@ -138,17 +148,26 @@ class _SideChannel(threading.Thread):
             except zmq.Again:
                 return
 
-    def _close_comm(self) -> None:
-        comm, self.comm = self.comm, None
-        self.connected.clear()
-        if comm is not None:
-            try:
-                comm.close()
-            except Exception:  # noqa: BLE001 - closing must not kill the loop
-                logger.exception("%s: closing the pair communicator failed", self.name)
+
+@dataclass(eq=False)
+class DecodeEdge:
+    """One prefill paired with this decode rank: its identity (PDPAIR_INSTANCE, sent in Hello), the ZMQ routing id of
+    its side-channel connection, and the pair communicator of this edge (own uid, own regions, own signal slots)."""
+
+    instance: str
+    identity: bytes
+    comm: PairComm
+    pair: str = ""
+
+    @property
+    def label(self) -> str:
+        """The `peer` label of this edge's series on decode: the prefill's instance."""
+        return self.instance
 
 
 class DecodeSideChannel(_SideChannel):
+    """The ROUTER of one decode TP rank: accepts a handshake from every prefill (one edge per prefill instance)."""
+
     def __init__(
         self,
         *,
@@ -163,7 +182,7 @@ class DecodeSideChannel(_SideChannel):
         register_regions: RegisterRegions,
         on_pull_done: Callable[[PullDone], None],
         on_pull_failed: Callable[[PullFailed], None],
-        on_disconnect: Callable[[str], None],
+        on_disconnect: Callable[[DecodeEdge, str], None],
         accounts,
     ) -> None:
         super().__init__(f"pdpair-sidechannel-decode-r{tp_rank}", local_hash, accounts)
@@ -176,8 +195,38 @@ class DecodeSideChannel(_SideChannel):
         self.on_pull_done = on_pull_done
         self.on_pull_failed = on_pull_failed
         self.on_disconnect = on_disconnect
-        self.peer_label = f"prefill-r{tp_rank}"
-        self._peer_identity: bytes | None = None
+        self._edges: dict[str, DecodeEdge] = {}  # prefill instance -> its edge; written by this thread only
+        self._edges_lock = threading.Lock()
+        self._stash: list[list[bytes]] = []  # other prefills' messages that came during a handshake
+        self._outbox: queue.SimpleQueue[tuple[DecodeEdge | None, Message]] = queue.SimpleQueue()
+
+    # --- the edges, for the worker (any thread) --------------------------------------------------------
+    def edge(self, instance: str) -> DecodeEdge | None:
+        """The edge of prefill `instance`, None when that prefill is not paired with this rank."""
+        with self._edges_lock:
+            return self._edges.get(instance)
+
+    def edges(self) -> list[DecodeEdge]:
+        with self._edges_lock:
+            return list(self._edges.values())
+
+    def is_current(self, edge: DecodeEdge) -> bool:
+        with self._edges_lock:
+            return self._edges.get(edge.instance) is edge
+
+    @property
+    def comm(self) -> PairComm | None:
+        """The pair communicator when exactly one prefill is paired (1P1D), else None."""
+        edges = self.edges()
+        return edges[0].comm if len(edges) == 1 else None
+
+    def post(self, message: Message | None = None, edge: DecodeEdge | None = None) -> None:
+        """Queue a message for the prefill of `edge` (None: the only paired prefill, as in 1P1D); safe from any
+        thread. A Pull whose edge is no longer current when it is sent becomes a PullFailed (`on_pull_failed`):
+        its signal slot belongs to that edge's communicator, so it must never reach a re-paired prefill."""
+        if message is not None:
+            self._outbox.put((edge, message))
+        super().post(None)
 
     def start_and_wait(self) -> None:
         """Start the thread; return once the port is bound, or raise the bind error (e.g. EADDRINUSE)."""
@@ -211,28 +260,51 @@ class DecodeSideChannel(_SideChannel):
                 if self._wake_rx in events:
                     self._drain_wake()
                 self._flush_outbox(sock)
-                if sock in events:
+                if sock in events or self._stash:
                     self._receive(sock)
         except Exception:  # noqa: BLE001 - the thread must report, not vanish
             logger.exception("%s: side-channel loop failed", self.name)
         finally:
             self.accounts.set_listener_ready(self.tp_rank, False)
-            self._close_comm()
+            for edge in self.edges():
+                self._drop_edge(edge, "decode's side channel stopped")
             sock.close(linger=0)
             logger.info("%s: listener on port %d closed", self.name, self.port)
+
+    def _drop_edge(self, edge: DecodeEdge, reason: str) -> None:
+        with self._edges_lock:
+            if self._edges.get(edge.instance) is edge:
+                del self._edges[edge.instance]
+            if not self._edges:
+                self.connected.clear()
+        try:
+            edge.comm.close()
+        except Exception:  # noqa: BLE001 - closing must not kill the loop
+            logger.exception("%s: closing the pair communicator of prefill %s failed", self.name, edge.instance)
+        self.on_disconnect(edge, reason)
 
     def _flush_outbox(self, sock: zmq.Socket) -> None:
         while True:
             try:
-                message = self._outbox.get_nowait()
+                edge, message = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            if self._peer_identity is None:
-                logger.error("%s: dropping %s: no prefill connected", self.name, type(message).__name__)
+            if edge is None:
+                edges = self.edges()
+                edge = edges[0] if len(edges) == 1 else None
+                if edge is None:
+                    why = "no prefill connected" if not edges else f"{len(edges)} prefills paired and none named"
+                    logger.error("%s: dropping %s: %s", self.name, type(message).__name__, why)
+                    if isinstance(message, Pull):
+                        self.on_pull_failed(PullFailed(message.transfer_id, f"{why} to the side channel"))
+                    continue
+            elif not self.is_current(edge):
+                why = f"prefill {edge.instance}'s edge closed (it left or re-paired) before the message was sent"
+                logger.error("%s: dropping %s: %s", self.name, type(message).__name__, why)
                 if isinstance(message, Pull):
-                    self.on_pull_failed(PullFailed(message.transfer_id, "no prefill connected to the side channel"))
+                    self.on_pull_failed(PullFailed(message.transfer_id, why))
                 continue
-            failure = self._send(sock, self._peer_identity, message)
+            failure = self._send(sock, edge.identity, message)
             if failure is not None and isinstance(message, Pull):
                 self.on_pull_failed(PullFailed(message.transfer_id, f"Pull not delivered to prefill: {failure}"))
 
@@ -248,12 +320,16 @@ class DecodeSideChannel(_SideChannel):
         logger.error("%s: %s not sent: %s", self.name, type(message).__name__, reason)
         return reason
 
+    def _next_frames(self, sock: zmq.Socket) -> list[bytes] | None:
+        if self._stash:
+            return self._stash.pop(0)
+        try:
+            return sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
     def _receive(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        while (frames := self._next_frames(sock)) is not None:
             identity, body = frames[0], frames[1:]
             try:
                 message = decode(body, self.local_hash)
@@ -271,14 +347,17 @@ class DecodeSideChannel(_SideChannel):
                 continue
             if isinstance(message, Hello):
                 self._handshake(sock, identity, message)
-            elif identity != self._peer_identity:
-                logger.warning("%s: %s from a peer that is not the paired prefill; ignored", self.name, type(message).__name__)
+                continue
+            edge = next((e for e in self.edges() if e.identity == identity), None)
+            if edge is None:
+                logger.warning("%s: %s from a peer that is not a paired prefill; ignored", self.name, type(message).__name__)
             elif isinstance(message, PullDone):
                 self.on_pull_done(message)
             elif isinstance(message, PullFailed):
                 self.on_pull_failed(message)
             else:
-                logger.warning("%s: unexpected %s; ignored", self.name, type(message).__name__)
+                logger.warning("%s: unexpected %s from prefill %s; ignored", self.name, type(message).__name__,
+                               edge.instance)
 
     def _refuse(self, sock: zmq.Socket, identity: bytes, reason: str, outcome: str = "refused") -> None:
         logger.error("%s: handshake refused: %s", self.name, reason)
@@ -299,11 +378,13 @@ class DecodeSideChannel(_SideChannel):
         if hello.tp_rank != self.tp_rank:
             self._refuse(sock, identity, f"rank mismatch: prefill rank {hello.tp_rank} reached decode rank {self.tp_rank}")
             return
-        if self.comm is not None:
-            logger.warning("%s: a new prefill replaces the paired one; closing the old pair", self.name)
-            self._close_comm()
-            self.on_disconnect("replaced by a new prefill")
-        self._peer_identity = None
+        instance = hello.instance or f"prefill-{identity.hex()}"
+        # The same prefill again (it restarted, or re-paired after its side channel dropped): that edge only is
+        # replaced; every other prefill's edge is untouched.
+        for old in self.edges():
+            if old.instance == instance or old.identity == identity:
+                logger.warning("%s: prefill %s pairs again; closing its old edge", self.name, old.instance)
+                self._drop_edge(old, f"replaced by a new Hello from prefill {instance}")
         if self._send(sock, identity, Accepted()) is not None:
             self.accounts.on_handshake(contract.OUTCOME_ERROR)
             return
@@ -325,13 +406,14 @@ class DecodeSideChannel(_SideChannel):
             comm.close()
             self.accounts.on_handshake(contract.OUTCOME_ERROR)
             return
-        self.comm = comm
-        self._peer_identity = identity
+        with self._edges_lock:
+            self._edges[instance] = DecodeEdge(instance, identity, comm, hello.pair)
+            paired = len(self._edges)
         self.accounts.on_handshake(contract.OUTCOME_OK)
         self.connected.set()
         logger.info(
-            "%s: paired with prefill %s rank %d (generation %d, transport %s)",
-            self.name, hello.pair or "?", hello.tp_rank, hello.generation, hello.transport,
+            "%s: paired with prefill %s rank %d (instance %s, generation %d, transport %s; %d prefill(s) paired)",
+            self.name, hello.pair or "?", hello.tp_rank, instance, hello.generation, hello.transport, paired,
         )
 
     def _await_regions(self, sock: zmq.Socket, identity: bytes, deadline: float) -> Regions:
@@ -343,7 +425,7 @@ class DecodeSideChannel(_SideChannel):
                 continue
             frames = sock.recv_multipart(zmq.NOBLOCK)  # poll said a whole message is there
             if frames[0] != identity:
-                logger.warning("%s: message from another peer during a handshake; ignored", self.name)
+                self._stash.append(frames)  # another prefill's message: handled once this handshake is done
                 continue
             message = decode(frames[1:], self.local_hash)
             if isinstance(message, Regions):
@@ -353,6 +435,10 @@ class DecodeSideChannel(_SideChannel):
 
 
 class PrefillSideChannel(_SideChannel):
+    """The DEALER of one prefill TP rank towards one decode (one edge): a prefill with N decodes runs N of these per
+    rank, each retrying, pairing and re-pairing on its own. Log lines start with `pdpair-sidechannel-prefill-r<rank>`
+    and name the decode; the thread's name adds the decode's address."""
+
     def __init__(
         self,
         *,
@@ -361,6 +447,8 @@ class PrefillSideChannel(_SideChannel):
         tp_rank: int,
         generation: int,
         pair: str,
+        instance: str = "",
+        peer_label: str | None = None,
         transport: PairTransport,
         hang_timeout_seconds: float,
         local_hash: str,
@@ -371,9 +459,12 @@ class PrefillSideChannel(_SideChannel):
         on_connected: Callable[[Welcome], None],
         accounts,
     ) -> None:
-        super().__init__(f"pdpair-sidechannel-prefill-r{tp_rank}", local_hash, accounts)
+        label = peer_label or (f"[{peer_host}]:{peer_port}" if ":" in peer_host else f"{peer_host}:{peer_port}")
+        super().__init__(f"pdpair-sidechannel-prefill-r{tp_rank}-{label}", local_hash, accounts)
+        self.log_name = f"pdpair-sidechannel-prefill-r{tp_rank}"
         self.peer_host, self.peer_port, self.tp_rank = peer_host, peer_port, tp_rank
-        self.generation, self.pair = generation, pair
+        self.generation, self.pair, self.instance = generation, pair, instance
+        self.comm: PairComm | None = None
         self.transport = transport
         self.hang_timeout_seconds = hang_timeout_seconds
         self.factors = factors
@@ -382,7 +473,17 @@ class PrefillSideChannel(_SideChannel):
         self.on_tick = on_tick
         self.on_connected = on_connected
         self.attempts = 0
-        self.peer_label = f"{peer_host}:{peer_port}"
+        self.peer_label = label  # the `peer` label of this edge's series (pdpair_peer_paired, transport gauges)
+        self.accounts.set_paired(False, label)  # 0 until this edge pairs
+
+    def _close_comm(self) -> None:
+        comm, self.comm = self.comm, None
+        self.connected.clear()
+        if comm is not None:
+            try:
+                comm.close()
+            except Exception:  # noqa: BLE001 - closing must not kill the loop
+                logger.exception("%s: closing the pair communicator with decode %s failed", self.log_name, self.peer_label)
 
     def run(self) -> None:
         self.ready.set()
@@ -393,11 +494,11 @@ class PrefillSideChannel(_SideChannel):
             if outcome is None:  # stopped
                 break
             if outcome == "connected":
-                self.accounts.set_paired(True)
+                self.accounts.set_paired(True, self.peer_label)
                 try:
                     self._serve()
                 finally:
-                    self.accounts.set_paired(False)
+                    self.accounts.set_paired(False, self.peer_label)
                 if self.stopped.is_set():
                     break
                 backoff = RETRY_INITIAL_SECONDS
@@ -405,12 +506,12 @@ class PrefillSideChannel(_SideChannel):
             if self.attempts & (self.attempts - 1) == 0:  # 1, 2, 4, 8, ...: a cold start is ~100-400 attempts
                 logger.warning(
                     "%s: handshake attempt %d with decode %s:%d did not complete (%s); retrying in %.1fs",
-                    self.name, self.attempts, self.peer_host, self.peer_port, outcome, backoff,
+                    self.log_name, self.attempts, self.peer_host, self.peer_port, outcome, backoff,
                 )
             self.stopped.wait(backoff)
             backoff = min(backoff * 2, RETRY_MAX_SECONDS)
         self._close_comm()
-        logger.info("%s: stopped", self.name)
+        logger.info("%s: edge to decode %s stopped", self.log_name, self.peer_label)
 
     def _attempt(self) -> str | None:
         """One handshake; returns 'connected', None when stopping, or the reason it failed."""
@@ -422,13 +523,21 @@ class PrefillSideChannel(_SideChannel):
             self.accounts.on_handshake("retry")
             return f"decode not listening: {exc}"
         self._sock = sock = _bounded_socket(self._ctx, zmq.DEALER)
+        # ZMTP heartbeats: a decode whose host went silent (no FIN, no RST) drops the connection after
+        # DISCONNECT_GRACE_SECONDS, which the monitor below reports like any other disconnect.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_INTERVAL_SECONDS * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(DISCONNECT_GRACE_SECONDS * 1000))
         # Watch for decode going away from before the connection exists: a decode that restarts between the Welcome
         # and `_serve` must still be seen (the DEALER reconnects silently, so a monitor attached later never would).
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(f"tcp://{self.peer_host}:{self.peer_port}")
+        if ":" in self.peer_host:  # an IPv6 literal
+            sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(f"tcp://[{self.peer_host}]:{self.peer_port}")
+        else:
+            sock.connect(f"tcp://{self.peer_host}:{self.peer_port}")
         try:
             uid = self.transport.create_unique_id()
-            hello = Hello(self.generation, self.pair, self.tp_rank, self.transport.name, uid)
+            hello = Hello(self.generation, self.pair, self.tp_rank, self.transport.name, uid, self.instance)
             sock.send_multipart([*encode(hello, self.local_hash), json.dumps(self.factors, sort_keys=True).encode()])
             reply = self._recv(sock, time.monotonic() + HELLO_REPLY_TIMEOUT_SECONDS)
             if reply is None:
@@ -437,7 +546,7 @@ class PrefillSideChannel(_SideChannel):
                     return None
                 return self._failed(sock, "timeout", "no answer to Hello")
             if isinstance(reply, Refused):
-                logger.error("%s: decode refused the handshake: %s", self.name, reply.reason)
+                logger.error("%s: decode %s refused the handshake: %s", self.log_name, self.peer_label, reply.reason)
                 return self._failed(sock, "refused", f"refused: {reply.reason}")
             if not isinstance(reply, Accepted):
                 return self._failed(sock, contract.OUTCOME_ERROR, f"unexpected {type(reply).__name__}")
@@ -456,7 +565,7 @@ class PrefillSideChannel(_SideChannel):
                 comm.close()
                 raise
         except CompatibilityError as exc:
-            logger.error("%s: decode is incompatible: %s; local factors %s", self.name, exc, json.dumps(self.factors))
+            logger.error("%s: decode %s is incompatible: %s; local factors %s", self.log_name, self.peer_label, exc, json.dumps(self.factors))
             return self._failed(sock, "refused", str(exc))
         except (TransportError, HandshakeError, TimeoutError) as exc:
             return self._failed(sock, contract.OUTCOME_ERROR, str(exc))
@@ -469,7 +578,7 @@ class PrefillSideChannel(_SideChannel):
         self.connected.set()
         logger.info(
             "%s: paired with decode %s:%d after %d attempt(s) (generation %d, transport %s)",
-            self.name, self.peer_host, self.peer_port, self.attempts, self.generation, self.transport.name,
+            self.log_name, self.peer_host, self.peer_port, self.attempts, self.generation, self.transport.name,
         )
         return "connected"
 
@@ -506,7 +615,7 @@ class PrefillSideChannel(_SideChannel):
                 events = dict(poller.poll(POLL_MS))
                 if monitor in events:
                     logger.warning("%s: decode %s:%d closed the side channel; closing the pair and handshaking again",
-                                   self.name, self.peer_host, self.peer_port)
+                                   self.log_name, self.peer_host, self.peer_port)
                     self._close_comm()
                     return
                 if self._wake_rx in events:
@@ -521,14 +630,14 @@ class PrefillSideChannel(_SideChannel):
                         try:
                             message = decode(frames, self.local_hash)
                         except Exception as exc:  # noqa: BLE001
-                            logger.error("%s: undecodable message from decode: %s", self.name, exc)
+                            logger.error("%s: undecodable message from decode: %s", self.log_name, exc)
                             continue
                         if isinstance(message, Pull):
                             reply = self.on_pull(message)
                             if reply is not None:
                                 replies.append(reply)
                         else:
-                            logger.warning("%s: unexpected %s from decode; ignored", self.name, type(message).__name__)
+                            logger.warning("%s: unexpected %s from decode; ignored", self.log_name, type(message).__name__)
                 while True:
                     try:
                         replies.append(self._outbox.get_nowait())
@@ -542,7 +651,7 @@ class PrefillSideChannel(_SideChannel):
                         logger.error(
                             "%s: side channel to decode %s:%d is stuck (%s); %d reply(ies) not sent, decode's waits "
                             "for them end at their deadline; closing the pair and handshaking again",
-                            self.name, self.peer_host, self.peer_port, why, len(replies) - sent,
+                            self.log_name, self.peer_host, self.peer_port, why, len(replies) - sent,
                         )
                         self._close_comm()
                         return

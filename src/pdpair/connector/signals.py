@@ -175,7 +175,7 @@ class SignalAccounts:
         self._listener = m[contract.LISTENER_READY.name]
         self._handshakes = m[contract.HANDSHAKES.name]
         self._paired_gauge = m[contract.PEER_PAIRED.name]
-        self._paired = False
+        self._paired: dict[str, bool] = {}  # prefill: decode peer label -> paired
         self._inflight = m[contract.TRANSPORT_INFLIGHT.name]
         self._slots = m[contract.TRANSPORT_SLOTS.name]
         self._requeues = m[contract.TRANSPORT_REQUEUES.name]
@@ -187,8 +187,8 @@ class SignalAccounts:
             self._handshakes.labels(role=role, rank=self.rank, outcome=outcome)
         if role == contract.ROLE_DECODE:
             self._listener.labels(role=role, rank=self.rank).set(0)  # 0 until this rank's listener binds
-        else:
-            self._paired_gauge.labels(role=role, rank=self.rank).set(0)  # 0 until this rank pairs with decode
+        # Prefill: each decode's pdpair_peer_paired{peer} is 0 from the moment the worker takes it into its peer set
+        # (set_paired(False, peer)) until its edge pairs.
         self.set_pair_generation(generation)
 
     # --- transfers -------------------------------------------------------------------------------
@@ -248,20 +248,37 @@ class SignalAccounts:
             raise ValueError(f"handshake outcome must be a short lower_case word, got {outcome!r}")
         self._handshakes.labels(role=self.role, rank=self.rank, outcome=outcome).inc()
 
-    def set_paired(self, paired: bool) -> None:
-        """Prefill: this rank finished the handshake with decode (True) or its side channel dropped (False)."""
+    def set_paired(self, paired: bool, peer: str) -> None:
+        """Prefill: this rank finished the handshake with decode `peer` (True), or has not yet / its side channel
+        dropped (False). The first call for a peer creates its series."""
         if self.role != contract.ROLE_PREFILL:
             raise ValueError(f"only prefill pairs with a peer; these accounts are {self.role}'s")
         if not isinstance(paired, bool):
             raise ValueError(f"paired must be a bool, got {paired!r}")
+        _check_label("peer", peer)
         with self._lock:
-            self._paired = paired
-        self._paired_gauge.labels(role=self.role, rank=self.rank).set(1 if paired else 0)
+            self._paired[peer] = paired
+            self._paired_gauge.labels(role=self.role, rank=self.rank, peer=peer).set(1 if paired else 0)
+
+    def forget_peer(self, peer: str) -> None:
+        """Prefill: decode `peer` left the peer set (its edge is closed): its pdpair_peer_paired series goes."""
+        with self._lock:
+            if self._paired.pop(peer, None) is not None:
+                try:
+                    self._paired_gauge.remove(self.role, self.rank, peer)
+                except KeyError:
+                    pass
 
     @property
     def paired(self) -> bool:
+        """Prefill: this rank is paired with at least one decode (its readiness)."""
         with self._lock:
-            return self._paired
+            return any(self._paired.values())
+
+    def paired_peers(self) -> dict[str, bool]:
+        """Prefill: each decode of the peer set -> paired."""
+        with self._lock:
+            return dict(self._paired)
 
     def set_listener_ready(self, rank: int, ready: bool) -> None:
         _check_count("rank", rank)

@@ -8,6 +8,11 @@ pair -> failed_recving, which vLLM turns into an error or a recompute (kv_load_f
 stays open in the pod metrics (its deficit is real: signals went missing on this pair) and its slot is never reused,
 so /healthz reports the pod hung until the pair is restarted or the late signals arrive.
 
+Decode has one edge per paired prefill (side_channel.DecodeEdge, with its own pair communicator and signal slots): a
+request's Pull goes on the edge of the prefill named in its kv_transfer_params, and fails at once when that prefill
+is not paired. Prefill has one edge per decode of its peer set (`_PrefillEdge`, its own side channel and transport);
+`set_peers` replaces the set at runtime. A Pull is served on the edge it came on.
+
 Prefill: learns each finished request's blocks from the scheduler metadata, serves each Pull on a pool of
 PUSH_WORKERS threads (put_signal per layer and block, then flush; the reply goes back through the side channel's
 outbox) and reports the request's send finished, which frees its blocks. The side-channel thread only hands Pulls to
@@ -17,6 +22,7 @@ arrives before the metadata waits (bounded); blocks nobody pulls are freed when 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -28,12 +34,12 @@ import torch
 
 from pdpair import contract
 from pdpair.connector import timeline
-from pdpair.connector.config import PdPairConfig
+from pdpair.connector.config import PdPairConfig, PeerAddress, check_peer_set
 from pdpair.connector.deadlines import flush_deadline, parked_pull_deadline, signal_wait_deadline
 from pdpair.connector.side_channel import DecodeSideChannel, PrefillSideChannel
 from pdpair.connector.preflight import report_bind_failure
 from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
-from pdpair.connector.metrics import MetricsServer, PeerRanks, RankExporter, export_rank, serve
+from pdpair.connector.metrics import MetricsServer, PeerPush, PeerRanks, RankExporter, export_rank, serve
 from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.warmup import Warmup
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
@@ -137,19 +143,25 @@ class _Worker:
         # exports on a local socket (every rank runs in its own worker process).
         self.metrics_server: MetricsServer | None = None
         self.rank_exporter: RankExporter | None = None
+        # Prefill with PDPAIR_PEERS_TOKEN: the operator's peer push (PUT /pdpair/v1/peers) on rank 0's metrics port,
+        # forwarded to every other rank's exporter; each rank applies it to its own edges (`_apply_peer_push`).
+        push = config.peers_token is not None and config.role == contract.ROLE_PREFILL
         if config.metrics_port is not None:
             if tp_rank == 0:
                 peers = PeerRanks(config.metrics_port, tuple(range(1, tp_size))) if tp_size > 1 else None
                 try:
                     api = f"http://127.0.0.1:{config.http_port}" if config.http_port else None
+                    peer_push = PeerPush(config.peers_token, config.generation, self._apply_peer_push,
+                                         peers) if push else None
                     self.metrics_server = serve(config.metrics_port, self.accounts, ranks=peers,
                                                 engine_health_url=f"{api}/health" if api else None,
-                                                warmup=Warmup(api) if api else None)
+                                                warmup=Warmup(api) if api else None, peers=peer_push)
                 except OSError as exc:  # taken after the pod's preflight: tell the operator, which re-leases
                     report_bind_failure(config.metrics_port, exc, "the connector's metrics server")
                     raise
             else:
-                self.rank_exporter = export_rank(config.metrics_port, self.accounts)
+                self.rank_exporter = export_rank(config.metrics_port, self.accounts,
+                                                 self._apply_peer_push if push else None)
         self.regions: KvRegions | None = None
         self.layout: KvLayout | None = None
         self.local_hash = ""
@@ -158,6 +170,11 @@ class _Worker:
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)  # notified (under _lock) when a transfer settles
         self._counters_warned = False
+
+    def _apply_peer_push(self, peers) -> dict[str, bool]:
+        """The peer push's callback (metrics.PeerPush on rank 0, RankExporter on the others): apply `peers` (None:
+        only read the state). Prefill only; PrefillWorker defines both methods."""
+        return self.peer_state() if peers is None else self.set_peers(peers)
 
     def _prepare(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         first = next(iter(kv_caches.values()))
@@ -211,10 +228,9 @@ class DecodeWorker(_Worker):
         self._waits: dict[str, _Wait] = {}
         self._finished: set[str] = set()
         self._failed: set[str] = set()
-        self._free_slots: list[int] = []
+        self._free_slots: dict[PairComm, list[int]] = {}  # per edge's pair communicator
         self._abandoned: dict[str, _Wait] = {}  # timed out, still open in the metrics
         self._waiters = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix=f"pdpair-signal-wait-r{self.tp_rank}")
-        self._comm_id: int | None = None
         self._done_waits: list[_Wait] = []  # finished since the last get_transfer_results, for the timeline
         self._listener_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -275,30 +291,41 @@ class DecodeWorker(_Worker):
 
     def _register(self, comm: PairComm) -> tuple[bytes, list[int], int]:
         result = super()._register(comm)
-        with self._lock:
-            self._free_slots = list(range(comm.num_signal_slots - 1, -1, -1))
-            self._comm_id = id(comm)
+        with self._lock:  # a new edge (or a prefill that re-paired): its own signal slots
+            self._free_slots[comm] = list(range(comm.num_signal_slots - 1, -1, -1))
         return result
 
     # --- per step --------------------------------------------------------------------------------
     def start_load_kv(self, meta: PdPairConnectorMetadata) -> None:
         side = self.side
         assert side is not None
-        for remote_id in meta.reqs_to_release:
-            side.post(Pull(f"release-{remote_id}", remote_id, 0, [], 0, 0))
+        for instance, remote_id in meta.reqs_to_release:
+            edge = side.edge(instance)
+            if edge is None:  # that prefill is gone or never paired: its lease frees the blocks
+                logger.info("prefill %s is not paired with rank %d: its request %s is not released (its lease frees "
+                            "the blocks)", instance, self.tp_rank, remote_id)
+                continue
+            side.post(Pull(f"release-{remote_id}", remote_id, 0, [], 0, 0), edge)
         for recv in meta.reqs_to_recv:
             self._start_recv(side, recv)
 
     def _start_recv(self, side: DecodeSideChannel, recv: RecvRequest) -> None:
         assert self.regions is not None
-        comm = side.comm
-        if comm is None or not side.connected.is_set():
-            logger.error("request %s: cannot load KV: no prefill is paired on the side channel", recv.request_id)
+        edge = side.edge(recv.remote_instance)
+        if edge is None:  # fail now: no wait, nothing is sent
+            paired = sorted(e.instance for e in side.edges())
+            logger.error(
+                "request %s: cannot load KV: prefill %r (which computed it as %s) is not paired with this decode's "
+                "rank %d (paired: %s)", recv.request_id, recv.remote_instance, recv.remote_request_id, self.tp_rank,
+                ", ".join(paired) or "none",
+            )
             self.accounts.count_failed_transfer()
             self._fail(recv.request_id, timed_out=False)
             return
+        comm = edge.comm
         with self._lock:  # _fail takes this lock too: decide here, fail outside
-            slot = self._free_slots.pop() if self._free_slots else None
+            free = self._free_slots.get(comm)
+            slot = free.pop() if free else None
         if slot is None:
             logger.error("request %s: no free signal slot (all %d busy or quarantined)", recv.request_id, comm.num_signal_slots)
             self.accounts.count_failed_transfer()
@@ -319,8 +346,8 @@ class DecodeWorker(_Worker):
         wait = _Wait(recv, slot, base, expected, nbytes, now, deadline, comm)
         with self._lock:
             self._waits[recv.request_id] = wait
-        self.accounts.open_wait(recv.request_id, side.peer_label, expected, wait.deadline)
-        side.post(Pull(recv.request_id, recv.remote_request_id, recv.first_block, recv.block_ids, slot, expected))
+        self.accounts.open_wait(recv.request_id, edge.label, expected, wait.deadline)
+        side.post(Pull(recv.request_id, recv.remote_request_id, recv.first_block, recv.block_ids, slot, expected), edge)
         self._waiters.submit(self._wait_for_signals, wait)
 
     def _wait_for_signals(self, wait: _Wait) -> None:
@@ -405,8 +432,9 @@ class DecodeWorker(_Worker):
         request_id = wait.recv.request_id
         with self._lock:
             self._waits.pop(request_id, None)
-            if release_slot and self._comm_id == id(wait.comm):
-                self._free_slots.append(wait.slot)
+            free = self._free_slots.get(wait.comm)  # None: that edge closed, its slots went with it
+            if release_slot and free is not None:
+                free.append(wait.slot)
         took = time.monotonic() - wait.started if seconds is None else seconds
         self.accounts.close_wait(request_id, outcome, wait.nbytes if outcome == contract.OUTCOME_OK else 0, took)
 
@@ -447,11 +475,14 @@ class DecodeWorker(_Worker):
         else:
             logger.warning("PullFailed for unknown transfer %s: %s", failed.transfer_id, failed.reason)
 
-    def _on_disconnect(self, reason: str) -> None:
+    def _on_disconnect(self, edge, reason: str) -> None:
+        """Side-channel thread: `edge` closed (its prefill re-paired, or decode stops). Its waits fail now (the
+        waiters notice within WAIT_SLICE_SECONDS); other edges' waits are untouched."""
         with self._lock:
-            waits = list(self._waits.values())
+            self._free_slots.pop(edge.comm, None)
+            waits = [w for w in self._waits.values() if w.comm is edge.comm]
         for wait in waits:
-            wait.failed_reason = f"pair closed: {reason}"
+            wait.failed_reason = f"pair with prefill {edge.instance} closed: {reason}"
 
     def _check_abandoned(self) -> None:
         with self._lock:
@@ -479,7 +510,8 @@ class DecodeWorker(_Worker):
         if self._abandoned:
             self._check_abandoned()
         if self.side is not None:
-            self._publish_transport_counters(self.side.comm, self.side.peer_label)
+            for edge in self.side.edges():
+                self._publish_transport_counters(edge.comm, edge.label)
         with self._lock:
             finished, failed = self._finished, self._failed
             self._finished, self._failed = set(), set()
@@ -516,44 +548,160 @@ class DecodeWorker(_Worker):
         super().shutdown()
 
 
+class _PrefillEdge:
+    """Prefill, one TP rank: its edge to one decode of the peer set: the side channel (DEALER thread), its own
+    transport (a handshake's pending state is per edge), the peer's region indices, the Pulls parked on it and its
+    pushes in flight (a removed decode's edge closes once these are done)."""
+
+    def __init__(self, peer: PeerAddress) -> None:
+        self.peer = peer
+        self.side: PrefillSideChannel | None = None
+        self.transport: PairTransport | None = None
+        self.peer_indices: list[int] = []
+        self.local_indices: list[int] = []
+        self.peer_num_blocks = 0
+        self.parked: dict[str, tuple[Pull, float, float]] = {}  # transfer id -> (pull, deadline, received)
+        self.inflight = 0  # pushes submitted and not yet replied (under the worker's lock)
+        self.draining = False  # left the peer set: no new Pull is served, the edge closes when inflight is 0
+
+
 class PrefillWorker(_Worker):
+    """Prefill, one TP rank: one edge per decode of its peer set (`set_peers` replaces the set at runtime)."""
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.side: PrefillSideChannel | None = None
-        self.peer_indices: list[int] = []
+        self._edges: dict[PeerAddress, _PrefillEdge] = {}
+        self._peers_lock = threading.Lock()  # set_peers and register_kv_caches: one change of the set at a time
+        self._desired: tuple[PeerAddress, ...] = check_peer_set(self.config.peer_set(), "the configured peers")
+        self._registered = False
+        self._device_index: int | None = None
+        self._closing: list[threading.Thread] = []
+        self._transport_taken = False
         self._sends: dict[str, tuple[list[int], float]] = {}  # request id -> (block ids, lease expiry)
-        self._parked: dict[str, tuple[Pull, float]] = {}  # pulls that came before their metadata
         self._finished_sending: set[str] = set()
-        self._pull_received: dict[str, float] = {}  # parked pulls: when they came (time.monotonic()), for the timeline
         self._pushers = ThreadPoolExecutor(PUSH_WORKERS, thread_name_prefix=f"pdpair-push-r{self.tp_rank}")
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        self._prepare(kv_caches, num_blocks)
-        assert self.config.peer_host is not None
-        self.side = PrefillSideChannel(
-            peer_host=self.config.peer_host,
-            peer_port=self.config.peer_port(self.tp_rank),
+    # --- the peer set --------------------------------------------------------------------------------
+    @property
+    def side(self) -> PrefillSideChannel | None:
+        """The side channel when the peer set has exactly one decode (1P1D), else None."""
+        with self._peers_lock:
+            edges = list(self._edges.values())
+        return edges[0].side if len(edges) == 1 else None
+
+    def edge_side(self, peer: PeerAddress) -> PrefillSideChannel | None:
+        """The side channel of the edge to `peer` (None when `peer` is not in the set)."""
+        with self._peers_lock:
+            edge = self._edges.get(peer)
+        return edge.side if edge is not None else None
+
+    def peer_state(self) -> dict[str, bool]:
+        """Each decode of the current set (its label, host:portBase) -> this rank is paired with it."""
+        with self._peers_lock:
+            edges = list(self._edges.values())
+        return {edge.peer.label: edge.side is not None and edge.side.connected.is_set() for edge in edges}
+
+    def set_peers(self, peers) -> dict[str, bool]:
+        """Replace the whole peer set (level-triggered, what the operator's push will call): start an edge to each
+        new decode, drop each decode that left once its pushes in flight end or fail (a Pull that comes on it
+        meanwhile is refused with a PullFailed), keep the others untouched. Returns `peer_state()`. Before
+        register_kv_caches it only records the set."""
+        wanted = check_peer_set(peers)
+        with self._peers_lock:
+            self._desired = wanted
+            if self._registered:
+                self._apply_peers(wanted)
+        return self.peer_state()
+
+    def _apply_peers(self, wanted: tuple[PeerAddress, ...]) -> None:
+        """Under _peers_lock."""
+        for peer in [p for p in self._edges if p not in wanted]:
+            edge = self._edges.pop(peer)
+            logger.info("rank %d: decode %s left the peer set; its edge closes once its pushes end", self.tp_rank, peer)
+            closer = threading.Thread(target=self._close_edge, args=(edge,), daemon=True,
+                                      name=f"pdpair-edge-close-r{self.tp_rank}-{peer.label}")
+            self._closing.append(closer)
+            closer.start()
+        for peer in wanted:
+            if peer not in self._edges:
+                self._edges[peer] = self._open_edge(peer)
+
+    def _open_edge(self, peer: PeerAddress) -> _PrefillEdge:
+        edge = _PrefillEdge(peer)
+        # The worker's transport serves the first edge; every other edge builds its own (a prefill handshake's pending
+        # state, e.g. tcp's listener for the uid, belongs to one edge).
+        transport = self.transport if not self._transport_taken else build_transport(self.config)
+        self._transport_taken = True
+        if self._device_index is not None and transport is not self.transport:
+            transport.set_device(self._device_index)
+        edge.transport = transport
+        edge.side = PrefillSideChannel(
+            peer_host=peer.host,
+            peer_port=peer.port(self.tp_rank),
             tp_rank=self.tp_rank,
             generation=self.config.generation,
             pair=self.config.pair,
-            transport=self.transport,
+            instance=self.config.instance_id,
+            peer_label=peer.label,
+            transport=transport,
             hang_timeout_seconds=self.config.hang_timeout_seconds,
             local_hash=self.local_hash,
             factors=self.factors,
-            register_regions=self._register,
-            on_pull=self._on_pull,
-            on_tick=self._on_tick,
-            on_connected=self._on_connected,
+            register_regions=functools.partial(self._register_edge, edge),
+            on_pull=functools.partial(self._on_pull, edge),
+            on_tick=functools.partial(self._on_tick, edge),
+            on_connected=functools.partial(self._on_connected, edge),
             accounts=self.accounts,
         )
-        self.side.start()
+        edge.side.start()
+        return edge
 
-    def _on_connected(self, welcome: Welcome) -> None:
+    def _close_edge(self, edge: _PrefillEdge) -> None:
+        """A decode that left the set: refuse new Pulls, wait (bounded) until the pushes in flight and the Pulls
+        parked on it are settled, then stop its side channel (closing its pair) and forget its series."""
+        bound = time.monotonic() + 2 * self.config.hang_timeout_seconds  # a parked Pull, then a push's flush
+        with self._lock:
+            edge.draining = True
+            while (edge.inflight or edge.parked) and time.monotonic() < bound:
+                self._progress.wait(0.1)
+            left = edge.inflight
+        if edge.side is not None:
+            edge.side.post()  # parked Pulls are answered by its own thread; wake it
+            edge.side.stop()
+        if left:
+            logger.warning("rank %d: decode %s's edge closed with %d push(es) still running (they fail now)",
+                           self.tp_rank, edge.peer, left)
+        if edge.transport is not None and edge.transport is not self.transport:
+            edge.transport.close()
+        if self.edge_side(edge.peer) is None:  # not re-added meanwhile
+            self.accounts.forget_peer(edge.peer.label)
+        logger.info("rank %d: edge to decode %s closed", self.tp_rank, edge.peer)
+
+    # --- start ---------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        self._prepare(kv_caches, num_blocks)
+        first = next(iter(kv_caches.values()))
+        if first.device.type == "cuda":
+            self._device_index = first.device.index if first.device.index is not None else torch.cuda.current_device()
+        with self._peers_lock:
+            self._registered = True
+            self._apply_peers(self._desired)
+
+    def _on_connected(self, edge: _PrefillEdge, welcome: Welcome) -> None:
         assert self.regions is not None
         if len(welcome.region_indices) != len(self.regions.ptrs):
             raise ValueError(f"decode has {len(welcome.region_indices)} KV regions, prefill {len(self.regions.ptrs)}")
-        self.peer_indices = list(welcome.region_indices)
-        self.peer_num_blocks = welcome.num_blocks
+        edge.peer_indices = list(welcome.region_indices)
+        edge.peer_num_blocks = welcome.num_blocks
+
+    def _register_edge(self, edge: _PrefillEdge, comm: PairComm) -> tuple[bytes, list[int], int]:
+        table, indices, num_blocks = self._register(comm)
+        edge.local_indices = indices
+        return table, indices, num_blocks
+
+    def _edges_now(self) -> list[_PrefillEdge]:
+        with self._peers_lock:
+            return list(self._edges.values())
 
     # --- per step (engine thread) -----------------------------------------------------------------
     def start_load_kv(self, meta: PdPairConnectorMetadata) -> None:
@@ -562,8 +710,9 @@ class PrefillWorker(_Worker):
         with self._lock:
             for send in meta.reqs_to_send:
                 self._sends[send.request_id] = (send.block_ids, send.expires_at)
-        if self.side is not None:
-            self.side.post()  # parked pulls may be servable now
+            parked = [edge for edge in self._edges_now() if edge.parked]
+        for edge in parked:
+            edge.side.post()  # its parked pulls may be servable now
 
     def get_transfer_results(self, idle: bool = False) -> set[str]:
         """Sends finished (or expired) since the last call. idle: as DecodeWorker's, waits for a held send."""
@@ -577,60 +726,74 @@ class PrefillWorker(_Worker):
                 del self._sends[request_id]
                 self._finished_sending.add(request_id)
             finished, self._finished_sending = self._finished_sending, set()
-        if self.side is not None:
-            self._publish_transport_counters(self.side.comm, self.side.peer_label)
+        for edge in self._edges_now():
+            if edge.side is not None:
+                self._publish_transport_counters(edge.side.comm, edge.peer.label)
         return finished
 
-    # --- side-channel thread -------------------------------------------------------------------------
-    def _on_pull(self, pull: Pull) -> Message | None:
+    # --- side-channel threads (one per edge) ------------------------------------------------------------
+    def _on_pull(self, edge: _PrefillEdge, pull: Pull) -> Message | None:
         with self._lock:
+            if edge.draining:
+                return PullFailed(pull.transfer_id, f"decode {edge.peer} was removed from this prefill's peer set")
             entry = self._sends.get(pull.remote_request_id)
-        if entry is None:
-            self._parked[pull.transfer_id] = (pull, parked_pull_deadline(self.config.hang_timeout_seconds, time.monotonic()))
-            self._pull_received[pull.transfer_id] = time.monotonic()
-            return None
-        self._submit(pull, entry[0], time.monotonic())
+            if entry is None:
+                now = time.monotonic()
+                edge.parked[pull.transfer_id] = (pull, parked_pull_deadline(self.config.hang_timeout_seconds, now), now)
+                return None
+        self._submit(edge, pull, entry[0], time.monotonic())
         return None
 
-    def _on_tick(self) -> list[Message]:
+    def _on_tick(self, edge: _PrefillEdge) -> list[Message]:
         replies: list[Message] = []
+        if not edge.parked:
+            return replies
         now = time.monotonic()
-        for transfer_id, (pull, deadline) in list(self._parked.items()):
-            with self._lock:
+        servable = []
+        with self._lock:
+            for transfer_id, (pull, deadline, received) in list(edge.parked.items()):
                 entry = self._sends.get(pull.remote_request_id)
-            if entry is not None:
-                del self._parked[transfer_id]
-                self._submit(pull, entry[0], self._pull_received.pop(transfer_id, now))
-            elif now > deadline:
-                del self._parked[transfer_id]
-                self._pull_received.pop(transfer_id, None)
-                replies.append(PullFailed(transfer_id, f"prefill holds no KV for request {pull.remote_request_id} "
-                                                       "(unknown, expired or already sent)"))
+                if entry is not None:
+                    del edge.parked[transfer_id]
+                    servable.append((pull, entry[0], received))
+                elif now > deadline:
+                    del edge.parked[transfer_id]
+                    replies.append(PullFailed(transfer_id, f"prefill holds no KV for request {pull.remote_request_id} "
+                                                           "(unknown, expired or already sent)"))
+            self._progress.notify_all()
+        for pull, block_ids, received in servable:
+            self._submit(edge, pull, block_ids, received)
         return replies
 
-    def _submit(self, pull: Pull, block_ids: list[int], received: float) -> None:
-        """Side-channel thread: hand the Pull to a push worker; its reply goes out through the side channel. The pair
-        it came on is captured here: if decode re-pairs meanwhile, the push fails on the old, closed pair instead of
-        writing into the new decode's blocks."""
-        assert self.side is not None
-        route = (self.side.comm, list(self.peer_indices), list(getattr(self, "regions_local", [])))
+    def _submit(self, edge: _PrefillEdge, pull: Pull, block_ids: list[int], received: float) -> None:
+        """Side-channel thread: hand the Pull to a push worker; its reply goes out through the edge's side channel.
+        The pair it came on is captured here: if decode re-pairs meanwhile, the push fails on the old, closed pair
+        instead of writing into the new decode's blocks."""
+        assert edge.side is not None
+        route = (edge.side.comm, list(edge.peer_indices), list(edge.local_indices))
+        with self._lock:
+            edge.inflight += 1
         try:
-            self._pushers.submit(self._serve_and_reply, pull, block_ids, received, route)
+            self._pushers.submit(self._serve_and_reply, edge, pull, block_ids, received, route)
         except RuntimeError:  # shutting down: the pool takes no more work
-            assert self.side is not None
-            self.side.post(PullFailed(pull.transfer_id, "prefill is shutting down"))
+            with self._lock:
+                edge.inflight -= 1
+            edge.side.post(PullFailed(pull.transfer_id, "prefill is shutting down"))
 
-    def _serve_and_reply(self, pull: Pull, block_ids: list[int], received: float, route) -> None:
+    def _serve_and_reply(self, edge: _PrefillEdge, pull: Pull, block_ids: list[int], received: float, route) -> None:
         try:
             reply = self._serve(pull, block_ids, received, route)
         except Exception as exc:  # noqa: BLE001 - decode must hear back, not wait for its deadline
             logger.exception("transfer %s (prefill request %s) crashed", pull.transfer_id, pull.remote_request_id)
             reply = PullFailed(pull.transfer_id, f"prefill push crashed: {type(exc).__name__}: {exc}")
-        assert self.side is not None
-        self.side.post(reply)
+        assert edge.side is not None
+        edge.side.post(reply)
+        with self._lock:
+            edge.inflight -= 1
+            self._progress.notify_all()
 
     def _serve(self, pull: Pull, block_ids: list[int], received: float, route) -> Message:
-        assert self.regions is not None and self.side is not None
+        assert self.regions is not None
         try:
             if pull.dst_block_ids:
                 return self._push(pull, block_ids, received, *route)
@@ -708,15 +871,19 @@ class PrefillWorker(_Worker):
                                self.tp_rank, every)
         comm.set_signal_drop_fault(every)
 
-    def _register(self, comm: PairComm) -> tuple[bytes, list[int], int]:
-        table, indices, num_blocks = super()._register(comm)
-        self.regions_local = indices
-        return table, indices, num_blocks
-
     def shutdown(self) -> None:
-        if self.side is not None:
-            self.side.stop()  # closes the pair: a push still running fails fast instead of waiting for its flush
+        with self._peers_lock:
+            edges, self._edges = list(self._edges.values()), {}
+            self._registered = False
+        for edge in edges:
+            if edge.side is not None:
+                edge.side.stop()  # closes the pair: a push still running fails fast instead of waiting for its flush
         self._pushers.shutdown(wait=True, cancel_futures=True)
+        for closer in self._closing:
+            closer.join(2 * self.config.hang_timeout_seconds + 5)
+        for edge in edges:
+            if edge.transport is not None and edge.transport is not self.transport:
+                edge.transport.close()
         super().shutdown()
 
 

@@ -145,6 +145,16 @@ ENV_GENERATION = "PDPAIR_GENERATION"
 ENV_LISTEN_PORT_BASE = "PDPAIR_LISTEN_PORT_BASE"
 ENV_PEER_HOST = "PDPAIR_PEER_HOST"
 ENV_PEER_PORT_BASE = "PDPAIR_PEER_PORT_BASE"
+# Prefill: every decode it pairs with, `host:portBase,host:portBase,...` (IPv6 hosts in brackets, `[fd00::7]:20000`).
+# Unset: the one decode of PDPAIR_PEER_HOST / PDPAIR_PEER_PORT_BASE (what the operator sets today, 1P1D).
+ENV_PEERS = "PDPAIR_PEERS"
+# Prefill: this instance's identity, sent in Hello and in kv_transfer_params, so a decode paired with several
+# prefills sends each Pull on the edge of the prefill that computed the request. Unset: `<hostname>:<PDPAIR_HTTP_PORT>`
+# (the HTTP port is leased per instance). Characters of a metric label value ([A-Za-z0-9_.:-[]/], at most 128).
+ENV_INSTANCE = "PDPAIR_INSTANCE"
+# Prefill: the bearer token of `PUT PEERS_PATH` on its metrics port (the operator's push of the peer set; per pair, from
+# a Secret). Unset: the endpoint answers 404 and the set stays what PDPAIR_PEERS (or PEER_HOST/_PORT_BASE) said.
+ENV_PEERS_TOKEN = "PDPAIR_PEERS_TOKEN"
 ENV_METRICS_PORT = "PDPAIR_METRICS_PORT"
 ENV_HTTP_PORT = "PDPAIR_HTTP_PORT"
 ENV_HANG_TIMEOUT_SECONDS = "PDPAIR_HANG_TIMEOUT_SECONDS"
@@ -162,6 +172,9 @@ POD_ENV = (
     ENV_LISTEN_PORT_BASE,
     ENV_PEER_HOST,
     ENV_PEER_PORT_BASE,
+    ENV_PEERS,
+    ENV_INSTANCE,
+    ENV_PEERS_TOKEN,
     ENV_METRICS_PORT,
     ENV_HTTP_PORT,
     ENV_HANG_TIMEOUT_SECONDS,
@@ -174,6 +187,8 @@ HEALTHZ_PATH = "/healthz"
 # Prefill's readiness (the operator's default readinessProbe, on the metrics port): 200 once every rank is paired with
 # decode and the engine serves (its own /health); 503 with the reason before. Decode keeps vLLM's /health.
 READYZ_PATH = "/readyz"
+# Prefill: PUT the whole desired peer set (docs/xpyd.md section 3), GET its state; bearer ENV_PEERS_TOKEN.
+PEERS_PATH = "/pdpair/v1/peers"
 # containerPort name of PDPAIR_METRICS_PORT on pair pods; the chart's PodMonitor scrapes the port by this name.
 METRICS_PORT_NAME = "metrics"
 # containerPort name of PDPAIR_HTTP_PORT on every pair pod; the router's Service targets it by this name.
@@ -248,8 +263,9 @@ HANDSHAKES = Metric(
     "pdpair_handshakes_total", "counter", ("role", "rank", "outcome"), "Side-channel uid exchanges by outcome."
 )
 PEER_PAIRED = Metric(
-    "pdpair_peer_paired", "gauge", ("role", "rank"),
-    "1 while this prefill rank is paired with its decode (handshake done, side channel up); prefill only.",
+    "pdpair_peer_paired", "gauge", ("role", "rank", "peer"),
+    "1 while this prefill rank is paired with the decode `peer` (host:portBase; handshake done, side channel up), "
+    "0 while it is not yet or no longer; prefill only, one series per decode in its peer set.",
 )
 TRANSPORT_INFLIGHT = Metric(
     "pdpair_transport_inflight", "gauge", ("rank", "peer"), "Puts posted and not yet completed."

@@ -108,7 +108,8 @@ async def scrape_pod(
                 if stuck:
                     details["transfer"] = stuck
                     message += (
-                        f"; stuck transfer {stuck.get('id')} from {stuck.get('peer')}: "
+                        f"; stuck transfer {stuck.get('id')} from {stuck.get('peer')}"
+                        + (f" rank {stuck['rank']}" if "rank" in stuck else "") + ": "
                         f"{stuck.get('received')}/{stuck.get('expected')} signals"
                     )
             return done(state, message, metrics, details)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import socket
 import sys
 from pathlib import Path
 
 import pytest
 
 from pdpair import contract
-from pdpair.connector.config import DEFAULT_TRANSPORT_SLOTS, ConfigError, PdPairConfig
+from pdpair.connector.config import DEFAULT_TRANSPORT_SLOTS, ConfigError, PdPairConfig, PeerAddress
 from pdpair.connector.transports import make_transport
 from pdpair.connector.transports.base import deadline_in
 
@@ -140,3 +143,74 @@ def test_flagcx_gets_hetero_comm_unless_the_pod_set_it():
     config = PdPairConfig.from_env("kv_consumer", {}, {**flagcx, "FLAGCX_USE_HETERO_COMM": "0"})
     assert config.transport_env["FLAGCX_USE_HETERO_COMM"] == "0" and config.transport_environment() == {}
     assert PdPairConfig.from_env("kv_consumer", {}, DECODE).transport_environment() == {}  # tcp loads no libflagcx
+
+
+def test_prefill_peer_set_from_pdpair_peers():
+    """PDPAIR_PEERS lists every decode, `host:portBase`, IPv6 in brackets; PDPAIR_PEER_HOST/_PORT_BASE alone are a
+    one-element list (what the operator sets today); both given must agree. Cost: milliseconds."""
+    peers = "10.0.0.9:20000, decode-1.pairs.svc:20010,[fd00::7]:20020"
+    config = PdPairConfig.from_env("kv_producer", {}, {**TCP, contract.ENV_PEERS: peers})
+    assert config.peer_set() == (PeerAddress("10.0.0.9", 20000), PeerAddress("decode-1.pairs.svc", 20010),
+                                 PeerAddress("fd00::7", 20020))
+    assert [p.label for p in config.peers] == ["10.0.0.9:20000", "decode-1.pairs.svc:20010", "[fd00::7]:20020"]
+    assert config.peers[2].port(1) == 20021
+    old = PdPairConfig.from_env("kv_producer", {}, PREFILL)
+    assert old.peer_set() == (PeerAddress("10.0.0.9", 20000),) and old.peer_port(1) == 20001
+    both = PdPairConfig.from_env("kv_producer", {}, {**PREFILL, contract.ENV_PEERS: peers})
+    assert both.peers == config.peers
+    # A config built in code with the old fields only still has its one decode.
+    assert dataclasses.replace(old, peers=()).peer_set() == (PeerAddress("10.0.0.9", 20000),)
+
+
+def test_prefill_instance_names_it_in_kv_transfer_params_and_hello():
+    """PDPAIR_INSTANCE, or `<hostname>:<PDPAIR_HTTP_PORT>`: the same in the scheduler and every worker process."""
+    config = PdPairConfig.from_env("kv_producer", {}, {**PREFILL, contract.ENV_INSTANCE: "pair-prefill-g3-0"})
+    assert config.instance_id == "pair-prefill-g3-0"
+    default = PdPairConfig.from_env("kv_producer", {}, {**PREFILL, contract.ENV_HTTP_PORT: "20007"})
+    assert default.instance_id == f"{socket.gethostname()}:20007"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({contract.ENV_PEERS: "10.0.0.9:20000,,10.0.0.8:20000"}, "an empty entry"),
+        ({contract.ENV_PEERS: "10.0.0.9:20000,"}, "an empty entry"),
+        ({contract.ENV_PEERS: "10.0.0.9"}, "'10.0.0.9' is not host:portBase"),
+        ({contract.ENV_PEERS: "fd00::7:20000"}, "put an IPv6 address in brackets"),
+        ({contract.ENV_PEERS: "[fd00::zz]:20000"}, "is not an IPv6 address"),
+        ({contract.ENV_PEERS: "[fd00::7]20000"}, "is not [ipv6]:portBase"),
+        ({contract.ENV_PEERS: "10.0.0.9:http"}, "the port of '10.0.0.9:http' is not a number"),
+        ({contract.ENV_PEERS: "10.0.0.9:0"}, "not in 1..65535"),
+        ({contract.ENV_PEERS: "bad host:20000"}, "is not a host name"),
+        ({contract.ENV_PEERS: "a:1,b:2,a:1"}, "decode a:1 is named twice"),
+        ({contract.ENV_PEERS: "a:1", contract.ENV_PEER_HOST: "b", contract.ENV_PEER_PORT_BASE: "1"},
+         "name a decode that is not in PDPAIR_PEERS"),
+        ({contract.ENV_PEER_PORT_BASE: "1"}, "or PDPAIR_PEERS"),
+        ({contract.ENV_PEERS: "a:1", contract.ENV_INSTANCE: "has space"}, "PDPAIR_INSTANCE='has space'"),
+    ],
+)
+def test_bad_peer_settings_fail_with_the_variable_named(env, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        PdPairConfig.from_env("kv_producer", {}, {**TCP, **env})
+
+
+def test_pdpair_peers_is_prefill_only():
+    with pytest.raises(ConfigError, match="PDPAIR_PEERS applies to prefill only"):
+        PdPairConfig.from_env("kv_consumer", {}, {**DECODE, contract.ENV_PEERS: "a:1"})
+
+
+def test_peers_token_enables_the_peer_push_on_prefill_only():
+    """PDPAIR_PEERS_TOKEN: prefill's bearer token of PUT /pdpair/v1/peers, served on the metrics port."""
+    token = "t" * 16
+    env = {**PREFILL, contract.ENV_PEERS_TOKEN: token, contract.ENV_METRICS_PORT: "9100"}
+    assert PdPairConfig.from_env("kv_producer", {}, env).peers_token == token
+    assert token not in repr(PdPairConfig.from_env("kv_producer", {}, env))
+    for bad_env, message in (
+        ({**env, contract.ENV_PEERS_TOKEN: "short"}, "at least 16 printable ASCII"),
+        ({**env, contract.ENV_PEERS_TOKEN: "with a space in it!"}, "without spaces"),
+        ({k: v for k, v in env.items() if k != contract.ENV_METRICS_PORT}, "needs PDPAIR_METRICS_PORT"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            PdPairConfig.from_env("kv_producer", {}, bad_env)
+    with pytest.raises(ConfigError, match="PDPAIR_PEERS_TOKEN applies to prefill only"):
+        PdPairConfig.from_env("kv_consumer", {}, {**DECODE, contract.ENV_PEERS_TOKEN: token})

@@ -46,7 +46,7 @@ def make_decode(port: int, side: Side, generation: int = 4, host: str = "127.0.0
         host=host, port=port, tp_rank=0, generation=generation, transport=TcpTransport(), hang_timeout_seconds=5.0,
         local_hash=HASH, factors=FACTORS, register_regions=side.register,
         on_pull_done=lambda d: (side.done.append(d), side.got_done.set()),
-        on_pull_failed=side.failed.append, on_disconnect=lambda reason: None, accounts=accounts,
+        on_pull_failed=side.failed.append, on_disconnect=lambda edge, reason: None, accounts=accounts,
     )
     return channel, accounts
 
@@ -182,13 +182,13 @@ def test_prefill_notices_a_decode_that_went_away_before_its_serve_loop_started(m
         prefill.stop()
 
 
-def paired_within(accounts: SignalAccounts, want: bool, seconds: float = 5.0) -> bool:
+def paired_within(accounts: SignalAccounts, port: int, want: bool, seconds: float = 5.0) -> bool:
     """The pairing state prefill's readiness (/readyz) reads, as it settles after `connected` flips."""
     deadline = time.monotonic() + seconds
     while accounts.paired != want and time.monotonic() < deadline:
         time.sleep(0.02)
     return accounts.paired == want and accounts.registry.get_sample_value(
-        "pdpair_peer_paired", {"role": "prefill", "rank": "0"}) == float(want)
+        "pdpair_peer_paired", {"role": "prefill", "rank": "0", "peer": f"127.0.0.1:{port}"}) == float(want)
 
 
 def test_prefill_pairs_again_with_a_restarted_decode():
@@ -197,24 +197,24 @@ def test_prefill_pairs_again_with_a_restarted_decode():
     prefill_side = Side(3.0)
     prefill, prefill_accounts = make_prefill(port, prefill_side)
     first, _ = make_decode(port, Side(0.0))
-    assert paired_within(prefill_accounts, False, 0)
+    assert paired_within(prefill_accounts, port, False, 0)
     first.start_and_wait()
     prefill.start()
     try:
-        assert prefill.connected.wait(15) and paired_within(prefill_accounts, True)
+        assert prefill.connected.wait(15) and paired_within(prefill_accounts, port, True)
         old_comm = prefill.comm
         first.stop()  # decode's process restarts (same generation, same port)
         deadline = time.monotonic() + 10
         while prefill.connected.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not prefill.connected.is_set(), "prefill must notice that decode went away"
-        assert paired_within(prefill_accounts, False)
+        assert paired_within(prefill_accounts, port, False)
         second_side = Side(0.0)
         second, _ = make_decode(port, second_side)
         second.start_and_wait()
         try:
             assert prefill.connected.wait(20) and second.connected.wait(5)
-            assert paired_within(prefill_accounts, True)
+            assert paired_within(prefill_accounts, port, True)
             assert prefill.comm is not old_comm
             assert handshakes(prefill_accounts, "ok") == 2
             slot = 1

@@ -33,6 +33,7 @@ def config(role: str, port: int) -> PdPairConfig:
         listen_port_base=port if role == contract.ROLE_DECODE else None,
         peer_host="127.0.0.1" if role == contract.ROLE_PREFILL else None,
         peer_port_base=port if role == contract.ROLE_PREFILL else None,
+        instance="prefill-0" if role == contract.ROLE_PREFILL else "",
     )
 
 
@@ -68,7 +69,7 @@ def send(prefill: PrefillWorker, request_id: str, blocks: list[int]) -> None:
 
 
 def recv(decode: DecodeWorker, request_id: str, remote_id: str, first_block: int, blocks: list[int]) -> None:
-    decode.start_load_kv(PdPairConnectorMetadata(reqs_to_recv=[RecvRequest(request_id, remote_id, first_block, blocks)]))
+    decode.start_load_kv(PdPairConnectorMetadata(reqs_to_recv=[RecvRequest(request_id, remote_id, first_block, blocks, "prefill-0")]))
 
 
 def settle(decode: DecodeWorker, wanted: set[str], idle: bool = False) -> tuple[set[str], set[str]]:

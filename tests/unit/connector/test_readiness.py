@@ -19,6 +19,8 @@ from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.warmup import WARMUP_PROMPT, Warmup
 from devcluster.ports import free_port
 
+PEER = "10.0.0.7:20000"  # the decode of prefill's peer set (host:portBase), the `peer` label of its pairing
+
 
 class Engine:
     """vLLM's HTTP stand-in: /health answers `status` (200 or 503); /v1/models names one model; /v1/completions
@@ -85,18 +87,18 @@ def test_not_ready_until_paired_then_the_engine_decides(engine):
     accounts = SignalAccounts("prefill", 30.0)
     ready, body = readiness(accounts, engine_health_url=engine.url)
     assert not ready and body["status"].startswith("waiting for decode") and body["paired"] == {"0": False}
-    accounts.set_paired(True)
+    accounts.set_paired(True, PEER)
     assert readiness(accounts, engine_health_url=engine.url) == (True, {"paired": {"0": True}, "status": "ok"})
     engine.status = 503  # paired, but the engine does not serve (yet, or any more)
     ready, body = readiness(accounts, engine_health_url=engine.url)
     assert not ready and "503" in body["status"]
-    accounts.set_paired(False)  # decode went away: not ready again until it pairs anew
+    accounts.set_paired(False, PEER)  # decode went away: not ready again until it pairs anew
     assert readiness(accounts, engine_health_url=engine.url)[0] is False
 
 
 def test_an_engine_that_does_not_answer_is_not_ready():
     accounts = SignalAccounts("prefill", 30.0)
-    accounts.set_paired(True)
+    accounts.set_paired(True, PEER)
     ready, body = readiness(accounts, engine_health_url=f"http://127.0.0.1:{free_port()}/health")
     assert not ready and "refused" in body["status"].lower()
 
@@ -105,7 +107,7 @@ def test_decode_is_ready_when_its_engine_serves(engine):
     accounts = SignalAccounts("decode", 30.0)
     assert readiness(accounts, engine_health_url=engine.url) == (True, {"status": "ok"})
     with pytest.raises(ValueError, match="only prefill pairs"):
-        accounts.set_paired(True)
+        accounts.set_paired(True, PEER)
 
 
 def test_served_over_http_with_every_tp_rank(engine):
@@ -118,13 +120,13 @@ def test_served_over_http_with_every_tp_rank(engine):
     server = serve(port, rank0, ranks=PeerRanks(port, (1,)), engine_health_url=engine.url)
     url = f"http://127.0.0.1:{server.port}{contract.READYZ_PATH}"
     try:
-        rank0.set_paired(True)
+        rank0.set_paired(True, PEER)
         status, body = get(url)
         assert status == 503 and body["paired"] == {"0": True, "1": False} and "rank 1 not paired" in body["status"]
-        rank1.set_paired(True)
+        rank1.set_paired(True, PEER)
         assert get(url) == (200, {"paired": {"0": True, "1": True}, "status": "ok"})
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read().decode()
-        assert 'pdpair_peer_paired{rank="1",role="prefill"} 1.0' in metrics
+        assert 'pdpair_peer_paired{peer="10.0.0.7:20000",rank="1",role="prefill"} 1.0' in metrics
     finally:
         server.stop()
         exporter.stop()
@@ -136,7 +138,7 @@ def test_served_over_http_with_every_tp_rank(engine):
 def get_unreachable(port: int, engine: Engine) -> tuple[int, dict]:
     """A rank whose exporter is gone: the pod is not ready (its readiness cannot be known)."""
     rank0 = SignalAccounts("prefill", 30.0, rank=0)
-    rank0.set_paired(True)
+    rank0.set_paired(True, PEER)
     server = serve(port, rank0, ranks=PeerRanks(port, (1,), timeout=0.2), engine_health_url=engine.url)
     try:
         return get(f"http://127.0.0.1:{server.port}{contract.READYZ_PATH}")
@@ -162,7 +164,7 @@ def test_ready_only_once_the_warm_up_completion_is_answered(engine, role):
     not ready while it runs, ready once it is answered; never a second one."""
     accounts = SignalAccounts(role, 30.0)
     if role == "prefill":
-        accounts.set_paired(True)
+        accounts.set_paired(True, PEER)
     warmup = Warmup(engine.base)
     engine.release.clear()  # the engine holds the completion (a compile in progress)
     ready, body = readiness(accounts, engine_health_url=engine.url, warmup=warmup)
