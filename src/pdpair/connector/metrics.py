@@ -101,7 +101,8 @@ def readiness(accounts: SignalAccounts, ranks: "PeerRanks | None" = None,
     Prefill starts beside decode and pairs once decode's listener accepts (side_channel.py retries until then), so a
     Ready prefill is one that can push KV now, never one still waiting for its decode. Decode pairs with whoever
     comes: its engine serving. Both: then `warmup` done (warmup.py: one completion through the engine's own API,
-    so the first user request pays no first-call compile)."""
+    so the first user request pays no first-call compile). Prefill's warm-up starts as soon as its engine serves,
+    paired or not."""
     if accounts.role != contract.ROLE_PREFILL:
         engine = _engine_serves(engine_health_url)
         if engine is not None:
@@ -115,10 +116,15 @@ def readiness(accounts: SignalAccounts, ranks: "PeerRanks | None" = None,
         else:
             unreachable[str(rank)] = snapshot
     waiting = sorted((r for r, ok in paired.items() if not ok), key=int)
-    engine = _engine_serves(engine_health_url) if not waiting and not unreachable else None
+    engine = _engine_serves(engine_health_url)
     body: dict = {"paired": {r: paired[r] for r in sorted(paired, key=int)}}
     if waiting:
         body["status"] = f"waiting for decode: rank{'s' if len(waiting) > 1 else ''} {', '.join(waiting)} not paired"
+        # The warm-up needs only the engine (its completion moves no KV): started while prefill still waits for
+        # decode's listener, it is done by the time the pairing comes, instead of following it on the path to the
+        # pair's first answer.
+        if engine is None:
+            body["warmup"] = _warmed(warmup, {})[1]["status"]
     elif unreachable:
         body["status"], body["unreachable_ranks"] = "rank_unreachable", unreachable
     elif engine is not None:

@@ -178,10 +178,28 @@ def test_ready_only_once_the_warm_up_completion_is_answered(engine, role):
     assert engine.completions == [{"model": "tiny", "prompt": WARMUP_PROMPT, "max_tokens": 1, "temperature": 0}]
 
 
+def test_prefill_warms_up_while_it_waits_for_decode(engine):
+    """Prefill's engine often serves long before decode listens (both start at once): its warm-up runs then, so
+    the pairing, when it comes, is the last thing its readiness waits for. Not ready while unpaired, warm or not."""
+    accounts = SignalAccounts("prefill", 30.0)
+    warmup = Warmup(engine.base)
+    ready, body = readiness(accounts, engine_health_url=engine.url, warmup=warmup)
+    assert not ready and body["status"].startswith("waiting for decode"), body
+    _until(lambda: engine.completions)  # started although nothing is paired
+    _until(lambda: warmup.state()[0])
+    ready, body = readiness(accounts, engine_health_url=engine.url, warmup=warmup)
+    assert not ready and body["warmup"].startswith("ok"), body
+    accounts.set_paired(True, PEER)
+    ready, body = readiness(accounts, engine_health_url=engine.url, warmup=warmup)
+    assert ready and body["status"] == "ok", body
+    assert len(engine.completions) == 1
+
+
 def test_no_warm_up_before_the_engine_serves(engine):
     engine.status = 503
     warmup = Warmup(engine.base)
     assert readiness(SignalAccounts("decode", 30.0), engine_health_url=engine.url, warmup=warmup)[0] is False
+    assert readiness(SignalAccounts("prefill", 30.0), engine_health_url=engine.url, warmup=warmup)[0] is False
     assert not engine.completions and warmup._thread is None
 
 
