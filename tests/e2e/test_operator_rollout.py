@@ -260,9 +260,10 @@ def test_a_failing_new_generation_is_rolled_back_and_the_old_one_keeps_serving(p
         listeners = []
         deleted = [o for o in recorder.order() if o.startswith("delete ")]
         print(f"\nrollback order: {', '.join(recorder.order())}")
-        # only the new generation's pods (its prefill, when it started beside the failing decode, then its decode);
-        # the old generation was never touched
-        assert deleted in (["delete back-decode-g2"], ["delete back-prefill-g2", "delete back-decode-g2"]), deleted
+        # only the new generation's pods (its prefill, when it started beside the failing decode, and its router,
+        # when it started beside that prefill; then its decode); the old generation was never touched
+        assert deleted in (["delete back-decode-g2"], ["delete back-prefill-g2", "delete back-decode-g2"],
+                           ["delete back-router-g2", "delete back-prefill-g2", "delete back-decode-g2"]), deleted
         events = collections.Counter(e.reason for e in api.events(ns) if e.involved_object.kind == KIND)
         assert events["RolloutFailed"] >= 1 and events["RolloutRolledBack"] >= 1
         assert decode["metadata"]["labels"][LABEL_GENERATION] == "2"
