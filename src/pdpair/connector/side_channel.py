@@ -76,8 +76,11 @@ SEND_TIMEOUT_SECONDS = 5.0
 # kernel closes the TCP connection), and within DISCONNECT_GRACE_SECONDS when decode's host goes silent (ZMTP
 # heartbeats every HEARTBEAT_INTERVAL_SECONDS, answered by decode's ZMQ I/O thread, never by a Python thread).
 # Then that edge's pair closes, which fails its pushes in flight at once; other edges are untouched.
-HEARTBEAT_INTERVAL_SECONDS = 1.0
-DISCONNECT_GRACE_SECONDS = 5.0
+# 30 s, half the default hang timeout: at 5 s, in CI at load 35 on 2 cores, both ranks of a TP = 2 prefill dropped a
+# decode that was alive and serving (its I/O thread did not answer in time) and paired again, failing what was in
+# flight. A host that really goes silent is still noticed well before the hang timeout.
+HEARTBEAT_INTERVAL_SECONDS = 2.0
+DISCONNECT_GRACE_SECONDS = 30.0
 
 
 def _bounded_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
