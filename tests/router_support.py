@@ -86,3 +86,15 @@ async def engine_server(engine: Engine) -> tuple[web.AppRunner, str]:
     app.router.add_get("/readyz", engine.readiness)
     app.router.add_get("/health", engine.readiness)
     return await serve(app)
+
+
+async def start_engines(n_prefill: int, n_decode: int, runners: list) -> tuple[list[Engine], list[Engine], dict]:
+    """n_prefill and n_decode stand-ins, each served on a free port (its runner appended to `runners` for cleanup):
+    (prefills, decodes, {name: base URL})."""
+    prefills = [Engine(f"prefill-{i}") for i in range(n_prefill)]
+    decodes = [Engine(f"decode-{i}") for i in range(n_decode)]
+    urls = {}
+    for engine in prefills + decodes:
+        runner, urls[engine.name] = await engine_server(engine)
+        runners.append(runner)
+    return prefills, decodes, urls

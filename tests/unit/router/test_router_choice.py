@@ -15,7 +15,7 @@ import pytest_asyncio
 
 from pdpair.router.__main__ import build_parser, config_from_args
 from pdpair.router.app import ROUTE_HEADER, Pool, RouterConfig, make_app, parse_kv_usage
-from tests.router_support import Engine, engine_server, serve
+from tests.router_support import serve, start_engines
 
 
 @pytest_asyncio.fixture
@@ -24,12 +24,7 @@ async def fleet():
     runners, sockets = [], []
 
     async def start(n_prefill: int, n_decode: int, prefill_urls=(), decode_urls=(), **overrides):
-        prefills = [Engine(f"prefill-{i}") for i in range(n_prefill)]
-        decodes = [Engine(f"decode-{i}") for i in range(n_decode)]
-        urls = {}
-        for engine in prefills + decodes:
-            runner, urls[engine.name] = await engine_server(engine)
-            runners.append(runner)
+        prefills, decodes, urls = await start_engines(n_prefill, n_decode, runners)
         # Extra URLs (dead ones) come first: index 0 is a fresh router's first choice.
         config = RouterConfig(tuple(prefill_urls) + tuple(urls[e.name] for e in prefills),
                               tuple(decode_urls) + tuple(urls[e.name] for e in decodes), **overrides)

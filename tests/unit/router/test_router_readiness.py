@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from pdpair.router.__main__ import build_parser, config_from_args
 from pdpair.router.app import RouterConfig, make_app
-from tests.router_support import Engine, engine_server, serve
+from tests.router_support import serve, start_engines
 
 
 @pytest_asyncio.fixture
@@ -24,12 +24,7 @@ async def fleet():
     runners = []
 
     async def start(n_prefill: int, n_decode: int, ready_urls: bool = True, **overrides):
-        prefills = [Engine(f"prefill-{i}") for i in range(n_prefill)]
-        decodes = [Engine(f"decode-{i}") for i in range(n_decode)]
-        urls = {}
-        for engine in prefills + decodes:
-            runner, urls[engine.name] = await engine_server(engine)
-            runners.append(runner)
+        prefills, decodes, urls = await start_engines(n_prefill, n_decode, runners)
         ready = {name: url + "/readyz" for name, url in urls.items()} if ready_urls else {}
         config = RouterConfig(
             tuple(urls[e.name] for e in prefills), tuple(urls[e.name] for e in decodes),
