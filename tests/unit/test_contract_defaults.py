@@ -27,3 +27,14 @@ def test_the_connector_and_the_operator_use_the_contract_defaults():
     assert pods.FLAGCX_ENV_DEFAULTS is contract.FLAGCX_ENV_DEFAULTS
     assert TRANSPORT_SPECS[contract.TRANSPORT_FLAGCX].env_defaults is contract.FLAGCX_ENV_DEFAULTS
     assert TRANSPORT_SPECS[contract.TRANSPORT_FLAGCX].max_slots == contract.MAX_FLAGCX_TRANSPORT_SLOTS
+
+
+def test_the_crd_states_the_replicas_default_and_bound_of_the_contract():
+    """spec.<role>.replicas: the planner's fallback for a spec stored before the field existed (spec_fields.replicas)
+    is the CRD's default; the status schema's bounds follow the same maximum."""
+    spec = spec_schema()["properties"]
+    for role in (contract.ROLE_PREFILL, contract.ROLE_DECODE):
+        replicas = spec[role]["properties"]["replicas"]
+        assert replicas["default"] == contract.DEFAULT_REPLICAS
+        assert replicas["maximum"] == contract.MAX_REPLICAS
+        assert replicas["minimum"] == 1

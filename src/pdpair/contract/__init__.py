@@ -77,6 +77,13 @@ LABEL_PAIR_NAMESPACE = "pdpair.io/pair-namespace"
 LABEL_PAIR_UID = "pdpair.io/pair-uid"
 LABEL_ROLE = "pdpair.io/role"
 LABEL_GENERATION = "pdpair.io/generation"
+# On a pair's engine pods and port Leases: the instance's index within its role and generation (xPyD,
+# docs/xpyd.md section 1). Absent means 0: pods and Leases made before instances existed are instance 0.
+LABEL_INSTANCE = "pdpair.io/instance"
+# spec.<role>.replicas: instances per role. The CRD declares the same default and bounds
+# (tests/unit/test_contract_defaults.py holds them equal); a spec read from the API always carries it.
+DEFAULT_REPLICAS = 1
+MAX_REPLICAS = 16
 LABEL_PORT_LEASE = "pdpair.io/port-lease"
 LABEL_PURPOSE = "pdpair.io/purpose"
 # On a port Lease: which of the pair's two port sets it belongs to ("a", the default when absent, or "b"). A Surge
@@ -95,9 +102,11 @@ PURPOSES = (PURPOSE_SIDECHANNEL, PURPOSE_METRICS, PURPOSE_HTTP)
 LEASE_NAME_PREFIX = "pdpair-port-"  # one coordination.k8s.io Lease per port: pdpair-port-<port>
 
 
-def status_port_name(role: str, purpose: str, index: int) -> str:
-    """status.ports[].name: `<role>-<purpose>-<index>` (the CRD's Decode Port column reads decode-sidechannel-0)."""
-    return f"{role}-{purpose}-{index}"
+def status_port_name(role: str, purpose: str, index: int, instance: int = 0) -> str:
+    """status.ports[].name: `<role>-<purpose>-<index>` for instance 0 (the CRD's Decode Port column reads
+    decode-sidechannel-0, and a pair made before instances existed keeps its names), `<role>-<purpose>-<index>-i<n>`
+    for instance n >= 1."""
+    return f"{role}-{purpose}-{index}" if not instance else f"{role}-{purpose}-{index}-i{instance}"
 
 
 # --- a leased port that something else on the node already holds (the pod's termination message) ---------------

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
-from pdpair.contract import ANNOTATION_SPEC_HASH, LABEL_GENERATION, LABEL_ROLE
+from pdpair.contract import ANNOTATION_SPEC_HASH, LABEL_GENERATION, LABEL_INSTANCE, LABEL_ROLE
 
 
 def _plain(value: Any) -> Any:
@@ -41,6 +41,7 @@ class PodView:
     role: str
     generation: int
     spec_hash: str = ""
+    instance: int = 0  # index within its role and generation (label pdpair.io/instance; absent: 0)
     phase: str = "Pending"  # Pending | Running | Succeeded | Failed | Unknown
     ready: bool = False
     ip: str | None = None
@@ -79,6 +80,10 @@ class PodView:
             generation = int(labels.get(LABEL_GENERATION, "0"))
         except ValueError:
             generation = 0
+        try:
+            instance = int(labels.get(LABEL_INSTANCE, "0"))
+        except ValueError:
+            instance = 0
         restarts = sum(int(cs.get("restartCount") or 0) for cs in status.get("containerStatuses") or [])
         spec = pod.get("spec") or {}
         ports = sorted({int(p["containerPort"]) for c in (spec.get("initContainers") or []) + (spec.get("containers") or [])
@@ -88,6 +93,7 @@ class PodView:
             role=labels.get(LABEL_ROLE, ""),
             generation=generation,
             spec_hash=annotations.get(ANNOTATION_SPEC_HASH, ""),
+            instance=instance,
             phase=status.get("phase") or "Pending",
             ready=cond.get("Ready") == "True",
             ip=status.get("podIP") or None,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from pdpair.contract import DEFAULT_REPLICAS
+
 
 class MissingDefaultedField(ValueError):
     """A field the CRD defaults is absent from a spec read from the API."""
@@ -38,3 +40,11 @@ def transport_slots(spec: Mapping[str, Any]) -> int:
 
 def startup_timeout_seconds(spec: Mapping[str, Any]) -> int:
     return int(defaulted(spec, "startupTimeoutSeconds"))
+
+
+def replicas(spec: Mapping[str, Any], role: str) -> int:
+    """spec.<role>.replicas. Unlike the fields above it may be absent from a spec read from the API: a pair stored
+    before the field existed is defaulted on read by a CRD that has it, but not by an older one, and either way it
+    means one instance (docs/xpyd.md section 1); the contract's DEFAULT_REPLICAS is the CRD's default
+    (tests/unit/test_contract_defaults.py)."""
+    return int((spec.get(role) or {}).get("replicas", DEFAULT_REPLICAS))
