@@ -83,6 +83,11 @@ LABEL_INSTANCE = "pdpair.io/instance"
 # spec.<role>.replicas: instances per role. The CRD declares the same default and bounds
 # (tests/unit/test_contract_defaults.py holds them equal); a spec read from the API always carries it.
 DEFAULT_REPLICAS = 1
+# On an engine pod chosen for removal by a scale-down: when the operator began draining it (epoch seconds). From
+# then on it is in no push (router, prefills); it is deleted after spec.rollout.drainSeconds (operator/instances.py).
+ANNOTATION_DRAINING_SINCE = "pdpair.io/draining-since"
+# On a prefill or router pod: the digest of the peer set it was created with or last pushed (operator/instances.py).
+ANNOTATION_PEERS_DIGEST = "pdpair.io/peers-digest"
 MAX_REPLICAS = 16
 LABEL_PORT_LEASE = "pdpair.io/port-lease"
 LABEL_PURPOSE = "pdpair.io/purpose"

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from pdpair.contract import (
@@ -52,6 +52,7 @@ from pdpair.contract import (
     ROLE_ROUTER,
 )
 
+from . import instances
 from .observed import Observed, PodView
 from .status import FALSE, TRUE, Condition
 
@@ -64,8 +65,16 @@ POD_SPEC_FIELDS = ("model", "servedModelName", "image", "prefill", "decode", "co
 SPEC_FIELDS_NOT_IN_PODS = ("rolloutStrategy", "rollout", "restartPolicy")  # how to roll and restart, not what
 
 
+# Inside the role specs, what is not a pod field: the instance count (xPyD). Scaling 2 -> 3 must leave every existing
+# pod alone, and a pair stored before the field existed (defaulted to 1 on read) must keep its fingerprint.
+ROLE_FIELDS_NOT_IN_PODS = ("replicas",)
+
+
 def spec_fingerprint(spec: Mapping[str, Any]) -> str:
     relevant = {k: spec.get(k) for k in POD_SPEC_FIELDS}
+    for role in (ROLE_PREFILL, ROLE_DECODE):
+        if isinstance(relevant.get(role), Mapping):
+            relevant[role] = {k: v for k, v in relevant[role].items() if k not in ROLE_FIELDS_NOT_IN_PODS}
     text = json.dumps(relevant, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -90,6 +99,8 @@ STEP_CREATE_ROUTER = "CreateRouter"
 STEP_WAIT_ROUTER_READY = "WaitRouterReady"
 STEP_READY = "Ready"
 STEP_BROKEN = "Broken"  # a current pod failed or vanished: the executor decides on a restart
+# xPyD (instances.py): an instance beyond the first is created, drained or deleted while instance 0's steps wait
+STEP_INSTANCES = "Instances"
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,9 @@ class Plan:
     message: str
     delete: tuple[str, ...] = ()  # pod names, in this order
     create: str | None = None  # a role
+    create_instance: int = 0  # which instance of that role (xPyD: instances.py); 0 for a 1P1D pair
+    mark_draining: tuple[str, ...] = ()  # pods a scale-down chose: annotate pdpair.io/draining-since = now
+    role_status: Mapping[str, Any] = field(default_factory=dict)  # status.prefill / status.decode (instances.py)
     probe_decode: bool = False  # the executor should probe the current decode pod's listener
     broken_reason: str | None = None
     rolled_out: bool = False  # this plan moved to a new generation for a spec change
@@ -127,16 +141,18 @@ def current_generation(status: Mapping[str, Any], pods: Iterable[PodView]) -> in
 def broken_reason(pods: Iterable[PodView], generation: int) -> str | None:
     """Why the pods of `generation` can no longer work as a pair, or None. Unscheduled Pending pods are fine."""
     current = [p for p in pods if p.generation == generation]
-    by_role = {p.role: p for p in current}
-    for role in (ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER):
-        pod = by_role.get(role)
-        if pod is not None and pod.failed:
-            return f"{role} pod {pod.name} {pod.phase.lower()}"
-        if pod is not None and pod.restarts > 0:
-            return f"{role} pod {pod.name} container restarted {pod.restarts}x"
-    decode = by_role.get(ROLE_DECODE)
-    prefill = by_role.get(ROLE_PREFILL)
-    if prefill is not None and (decode is None or decode.deleting):
+    rank = {ROLE_DECODE: 0, ROLE_PREFILL: 1, ROLE_ROUTER: 2}
+    for pod in sorted(current, key=lambda p: (rank.get(p.role, 3), p.instance)):
+        if pod.failed:
+            return f"{pod.role} pod {pod.name} {pod.phase.lower()}"
+        if pod.restarts > 0:
+            return f"{pod.role} pod {pod.name} container restarted {pod.restarts}x"
+    # Every decode gone while a prefill runs: nothing is left to pair with (one of several decodes that went is
+    # re-created by instances.py instead; instance 0 is desired.py's own).
+    prefill = next((p for p in current if p.role == ROLE_PREFILL), None)
+    decodes = [p for p in current if p.role == ROLE_DECODE]
+    decode0 = next((p for p in decodes if p.instance == 0), None)
+    if prefill is not None and (decode0 is None or decode0.deleting):
         return f"decode pod of generation {generation} vanished while prefill {prefill.name} runs"
     return None
 
@@ -146,6 +162,38 @@ def recreate_state(
 ) -> Plan:
     """The Recreate planner (steps 1-7 above). With `pin_generation` it plans that generation as it is, whatever
     spec its pods were built from (rollout.py plans the serving and the new generation of a Surge rollout so)."""
+    plan = with_instances(spec, observed, _instance0_state(spec, status, observed, pin_generation))
+    return replace(plan, role_status=instances.role_status(spec, observed.pods, plan.pair_generation))
+
+
+# Instance 0's steps that act or must not be joined by anything else: the pass does only that.
+_EXCLUSIVE_STEPS = frozenset({STEP_LEASE_PORTS, STEP_POOL_EXHAUSTED, STEP_DELETE_PREFILL, STEP_DELETE_DECODE,
+                              STEP_BROKEN})
+
+
+def with_instances(spec: Mapping[str, Any], observed: Observed, plan: Plan) -> Plan:
+    """Instance 0's plan, or, when it neither acts nor tears anything down, the next action on the other
+    instances of its generation (instances.py): one action per pass, instance 0's first."""
+    if plan.step in _EXCLUSIVE_STEPS or plan.create or plan.delete or (plan.step == STEP_WAIT_GONE and any(
+            p.generation != plan.pair_generation for p in observed.pods)):
+        return plan
+    step = instances.instance_step(spec, observed.pods, plan.pair_generation, observed.now)
+    if step is None:
+        return plan
+    message = f"{plan.message}; {step.message}"
+    if step.kind == instances.CREATE:
+        return replace(plan, step=STEP_INSTANCES, message=message, create=step.role, create_instance=step.instance)
+    if step.kind == instances.MARK_DRAINING:
+        return replace(plan, step=STEP_INSTANCES, message=message, mark_draining=(step.pod,))
+    if step.kind == instances.DELETE:
+        return replace(plan, step=STEP_INSTANCES, message=message, delete=(step.pod,))
+    wait = step.wait_seconds if plan.wait_seconds is None else min(plan.wait_seconds, step.wait_seconds or 0.0)
+    return replace(plan, message=message, wait_seconds=wait)
+
+
+def _instance0_state(
+    spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observed, pin_generation: int | None = None
+) -> Plan:
     want_hash = spec_fingerprint(spec)
     pods = observed.pods
     if pin_generation is None:
@@ -204,7 +252,8 @@ def recreate_state(
             delete=to_delete,
         )
 
-    by_role = {p.role: p for p in pods if p.generation == generation}
+    # Instance 0 of each role walks the ordered steps below; the others are instances.py's (with_instances).
+    by_role = {p.role: p for p in pods if p.generation == generation and p.instance == 0}
     decode = by_role.get(ROLE_DECODE)
     prefill = by_role.get(ROLE_PREFILL)
     router = by_role.get(ROLE_ROUTER)

@@ -353,7 +353,8 @@ async def _scrape_pair(
 ) -> tuple[list[health.PodScrape], dict[str, Any]]:
     spec = body.get("spec") or {}
     ports = (body.get("status") or {}).get("ports") or []
-    current = {p.role: p for p in pods if p.generation == generation and p.role in ROLES}
+    # Instance 0 of each role: the health verdict is still the pair's, not per edge (docs/xpyd.md section 7)
+    current = {p.role: p for p in pods if p.generation == generation and p.role in ROLES and p.instance == 0}
     targets = []
     for role, pod in current.items():
         port = port_of(ports, role, PURPOSE_METRICS)

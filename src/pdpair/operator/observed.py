@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
-from pdpair.contract import ANNOTATION_SPEC_HASH, LABEL_GENERATION, LABEL_INSTANCE, LABEL_ROLE
+from pdpair.contract import ANNOTATION_DRAINING_SINCE, ANNOTATION_PEERS_DIGEST, ANNOTATION_SPEC_HASH, LABEL_GENERATION, LABEL_INSTANCE, LABEL_ROLE
 
 
 def _plain(value: Any) -> Any:
@@ -41,7 +41,6 @@ class PodView:
     role: str
     generation: int
     spec_hash: str = ""
-    instance: int = 0  # index within its role and generation (label pdpair.io/instance; absent: 0)
     phase: str = "Pending"  # Pending | Running | Succeeded | Failed | Unknown
     ready: bool = False
     ip: str | None = None
@@ -51,6 +50,9 @@ class PodView:
     uid: str = ""
     node: str = ""  # spec.nodeName ("" until scheduled)
     ports: tuple[int, ...] = ()  # every containerPort it declares: on the host network, the ports it binds there
+    instance: int = 0  # index within its role and generation (label pdpair.io/instance; absent: 0)
+    draining_since: float | None = None  # a scale-down chose it (annotation pdpair.io/draining-since): epoch seconds
+    peers_digest: str | None = None  # the peer set a prefill or router was told (pdpair.io/peers-digest; None: never)
     # What health.py reads of the API object (pod_fact, pending_for_scheduling): metadata name/uid/deletion, spec
     # nodeName, status. Not the whole pod: the pod index holds one per pod, and a whole pod (managedFields, env,
     # probes) costs ~150 dicts, most of the operator's memory at 1000 pairs.
@@ -84,6 +86,10 @@ class PodView:
             instance = int(labels.get(LABEL_INSTANCE, "0"))
         except ValueError:
             instance = 0
+        try:
+            draining_since = float(annotations[ANNOTATION_DRAINING_SINCE]) if ANNOTATION_DRAINING_SINCE in annotations else None
+        except ValueError:
+            draining_since = 0.0  # unreadable: it was marked, so it drains (as if long ago)
         restarts = sum(int(cs.get("restartCount") or 0) for cs in status.get("containerStatuses") or [])
         spec = pod.get("spec") or {}
         ports = sorted({int(p["containerPort"]) for c in (spec.get("initContainers") or []) + (spec.get("containers") or [])
@@ -94,6 +100,8 @@ class PodView:
             generation=generation,
             spec_hash=annotations.get(ANNOTATION_SPEC_HASH, ""),
             instance=instance,
+            draining_since=draining_since,
+            peers_digest=annotations.get(ANNOTATION_PEERS_DIGEST),
             phase=status.get("phase") or "Pending",
             ready=cond.get("Ready") == "True",
             ip=status.get("podIP") or None,
@@ -158,6 +166,7 @@ class Observed:
     node_lost_seconds: float = float("inf")
     held_pool_ports: frozenset[int] = frozenset()
     fenced: frozenset[str] = frozenset()  # set by planner.plan only: pods on lost nodes that count as gone
+    now: float = 0.0  # set by planner.plan only: epoch seconds of the pass (a scale-down's drain clock)
 
 
 TAINT_UNREACHABLE = "node.kubernetes.io/unreachable"

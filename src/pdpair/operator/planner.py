@@ -84,10 +84,11 @@ def _to_probe(pods: "tuple[PodView, ...]", generation: int, status: Mapping[str,
     Ready yet with its prefill Ready (prefill starts beside decode and pairs when the listener accepts, so its
     readiness proves the listener; desired.recreate_state reads the result). The executor caches a decode seen
     accepting, so each is probed until then, not after."""
-    decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation), None)
+    decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation and p.instance == 0), None)
     if decode is None or not decode.running:
         return None
-    prefill = next((p for p in pods if p.role == ROLE_PREFILL and p.generation == generation), None)
+    prefill = next((p for p in pods if p.role == ROLE_PREFILL and p.generation == generation and p.instance == 0),
+                   None)
     if status is not None and d.listener_proven(status, generation, prefill):
         return None
     return decode
@@ -173,7 +174,7 @@ def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Ob
         return PairPlan(OUTCOME_HALTED)
 
     lost = nodes.lost_pods(observed.pods, observed.nodes, now, observed.node_lost_seconds)
-    observed = dataclasses.replace(observed, fenced=leases.fenced_pods(lost, observed.held_pool_ports))
+    observed = dataclasses.replace(observed, fenced=leases.fenced_pods(lost, observed.held_pool_ports), now=now)
     node_condition = node_lost_condition(lost)
     steps = next_step(spec, status, dataclasses.replace(observed, restart_reason=None), now)
     restart = failure(steps, observed, lost, spec)

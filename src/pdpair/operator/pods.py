@@ -30,6 +30,9 @@ from pdpair.contract import (
     ENV_PAIR,
     ENV_PEER_HOST,
     ENV_PEER_PORT_BASE,
+    ENV_PEERS,
+    ENV_PEERS_TOKEN,
+    LABEL_INSTANCE,
     ENV_ROLE,
     ENV_TRANSPORT,
     ENV_TRANSPORT_SLOTS,
@@ -93,13 +96,36 @@ class ManifestError(ValueError):
     """The pair cannot be turned into pods (missing ports, bad spec); the message names what is missing."""
 
 
-def pod_name(pair_name: str, role: str, generation: int) -> str:
-    name = f"{pair_name}-{role}-g{generation}"
+def pod_name(pair_name: str, role: str, generation: int, instance: int = 0) -> str:
+    """`<pair>-<role>-g<generation>`, and `-<instance>` after it for instance >= 1 (instance 0 keeps the name a 1P1D
+    pair always had)."""
+    tail = f"-{role}-g{generation}" + (f"-{instance}" if instance else "")
+    name = f"{pair_name}{tail}"
     if len(name) <= POD_NAME_MAX:
         return name
     digest = hashlib.sha256(pair_name.encode()).hexdigest()[:8]
-    suffix = f"-{digest}-{role}-g{generation}"
+    suffix = f"-{digest}{tail}"
     return pair_name[: POD_NAME_MAX - len(suffix)].rstrip("-.") + suffix
+
+
+PEERS_SECRET_KEY = "token"
+
+
+def peers_secret_name(pair_name: str) -> str:
+    """The pair's Secret holding the bearer token of its pods' peer-set endpoints (`PUT /pdpair/v1/peers`):
+    `<pair>-peers`, shortened like pod_name for a name near the limit."""
+    name = f"{pair_name}-peers"
+    if len(name) <= POD_NAME_MAX:
+        return name
+    suffix = f"-{hashlib.sha256(pair_name.encode()).hexdigest()[:8]}-peers"
+    return pair_name[: POD_NAME_MAX - len(suffix)].rstrip("-.") + suffix
+
+
+def _peers_token_env(pair_name: str) -> list[dict[str, Any]]:
+    """PDPAIR_PEERS_TOKEN from the pair's Secret (the executor makes it before any pod): the operator pushes each
+    prefill its decodes and the router its instances (xPyD, docs/xpyd.md section 3) with it."""
+    return [{"name": ENV_PEERS_TOKEN, "valueFrom": {"secretKeyRef": {"name": peers_secret_name(pair_name),
+                                                                     "key": PEERS_SECRET_KEY}}}]
 
 
 def owner_reference(pair: Mapping[str, Any]) -> dict[str, Any]:
@@ -136,8 +162,9 @@ def owned_metadata(pair: Mapping[str, Any], name: str, component: str, **labels:
             "labels": {**owned_labels(pair, component), **labels}, "ownerReferences": [owner_reference(pair)]}
 
 
-def pod_labels(pair: Mapping[str, Any], role: str, generation: int) -> dict[str, str]:
-    return {**owned_labels(pair, role), LABEL_ROLE: role, LABEL_GENERATION: str(generation)}
+def pod_labels(pair: Mapping[str, Any], role: str, generation: int, instance: int = 0) -> dict[str, str]:
+    return {**owned_labels(pair, role), LABEL_ROLE: role, LABEL_GENERATION: str(generation),
+            LABEL_INSTANCE: str(instance)}
 
 
 ENGINE_ENTRYPOINT = ["python", "-m", "vllm.entrypoints.openai.api_server"]
@@ -185,7 +212,7 @@ def _require(value: int | None, what: str) -> int:
     return value
 
 
-def _base_pod(pair: Mapping[str, Any], role: str, generation: int, spec_hash: str) -> dict[str, Any]:
+def _base_pod(pair: Mapping[str, Any], role: str, generation: int, spec_hash: str, instance: int = 0) -> dict[str, Any]:
     """The role's template with the operator's pod-level fields merged in (containers come later)."""
     meta = pair["metadata"]
     spec = pair["spec"]
@@ -206,10 +233,10 @@ def _base_pod(pair: Mapping[str, Any], role: str, generation: int, spec_hash: st
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": pod_name(meta["name"], role, generation),
+            "name": pod_name(meta["name"], role, generation, instance),
             "namespace": meta["namespace"],
             # user labels and annotations are kept; ours win on a clash
-            "labels": {**(user_meta.get("labels") or {}), **pod_labels(pair, role, generation)},
+            "labels": {**(user_meta.get("labels") or {}), **pod_labels(pair, role, generation, instance)},
             "annotations": {**(user_meta.get("annotations") or {}), ANNOTATION_SPEC_HASH: spec_hash},
             "ownerReferences": [owner_reference(pair)],
         },
@@ -344,18 +371,23 @@ def engine_pod(
     ports: list[Mapping[str, Any]],
     spec_hash: str,
     peer_host: str | None = None,
+    instance: int = 0,
+    peers: list[tuple[str, int]] | None = None,
 ) -> dict[str, Any]:
-    """The decode or prefill pod. Prefill needs `peer_host`: decode's IP (decode runs; its listener may not accept
-    yet: prefill's connector retries until it does, and prefill's readiness waits for the pairing)."""
+    """The decode or prefill pod (instance `instance` of its role). Prefill needs its decodes: `peers`, each
+    (address, side-channel base port) of a decode that runs, or `peer_host` alone for decode instance 0 (a decode
+    runs; its listener may not accept yet: prefill's connector retries until it does, and prefill's readiness
+    waits for the pairing). Decodes that start later reach it through the push (instances.py, push.py)."""
     if role not in KV_ROLE:
         raise ManifestError(f"engine role must be prefill or decode, got {role!r}")
     spec = pair["spec"]
     role_spec = spec.get(role) or {}
-    side = ports_of(ports, role, PURPOSE_SIDECHANNEL)
+    side = ports_of(ports, role, PURPOSE_SIDECHANNEL, instance=instance)
+    what = role if not instance else f"{role} instance {instance}"
     if not side:
-        raise ManifestError(f"no leased side-channel ports for {role}")
-    http = _require(port_of(ports, role, PURPOSE_HTTP), f"{role} http")
-    metrics = _require(port_of(ports, role, PURPOSE_METRICS), f"{role} metrics")
+        raise ManifestError(f"no leased side-channel ports for {what}")
+    http = _require(port_of(ports, role, PURPOSE_HTTP, instance=instance), f"{what} http")
+    metrics = _require(port_of(ports, role, PURPOSE_METRICS, instance=instance), f"{what} metrics")
     env = _identity_env(pair, role, generation)
     env += [
         {"name": ENV_LISTEN_PORT_BASE, "value": str(side[0])},
@@ -367,20 +399,26 @@ def engine_pod(
         {"name": ENV_TRANSPORT_SLOTS, "value": str(spec_fields.transport_slots(spec))},
     ]
     if role == ROLE_PREFILL:
-        if not peer_host:
-            raise ManifestError("prefill needs the decode pod's address (decode has no IP yet)")
-        decode_side = ports_of(ports, ROLE_DECODE, PURPOSE_SIDECHANNEL)
-        if not decode_side:
-            raise ManifestError("no leased side-channel ports for decode")
-        env += [
-            {"name": ENV_PEER_HOST, "value": peer_host},
-            {"name": ENV_PEER_PORT_BASE, "value": str(decode_side[0])},
-        ]
+        if peers is None and peer_host:
+            decode_side = ports_of(ports, ROLE_DECODE, PURPOSE_SIDECHANNEL)
+            if not decode_side:
+                raise ManifestError("no leased side-channel ports for decode")
+            peers = [(peer_host, decode_side[0])]
+        if not peers:
+            raise ManifestError("prefill needs a decode pod's address (no decode has an IP yet)")
+        if len(peers) == 1:  # the variables a 1P1D prefill always had
+            env += [
+                {"name": ENV_PEER_HOST, "value": peers[0][0]},
+                {"name": ENV_PEER_PORT_BASE, "value": str(peers[0][1])},
+            ]
+        else:
+            env.append({"name": ENV_PEERS, "value": ",".join(f"{_host(h)}:{base}" for h, base in peers)})
+        env += _peers_token_env(pair["metadata"]["name"])
     container_ports = [
         {"name": HTTP_PORT_NAME, "containerPort": http, "protocol": "TCP"},
         {"name": METRICS_PORT_NAME, "containerPort": metrics, "protocol": "TCP"},
     ] + [{"name": f"side-{rank}", "containerPort": port, "protocol": "TCP"} for rank, port in enumerate(side)]
-    pod = _base_pod(pair, role, generation, spec_hash)
+    pod = _base_pod(pair, role, generation, spec_hash, instance)
     container = _main_container(pod, ENGINE_CONTAINER)
     # The CRD refuses env both in the shorthand and in the template's engine container; either one is the user's.
     user_env = list(container.get("env") or []) + list(role_spec.get("env") or [])
@@ -409,33 +447,38 @@ def router_pod(
     generation: int,
     ports: list[Mapping[str, Any]],
     spec_hash: str,
-    prefill_host: str,
-    decode_host: str,
+    prefill_host: str | list[tuple[int, str]],
+    decode_host: str | list[tuple[int, str]],
 ) -> dict[str, Any]:
+    """The router pod. `prefill_host`/`decode_host`: instance 0's address, or every (instance, address) the router
+    starts with (the operator's push keeps the set current afterwards: instances.router_members)."""
     spec = pair["spec"]
     router_port = _require(port_of(ports, ROLE_ROUTER, PURPOSE_HTTP), "router http")
-    prefill_http = _require(port_of(ports, ROLE_PREFILL, PURPOSE_HTTP), "prefill http")
-    decode_http = _require(port_of(ports, ROLE_DECODE, PURPOSE_HTTP), "decode http")
-    prefill_metrics = _require(port_of(ports, ROLE_PREFILL, PURPOSE_METRICS), "prefill metrics")
-    decode_metrics = _require(port_of(ports, ROLE_DECODE, PURPOSE_METRICS), "decode metrics")
-    if not (prefill_host and decode_host):
+    members = {ROLE_PREFILL: [(0, prefill_host)] if isinstance(prefill_host, str) else list(prefill_host),
+               ROLE_DECODE: [(0, decode_host)] if isinstance(decode_host, str) else list(decode_host)}
+    if not all(host for role in members for _, host in members[role]) or not all(members.values()):
         raise ManifestError("the router needs both prefill and decode addresses")
+    command = ["python", "-m", "pdpair.router", "--port", str(router_port)]
+    for role in (ROLE_PREFILL, ROLE_DECODE):
+        for instance, host in members[role]:
+            what = role if not instance else f"{role} instance {instance}"
+            http = _require(port_of(ports, role, PURPOSE_HTTP, instance=instance), f"{what} http")
+            command += [f"--{role}", f"http://{_host(host)}:{http}"]
+    # The engine pods' own readiness (paired, serving, warmed up): the router is created while they load, and its
+    # /readyz passes only once a prefill and a decode do (desired.py, step 5).
+    for role in (ROLE_PREFILL, ROLE_DECODE):
+        for instance, host in members[role]:
+            what = role if not instance else f"{role} instance {instance}"
+            metrics = _require(port_of(ports, role, PURPOSE_METRICS, instance=instance), f"{what} metrics")
+            command += [f"--{role}-ready", f"http://{_host(host)}:{metrics}{READYZ_PATH}"]
     pod = _base_pod(pair, ROLE_ROUTER, generation, spec_hash)
     container = _main_container(pod, ROUTER_CONTAINER)
-    ours = _identity_env(pair, ROLE_ROUTER, generation) + [{"name": ENV_HTTP_PORT, "value": str(router_port)}]
+    ours = (_identity_env(pair, ROLE_ROUTER, generation) + [{"name": ENV_HTTP_PORT, "value": str(router_port)}]
+            + _peers_token_env(pair["metadata"]["name"]))
     container.pop("args", None)
     container.update({
         "image": spec["image"],
-        "command": [
-            "python", "-m", "pdpair.router",
-            "--port", str(router_port),
-            "--prefill", f"http://{_host(prefill_host)}:{prefill_http}",
-            "--decode", f"http://{_host(decode_host)}:{decode_http}",
-            # The engine pods' own readiness (paired, serving, warmed up): the router is created while they load,
-            # and its /readyz passes only once both do (desired.py, step 5).
-            "--prefill-ready", f"http://{_host(prefill_host)}:{prefill_metrics}{READYZ_PATH}",
-            "--decode-ready", f"http://{_host(decode_host)}:{decode_metrics}{READYZ_PATH}",
-        ],
+        "command": command,
         "env": _merge_env(container.get("env") or [], ours),
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": router_port, "protocol": "TCP"}],
     })

@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from pdpair.contract import (
+    ANNOTATION_DRAINING_SINCE,
+    ANNOTATION_PEERS_DIGEST,
     ANNOTATION_RESTART_TIMES,
+    PURPOSE_HTTP,
+    PURPOSE_METRICS,
+    READYZ_PATH,
     COND_PROGRESSING,
     COND_READY,
     GROUP,
@@ -36,8 +41,9 @@ from .observed import Finding, NodeView, Observed, PodView
 from . import health, leases, planner, rollout
 from .config import OperatorConfig
 from .lifecycle import probe_ranks
-from .pods import ManifestError, engine_pod, pod_name, router_pod
-from .ports import PairRef, PortLeaser, status_ports, ports_of
+from . import instances, push
+from .pods import ManifestError, PEERS_SECRET_KEY, engine_pod, peers_secret_name, pod_name, router_pod
+from .ports import PairRef, PortLeaser, port_of, status_ports, ports_of
 from . import disruption
 from .service import (
     ACTION_CREATE, ACTION_DELETE, ACTION_PATCH, ServiceView, kept_service_port, plan_service, router_service,
@@ -115,6 +121,43 @@ def _create_generation(plan: d.Plan) -> int:
     return plan.create_generation if plan.create_generation is not None else plan.pair_generation
 
 
+PEERS_PATH = "/pdpair/v1/peers"  # a prefill's (metrics port) and a router's (http port) peer-set endpoint
+
+
+def _side_base(ports: list[dict[str, Any]], instance: int) -> int:
+    return int(port_of(ports, ROLE_DECODE, PURPOSE_SIDECHANNEL, instance=instance) or 0)
+
+
+def _prefill_entries(peers: Iterable[tuple[str, int]]) -> list[str]:
+    return [f"{host}:{base}" for host, base in peers]
+
+
+def _url_host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def _router_members(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> list[push.RouterMember]:
+    members = []
+    for p in pods:
+        http = port_of(ports, p.role, PURPOSE_HTTP, instance=p.instance)
+        metrics = port_of(ports, p.role, PURPOSE_METRICS, instance=p.instance)
+        if http is None or metrics is None:
+            continue
+        host = _url_host(p.ip or "")
+        members.append(push.RouterMember(p.role, p.instance, f"http://{host}:{http}",
+                                         f"http://{host}:{metrics}{READYZ_PATH}"))
+    return members
+
+
+def _router_digest(members: Iterable[push.RouterMember]) -> str:
+    return instances.peers_digest(f"{m.role}/{m.index}/{m.url}" for m in members)
+
+
+def _created_name(pair_name: str, plan: d.Plan) -> str:
+    assert plan.create
+    return pod_name(pair_name, plan.create, _create_generation(plan), plan.create_instance)
+
+
 def _service_port(manifest: Mapping[str, Any]) -> int:
     return int(manifest["spec"]["ports"][0]["port"])
 
@@ -185,6 +228,8 @@ class PairReconciler:
         # second delete would be accepted and post a second PodDeleted Event)
         self.deleted_unseen: dict[str, float] = {}
         self.unreplaceable_reported: set[tuple[str, int]] = set()  # (pod, port) told once as PortInUse
+        self.peers_token: str | None = None  # the pair's Secret's token (pods.peers_secret_name), once read or made
+        self.push_failures: dict[str, str] = {}  # pod uid -> the last push error logged (logged once per cause)
 
     # --- observation --------------------------------------------------------------------------------
     def _refresh_status(self) -> None:
@@ -601,6 +646,7 @@ class PairReconciler:
         for event in plan.events:
             self.emit(*event)
         await self._act(plan, pods, meta_generation)
+        await self.push_sets(pods)
         if plan.release_slot:  # status no longer lists them (written above): the leases can go
             released = await self.rt.leaser.release_slot(self.ref, plan.release_slot)
             self.rollout_ports, self.rollout_blocks = None, None
@@ -614,7 +660,7 @@ class PairReconciler:
         rejection = self._rejection(plan)
         if rejection is not None:
             return max(0.2, min(rejection.not_before - time.monotonic(), cfg.resync_interval))
-        if plan.create and pod_name(self.ref.name, plan.create, _create_generation(plan)) in self.created_unseen:
+        if plan.create and _created_name(self.ref.name, plan) in self.created_unseen:
             return pass_delay(plan.step, cfg, plan.wait_seconds) if plan.wait_seconds is not None else cfg.resync_interval
         return pass_delay(plan.step, cfg, plan.wait_seconds)
 
@@ -654,6 +700,7 @@ class PairReconciler:
             "service": self.service,  # None removes the field (merge patch)
             "ports": self.ports or [],  # the leases exactly: none held is an empty list, not the last list seen
         }
+        fields.update(plan.role_status)
         return fields
 
     # --- actions ------------------------------------------------------------------------------------
@@ -669,14 +716,18 @@ class PairReconciler:
             if pod is not None and pod.uid:
                 self.deleted_unseen[pod.uid] = time.monotonic()
             self.emit("Normal", "PodDeleted", f"deleted {pod.role if pod else 'pod'} {name} ({plan.step})")
+        for name in plan.mark_draining:
+            await self._patch_pod_annotations(name, {ANNOTATION_DRAINING_SINCE: f"{time.time():.3f}"})
+            self.emit("Normal", "InstanceDraining", f"{name}: {plan.message}")
         seen = {p.name for p in pods}
         for name in [n for n, at in self.created_unseen.items() if n in seen or time.monotonic() - at > CREATED_UNSEEN_WAIT]:
             del self.created_unseen[name]
-        if plan.create:
+        if plan.create in (ROLE_PREFILL, ROLE_ROUTER):
+            await self._peers_token()  # the pod takes it from the Secret: it must exist first
             rejection = self._rejection(plan)
             if rejection is not None and time.monotonic() < rejection.not_before:
                 return  # refused before for this very spec: wait out the backoff
-            if pod_name(self.ref.name, plan.create, _create_generation(plan)) in self.created_unseen:
+            if _created_name(self.ref.name, plan) in self.created_unseen:
                 return  # created by an earlier pass; its watch event (which wakes this pair) has not arrived yet
             manifest = self._manifest(plan, pods)
             name = manifest["metadata"]["name"]
@@ -690,7 +741,8 @@ class PairReconciler:
             self.rejections.pop(plan.create, None)
             self.created_unseen[name] = time.monotonic()
             if created:
-                self.emit("Normal", "PodCreated", f"created {plan.create} {name} (generation {_create_generation(plan)})")
+                what = plan.create if not plan.create_instance else f"{plan.create} instance {plan.create_instance}"
+                self.emit("Normal", "PodCreated", f"created {what} {name} (generation {_create_generation(plan)})")
 
     def _rejection(self, plan: d.Plan) -> Rejection | None:
         """The standing refusal of the pod this plan creates, if the spec is still the one refused."""
@@ -736,20 +788,129 @@ class PairReconciler:
         body = {"metadata": dict(self.body["metadata"]), "spec": self.body["spec"]}
         spec_hash = d.spec_fingerprint(self.body["spec"])
         generation = _create_generation(plan)
-        current = {p.role: p for p in pods if p.generation == generation}
         ports = self.rollout_ports if plan.create_slot else self.ports  # a rollout's new generation: its port set
         assert ports is not None
         if plan.create == ROLE_DECODE:
-            return engine_pod(body, ROLE_DECODE, generation, ports, spec_hash)
+            return engine_pod(body, ROLE_DECODE, generation, ports, spec_hash, instance=plan.create_instance)
         if plan.create == ROLE_PREFILL:
-            decode = current.get(ROLE_DECODE)
-            return engine_pod(body, ROLE_PREFILL, generation, ports, spec_hash,
-                              peer_host=decode.ip if decode else None)
+            peers = [(p.ip or "", _side_base(ports, p.instance)) for p in instances.prefill_peers(pods, generation)]
+            manifest = engine_pod(body, ROLE_PREFILL, generation, ports, spec_hash, instance=plan.create_instance,
+                                  peers=peers)
+            # What it was told at creation: a push is due only once the set differs (instances.peers_digest)
+            manifest["metadata"]["annotations"][ANNOTATION_PEERS_DIGEST] = instances.peers_digest(
+                _prefill_entries(peers))
+            return manifest
         if plan.create == ROLE_ROUTER:
-            decode, prefill = current.get(ROLE_DECODE), current.get(ROLE_PREFILL)
-            return router_pod(body, generation, ports, spec_hash,
-                              prefill.ip if prefill else "", decode.ip if decode else "")
+            # Started with instance 0 of each role, as a 1P1D router always was (its /readyz waits for them); the
+            # push (push_sets) adds the other instances once they are Ready, and none is due while the Ready set is
+            # still these two (a 1P1D pair is never pushed).
+            first = {p.role: p for p in pods if p.generation == generation and p.instance == 0 and p.running}
+            prefill, decode = first.get(ROLE_PREFILL), first.get(ROLE_DECODE)
+            manifest = router_pod(body, generation, ports, spec_hash, prefill.ip if prefill else "",
+                                  decode.ip if decode else "")
+            members = _router_members([p for p in (prefill, decode) if p is not None], ports)
+            manifest["metadata"]["annotations"][ANNOTATION_PEERS_DIGEST] = _router_digest(members)
+            return manifest
         raise ManifestError(f"unknown role {plan.create!r}")
+
+    # --- pushes of peer sets (xPyD: instances.py decides the sets, push.py sends them) ---------------------------
+    async def _peers_token(self) -> str:
+        """The pair's token: read from its Secret, or the Secret made with a new one (409: another pass made it)."""
+        if self.peers_token is not None:
+            return self.peers_token
+        name = peers_secret_name(self.ref.name)
+        for _ in range(2):
+            try:
+                secret = await asyncio.to_thread(self.rt.core.read_namespaced_secret, name, self.ref.namespace)
+                data = (getattr(secret, "data", None) or {}).get(PEERS_SECRET_KEY)
+                if data:
+                    import base64
+
+                    self.peers_token = base64.b64decode(data).decode()
+                    return self.peers_token
+            except Exception as exc:
+                if api_status(exc) != 404:
+                    raise
+            manifest = push.token_secret({"metadata": dict(self.body["metadata"])}, name, push.new_token())
+            try:
+                await asyncio.to_thread(self.rt.core.create_namespaced_secret, self.ref.namespace, manifest)
+                self.peers_token = manifest["stringData"][PEERS_SECRET_KEY]
+                return self.peers_token
+            except Exception as exc:
+                if api_status(exc) != 409:
+                    raise
+        raise RuntimeError(f"the Secret {self.ref.namespace}/{name} has no {PEERS_SECRET_KEY!r}")
+
+    def _ports_of_generation(self, generation: int) -> list[dict[str, Any]] | None:
+        active = rollout.active_rollout(self.status)
+        if active and int(active.get("toGeneration") or 0) == generation and self.rollout_ports is not None:
+            return self.rollout_ports
+        return self.ports
+
+    async def push_sets(self, pods: tuple[PodView, ...]) -> None:
+        """Send each running prefill and router of the pair the set instances.py gives it, when it differs from
+        what the pod was last told (its annotation pdpair.io/peers-digest): the decodes a prefill pairs with, the
+        instances a router sends to. A failed push is retried on the next pass (it is level-triggered)."""
+        sends = []
+        for pod in pods:
+            if not pod.running or pod.role not in (ROLE_PREFILL, ROLE_ROUTER) or pod.peers_digest is None:
+                continue
+            ports = self._ports_of_generation(pod.generation)
+            if not ports:
+                continue
+            epoch = int(time.time() * 1000)
+            if pod.role == ROLE_PREFILL:
+                metrics = port_of(ports, ROLE_PREFILL, PURPOSE_METRICS, instance=pod.instance)
+                peers = [(p.ip or "", _side_base(ports, p.instance)) for p in instances.prefill_peers(pods, pod.generation)]
+                if not peers or metrics is None:
+                    continue  # no decode runs: nothing to pair with (desired.py restarts a pair left without one)
+                digest = instances.peers_digest(_prefill_entries(peers))
+                tp = int((self.body["spec"].get(ROLE_DECODE) or {}).get("tensorParallelSize") or 1)
+                body = push.prefill_body(epoch, pod.generation, [
+                    push.PrefillPeer(p.instance, p.ip or "", _side_base(ports, p.instance), tp)
+                    for p in instances.prefill_peers(pods, pod.generation)])
+                url = f"http://{_url_host(pod.ip or '')}:{metrics}{PEERS_PATH}"
+            else:
+                router_port = port_of(ports, ROLE_ROUTER, PURPOSE_HTTP)
+                members = _router_members(instances.router_members(pods, pod.generation), ports)
+                if router_port is None or not any(m.role == ROLE_PREFILL for m in members) or not any(
+                        m.role == ROLE_DECODE for m in members):
+                    continue  # the router keeps what it has until a prefill and a decode are Ready
+                digest = _router_digest(members)
+                body = push.router_body(epoch, pod.generation, members)
+                url = f"http://{_url_host(pod.ip or '')}:{router_port}{PEERS_PATH}"
+            if digest != pod.peers_digest:
+                sends.append((pod, url, body, digest))
+        if not sends:
+            return
+        token = await self._peers_token()
+        timeout = self.rt.config.probe_timeout
+
+        async def send(pod: PodView, url: str, body: dict[str, Any], digest: str) -> None:
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session:
+                result = await push.push(session, url, token, body, timeout)
+            if not result.ok:
+                cause = f"{result.status} {result.error}"
+                if self.push_failures.get(pod.uid) != cause:
+                    self.push_failures[pod.uid] = cause
+                    self.log.info("pair %s/%s: push to %s %s not taken yet (%s); retrying", self.ref.namespace,
+                                  self.ref.name, pod.role, pod.name, cause)
+                return
+            self.push_failures.pop(pod.uid, None)
+            await self._patch_pod_annotations(pod.name, {ANNOTATION_PEERS_DIGEST: digest})
+            self.emit("Normal", "PeersPushed", f"{pod.role} {pod.name}: told its current set ({digest})")
+
+        await asyncio.gather(*(send(*item) for item in sends))
+
+    async def _patch_pod_annotations(self, name: str, annotations: Mapping[str, str]) -> None:
+        try:
+            await asyncio.to_thread(self.rt.core.patch_namespaced_pod, name, self.ref.namespace,
+                                    {"metadata": {"annotations": dict(annotations)}})
+        except Exception as exc:
+            if api_status(exc) != 404:  # gone: nothing to mark
+                raise
 
     async def _create_pod(self, manifest: dict[str, Any]) -> bool:
         from kubernetes.client import V1Pod

@@ -3,6 +3,7 @@ made, and vanish at once when deleted. Test code only (it was in desired.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -21,11 +22,13 @@ class SimWorld:
     ports_complete: bool = True
     listening: Callable[[PodView], bool] = lambda pod: True
     log: list[str] = field(default_factory=list)
+    now: float = 1000.0  # epoch seconds a pass sees (a scale-down's drain clock)
 
     def observe(self, restart_reason: str | None = None) -> Observed:
         decode = next(
             (p for p in self.pods.values()
-             if p.role == d.ROLE_DECODE and p.generation == d.current_generation(self.status, self.pods.values())),
+             if p.role == d.ROLE_DECODE and p.instance == 0
+             and p.generation == d.current_generation(self.status, self.pods.values())),
             None,
         )
         return Observed(
@@ -33,6 +36,7 @@ class SimWorld:
             ports_complete=self.ports_complete,
             decode_listening=bool(decode and decode.running and self.listening(decode)),
             restart_reason=restart_reason,
+            now=self.now,
         )
 
     def apply(self, plan: d.Plan) -> None:
@@ -41,12 +45,15 @@ class SimWorld:
         for name in plan.delete:
             self.log.append(f"delete {name}")
             self.pods.pop(name)  # the sim's pods vanish at once
+        for name in plan.mark_draining:
+            self.log.append(f"drain {name}")
+            self.pods[name] = dataclasses.replace(self.pods[name], draining_since=self.now)
         if plan.create:
-            name = f"p-{plan.create}-{plan.pair_generation}"
+            name = f"p-{plan.create}-{plan.pair_generation}" + (f"-{plan.create_instance}" if plan.create_instance else "")
             self.log.append(f"create {name}")
             self.pods[name] = PodView(
                 name, plan.create, plan.pair_generation, d.spec_fingerprint(self.spec), "Running", True, "127.0.0.1",
-                scheduled=True,
+                scheduled=True, instance=plan.create_instance,
             )
 
 

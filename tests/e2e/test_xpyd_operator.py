@@ -1,0 +1,238 @@
+"""xPyD on the real control plane (kwok nodes, IP 127.0.0.1; the operator under the chart's ServiceAccount and RBAC):
+one InferencePair with several prefill and decode instances. What is checked against the real apiserver:
+  - every instance has its own ports (cluster-unique: the Leases are exactly status.ports, no port twice);
+  - every prefill is created while a decode of its generation runs, and told every running decode (PDPAIR_PEERS);
+  - the operator pushes the changed sets, with the pair's Secret's token: each prefill its decodes and the router
+    its Ready instances (the test serves the push endpoints on the pods' leased ports, as the connector and the
+    router would);
+  - scale up (decode 3 -> 4) leaves every existing pod alone and keeps the pair Ready; scale down (4 -> 2) drains
+    the highest instances first (out of every push), deletes them after spec.rollout.drainSeconds, and releases
+    their ports only once they are gone; P and D in status;
+  - an operator SIGKILLed mid-scale converges after its restart without a duplicate pod or port.
+Cost: about 60-90 s on the shared kwok cluster (one operator subprocess, no engine, 0 vLLM cold starts).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from pdpair.contract import (
+    ANNOTATION_DRAINING_SINCE,
+    ENV_PEER_HOST,
+    ENV_PEERS,
+    LABEL_INSTANCE,
+    LABEL_ROLE,
+    LEASE_NAME_PREFIX,
+)
+from pdpair.operator.pods import peers_secret_name
+from tests.e2e.operator_helpers import Api, PodRecorder, cleanup_pairs, operator, pool_of_free_ports
+from devcluster.waiting import wait_for
+
+pytestmark = pytest.mark.cluster
+
+PEERS_PATH = "/pdpair/v1/peers"
+
+
+class PushReceiver:
+    """Serves PUT /pdpair/v1/peers on one port, as a prefill's connector (metrics port) or the router (http port)
+    would, recording each body with its Authorization header."""
+
+    def __init__(self, port: int):
+        received = self.received = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_PUT(self):  # noqa: N802 (http.server's name)
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                received.append((self.path, self.headers.get("Authorization"), body))
+                answer = json.dumps({"epoch": body.get("epoch"), "generation": body.get("generation"),
+                                     "paired": True}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args):
+                pass
+
+        ThreadingHTTPServer.allow_reuse_address = True
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def last(self):
+        return self.received[-1] if self.received else None
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def port_named(pair, name):
+    return next(p["port"] for p in pair["status"]["ports"] if p["name"] == name)
+
+
+def pods_by_role(api, ns):
+    out = collections.defaultdict(dict)
+    for pod in api.pods(ns):
+        labels = pod["metadata"]["labels"]
+        if pod["metadata"].get("deletion_timestamp"):
+            continue
+        out[labels[LABEL_ROLE]][int(labels.get(LABEL_INSTANCE, "0"))] = pod
+    return out
+
+
+def env_of(pod):
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def check_ports(api, ns, pair):
+    """status.ports is exactly the pair's Leases and lists no port twice."""
+    ports = [p["port"] for p in pair["status"]["ports"]]
+    assert len(ports) == len(set(ports)), f"a port listed twice: {sorted(ports)}"
+    leased = {int(lease.metadata.name.removeprefix(LEASE_NAME_PREFIX)) for lease in api.leases(ns)}
+    assert set(ports) == leased
+    return set(ports)
+
+
+def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namespace, tmp_path):
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    receivers: dict[int, PushReceiver] = {}
+    listeners: list[socket.socket] = []
+
+    def serve(port):
+        if port not in receivers:
+            receivers[port] = PushReceiver(port)
+        return receivers[port]
+
+    def listen(port):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(16)
+        listeners.append(sock)
+
+    recorder = PodRecorder(api, ns)
+    try:
+        with operator(platform, ns, pool_of_free_ports(80), tmp_path) as proc:
+            api.create_pair(ns, "xp", router={"enabled": True}, prefill={"replicas": 2}, decode={"replicas": 3},
+                            rollout={"drainSeconds": 3})
+            pair = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("ports") else None)(api.pair(ns, "xp")),
+                            60, "ports leased")
+            # The decode listener of instance 0 (the operator's Ready gate) and the push endpoints of every prefill
+            # (metrics port) and of the router (http port), on the leased ports, before the pods exist.
+            listen(port_named(pair, "decode-sidechannel-0"))
+            for name in ("prefill-metrics-0", "prefill-metrics-0-i1", "router-http-0"):
+                serve(port_named(pair, name))
+            ready = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("phase") == "Ready" and
+                                      p["status"].get("decode", {}).get("readyOfDesired") == "3/3" and
+                                      p["status"].get("prefill", {}).get("readyOfDesired") == "2/2" else None)(
+                api.pair(ns, "xp")), 90, "Ready with 2/2 prefill and 3/3 decode", interval=0.2)
+            ports = check_ports(api, ns, ready)
+            assert len(ports) == 5 * 3 + 1  # TP 1: side channel, metrics, http per instance; one router port
+            pods = pods_by_role(api, ns)
+            assert sorted(pods["decode"]) == [0, 1, 2] and sorted(pods["prefill"]) == [0, 1]
+            assert [p["metadata"]["name"] for _, p in sorted(pods["decode"].items())] == [
+                "xp-decode-g1", "xp-decode-g1-1", "xp-decode-g1-2"]
+            # Each prefill was created while a decode ran and was told the decodes that ran then
+            decodes = {f"127.0.0.1:{port_named(ready, name)}" for name in
+                       ("decode-sidechannel-0", "decode-sidechannel-0-i1", "decode-sidechannel-0-i2")}
+            for prefill in pods["prefill"].values():
+                env = env_of(prefill)
+                told = set((env.get(ENV_PEERS) or "").split(",")) if env.get(ENV_PEERS) else {
+                    f"{env[ENV_PEER_HOST]}:{env['PDPAIR_PEER_PORT_BASE']}"}
+                assert told and told <= decodes
+            order = recorder.created()
+            assert order.index("xp-decode-g1") < order.index("xp-prefill-g1")
+            # Pushes: every prefill ends up told all three decodes; the router its five Ready instances; all with
+            # the pair's own token
+            secret = api.core.read_namespaced_secret(peers_secret_name("xp"), ns)
+            token = base64.b64decode(secret.data["token"]).decode()
+
+            def prefill_sets():
+                out = []
+                for name in ("prefill-metrics-0", "prefill-metrics-0-i1"):
+                    last = receivers[port_named(ready, name)].last()
+                    out.append({f"{d['host']}:{d['portBase']}" for d in last[2]["decodes"]} if last else None)
+                return out
+
+            def router_set():
+                last = receivers[port_named(ready, "router-http-0")].last()
+                return None if last is None else (len(last[2]["prefills"]), len(last[2]["decodes"]))
+
+            def told_all():
+                sets = prefill_sets()
+                return all(s == decodes for s in sets if s is not None) and router_set() == (2, 3)
+
+            # A prefill created after all three decodes ran needs no push; the router needs one (it starts with
+            # instance 0 of each role)
+            wait_for(told_all, 30, "the router told its five Ready instances")
+            for receiver in receivers.values():
+                for path, auth, _ in receiver.received:
+                    assert path == PEERS_PATH and auth == f"Bearer {token}"
+
+            # Scale up: decode 3 -> 4. No existing pod is touched, the pair stays Ready, both prefills are told.
+            uids = {p["metadata"]["uid"] for role in pods.values() for p in role.values()}
+            api.custom.patch_namespaced_custom_object("pdpair.io", "v1alpha1", ns, "inferencepairs", "xp",
+                                                      {"spec": {"decode": {"replicas": 4}}})
+            scaled = wait_for(lambda: (lambda p: p if p["status"].get("decode", {}).get("readyOfDesired") == "4/4"
+                                       else None)(api.pair(ns, "xp")), 60, "4/4 decode", interval=0.2)
+            assert scaled["status"]["phase"] == "Ready"
+            decodes.add(f"127.0.0.1:{port_named(scaled, 'decode-sidechannel-0-i3')}")
+            wait_for(lambda: prefill_sets() == [decodes, decodes] and router_set() == (2, 4), 30,
+                     "both prefills told four decodes, the router four")
+            now_uids = {p["metadata"]["uid"] for role in pods_by_role(api, ns).values() for p in role.values()}
+            assert uids < now_uids
+            check_ports(api, ns, scaled)
+
+            # Scale down: decode 4 -> 2. Instances 3 and 2 drain (out of every push) and go after drainSeconds;
+            # their ports are released once they are gone.
+            api.custom.patch_namespaced_custom_object("pdpair.io", "v1alpha1", ns, "inferencepairs", "xp",
+                                                      {"spec": {"decode": {"replicas": 2}}})
+            draining = wait_for(lambda: [p for p in pods_by_role(api, ns)["decode"].values()
+                                         if ANNOTATION_DRAINING_SINCE in (p["metadata"].get("annotations") or {})]
+                                or None, 30, "a decode marked draining")
+            assert {int(p["metadata"]["labels"][LABEL_INSTANCE]) for p in draining} <= {2, 3}
+            two = {f"127.0.0.1:{port_named(scaled, name)}" for name in ("decode-sidechannel-0",
+                                                                        "decode-sidechannel-0-i1")}
+            wait_for(lambda: prefill_sets() == [two, two] and router_set() == (2, 2), 30,
+                     "the drained decodes out of every push")
+            down = wait_for(lambda: (lambda p: p if p["status"].get("decode", {}).get("desired") == 2 and
+                                     sorted(pods_by_role(api, ns)["decode"]) == [0, 1] and
+                                     len(p["status"]["ports"]) == 5 * 2 + 3 + 1 else None)(api.pair(ns, "xp")),
+                            60, "decode 2/2 with the drained instances' ports released", interval=0.3)
+            check_ports(api, ns, down)
+            assert down["status"]["phase"] == "Ready"
+            deleted = [e for e in recorder.order() if e.startswith("delete")]
+            assert deleted and all("decode-g1-2" in e or "decode-g1-3" in e for e in deleted), deleted
+
+            # SIGKILL mid-scale: prefill 2 -> 4, the operator killed once the first new prefill exists
+            api.custom.patch_namespaced_custom_object("pdpair.io", "v1alpha1", ns, "inferencepairs", "xp",
+                                                      {"spec": {"prefill": {"replicas": 4}}})
+            wait_for(lambda: 2 in pods_by_role(api, ns)["prefill"], 30, "prefill instance 2")
+            proc.kill()
+            proc.start()
+            final = wait_for(lambda: (lambda p: p if p["status"].get("prefill", {}).get("readyOfDesired") == "4/4"
+                                      else None)(api.pair(ns, "xp")), 90, "4/4 prefill after the restart", interval=0.3)
+            names = [p["metadata"]["name"] for p in api.pods(ns)]
+            assert len(names) == len(set(names)) == 4 + 2 + 1
+            check_ports(api, ns, final)
+            cleanup_pairs(api, ns)
+            assert api.leases(ns) == []
+    finally:
+        recorder.stop()
+        for receiver in receivers.values():
+            receiver.close()
+        for sock in listeners:
+            sock.close()

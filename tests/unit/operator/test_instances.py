@@ -1,0 +1,190 @@
+"""xPyD in the planner (operator/instances.py through desired.recreate_state): a pair with several instances per
+role starts, scales up and down, and tells each pod the right set, in the simulated world of sim.py.
+
+Cost: about 2 s (pure; no cluster, no engine)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from pdpair.operator import desired as d
+from pdpair.operator import instances
+from pdpair.operator.desired import spec_fingerprint
+from pdpair.operator.observed import PodView
+from pdpair.operator.planner import next_step
+from tests.unit.operator.sim import SimWorld, simulate_until_ready
+
+DRAIN = 30
+
+
+def spec(prefill: int = 1, decode: int = 1) -> dict:
+    return {"model": "m", "image": "img:1", "router": {"enabled": True}, "rollout": {"drainSeconds": DRAIN},
+            "prefill": {"replicas": prefill}, "decode": {"replicas": decode}}
+
+
+def live(world: SimWorld, role: str) -> list[PodView]:
+    return sorted((p for p in world.pods.values() if p.role == role), key=lambda p: p.instance)
+
+
+def test_replicas_are_not_a_pod_field():
+    """Scaling must leave every pod alone, and a pair stored before the field existed keeps its fingerprint."""
+    base = {"model": "m", "image": "img:1", "prefill": {"tensorParallelSize": 1}, "decode": {}}
+    scaled = {**base, "prefill": {"tensorParallelSize": 1, "replicas": 3}, "decode": {"replicas": 2}}
+    assert spec_fingerprint(scaled) == spec_fingerprint(base)
+    assert spec_fingerprint({**base, "prefill": {"tensorParallelSize": 2}}) != spec_fingerprint(base)
+
+
+def test_a_2p3d_pair_starts_every_instance_and_each_prefill_after_a_decode_runs():
+    world = SimWorld(spec(prefill=2, decode=3))
+    plans = simulate_until_ready(world)
+    assert plans[-1].step == d.STEP_READY
+    assert [p.instance for p in live(world, "decode")] == [0, 1, 2]
+    assert [p.instance for p in live(world, "prefill")] == [0, 1]
+    assert len(live(world, "router")) == 1
+    creates = [line for line in world.log if line.startswith("create")]
+    assert creates[0] == "create p-decode-1"  # decode instance 0 first, as a 1P1D pair
+    first_prefill = creates.index("create p-prefill-1")
+    assert all("decode" in c for c in creates[:first_prefill])
+    assert plans[-1].role_status["prefill"]["readyOfDesired"] == "2/2"
+    assert plans[-1].role_status["decode"]["readyOfDesired"] == "3/3"
+    assert [i["pod"] for i in plans[-1].role_status["decode"]["instances"]] == ["p-decode-1", "p-decode-1-1",
+                                                                              "p-decode-1-2"]
+
+
+def test_a_1p1d_pair_plans_exactly_what_it_always_did():
+    """replicas 1 on both roles never reaches instances.py: the same plans as a spec without the field."""
+    with_field = SimWorld(spec())
+    without = SimWorld({"model": "m", "image": "img:1", "router": {"enabled": True}})
+    a = [(p.step, p.create, p.delete) for p in simulate_until_ready(with_field)]
+    b = [(p.step, p.create, p.delete) for p in simulate_until_ready(without)]
+    assert a == b
+    assert all(p.step != d.STEP_INSTANCES for p in simulate_until_ready(SimWorld(spec())))
+
+
+def test_scale_up_of_a_ready_pair_adds_instances_and_stays_ready():
+    world = SimWorld(spec())
+    simulate_until_ready(world)
+    before = {p.name: p for p in world.pods.values()}
+    world.spec = spec(prefill=2, decode=2)
+    phases, creates = [], []
+    for _ in range(10):
+        plan = next_step(world.spec, world.status, world.observe())
+        phases.append(plan.phase)
+        if plan.step == d.STEP_READY:
+            break
+        assert plan.step == d.STEP_INSTANCES and not plan.delete
+        creates.append((plan.create, plan.create_instance))
+        world.apply(plan)
+    assert set(phases) == {"Ready"}  # a scale-up never takes the pair out of Ready
+    assert creates == [("decode", 1), ("prefill", 1)]
+    for name, pod in before.items():
+        assert world.pods[name] is pod  # no existing pod touched
+    assert plan.pair_generation == 1
+
+
+def test_scale_down_drains_first_then_deletes_prefill_before_decode_and_never_instance_0():
+    world = SimWorld(spec(prefill=3, decode=2))
+    simulate_until_ready(world)
+    world.spec = spec(prefill=1, decode=1)
+    # 1. every surplus instance is marked draining, one per pass, while the pair stays Ready
+    marked = []
+    for _ in range(5):
+        plan = next_step(world.spec, world.status, world.observe())
+        if not plan.mark_draining:
+            break
+        assert plan.phase == "Ready" and not plan.delete
+        marked += plan.mark_draining
+        world.apply(plan)
+    assert sorted(marked) == ["p-decode-1-1", "p-prefill-1-1", "p-prefill-1-2"]
+    # 2. the drain time is waited out: nothing is deleted before it, and the plan asks to pass again by then
+    world.now += DRAIN - 5
+    plan = next_step(world.spec, world.status, world.observe())
+    assert not plan.delete and plan.wait_seconds is not None and 0 < plan.wait_seconds <= 5
+    # 3. after it, prefills go before the decode
+    world.now += 5
+    deleted = []
+    for _ in range(10):
+        plan = next_step(world.spec, world.status, world.observe())
+        if plan.step == d.STEP_READY:
+            break
+        deleted += plan.delete
+        world.apply(plan)
+    assert deleted[-1] == "p-decode-1-1" and set(deleted[:-1]) == {"p-prefill-1-1", "p-prefill-1-2"}
+    assert sorted(world.pods) == ["p-decode-1", "p-prefill-1", "p-router-1"]
+
+
+def test_a_draining_decode_is_in_no_push_and_other_generations_never_are():
+    pods = [PodView("d0", "decode", 2, ip="10.0.0.1", phase="Running", ready=True),
+            PodView("d1", "decode", 2, ip="10.0.0.2", phase="Running", ready=True, instance=1, draining_since=5.0),
+            PodView("d2", "decode", 2, ip="10.0.0.3", phase="Running", ready=False, instance=2),
+            PodView("old", "decode", 1, ip="10.0.0.9", phase="Running", ready=True),
+            PodView("p0", "prefill", 2, ip="10.0.0.4", phase="Running", ready=True),
+            PodView("p1", "prefill", 2, ip="10.0.0.5", phase="Pending", ready=False, instance=1)]
+    assert [p.name for p in instances.prefill_peers(pods, 2)] == ["d0", "d2"]  # running, not draining, its own
+    assert [p.name for p in instances.router_members(pods, 2)] == ["d0", "p0"]  # Ready only
+    assert instances.peers_digest(["a", "b"]) == instances.peers_digest(["b", "a"])
+
+
+def test_a_deleted_decode_instance_is_recreated_without_a_restart():
+    world = SimWorld(spec(prefill=1, decode=2))
+    simulate_until_ready(world)
+    world.pods.pop("p-decode-1-1")  # someone deleted it; it is gone
+    plan = next_step(world.spec, world.status, world.observe())
+    assert (plan.step, plan.create, plan.create_instance, plan.phase) == (d.STEP_INSTANCES, "decode", 1, "Ready")
+    assert plan.pair_generation == 1
+
+
+def test_random_scaling_keeps_the_instance_invariants():
+    """200 random scale sequences: never two pods for one (role, generation, instance); a prefill is only ever
+    created while a decode of its generation runs; instance 0 is never removed by a scale; no pod is deleted
+    before its drain; and after the last change the pods converge on the counts."""
+    rng = random.Random(849)
+    for _ in range(200):
+        world = SimWorld(spec(rng.randint(1, 4), rng.randint(1, 4)))
+        for _ in range(rng.randint(1, 6)):
+            if rng.random() < 0.4:
+                world.spec = spec(rng.randint(1, 4), rng.randint(1, 4))
+            for _ in range(rng.randint(1, 12)):
+                world.now += rng.choice((0, 1, 10, DRAIN))
+                observed = world.observe()
+                plan = next_step(world.spec, world.status, observed)
+                if plan.create == "prefill":
+                    assert any(p.role == "decode" and p.running and p.generation == plan.pair_generation
+                               for p in observed.pods)
+                for name in plan.delete:
+                    pod = world.pods[name]
+                    assert pod.instance > 0, plan
+                    assert pod.draining_since is not None and world.now - pod.draining_since >= DRAIN
+                world.apply(plan)
+                if plan.create and rng.random() < 0.5:  # this one starts slowly: Pending, no address yet
+                    name = next(n for n, p in world.pods.items() if p.role == plan.create and p.instance ==
+                                plan.create_instance and p.generation == plan.pair_generation)
+                    world.pods[name] = dataclasses.replace(world.pods[name], phase="Pending", ready=False, ip=None)
+                for name, pod in list(world.pods.items()):
+                    if pod.phase == "Pending" and rng.random() < 0.3:
+                        world.pods[name] = dataclasses.replace(pod, phase="Running", ready=True, ip="127.0.0.1")
+                keys = [(p.role, p.generation, p.instance) for p in world.pods.values()]
+                assert len(keys) == len(set(keys))
+        for _ in range(60):
+            world.now += DRAIN
+            for name, pod in list(world.pods.items()):
+                if pod.phase == "Pending":
+                    world.pods[name] = dataclasses.replace(pod, phase="Running", ready=True, ip="127.0.0.1")
+            plan = next_step(world.spec, world.status, world.observe())
+            if plan.step == d.STEP_READY:
+                break
+            world.apply(plan)
+        assert plan.step == d.STEP_READY, plan
+        for role in ("prefill", "decode"):
+            assert [p.instance for p in live(world, role)] == list(range(world.spec[role]["replicas"]))
+
+
+def test_a_failed_instance_still_restarts_the_pair_in_order():
+    """Per-instance restarts are not built yet: a failed instance >= 1 is a restart of the whole pair (desired.py's
+    broken_reason), never left failed beside a Ready pair."""
+    world = SimWorld(spec(prefill=1, decode=2))
+    simulate_until_ready(world)
+    world.pods["p-decode-1-1"] = dataclasses.replace(world.pods["p-decode-1-1"], phase="Failed", ready=False)
+    plan = next_step(world.spec, world.status, world.observe())
+    assert plan.step == d.STEP_BROKEN and "p-decode-1-1" in plan.message
