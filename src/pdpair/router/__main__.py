@@ -1,16 +1,23 @@
 """`python -m pdpair.router --port P --prefill URL --decode URL` (also installed as `pdpair-router`).
 
 Repeat --prefill and --decode for several instances of a role: each request goes to one decode and one prefill
-chosen by load; an instance's index is its place among its role's flags."""
+chosen by load; an instance's index is its place among its role's flags.
+
+With the environment variable PDPAIR_PEERS_TOKEN set, the operator pushes the instance sets to
+`PUT /pdpair/v1/peers` (bearer that token; see app.py), and --prefill/--decode are optional (the set until the first
+push)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import os
+from collections.abc import Mapping
 
 from aiohttp import web
 
+from pdpair.contract import ENV_PEERS_TOKEN
 from pdpair.router.app import RouterConfig, check_timeout, make_app
 
 
@@ -44,10 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdpair-router", description=__doc__)
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     parser.add_argument("--port", type=_port, required=True, help="port to listen on, 0..65535 (0: kernel picks)")
-    parser.add_argument("--prefill", action="append", required=True, metavar="URL",
-                        help="prefill engine base URL, e.g. http://10.0.0.5:8000; repeat it for several prefills")
-    parser.add_argument("--decode", action="append", required=True, metavar="URL",
-                        help="decode engine base URL; repeat it for several decodes")
+    parser.add_argument("--prefill", action="append", default=None, metavar="URL",
+                        help="prefill engine base URL, e.g. http://10.0.0.5:8000; repeat it for several prefills "
+                             f"(required unless {ENV_PEERS_TOKEN} is set: then the set until the operator's push)")
+    parser.add_argument("--decode", action="append", default=None, metavar="URL",
+                        help=f"decode engine base URL; repeat it for several decodes (required unless {ENV_PEERS_TOKEN} "
+                             "is set)")
     parser.add_argument(
         "--prefill-ready", action="append", default=None, metavar="URL",
         help="a prefill's own readiness URL (the operator gives its pod's /readyz), once per --prefill in the same "
@@ -82,9 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> RouterConfig:
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RouterConfig:
+    """The config of these flags and of the environment (`environ`, default os.environ): PDPAIR_PEERS_TOKEN."""
+    environ = os.environ if environ is None else environ
     return RouterConfig(
-        prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
+        prefill_urls=tuple(args.prefill or ()), decode_urls=tuple(args.decode or ()),
+        peers_token=environ.get(ENV_PEERS_TOKEN) or None,
         prefill_ready_urls=tuple(args.prefill_ready or ()), decode_ready_urls=tuple(args.decode_ready or ()),
         prefill_timeout_seconds=args.prefill_timeout, decode_timeout_seconds=args.decode_timeout,
         connect_timeout_seconds=args.connect_timeout, idle_connection_seconds=args.idle_connection_timeout,

@@ -6,6 +6,21 @@ Several instances of each role may be given (`--prefill` and `--decode` repeated
 among its role's flags). Per request the router chooses the decode first, then the prefill, by load (`Pool.choose`;
 docs/xpyd.md section 5 is the design). The operator runs one of each today.
 
+The pushed sets (docs/xpyd.md sections 3, 5, 6): with PDPAIR_PEERS_TOKEN set (the pair's Secret), the router serves
+`PUT /pdpair/v1/peers` on its HTTP port, bearer that token (401 without it or with another; constant-time compare):
+the whole desired set, level-triggered, `{"epoch": int, "generation": int, "prefills": [{"index": int, "url": str,
+"readyUrl": str, "draining": bool (optional)}, ...], "decodes": [...]}`; 400 naming the malformed field, 409 for an
+epoch older than the last accepted one (the same epoch again is applied again: the same body twice is a no-op).
+Instances are kept by URL (requests in flight, cooldown and KV usage stay); a new URL is added; one marked draining or
+gone from the set is never chosen again while its requests in flight finish, and one gone from the set is forgotten
+when its last one ends. The swap is synchronous (no await between reading and replacing the pools). An empty or
+all-draining role is accepted, but then /readyz fails and requests are answered 503. Forced routes
+(X-Pdpair-Route) name the "index" fields of the instances that may be chosen. The answer, also to `GET`, is
+`{"epoch", "generation", "prefills": [{"index", "url", "outstanding", "draining"}], "decodes": [...], "leaving":
+[{"role", "url", "outstanding"}], "warnings": [str]}`: the operator sees a drained instance reach 0 requests in flight.
+The flags' URLs are the set until the first push (with the token none is required). Without the token the path
+answers 404 and the flags are the set.
+
 Errors are explicit: an unreachable peer or a 5xx from it is a 502, a peer that exceeds its timeout a 504, each with
 a JSON body naming the peer and the cause; a 4xx from a peer is the client's fault and is passed through. An instance
 that failed a request (refused, reset before an answer, 5xx, timeout) is not chosen for `failure_cooldown_seconds`
@@ -20,8 +35,9 @@ deadline. A prefill that refused the connection never saw the request, so it is 
 is one. A decode request is never sent twice (its KV may already be read).
 X-Request-Id is taken from the client (or made) and sent to both engines and back to the client.
 
-/health is the router's liveness; /readyz its readiness: at least one prefill and one decode ready by their own
-readiness URLs (`readiness`), so a router started beside loading engines gets no traffic before they serve.
+/health is the router's liveness; /readyz its readiness: at least one prefill and one decode that may be chosen (not
+draining) ready by their own readiness URLs (`readiness`), so a router started beside loading engines gets no traffic
+before they serve.
 """
 
 from __future__ import annotations
@@ -30,6 +46,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import hmac
 import json
 import logging
 import math
@@ -43,6 +60,7 @@ import aiohttp
 from aiohttp import web
 
 from pdpair.connector import timeline
+from pdpair.contract import ENV_PEERS_TOKEN, PEERS_PATH
 from pdpair.contract import READYZ_PATH  # the router's readiness too: it has a prefill and a decode that are ready
 
 logger = logging.getLogger("pdpair.router")
@@ -52,6 +70,7 @@ ROUTE_HEADER = "X-Pdpair-Route"
 KV_USAGE_METRIC = "vllm:kv_cache_usage_perc"
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 HEALTH_PATH = "/health"  # the router's liveness, and an engine's (vLLM's) readiness when no other URL is given
+MAX_PEERS_BODY_BYTES = 1 << 20  # a pushed set (the connector's bound too)
 
 
 @dataclass(frozen=True)
@@ -77,6 +96,9 @@ class RouterConfig:
     # readiness timeout for the router (operator/pods.py ROUTER_READINESS_PROBE, 3 s): every instance is asked at
     # once, so one answer that never comes costs this, not the probe.
     ready_check_timeout_seconds: float = 2.5
+    # PDPAIR_PEERS_TOKEN: set, the router serves `PUT /pdpair/v1/peers` (the operator's push of its instance sets,
+    # bearer this token) and the flags' URLs are only the set until the first push (none may be given); None: 404.
+    peers_token: str | None = dataclasses.field(default=None, repr=False)
 
 
 class PeerError(Exception):
@@ -101,10 +123,24 @@ class Instance:
     kv_usage: float | None = None
     kv_usage_at: float = -math.inf
     ready_url: str = ""  # where its own readiness is asked (the router's /readyz); "" = url + /health
+    draining: bool = False  # pushed as draining, or gone from the pushed set: never chosen again
+
+
+@dataclass(frozen=True)
+class Member:
+    """One instance of a pushed set (`PUT /pdpair/v1/peers`), validated."""
+    index: int
+    url: str
+    ready_url: str
+    draining: bool = False
 
 
 class Pool:
-    """The instances of one role, the requests in flight to each through this router, and the choice among them."""
+    """The instances of one role, the requests in flight to each through this router, and the choice among them.
+
+    `instances` are the ones that may be chosen (in index order), `draining` the members of the pushed set marked
+    draining, `leaving` (by URL) the instances that left the set with requests still in flight through this router;
+    `replace` swaps the set (docs/xpyd.md section 6)."""
 
     def __init__(self, role: str, urls: tuple[str, ...], cooldown_seconds: float,
                  kv_usage_max_age_seconds: float | None = None, clock: Callable[[], float] = time.monotonic,
@@ -113,6 +149,8 @@ class Pool:
         ready_urls = ready_urls or tuple(url + HEALTH_PATH for url in urls)
         self.instances = [Instance(role, index, url, ready_url=ready)
                           for index, (url, ready) in enumerate(zip(urls, ready_urls, strict=True))]
+        self.draining: list[Instance] = []
+        self.leaving: dict[str, Instance] = {}
         self._cooldown = cooldown_seconds
         self._kv_max_age = kv_usage_max_age_seconds  # None: this role's choice ignores KV usage
         self._clock = clock
@@ -138,10 +176,30 @@ class Pool:
             if None not in usages:
                 low = min(usages)
                 tied = [i for i, usage in zip(tied, usages) if usage == low]
-        n = len(self.instances)
+        n = max(i.index for i in self.instances) + 1  # a pushed set's indexes may have gaps
         chosen = min(tied, key=lambda i: (i.index - self._cursor) % n)
         self._cursor = (chosen.index + 1) % n
         return chosen
+
+    def member(self, index: int) -> Instance | None:
+        """The instance that may be chosen with this index (X-Pdpair-Route), or None."""
+        return next((i for i in self.instances if i.index == index), None)
+
+    def replace(self, members: list[Member]) -> None:
+        """Makes `members` the role's set. Synchronous, so no request's choice sees half of it. An instance is kept
+        by URL (its requests in flight, cooldown and KV usage stay); a new URL is a new instance; one marked
+        draining, or gone from the set, is never chosen again while its requests in flight finish (`hold` counts
+        them); one gone from the set is forgotten when its last one ends."""
+        known = {i.url: i for i in (*self.instances, *self.draining, *self.leaving.values())}
+        instances, draining = [], []
+        for m in sorted(members, key=lambda m: m.index):
+            instance = known.pop(m.url, None) or Instance(self.role, m.index, m.url)
+            instance.index, instance.ready_url, instance.draining = m.index, m.ready_url, m.draining
+            (draining if m.draining else instances).append(instance)
+        for instance in known.values():
+            instance.draining = True
+        self.instances, self.draining = instances, draining
+        self.leaving = {url: i for url, i in known.items() if i.outstanding > 0}
 
     @contextlib.contextmanager
     def hold(self, instance: Instance) -> Iterator[Instance]:
@@ -152,6 +210,8 @@ class Pool:
             yield instance
         finally:
             instance.outstanding -= 1
+            if instance.outstanding == 0 and self.leaving.get(instance.url) is instance:
+                del self.leaving[instance.url]  # it left the set and its last request ended: forgotten
 
     def failed(self, instance: Instance) -> None:
         instance.cooldown_until = self._clock() + self._cooldown
@@ -182,6 +242,38 @@ class Router:
                             kv_usage_max_age_seconds=config.kv_usage_max_age_seconds,
                             ready_urls=config.decode_ready_urls)
         self.session: aiohttp.ClientSession | None = None
+        # The last pushed set's epoch and generation (None: the flags' set, nothing pushed yet).
+        self.epoch: int | None = None
+        self.generation: int | None = None
+
+    def apply_peers(self, epoch: int, generation: int, prefills: list[Member], decodes: list[Member]) -> None:
+        """Both roles' sets at once: synchronous, so no request sees one role swapped and not the other."""
+        self.prefills.replace(prefills)
+        self.decodes.replace(decodes)
+        self.epoch, self.generation = epoch, generation
+
+    def peers_state(self) -> dict:
+        """The answer of `PUT`/`GET /pdpair/v1/peers`: each role's members (draining included) with the requests in
+        flight to each through this router, the instances that left the set with requests still in flight
+        (`leaving`; one is gone from it when its count reaches 0), and `warnings` (a role with no instance that may
+        be chosen: /readyz fails and requests are answered 503)."""
+        def members(pool: Pool) -> list[dict]:
+            return [{"index": i.index, "url": i.url, "outstanding": i.outstanding, "draining": i.draining}
+                    for i in sorted((*pool.instances, *pool.draining), key=lambda i: i.index)]
+
+        pools = (self.prefills, self.decodes)
+        return {
+            "epoch": self.epoch, "generation": self.generation,
+            "prefills": members(self.prefills), "decodes": members(self.decodes),
+            "leaving": [{"role": pool.role, "url": i.url, "outstanding": i.outstanding}
+                        for pool in pools for i in pool.leaving.values()],
+            "warnings": [_no_instance(pool.role) for pool in pools if not pool.instances],
+        }
+
+
+def _no_instance(role: str) -> str:
+    return (f"no {role} that may be chosen (the set is empty or every {role} is draining): the router's {READYZ_PATH} "
+            f"fails and requests are answered 503 until one is pushed")
 
 
 ROUTER = web.AppKey("router", Router)
@@ -232,8 +324,9 @@ async def _prefill(router: Router, first: Instance, body: dict, path: str, heade
                 if exc.status >= 500:
                     pool.failed(instance)
                 cause = exc.__cause__
-                # A forced route keeps its prefill. A refused connection is worth another try only elsewhere.
-                elsewhere = not forced and len(pool.instances) > 1
+                # A forced route keeps its prefill. A refused connection is worth another try only elsewhere (not
+                # on a draining prefill: `instances` are the ones that may be chosen, now).
+                elsewhere = not forced and any(i is not instance for i in pool.instances)
                 if attempt or not (_disconnected(cause) or (_refused(cause) and elsewhere)):
                     raise
                 again = pool.choose(exclude=instance) if elsewhere else instance
@@ -271,10 +364,10 @@ def _forced_route(router: Router, request: web.Request) -> tuple[int, int] | Non
     except ValueError:
         raise PeerError(400, "router", f"{ROUTE_HEADER} must be '<prefill index>,<decode index>', got {raw!r}") from None
     for role, index, pool in (("prefill", prefill, router.prefills), ("decode", decode, router.decodes)):
-        n = len(pool.instances)
-        if not 0 <= index < n:
+        if pool.member(index) is None:
+            indexes = [i.index for i in pool.instances]
             raise PeerError(400, "router", f"{ROUTE_HEADER} {raw!r}: {role} index {index} is out of range: this router "
-                                           f"has {n} {role} instance{'s' if n > 1 else ''} (0..{n - 1})")
+                                           f"may choose the {role} indexes {indexes} (draining ones excluded)")
     return prefill, decode
 
 
@@ -305,14 +398,17 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         forced = _forced_route(router, request)
     except PeerError as exc:
         return exc.response(request_id)
+    for pool in (router.decodes, router.prefills):  # a pushed set may leave a role without one (no await from here)
+        if not pool.instances:
+            return PeerError(503, "router", _no_instance(pool.role)).response(request_id)
 
     # Decode first: it holds the request for the whole answer, so its load matters most; a prefill is busy only for
     # the prompt.
     decodes_seen = router.decodes.outstanding()
-    decode = router.decodes.instances[forced[1]] if forced else router.decodes.choose()
+    decode = router.decodes.member(forced[1]) if forced else router.decodes.choose()
     with router.decodes.hold(decode):
         prefills_seen = router.prefills.outstanding()
-        prefill = router.prefills.instances[forced[0]] if forced else router.prefills.choose()
+        prefill = router.prefills.member(forced[0]) if forced else router.prefills.choose()
         if router.config.log_choices:
             _log_choice(router, request_id, prefill, decode, prefills_seen, decodes_seen, forced is not None)
         try:
@@ -433,7 +529,9 @@ async def _scrape_kv_usage(router: Router) -> None:
             pool.record_kv_usage(instance, usage)
 
     while True:
-        await asyncio.gather(*(scrape(instance) for instance in pool.instances))
+        # The decodes that may be chosen now (a pushed set changes them); with one there is no tie to break.
+        if len(pool.instances) > 1:
+            await asyncio.gather(*(scrape(instance) for instance in pool.instances))
         await asyncio.sleep(config.kv_scrape_interval_seconds)
 
 
@@ -455,14 +553,16 @@ async def readiness(router: Router) -> tuple[bool, dict]:
     """Ready while at least one prefill and one decode answer 200 on their own readiness URLs (the operator gives
     each engine pod's /readyz: paired, serving, warmed up), all asked at once, each within
     ready_check_timeout_seconds. The operator creates the router while the engines still load, so this is what keeps
-    the pair's Service off it until a request through it can be served."""
+    the pair's Service off it until a request through it can be served. Only instances that may be chosen count
+    (a draining one is not asked): a pushed set with none of a role makes the router not ready (`warnings`)."""
     instances = [*router.prefills.instances, *router.decodes.instances]
     answers = await asyncio.gather(*(_instance_ready(router, i) for i in instances))
     body: dict = {"prefill": [], "decode": []}
     for instance, (ok, detail) in zip(instances, answers):
         body[instance.role].append({"index": instance.index, "url": instance.ready_url, "ready": ok, "detail": detail})
     ready = all(any(entry["ready"] for entry in body[role]) for role in ("prefill", "decode"))
-    return ready, body
+    warnings = [_no_instance(role) for role in ("prefill", "decode") if not body[role]]
+    return ready, {**body, "warnings": warnings} if warnings else body
 
 
 async def _readyz(request: web.Request) -> web.Response:
@@ -472,6 +572,8 @@ async def _readyz(request: web.Request) -> web.Response:
 
 async def _models(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
+    if not router.decodes.instances:
+        return PeerError(503, "router", _no_instance("decode")).response("-")
     cooling = set(router.decodes.cooling())
     decode = next((i for i in router.decodes.instances if i.index not in cooling), router.decodes.instances[0])
     try:
@@ -479,6 +581,123 @@ async def _models(request: web.Request) -> web.Response:
             return web.Response(body=await resp.read(), status=resp.status, content_type=resp.content_type)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return PeerError(502, "decode", f"decode unreachable: {exc}").response("-")
+
+
+# --- the operator's push of the instance sets: PUT /pdpair/v1/peers ----------------------------------------------
+def check_peers_token(token: str) -> str:
+    """The connector's rule for PDPAIR_PEERS_TOKEN (connector/config.py): at least 16 printable ASCII characters
+    without spaces, else a ValueError."""
+    if not isinstance(token, str) or len(token) < 16 or not token.isascii() or not token.isprintable() or \
+            any(c.isspace() for c in token):
+        raise ValueError(f"{ENV_PEERS_TOKEN} must be at least 16 printable ASCII characters without spaces")
+    return token
+
+
+def _count(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def parse_peers_body(doc: object) -> tuple[int, int, list[Member], list[Member]]:
+    """(epoch, generation, prefills, decodes) of a pushed body `{"epoch": int, "generation": int, "prefills":
+    [{"index": int, "url": str, "readyUrl": str, "draining": bool (optional, false)}, ...], "decodes": [...]}`;
+    else a ValueError naming the field. An index is unique within its role, a URL (however spelled) within the body;
+    other keys are ignored. An empty or all-draining role is accepted (the router is then not ready)."""
+    if not isinstance(doc, dict):
+        raise ValueError("the body must be a JSON object {epoch, generation, prefills, decodes}")
+    epoch, generation = _count(doc.get("epoch"), "epoch"), _count(doc.get("generation"), "generation")
+    urls: dict[tuple, str] = {}
+    roles: dict[str, list[Member]] = {}
+    for role in ("prefills", "decodes"):
+        items = doc.get(role)
+        if not isinstance(items, list):
+            raise ValueError(f"{role} must be a list of {{index, url, readyUrl, draining}}, got {items!r:.100}")
+        members: list[Member] = []
+        indexes: dict[int, str] = {}
+        for n, item in enumerate(items):
+            where = f"{role}[{n}]"
+            if not isinstance(item, dict):
+                raise ValueError(f"{where} must be an object {{index, url, readyUrl, draining}}, got {item!r:.100}")
+            index = _count(item.get("index"), f"{where}.index")
+            if index in indexes:
+                raise ValueError(f"{where}.index {index} is {indexes[index]}'s too")
+            url, key = check_url(f"{where}.url", item.get("url"))
+            if key in urls:
+                raise ValueError(f"{where}.url {url!r} names the instance of {urls[key]} too")
+            ready_url, _ = check_url(f"{where}.readyUrl", item.get("readyUrl"))
+            draining = item.get("draining", False)
+            if not isinstance(draining, bool):
+                raise ValueError(f"{where}.draining must be true or false, got {draining!r:.100}")
+            indexes[index], urls[key] = where, f"{where}.url"
+            members.append(Member(index, url, ready_url, draining))
+        roles[role] = members
+    return epoch, generation, roles["prefills"], roles["decodes"]
+
+
+def _authorized(router: Router, request: web.Request) -> bool:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    try:
+        given = token.strip().encode("utf-8", "surrogateescape")
+    except UnicodeError:
+        return False
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, router.config.peers_token.encode())
+
+
+async def _peers(request: web.Request) -> web.Response:
+    """`PUT /pdpair/v1/peers`: the whole desired set of both roles, level-triggered (docs/xpyd.md sections 3, 5, 6);
+    `GET`: the same answer without a change. Bearer PDPAIR_PEERS_TOKEN (constant-time compare) else 401; a malformed
+    body 400 naming the field; an epoch older than the last accepted one 409 (a deposed operator leader cannot undo
+    its successor's push; the same epoch again is applied again, so the same body twice is a no-op). The answer is
+    `Router.peers_state()`."""
+    router = request.app[ROUTER]
+    if not _authorized(router, request):
+        return web.json_response({"error": f"a valid bearer token is required (the pair's {ENV_PEERS_TOKEN})"},
+                                 status=401, headers={"WWW-Authenticate": "Bearer"})
+    if request.method != "PUT":
+        return web.json_response(router.peers_state())
+    if (request.content_length or 0) > MAX_PEERS_BODY_BYTES:
+        return web.json_response({"error": f"the body is over {MAX_PEERS_BODY_BYTES} bytes"}, status=413)
+    raw = await request.read()
+    if len(raw) > MAX_PEERS_BODY_BYTES:
+        return web.json_response({"error": f"the body is over {MAX_PEERS_BODY_BYTES} bytes"}, status=413)
+    try:
+        epoch, generation, prefills, decodes = parse_peers_body(json.loads(raw))
+    except ValueError as exc:  # json.JSONDecodeError included
+        return web.json_response({"error": f"{exc}" if not isinstance(exc, json.JSONDecodeError)
+                                  else f"the body is not JSON: {exc}"}, status=400)
+    # From the epoch check to the swap there is no await: no request's choice runs in between.
+    if router.epoch is not None and epoch < router.epoch:
+        return web.json_response({"error": f"epoch {epoch} is older than the last one accepted ({router.epoch})",
+                                  "epoch": router.epoch}, status=409)
+    changed = (epoch, generation) != (router.epoch, router.generation) or \
+        _as_members(router.prefills) != _by_index(prefills) or _as_members(router.decodes) != _by_index(decodes)
+    router.apply_peers(epoch, generation, prefills, decodes)
+    state = router.peers_state()
+    if changed:
+        logger.info("instance sets pushed: epoch %d, generation %d, prefills %s, decodes %s, leaving %s%s", epoch,
+                    generation, _summary(state["prefills"]), _summary(state["decodes"]),
+                    [f"{e['role']} {e['url']} ({e['outstanding']} in flight)" for e in state["leaving"]],
+                    "".join(f"; {w}" for w in state["warnings"]))
+    return web.json_response(state)
+
+
+def _as_members(pool: Pool) -> list[Member]:
+    return [Member(i.index, i.url, i.ready_url, i.draining)
+            for i in sorted((*pool.instances, *pool.draining), key=lambda i: i.index)]
+
+
+def _by_index(members: list[Member]) -> list[Member]:
+    return sorted(members, key=lambda m: m.index)
+
+
+def _summary(entries: list[dict]) -> list[str]:
+    return [f"{e['index']} {e['url']}{' (draining)' if e['draining'] else ''}" for e in entries]
+
+
+async def _no_peers(request: web.Request) -> web.Response:
+    return web.json_response({"error": f"no peer push on this router ({ENV_PEERS_TOKEN} is not set): its instances "
+                                       "are its flags'"}, status=404)
 
 
 def check_timeout(flag: str, seconds: float) -> float:
@@ -491,34 +710,41 @@ def check_timeout(flag: str, seconds: float) -> float:
     return float(seconds)
 
 
-def check_urls(flag: str, urls: tuple[str, ...]) -> tuple[str, ...]:
-    """`urls` without trailing slashes, else a ValueError naming `flag`: none given, one that is not an http(s) URL
-    with a host, or one instance given twice (the same scheme, host, port and path, however spelled: the choice by
+def check_urls(flag: str, urls: tuple[str, ...], allow_empty: bool = False) -> tuple[str, ...]:
+    """`urls` without trailing slashes, else a ValueError naming `flag`: none given (unless `allow_empty`), one that
+    is not an http(s) URL with a host, or one instance given twice (the same scheme, host, port and path, however spelled: the choice by
     load would count it as two instances and send it twice its share)."""
     if isinstance(urls, str) or not isinstance(urls, (tuple, list)):
         raise ValueError(f"{flag} takes a tuple of URLs, got {urls!r}")
-    if not urls:
-        raise ValueError(f"{flag}: at least one URL is required")
+    if not urls and not allow_empty:
+        raise ValueError(f"{flag}: at least one URL is required (or set {ENV_PEERS_TOKEN} and push the set)")
     seen: dict[tuple, int] = {}
     out = []
     for index, url in enumerate(urls):
-        bad = f"{flag} must be an http(s) URL with a host, e.g. http://10.0.0.5:8000, got {url!r}"
-        if not isinstance(url, str) or any(c.isspace() for c in url):
-            raise ValueError(bad)
-        parts = urllib.parse.urlsplit(url)
-        try:
-            port = parts.port
-        except ValueError:
-            raise ValueError(bad) from None
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-            raise ValueError(bad)
-        key = (parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80), parts.path.rstrip("/"))
+        url, key = check_url(flag, url)
         if key in seen:
-            raise ValueError(f"{flag} names one instance twice: {urls[seen[key]]!r} (#{seen[key] + 1}) and {url!r} "
-                             f"(#{index + 1})")
+            raise ValueError(f"{flag} names one instance twice: {urls[seen[key]]!r} (#{seen[key] + 1}) and "
+                             f"{urls[index]!r} (#{index + 1})")
         seen[key] = index
-        out.append(url.rstrip("/"))
+        out.append(url)
     return tuple(out)
+
+
+def check_url(what: str, url: object) -> tuple[str, tuple]:
+    """(`url` without trailing slashes, the instance it names: scheme, host, port, path), else a ValueError naming
+    `what`: not an http(s) URL with a host."""
+    bad = f"{what} must be an http(s) URL with a host, e.g. http://10.0.0.5:8000, got {url!r}"
+    if not isinstance(url, str) or any(c.isspace() for c in url):
+        raise ValueError(bad)
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(bad) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ValueError(bad)
+    key = (parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80), parts.path.rstrip("/"))
+    return url.rstrip("/"), key
 
 
 def check_ready_urls(flag: str, ready_urls: tuple[str, ...], urls: tuple[str, ...]) -> tuple[str, ...]:
@@ -535,8 +761,11 @@ def check_ready_urls(flag: str, ready_urls: tuple[str, ...], urls: tuple[str, ..
 
 
 def make_app(config: RouterConfig) -> web.Application:
-    config = dataclasses.replace(config, prefill_urls=check_urls("--prefill", config.prefill_urls),
-                                 decode_urls=check_urls("--decode", config.decode_urls))
+    pushed = config.peers_token is not None
+    if pushed:
+        check_peers_token(config.peers_token)
+    config = dataclasses.replace(config, prefill_urls=check_urls("--prefill", config.prefill_urls, allow_empty=pushed),
+                                 decode_urls=check_urls("--decode", config.decode_urls, allow_empty=pushed))
     config = dataclasses.replace(
         config, prefill_ready_urls=check_ready_urls("--prefill-ready", config.prefill_ready_urls, config.prefill_urls),
         decode_ready_urls=check_ready_urls("--decode-ready", config.decode_ready_urls, config.decode_urls))
@@ -556,8 +785,8 @@ def make_app(config: RouterConfig) -> web.Application:
             timeout=aiohttp.ClientTimeout(connect=config.connect_timeout_seconds),
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=config.idle_connection_seconds),
         )
-        # With one decode there is no tie to break: no scrape.
-        scraper = asyncio.create_task(_scrape_kv_usage(router)) if len(config.decode_urls) > 1 else None
+        # With one decode there is no tie to break: no scrape (a pushed set may bring more).
+        scraper = asyncio.create_task(_scrape_kv_usage(router)) if len(config.decode_urls) > 1 or pushed else None
         yield
         if scraper is not None:
             scraper.cancel()
@@ -571,4 +800,9 @@ def make_app(config: RouterConfig) -> web.Application:
     app.router.add_get(HEALTH_PATH, _health)
     app.router.add_get(READYZ_PATH, _readyz)
     app.router.add_get("/v1/models", _models)
+    if pushed:
+        app.router.add_get(PEERS_PATH, _peers)
+        app.router.add_put(PEERS_PATH, _peers)
+    else:
+        app.router.add_route("*", PEERS_PATH, _no_peers)
     return app

@@ -1,0 +1,190 @@
+"""The operator's push of peer sets (docs/xpyd.md sections 3, 5, 6): the bodies, the HTTP client and the per-pair token
+Secret. No decision is made here: the planner decides each set (who, which epoch, who is draining); the executor
+builds the bodies with these functions, sends them with `push`, and records `body_digest` of what it pushed.
+
+- Each prefill's connector: `PUT /pdpair/v1/peers` on its metrics port, `prefill_body` (the whole set of decodes it
+  pairs with). Its answer: `{"epoch", "generation", "ranks": {rank: {"host:portBase": paired}}, "paired":
+  {"host:portBase": every rank paired}}` (502 with `unreachable_ranks` when a TP rank could not be reached).
+- The router: `PUT /pdpair/v1/peers` on its HTTP port, `router_body` (both roles' instances, `draining` marked). Its
+  answer: `{"epoch", "generation", "prefills": [{"index", "url", "outstanding", "draining"}], "decodes": [...],
+  "leaving": [{"role", "url", "outstanding"}], "warnings": [...]}`: a drained instance is done when its
+  `outstanding` is 0 and it is no longer `leaving`.
+- Both: bearer token PDPAIR_PEERS_TOKEN (401 without), 400 for a malformed body (the error names the field), 409 for
+  an epoch older than the last one accepted (and, for a prefill, another generation than its own).
+
+The pure part (dataclasses, bodies, digest, Secret) imports no HTTP client, so a decision module may import it too;
+`push` imports aiohttp when it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pdpair.contract import ENV_PEERS_TOKEN, ROLE_DECODE, ROLE_PREFILL
+
+from .pods import owned_metadata
+
+if TYPE_CHECKING:
+    import aiohttp
+
+TOKEN_KEY = "token"  # the key of the token in the pair's Secret (`token_secret`, `token_env`)
+TOKEN_COMPONENT = "peers-token"  # app.kubernetes.io/component of the Secret
+
+
+@dataclass(frozen=True)
+class PrefillPeer:
+    """A decode instance as a prefill is pushed it: its pod's host (IP), the base of its side-channel port block
+    (TP rank r listens on port_base + r), its TP size."""
+    index: int
+    host: str
+    port_base: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class RouterMember:
+    """An instance as the router is pushed it: role (prefill or decode), index, its engine's base URL, its own
+    readiness URL (the router's /readyz asks it), and whether it is draining (never chosen again; its requests in
+    flight finish)."""
+    role: str
+    index: int
+    url: str
+    ready_url: str
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """ok: the endpoint answered 2xx. status: its HTTP status (None: no answer: refused, reset, timed out). answer:
+    its JSON object (None: none, or not a JSON object). error: the cause when not ok ("" when ok)."""
+    ok: bool
+    status: int | None
+    answer: dict | None
+    error: str
+
+
+def _count(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def prefill_body(epoch: int, generation: int, decodes: list[PrefillPeer]) -> dict:
+    """The body of a prefill's `PUT /pdpair/v1/peers` (connector/metrics.py PeerPush): `{"epoch", "generation",
+    "decodes": [{"index", "host", "portBase", "tp"}]}`, decodes in index order. A ValueError for what the connector
+    would refuse anyway or a planner bug: a negative or non-integer number, an empty host, one index or one
+    host:portBase twice."""
+    _count(epoch, "epoch")
+    _count(generation, "generation")
+    indexes, addresses, out = set(), set(), []
+    for peer in sorted(decodes, key=lambda p: p.index):
+        _count(peer.index, "decode index")
+        _count(peer.port_base, f"decode {peer.index} port_base")
+        if isinstance(peer.tp, bool) or not isinstance(peer.tp, int) or peer.tp < 1:
+            raise ValueError(f"decode {peer.index} tp must be an integer >= 1, got {peer.tp!r}")
+        host = peer.host.strip("[]") if isinstance(peer.host, str) else ""
+        if not host:
+            raise ValueError(f"decode {peer.index} has no host: {peer.host!r}")
+        if peer.index in indexes or (host, peer.port_base) in addresses:
+            raise ValueError(f"decode {peer.index} ({host}:{peer.port_base}) is named twice")
+        indexes.add(peer.index)
+        addresses.add((host, peer.port_base))
+        out.append({"index": peer.index, "host": host, "portBase": peer.port_base, "tp": peer.tp})
+    return {"epoch": epoch, "generation": generation, "decodes": out}
+
+
+def router_body(epoch: int, generation: int, members: Iterable[RouterMember]) -> dict:
+    """The body of the router's `PUT /pdpair/v1/peers` (router/app.py): `{"epoch", "generation", "prefills":
+    [{"index", "url", "readyUrl", "draining"}], "decodes": [...]}`, each role in index order. A ValueError for a role
+    that is neither prefill nor decode, or one index or one URL twice (the router would refuse them: 400)."""
+    _count(epoch, "epoch")
+    _count(generation, "generation")
+    roles: dict[str, list[RouterMember]] = {ROLE_PREFILL: [], ROLE_DECODE: []}
+    urls: set[str] = set()
+    for member in members:
+        if member.role not in roles:
+            raise ValueError(f"role must be {ROLE_PREFILL!r} or {ROLE_DECODE!r}, got {member.role!r}")
+        _count(member.index, f"{member.role} index")
+        if any(m.index == member.index for m in roles[member.role]) or member.url in urls:
+            raise ValueError(f"{member.role} {member.index} ({member.url}) is named twice")
+        urls.add(member.url)
+        roles[member.role].append(member)
+
+    def role(items: list[RouterMember]) -> list[dict]:
+        return [{"index": m.index, "url": m.url, "readyUrl": m.ready_url, "draining": bool(m.draining)}
+                for m in sorted(items, key=lambda m: m.index)]
+
+    return {"epoch": epoch, "generation": generation, "prefills": role(roles[ROLE_PREFILL]),
+            "decodes": role(roles[ROLE_DECODE])}
+
+
+def body_digest(body: Mapping[str, Any]) -> str:
+    """16 hex characters of the sha256 of `body`'s canonical JSON (sorted keys, no spaces): the same for the same
+    body however its keys were ordered; for a pod annotation recording what was pushed."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+async def push(session: "aiohttp.ClientSession", url: str, token: str, body: dict,
+               timeout_seconds: float) -> PushResult:
+    """PUT `body` to `url` (the endpoint's full URL) with `Authorization: Bearer <token>`, the whole request (connect,
+    send, answer) bounded by `timeout_seconds`. Never raises for the network (refused, reset, DNS, timeout, a bad
+    URL): those are a PushResult with ok False, status None and the cause. A ValueError only for a timeout that is
+    not a finite number > 0 (a bug, not the network)."""
+    import aiohttp
+
+    if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) or \
+            not (timeout_seconds > 0 and math.isfinite(timeout_seconds)):
+        raise ValueError(f"timeout_seconds must be a finite number > 0, got {timeout_seconds!r}")
+
+    async def put() -> tuple[int, str]:
+        async with session.put(url, json=body, headers={"Authorization": f"Bearer {token}"},
+                               timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as resp:
+            return resp.status, await resp.text()
+
+    try:
+        # aiohttp's total bounds the request; wait_for bounds everything else too (a slow DNS answer included).
+        status, text = await asyncio.wait_for(put(), timeout_seconds)
+    except asyncio.TimeoutError:
+        return PushResult(False, None, None, f"PUT {url}: no answer within {timeout_seconds:g} s")
+    except (aiohttp.ClientError, OSError, ValueError) as exc:  # aiohttp.InvalidURL is a ValueError too
+        return PushResult(False, None, None, f"PUT {url}: {type(exc).__name__}: {exc}")
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        answer = None
+    answer = answer if isinstance(answer, dict) else None
+    if 200 <= status < 300:
+        return PushResult(True, status, answer, "")
+    cause = answer.get("error") if answer is not None else None
+    return PushResult(False, status, answer, f"PUT {url}: HTTP {status}: {cause or text[:300]!s}")
+
+
+def new_token() -> str:
+    """A new pair's token: 32 random bytes, URL-safe base64 (43 characters; the connector and the router want at least
+    16 printable ASCII characters without spaces)."""
+    return secrets.token_urlsafe(32)
+
+
+def token_secret(pair: Mapping[str, Any], name: str, token: str) -> dict:
+    """The pair's token Secret (core/v1, Opaque, `stringData: {token}`), in the pair's namespace, labelled like
+    everything the pair owns and owned by it (the garbage collector deletes it with the pair)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": owned_metadata(pair, name, TOKEN_COMPONENT),
+        "type": "Opaque",
+        "stringData": {TOKEN_KEY: token},
+    }
+
+
+def token_env(secret_name: str) -> dict:
+    """The container env entry that gives a pod the pair's token: PDPAIR_PEERS_TOKEN from the Secret's key."""
+    return {"name": ENV_PEERS_TOKEN, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": TOKEN_KEY}}}
