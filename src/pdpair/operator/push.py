@@ -27,14 +27,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdpair.contract import ENV_PEERS_TOKEN, ROLE_DECODE, ROLE_PREFILL
+from pdpair.contract import ROLE_DECODE, ROLE_PREFILL
 
-from .pods import owned_metadata
+from .pods import PEERS_SECRET_KEY, owned_metadata
 
 if TYPE_CHECKING:
     import aiohttp
 
-TOKEN_KEY = "token"  # the key of the token in the pair's Secret (`token_secret`, `token_env`)
+TOKEN_KEY = PEERS_SECRET_KEY  # the key of the token in the pair's Secret (pods.py gives pods the env entry)
 TOKEN_COMPONENT = "peers-token"  # app.kubernetes.io/component of the Secret
 
 
@@ -183,8 +183,3 @@ def token_secret(pair: Mapping[str, Any], name: str, token: str) -> dict:
         "type": "Opaque",
         "stringData": {TOKEN_KEY: token},
     }
-
-
-def token_env(secret_name: str) -> dict:
-    """The container env entry that gives a pod the pair's token: PDPAIR_PEERS_TOKEN from the Secret's key."""
-    return {"name": ENV_PEERS_TOKEN, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": TOKEN_KEY}}}

@@ -230,6 +230,8 @@ class PairReconciler:
         self.unreplaceable_reported: set[tuple[str, int]] = set()  # (pod, port) told once as PortInUse
         self.peers_token: str | None = None  # the pair's Secret's token (pods.peers_secret_name), once read or made
         self.push_failures: dict[str, str] = {}  # pod uid -> the last push error logged (logged once per cause)
+        # pod uid -> the digest this reconciler pushed, until the pod index shows the annotation (the watch's lag)
+        self.pushed: dict[str, str] = {}
 
     # --- observation --------------------------------------------------------------------------------
     def _refresh_status(self) -> None:
@@ -662,6 +664,8 @@ class PairReconciler:
             return max(0.2, min(rejection.not_before - time.monotonic(), cfg.resync_interval))
         if plan.create and _created_name(self.ref.name, plan) in self.created_unseen:
             return pass_delay(plan.step, cfg, plan.wait_seconds) if plan.wait_seconds is not None else cfg.resync_interval
+        if self.push_failures:  # a pod not yet taking its set (still loading): nothing wakes the pair when it does
+            return min(pass_delay(plan.step, cfg, plan.wait_seconds), cfg.probe_interval)
         return pass_delay(plan.step, cfg, plan.wait_seconds)
 
     def _rollout_fields(self, plan: d.Plan, pods: tuple[PodView, ...]) -> dict[str, Any]:
@@ -852,6 +856,9 @@ class PairReconciler:
         what the pod was last told (its annotation pdpair.io/peers-digest): the decodes a prefill pairs with, the
         instances a router sends to. A failed push is retried on the next pass (it is level-triggered)."""
         sends = []
+        live = {p.uid for p in pods if p.running}
+        self.push_failures = {uid: cause for uid, cause in self.push_failures.items() if uid in live}
+        self.pushed = {uid: digest for uid, digest in self.pushed.items() if uid in live}
         for pod in pods:
             if not pod.running or pod.role not in (ROLE_PREFILL, ROLE_ROUTER) or pod.peers_digest is None:
                 continue
@@ -879,8 +886,10 @@ class PairReconciler:
                 digest = _router_digest(members)
                 body = push.router_body(epoch, pod.generation, members)
                 url = f"http://{_url_host(pod.ip or '')}:{router_port}{PEERS_PATH}"
-            if digest != pod.peers_digest:
+            if digest != pod.peers_digest and digest != self.pushed.get(pod.uid):
                 sends.append((pod, url, body, digest))
+            else:
+                self.push_failures.pop(pod.uid, None)
         if not sends:
             return
         token = await self._peers_token()
@@ -899,6 +908,7 @@ class PairReconciler:
                                   self.ref.name, pod.role, pod.name, cause)
                 return
             self.push_failures.pop(pod.uid, None)
+            self.pushed[pod.uid] = digest
             await self._patch_pod_annotations(pod.name, {ANNOTATION_PEERS_DIGEST: digest})
             self.emit("Normal", "PeersPushed", f"{pod.role} {pod.name}: told its current set ({digest})")
 

@@ -23,7 +23,7 @@ from pdpair.connector.metrics import PeerPush, serve
 from pdpair.connector.signals import SignalAccounts
 from pdpair.operator.pods import owned_labels
 from pdpair.operator.push import (PrefillPeer, PushResult, RouterMember, body_digest, new_token, prefill_body, push,
-                                  router_body, token_env, token_secret)
+                                  router_body, token_secret)
 from pdpair.router.app import RouterConfig, check_peers_token, make_app, parse_peers_body
 from tests.router_support import Engine, engine_server, serve as serve_app
 
@@ -116,8 +116,6 @@ def test_the_token_and_its_secret():
     assert meta["labels"] == owned_labels(PAIR, "peers-token")
     [owner] = meta["ownerReferences"]
     assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("InferencePair", "demo", "uid-1", True)
-    assert token_env("demo-peers-token") == {"name": contract.ENV_PEERS_TOKEN, "valueFrom": {
-        "secretKeyRef": {"name": "demo-peers-token", "key": "token"}}}
 
 
 @pytest_asyncio.fixture
