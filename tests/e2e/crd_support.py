@@ -1,5 +1,5 @@
-"""The chart's InferencePair CRD on the local control plane: its path and its installation (server-side apply, then
-wait until the apiserver serves it). Used by tests/e2e/conftest.py's CRD fixtures and test_crd_generation.py."""
+"""The chart's CRDs (InferencePair, InferencePairRole) on the local control plane: their paths and their installation
+(server-side apply, then wait until the apiserver serves them). Used by tests/e2e/conftest.py's CRD fixtures and test_crd_generation.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,9 +8,13 @@ from pdpair import contract
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "charts" / "pdpair" / "crds" / "inferencepairs.pdpair.io.yaml"
+# The per-role scale objects' CRD (docs/xpyd.md section 2), installed wherever the InferencePair CRD is.
+ROLE_CRD_PATH = REPO / "charts" / "pdpair" / "crds" / "inferencepairroles.pdpair.io.yaml"
 
 
 def install_crd(cluster) -> None:
-    """Server-side apply of the chart's CRD, then wait until the apiserver serves it."""
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=pdpair-tests", "-f", str(CRD_PATH))
-    cluster.wait_crd_established(f"{contract.PLURAL}.{contract.GROUP}")
+    """Server-side apply of the chart's CRDs, then wait until the apiserver serves them."""
+    for path, name in ((CRD_PATH, f"{contract.PLURAL}.{contract.GROUP}"),
+                       (ROLE_CRD_PATH, f"{contract.ROLE_OBJECT_PLURAL}.{contract.GROUP}")):
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=pdpair-tests", "-f", str(path))
+        cluster.wait_crd_established(name)

@@ -83,9 +83,10 @@ def test_every_rendered_object_was_applied(release, local_cluster):
         local_cluster.kubectl("get", qualified(doc), *namespace)
 
 
-def test_crd_from_the_chart_is_established(local_cluster, release):
-    local_cluster.wait_crd_established(f"{contract.PLURAL}.{contract.GROUP}")
-    crd = json.loads(local_cluster.kubectl("get", "crd", f"{contract.PLURAL}.{contract.GROUP}", "-o", "json").stdout)
+@pytest.mark.parametrize("plural", [contract.PLURAL, contract.ROLE_OBJECT_PLURAL])
+def test_crd_from_the_chart_is_established(local_cluster, release, plural):
+    local_cluster.wait_crd_established(f"{plural}.{contract.GROUP}")
+    crd = json.loads(local_cluster.kubectl("get", "crd", f"{plural}.{contract.GROUP}", "-o", "json").stdout)
     conditions = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
     assert conditions.get("Established") == "True" and conditions.get("NamesAccepted") == "True", conditions
 
@@ -136,6 +137,7 @@ def can_i(cluster, who: str, verb: str, resource: str, namespace: str | None, su
 
 
 PAIRS = f"{contract.PLURAL}.{contract.GROUP}"
+ROLE_OBJECTS = f"{contract.ROLE_OBJECT_PLURAL}.{contract.GROUP}"  # InferencePairRole, the per-role scale objects
 ANY = "any"  # a namespace the operator has no special relation to (pairs live anywhere)
 OWN = "own"  # the release namespace (port leases)
 
@@ -147,6 +149,9 @@ ALLOWED = [
     ("patch", PAIRS, "status", ANY),
     ("update", PAIRS, "status", ANY),
     ("update", PAIRS, "finalizers", ANY),
+    *[(v, ROLE_OBJECTS, None, ANY) for v in ("get", "list", "watch", "create", "patch", "update", "delete")],
+    *[(v, ROLE_OBJECTS, None, None) for v in ("list", "watch")],
+    *[(v, ROLE_OBJECTS, "status", ANY) for v in ("get", "patch", "update")],
     *[(v, "pods", None, ANY) for v in ("get", "list", "watch", "create", "delete")],
     *[(v, "pods", None, None) for v in ("list", "watch")],
     *[(v, "services", None, ANY) for v in ("get", "list", "watch", "create", "delete", "patch")],
@@ -166,6 +171,7 @@ DENIED = [
     ("list", "secrets", None, ANY),
     ("get", "configmaps", None, ANY),
     ("create", PAIRS, None, ANY),
+    ("update", ROLE_OBJECTS, "finalizers", ANY),
     ("delete", PAIRS, None, ANY),
     ("update", "pods", None, ANY),
     ("patch", "pods", None, ANY),
@@ -294,4 +300,5 @@ def test_helm_install_then_uninstall_keeps_the_crd(local_cluster, release):
     gone = local_cluster.kubectl("get", "clusterrole", f"{name}-pdpair-operator", check=False)
     assert gone.returncode != 0 and "NotFound" in gone.stderr, gone.stderr
     local_cluster.kubectl("get", "crd", f"{contract.PLURAL}.{contract.GROUP}")
+    local_cluster.kubectl("get", "crd", f"{contract.ROLE_OBJECT_PLURAL}.{contract.GROUP}")
     local_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

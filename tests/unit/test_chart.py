@@ -202,9 +202,10 @@ def test_tuning_left_null_sets_no_env(helm):
 def test_crd_only_scenario_renders_nothing_but_the_crd(helm):
     values = str(CHART / "ci" / "03-crd-only-values.yaml")
     assert helm.template("-f", values) == []
-    [crd] = helm.template("-f", values, "--include-crds")
-    assert crd["kind"] == "CustomResourceDefinition"
-    assert crd["metadata"]["name"] == f"{contract.PLURAL}.{contract.GROUP}"
+    crds = helm.template("-f", values, "--include-crds")
+    assert {crd["kind"] for crd in crds} == {"CustomResourceDefinition"}
+    assert sorted(crd["metadata"]["name"] for crd in crds) == sorted(
+        [f"{contract.PLURAL}.{contract.GROUP}", f"{contract.ROLE_OBJECT_PLURAL}.{contract.GROUP}"])
 
 
 def test_existing_service_account_is_bound_not_created(helm):

@@ -188,3 +188,65 @@ def test_health_status_schema_and_column(version, status_schema):
     assert (column["jsonPath"], column["priority"]) == (".status.health.verdict", 1)
     column = next(c for c in version["additionalPrinterColumns"] if c["name"] == "Decode Deficit")
     assert (column["jsonPath"], column["priority"]) == (".status.health.roles.decode.deficit", 1)
+
+
+# --- InferencePairRole: the per-role scale object (docs/xpyd.md section 2) ------------------------------------------
+ROLE_CRD_PATH = REPO / "charts" / "pdpair" / "crds" / f"{contract.ROLE_OBJECT_PLURAL}.{contract.GROUP}.yaml"
+
+
+@pytest.fixture(scope="module")
+def role_crd() -> dict:
+    return yaml.safe_load(ROLE_CRD_PATH.read_text())
+
+
+@pytest.fixture(scope="module")
+def role_version(role_crd) -> dict:
+    [only] = role_crd["spec"]["versions"]
+    assert only["name"] == contract.VERSION and only["served"] is True and only["storage"] is True
+    return only
+
+
+def test_role_crd_identity_matches_contract(role_crd):
+    names = role_crd["spec"]["names"]
+    assert role_crd["metadata"]["name"] == f"{contract.ROLE_OBJECT_PLURAL}.{contract.GROUP}"
+    assert role_crd["spec"]["group"] == contract.GROUP
+    assert role_crd["spec"]["scope"] == "Namespaced"
+    assert names["kind"] == contract.ROLE_OBJECT_KIND
+    assert names["plural"] == contract.ROLE_OBJECT_PLURAL
+    assert names["singular"] == contract.ROLE_OBJECT_SINGULAR
+    assert names["shortNames"] == [contract.ROLE_OBJECT_SHORT_NAME]
+
+
+def test_role_crd_has_the_scale_subresource_on_spec_and_status(role_version):
+    assert role_version["subresources"] == {
+        "status": {},
+        "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                  "labelSelectorPath": ".status.selector"},
+    }
+
+
+def test_role_crd_spec_pair_and_role_are_immutable_and_replicas_bounded(role_version):
+    schema = role_version["schema"]["openAPIV3Schema"]
+    spec = schema["properties"]["spec"]
+    assert set(spec["required"]) == {"pair", "role", "replicas"}
+    props = spec["properties"]
+    for field in ("pair", "role"):
+        assert [r["rule"] for r in props[field]["x-kubernetes-validations"]] == ["self == oldSelf"]
+    assert tuple(props["role"]["enum"]) == contract.ROLES
+    assert props["pair"]["type"] == "string" and props["pair"]["maxLength"] == 253
+    replicas = props["replicas"]
+    assert replicas["type"] == "integer" and replicas["minimum"] == 1 and replicas["maximum"] == contract.MAX_REPLICAS
+    status = schema["properties"]["status"]["properties"]
+    assert status["replicas"]["type"] == status["desired"]["type"] == "integer"
+    assert status["selector"]["type"] == "string"
+
+
+def test_role_crd_printer_columns(role_version):
+    columns = {c["name"]: c["jsonPath"] for c in role_version["additionalPrinterColumns"]}
+    assert columns == {"Pair": ".spec.pair", "Role": ".spec.role", "Desired": ".spec.replicas",
+                       "Ready": ".status.replicas", "Age": ".metadata.creationTimestamp"}
+
+
+def test_the_chart_installs_exactly_the_two_crds():
+    found = sorted(p.name for p in (REPO / "charts" / "pdpair" / "crds").glob("*.yaml"))
+    assert found == sorted([CRD_PATH.name, ROLE_CRD_PATH.name])

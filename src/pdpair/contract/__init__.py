@@ -18,6 +18,13 @@ PLURAL = "inferencepairs"
 SINGULAR = "inferencepair"
 SHORT_NAME = "ipair"
 
+# The per-role scale objects (docs/xpyd.md section 2): one InferencePairRole `<pair>-<role>` per role, owned by the
+# pair, with the /scale subresource (kubectl scale, HPA, KEDA). Same group and version as the pair.
+ROLE_OBJECT_KIND = "InferencePairRole"
+ROLE_OBJECT_PLURAL = "inferencepairroles"
+ROLE_OBJECT_SINGULAR = "inferencepairrole"
+ROLE_OBJECT_SHORT_NAME = "ipr"
+
 ROLE_PREFILL = "prefill"
 ROLE_DECODE = "decode"
 ROLE_ROUTER = "router"
@@ -63,8 +70,11 @@ COND_READY = "Ready"
 COND_SIGNALS_HEALTHY = "SignalsHealthy"
 COND_PROGRESSING = "Progressing"  # a Surge rollout: the new generation comes up beside the serving one
 COND_NODE_LOST = "NodeLost"  # True while a pod of the pair sits on a lost node (it names the node and the pods)
+# True while a role's InferencePairRole holds a count other than the pair's inline spec.<role>.replicas (the role
+# object wins; docs/xpyd.md section 2); the message names the object and both counts.
+COND_REPLICAS_FROM_SCALE_TARGET = "ReplicasFromScaleTarget"
 CONDITIONS = (COND_PORTS_LEASED, COND_DECODE_LISTENING, COND_PREFILL_READY, COND_READY, COND_SIGNALS_HEALTHY,
-              COND_PROGRESSING, COND_NODE_LOST)
+              COND_PROGRESSING, COND_NODE_LOST, COND_REPLICAS_FROM_SCALE_TARGET)
 
 # spec.rolloutStrategy
 ROLLOUT_RECREATE = "Recreate"

@@ -11,6 +11,8 @@ reconciler.py / ports.py.
   wakes the pairs with a pod on that node (lost and cordoned nodes: nodes.py, planner.py, rollout.py).
 - index `pair_budgets`: the PodDisruptionBudget of each pair, its name and spec (disruption.py); the reconciler makes
   a missing one and patches an outdated one.
+- index `pair_scale_targets`: each pair's InferencePairRole objects (scale_targets.ScaleView), by the uid of the pair
+  that owns them (their controller ownerReference); `kubectl scale` or an autoscaler moving one wakes its pair.
 - events on pairs, their pods, their Service and their PodDisruptionBudget wake that pair's daemon, so reaction is
   immediate, not per poll.
 - daemon `reconcile`: one per pair, loops PairReconciler.reconcile_once (it also drives the probe gate).
@@ -39,11 +41,12 @@ from pdpair.contract import (
     PHASE_READY,
     PLURAL,
     PURPOSE_METRICS,
+    ROLE_OBJECT_PLURAL,
     ROLES,
     VERSION,
 )
 
-from . import disruption, health, memory, planner, scrape, spec_fields
+from . import disruption, health, memory, planner, scale_targets, scrape, spec_fields
 from .api import TimedApi
 from .config import OperatorConfig
 from .diffbase import LeanDiffBaseStorage
@@ -59,7 +62,8 @@ DAEMON_STOP_WAIT = 15.0
 # The watch-event handlers below only wake a pair's daemon. kopf logs "Handler '<name>' succeeded." at INFO after each
 # call: at 1000 pairs 17.7k of the log's 24k lines while starting them, and formatting and writing those lines took
 # 5-7% of the event loop (py-spy). QuietWakeUps drops exactly those lines; failures are still logged.
-WAKE_UP_HANDLERS = ("pod_changed", "node_changed", "service_changed", "budget_changed", "pair_changed")
+WAKE_UP_HANDLERS = ("pod_changed", "node_changed", "service_changed", "budget_changed", "pair_changed",
+                    "scale_target_changed")
 
 
 class QuietWakeUps(logging.Filter):
@@ -234,6 +238,30 @@ async def budget_changed(labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None
         runtime.wake(labels[LABEL_PAIR_UID])  # e.g. someone deleted the pair's PodDisruptionBudget: make it again
 
 
+def _owned_by_a_pair(body: kopf.Body, **_: Any) -> bool:
+    return scale_targets.owner_uid(body) is not None
+
+
+@kopf.index(GROUP, VERSION, ROLE_OBJECT_PLURAL, when=_owned_by_a_pair)
+async def pair_scale_targets(body: kopf.Body, **_: Any) -> dict[str, scale_targets.ScaleView]:
+    """The pairs' InferencePairRole objects by the uid of the owning pair (one losing its owner leaves the index)."""
+    uid = scale_targets.owner_uid(body)
+    return {uid: scale_targets.ScaleView.from_body(body)} if uid else {}
+
+
+@kopf.on.event(GROUP, VERSION, ROLE_OBJECT_PLURAL, when=_owned_by_a_pair)
+async def scale_target_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    runtime: Runtime | None = memo.get("runtime")
+    uid = scale_targets.owner_uid(body)
+    if runtime and uid:
+        runtime.wake(uid)  # kubectl scale / an autoscaler moved spec.replicas, or someone deleted it: act now
+
+
+def _scale_views(pair_scale_targets: kopf.Index, uid: str, pair_name: str) -> dict[str, scale_targets.ScaleView]:
+    """The pair's role objects by role, what scale_targets.effective_spec and scale_sync.sync_scale_targets take."""
+    return scale_targets.views_by_role(pair_name, pair_scale_targets.get(uid, ()))
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def pair_changed(uid: str, memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime | None = memo.get("runtime")
@@ -261,8 +289,12 @@ def _emitter(runtime: Runtime, body: kopf.Body) -> Callable[[str, str, str], Non
 @kopf.daemon(GROUP, VERSION, PLURAL, id="reconcile", cancellation_backoff=5.0, cancellation_timeout=5.0)
 async def reconcile(
     body: kopf.Body, uid: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, logger: logging.Logger,
-    pair_pods: kopf.Index, pair_services: kopf.Index, node_views: kopf.Index, pair_budgets: kopf.Index, **_: Any,
+    pair_pods: kopf.Index, pair_services: kopf.Index, node_views: kopf.Index, pair_budgets: kopf.Index,
+    pair_scale_targets: kopf.Index, **_: Any,
 ) -> None:
+    # TODO(xPyD, the lead's reconciler integration): pass `_scale_views(pair_scale_targets, uid, body["metadata"]
+    # ["name"])` to reconcile_once each pass; the reconciler plans from scale_targets.effective_spec(spec, views) and,
+    # after the plan, awaits scale_sync.sync_scale_targets(runtime.custom, body, views, desired, ready, cache=...).
     runtime: Runtime = memo["runtime"]
     wake = runtime.wakeups.setdefault(uid, asyncio.Event())
     exited = runtime.exited.setdefault(uid, asyncio.Event())
