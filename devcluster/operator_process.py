@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import secrets
 import signal
 import subprocess
 import sys
@@ -91,6 +92,9 @@ class OperatorProcess:
             config.ENV_RESYNC_INTERVAL: "10",
             config.ENV_POOL_RETRY: "2",
             config.ENV_SWEEP_INTERVAL: "10",
+            # One key per OperatorProcess, kept across its restarts (a SIGKILLed operator started again keeps
+            # pushing the pods it made), as the chart's Secret does
+            config.ENV_PEERS_KEY: secrets.token_urlsafe(32),
             **(extra_env or {}),
         }
         self.env.pop("KUBERNETES_SERVICE_HOST", None)  # never mistake this for in-cluster

@@ -149,10 +149,11 @@ ALLOWED = [
     ("patch", PAIRS, "status", ANY),
     ("update", PAIRS, "status", ANY),
     ("update", PAIRS, "finalizers", ANY),
-    *[(v, ROLE_OBJECTS, None, ANY) for v in ("get", "list", "watch", "create", "patch", "update", "delete")],
+    *[(v, ROLE_OBJECTS, None, ANY) for v in ("get", "list", "watch", "create", "patch")],
     *[(v, ROLE_OBJECTS, None, None) for v in ("list", "watch")],
     *[(v, ROLE_OBJECTS, "status", ANY) for v in ("get", "patch", "update")],
-    *[(v, "pods", None, ANY) for v in ("get", "list", "watch", "create", "delete")],
+    *[(v, "pods", None, ANY) for v in ("get", "list", "watch", "create", "delete", "patch")],
+    ("create", "secrets", None, ANY),  # the pairs' push-token Secrets (xPyD); never read
     *[(v, "pods", None, None) for v in ("list", "watch")],
     *[(v, "services", None, ANY) for v in ("get", "list", "watch", "create", "delete", "patch")],
     *[(v, "services", None, None) for v in ("list", "watch")],
@@ -174,7 +175,7 @@ DENIED = [
     ("update", ROLE_OBJECTS, "finalizers", ANY),
     ("delete", PAIRS, None, ANY),
     ("update", "pods", None, ANY),
-    ("patch", "pods", None, ANY),
+    *[(v, ROLE_OBJECTS, None, ANY) for v in ("update", "delete")],  # the garbage collector deletes them
     ("create", "pods", "exec", ANY),
     ("get", "pods", "log", ANY),
     ("get", "pods.metrics.k8s.io", None, ANY),

@@ -36,6 +36,7 @@ ENV_LEADER_LEASE_DURATION = "PDPAIR_LEADER_LEASE_DURATION_SECONDS"
 ENV_LEADER_RENEW_DEADLINE = "PDPAIR_LEADER_RENEW_DEADLINE_SECONDS"
 ENV_LEADER_RETRY_PERIOD = "PDPAIR_LEADER_RETRY_PERIOD_SECONDS"
 ENV_POD_NAME = "PDPAIR_POD_NAME"
+ENV_PEERS_KEY = "PDPAIR_PEERS_KEY"
 
 DEFAULT_PORT_POOL = "20000-29999"
 DEFAULT_LEADER_LEASE_NAME = "pdpair-operator-leader"
@@ -107,6 +108,10 @@ POOL = Kind(PortPool.parse, "'FIRST-LAST'")
 # A Lease's name must be a DNS-1123 subdomain, as the apiserver demands.
 LEASE_NAME = Kind(str, "a name", lambda v: len(v) <= 253 and bool(re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", v)),
                   "a valid Lease name (lower-case DNS-1123)")
+
+# The key each pair's push token is derived from (push.pair_token): long enough for HMAC-SHA256, printable.
+PEERS_KEY = Kind(str, "text", lambda v: len(v) >= 32 and v.isprintable() and " " not in v,
+                 "at least 32 printable characters without spaces")
 
 REQUIRED = object()
 
@@ -208,6 +213,11 @@ SETTINGS: tuple[Setting, ...] = (
             "operator.leaderElection.renewDeadlineSeconds"),
     Setting(ENV_LEADER_RETRY_PERIOD, "leader_retry_period", 2.0, SECONDS,
             "seconds between renewals and between a standby's tries", "operator.leaderElection.retryPeriodSeconds"),
+    Setting(ENV_PEERS_KEY, "peers_key", "", PEERS_KEY,
+            "the key each pair's push token is derived from (HMAC of the pair's uid, push.pair_token), so the "
+            "operator needs create and never get on Secrets; unset: a random key per process, and pods made before "
+            "an operator restart refuse its pushes (a PeersPushRefused Event) until they are re-created",
+            "(the chart's Secret `<fullname>-peers-key`, made once at install and kept on upgrade)"),
     Setting(ENV_POD_NAME, None, "the host name", TEXT,
             "the candidate's identity in the leader Lease, plus a per-process suffix (read by __main__)",
             "(the operator pod's name)"),
@@ -245,6 +255,7 @@ class OperatorConfig:
     leader_retry_period: float = _default("leader_retry_period")
     busy_port_quarantine: int = _default("busy_port_quarantine")
     node_lost_seconds: float = _default("node_lost_seconds")
+    peers_key: str = _default("peers_key")
 
     def __post_init__(self) -> None:
         if not (self.leader_retry_period < self.leader_renew_deadline < self.leader_lease_duration):

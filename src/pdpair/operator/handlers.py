@@ -27,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
+import secrets
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -48,7 +50,7 @@ from pdpair.contract import (
 
 from . import disruption, health, memory, planner, scale_targets, scrape, spec_fields
 from .api import TimedApi
-from .config import OperatorConfig
+from .config import ENV_PEERS_KEY, OperatorConfig
 from .diffbase import LeanDiffBaseStorage
 from .events import EventPoster, kubernetes_post
 from .observed import NodeView, PodView
@@ -103,6 +105,11 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     import kubernetes
 
     config: OperatorConfig = memo.get("config") or OperatorConfig.from_env()
+    if not config.peers_key:
+        config = dataclasses.replace(config, peers_key=secrets.token_urlsafe(32))
+        logger.warning("%s is not set: this process derives the pairs' push tokens from a key of its own; pods "
+                       "made before a restart of the operator will refuse its pushes until they are re-created "
+                       "(the chart sets it from a Secret)", ENV_PEERS_KEY)
     quiet_wake_ups()
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)

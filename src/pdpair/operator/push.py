@@ -19,7 +19,9 @@ The pure part (dataclasses, bodies, digest, Secret) imports no HTTP client, so a
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
+import hmac
 import json
 import math
 import secrets
@@ -165,6 +167,14 @@ async def push(session: "aiohttp.ClientSession", url: str, token: str, body: dic
         return PushResult(True, status, answer, "")
     cause = answer.get("error") if answer is not None else None
     return PushResult(False, status, answer, f"PUT {url}: HTTP {status}: {cause or text[:300]!s}")
+
+
+def pair_token(key: str, pair_uid: str) -> str:
+    """A pair's push token: HMAC-SHA256 of its uid under the operator's key (PDPAIR_PEERS_KEY), URL-safe base64
+    without padding (43 characters, the endpoints' token rule). Derived, not stored: the operator writes it into the
+    pair's Secret once and never needs to read a Secret back (its RBAC has create, not get, on Secrets)."""
+    digest = hmac.new(key.encode(), pair_uid.encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
 def new_token() -> str:

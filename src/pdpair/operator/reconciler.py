@@ -39,10 +39,10 @@ from pdpair.contract import (
 from . import desired as d
 from .observed import Finding, NodeView, Observed, PodView
 from . import health, leases, planner, rollout
-from .config import OperatorConfig
+from .config import ENV_PEERS_KEY, OperatorConfig
 from .lifecycle import probe_ranks
 from . import instances, push
-from .pods import ManifestError, PEERS_SECRET_KEY, engine_pod, peers_secret_name, pod_name, router_pod
+from .pods import ManifestError, engine_pod, peers_secret_name, pod_name, router_pod
 from .ports import PairRef, PortLeaser, port_of, status_ports, ports_of
 from . import disruption
 from .service import (
@@ -819,31 +819,20 @@ class PairReconciler:
 
     # --- pushes of peer sets (xPyD: instances.py decides the sets, push.py sends them) ---------------------------
     async def _peers_token(self) -> str:
-        """The pair's token: read from its Secret, or the Secret made with a new one (409: another pass made it)."""
+        """The pair's push token (push.pair_token: derived from the operator's key and the pair's uid), with the
+        pair's Secret made once so that its prefill and router pods can take it (409: it exists already)."""
         if self.peers_token is not None:
             return self.peers_token
-        name = peers_secret_name(self.ref.name)
-        for _ in range(2):
-            try:
-                secret = await asyncio.to_thread(self.rt.core.read_namespaced_secret, name, self.ref.namespace)
-                data = (getattr(secret, "data", None) or {}).get(PEERS_SECRET_KEY)
-                if data:
-                    import base64
-
-                    self.peers_token = base64.b64decode(data).decode()
-                    return self.peers_token
-            except Exception as exc:
-                if api_status(exc) != 404:
-                    raise
-            manifest = push.token_secret({"metadata": dict(self.body["metadata"])}, name, push.new_token())
-            try:
-                await asyncio.to_thread(self.rt.core.create_namespaced_secret, self.ref.namespace, manifest)
-                self.peers_token = manifest["stringData"][PEERS_SECRET_KEY]
-                return self.peers_token
-            except Exception as exc:
-                if api_status(exc) != 409:
-                    raise
-        raise RuntimeError(f"the Secret {self.ref.namespace}/{name} has no {PEERS_SECRET_KEY!r}")
+        token = push.pair_token(self.rt.config.peers_key, self.ref.uid)
+        manifest = push.token_secret({"metadata": dict(self.body["metadata"])}, peers_secret_name(self.ref.name),
+                                     token)
+        try:
+            await asyncio.to_thread(self.rt.core.create_namespaced_secret, self.ref.namespace, manifest)
+        except Exception as exc:
+            if api_status(exc) != 409:
+                raise
+        self.peers_token = token
+        return token
 
     def _ports_of_generation(self, generation: int) -> list[dict[str, Any]] | None:
         active = rollout.active_rollout(self.status)
@@ -904,6 +893,10 @@ class PairReconciler:
                 cause = f"{result.status} {result.error}"
                 if self.push_failures.get(pod.uid) != cause:
                     self.push_failures[pod.uid] = cause
+                    if result.status == 401:
+                        self.emit("Warning", "PeersPushRefused", f"{pod.role} {pod.name} refused the operator's "
+                                  f"token: it took another operator key's token ({ENV_PEERS_KEY} changed, or unset "
+                                  "across an operator restart); it takes the current one when it is re-created")
                     self.log.info("pair %s/%s: push to %s %s not taken yet (%s); retrying", self.ref.namespace,
                                   self.ref.name, pod.role, pod.name, cause)
                 return
