@@ -216,7 +216,7 @@ def test_prefill_starts_beside_decode_and_pairs_on_both_ranks_once_decode_listen
     status, by_role = pair["status"], tp2.pods()
     decode = by_role[ROLE_DECODE]
     # The operator's port math: one contiguous side-channel block of TP ports for decode; rank r uses base + r.
-    [block] = [b for b in required_blocks(pair["spec"]) if b.key == (ROLE_DECODE, PURPOSE_SIDECHANNEL)]
+    [block] = [b for b in required_blocks(pair["spec"]) if b.key == (ROLE_DECODE, 0, PURPOSE_SIDECHANNEL)]
     side = ports_of(status["ports"], ROLE_DECODE, PURPOSE_SIDECHANNEL)
     assert block.count == TP and len(side) == TP and side == list(range(side[0], side[0] + TP)), status["ports"]
     env = {role: {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]} for role, p in by_role.items()}

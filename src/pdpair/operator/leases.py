@@ -6,6 +6,11 @@ the executor (reconciler.py) carries it out with ports.PortLeaser:
   - `serving_lease`: the serving generation's port set (status.ports) is leased to match the spec's blocks, or,
     while any pod built from another spec still exists (running or terminating, so possibly still bound to them),
     only read as it is. One rule for rollouts, TP changes and operator restarts alike.
+  - per instance (xPyD): a set's blocks are those of the instances range(spec.<role>.replicas) and of every
+    instance a pod on that set still has (`instances_on_set`), so a scale-down releases an instance's block only
+    once its pod is gone, however long it takes to terminate. The spec given is the effective one (replicas as the
+    scale targets say). With a pod on the set, a pool exhausted by a scale-up keeps the held blocks
+    (`LeaseStep.hoard_nothing` False, ports.PortLeaser.ensure): the serving instances keep their ports.
   - `rollout_lease`: a Surge rollout's other generation (rollout.py) has its own port set: leased for the new spec
     while it comes up (Progressing), only read while it drains or rolls back; none without a rollout. Its release
     is a pod-step decision (Plan.release_slot), made with the pods.
@@ -26,11 +31,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from pdpair.contract import MAX_REPLICAS, ROLE_DECODE, ROLE_PREFILL
+
 from . import busy_ports as busy
 from . import desired as d
 from .nodes import LostPods
 from .observed import PodView
 from . import rollout
+from . import spec_fields
 from .config import PortPool
 from .ports import PortBlock, required_blocks
 
@@ -46,6 +54,9 @@ class LeaseStep:
     slot: str  # the port set (ports.PORT_SLOTS)
     blocks: tuple[PortBlock, ...]  # what the spec needs (LEASE leases exactly these)
     generation: int | None = None  # the rollout generation the set belongs to (None: the serving one)
+    # ensure(hoard_nothing=...): with no pod on the set, an exhausted pool releases everything (a waiting pair
+    # hoards nothing); with pods on it, the held blocks stay theirs and only the new claim is given back
+    hoard_nothing: bool = True
 
     @property
     def leasing(self) -> bool:
@@ -61,10 +72,26 @@ class Quarantine:
     fixed: tuple[int, ...]  # ports the operator cannot change: report only (the pod's failure takes the budget path)
 
 
+def instances_on_set(spec: Mapping[str, Any], pods: Iterable[PodView]) -> dict[str, tuple[int, ...]]:
+    """Per engine role, the instances whose blocks a port set holds: range(spec.<role>.replicas), plus the instance
+    of every pod on the set (`pods`: those on it), running or being deleted (it may be bound to its ports until it
+    is gone). A pod label outside the CRD's range is not an instance the operator made: ignored."""
+    pods = tuple(pods)
+    return {role: tuple(sorted(set(range(spec_fields.replicas(spec, role))) |
+                               {p.instance for p in pods if p.role == role and 0 <= p.instance < MAX_REPLICAS}))
+            for role in (ROLE_DECODE, ROLE_PREFILL)}
+
+
 def serving_lease(spec: Mapping[str, Any], status: Mapping[str, Any], pods: Iterable[PodView]) -> LeaseStep:
+    pods = tuple(pods)
     want = d.spec_fingerprint(spec)
     mode = KEEP if any(p.spec_hash != want for p in pods) else LEASE
-    return LeaseStep(mode, rollout.serving_slot(status), required_blocks(spec))
+    # Every generation is on the serving set (Recreate keeps its ports across generations) but a Surge rollout's
+    # other one, which has the other set (rollout_lease).
+    other = rollout.other_generation(status)
+    on_set = tuple(p for p in pods if other is None or p.generation != other[0])
+    return LeaseStep(mode, rollout.serving_slot(status), required_blocks(spec, instances_on_set(spec, on_set)),
+                     hoard_nothing=not on_set)
 
 
 def rollout_lease(spec: Mapping[str, Any], status: Mapping[str, Any], pods: Iterable[PodView]) -> LeaseStep | None:
@@ -74,9 +101,11 @@ def rollout_lease(spec: Mapping[str, Any], status: Mapping[str, Any], pods: Iter
     generation, slot = other
     active = rollout.active_rollout(status) or {}
     want = d.spec_fingerprint(spec)
+    on_set = tuple(p for p in pods if p.generation == generation)
     leasing = active.get("phase") == rollout.PHASE_PROGRESSING and active.get("specHash") == want and all(
-        p.spec_hash == want for p in pods if p.generation == generation)
-    return LeaseStep(LEASE if leasing else KEEP, slot, required_blocks(spec), generation)
+        p.spec_hash == want for p in on_set)
+    return LeaseStep(LEASE if leasing else KEEP, slot, required_blocks(spec, instances_on_set(spec, on_set)),
+                     generation, hoard_nothing=not on_set)
 
 
 def busy_reports(status: Mapping[str, Any], pods: Iterable[PodView]) -> list[busy.PortsInUse]:

@@ -4,6 +4,22 @@ The API server makes "create if absent" atomic, so a 409 means another pair hold
 The leases are the truth and `status.ports` is a copy: after a crash the operator lists the leases by pair uid and
 adopts them. The pure planner (`required_blocks`, `choose_run`, `match_existing`) is apart from the API calls
 (`PortLeaser`), so it can be table-tested.
+
+Instances (xPyD, docs/xpyd.md section 1): every prefill and decode instance has its own blocks (side channel per
+rank, metrics, http), keyed (role, instance, purpose); the router has one (instance 0). A Lease carries its instance
+in the label pdpair.io/instance (absent: 0, a Lease made before instances existed), status.ports entries an
+`instance` field only when it is > 0, named `<role>-<purpose>-<rank>-i<n>`: a 1P1D pair's leases and status are
+what they were before instances.
+
+A scale-up that hits the pool limit: `ensure` claims the new instances' blocks and runs out. It releases what that
+call claimed (so pairs scaling up at once cannot starve each other by each holding a part), and, when the caller
+says the pair has pods on that port set (`hoard_nothing=False`), keeps the blocks it adopted: the serving
+instances' ports stay leased under their pods. The outcome is `exhausted` with the pool's message and
+`assignments` = the kept blocks; the caller lists exactly those in status (they are leased), counts the ports as
+incomplete (`observed.ports_complete` False, `pool_exhausted` True), creates no pod for an instance without its
+blocks, and retries every PDPAIR_POOL_RETRY_SECONDS. With `hoard_nothing=True` (no pod on the set: a pair that
+never started, or whose pods are all gone) both are released and `assignments` is empty: a waiting pair hoards
+nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +35,7 @@ from pdpair.contract import (
     ANNOTATION_QUARANTINE_NODE,
     ANNOTATION_QUARANTINE_REASON,
     FENCE_HOLDER_PREFIX,
+    LABEL_INSTANCE,
     LABEL_PAIR,
     LABEL_PAIR_NAMESPACE,
     LABEL_PAIR_UID,
@@ -28,6 +45,7 @@ from pdpair.contract import (
     LABEL_PURPOSE,
     LABEL_ROLE,
     LEASE_NAME_PREFIX,
+    MAX_REPLICAS,
     PORT_SLOTS,
     PURPOSE_HTTP,
     PURPOSE_METRICS,
@@ -41,6 +59,7 @@ from pdpair.contract import (
 
 from .busy_ports import quarantine_expired
 from .config import PortPool
+from .spec_fields import replicas
 
 LABEL_VALUE_MAX = 63
 
@@ -63,40 +82,65 @@ def lease_slot(labels: Mapping[str, str] | None) -> str:
     return (labels or {}).get(LABEL_PORT_SLOT) or DEFAULT_SLOT
 
 
+def lease_instance(labels: Mapping[str, str] | None) -> int:
+    """The instance a Lease belongs to: absent is 0 (made before instances existed); a value we did not write
+    reads as -1, which fits no block, so ensure releases it."""
+    value = (labels or {}).get(LABEL_INSTANCE)
+    if value is None:
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        return -1
+
+
 # --- pure planning --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PortBlock:
-    """A run of ports one (role, purpose) needs; side channels are contiguous (base + rank)."""
+    """A run of ports one (role, instance, purpose) needs; side channels are contiguous (base + rank)."""
 
     role: str
     purpose: str
     count: int
     contiguous: bool = False
     fixed: int | None = None  # a user-chosen port (spec.router.port), leased the same way, even outside the pool
+    instance: int = 0  # the role's instance (xPyD); the router's block is always instance 0
 
     @property
-    def key(self) -> tuple[str, str]:
-        return (self.role, self.purpose)
+    def key(self) -> tuple[str, int, str]:
+        return (self.role, self.instance, self.purpose)
 
 
 @dataclass(frozen=True, order=True)
 class PortAssignment:
     role: str
+    # Second in the sort order, so status.ports lists each instance's ports together (instance 0's first, as before
+    # instances existed); keyword-only, so the positional (role, purpose, rank, port) stays what it was.
+    instance: int = field(default=0, kw_only=True)
     purpose: str
     rank: int  # offset inside the block: for side channels, tp_rank * portsPerRank + k
     port: int
 
     @property
     def name(self) -> str:
-        """The status.ports list-map key the CRD defines: <role>-<purpose>-<index>."""
-        return status_port_name(self.role, self.purpose, self.rank)
+        """The status.ports list-map key the CRD defines: <role>-<purpose>-<index>[-i<instance>]."""
+        return status_port_name(self.role, self.purpose, self.rank, self.instance)
 
     def as_status(self) -> dict[str, Any]:
-        return {"name": self.name, "role": self.role, "purpose": self.purpose, "rank": self.rank, "port": self.port}
+        entry = {"name": self.name, "role": self.role, "purpose": self.purpose, "rank": self.rank, "port": self.port}
+        if self.instance:  # absent means 0: a 1P1D pair's status stays byte-identical to before instances
+            entry["instance"] = self.instance
+        return entry
 
 
-def required_blocks(spec: Mapping[str, Any]) -> tuple[PortBlock, ...]:
-    """Every port block a pair needs, given its spec (defaults as in the CRD)."""
+def required_blocks(
+    spec: Mapping[str, Any], instances: Mapping[str, Iterable[int]] | None = None
+) -> tuple[PortBlock, ...]:
+    """Every port block a pair needs, given its spec (defaults as in the CRD): per prefill and decode instance a
+    side channel, metrics and http block, and the router's. `instances` names, per role, the instance indexes that
+    need ports (leases.py adds those of pods still on the port set to the spec's, so a scale-down keeps a block
+    until its pod is gone); None, or a role absent from it: range(spec.<role>.replicas). Decode's blocks come
+    first, instance by instance, then prefill's, then the router's: the order ports are claimed in."""
     network = spec.get("network") or {}
     per_rank = int(network.get("portsPerRank", 1))
     if per_rank < 1:
@@ -106,9 +150,15 @@ def required_blocks(spec: Mapping[str, Any]) -> tuple[PortBlock, ...]:
         tp = int((spec.get(role) or {}).get("tensorParallelSize", 1))
         if tp < 1:
             raise ValueError(f"spec.{role}.tensorParallelSize must be >= 1, got {tp}")
-        blocks.append(PortBlock(role, PURPOSE_SIDECHANNEL, tp * per_rank, contiguous=True))
-        blocks.append(PortBlock(role, PURPOSE_METRICS, 1))
-        blocks.append(PortBlock(role, PURPOSE_HTTP, 1))
+        wanted = instances.get(role) if instances is not None else None
+        indexes = sorted(set(range(replicas(spec, role)) if wanted is None else wanted))
+        bad = [i for i in indexes if not 0 <= i < MAX_REPLICAS]
+        if bad:
+            raise ValueError(f"{role} instance indexes must be 0..{MAX_REPLICAS - 1}, got {bad}")
+        for i in indexes:
+            blocks.append(PortBlock(role, PURPOSE_SIDECHANNEL, tp * per_rank, contiguous=True, instance=i))
+            blocks.append(PortBlock(role, PURPOSE_METRICS, 1, instance=i))
+            blocks.append(PortBlock(role, PURPOSE_HTTP, 1, instance=i))
     router = spec.get("router") or {}
     if router.get("enabled", True):
         fixed = router.get("port")
@@ -139,15 +189,18 @@ def choose_run(pool: PortPool, taken: set[int] | frozenset[int], count: int, sta
 
 
 def assign(block: PortBlock, first_port: int) -> list[PortAssignment]:
-    return [PortAssignment(block.role, block.purpose, r, first_port + r) for r in range(block.count)]
+    return [PortAssignment(block.role, block.purpose, r, first_port + r, instance=block.instance)
+            for r in range(block.count)]
 
 
 def match_existing(
-    blocks: Iterable[PortBlock], held: Mapping[tuple[str, str], list[int]]
+    blocks: Iterable[PortBlock], held: Mapping[tuple[str, int, str], list[int]]
 ) -> tuple[list[PortAssignment], list[int]]:
-    """Split ports a pair already holds into ones that still fit a block (kept) and ones to release.
+    """Split ports a pair already holds, by (role, instance, purpose), into ones that still fit a block (kept) and
+    ones to release.
 
-    A block is kept whole or not at all: its ports must be exactly `count` and contiguous when required.
+    A block is kept whole or not at all: its ports must be exactly `count` and contiguous when required. An
+    instance no block names any more (scaled down, its pod gone) is released.
     """
     keep: list[PortAssignment] = []
     release: list[int] = []
@@ -171,24 +224,34 @@ def _fits(block: PortBlock, ports: list[int]) -> bool:
 
 
 def missing_blocks(blocks: Iterable[PortBlock], have: Iterable[PortAssignment]) -> list[PortBlock]:
-    held = {(a.role, a.purpose) for a in have}
+    held = {(a.role, a.instance, a.purpose) for a in have}
     return [b for b in blocks if b.key not in held]
+
+
+def _describe(block: PortBlock) -> str:
+    return f"{block.role}{f' instance {block.instance}' if block.instance else ''} {block.purpose}"
 
 
 def status_ports(assignments: Iterable[PortAssignment]) -> list[dict[str, Any]]:
     return [a.as_status() for a in sorted(assignments)]
 
 
-def port_of(ports: Iterable[Mapping[str, Any]], role: str, purpose: str, rank: int = 0) -> int | None:
+def _of(p: Mapping[str, Any], role: str, purpose: str, instance: int) -> bool:
+    # an entry without "instance" is instance 0 (as_status writes it only when > 0)
+    return p.get("role") == role and p.get("purpose") == purpose and int(p.get("instance", 0)) == instance
+
+
+def port_of(ports: Iterable[Mapping[str, Any]], role: str, purpose: str, rank: int = 0,
+            instance: int = 0) -> int | None:
     """Look a port up in a status.ports-shaped list."""
     for p in ports:
-        if p.get("role") == role and p.get("purpose") == purpose and int(p.get("rank", 0)) == rank:
+        if _of(p, role, purpose, instance) and int(p.get("rank", 0)) == rank:
             return int(p["port"])
     return None
 
 
-def ports_of(ports: Iterable[Mapping[str, Any]], role: str, purpose: str) -> list[int]:
-    return sorted(int(p["port"]) for p in ports if p.get("role") == role and p.get("purpose") == purpose)
+def ports_of(ports: Iterable[Mapping[str, Any]], role: str, purpose: str, instance: int = 0) -> list[int]:
+    return sorted(int(p["port"]) for p in ports if _of(p, role, purpose, instance))
 
 
 # --- the API side ----------------------------------------------------------------------------------
@@ -277,7 +340,8 @@ class PortLeaser:
     async def leases_of(self, pair_uid: str) -> list[Any]:
         return await self.list_leases(f"{LABEL_PORT_LEASE}=true,{LABEL_PAIR_UID}={pair_uid}")
 
-    async def _create(self, pair: PairRef, role: str, purpose: str, port: int, slot: str = DEFAULT_SLOT) -> Any | None:
+    async def _create(self, pair: PairRef, role: str, purpose: str, port: int, slot: str = DEFAULT_SLOT,
+                      instance: int = 0) -> Any | None:
         """Create the lease; None when another holder has it (409)."""
         from kubernetes.client import V1Lease, V1LeaseSpec, V1ObjectMeta
         from kubernetes.client.exceptions import ApiException
@@ -294,6 +358,7 @@ class PortLeaser:
                     LABEL_ROLE: role,
                     LABEL_PURPOSE: purpose,
                     LABEL_PORT_SLOT: slot,
+                    LABEL_INSTANCE: str(instance),  # always written, though absent reads as 0
                 },
             ),
             spec=V1LeaseSpec(holder_identity=pair.holder),
@@ -322,10 +387,10 @@ class PortLeaser:
     # - the pair-level operations --------------------------------------------------------------------
     async def _held(
         self, pair_uid: str, slot: str = DEFAULT_SLOT
-    ) -> tuple[dict[tuple[str, str], list[int]], dict[int, str], frozenset[str]]:
-        """The pair's leased ports of one port set by (role, purpose), each lease's uid, and every port set the
-        pair holds leases in (the same list says it: the planner releases a set a finished rollout left)."""
-        held: dict[tuple[str, str], list[int]] = defaultdict(list)
+    ) -> tuple[dict[tuple[str, int, str], list[int]], dict[int, str], frozenset[str]]:
+        """The pair's leased ports of one port set by (role, instance, purpose), each lease's uid, and every port set
+        the pair holds leases in (the same list says it: the planner releases a set a finished rollout left)."""
+        held: dict[tuple[str, int, str], list[int]] = defaultdict(list)
         uids: dict[int, str] = {}
         slots: set[str] = set()
         for lease in await self.leases_of(pair_uid):
@@ -337,19 +402,20 @@ class PortLeaser:
             slots.add(in_slot)
             if in_slot != slot:
                 continue
-            held[(labels.get(LABEL_ROLE, ""), labels.get(LABEL_PURPOSE, ""))].append(port)
+            held[(labels.get(LABEL_ROLE, ""), lease_instance(labels), labels.get(LABEL_PURPOSE, ""))].append(port)
             uids[port] = lease.metadata.uid
         return held, uids, frozenset(slots)
 
     async def held(self, pair: PairRef, slot: str = DEFAULT_SLOT) -> tuple[list[PortAssignment], frozenset[str]]:
-        """What the pair holds in one port set now, changing nothing (ranks by port order within each role and
-        purpose), and every port set it holds leases in."""
+        """What the pair holds in one port set now, changing nothing (ranks by port order within each role, instance
+        and purpose), and every port set it holds leases in. A lease whose instance label is not ours to read (no
+        instance of the CRD's range) is left out: status lists no entry the CRD would refuse."""
         held, _, slots = await self._held(pair.uid, slot)
         async with self._lock:
             self.taken.update(p for ports in held.values() for p in ports)
         return sorted(
-            PortAssignment(role, purpose, rank, port)
-            for (role, purpose), ports in held.items()
+            PortAssignment(role, purpose, rank, port, instance=instance)
+            for (role, instance, purpose), ports in held.items() if 0 <= instance < MAX_REPLICAS
             for rank, port in enumerate(sorted(ports))
         ), slots
 
@@ -359,11 +425,15 @@ class PortLeaser:
         blocks: tuple[PortBlock, ...],
         before_release: Callable[[set[int]], Awaitable[None]] | None = None,
         slot: str = DEFAULT_SLOT,
+        hoard_nothing: bool = True,
     ) -> LeaseOutcome:
         """Make the pair hold exactly `blocks`: adopt what fits, release what doesn't, claim the rest.
 
-        When the pool cannot satisfy every block, the partial claim (and what was adopted) is released,
-        so a waiting pair hoards nothing; the caller reports PoolExhausted and retries later.
+        When the pool cannot satisfy every block, this call's partial claim is released; what was adopted is
+        released too only with `hoard_nothing` (no pod of the pair is on this port set: a waiting pair hoards
+        nothing), else kept and returned as `assignments` (pods are bound to those ports: a scale-up that hits the
+        pool limit must not take the serving instances' ports away). Either way the outcome is `exhausted`; the
+        caller reports PoolExhausted and retries later (module docstring).
         `before_release(ports)` is awaited before any of the pair's ports is released, so the caller can stop
         listing them first (status.ports never names a port the pair no longer holds).
         `slot` is the port set (the pair holds two during a Surge rollout); the other set is left alone.
@@ -389,12 +459,15 @@ class PortLeaser:
         except PoolExhausted as exc:
             outcome.exhausted = True
             outcome.message = str(exc)
-            if before_release is not None:
-                await before_release({a.port for a, _ in new} | {a.port for a in keep})
-            for assignment, uid in new:
-                outcome.released += await self._release_port(assignment.port, uid)
-            for assignment in keep:
-                outcome.released += await self._release_port(assignment.port, uids.get(assignment.port))
+            drop = [(a.port, uid) for a, uid in new]
+            if hoard_nothing:
+                drop += [(a.port, uids.get(a.port)) for a in keep]
+            else:
+                outcome.assignments = sorted(keep)
+            if drop and before_release is not None:
+                await before_release({port for port, _ in drop})
+            for port, uid in drop:
+                outcome.released += await self._release_port(port, uid)
             return outcome
         outcome.claimed = len(new)
         outcome.assignments = sorted(keep + [a for a, _ in new])
@@ -402,12 +475,13 @@ class PortLeaser:
 
     async def _claim_block(self, pair: PairRef, block: PortBlock, slot: str = DEFAULT_SLOT) -> list[tuple[PortAssignment, str]]:
         if block.fixed is not None:
-            lease = await self._create(pair, block.role, block.purpose, block.fixed, slot)
+            lease = await self._create(pair, block.role, block.purpose, block.fixed, slot, block.instance)
             if lease is None:
                 raise PoolExhausted(f"port {block.fixed} ({block.role} {block.purpose}) is leased by another pair")
             async with self._lock:
                 self.taken.add(block.fixed)
-            return [(PortAssignment(block.role, block.purpose, 0, block.fixed), lease.metadata.uid)]
+            return [(PortAssignment(block.role, block.purpose, 0, block.fixed, instance=block.instance),
+                     lease.metadata.uid)]
         refreshed = False
         start_at: int | None = None
         while True:
@@ -421,7 +495,7 @@ class PortLeaser:
                 if refreshed:
                     raise PoolExhausted(
                         f"no {block.count} free{' contiguous' if block.count > 1 else ''} port(s) for "
-                        f"{block.role} {block.purpose} in pool {self.pool.first}-{self.pool.last} "
+                        f"{_describe(block)} in pool {self.pool.first}-{self.pool.last} "
                         f"({self.free_count()} free)"
                     )
                 await self.refresh_taken()  # our view may be stale (ports freed elsewhere)
@@ -431,7 +505,8 @@ class PortLeaser:
             clash = None
             try:
                 for assignment in assign(block, first):
-                    lease = await self._create(pair, block.role, block.purpose, assignment.port, slot)
+                    lease = await self._create(pair, block.role, block.purpose, assignment.port, slot,
+                                               block.instance)
                     if lease is None:
                         clash = assignment.port
                         break

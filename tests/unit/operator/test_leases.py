@@ -26,9 +26,12 @@ V2 = {**V1, "decode": {**V1["decode"], "args": ["--seed", "1"]}}
 POOL = PortPool(20000, 20099)
 
 
-def pod(role, gen, spec, raw=None):
-    return PodView(f"p-{role}-g{gen}", role, gen, spec_fingerprint(spec), "Running", True, "10.0.0.1", False, True, 0,
-                   uid=f"uid-{role}-{gen}", raw=raw)
+def pod(role, gen, spec, raw=None, instance=0, deleting=False):
+    # keywords past spec_hash: PodView.instance was inserted after it (positional "Running" would land there)
+    suffix = f"-{instance}" if instance else ""
+    return PodView(f"p-{role}-g{gen}{suffix}", role, gen, spec_fingerprint(spec), instance=instance, phase="Running",
+                   ready=True, ip="10.0.0.1", deleting=deleting, scheduled=True, restarts=0,
+                   uid=f"uid-{role}-{gen}{suffix}", raw=raw)
 
 
 def pair(gen, spec):
@@ -163,3 +166,78 @@ def test_the_service_selects_the_serving_generation_only_during_a_rollout():
     assert planner.service_generation({"pairGeneration": 3}) is None
     assert planner.service_generation(rollout_status(r.PHASE_DRAINING)) == 2
     assert planner.service_generation(rollout_status(r.PHASE_PROGRESSING)) == 1
+
+
+# --- instances (xPyD) ------------------------------------------------------------------------------
+def instances(step):
+    return {role: sorted({b.instance for b in step.blocks if b.role == role}) for role in (ROLE_DECODE, ROLE_PREFILL)}
+
+
+def scaled(spec, decode=1, prefill=1):
+    return {**spec, "decode": {**spec["decode"], "replicas": decode}, "prefill": {**spec["prefill"], "replicas": prefill}}
+
+
+def test_scale_down_keeps_the_blocks_of_an_instance_whose_pod_still_exists():
+    """replicas 3 -> 2 while decode instance 2's pod still exists (running, then being deleted): its blocks stay
+    required, so ensure keeps them; once the pod is gone they are no longer required (released)."""
+    spec = scaled(V1, decode=2)
+    base = pair(1, spec) + (pod(ROLE_DECODE, 1, spec, instance=1),)
+    for last in (pod(ROLE_DECODE, 1, spec, instance=2), pod(ROLE_DECODE, 1, spec, instance=2, deleting=True)):
+        step = leases.serving_lease(spec, {"pairGeneration": 1}, base + (last,))
+        assert step.leasing and instances(step) == {ROLE_DECODE: [0, 1, 2], ROLE_PREFILL: [0]}
+        assert not step.hoard_nothing
+    step = leases.serving_lease(spec, {"pairGeneration": 1}, base)
+    assert instances(step) == {ROLE_DECODE: [0, 1], ROLE_PREFILL: [0]}
+
+
+def test_scale_up_requires_the_new_instances_and_an_empty_set_hoards_nothing():
+    spec = scaled(V1, decode=3, prefill=2)
+    step = leases.serving_lease(spec, {"pairGeneration": 1}, pair(1, spec))
+    assert instances(step) == {ROLE_DECODE: [0, 1, 2], ROLE_PREFILL: [0, 1]}
+    assert step.blocks == required_blocks(spec) and not step.hoard_nothing  # pods on the set: keep what is held
+    assert leases.serving_lease(spec, {"pairGeneration": 1}, ()).hoard_nothing  # no pod: today's rule
+
+
+def test_recreate_counts_every_generations_pods_on_the_serving_set():
+    """Recreate keeps one port set across generations: an older generation's instance 1 still terminating keeps
+    its blocks (the set is only read meanwhile, but the blocks are what it re-leases to once it is gone)."""
+    spec = scaled(V1)
+    step = leases.serving_lease(spec, {"pairGeneration": 2}, pair(2, spec) + (pod(ROLE_PREFILL, 1, spec, instance=1,
+                                                                                   deleting=True),))
+    assert instances(step) == {ROLE_DECODE: [0], ROLE_PREFILL: [0, 1]}
+
+
+def test_a_surge_rollouts_generations_count_only_on_their_own_set():
+    old, new = scaled(V1, decode=3), scaled(V2, decode=2)
+    status = rollout_status(r.PHASE_PROGRESSING, spec=new)
+    pods = pair(1, old) + tuple(pod(ROLE_DECODE, 1, old, instance=i) for i in (1, 2)) + (pod(ROLE_DECODE, 2, new),)
+    serving, rolling = leases.serving_lease(new, status, pods), leases.rollout_lease(new, status, pods)
+    assert instances(serving) == {ROLE_DECODE: [0, 1, 2], ROLE_PREFILL: [0]} and not serving.hoard_nothing
+    assert rolling.leasing and instances(rolling) == {ROLE_DECODE: [0, 1], ROLE_PREFILL: [0]}
+    assert not rolling.hoard_nothing  # generation 2's decode is on the rollout set
+    assert leases.rollout_lease(new, status, pair(1, old)).hoard_nothing  # nothing of generation 2 yet
+    # draining: generation 2 serves on set b, generation 1 (3 decodes, one terminating) is the other set's
+    status = rollout_status(r.PHASE_DRAINING, spec=new)
+    pods = pair(2, new) + (pod(ROLE_DECODE, 1, old), pod(ROLE_DECODE, 1, old, instance=2, deleting=True))
+    serving, draining = leases.serving_lease(new, status, pods), leases.rollout_lease(new, status, pods)
+    assert serving.slot == "b" and instances(serving) == {ROLE_DECODE: [0, 1], ROLE_PREFILL: [0]}
+    assert draining.slot == "a" and instances(draining) == {ROLE_DECODE: [0, 1, 2], ROLE_PREFILL: [0]}
+
+
+def test_a_busy_port_of_instance_1_is_quarantined():
+    """Quarantines are per port: a report from instance 1's pod quarantines that held port (the re-lease then
+    claims instance 1's block again: test_port_leaser.py)."""
+    spec = scaled(V1, decode=2)
+    held = HELD + [{"name": "decode-sidechannel-0-i1", "role": "decode", "purpose": "sidechannel", "rank": 0,
+                    "port": 20003, "instance": 1}]
+    busy = PortsInUse("decode", "p-decode-g1-1", "n1", "port-preflight", (20003,))
+    (todo,) = leases.quarantines([busy], held, required_blocks(spec), POOL)
+    assert todo.ports == (20003,) and todo.fixed == ()
+    re_leased = held[:3] + [{**held[3], "port": 20007}]
+    assert "decode ports [20000, 20007]" in leases.ports_replaced([busy], re_leased, required_blocks(spec), POOL)
+
+
+def test_pod_labels_outside_the_crd_range_are_not_instances():
+    spec = scaled(V1)
+    assert instances(leases.serving_lease(spec, {}, (pod(ROLE_DECODE, 1, spec, instance=99),))) == {
+        ROLE_DECODE: [0], ROLE_PREFILL: [0]}

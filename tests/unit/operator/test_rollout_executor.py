@@ -117,7 +117,7 @@ def lease_both_slots(leases: Leases) -> dict[str, list[dict[str, Any]]]:
 
 
 def generation_2_pods() -> tuple[PodView, ...]:
-    return tuple(PodView(f"p-{role}-g2", role, 2, spec_fingerprint(SPEC), "Running", True, "10.0.0.2",
+    return tuple(PodView(f"p-{role}-g2", role, 2, spec_fingerprint(SPEC), phase="Running", ready=True, ip="10.0.0.2",
                          scheduled=True, uid=f"uid-{role}-2") for role in (ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER))
 
 
