@@ -91,7 +91,7 @@ def test_template_renders_labelled_objects(helm, values):
 def test_default_render_has_every_operator_object(helm):
     kinds = by_kind(helm.template())
     assert set(kinds) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment",
-                          "Service", "PodDisruptionBudget"}
+                          "Service", "PodDisruptionBudget", "Secret"}
     deployment = kinds["Deployment"]
     selector = deployment["spec"]["selector"]["matchLabels"]
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]

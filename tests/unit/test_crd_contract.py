@@ -122,7 +122,9 @@ def test_printer_columns(version):
     assert columns["Age"]["jsonPath"] == ".metadata.creationTimestamp"
     assert columns["Rollout"]["jsonPath"] == ".status.rollout.phase"  # a Surge rollout's phase, in -o wide
     default_columns = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) == 0]
-    assert default_columns == ["Phase", "Ready", "Restarts", "Decode Port", "Age"]
+    assert columns["P"]["jsonPath"] == ".status.prefill.readyOfDesired"  # xPyD: ready/desired per role
+    assert columns["D"]["jsonPath"] == ".status.decode.readyOfDesired"
+    assert default_columns == ["Phase", "Ready", "P", "D", "Restarts", "Decode Port", "Age"]
 
 
 def test_pair_name_is_a_short_dns_1035_label(version):

@@ -217,7 +217,7 @@ SETTINGS: tuple[Setting, ...] = (
             "the key each pair's push token is derived from (HMAC of the pair's uid, push.pair_token), so the "
             "operator needs create and never get on Secrets; unset: a random key per process, and pods made before "
             "an operator restart refuse its pushes (a PeersPushRefused Event) until they are re-created",
-            "(the chart's Secret `<fullname>-peers-key`, made once at install and kept on upgrade)"),
+            "(the chart's Secret `<fullname>-operator`, made once at install and kept on upgrade)"),
     Setting(ENV_POD_NAME, None, "the host name", TEXT,
             "the candidate's identity in the leader Lease, plus a per-process suffix (read by __main__)",
             "(the operator pod's name)"),

@@ -177,7 +177,8 @@ def with_instances(spec: Mapping[str, Any], observed: Observed, plan: Plan) -> P
     if plan.step in _EXCLUSIVE_STEPS or plan.create or plan.delete or (plan.step == STEP_WAIT_GONE and any(
             p.generation != plan.pair_generation for p in observed.pods)):
         return plan
-    step = instances.instance_step(spec, observed.pods, plan.pair_generation, observed.now)
+    step = instances.instance_step(spec, observed.pods, plan.pair_generation, observed.now,
+                                   observed.leased_instances)
     if step is None:
         return plan
     message = f"{plan.message}; {step.message}"

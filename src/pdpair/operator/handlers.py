@@ -299,9 +299,6 @@ async def reconcile(
     pair_pods: kopf.Index, pair_services: kopf.Index, node_views: kopf.Index, pair_budgets: kopf.Index,
     pair_scale_targets: kopf.Index, **_: Any,
 ) -> None:
-    # TODO(xPyD, the lead's reconciler integration): pass `_scale_views(pair_scale_targets, uid, body["metadata"]
-    # ["name"])` to reconcile_once each pass; the reconciler plans from scale_targets.effective_spec(spec, views) and,
-    # after the plan, awaits scale_sync.sync_scale_targets(runtime.custom, body, views, desired, ready, cache=...).
     runtime: Runtime = memo["runtime"]
     wake = runtime.wakeups.setdefault(uid, asyncio.Event())
     exited = runtime.exited.setdefault(uid, asyncio.Event())
@@ -317,7 +314,8 @@ async def reconcile(
             try:
                 pods = list(pair_pods.get(uid, ()))
                 delay = await reconciler.reconcile_once(pods, list(pair_services.get(uid, ())),
-                                                        _nodes_of(pods, node_views), list(pair_budgets.get(uid, ())))
+                                                        _nodes_of(pods, node_views), list(pair_budgets.get(uid, ())),
+                                                        _scale_views(pair_scale_targets, uid, body["metadata"]["name"]))
                 failures, last_error = 0, ""
             except asyncio.CancelledError:
                 raise

@@ -64,7 +64,8 @@ def surplus(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int) -
     return sorted(out, key=lambda p: (p.role != ROLE_PREFILL, -p.instance))
 
 
-def instance_step(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int, now: float) -> InstanceStep | None:
+def instance_step(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int, now: float,
+                  leased: Mapping[str, frozenset[int]] | None = None) -> InstanceStep | None:
     """The next action on the instances beyond the first of `generation`, or None. Scale-down first (a draining
     instance's drain clock runs while the others start), then creation: decodes before prefills."""
     pods = list(pods)
@@ -84,19 +85,30 @@ def instance_step(spec: Mapping[str, Any], pods: Iterable[PodView], generation: 
             return InstanceStep(DELETE, pod.role, pod.instance, pod.name,
                                 message=f"scaling {pod.role} down: {pod.name} drained, deleting it")
         waits.append(left)
+    unleased: list[str] = []
+
+    def missing(role: str) -> list[int]:
+        present = {p.instance for p in pods if p.role == role and p.generation == generation}
+        out = [i for i in range(1, spec_fields.replicas(spec, role)) if i not in present]  # a deleted one is
+        # waited out (its name comes back)
+        if leased is not None:
+            unleased.extend(f"{role} {i}" for i in out if i not in leased.get(role, frozenset()))
+            out = [i for i in out if i in leased.get(role, frozenset())]
+        return out
+
     decodes = live_instances(pods, ROLE_DECODE, generation)
-    all_decodes = {p.instance for p in pods if p.role == ROLE_DECODE and p.generation == generation}
     if 0 in decodes:
-        for i in range(1, spec_fields.replicas(spec, ROLE_DECODE)):
-            if i not in all_decodes:  # one being deleted is waited out (its name comes back)
-                return InstanceStep(CREATE, ROLE_DECODE, i, message=f"creating decode instance {i} (generation "
-                                    f"{generation})")
+        for i in missing(ROLE_DECODE)[:1]:
+            return InstanceStep(CREATE, ROLE_DECODE, i, message=f"creating decode instance {i} (generation "
+                                f"{generation})")
     if any(p.running for p in decodes.values()) and 0 in live_instances(pods, ROLE_PREFILL, generation):
-        all_prefills = {p.instance for p in pods if p.role == ROLE_PREFILL and p.generation == generation}
-        for i in range(1, spec_fields.replicas(spec, ROLE_PREFILL)):
-            if i not in all_prefills:
-                return InstanceStep(CREATE, ROLE_PREFILL, i, message=f"creating prefill instance {i} (generation "
-                                    f"{generation})")
+        for i in missing(ROLE_PREFILL)[:1]:
+            return InstanceStep(CREATE, ROLE_PREFILL, i, message=f"creating prefill instance {i} (generation "
+                                f"{generation})")
+    if unleased:
+        return InstanceStep(WAIT_DRAIN, "", -1, wait_seconds=min(waits) if waits else None,
+                            message=f"no ports for {', '.join(unleased)}: the port pool is exhausted; the serving "
+                            "instances keep theirs, the rest start when ports are free")
     if waits:
         return InstanceStep(WAIT_DRAIN, "", -1, wait_seconds=min(waits),
                             message=f"draining {len(waits)} instance(s) before deleting them")

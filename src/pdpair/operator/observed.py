@@ -167,6 +167,9 @@ class Observed:
     held_pool_ports: frozenset[int] = frozenset()
     fenced: frozenset[str] = frozenset()  # set by planner.plan only: pods on lost nodes that count as gone
     now: float = 0.0  # set by planner.plan only: epoch seconds of the pass (a scale-down's drain clock)
+    # The instances whose port blocks the serving set holds, per role, when the pool could not lease them all (a
+    # scale-up past the pool: the serving blocks are kept, ports.ensure hoard_nothing=False); None: every block held
+    leased_instances: Mapping[str, frozenset[int]] | None = None
 
 
 TAINT_UNREACHABLE = "node.kubernetes.io/unreachable"

@@ -29,7 +29,7 @@ from pdpair.contract import COND_NODE_LOST, COND_READY, PHASE_FAILED, PHASE_REST
 
 from . import desired as d
 from .observed import Finding, PodView, Observed
-from . import busy_ports, health, leases, nodes, rollout
+from . import busy_ports, health, leases, nodes, rollout, scale_targets
 from .restart_policy import Action, RestartPolicy, decide, prune
 from .status import FALSE, TRUE, Condition
 
@@ -49,6 +49,13 @@ class PairPlan:
     message: str = ""
     conditions: tuple[Condition, ...] = ()
     retry_at: float | None = None  # epoch seconds: when a backed-off restart may happen
+
+
+def effective_spec(spec: Mapping[str, Any], scale_views: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """The spec every decision of a pass is made from: spec.<role>.replicas is the role's scale object's count once
+    that object exists, the inline count otherwise (scale_targets.effective_replicas: the one statement of which
+    count wins, docs/xpyd.md section 2). None: scale objects not watched (the inline counts)."""
+    return spec if scale_views is None else scale_targets.effective_spec(spec, scale_views)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ from .observed import Finding, NodeView, Observed, PodView
 from . import health, leases, planner, rollout
 from .config import ENV_PEERS_KEY, OperatorConfig
 from .lifecycle import probe_ranks
-from . import instances, push
+from . import instances, push, scale_sync, scale_targets
+from .scale_targets import ScaleView
 from .pods import ManifestError, engine_pod, peers_secret_name, pod_name, router_pod
 from .ports import PairRef, PortLeaser, port_of, status_ports, ports_of
 from . import disruption
@@ -232,6 +233,9 @@ class PairReconciler:
         self.push_failures: dict[str, str] = {}  # pod uid -> the last push error logged (logged once per cause)
         # pod uid -> the digest this reconciler pushed, until the pod index shows the annotation (the watch's lag)
         self.pushed: dict[str, str] = {}
+        self.scale_cache = scale_sync.ScaleSyncCache()  # its own writes to the role objects until the index shows them
+        self.overridden_told: set[tuple[str, int]] = set()  # (role, inline count) told in a ReplicasFromScaleTarget Event
+        self.scale_views: Mapping[str, ScaleView] | None = None  # this pass's, for the status write
 
     # --- observation --------------------------------------------------------------------------------
     def _refresh_status(self) -> None:
@@ -279,12 +283,15 @@ class PairReconciler:
             return
         if self.ports is not None and step.blocks == self.blocks and fresh:
             return
-        if self.ports is None and self.pool_message and time.monotonic() < self.next_lease_try:
+        if self.pool_message and time.monotonic() < self.next_lease_try:
             return
-        outcome = await self.rt.leaser.ensure(self.ref, step.blocks, before_release=self._unlist_ports, slot=step.slot)
+        outcome = await self.rt.leaser.ensure(self.ref, step.blocks, before_release=self._unlist_ports, slot=step.slot,
+                                              hoard_nothing=step.hoard_nothing)
         self.leases_checked_at, self.leased_slots = time.monotonic(), outcome.slots
         if outcome.exhausted:
-            self.ports, self.blocks = None, None
+            # Pods on the set: what they hold was kept (the planner starts no instance without ports); else none
+            self.ports = status_ports(outcome.assignments) if outcome.assignments else None
+            self.blocks = None
             if not self.pool_message:
                 self.emit("Warning", "PoolExhausted", outcome.message)
             self.pool_message = outcome.message
@@ -316,7 +323,7 @@ class PairReconciler:
         if self.rollout_ports is not None and step.blocks == self.rollout_blocks and fresh:
             return
         outcome = await self.rt.leaser.ensure(self.ref, step.blocks, before_release=self._unlist_rollout_ports,
-                                              slot=step.slot)
+                                              slot=step.slot, hoard_nothing=step.hoard_nothing)
         self.rollout_checked_at, self.leased_slots = time.monotonic(), outcome.slots
         if outcome.exhausted:
             self.rollout_ports, self.rollout_blocks, self.rollout_pool_message = None, None, outcome.message
@@ -539,13 +546,16 @@ class PairReconciler:
     # --- one pass -----------------------------------------------------------------------------------
     async def reconcile_once(self, pods: Iterable[PodView], services: Iterable[ServiceView] = (),
                              node_views: Mapping[str, NodeView] | None = None,
-                             budgets: Iterable[tuple[str, tuple]] | None = None) -> float:
+                             budgets: Iterable[tuple[str, tuple]] | None = None,
+                             scale_views: Mapping[str, ScaleView] | None = None) -> float:
         """One level-triggered pass. Returns how long to sleep before the next one (a wakeup cuts it short).
         `node_views`: the nodes of the pair's pods, as the node index has them (lost nodes: nodes.py); `budgets`:
         the (name, disruption.budget_shape) of the pair's PodDisruptionBudgets the watch shows (None: not watched,
-        none is made)."""
+        none is made); `scale_views`: the pair's InferencePairRole objects by role, as the index has them (None: not
+        watched, none is made, the inline counts hold)."""
         started = time.monotonic()
-        spec = self.body["spec"]
+        spec = planner.effective_spec(self.body["spec"], scale_views)
+        self.scale_views = scale_views
         meta_generation = int(self.body["metadata"].get("generation") or 0)
         pods = tuple(pods)
         cfg = self.rt.config
@@ -573,10 +583,14 @@ class PairReconciler:
             rollout_listening = await self.probe_decode(probes.rollout, self.rollout_ports)
             rollout_probe_message = self.probe_message
 
+        partial = self.ports is not None and bool(self.pool_message)  # a scale-up past the pool: see lease_serving
         observed = Observed(
             pods=pods,
             ports_complete=self.ports is not None,
-            pool_exhausted=bool(self.pool_message),
+            pool_exhausted=bool(self.pool_message) and not partial,
+            leased_instances=({role: frozenset(int(p.get("instance") or 0) for p in self.ports or []
+                                                if p.get("role") == role) for role in (ROLE_DECODE, ROLE_PREFILL)}
+                              if partial else None),
             pool_message=self.pool_message,
             decode_listening=listening,
             probe_message=probe_message,
@@ -637,7 +651,7 @@ class PairReconciler:
         await self._write_status(
             {**self._status_fields(plan, pods), **self._rollout_fields(plan, pods), **extra,
              **({"message": rejection.message} if rejection else {})},
-            list(plan.conditions) + self._signals_condition(plan.pair_generation)
+            list(plan.conditions) + self._signals_condition(plan.pair_generation) + self._scale_condition()
             + ([self._rejected_condition(rejection, plan)] if rejection else []),
             meta_generation,
         )
@@ -649,6 +663,8 @@ class PairReconciler:
             self.emit(*event)
         await self._act(plan, pods, meta_generation)
         await self.push_sets(pods)
+        if scale_views is not None:
+            await self.sync_scale_targets(plan, scale_views)
         if plan.release_slot:  # status no longer lists them (written above): the leases can go
             released = await self.rt.leaser.release_slot(self.ref, plan.release_slot)
             self.rollout_ports, self.rollout_blocks = None, None
@@ -678,6 +694,13 @@ class PairReconciler:
                                  "pods": sorted(p.name for p in pods if p.generation == generation)}
         return fields
 
+    def _scale_condition(self) -> list[Condition]:
+        """ReplicasFromScaleTarget, while the role objects are watched: True while one's count overrides the inline."""
+        if self.scale_views is None:
+            return []
+        found = scale_targets.inline_overridden(self.body["spec"], self.scale_views)
+        return [Condition(*scale_targets.overridden_condition(found))]
+
     def _health_finding(self) -> Finding | None:
         """The health watch's restart finding, as it wrote it to status.health (for the planner)."""
         return health.restart_finding(self._health())
@@ -704,7 +727,9 @@ class PairReconciler:
             "service": self.service,  # None removes the field (merge patch)
             "ports": self.ports or [],  # the leases exactly: none held is an empty list, not the last list seen
         }
-        fields.update(plan.role_status)
+        for role, entry in plan.role_status.items():
+            view = (self.scale_views or {}).get(role)
+            fields[role] = {**entry, "scaleTarget": view.name if view is not None else None}
         return fields
 
     # --- actions ------------------------------------------------------------------------------------
@@ -816,6 +841,22 @@ class PairReconciler:
             manifest["metadata"]["annotations"][ANNOTATION_PEERS_DIGEST] = _router_digest(members)
             return manifest
         raise ManifestError(f"unknown role {plan.create!r}")
+
+    # --- the per-role scale objects (scale_targets.py decides, scale_sync.py writes) ------------------------------
+    async def sync_scale_targets(self, plan: d.Plan, views: Mapping[str, ScaleView]) -> None:
+        """Make a missing role object, bring each one's status (desired, ready, selector: what /scale reports) to the
+        plan's, and tell once per inline count that a role object's count wins over it."""
+        if not plan.role_status:
+            return  # a plan without the roles' counts (a halted or failed pass) changes nothing here
+        desired = {role: int(plan.role_status[role]["desired"]) for role in plan.role_status}
+        ready = {role: int(plan.role_status[role]["ready"]) for role in plan.role_status}
+        for event in await scale_sync.sync_scale_targets(self.rt.custom, self.body, views, desired, ready,
+                                                         cache=self.scale_cache):
+            self.emit(*event)
+        for key, event in scale_targets.overridden_events(scale_targets.inline_overridden(self.body["spec"], views)):
+            if key not in self.overridden_told:
+                self.overridden_told.add(key)
+                self.emit(*event)
 
     # --- pushes of peer sets (xPyD: instances.py decides the sets, push.py sends them) ---------------------------
     async def _peers_token(self) -> str:

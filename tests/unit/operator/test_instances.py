@@ -188,3 +188,17 @@ def test_a_failed_instance_still_restarts_the_pair_in_order():
     world.pods["p-decode-1-1"] = dataclasses.replace(world.pods["p-decode-1-1"], phase="Failed", ready=False)
     plan = next_step(world.spec, world.status, world.observe())
     assert plan.step == d.STEP_BROKEN and "p-decode-1-1" in plan.message
+
+
+def test_a_scale_up_past_the_pool_starts_only_the_instances_with_ports():
+    """The pool could lease decode instance 1 but not 2 (ports.ensure kept the serving blocks): 1 is created, 2 waits
+    and the plan says why; the pair stays Ready."""
+    world = SimWorld(spec(prefill=1, decode=1))
+    simulate_until_ready(world)
+    world.spec = spec(prefill=1, decode=3)
+    leased = {"decode": frozenset({0, 1}), "prefill": frozenset({0})}
+    plan = next_step(world.spec, world.status, dataclasses.replace(world.observe(), leased_instances=leased))
+    assert (plan.create, plan.create_instance, plan.phase) == ("decode", 1, "Ready")
+    world.apply(plan)
+    plan = next_step(world.spec, world.status, dataclasses.replace(world.observe(), leased_instances=leased))
+    assert plan.create is None and "no ports for decode 2" in plan.message and plan.phase == "Ready"

@@ -36,7 +36,7 @@ def leased():
 
 
 def env_of(pod):
-    return {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
 
 
 def test_decode_pod():
