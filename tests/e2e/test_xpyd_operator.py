@@ -5,7 +5,7 @@ one InferencePair with several prefill and decode instances. What is checked aga
   - the operator pushes the changed sets, with the pair's Secret's token: each prefill its decodes and the router
     its Ready instances (the test serves the push endpoints on the pods' leased ports, as the connector and the
     router would);
-  - scale up (decode 3 -> 4) leaves every existing pod alone and keeps the pair Ready; scale down (4 -> 2) drains
+  - scale up through the role's scale object (`/scale`, as kubectl scale and an HPA do: decode 3 -> 4) leaves every existing pod alone and keeps the pair Ready; scale down (4 -> 2) drains
     the highest instances first (out of every push), deletes them after spec.rollout.drainSeconds, and releases
     their ports only once they are gone; P and D in status;
   - an operator SIGKILLed mid-scale converges after its restart without a duplicate pod or port.
@@ -95,6 +95,20 @@ def env_of(pod):
     return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
 
 
+def scale(api, ns, role_object, replicas):
+    """What `kubectl scale ipr/<name> --replicas=N` does: the role object's /scale subresource (its count wins over
+    the pair's inline spec.<role>.replicas once it exists)."""
+    api.custom.patch_namespaced_custom_object_scale("pdpair.io", "v1alpha1", ns, "inferencepairroles", role_object,
+                                                    {"spec": {"replicas": replicas}})
+
+
+def diagnose(api, ns, proc):
+    pair = api.pair(ns, "xp")
+    status = {k: v for k, v in (pair.get("status") or {}).items() if k != "ports"}
+    pods = [(p["metadata"]["name"], p["status"].get("phase"), p["status"].get("pod_ip")) for p in api.pods(ns)]
+    return f"status: {json.dumps(status, default=str)[:3000]}\npods: {pods}\noperator log:\n{proc.log_tail(4000)}"
+
+
 def check_ports(api, ns, pair):
     """status.ports is exactly the pair's Leases and lists no port twice."""
     ports = [p["port"] for p in pair["status"]["ports"]]
@@ -138,9 +152,10 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
             ready = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("phase") == "Ready" and
                                       p["status"].get("decode", {}).get("readyOfDesired") == "3/3" and
                                       p["status"].get("prefill", {}).get("readyOfDesired") == "2/2" else None)(
-                api.pair(ns, "xp")), 90, "Ready with 2/2 prefill and 3/3 decode", interval=0.2)
+                api.pair(ns, "xp")), 90, "Ready with 2/2 prefill and 3/3 decode", interval=0.2,
+                diagnose=lambda: diagnose(api, ns, proc))
             ports = check_ports(api, ns, ready)
-            assert len(ports) == 5 * 3 + 1  # TP 1: side channel, metrics, http per instance; one router port
+            assert len(ports) == 3 * (2 + 3) + 1  # TP 1: side channel, metrics, http per instance; one router port
             pods = pods_by_role(api, ns)
             assert sorted(pods["decode"]) == [0, 1, 2] and sorted(pods["prefill"]) == [0, 1]
             assert [p["metadata"]["name"] for _, p in sorted(pods["decode"].items())] == [
@@ -184,8 +199,7 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
 
             # Scale up: decode 3 -> 4. No existing pod is touched, the pair stays Ready, both prefills are told.
             uids = {p["metadata"]["uid"] for role in pods.values() for p in role.values()}
-            api.custom.patch_namespaced_custom_object("pdpair.io", "v1alpha1", ns, "inferencepairs", "xp",
-                                                      {"spec": {"decode": {"replicas": 4}}})
+            scale(api, ns, "xp-decode", 4)
             scaled = wait_for(lambda: (lambda p: p if p["status"].get("decode", {}).get("readyOfDesired") == "4/4"
                                        else None)(api.pair(ns, "xp")), 60, "4/4 decode", interval=0.2)
             assert scaled["status"]["phase"] == "Ready"
@@ -198,8 +212,7 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
 
             # Scale down: decode 4 -> 2. Instances 3 and 2 drain (out of every push) and go after drainSeconds;
             # their ports are released once they are gone.
-            api.custom.patch_namespaced_custom_object("pdpair.io", "v1alpha1", ns, "inferencepairs", "xp",
-                                                      {"spec": {"decode": {"replicas": 2}}})
+            scale(api, ns, "xp-decode", 2)
             draining = wait_for(lambda: [p for p in pods_by_role(api, ns)["decode"].values()
                                          if ANNOTATION_DRAINING_SINCE in (p["metadata"].get("annotations") or {})]
                                 or None, 30, "a decode marked draining")
@@ -210,7 +223,7 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
                      "the drained decodes out of every push")
             down = wait_for(lambda: (lambda p: p if p["status"].get("decode", {}).get("desired") == 2 and
                                      sorted(pods_by_role(api, ns)["decode"]) == [0, 1] and
-                                     len(p["status"]["ports"]) == 5 * 2 + 3 + 1 else None)(api.pair(ns, "xp")),
+                                     len(p["status"]["ports"]) == 3 * (2 + 2) + 1 else None)(api.pair(ns, "xp")),
                             60, "decode 2/2 with the drained instances' ports released", interval=0.3)
             check_ports(api, ns, down)
             assert down["status"]["phase"] == "Ready"
@@ -218,8 +231,7 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
             assert deleted and all("decode-g1-2" in e or "decode-g1-3" in e for e in deleted), deleted
 
             # SIGKILL mid-scale: prefill 2 -> 4, the operator killed once the first new prefill exists
-            api.custom.patch_namespaced_custom_object("pdpair.io", "v1alpha1", ns, "inferencepairs", "xp",
-                                                      {"spec": {"prefill": {"replicas": 4}}})
+            scale(api, ns, "xp-prefill", 4)
             wait_for(lambda: 2 in pods_by_role(api, ns)["prefill"], 30, "prefill instance 2")
             proc.kill()
             proc.start()

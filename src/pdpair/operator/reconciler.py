@@ -753,6 +753,7 @@ class PairReconciler:
             del self.created_unseen[name]
         if plan.create in (ROLE_PREFILL, ROLE_ROUTER):
             await self._peers_token()  # the pod takes it from the Secret: it must exist first
+        if plan.create:
             rejection = self._rejection(plan)
             if rejection is not None and time.monotonic() < rejection.not_before:
                 return  # refused before for this very spec: wait out the backoff
