@@ -35,10 +35,11 @@ ENGINE_ENV = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}, {"name":
 _COMPLETION_SNIPPET = """
 import json, sys, time, urllib.error, urllib.request
 url, model, prompt, max_tokens, refused_for = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
+extra = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
 body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
 deadline = time.monotonic() + refused_for
 while True:
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **extra})
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             print(json.dumps(json.load(resp)["choices"][0]["text"]))
@@ -134,10 +135,12 @@ MODEL_MOUNT_SPEC = {"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True
 
 
 def completion(cluster, node: str, host: str, port: int, prompt: str, max_tokens: int = 16,
-               refused_for: float = SERVICE_PROGRAMMING_SECONDS) -> str:
-    """A greedy completion sent from inside node `node`'s network namespace (the cluster network)."""
+               refused_for: float = SERVICE_PROGRAMMING_SECONDS, headers: dict[str, str] | None = None) -> str:
+    """A greedy completion sent from inside node `node`'s network namespace (the cluster network); `headers` are
+    added to the request (e.g. the router's X-Pdpair-Route and X-Request-Id). An HTTP error raises ClusterError."""
     proc = cluster.node_exec(node, [sys.executable, "-c", _COMPLETION_SNIPPET, f"http://{host}:{port}/v1/completions",
-                                    SERVED_NAME, prompt, str(max_tokens), str(refused_for)],
+                                    SERVED_NAME, prompt, str(max_tokens), str(refused_for),
+                                    json.dumps(headers or {})],
                              timeout=180 + refused_for)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

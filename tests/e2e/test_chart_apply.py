@@ -76,7 +76,7 @@ def qualified(doc: dict) -> str:
 def test_every_rendered_object_was_applied(release, local_cluster):
     kinds = {d["kind"] for d in release["docs"]}
     assert kinds == {"CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
-                     "RoleBinding", "Deployment", "Service", "PodDisruptionBudget"}
+                     "RoleBinding", "Deployment", "Service", "PodDisruptionBudget", "Secret"}
     for doc in release["docs"]:
         assert f"{qualified(doc)} serverside-applied" in release["apply_output"], release["apply_output"]
         namespace = ["-n", release["namespace"]] if "namespace" in doc["metadata"] else []

@@ -292,7 +292,7 @@ def test_minimal_spec_comes_back_fully_defaulted(custom_api, crd_namespace):
     created = create(custom_api, crd_namespace, minimal("defaults"))
     spec = created["spec"]
     for role in contract.ROLES:
-        assert spec[role] == {"tensorParallelSize": 1}
+        assert spec[role] == {"replicas": 1, "tensorParallelSize": 1}  # one instance per role unless said
     assert spec["connector"] == {"transport": contract.TRANSPORT_FLAGCX, "hangTimeoutSeconds": 60, "slots": 256}
     assert spec["network"] == {"hostNetwork": True, "portsPerRank": 1}
     assert spec["restartPolicy"] == {"maxRestarts": 5, "windowSeconds": 1800, "backoffSeconds": 10,
@@ -314,7 +314,7 @@ def test_partial_sections_are_defaulted_field_by_field(custom_api, crd_namespace
     spec = create(custom_api, crd_namespace, obj)["spec"]
     assert spec["connector"] == {"transport": "tcp", "hangTimeoutSeconds": 60, "slots": 256}
     assert spec["restartPolicy"]["maxRestarts"] == 0 and spec["restartPolicy"]["backoffSeconds"] == 10
-    assert spec["decode"] == {"args": ["--enforce-eager"], "tensorParallelSize": 1}
+    assert spec["decode"] == {"args": ["--enforce-eager"], "replicas": 1, "tensorParallelSize": 1}
 
 
 GOOD_SPECS: list[tuple[str, Callable[[dict], None]]] = [
@@ -393,6 +393,9 @@ def good_status() -> dict:
         "restarts": 1,
         "lastRestart": {"time": now, "reason": "decode hung"},
         "pods": {"decode": "p-decode-2", "prefill": "p-prefill-2", "router": "p-router-2"},
+        "prefill": {"desired": 2, "ready": 1, "readyOfDesired": "1/2",
+                    "instances": [{"index": 0, "pod": "p-prefill-2", "generation": 2, "ready": True}]},
+        "decode": {"desired": 1, "ready": 1, "readyOfDesired": "1/1"},
         "ports": [
             {"name": "decode-sidechannel-0", "role": "decode", "purpose": "sidechannel", "rank": 0, "port": 20001},
             {"name": "decode-sidechannel-1", "role": "decode", "purpose": "sidechannel", "rank": 1, "port": 20002},
@@ -433,13 +436,13 @@ def test_status_is_written_only_through_the_subresource(custom_api, crd_namespac
     assert written["metadata"]["generation"] == 1  # a status write does not bump the spec generation
 
 
-def test_printer_columns_show_phase_ready_restarts_and_decode_port(local_cluster, custom_api, crd_namespace,
+def test_printer_columns_show_phase_ready_instances_restarts_and_decode_port(local_cluster, custom_api, crd_namespace,
                                                                   pair_with_status):
     patch_status(custom_api, crd_namespace, pair_with_status, good_status())
     proc = local_cluster.kubectl("get", contract.SHORT_NAME, pair_with_status, "-n", crd_namespace)
     header, row = proc.stdout.strip().splitlines()
-    assert header.split() == ["NAME", "PHASE", "READY", "RESTARTS", "DECODE", "PORT", "AGE"]
-    assert row.split()[:5] == [pair_with_status, "Ready", "True", "1", "20001"]
+    assert header.split() == ["NAME", "PHASE", "READY", "P", "D", "RESTARTS", "DECODE", "PORT", "AGE"]
+    assert row.split()[:7] == [pair_with_status, "Ready", "True", "1/2", "1/1", "1", "20001"]
     wide = local_cluster.kubectl("get", f"{contract.PLURAL}.{contract.GROUP}", pair_with_status, "-n", crd_namespace,
                                  "-o", "wide").stdout
     assert "TRANSPORT" in wide and "flagcx" in wide
@@ -486,4 +489,4 @@ def test_spec_update_is_validated_too(custom_api, crd_namespace):
         contract.GROUP, contract.VERSION, crd_namespace, contract.PLURAL, "upd",
         {"spec": {"prefill": {"tensorParallelSize": 4}, "decode": {"tensorParallelSize": 4}}})
     assert updated["metadata"]["generation"] == 2
-    assert copy.deepcopy(updated["spec"]["decode"]) == {"tensorParallelSize": 4}
+    assert copy.deepcopy(updated["spec"]["decode"]) == {"replicas": 1, "tensorParallelSize": 4}

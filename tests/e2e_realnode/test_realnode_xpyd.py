@@ -1,0 +1,350 @@
+"""xPyD on real nodes: one InferencePair with 2 prefill and 2 decode instances (docs/xpyd.md), vLLM in every pod.
+
+A pair of its own (the shared serving pair is deleted by test_realnode_rollout, before this module runs): prefill
+instances 0 and 1 on node n1, decode instances 0 and 1 and the router on node n2 (pair_manifest pins each role to one
+node), `spec.router.debugRouting` on, so the router honours `X-Pdpair-Route: <prefill index>,<decode index>` and logs
+each choice, and `spec.rollout.drainSeconds` 5. The tests share it, in file order:
+
+  1. apply -> Ready with P 2/2 and D 2/2 (the parallel start: all four engines load at once); every (prefill,
+     decode) combination, forced by the header, answers every prompt like the single engine (the session's
+     baseline), and the router's log shows the forced pair was the one used;
+  2. `kubectl scale inferencepairrole/<pair>-decode` 2 -> 1 under a steady load that never retries (load.py), the
+     removed decode holding requests when it is marked draining, then 1 -> 2: no request fails, every output is the
+     baseline's;
+  3. decode instance 1's pod deleted (a plain `kubectl delete pod`) under the steady load and a client forced to
+     (0, 0): the pair stays Ready, the instance is re-created (a new uid, no pair restart), D comes back to 2/2;
+     requests fail only while routed to the deleted instance (counted and printed); the forced (0, 0) client fails
+     none;
+  4. the pair deleted: its pods, role objects and port leases go.
+
+Cost: 6 vLLM cold starts (4 at the start, loading at once; 1 for the scale-up; 1 for the re-created decode), about
+5-6 minutes of the real-node stage on a 2-core machine (the start dominates: four engines share two cores).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import time
+
+import pytest
+import yaml
+
+from pdpair.contract import (
+    ANNOTATION_DRAINING_SINCE, GROUP, LABEL_INSTANCE, LABEL_PAIR, LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_ROLE, PLURAL,
+    ROLE_OBJECT_PLURAL,
+)
+from devcluster.product import (
+    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, operator_logs, pair_manifest,
+)
+from devcluster.realnode import ClusterError
+from devcluster.waiting import wait_for
+from tests.e2e_realnode.load import Load
+
+pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
+
+NAME = "xp"
+DRAIN_SECONDS = 5
+CLIENTS = 3  # the steady unforced load (load.py): decode 1 holds some of it at any time
+ROUTE = "X-Pdpair-Route"
+# The router's --log-choices line (router/app.py _log_choice).
+CHOICE = re.compile(r"request (\S+): prefill (\d+) \S+, decode (\d+) \S+( \(forced by X-Pdpair-Route\))?;")
+# Apply -> Ready with every instance: the four engines load at once (prefills once a decode runs, a few seconds in).
+START_TIMEOUT = ENGINE_START_TIMEOUT + 120
+
+
+class XPair:
+    """The module's 2P2D pair: reading its status, pods, router log; forced completions through its Service."""
+
+    def __init__(self, cluster, namespace: str):
+        self.cluster, self.namespace, self.name = cluster, namespace, NAME
+
+    def get(self) -> dict:
+        proc = self.cluster.kubectl("get", f"{PLURAL}.{GROUP}", self.name, "-n", self.namespace, "-o", "json",
+                                    check=False)
+        return json.loads(proc.stdout) if proc.returncode == 0 else {}
+
+    def status(self) -> dict:
+        return self.get().get("status") or {}
+
+    def pods(self) -> dict[str, dict]:
+        items = json.loads(self.cluster.kubectl("get", "pods", "-n", self.namespace, "-l", f"{LABEL_PAIR}={self.name}",
+                                                "-o", "json").stdout)["items"]
+        return {p["metadata"]["name"]: p for p in items}
+
+    def engine(self, role: str, instance: int) -> dict | None:
+        """The live (not deleting) pod of that role's instance, of any generation."""
+        for pod in self.pods().values():
+            labels = pod["metadata"]["labels"]
+            if (labels.get(LABEL_ROLE) == role and int(labels.get(LABEL_INSTANCE, "0")) == instance
+                    and not pod["metadata"].get("deletionTimestamp")):
+                return pod
+        return None
+
+    def router_pod(self) -> str:
+        return next(n for n, p in self.pods().items() if p["metadata"]["labels"].get(LABEL_ROLE) == "router"
+                    and not p["metadata"].get("deletionTimestamp"))
+
+    def service(self) -> tuple[str, int]:
+        svc = json.loads(self.cluster.kubectl("get", "service", self.name, "-n", self.namespace, "-o", "json").stdout)
+        return svc["spec"]["clusterIP"], int(svc["spec"]["ports"][0]["port"])
+
+    def counts(self) -> tuple[str, str, str]:
+        status = self.status()
+        return (status.get("phase", ""), (status.get("prefill") or {}).get("readyOfDesired", ""),
+                (status.get("decode") or {}).get("readyOfDesired", ""))
+
+    def choices(self) -> dict[str, tuple[int, int, bool]]:
+        """Request id -> (prefill index, decode index, forced) from the router's log (--log-choices)."""
+        log = self.cluster.kubectl("logs", "-n", self.namespace, self.router_pod(), "--tail=-1", check=False).stdout
+        return {m.group(1): (int(m.group(2)), int(m.group(3)), bool(m.group(4))) for m in CHOICE.finditer(log)}
+
+    def routed(self, p: int, d: int, prompt: str, rid: str = "") -> str:
+        headers = {ROUTE: f"{p},{d}", **({"X-Request-Id": rid} if rid else {})}
+        ip, port = self.service()
+        return completion(self.cluster, "n1", ip, port, prompt, headers=headers)
+
+    def wait_routable(self, p: int, d: int, timeout: float = 120) -> float:
+        """Until the router accepts the forced route (p, d): it answers 400 for an index it was not pushed yet."""
+        t0 = time.monotonic()
+        errors: list[str] = []
+
+        def accepted() -> bool:
+            try:
+                self.routed(p, d, PROMPTS[0])
+                return True
+            except ClusterError as exc:
+                errors.append(str(exc)[-300:])
+                return False
+
+        wait_for(accepted, timeout, f"the router to accept the forced route ({p}, {d})",
+                 diagnose=lambda: f"{errors[-1:]}\n{self.diagnose()}", interval=1.0)
+        return time.monotonic() - t0
+
+    def diagnose(self) -> str:
+        status = {k: v for k, v in self.status().items() if k != "ports"}
+        return "\n".join([describe(self.cluster, self.namespace), json.dumps(status, indent=1)[-4000:],
+                          "--- operator:\n" + operator_logs(self.cluster, tail=80)])
+
+
+def _epoch(rfc3339: str) -> float:
+    return datetime.datetime.strptime(rfc3339, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc).timestamp()
+
+
+def _ready_after(pod: dict, t0: float) -> str:
+    """Seconds from `t0` (epoch) to the pod's creation and to its Ready transition (the API's 1 s resolution)."""
+    ready = next((c["lastTransitionTime"] for c in pod["status"].get("conditions", [])
+                  if c["type"] == "Ready" and c["status"] == "True"), None)
+    created = _epoch(pod["metadata"]["creationTimestamp"]) - t0
+    return f"created +{created:.0f}s, Ready +{_epoch(ready) - t0:.0f}s" if ready else f"created +{created:.0f}s"
+
+
+def _summary(records: list[dict], baseline_outputs) -> tuple[list[dict], list[dict]]:
+    failed = [r for r in records if not r["ok"]]
+    wrong = [r for r in records if r["ok"] and r["text"] != baseline_outputs[r["prompt"]]]
+    return failed, wrong
+
+
+@pytest.fixture(scope="module")
+def xpair(real_cluster, operator_release, images, model_dir, namespace):
+    manifest = pair_manifest(NAME, namespace, images["engine"].ref, model_dir, prefill_node="n1", decode_node="n2")
+    manifest["spec"]["prefill"]["replicas"] = 2
+    manifest["spec"]["decode"]["replicas"] = 2
+    manifest["spec"]["router"]["debugRouting"] = True
+    manifest["spec"]["rollout"] = {"drainSeconds": DRAIN_SECONDS}
+    pair = XPair(real_cluster, namespace)
+    pair.t_apply = time.monotonic()
+    real_cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(manifest))
+    yield pair
+    real_cluster.kubectl("delete", f"{PLURAL}.{GROUP}", NAME, "-n", namespace, "--ignore-not-found", "--wait=true",
+                         "--timeout=120s", check=False, timeout=150)
+
+
+def test_2p2d_pair_starts_and_every_prefill_decode_combination_serves_like_a_single_engine(
+        real_cluster, baseline_outputs, xpair):
+    t_apply = xpair.t_apply
+    marks: dict[str, float] = {}
+
+    def ready() -> bool:
+        phase, p, d = xpair.counts()
+        if phase == "Ready" and "ready" not in marks:
+            marks["ready"] = time.monotonic() - t_apply
+        return phase == "Ready" and p == "2/2" and d == "2/2"
+
+    wait_for(ready, START_TIMEOUT, "the 2P2D pair Ready with P 2/2 and D 2/2", diagnose=xpair.diagnose, interval=1.0)
+    t_all = time.monotonic() - t_apply
+    pods = xpair.pods()
+    created = _epoch(xpair.get()["metadata"]["creationTimestamp"])
+    print(f"\n[realnode-xpyd] apply -> phase Ready {marks['ready']:.1f}s, -> P 2/2 D 2/2 {t_all:.1f}s; pods: "
+          + "; ".join(f"{n} on {p['spec'].get('nodeName')}: {_ready_after(p, created)}"
+                      for n, p in sorted(pods.items())) + " (after the pair's creation)")
+    engines = {n for n, p in pods.items() if p["metadata"]["labels"].get(LABEL_ROLE) in ("prefill", "decode")}
+    gen = xpair.status()["pairGeneration"]
+    assert engines == {f"{NAME}-{r}-g{gen}{s}" for r in ("prefill", "decode") for s in ("", "-1")}, sorted(engines)
+    assert {pods[n]["spec"]["nodeName"] for n in engines} == {"n1", "n2"}
+
+    # The router starts with instance 0 of each role and is pushed the others: wait until it takes (1, 1).
+    t_route = xpair.wait_routable(1, 1)
+    print(f"[realnode-xpyd] P 2/2 D 2/2 -> the router accepts the forced route (1, 1) {t_route:.1f}s")
+    t0 = time.monotonic()
+    rids = {}
+    for p in (0, 1):
+        for d in (0, 1):
+            for k, prompt in enumerate(PROMPTS):
+                rid = f"xpyd-p{p}-d{d}-{k}-{time.monotonic_ns()}"
+                rids[rid] = (p, d)
+                out = xpair.routed(p, d, prompt, rid)
+                assert out == baseline_outputs[prompt], (p, d, prompt, out, baseline_outputs[prompt])
+    print(f"[realnode-xpyd] {len(rids)} forced completions (4 combinations x {len(PROMPTS)} prompts) equal the "
+          f"baseline in {time.monotonic() - t0:.1f}s")
+    choices = xpair.choices()
+    for rid, (p, d) in rids.items():
+        assert choices.get(rid) == (p, d, True), (rid, choices.get(rid))
+
+
+def test_decode_scale_down_and_up_under_load_fails_no_request(real_cluster, baseline_outputs, xpair):
+    ns, name = xpair.namespace, xpair.name
+    assert xpair.counts() == ("Ready", "2/2", "2/2"), xpair.counts()
+    decode1 = xpair.engine("decode", 1)
+    assert decode1 is not None
+    pod1 = decode1["metadata"]["name"]
+    ip, port = xpair.service()
+    load = Load(real_cluster, ip, port, CLIENTS)
+    t_scaled_up = None
+    try:
+        t_load = time.time()
+        wait_for(lambda: load.ok_since(t_load) >= 2 * CLIENTS, 300, "requests served before the scale-down",
+                 diagnose=lambda: json.dumps(load.records[-5:]), interval=0.5)
+        # Scale down while decode 1 holds requests: the router's outstanding counts balance the clients across both
+        # decodes, so one of the three is almost always on decode 1; wait for a moment when it is.
+        t_down = time.time()
+        real_cluster.kubectl("scale", f"{ROLE_OBJECT_PLURAL}.{GROUP}/{name}-decode", "--replicas=1", "-n", ns)
+
+        def marked() -> float | None:
+            pod = xpair.pods().get(pod1)
+            value = ((pod or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION_DRAINING_SINCE)
+            return float(value) if value else None
+
+        t_marked = wait_for(marked, 60, f"{pod1} marked draining", diagnose=xpair.diagnose, interval=0.2)
+        wait_for(lambda: xpair.counts()[2] == "1/1" and pod1 not in xpair.pods(), 120 + DRAIN_SECONDS,
+                 f"D 1/1 and {pod1} gone", diagnose=xpair.diagnose, interval=0.5)
+        t_gone = time.time()
+        assert xpair.counts()[0] == "Ready"
+        real_cluster.kubectl("scale", f"{ROLE_OBJECT_PLURAL}.{GROUP}/{name}-decode", "--replicas=2", "-n", ns)
+        t_up = time.time()
+        wait_for(lambda: xpair.counts()[2] == "2/2", ENGINE_START_TIMEOUT, "D 2/2 after the scale-up",
+                 diagnose=xpair.diagnose, interval=1.0)
+        t_scaled_up = time.time()
+        t_route = xpair.wait_routable(0, 1)
+        wait_for(lambda: load.ok_since(t_scaled_up) >= 2 * CLIENTS, 300, "requests served after the scale-up",
+                 diagnose=lambda: json.dumps(load.records[-5:]), interval=0.5)
+        for p in (0, 1):  # the new decode 1 answers like the baseline with either prefill
+            for prompt in PROMPTS:
+                assert xpair.routed(p, 1, prompt) == baseline_outputs[prompt], (p, prompt)
+    finally:
+        records = load.stop()
+    failed, wrong = _summary(records, baseline_outputs)
+    choices = xpair.choices()  # the new router log has every choice (one router all along)
+    on_d1 = [r for r in records if choices.get(r["rid"], (None, None))[1] == 1]
+    in_flight = [r for r in on_d1 if r["t"] < t_marked < r["t"] + r["dur"]]
+    # Chosen after the mark: the router is pushed the set without decode 1 in the pass that marks it or the next
+    # one; a choice after the pod is gone would have failed.
+    after_mark = [r["t"] - t_marked for r in on_d1 if t_marked < r["t"] < t_up]
+    after_gone = [r for r in on_d1 if t_gone < r["t"] < t_up]
+    print(f"[realnode-xpyd] scale-down/up under load: {len(failed)} failed of {len(records)} requests, {len(wrong)} "
+          f"outputs differ; {len(in_flight)} request(s) in flight on {pod1} when it was marked draining, "
+          f"{len(after_mark)} sent to decode 1 after the mark (the last {max(after_mark, default=0):.2f}s after it), "
+          f"{len(after_gone)} after it was gone; kubectl scale "
+          f"-> marked draining {t_marked - t_down:.1f}s, -> D 1/1 and {pod1} gone {t_gone - t_down:.1f}s; "
+          f"scale-up -> D 2/2 {t_scaled_up - t_up:.1f}s (+{t_route:.1f}s until the router takes (0, 1))")
+    assert failed == [], failed[:5]
+    assert wrong == [], wrong[:5]
+    assert after_gone == [], after_gone[:5]
+    if not in_flight:
+        print("[realnode-xpyd] note: no request was in flight on decode 1 at the mark (timing), the drain held none")
+
+
+def test_deleted_decode_instance_is_recreated_while_the_pair_serves(real_cluster, baseline_outputs, xpair):
+    ns = xpair.namespace
+    wait_for(lambda: xpair.counts() == ("Ready", "2/2", "2/2"), 120, "the pair Ready 2/2 2/2",
+             diagnose=xpair.diagnose, interval=1.0)
+    before = xpair.status()
+    victim = xpair.engine("decode", 1)
+    pod1, uid1 = victim["metadata"]["name"], victim["metadata"]["uid"]
+    ip, port = xpair.service()
+    load = Load(real_cluster, ip, port, CLIENTS)
+    forced = Load(real_cluster, ip, port, 1, headers={ROUTE: "0,0"})
+    phases: set[str] = set()
+    try:
+        t_load = time.time()
+        wait_for(lambda: load.ok_since(t_load) >= 2 * CLIENTS and forced.ok_since(t_load) >= 2, 300,
+                 "requests served before the kill", diagnose=lambda: json.dumps(load.records[-5:]), interval=0.5)
+        t_kill = time.time()
+        real_cluster.kubectl("delete", "pod", pod1, "-n", ns, "--wait=false")
+        marks: dict[str, float] = {}
+
+        def back() -> bool:
+            phase, _, d = xpair.counts()
+            phases.add(phase)
+            pod = xpair.engine("decode", 1)
+            if pod is not None and pod["metadata"]["uid"] != uid1 and "created" not in marks:
+                marks["created"] = time.time()
+            if d != "2/2" and "dropped" not in marks:
+                marks["dropped"] = time.time()
+            return bool(pod is not None and pod["metadata"]["uid"] != uid1 and d == "2/2")
+
+        wait_for(back, ENGINE_START_TIMEOUT + 120, f"{pod1} re-created and D 2/2", diagnose=xpair.diagnose,
+                 interval=0.5)
+        t_back = time.time()
+        t_route = xpair.wait_routable(1, 1)
+        wait_for(lambda: load.ok_since(t_back) >= 2 * CLIENTS and forced.ok_since(t_back) >= 2, 300,
+                 "requests served after the re-creation", diagnose=lambda: json.dumps(load.records[-5:]),
+                 interval=0.5)
+    finally:
+        records = load.stop()
+        forced_records = forced.stop()
+    after = xpair.status()
+    failed, wrong = _summary(records, baseline_outputs)
+    forced_failed, forced_wrong = _summary(forced_records, baseline_outputs)
+    choices = xpair.choices()
+    not_on_d1 = [r for r in failed if choices.get(r["rid"], (None, None))[1] != 1]
+    print(f"[realnode-xpyd] decode 1 deleted under load: {len(failed)} failed of {len(records)} unforced requests "
+          f"({len(not_on_d1)} not routed to decode 1), forced (0, 0): {len(forced_failed)} failed of "
+          f"{len(forced_records)}; {len(wrong) + len(forced_wrong)} outputs differ; phases seen {sorted(phases)}; "
+          f"delete -> D below 2/2 {marks.get('dropped', t_kill) - t_kill:.1f}s, -> new {pod1} created "
+          f"{marks.get('created', t_back) - t_kill:.1f}s, -> D 2/2 {t_back - t_kill:.1f}s "
+          f"(+{t_route:.1f}s until the router takes (1, 1)); failures (seconds after the delete, decode chosen, "
+          f"error): {[(round(r['t'] - t_kill, 1), choices.get(r['rid']), r['error'][:200]) for r in failed[:8]]}")
+    assert phases == {"Ready"}, phases
+    assert after.get("pairGeneration") == before.get("pairGeneration"), (before.get("pairGeneration"),
+                                                                        after.get("pairGeneration"))
+    assert int(after.get("restarts") or 0) == int(before.get("restarts") or 0)
+    assert forced_failed == [], forced_failed[:5]
+    assert not_on_d1 == [], not_on_d1[:5]
+    assert wrong == [] and forced_wrong == [], (wrong[:3], forced_wrong[:3])
+
+
+def test_deleting_the_2p2d_pair_removes_its_pods_role_objects_and_leases(real_cluster, xpair):
+    ns, name = xpair.namespace, xpair.name
+    uid = xpair.get()["metadata"]["uid"]
+
+    def leases() -> list[dict]:
+        return json.loads(real_cluster.kubectl("get", "leases.coordination.k8s.io", "-n", OPERATOR_NS, "-l",
+                                               f"{LABEL_PORT_LEASE}=true,{LABEL_PAIR_UID}={uid}", "-o",
+                                               "json").stdout)["items"]
+
+    def role_objects() -> list[str]:
+        items = json.loads(real_cluster.kubectl("get", f"{ROLE_OBJECT_PLURAL}.{GROUP}", "-n", ns, "-o",
+                                                "json").stdout)["items"]
+        return [o["metadata"]["name"] for o in items]
+
+    held = leases()
+    assert len(held) == 3 * 4 + 1, len(held)  # TP 1: side channel, metrics, http per instance; the router's port
+    t0 = time.monotonic()
+    real_cluster.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", ns, "--wait=true", "--timeout=120s", timeout=150)
+    wait_for(lambda: not xpair.pods(), 180, "the pair's pods to go", diagnose=xpair.diagnose, interval=1.0)
+    wait_for(lambda: not leases(), 120, "the pair's leases to be released",
+             diagnose=lambda: json.dumps(leases())[-2000:], interval=1.0)
+    wait_for(lambda: not role_objects(), 120, "the role objects to go (garbage collector)",
+             diagnose=lambda: str(role_objects()), interval=1.0)
+    print(f"[realnode-xpyd] delete -> pods, leases and role objects gone {time.monotonic() - t0:.1f}s")
