@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
-from typing import Any
 
-from kubernetes.client.exceptions import ApiException
 
 from pdpair.contract import (
     LABEL_INSTANCE,
@@ -25,45 +23,14 @@ from pdpair.contract import (
 )
 from pdpair.operator.config import PortPool
 from pdpair.operator.ports import PairRef, PortLeaser, lease_name, required_blocks, status_ports
+from tests.unit.operator.fake_leases import Leases as FakeLeases
 
 PAIR = PairRef("ns", "p", "uid-p")
 ONE = {"router": {"enabled": False}}  # 1P1D without a router: 6 ports at TP 1
 TWO_DECODES = {**ONE, "decode": {"replicas": 2}}  # 9 ports
 
 
-class Leases:
-    """coordination.k8s.io Leases of one namespace, as the apiserver keeps them (create-if-absent is a 409)."""
-
-    def __init__(self) -> None:
-        self.items: dict[str, Any] = {}
-
-    def list_namespaced_lease(self, namespace, label_selector="", limit=None, _continue=None):
-        want = dict(term.split("=", 1) for term in label_selector.split(",") if term)
-        items = [lease for lease in self.items.values()
-                 if all((lease.metadata.labels or {}).get(k) == v for k, v in want.items())]
-        return SimpleNamespace(items=items, metadata=SimpleNamespace(var_continue=None))
-
-    def create_namespaced_lease(self, namespace, body):
-        if body.metadata.name in self.items:
-            raise ApiException(status=409, reason="AlreadyExists")
-        body.metadata.uid, body.metadata.resource_version = f"lease-{body.metadata.name}", "1"
-        self.items[body.metadata.name] = body
-        return body
-
-    def read_namespaced_lease(self, name, namespace):
-        if name not in self.items:
-            raise ApiException(status=404, reason="NotFound")
-        return self.items[name]
-
-    def replace_namespaced_lease(self, name, namespace, body):
-        body.metadata.uid = f"lease-{name}-replaced"
-        self.items[name] = body
-        return body
-
-    def delete_namespaced_lease(self, name, namespace, body=None):
-        if self.items.pop(name, None) is None:
-            raise ApiException(status=404, reason="NotFound")
-
+class Leases(FakeLeases):
     def ours(self) -> dict[int, dict[str, str]]:
         """port -> labels of the pair's leases."""
         return {int(name.rsplit("-", 1)[1]): dict(lease.metadata.labels) for name, lease in self.items.items()

@@ -32,6 +32,7 @@ from pdpair.operator.observed import PodView
 from pdpair.operator.ports import PortLeaser, assign, lease_name, lease_slot, required_blocks, status_ports
 from pdpair.operator.reconciler import PairReconciler, Runtime
 from tests.crd_defaults import with_crd_defaults
+from tests.unit.operator.fake_leases import Leases as FakeLeases
 
 NS, OPS, UID = "ns", "ops", "uid-p"
 SPEC = with_crd_defaults({"metadata": {"name": "p"}, "spec": {
@@ -39,33 +40,7 @@ SPEC = with_crd_defaults({"metadata": {"name": "p"}, "spec": {
     "rollout": {"drainSeconds": 1, "progressDeadlineSeconds": 600}}})["spec"]
 
 
-class Leases:
-    """coordination.k8s.io Leases in one namespace; `fail_deletes` deletes raise a 500 first."""
-
-    def __init__(self) -> None:
-        self.items: dict[str, Any] = {}
-        self.fail_deletes = 0
-
-    def list_namespaced_lease(self, namespace, label_selector="", limit=None, _continue=None):
-        want = dict(term.split("=", 1) for term in label_selector.split(",") if term)
-        items = [lease for lease in self.items.values()
-                 if all((lease.metadata.labels or {}).get(k) == v for k, v in want.items())]
-        return SimpleNamespace(items=items, metadata=SimpleNamespace(var_continue=None))
-
-    def create_namespaced_lease(self, namespace, body):
-        if body.metadata.name in self.items:
-            raise ApiException(status=409, reason="AlreadyExists")
-        body.metadata.uid = f"lease-{body.metadata.name}"
-        self.items[body.metadata.name] = body
-        return body
-
-    def delete_namespaced_lease(self, name, namespace, body=None):
-        if self.fail_deletes:
-            self.fail_deletes -= 1
-            raise ApiException(status=500, reason="InternalError")
-        if self.items.pop(name, None) is None:
-            raise ApiException(status=404, reason="NotFound")
-
+class Leases(FakeLeases):
     def slots(self) -> set[str]:
         return {lease_slot(lease.metadata.labels) for lease in self.items.values()}
 
