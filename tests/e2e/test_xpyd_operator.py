@@ -248,3 +248,49 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
             receiver.close()
         for sock in listeners:
             sock.close()
+
+
+def test_an_8p8d_pair_starts_with_every_port_its_own(platform, cluster_namespace, tmp_path):
+    """8 prefill and 8 decode instances on kwok (TP 2: two side channels per instance): 16 engine pods and a router,
+    8 * 2 * 4 + 1 = 65 ports, none twice, Leases equal to status; every prefill created while a decode of its
+    generation ran; the time from apply to 8/8 and 8/8 printed (the kwok figure of the xPyD issue's closing note).
+    Cost: about 15 s."""
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    recorder = PodRecorder(api, ns)
+    listener = None
+    try:
+        with operator(platform, ns, pool_of_free_ports(100), tmp_path) as proc:
+            started = time.monotonic()
+            api.create_pair(ns, "big", router={"enabled": True}, prefill={"replicas": 8, "tensorParallelSize": 2},
+                            decode={"replicas": 8, "tensorParallelSize": 2})
+            pair = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("ports") else None)(api.pair(ns, "big")),
+                            60, "ports leased")
+            listener = socket.socket()
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", port_named(pair, "decode-sidechannel-0")))
+            listener.listen(16)
+            second = socket.socket()  # rank 1 of decode instance 0: the probe asks every rank
+            second.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            second.bind(("127.0.0.1", port_named(pair, "decode-sidechannel-1")))
+            second.listen(16)
+            try:
+                ready = wait_for(lambda: (lambda p: p if p["status"].get("decode", {}).get("readyOfDesired") == "8/8"
+                                          and p["status"].get("prefill", {}).get("readyOfDesired") == "8/8"
+                                          and p["status"].get("phase") == "Ready" else None)(api.pair(ns, "big")),
+                                 120, "8/8 and 8/8, Ready", interval=0.2, diagnose=lambda: diagnose(api, ns, proc))
+            finally:
+                second.close()
+            print(f"\n8P8D (TP 2) on kwok: apply -> 8/8 prefill, 8/8 decode, Ready in {time.monotonic() - started:.1f}s")
+            ports = check_ports(api, ns, ready)
+            assert len(ports) == 8 * 2 * (2 + 2) + 1
+            created = recorder.created()
+            first_decode = created.index("big-decode-g1")
+            assert all(created.index(f"big-prefill-g1{'' if i == 0 else f'-{i}'}") > first_decode for i in range(8))
+            cleanup_pairs(api, ns)
+            assert api.leases(ns) == []
+    finally:
+        recorder.stop()
+        if listener is not None:
+            listener.close()

@@ -121,6 +121,39 @@ class XPair:
                  diagnose=lambda: f"{errors[-1:]}\n{self.diagnose()}", interval=1.0)
         return time.monotonic() - t0
 
+    def watch(self, t0: float, pod: str) -> tuple[str, str, str]:
+        """The pair's phase and counts, recording every change of them and of `pod`'s state (phase, deleting, the
+        engine container's exit) with its time after `t0` in self.trace: a restart shows its cause here."""
+        status = self.status()
+        counts = (status.get("phase", ""), (status.get("prefill") or {}).get("readyOfDesired", ""),
+                  (status.get("decode") or {}).get("readyOfDesired", ""))
+        raw = self.pods().get(pod)
+        state = "gone"
+        if raw is not None:
+            term = [c["state"]["terminated"] for c in raw["status"].get("containerStatuses", [])
+                    if "terminated" in (c.get("state") or {})]
+            state = (f"{raw['metadata']['uid'][:8]} {raw['status'].get('phase')}"
+                     f"{' deleting' if raw['metadata'].get('deletionTimestamp') else ''}"
+                     f"{' exit ' + ','.join(str(t.get('exitCode')) for t in term) if term else ''}")
+        entry = f"{' '.join(counts)} (restarts {status.get('restarts', 0)}); {pod}: {state}"
+        trace = self.__dict__.setdefault("trace", [])
+        if not trace or trace[-1][1] != entry:
+            trace.append((time.time() - t0, entry))
+        return counts
+
+    def evidence(self, t0: float) -> str:
+        """What a restart leaves: the trace, status message and conditions, the namespace's events, the operator."""
+        status = self.status()
+        conds = [(c.get("type"), c.get("status"), c.get("reason"), (c.get("message") or "")[:200])
+                 for c in status.get("conditions", [])]
+        events = self.cluster.kubectl("get", "events", "-n", self.namespace, "--sort-by=.lastTimestamp",
+                                      check=False).stdout[-4000:]
+        ops = [line for line in operator_logs(self.cluster, tail=400).splitlines() if f"/{self.name}" in line
+               or f" {self.name}" in line or "restart" in line.lower()]
+        trace = "\n".join(f"  +{t:.1f}s {e}" for t, e in self.__dict__.get("trace", []) if t >= -1)
+        return (f"trace (seconds after the action):\n{trace}\nstatus.message: {status.get('message')}\n"
+                f"conditions: {conds}\nevents:\n{events}\noperator (pair lines):\n" + "\n".join(ops[-60:]))
+
     def diagnose(self) -> str:
         status = {k: v for k, v in self.status().items() if k != "ports"}
         return "\n".join([describe(self.cluster, self.namespace), json.dumps(status, indent=1)[-4000:],
@@ -210,7 +243,7 @@ def test_decode_scale_down_and_up_under_load_fails_no_request(real_cluster, base
     pod1 = decode1["metadata"]["name"]
     ip, port = xpair.service()
     load = Load(real_cluster, ip, port, CLIENTS)
-    t_scaled_up = None
+    phases: set[str] = set()
     try:
         t_load = time.time()
         wait_for(lambda: load.ok_since(t_load) >= 2 * CLIENTS, 300, "requests served before the scale-down",
@@ -226,14 +259,22 @@ def test_decode_scale_down_and_up_under_load_fails_no_request(real_cluster, base
             return float(value) if value else None
 
         t_marked = wait_for(marked, 60, f"{pod1} marked draining", diagnose=xpair.diagnose, interval=0.2)
-        wait_for(lambda: xpair.counts()[2] == "1/1" and pod1 not in xpair.pods(), 120 + DRAIN_SECONDS,
-                 f"D 1/1 and {pod1} gone", diagnose=xpair.diagnose, interval=0.5)
+
+        def watched(counts):
+            phases.add(counts[0])
+            return counts
+
+        wait_for(lambda: watched(xpair.watch(t_down, pod1))[2] == "1/1" and pod1 not in xpair.pods(),
+                 120 + DRAIN_SECONDS, f"D 1/1 and {pod1} gone", diagnose=lambda: xpair.evidence(t_down),
+                 interval=0.5)
         t_gone = time.time()
-        assert xpair.counts()[0] == "Ready"
+        for _ in range(10):  # a restart the deletion caused shows within a few passes
+            watched(xpair.watch(t_down, pod1))
+            time.sleep(0.5)
         real_cluster.kubectl("scale", f"{ROLE_OBJECT_PLURAL}.{GROUP}/{name}-decode", "--replicas=2", "-n", ns)
         t_up = time.time()
-        wait_for(lambda: xpair.counts()[2] == "2/2", ENGINE_START_TIMEOUT, "D 2/2 after the scale-up",
-                 diagnose=xpair.diagnose, interval=1.0)
+        wait_for(lambda: watched(xpair.watch(t_down, pod1)) == ("Ready", "2/2", "2/2"), START_TIMEOUT,
+                 "Ready with D 2/2 after the scale-up", diagnose=lambda: xpair.evidence(t_down), interval=1.0)
         t_scaled_up = time.time()
         t_route = xpair.wait_routable(0, 1)
         wait_for(lambda: load.ok_since(t_scaled_up) >= 2 * CLIENTS, 300, "requests served after the scale-up",
@@ -257,6 +298,12 @@ def test_decode_scale_down_and_up_under_load_fails_no_request(real_cluster, base
           f"{len(after_gone)} after it was gone; kubectl scale "
           f"-> marked draining {t_marked - t_down:.1f}s, -> D 1/1 and {pod1} gone {t_gone - t_down:.1f}s; "
           f"scale-up -> D 2/2 {t_scaled_up - t_up:.1f}s (+{t_route:.1f}s until the router takes (0, 1))")
+    if phases != {"Ready"}:
+        print(f"[realnode-xpyd] the pair left Ready during the scale-down/up: {sorted(phases)}\n"
+              f"{xpair.evidence(t_down)}")
+    print(f"[realnode-xpyd] failures (seconds after kubectl scale, error): "
+          f"{[(round(r['t'] - t_down, 1), r['error'][:200]) for r in failed[:8]]}")
+    assert phases == {"Ready"}, sorted(phases)
     assert failed == [], failed[:5]
     assert wrong == [], wrong[:5]
     assert after_gone == [], after_gone[:5]
@@ -266,7 +313,7 @@ def test_decode_scale_down_and_up_under_load_fails_no_request(real_cluster, base
 
 def test_deleted_decode_instance_is_recreated_while_the_pair_serves(real_cluster, baseline_outputs, xpair):
     ns = xpair.namespace
-    wait_for(lambda: xpair.counts() == ("Ready", "2/2", "2/2"), 120, "the pair Ready 2/2 2/2",
+    wait_for(lambda: xpair.counts() == ("Ready", "2/2", "2/2"), START_TIMEOUT, "the pair Ready 2/2 2/2",
              diagnose=xpair.diagnose, interval=1.0)
     before = xpair.status()
     victim = xpair.engine("decode", 1)
@@ -283,8 +330,10 @@ def test_deleted_decode_instance_is_recreated_while_the_pair_serves(real_cluster
         real_cluster.kubectl("delete", "pod", pod1, "-n", ns, "--wait=false")
         marks: dict[str, float] = {}
 
+        xpair.trace = []
+
         def back() -> bool:
-            phase, _, d = xpair.counts()
+            phase, _, d = xpair.watch(t_kill, pod1)
             phases.add(phase)
             pod = xpair.engine("decode", 1)
             if pod is not None and pod["metadata"]["uid"] != uid1 and "created" not in marks:
@@ -293,7 +342,7 @@ def test_deleted_decode_instance_is_recreated_while_the_pair_serves(real_cluster
                 marks["dropped"] = time.time()
             return bool(pod is not None and pod["metadata"]["uid"] != uid1 and d == "2/2")
 
-        wait_for(back, ENGINE_START_TIMEOUT + 120, f"{pod1} re-created and D 2/2", diagnose=xpair.diagnose,
+        wait_for(back, START_TIMEOUT, f"{pod1} re-created and D 2/2", diagnose=lambda: xpair.evidence(t_kill),
                  interval=0.5)
         t_back = time.time()
         t_route = xpair.wait_routable(1, 1)
@@ -315,6 +364,8 @@ def test_deleted_decode_instance_is_recreated_while_the_pair_serves(real_cluster
           f"{marks.get('created', t_back) - t_kill:.1f}s, -> D 2/2 {t_back - t_kill:.1f}s "
           f"(+{t_route:.1f}s until the router takes (1, 1)); failures (seconds after the delete, decode chosen, "
           f"error): {[(round(r['t'] - t_kill, 1), choices.get(r['rid']), r['error'][:200]) for r in failed[:8]]}")
+    if phases != {"Ready"}:
+        print(f"[realnode-xpyd] the pair left Ready after the delete: {sorted(phases)}\n{xpair.evidence(t_kill)}")
     assert phases == {"Ready"}, phases
     assert after.get("pairGeneration") == before.get("pairGeneration"), (before.get("pairGeneration"),
                                                                         after.get("pairGeneration"))
