@@ -143,6 +143,11 @@ def broken_reason(pods: Iterable[PodView], generation: int) -> str | None:
     current = [p for p in pods if p.generation == generation]
     rank = {ROLE_DECODE: 0, ROLE_PREFILL: 1, ROLE_ROUTER: 2}
     for pod in sorted(current, key=lambda p: (rank.get(p.role, 3), p.instance)):
+        if pod.deleting and pod.instance >= 1:
+            # Deleted (a scale-down, or by hand): vLLM exits 0 on SIGTERM, so it ends Succeeded while it goes; the
+            # instance is re-created (or not, a scale-down) by instances.py, never a restart of the pair. (Found on
+            # the real nodes: kwok pods never exit.)
+            continue
         if pod.failed:
             return f"{pod.role} pod {pod.name} {pod.phase.lower()}"
         if pod.restarts > 0:

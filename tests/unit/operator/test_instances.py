@@ -202,3 +202,18 @@ def test_a_scale_up_past_the_pool_starts_only_the_instances_with_ports():
     world.apply(plan)
     plan = next_step(world.spec, world.status, dataclasses.replace(world.observe(), leased_instances=leased))
     assert plan.create is None and "no ports for decode 2" in plan.message and plan.phase == "Ready"
+
+
+def test_a_deleted_instance_that_ends_succeeded_is_no_restart():
+    """vLLM exits 0 on SIGTERM: a decode instance >= 1 deleted by a scale-down (or by hand) is Succeeded while it goes.
+    That is the deletion, not a failure (the real nodes showed a whole-pair restart before this rule); instance 0 so
+    deleted is still a restart (nothing is left to pair with)."""
+    world = SimWorld(spec(prefill=1, decode=2))
+    simulate_until_ready(world)
+    world.pods["p-decode-1-1"] = dataclasses.replace(world.pods["p-decode-1-1"], phase="Succeeded", ready=False,
+                                                    deleting=True)
+    plan = next_step(world.spec, world.status, world.observe())
+    assert plan.step != d.STEP_BROKEN and plan.phase == "Ready" and plan.pair_generation == 1
+    world.pods["p-decode-1"] = dataclasses.replace(world.pods["p-decode-1"], phase="Succeeded", ready=False,
+                                                  deleting=True)
+    assert next_step(world.spec, world.status, world.observe()).step == d.STEP_BROKEN
