@@ -412,7 +412,7 @@ def engine_pod(
                 {"name": ENV_PEER_PORT_BASE, "value": str(peers[0][1])},
             ]
         else:
-            env.append({"name": ENV_PEERS, "value": ",".join(f"{_host(h)}:{base}" for h, base in peers)})
+            env.append({"name": ENV_PEERS, "value": ",".join(f"{url_host(h)}:{base}" for h, base in peers)})
         env += _peers_token_env(pair["metadata"]["name"])
     container_ports = [
         {"name": HTTP_PORT_NAME, "containerPort": http, "protocol": "TCP"},
@@ -463,14 +463,14 @@ def router_pod(
         for instance, host in members[role]:
             what = role if not instance else f"{role} instance {instance}"
             http = _require(port_of(ports, role, PURPOSE_HTTP, instance=instance), f"{what} http")
-            command += [f"--{role}", f"http://{_host(host)}:{http}"]
+            command += [f"--{role}", f"http://{url_host(host)}:{http}"]
     # The engine pods' own readiness (paired, serving, warmed up): the router is created while they load, and its
     # /readyz passes only once a prefill and a decode do (desired.py, step 5).
     for role in (ROLE_PREFILL, ROLE_DECODE):
         for instance, host in members[role]:
             what = role if not instance else f"{role} instance {instance}"
             metrics = _require(port_of(ports, role, PURPOSE_METRICS, instance=instance), f"{what} metrics")
-            command += [f"--{role}-ready", f"http://{_host(host)}:{metrics}{READYZ_PATH}"]
+            command += [f"--{role}-ready", f"http://{url_host(host)}:{metrics}{READYZ_PATH}"]
     if (spec.get("router") or {}).get("debugRouting"):
         command += ["--debug-routing", "--log-choices"]  # tests force each (prefill, decode) combination
     pod = _base_pod(pair, ROLE_ROUTER, generation, spec_hash)
@@ -498,5 +498,6 @@ def router_pod(
     return _quantities_as_strings(pod)
 
 
-def _host(address: str) -> str:
+def url_host(address: str) -> str:
+    """An address as the host part of a URL or `host:port`: an IPv6 address in brackets."""
     return f"[{address}]" if ":" in address else address

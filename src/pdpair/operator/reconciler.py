@@ -20,6 +20,7 @@ from pdpair.contract import (
     ANNOTATION_DRAINING_SINCE,
     ANNOTATION_PEERS_DIGEST,
     ANNOTATION_RESTART_TIMES,
+    PEERS_PATH,
     PURPOSE_HTTP,
     PURPOSE_METRICS,
     READYZ_PATH,
@@ -43,7 +44,7 @@ from .config import ENV_PEERS_KEY, OperatorConfig
 from .lifecycle import probe_ranks
 from . import instances, push, scale_sync, scale_targets
 from .scale_targets import ScaleView
-from .pods import ManifestError, engine_pod, peers_secret_name, pod_name, router_pod
+from .pods import ManifestError, engine_pod, peers_secret_name, pod_name, router_pod, url_host
 from .ports import PairRef, PortLeaser, port_of, status_ports, ports_of
 from . import disruption
 from .service import (
@@ -122,19 +123,12 @@ def _create_generation(plan: d.Plan) -> int:
     return plan.create_generation if plan.create_generation is not None else plan.pair_generation
 
 
-PEERS_PATH = "/pdpair/v1/peers"  # a prefill's (metrics port) and a router's (http port) peer-set endpoint
-
-
 def _side_base(ports: list[dict[str, Any]], instance: int) -> int:
     return int(port_of(ports, ROLE_DECODE, PURPOSE_SIDECHANNEL, instance=instance) or 0)
 
 
 def _prefill_entries(peers: Iterable[tuple[str, int]]) -> list[str]:
     return [f"{host}:{base}" for host, base in peers]
-
-
-def _url_host(address: str) -> str:
-    return f"[{address}]" if ":" in address else address
 
 
 def _router_members(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> list[push.RouterMember]:
@@ -144,7 +138,7 @@ def _router_members(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> lis
         metrics = port_of(ports, p.role, PURPOSE_METRICS, instance=p.instance)
         if http is None or metrics is None:
             continue
-        host = _url_host(p.ip or "")
+        host = url_host(p.ip or "")
         members.append(push.RouterMember(p.role, p.instance, f"http://{host}:{http}",
                                          f"http://{host}:{metrics}{READYZ_PATH}"))
     return members
@@ -899,15 +893,15 @@ class PairReconciler:
             epoch = int(time.time() * 1000)
             if pod.role == ROLE_PREFILL:
                 metrics = port_of(ports, ROLE_PREFILL, PURPOSE_METRICS, instance=pod.instance)
-                peers = [(p.ip or "", _side_base(ports, p.instance)) for p in instances.prefill_peers(pods, pod.generation)]
+                decodes = instances.prefill_peers(pods, pod.generation)
+                peers = [(p.ip or "", _side_base(ports, p.instance)) for p in decodes]
                 if not peers or metrics is None:
                     continue  # no decode runs: nothing to pair with (desired.py restarts a pair left without one)
                 digest = instances.peers_digest(_prefill_entries(peers))
                 tp = int((self.body["spec"].get(ROLE_DECODE) or {}).get("tensorParallelSize") or 1)
                 body = push.prefill_body(epoch, pod.generation, [
-                    push.PrefillPeer(p.instance, p.ip or "", _side_base(ports, p.instance), tp)
-                    for p in instances.prefill_peers(pods, pod.generation)])
-                url = f"http://{_url_host(pod.ip or '')}:{metrics}{PEERS_PATH}"
+                    push.PrefillPeer(p.instance, host, base, tp) for p, (host, base) in zip(decodes, peers)])
+                url = f"http://{url_host(pod.ip or '')}:{metrics}{PEERS_PATH}"
             else:
                 router_port = port_of(ports, ROLE_ROUTER, PURPOSE_HTTP)
                 members = _router_members(instances.router_members(pods, pod.generation), ports)
@@ -916,7 +910,7 @@ class PairReconciler:
                     continue  # the router keeps what it has until a prefill and a decode are Ready
                 digest = _router_digest(members)
                 body = push.router_body(epoch, pod.generation, members)
-                url = f"http://{_url_host(pod.ip or '')}:{router_port}{PEERS_PATH}"
+                url = f"http://{url_host(pod.ip or '')}:{router_port}{PEERS_PATH}"
             if digest != pod.peers_digest and digest != self.pushed.get(pod.uid):
                 sends.append((pod, url, body, digest))
             else:
