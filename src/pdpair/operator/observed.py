@@ -134,6 +134,9 @@ class Finding:
     message: str
     generation: int  # the pair generation it is about: a finding about an older one never restarts the new one
     counted: bool = True  # against the restart budget (busy-port restarts are not: each consumed a quarantined port)
+    # The pod it is about ("" = the pair as a whole): in an xPyD pair that has been serving, a finding about one
+    # engine instance replaces that instance alone when its role has another serving instance (instances.py).
+    pod: str = ""
 
 
 @dataclass(frozen=True)
