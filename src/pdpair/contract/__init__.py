@@ -108,6 +108,9 @@ PORT_SLOTS = ("a", "b")
 FINALIZER = "pdpair.io/finalizer"
 ANNOTATION_SPEC_HASH = "pdpair.io/spec-hash"  # on pair pods: fingerprint of the spec they were built from
 ANNOTATION_RESTART_TIMES = "pdpair.io/restart-times"  # on the pair: JSON list of restart epochs inside the window
+# On the pair (xPyD): the per-instance replacements of its serving generation, JSON {"generation": g, "times":
+# {"<role>-<index>": [epoch, ...]}} (operator/instances.py: each instance has its own restart budget).
+ANNOTATION_INSTANCE_RESTART_TIMES = "pdpair.io/instance-restart-times"
 
 # --- ports the operator leases (status.ports[].purpose, Lease label pdpair.io/purpose) --------------
 PURPOSE_SIDECHANNEL = "sidechannel"

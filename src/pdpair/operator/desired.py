@@ -52,7 +52,7 @@ from pdpair.contract import (
     ROLE_ROUTER,
 )
 
-from . import instances
+from . import instances, spec_fields
 from .observed import Observed, PodView
 from .status import FALSE, TRUE, Condition
 
@@ -126,6 +126,10 @@ class Plan:
     release_slot: str | None = None  # release this port set's leases once status no longer lists them
     events: tuple[tuple[str, str, str], ...] = ()  # (type, reason, message) to post
     wait_seconds: float | None = None  # a deadline inside the plan (drain, progress): pass again no later
+    # xPyD (instances.heal): the generation serves and heals failed instances alone; a health finding naming a pod
+    # is then this plan's concern, never an ordered restart of the pair (planner.failure)
+    heals_alone: bool = False
+    instance_restart_times: Mapping[str, tuple[float, ...]] | None = None  # the new per-instance record, if changed
 
     @property
     def progressing(self) -> bool:
@@ -183,7 +187,7 @@ def with_instances(spec: Mapping[str, Any], observed: Observed, plan: Plan) -> P
             p.generation != plan.pair_generation for p in observed.pods)):
         return plan
     step = instances.instance_step(spec, observed.pods, plan.pair_generation, observed.now,
-                                   observed.leased_instances)
+                                   observed.leased_instances, serving=plan.heals_alone)
     if step is None:
         return plan
     message = f"{plan.message}; {step.message}"
@@ -193,8 +197,8 @@ def with_instances(spec: Mapping[str, Any], observed: Observed, plan: Plan) -> P
         return replace(plan, step=STEP_INSTANCES, message=message, mark_draining=(step.pod,))
     if step.kind == instances.DELETE:
         return replace(plan, step=STEP_INSTANCES, message=message, delete=(step.pod,))
-    wait = step.wait_seconds if plan.wait_seconds is None else min(plan.wait_seconds, step.wait_seconds or 0.0)
-    return replace(plan, message=message, wait_seconds=wait)
+    waits = [w for w in (plan.wait_seconds, step.wait_seconds) if w is not None]
+    return replace(plan, message=message, wait_seconds=min(waits) if waits else None)
 
 
 def _instance0_state(
@@ -263,6 +267,14 @@ def _instance0_state(
     decode = by_role.get(ROLE_DECODE)
     prefill = by_role.get(ROLE_PREFILL)
     router = by_role.get(ROLE_ROUTER)
+
+    # xPyD, serving: a failed or hung instance is replaced alone while the others serve (instances.heal); only when
+    # that is impossible does the generation restart in order below.
+    if instances.heals_alone(spec, status, generation):
+        earlier = observed.instance_restart_times if observed.instance_restarts_generation == generation else {}
+        healed = instances.heal(spec, pods, generation, observed.now, observed.health, earlier, router_enabled(spec))
+        if healed is not None:
+            return _healing_plan(spec, generation, healed, leased)
 
     reason = broken_reason(pods, generation)
     if reason:
@@ -384,6 +396,23 @@ def _instance0_state(
         [leased, listening, prefill_ready,
          Condition(COND_READY, TRUE, "PairReady", "decode and prefill are Ready (serving), and the router when enabled")],
     )
+
+
+def _healing_plan(spec: Mapping[str, Any], generation: int, healed: instances.Heal, leased: Condition) -> Plan:
+    """A serving xPyD generation (instances.heal): phase Ready while at least one instance of each role serves;
+    the failed instance is deleted now, or its backoff waited out, and instances.instance_step re-creates it."""
+    counts = ", ".join(f"{role} {healed.serving.get(role, 0)}/{spec_fields.replicas(spec, role)}"
+                       for role in (ROLE_PREFILL, ROLE_DECODE))
+    conditions = (leased, _listening(TRUE, "Accepting", "the generation served: decode's listener accepted"),
+                  _prefill(TRUE, "PodReady"),
+                  Condition(COND_READY, TRUE, "PairReady", f"serving with {counts} instances Ready"))
+    if healed.replace is not None:
+        return Plan(STEP_INSTANCES, generation, PHASE_READY, conditions, healed.message, delete=(healed.replace.name,),
+                    heals_alone=True, instance_restart_times=healed.restart_times,
+                    events=(("Warning", "InstanceReplacing", healed.message),))
+    message = f"generation {generation} is ready ({counts} serving)" + (f"; {healed.message}" if healed.message else "")
+    return Plan(STEP_READY, generation, PHASE_READY, conditions, message, heals_alone=True,
+                wait_seconds=healed.wait_seconds)
 
 
 def _restarting(status: Mapping[str, Any]) -> bool:

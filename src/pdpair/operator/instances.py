@@ -23,13 +23,14 @@ pod was last told.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from pdpair.contract import ROLE_DECODE, ROLE_PREFILL
+from pdpair.contract import PHASE_READY, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 
 from . import spec_fields
-from .observed import PodView
+from .observed import Finding, PodView
+from .restart_policy import Action, RestartPolicy, decide, prune, restarts_in_window
 
 ENGINE_ROLES = (ROLE_DECODE, ROLE_PREFILL)
 
@@ -65,9 +66,11 @@ def surplus(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int) -
 
 
 def instance_step(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int, now: float,
-                  leased: Mapping[str, frozenset[int]] | None = None) -> InstanceStep | None:
+                  leased: Mapping[str, frozenset[int]] | None = None, serving: bool = False) -> InstanceStep | None:
     """The next action on the instances beyond the first of `generation`, or None. Scale-down first (a draining
-    instance's drain clock runs while the others start), then creation: decodes before prefills."""
+    instance's drain clock runs while the others start), then creation: decodes before prefills. `serving`: the
+    generation heals alone (heals_alone), so a missing instance 0 is re-created here too, beside the serving
+    ones, instead of desired.py's ordered start."""
     pods = list(pods)
     going = surplus(spec, pods, generation)
     # Read only when something drains: the CRD defaults it (spec_fields), and a 1P1D spec never needs it.
@@ -89,19 +92,20 @@ def instance_step(spec: Mapping[str, Any], pods: Iterable[PodView], generation: 
 
     def missing(role: str) -> list[int]:
         present = {p.instance for p in pods if p.role == role and p.generation == generation}
-        out = [i for i in range(1, spec_fields.replicas(spec, role)) if i not in present]  # a deleted one is
-        # waited out (its name comes back)
+        out = [i for i in range(0 if serving else 1, spec_fields.replicas(spec, role)) if i not in present]
+        # a deleted one is waited out (its name comes back)
         if leased is not None:
             unleased.extend(f"{role} {i}" for i in out if i not in leased.get(role, frozenset()))
             out = [i for i in out if i in leased.get(role, frozenset())]
         return out
 
     decodes = live_instances(pods, ROLE_DECODE, generation)
-    if 0 in decodes:
+    prefills = live_instances(pods, ROLE_PREFILL, generation)
+    if 0 in decodes or (serving and decodes):
         for i in missing(ROLE_DECODE)[:1]:
             return InstanceStep(CREATE, ROLE_DECODE, i, message=f"creating decode instance {i} (generation "
                                 f"{generation})")
-    if any(p.running for p in decodes.values()) and 0 in live_instances(pods, ROLE_PREFILL, generation):
+    if any(p.running for p in decodes.values()) and (0 in prefills or (serving and prefills)):
         for i in missing(ROLE_PREFILL)[:1]:
             return InstanceStep(CREATE, ROLE_PREFILL, i, message=f"creating prefill instance {i} (generation "
                                 f"{generation})")
@@ -113,6 +117,82 @@ def instance_step(spec: Mapping[str, Any], pods: Iterable[PodView], generation: 
         return InstanceStep(WAIT_DRAIN, "", -1, wait_seconds=min(waits),
                             message=f"draining {len(waits)} instance(s) before deleting them")
     return None
+
+
+# --- healing one instance: xPyD pairs that serve ------------------------------------------------------
+@dataclass(frozen=True)
+class Heal:
+    """What `heal` decided for a serving xPyD generation: it keeps serving (phase Ready) while a failed or hung
+    engine instance is replaced alone."""
+
+    replace: PodView | None = None  # delete it now (its instance is re-created by instance_step once it is gone)
+    restart_times: Mapping[str, tuple[float, ...]] | None = None  # the new per-instance record, when it changed
+    wait_seconds: float | None = None  # a replacement in backoff: pass again no later
+    message: str = ""
+    serving: Mapping[str, int] = field(default_factory=dict)  # role -> instances serving (Ready, not draining)
+
+
+def instance_key(pod: PodView) -> str:
+    return f"{pod.role}-{pod.instance}"
+
+
+def heals_alone(spec: Mapping[str, Any], status: Mapping[str, Any], generation: int) -> bool:
+    """Whether failures of `generation` are healed one instance at a time: the pair runs more than one instance in
+    some role (xPyD) and this generation has served (status says Ready at it; a Surge rollout's serving generation
+    keeps that phase). A 1P1D pair, and any generation still starting, restarts in order as a whole (desired.py)."""
+    many = spec_fields.replicas(spec, ROLE_PREFILL) + spec_fields.replicas(spec, ROLE_DECODE) > 2
+    return many and status.get("phase") == PHASE_READY and int(status.get("pairGeneration") or 0) == generation
+
+
+def _failing(pod: PodView) -> bool:
+    return pod.failed or pod.restarts > 0
+
+
+def heal(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int, now: float,
+         finding: Finding | None, restart_times: Mapping[str, tuple[float, ...]],
+         router_wanted: bool) -> Heal | None:
+    """For a generation that `heals_alone`: the instance to replace now (a failed pod, a container that restarted,
+    or the pod a health finding names: hung, unreachable, a stale generation), each under its own restart budget
+    and backoff (spec.restartPolicy, restart_policy.py, per "<role>-<index>"); or None when the generation cannot
+    go on serving alone and must restart in order as a whole: a role would have no serving instance left, the
+    router is not serving, or an instance spent its budget (the pair's own budget then counts the restart)."""
+    pods = [p for p in pods if p.generation == generation]
+    router = next((p for p in pods if p.role == ROLE_ROUTER and p.instance == 0), None)
+    if router_wanted and (router is None or not (router.running and router.ready) or _failing(router)):
+        return None
+    engines = [p for p in pods if p.role in ENGINE_ROLES and not p.deleting]
+    named = None
+    if finding is not None and finding.generation == generation and finding.pod:
+        named = next((p for p in engines if p.name == finding.pod
+                      and (not finding.pod_uid or finding.pod_uid == p.uid)), None)
+    failing = [p for p in engines if _failing(p) or p is named]
+    serving = {role: sum(1 for p in engines if p.role == role and p.running and p.ready and
+                         p.draining_since is None and p not in failing) for role in ENGINE_ROLES}
+    if any(count == 0 for count in serving.values()):
+        return None
+    policy = RestartPolicy.from_spec(spec.get("restartPolicy"))
+    waits: list[float] = []
+    for pod in sorted(failing, key=lambda p: (p.role != ROLE_DECODE, p.instance)):
+        key = instance_key(pod)
+        earlier = restart_times.get(key, ())
+        why = (finding.message if pod is named and finding is not None else
+               f"{pod.role} pod {pod.name} {pod.phase.lower()}" if pod.failed else
+               f"{pod.role} pod {pod.name} container restarted {pod.restarts}x")
+        decision = decide(policy, earlier, now)
+        if decision.action == Action.BUDGET_EXHAUSTED:
+            return None
+        if decision.action == Action.WAIT and decision.not_before is not None:
+            waits.append(decision.not_before - now)
+            continue
+        record = {k: v for k, v in restart_times.items() if restarts_in_window(policy, v, now)}
+        record[key] = tuple(prune(policy, list(earlier) + [now], now))
+        return Heal(replace=pod, restart_times=record, serving=serving,
+                    message=f"replacing {pod.role} instance {pod.instance} alone ({why}); "
+                            f"{decision.message} for this instance")
+    if waits:
+        return Heal(wait_seconds=min(waits), serving=serving,
+                    message=f"{len(waits)} failed instance(s) wait for their restart backoff")
+    return Heal(serving=serving)
 
 
 def prefill_peers(pods: Iterable[PodView], generation: int) -> list[PodView]:
@@ -160,5 +240,5 @@ def role_status(spec: Mapping[str, Any], pods: Iterable[PodView], generation: in
     return out
 
 
-__all__ = ["InstanceStep", "instance_step", "live_instances", "prefill_peers", "role_status", "router_members",
+__all__ = ["Heal", "InstanceStep", "heal", "heals_alone", "instance_key", "instance_step", "live_instances", "prefill_peers", "role_status", "router_members",
            "surplus", "CREATE", "DELETE", "MARK_DRAINING", "WAIT_DRAIN"]

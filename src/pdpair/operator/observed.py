@@ -137,6 +137,8 @@ class Finding:
     # The pod it is about ("" = the pair as a whole): in an xPyD pair that has been serving, a finding about one
     # engine instance replaces that instance alone when its role has another serving instance (instances.py).
     pod: str = ""
+    pod_uid: str = ""  # that pod's uid when the finding knows it: a finding about a pod since replaced (the same
+    # name comes back) must not replace the new one
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,10 @@ class Observed:
     # What planner.plan decides restarts from (planner.next_step itself ignores these):
     meta_generation: int = 0  # the pair's metadata.generation
     restart_times: tuple[float, ...] = ()  # earlier restarts (epoch seconds), from the pair's annotation
+    # xPyD: earlier replacements of single instances of the generation `instance_restarts_generation`, by
+    # "<role>-<index>" (the pair's annotation pdpair.io/instance-restart-times); each instance has its own budget
+    instance_restart_times: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    instance_restarts_generation: int = 0
     health: Finding | None = None  # the health watch's restart finding (health.restart_finding), if any
     ports_replaced: str | None = None  # busy ports the pair no longer holds were re-leased: restart on the new ones
     # A Surge rollout's new generation (rollout.py): its port set and its decode's listener

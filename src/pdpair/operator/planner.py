@@ -172,6 +172,9 @@ def failure(steps: d.Plan, observed: Observed, lost: nodes.LostPods | None = Non
                            f"{generation} to schedulable nodes (Recreate: an ordered restart)", generation,
                            counted=False)
     found = observed.health
+    if found is not None and found.pod and steps.heals_alone:
+        return None  # about one instance of a serving xPyD generation: instances.heal replaces it alone (or it is
+        # about a pod since replaced), never a restart of the pair
     return found if found is not None and found.generation == generation else None
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 from pdpair.contract import (
     ANNOTATION_DRAINING_SINCE,
     ANNOTATION_PEERS_DIGEST,
+    ANNOTATION_INSTANCE_RESTART_TIMES,
     ANNOTATION_RESTART_TIMES,
     PEERS_PATH,
     PURPOSE_HTTP,
@@ -215,6 +216,8 @@ class PairReconciler:
         # The restart-times annotation as this reconciler last wrote it, until the watch shows it: a cache for the
         # watch's lag, not state (the annotation on the pair is the record; see _restart_times)
         self.restart_times_written: tuple[tuple[float, ...], float] | None = None
+        # the same for the per-instance record (instances.heal): ((generation, times), when written)
+        self.instance_restarts_written: tuple[tuple[int, dict[str, tuple[float, ...]]], float] | None = None
         self.rejections: dict[str, Rejection] = {}  # role -> the API server's last refusal (a backoff, not a decision)
         # pod name -> when this reconciler created it, until the pod index shows it: our own status patch wakes the
         # next pass before the pod's watch event arrives, and re-creating it then would only earn a 409
@@ -261,6 +264,24 @@ class PairReconciler:
                 self.restart_times_written = None
             else:
                 return list(written)
+        return recorded
+
+    def _instance_restart_times(self) -> tuple[int, dict[str, tuple[float, ...]]]:
+        """The pair's per-instance replacement record (annotation pdpair.io/instance-restart-times: the generation
+        it is about and the times by "<role>-<index>"), or this reconciler's own newer write (as _restart_times)."""
+        raw = ((self.body.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_INSTANCE_RESTART_TIMES)
+        try:
+            doc = json.loads(raw) if raw else {}
+            recorded = (int(doc.get("generation") or 0),
+                        {str(k): tuple(float(t) for t in v) for k, v in (doc.get("times") or {}).items()})
+        except (ValueError, TypeError, AttributeError):
+            recorded = (0, {})
+        if self.instance_restarts_written is not None:
+            written, at = self.instance_restarts_written
+            if written == recorded or time.monotonic() - at > CREATED_UNSEEN_WAIT:
+                self.instance_restarts_written = None
+            else:
+                return written
         return recorded
 
     async def lease_serving(self, step: leases.LeaseStep) -> None:
@@ -597,6 +618,8 @@ class PairReconciler:
             leased_slots=self.leased_slots,
             meta_generation=meta_generation,
             restart_times=tuple(self._restart_times()),
+            instance_restarts_generation=self._instance_restart_times()[0],
+            instance_restart_times=self._instance_restart_times()[1],
             health=self._health_finding(),
             ports_replaced=leases.ports_replaced(lease_plan.busy, self.ports, lease_plan.serving.blocks,
                                                  self.rt.leaser.pool),
@@ -631,6 +654,12 @@ class PairReconciler:
             extra["restarts"] = int(self.status.get("restarts") or 0) + 1
             extra["lastRestart"] = {"time": now_rfc3339(), "reason": restart.message[:1024]}
             self._count_restart(restart.reason)
+
+        if plan.instance_restart_times is not None:  # recorded before the pod is deleted, as the pair's restarts
+            record = (plan.pair_generation, {k: tuple(v) for k, v in plan.instance_restart_times.items()})
+            await self._patch_meta({ANNOTATION_INSTANCE_RESTART_TIMES: json.dumps(
+                {"generation": record[0], "times": {k: list(v) for k, v in record[1].items()}})})
+            self.instance_restarts_written = (record, time.monotonic())
 
         if plan.rolled_out:
             self.emit("Normal", "RollingOut", f"spec changed: rolling out generation {plan.pair_generation}, decode first")

@@ -23,6 +23,8 @@ class SimWorld:
     listening: Callable[[PodView], bool] = lambda pod: True
     log: list[str] = field(default_factory=list)
     now: float = 1000.0  # epoch seconds a pass sees (a scale-down's drain clock)
+    # the pair's per-instance replacement record (instances.heal), as the executor keeps it: (generation, times)
+    instance_restarts: tuple[int, dict[str, tuple[float, ...]]] = (0, {})
 
     def observe(self, restart_reason: str | None = None) -> Observed:
         decode = next(
@@ -37,11 +39,15 @@ class SimWorld:
             decode_listening=bool(decode and decode.running and self.listening(decode)),
             restart_reason=restart_reason,
             now=self.now,
+            instance_restarts_generation=self.instance_restarts[0],
+            instance_restart_times=self.instance_restarts[1],
         )
 
     def apply(self, plan: d.Plan) -> None:
         self.status["pairGeneration"] = plan.pair_generation
         self.status["phase"] = plan.phase
+        if plan.instance_restart_times is not None:
+            self.instance_restarts = (plan.pair_generation, dict(plan.instance_restart_times))
         for name in plan.delete:
             self.log.append(f"delete {name}")
             self.pods.pop(name)  # the sim's pods vanish at once

@@ -180,14 +180,150 @@ def test_random_scaling_keeps_the_instance_invariants():
             assert [p.instance for p in live(world, role)] == list(range(world.spec[role]["replicas"]))
 
 
-def test_a_failed_instance_still_restarts_the_pair_in_order():
-    """Per-instance restarts are not built yet: a failed instance >= 1 is a restart of the whole pair (desired.py's
-    broken_reason), never left failed beside a Ready pair."""
+def fail(world: SimWorld, name: str, **kw) -> None:
+    world.pods[name] = dataclasses.replace(world.pods[name], **({"phase": "Failed", "ready": False} | kw))
+
+
+def replace_alone(world: SimWorld, name: str) -> list[d.Plan]:
+    """Plan passes until the pair is Ready with every instance again; each pass must keep phase Ready and the
+    generation, and the only pod deleted is `name`."""
+    generation = world.status["pairGeneration"]
+    plans = []
+    for _ in range(10):
+        plan = next_step(world.spec, world.status, world.observe())
+        plans.append(plan)
+        assert plan.phase == "Ready" and plan.pair_generation == generation, plan
+        assert set(plan.delete) <= {name}, plan
+        if plan.step == d.STEP_READY and name in world.pods and not world.pods[name].failed:
+            return plans
+        world.apply(plan)
+    raise AssertionError([p.step for p in plans])
+
+
+def test_a_failed_decode_instance_is_replaced_alone_while_the_pair_serves():
+    """Issue 21 item 6: decode instance 1 fails in a serving 2P2D pair: it is deleted and re-created under the same
+    name, the pair stays Ready at its generation, no other pod is touched, and an Event says why."""
+    world = SimWorld(spec(prefill=2, decode=2))
+    simulate_until_ready(world)
+    others = {n: p for n, p in world.pods.items() if n != "p-decode-1-1"}
+    fail(world, "p-decode-1-1")
+    plans = replace_alone(world, "p-decode-1-1")
+    assert plans[0].step == d.STEP_INSTANCES and plans[0].delete == ("p-decode-1-1",) and plans[0].heals_alone
+    assert plans[0].events[0][:2] == ("Warning", "InstanceReplacing") and "p-decode-1-1" in plans[0].events[0][2]
+    assert "decode 1/2" in dict((c.type, c.message) for c in plans[0].conditions)["Ready"]
+    assert (plans[1].create, plans[1].create_instance) == ("decode", 1)
+    assert all(world.pods[n] is p for n, p in others.items())
+    assert world.instance_restarts == (1, {"decode-1": (world.now,)})
+
+
+def test_instance_0_is_replaced_alone_too_once_the_pair_served():
+    """Decode 0 and prefill 0 are instances like the others once the generation served: a killed one is re-created
+    beside the serving ones (not desired.py's ordered start, which would take the pair out of Ready)."""
+    for role, name in (("decode", "p-decode-1"), ("prefill", "p-prefill-1")):
+        world = SimWorld(spec(prefill=2, decode=2))
+        simulate_until_ready(world)
+        fail(world, name, restarts=1, phase="Running")  # a container that restarted counts as failed
+        plans = replace_alone(world, name)
+        assert (plans[1].create, plans[1].create_instance) == (role, 0)
+
+
+def test_the_last_serving_instance_of_a_role_failing_restarts_the_pair_in_order():
+    """1P2D: prefill 0 is the only prefill: nothing serves without it, so the pair restarts in order (a new
+    generation, the whole pair, the pair's own budget), as a 1P1D pair always did. So does a failed router."""
     world = SimWorld(spec(prefill=1, decode=2))
     simulate_until_ready(world)
-    world.pods["p-decode-1-1"] = dataclasses.replace(world.pods["p-decode-1-1"], phase="Failed", ready=False)
+    fail(world, "p-prefill-1")
     plan = next_step(world.spec, world.status, world.observe())
-    assert plan.step == d.STEP_BROKEN and "p-decode-1-1" in plan.message
+    assert plan.step == d.STEP_BROKEN and not plan.heals_alone
+    world = SimWorld(spec(prefill=2, decode=2))
+    simulate_until_ready(world)
+    fail(world, "p-router-1")
+    assert next_step(world.spec, world.status, world.observe()).step == d.STEP_BROKEN
+
+
+def test_a_1p1d_pair_still_restarts_as_a_whole():
+    world = SimWorld(spec())
+    simulate_until_ready(world)
+    fail(world, "p-decode-1")
+    assert next_step(world.spec, world.status, world.observe()).step == d.STEP_BROKEN
+
+
+def test_a_starting_generation_is_not_healed_alone():
+    """Before the generation served (status not Ready at it), a failed instance restarts the pair in order: the
+    parallel start's ordering is desired.py's, not the healer's."""
+    world = SimWorld(spec(prefill=2, decode=2))
+    simulate_until_ready(world)
+    world.status["phase"] = "PrefillStarting"
+    fail(world, "p-decode-1-1")
+    assert next_step(world.spec, world.status, world.observe()).step == d.STEP_BROKEN
+
+
+def test_each_instance_has_its_own_restart_budget_and_backoff():
+    """restartPolicy per "<role>-<index>" (1P3D): decode 1's second failure waits out its backoff (the pair stays
+    Ready and says so), decode 0 is replaced at once meanwhile (decode 2 serves), and decode 1's failure past maxRestarts restarts the pair
+    in order (the pair's own budget counts that one)."""
+    world = SimWorld({**spec(prefill=1, decode=3), "restartPolicy": {"maxRestarts": 2, "backoffSeconds": 10,
+                                                                     "maxBackoffSeconds": 40}})
+    simulate_until_ready(world)
+    fail(world, "p-decode-1-1")
+    replace_alone(world, "p-decode-1-1")
+    world.now += 1
+    fail(world, "p-decode-1-1")
+    plan = next_step(world.spec, world.status, world.observe())
+    assert plan.step == d.STEP_READY and not plan.delete and 8.5 <= plan.wait_seconds <= 9.5 and "backoff" in plan.message
+    fail(world, "p-decode-1")
+    plan = next_step(world.spec, world.status, world.observe())
+    assert plan.delete == ("p-decode-1",)  # another instance, another budget
+    world.apply(plan)
+    world.now += 10
+    replace_alone(world, "p-decode-1-1")
+    assert world.instance_restarts[1]["decode-1"] == (1000.0, 1011.0)
+    world.now += 60
+    fail(world, "p-decode-1-1")
+    plan = next_step(world.spec, world.status, world.observe())
+    assert plan.step == d.STEP_BROKEN  # decode 1 spent its 2 restarts in the window
+
+
+def test_a_hung_finding_about_one_instance_replaces_it_alone():
+    """The health watch names the hung pod (status.health.pod and its uid): planner.plan replaces that instance,
+    never a pair restart; a finding about a pod since replaced (same name, another uid) touches nothing."""
+    from pdpair.operator import planner
+    from pdpair.operator.observed import Finding
+
+    world = SimWorld(spec(prefill=2, decode=2))
+    simulate_until_ready(world)
+    world.pods["p-decode-1-1"] = dataclasses.replace(world.pods["p-decode-1-1"], uid="u-new")
+    hung = Finding("hung", "decode p-decode-1-1 waits for 3 signals from 10.0.0.1:1 for 91 s", 1,
+                   pod="p-decode-1-1", pod_uid="u-old")
+    decided = planner.plan(world.spec, world.status, dataclasses.replace(world.observe(), health=hung), world.now)
+    assert decided.restart is None and decided.steps.step == d.STEP_READY and not decided.steps.delete
+    hung = dataclasses.replace(hung, pod_uid="u-new")
+    decided = planner.plan(world.spec, world.status, dataclasses.replace(world.observe(), health=hung), world.now)
+    assert decided.restart is None and decided.steps.delete == ("p-decode-1-1",)
+    assert "waits for 3 signals" in decided.steps.message
+    # The same finding in a 1P1D pair is the ordered restart it always was.
+    world = SimWorld(spec())
+    simulate_until_ready(world)
+    hung = Finding("hung", "decode hung", 1, pod="p-decode-1")
+    assert planner.plan(world.spec, world.status, dataclasses.replace(world.observe(), health=hung),
+                        world.now).restart == hung
+
+
+def test_random_failures_in_a_serving_2p3d_pair_never_take_it_out_of_ready():
+    """200 random single failures (any engine instance, failed or restarted), each healed before the next: the pair
+    stays Ready at generation 1 throughout and ends with every instance (a generous budget)."""
+    rng = random.Random(7)
+    world = SimWorld({**spec(prefill=2, decode=3), "restartPolicy": {"maxRestarts": 1000, "backoffSeconds": 0,
+                                                                     "maxBackoffSeconds": 0}})
+    simulate_until_ready(world)
+    for _ in range(200):
+        world.now += 1
+        name = rng.choice(sorted(n for n, p in world.pods.items() if p.role != "router"))
+        fail(world, name, **rng.choice([{}, {"phase": "Running", "restarts": 2}]))
+        replace_alone(world, name)
+    assert world.status["pairGeneration"] == 1
+    assert sorted(world.pods) == sorted(["p-decode-1", "p-decode-1-1", "p-decode-1-2", "p-prefill-1",
+                                         "p-prefill-1-1", "p-router-1"])
 
 
 def test_a_scale_up_past_the_pool_starts_only_the_instances_with_ports():
@@ -207,7 +343,8 @@ def test_a_scale_up_past_the_pool_starts_only_the_instances_with_ports():
 def test_a_deleted_instance_that_ends_succeeded_is_no_restart():
     """vLLM exits 0 on SIGTERM: a decode instance >= 1 deleted by a scale-down (or by hand) is Succeeded while it goes.
     That is the deletion, not a failure (the real nodes showed a whole-pair restart before this rule); instance 0 so
-    deleted is still a restart (nothing is left to pair with)."""
+    deleted in a serving pair is re-created alone like any other (instances.heal); only the last decode going is a
+    restart (nothing is left to pair with)."""
     world = SimWorld(spec(prefill=1, decode=2))
     simulate_until_ready(world)
     world.pods["p-decode-1-1"] = dataclasses.replace(world.pods["p-decode-1-1"], phase="Succeeded", ready=False,
@@ -216,4 +353,4 @@ def test_a_deleted_instance_that_ends_succeeded_is_no_restart():
     assert plan.step != d.STEP_BROKEN and plan.phase == "Ready" and plan.pair_generation == 1
     world.pods["p-decode-1"] = dataclasses.replace(world.pods["p-decode-1"], phase="Succeeded", ready=False,
                                                   deleting=True)
-    assert next_step(world.spec, world.status, world.observe()).step == d.STEP_BROKEN
+    assert next_step(world.spec, world.status, world.observe()).step == d.STEP_BROKEN  # no decode serves
