@@ -110,6 +110,14 @@ def container_processes(cluster, ns: str, pod: str, container: str = "engine") -
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def engine_core_pid(processes: list[dict]) -> int:
+    """The vLLM engine core: a child of the API server (PID 1), titled VLLM::EngineCore by vLLM (its model runs in a
+    VLLM::Worker child of it). PID 1 itself cannot be SIGKILLed from inside its PID namespace."""
+    cores = [p for p in processes if p["ppid"] == 1 and "EngineCore" in (p["comm"] + p["cmdline"])]
+    assert len(cores) == 1, f"expected one engine core process under PID 1, found: {json.dumps(processes, indent=1)}"
+    return cores[0]["pid"]
+
+
 def build_model(target: pathlib.Path) -> pathlib.Path:
     """tests/engine's tiny Llama (seeded, identical every build) in `target`, readable by the engine's uid 10001."""
     sys.path.insert(0, str(REPO_ROOT / "tests" / "engine"))

@@ -36,8 +36,8 @@ from pdpair.contract import (
 )
 from pdpair.operator.ports import required_blocks
 from devcluster.product import (
-    CHART, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, container_processes, describe, leader_pod_name,
-    operator_logs, operator_pods, pod_logs,
+    CHART, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, container_processes, describe, engine_core_pid,
+    leader_pod_name, operator_logs, operator_pods, pod_logs,
 )
 from devcluster.waiting import wait_for
 from tests.e2e_realnode.serving_pair import READY_TIMEOUT
@@ -361,14 +361,6 @@ def _helm_revision(helm) -> int:
 
 
 # --- c. decode's engine process killed ------------------------------------------------------------------------
-def _engine_core_pid(processes: list[dict]) -> int:
-    """The vLLM engine core: a child of the API server (PID 1), titled VLLM::EngineCore by vLLM (its model runs in a
-    VLLM::Worker child of it). PID 1 itself cannot be SIGKILLed from inside its PID namespace."""
-    cores = [p for p in processes if p["ppid"] == 1 and "EngineCore" in (p["comm"] + p["cmdline"])]
-    assert len(cores) == 1, f"expected one engine core process under PID 1, found: {json.dumps(processes, indent=1)}"
-    return cores[0]["pid"]
-
-
 def test_decode_engine_killed_in_its_container_restarts_the_pair_in_order(
         real_cluster, baseline_outputs, serving_pair):
     """Cost: one ordered restart of the shared pair (2 vLLM cold starts, about 3 min quiet)."""
@@ -381,7 +373,7 @@ def test_decode_engine_killed_in_its_container_restarts_the_pair_in_order(
     pods = _pods(real_cluster, namespace, name)
     old = {p["metadata"]["labels"][LABEL_ROLE]: p for p in pods.values()}
     decode = old[ROLE_DECODE]["metadata"]["name"]
-    pid = _engine_core_pid(container_processes(real_cluster, namespace, decode))
+    pid = engine_core_pid(container_processes(real_cluster, namespace, decode))
 
     watch = PodWatch(real_cluster, namespace, name)
     diagnose = _diagnose(real_cluster, namespace, name, watch, time.monotonic())

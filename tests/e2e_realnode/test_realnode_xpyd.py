@@ -11,13 +11,13 @@ each choice, and `spec.rollout.drainSeconds` 5. The tests share it, in file orde
   2. `kubectl scale inferencepairrole/<pair>-decode` 2 -> 1 under a steady load that never retries (load.py), the
      removed decode holding requests when it is marked draining, then 1 -> 2: no request fails, every output is the
      baseline's;
-  3. decode instance 1's pod deleted (a plain `kubectl delete pod`) under the steady load and a client forced to
-     (0, 0): the pair stays Ready, the instance is re-created (a new uid, no pair restart), D comes back to 2/2;
-     requests fail only while routed to the deleted instance (counted and printed); the forced (0, 0) client fails
-     none;
+  3. decode instance 0's engine core SIGKILLed (its pod fails) under the steady load and a client forced to
+     (0, 1): the pair stays Ready at its generation, decode 0 alone is replaced (instances.heal: a new uid, an
+     InstanceReplacing Event, no pair restart), D comes back to 2/2 and the router takes (0, 0) again; requests fail
+     only while routed to the killed instance (counted and printed); the forced (0, 1) client fails none;
   4. the pair deleted: its pods, role objects and port leases go.
 
-Cost: 6 vLLM cold starts (4 at the start, loading at once; 1 for the scale-up; 1 for the re-created decode), about
+Cost: 6 vLLM cold starts (4 at the start, loading at once; 1 for the scale-up; 1 for the replaced decode), about
 4.5 minutes of the real-node stage on a 2-core machine (measured: apply -> P 2/2 D 2/2 49-78 s, the 16 forced
 completions 9-18 s, scale-down 7 s and scale-up 61 s under load, delete -> re-created decode Ready 81 s, the pair's
 deletion 3 s).
@@ -37,7 +37,8 @@ from pdpair.contract import (
     ROLE_OBJECT_PLURAL,
 )
 from devcluster.product import (
-    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, operator_logs, pair_manifest,
+    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, container_processes, describe, engine_core_pid,
+    operator_logs, pair_manifest,
 )
 from devcluster.realnode import ClusterError
 from devcluster.waiting import wait_for
@@ -315,23 +316,30 @@ def test_decode_scale_down_and_up_under_load_fails_no_request(real_cluster, base
         print("[realnode-xpyd] note: no request was in flight on decode 1 at the mark (timing), the drain held none")
 
 
-def test_deleted_decode_instance_is_recreated_while_the_pair_serves(real_cluster, baseline_outputs, xpair):
+def test_killed_decode_instance_0_is_replaced_alone_while_the_pair_serves(real_cluster, baseline_outputs, xpair):
+    """Issue 21 item 6 ("one decode killed: only its edges fail, the rest keep serving, it is replaced in order"):
+    decode instance 0's engine core SIGKILLed in its container (its pod fails: restartPolicy Never) under the steady
+    load and a client forced to (prefill 0, decode 1), an edge of the prefill that also pushed to the dead decode.
+    Cost: 1 vLLM cold start (the replacement), about 1.5 min."""
     ns = xpair.namespace
     wait_for(lambda: xpair.counts() == ("Ready", "2/2", "2/2"), START_TIMEOUT, "the pair Ready 2/2 2/2",
              diagnose=xpair.diagnose, interval=1.0)
     before = xpair.status()
-    victim = xpair.engine("decode", 1)
+    victim = xpair.engine("decode", 0)
     pod1, uid1 = victim["metadata"]["name"], victim["metadata"]["uid"]
     ip, port = xpair.service()
     load = Load(real_cluster, ip, port, CLIENTS)
-    forced = Load(real_cluster, ip, port, 1, headers={ROUTE: "0,0"})
+    forced = Load(real_cluster, ip, port, 1, headers={ROUTE: "0,1"})
     phases: set[str] = set()
     try:
         t_load = time.time()
         wait_for(lambda: load.ok_since(t_load) >= 2 * CLIENTS and forced.ok_since(t_load) >= 2, 300,
                  "requests served before the kill", diagnose=lambda: json.dumps(load.records[-5:]), interval=0.5)
         t_kill = time.time()
-        real_cluster.kubectl("delete", "pod", pod1, "-n", ns, "--wait=false")
+        pid = engine_core_pid(container_processes(real_cluster, ns, pod1))
+        # The image has no kill(1) (python:slim): os.kill from inside the container, as the engine's own user.
+        real_cluster.kubectl("exec", "-n", ns, pod1, "-c", "engine", "--", "python", "-c",
+                             f"import os, signal; os.kill({pid}, signal.SIGKILL)")
         marks: dict[str, float] = {}
 
         xpair.trace = []
@@ -339,7 +347,7 @@ def test_deleted_decode_instance_is_recreated_while_the_pair_serves(real_cluster
         def back() -> bool:
             phase, _, d = xpair.watch(t_kill, pod1)
             phases.add(phase)
-            pod = xpair.engine("decode", 1)
+            pod = xpair.engine("decode", 0)
             if pod is not None and pod["metadata"]["uid"] != uid1 and "created" not in marks:
                 marks["created"] = time.time()
             if d != "2/2" and "dropped" not in marks:
@@ -349,7 +357,7 @@ def test_deleted_decode_instance_is_recreated_while_the_pair_serves(real_cluster
         wait_for(back, START_TIMEOUT, f"{pod1} re-created and D 2/2", diagnose=lambda: xpair.evidence(t_kill),
                  interval=0.5)
         t_back = time.time()
-        t_route = xpair.wait_routable(1, 1)
+        t_route = xpair.wait_routable(0, 0)
         wait_for(lambda: load.ok_since(t_back) >= 2 * CLIENTS and forced.ok_since(t_back) >= 2, 300,
                  "requests served after the re-creation", diagnose=lambda: json.dumps(load.records[-5:]),
                  interval=0.5)
@@ -360,22 +368,25 @@ def test_deleted_decode_instance_is_recreated_while_the_pair_serves(real_cluster
     failed, wrong = _summary(records, baseline_outputs)
     forced_failed, forced_wrong = _summary(forced_records, baseline_outputs)
     choices = xpair.choices()
-    not_on_d1 = [r for r in failed if choices.get(r["rid"], (None, None))[1] != 1]
-    print(f"[realnode-xpyd] decode 1 deleted under load: {len(failed)} failed of {len(records)} unforced requests "
-          f"({len(not_on_d1)} not routed to decode 1), forced (0, 0): {len(forced_failed)} failed of "
+    not_on_d0 = [r for r in failed if choices.get(r["rid"], (None, None))[1] != 0]
+    print(f"[realnode-xpyd] decode 0 killed under load: {len(failed)} failed of {len(records)} unforced requests "
+          f"({len(not_on_d0)} not routed to decode 0), forced (0, 1): {len(forced_failed)} failed of "
           f"{len(forced_records)}; {len(wrong) + len(forced_wrong)} outputs differ; phases seen {sorted(phases)}; "
-          f"delete -> D below 2/2 {marks.get('dropped', t_kill) - t_kill:.1f}s, -> new {pod1} created "
+          f"kill -> D below 2/2 {marks.get('dropped', t_kill) - t_kill:.1f}s, -> new {pod1} created "
           f"{marks.get('created', t_back) - t_kill:.1f}s, -> D 2/2 {t_back - t_kill:.1f}s "
-          f"(+{t_route:.1f}s until the router takes (1, 1)); failures (seconds after the delete, decode chosen, "
+          f"(+{t_route:.1f}s until the router takes (0, 0)); failures (seconds after the kill, decode chosen, "
           f"error): {[(round(r['t'] - t_kill, 1), choices.get(r['rid']), r['error'][:200]) for r in failed[:8]]}")
     if phases != {"Ready"}:
-        print(f"[realnode-xpyd] the pair left Ready after the delete: {sorted(phases)}\n{xpair.evidence(t_kill)}")
+        print(f"[realnode-xpyd] the pair left Ready after the kill: {sorted(phases)}\n{xpair.evidence(t_kill)}")
     assert phases == {"Ready"}, phases
     assert after.get("pairGeneration") == before.get("pairGeneration"), (before.get("pairGeneration"),
                                                                         after.get("pairGeneration"))
     assert int(after.get("restarts") or 0) == int(before.get("restarts") or 0)
     assert forced_failed == [], forced_failed[:5]
-    assert not_on_d1 == [], not_on_d1[:5]
+    assert not_on_d0 == [], not_on_d0[:5]
+    events = real_cluster.kubectl("get", "events", "-n", ns, "--field-selector", "reason=InstanceReplacing",
+                                  "-o", "json").stdout
+    assert pod1 in events, "no InstanceReplacing Event names the killed decode"
     assert wrong == [] and forced_wrong == [], (wrong[:3], forced_wrong[:3])
 
 

@@ -16,6 +16,7 @@ import pytest
 from pdpair.contract import COND_PROGRESSING, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 from pdpair.operator import desired as d
 from pdpair.operator import rollout as r
+from pdpair.operator import instances
 from pdpair.operator.desired import spec_fingerprint
 from pdpair.operator.observed import NodeView, Observed, PodView
 from pdpair.operator.planner import next_step
@@ -438,3 +439,64 @@ def test_no_re_home(name, node, pods):
                      Observed(pods=tuple(on_node(pods).values()), ports_complete=True, decode_listening=True,
                               nodes={"n1": node}), T0)
     assert plan.step != r.STEP_ROLLOUT_START and "rollout" not in plan.status_fields, (name, plan.step)
+
+
+# --- xPyD: a Surge rollout of a 2P2D pair (issue 21 item 7) --------------------------------------------------
+SURGE_2P2D = make_spec(rolloutStrategy="Surge", rollout={"drainSeconds": 30, "progressDeadlineSeconds": 600},
+                       prefill={"replicas": 2}, decode={"replicas": 2})
+SURGE_2P2D_V2 = {**SURGE_2P2D, "decode": {**SURGE_2P2D["decode"], "args": ["--seed", "1"]}}
+
+
+@dataclass
+class InstanceWorld(World):
+    """World with instance-numbered pods (`p-<role>-g<gen>-<i>` for i >= 1, as pods.pod_name names them)."""
+
+    def apply(self, plan: d.Plan, dies_before_release: bool = False) -> None:
+        if plan.create and plan.create_instance:
+            gen = plan.create_generation if plan.create_generation is not None else plan.pair_generation
+            name = f"p-{plan.create}-g{gen}-{plan.create_instance}"
+            self.log.append(f"create {name}")
+            self.pods[name] = replace(pod(plan.create, gen, self.spec), name=name, instance=plan.create_instance,
+                                      uid=f"uid-{name}")
+            plan = replace(plan, create=None)
+        super().apply(plan, dies_before_release)
+
+
+def test_a_surge_rollout_of_a_2p2d_pair_switches_only_once_every_new_instance_serves():
+    """Revision coherence: the old generation serves with all its instances until the switch; the new generation
+    starts all of its instances (decodes first, each prefill after a new decode runs) on the other port set; no
+    prefill or router is ever given an instance of another generation; then the old one drains and goes.
+    Cost: pure, well under a second."""
+    old = {}
+    for role in (ROLE_DECODE, ROLE_PREFILL):
+        for i in range(2):
+            p = pod(role, 1, SURGE_2P2D)
+            p = replace(p, name=p.name + (f"-{i}" if i else ""), instance=i, uid=f"uid-{role}-1-{i}")
+            old[p.name] = p
+    router = pod(ROLE_ROUTER, 1, SURGE_2P2D)
+    old[router.name] = router
+    world = InstanceWorld(SURGE_2P2D_V2, pods=dict(old))
+    switched = []
+
+    def until(plan, w):
+        pods = list(w.pods.values())
+        for gen in (1, 2):
+            assert {p.generation for p in instances.prefill_peers(pods, gen)} <= {gen}
+            assert {p.generation for p in instances.router_members(pods, gen)} <= {gen}
+        if plan.step == r.STEP_ROLLOUT_SWITCH:
+            switched.append(sorted((p.role, p.instance) for p in pods if p.generation == 2 and p.ready))
+        else:
+            assert not switched or plan.pair_generation == 2
+        if not switched:  # before the switch every old instance is still there and serving
+            assert all(n in w.pods and not w.pods[n].deleting for n in old), (plan.step, w.log)
+        return ready_without_rollout(plan, w)
+
+    plans = world.run(until, max_passes=120)
+    assert switched == [[(ROLE_DECODE, 0), (ROLE_DECODE, 1), (ROLE_PREFILL, 0), (ROLE_PREFILL, 1),
+                         (ROLE_ROUTER, 0)]]
+    creates = [line for line in world.log if line.startswith("create")]
+    assert sorted(creates) == sorted(["create p-decode-g2 on b", "create p-decode-g2-1", "create p-prefill-g2 on b",
+                                      "create p-prefill-g2-1", "create p-router-g2 on b"]), creates
+    assert creates.index("create p-prefill-g2 on b") > creates.index("create p-decode-g2 on b")
+    assert {p.phase for p in plans} == {"Ready"}
+    assert sorted(world.pods) == ["p-decode-g2", "p-decode-g2-1", "p-prefill-g2", "p-prefill-g2-1", "p-router-g2"]
