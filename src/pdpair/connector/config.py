@@ -133,11 +133,12 @@ class PdPairConfig:
     # The transport's own variables as the pod set them (TransportSpec.env_names, e.g. flagcx's FLAGCX_LIB_PATH):
     # read here so the connector has one env reader; the transport's build reads them from here.
     transport_env: Mapping[str, str] = field(default_factory=dict, hash=False)
-    # Test-only knobs, from kv_connector_extra_config (the drop knob also from contract.ENV_TEST_DROP_SIGNALS_FILE);
-    # never set by the operator.
+    # Test-only knobs, from kv_connector_extra_config (the drop and slow-decode knobs also from their
+    # contract.ENV_TEST_* variable); never set by the operator.
     test_corrupt_kv_file: str | None = None  # decode: while this file exists, received KV is overwritten
     test_drop_signals_file: str | None = None  # prefill: while it exists, the native sender drops every N-th signal
     test_delay_listener_file: str | None = None  # decode: while it exists, the ranks it names do not listen yet
+    test_slow_decode_file: str | None = None  # decode: while it exists, each model step sleeps the ms it holds
 
     @property
     def send_lease_seconds(self) -> float:
@@ -237,16 +238,15 @@ class PdPairConfig:
                                   "without spaces")
 
         corrupt = extra.pop("test_corrupt_kv_file", None)
-        drop = extra.pop("test_drop_signals_file", None)
-        env_drop = env.get(contract.ENV_TEST_DROP_SIGNALS_FILE) or None
-        if drop and env_drop and str(drop) != env_drop:
-            raise ConfigError(f"{contract.ENV_TEST_DROP_SIGNALS_FILE}={env_drop!r} contradicts kv_connector_extra_config "
-                              f"test_drop_signals_file={drop!r}: set one")
-        drop = drop or env_drop
+        drop = _test_knob_file(extra, "test_drop_signals_file", env, contract.ENV_TEST_DROP_SIGNALS_FILE)
         if drop and role != contract.ROLE_PREFILL:
             raise ConfigError(f"the signal-drop test knob ({contract.ENV_TEST_DROP_SIGNALS_FILE} or "
                               f"test_drop_signals_file) applies to prefill only (the sender), not to {role}")
         delay_listener = extra.pop("test_delay_listener_file", None)
+        slow_decode = _test_knob_file(extra, "test_slow_decode_file", env, contract.ENV_TEST_SLOW_DECODE_FILE)
+        if slow_decode and role != contract.ROLE_DECODE:
+            raise ConfigError(f"the slow-decode test knob ({contract.ENV_TEST_SLOW_DECODE_FILE} or "
+                              f"test_slow_decode_file) applies to decode only (its model steps), not to {role}")
         if extra:
             raise ConfigError(f"unknown kv_connector_extra_config keys for PdPairConnector: {sorted(extra)}")
         return cls(
@@ -268,9 +268,22 @@ class PdPairConfig:
             transport_slots=transport_slots,
             transport_env={name: env[name] for name in transport_spec(transport).env_names if name in env},
             test_corrupt_kv_file=str(corrupt) if corrupt else None,
-            test_drop_signals_file=str(drop) if drop else None,
+            test_drop_signals_file=drop,
             test_delay_listener_file=str(delay_listener) if delay_listener else None,
+            test_slow_decode_file=slow_decode,
         )
+
+
+def _test_knob_file(extra: dict[str, Any], key: str, env: Mapping[str, str], env_name: str) -> str | None:
+    """A test knob's file path, from kv_connector_extra_config `key` or the TEST_ONLY_* variable `env_name` (the
+    operator owns the extra config, so a pair under it can only use the variable). Pops `key` from `extra`."""
+    from_extra = extra.pop(key, None)
+    from_env = env.get(env_name) or None
+    if from_extra and from_env and str(from_extra) != from_env:
+        raise ConfigError(f"{env_name}={from_env!r} contradicts kv_connector_extra_config {key}={from_extra!r}: "
+                          "set one")
+    path = from_extra or from_env
+    return str(path) if path else None
 
 
 def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:

@@ -191,6 +191,9 @@ ENV_TRANSPORT_SLOTS = "PDPAIR_TRANSPORT_SLOTS"  # puts in flight per peer (spec.
 # test_drop_signals_file), settable through a pod template's env because the operator owns the extra config. Not
 # PDPAIR_*: the CRD reserves that prefix for the operator's variables.
 ENV_TEST_DROP_SIGNALS_FILE = "TEST_ONLY_PDPAIR_DROP_SIGNALS_FILE"
+# TEST ONLY, never set by the operator, likewise: the path of decode's slow-step knob file (kv_connector_extra_config's
+# test_slow_decode_file), so a test can set it on every decode pod of a pair and slow one of them.
+ENV_TEST_SLOW_DECODE_FILE = "TEST_ONLY_PDPAIR_SLOW_DECODE_FILE"
 POD_ENV = (
     ENV_ROLE,
     ENV_PAIR,

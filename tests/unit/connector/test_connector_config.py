@@ -58,6 +58,26 @@ def test_drop_knob_env_is_not_an_operator_variable():
     assert contract.ENV_TEST_DROP_SIGNALS_FILE not in contract.POD_ENV
 
 
+def test_slow_decode_knob_from_the_extra_config_or_the_test_only_env():
+    """Decode's slow-step knob, like the drop knob: the extra config in a bare engine, the env under the operator."""
+    from_extra = PdPairConfig.from_env("kv_consumer", {"test_slow_decode_file": "/tmp/slow"}, DECODE)
+    assert from_extra.test_slow_decode_file == "/tmp/slow"
+    env = {**DECODE, contract.ENV_TEST_SLOW_DECODE_FILE: "/tmp/slow"}
+    assert PdPairConfig.from_env("kv_consumer", {}, env).test_slow_decode_file == "/tmp/slow"
+    # the same path both ways is one setting
+    same = PdPairConfig.from_env("kv_consumer", {"test_slow_decode_file": "/tmp/slow"}, env)
+    assert same.test_slow_decode_file == "/tmp/slow"
+    assert PdPairConfig.from_env("kv_consumer", {}, {**DECODE, contract.ENV_TEST_SLOW_DECODE_FILE: ""}) \
+        .test_slow_decode_file is None
+    assert PdPairConfig.from_env("kv_consumer", {}, DECODE).test_slow_decode_file is None
+
+
+def test_slow_decode_knob_env_is_not_an_operator_variable():
+    assert contract.ENV_TEST_SLOW_DECODE_FILE == "TEST_ONLY_PDPAIR_SLOW_DECODE_FILE"
+    assert not contract.ENV_TEST_SLOW_DECODE_FILE.startswith("PDPAIR_")
+    assert contract.ENV_TEST_SLOW_DECODE_FILE not in contract.POD_ENV
+
+
 @pytest.mark.parametrize(
     ("kv_role", "env", "extra", "message"),
     [
@@ -79,6 +99,11 @@ def test_drop_knob_env_is_not_an_operator_variable():
          "TEST_ONLY_PDPAIR_DROP_SIGNALS_FILE='/a' contradicts kv_connector_extra_config"),
         ("kv_consumer", {**DECODE, contract.ENV_TEST_DROP_SIGNALS_FILE: "/a"}, {}, "applies to prefill only"),
         ("kv_consumer", DECODE, {"test_drop_signals_file": "/a"}, "applies to prefill only"),
+        ("kv_consumer", {**DECODE, contract.ENV_TEST_SLOW_DECODE_FILE: "/a"}, {"test_slow_decode_file": "/b"},
+         "TEST_ONLY_PDPAIR_SLOW_DECODE_FILE='/a' contradicts kv_connector_extra_config test_slow_decode_file='/b'"),
+        ("kv_producer", {**PREFILL, contract.ENV_TEST_SLOW_DECODE_FILE: "/a"}, {},
+         "the slow-decode test knob (TEST_ONLY_PDPAIR_SLOW_DECODE_FILE or test_slow_decode_file"),
+        ("kv_producer", PREFILL, {"test_slow_decode_file": "/a"}, "applies to decode only"),
         ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT_SLOTS: "many"}, {}, "PDPAIR_TRANSPORT_SLOTS='many' is not an"),
         ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT_SLOTS: "0"}, {}, "PDPAIR_TRANSPORT_SLOTS=0 must be in 1..4096"),
         ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT_SLOTS: "-3"}, {}, "PDPAIR_TRANSPORT_SLOTS=-3 must be in"),
