@@ -162,7 +162,8 @@ def vllm_bench(url: str, model_dir: Path, concurrency: int, prompts: int, input_
         "requests_per_s": round(data["request_throughput"], 3),
         "output_tokens_per_s": round(data["output_throughput"], 2),
         "ttft_ms_p50": round(data["median_ttft_ms"], 2), "ttft_ms_p99": round(data["p99_ttft_ms"], 2),
-        "tpot_ms_p50": round(data["median_tpot_ms"], 3), "e2e_ms_p50": round(data["median_e2el_ms"], 2),
+        "tpot_ms_p50": round(data["median_tpot_ms"], 3), "tpot_ms_p99": round(data["p99_tpot_ms"], 3),
+        "e2e_ms_p50": round(data["median_e2el_ms"], 2),
         "load_average_before": round(load, 2),
     }
 
