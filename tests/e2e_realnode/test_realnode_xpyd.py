@@ -8,14 +8,16 @@ each choice, and `spec.rollout.drainSeconds` 5. The tests share it, in file orde
   1. apply -> Ready with P 2/2 and D 2/2 (the parallel start: all four engines load at once); every (prefill,
      decode) combination, forced by the header, answers every prompt like the single engine (the session's
      baseline), and the router's log shows the forced pair was the one used;
-  2. `kubectl scale inferencepairrole/<pair>-decode` 2 -> 1 under a steady load that never retries (load.py), the
+  2. decode instance 1 slowed by the connector's test knob (a file in its pod): under a steady unforced load it
+     receives at most half the requests decode 0 does (the router's least-outstanding choice);
+  3. `kubectl scale inferencepairrole/<pair>-decode` 2 -> 1 under a steady load that never retries (load.py), the
      removed decode holding requests when it is marked draining, then 1 -> 2: no request fails, every output is the
      baseline's;
-  3. decode instance 0's engine core SIGKILLed (its pod fails) under the steady load and a client forced to
+  4. decode instance 0's engine core SIGKILLed (its pod fails) under the steady load and a client forced to
      (0, 1): the pair stays Ready at its generation, decode 0 alone is replaced (instances.heal: a new uid, an
      InstanceReplacing Event, no pair restart), D comes back to 2/2 and the router takes (0, 0) again; requests fail
      only while routed to the killed instance (counted and printed); the forced (0, 1) client fails none;
-  4. the pair deleted: its pods, role objects and port leases go.
+  5. the pair deleted: its pods, role objects and port leases go.
 
 Cost: 6 vLLM cold starts (4 at the start, loading at once; 1 for the scale-up; 1 for the replaced decode), about
 4.5 minutes of the real-node stage on a 2-core machine (measured: apply -> P 2/2 D 2/2 49-78 s, the 16 forced
@@ -33,8 +35,8 @@ import pytest
 import yaml
 
 from pdpair.contract import (
-    ANNOTATION_DRAINING_SINCE, GROUP, LABEL_INSTANCE, LABEL_PAIR, LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_ROLE, PLURAL,
-    ROLE_OBJECT_PLURAL,
+    ANNOTATION_DRAINING_SINCE, ENV_TEST_SLOW_DECODE_FILE, GROUP, LABEL_INSTANCE, LABEL_PAIR, LABEL_PAIR_UID,
+    LABEL_PORT_LEASE, LABEL_ROLE, PLURAL, ROLE_OBJECT_PLURAL,
 )
 from devcluster.product import (
     ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, container_processes, describe, engine_core_pid,
@@ -50,6 +52,10 @@ NAME = "xp"
 DRAIN_SECONDS = 5
 CLIENTS = 3  # the steady unforced load (load.py): decode 1 holds some of it at any time
 ROUTE = "X-Pdpair-Route"
+# The decodes' slow-step knob (connector, test-only): while this file exists in a decode pod, each of its engine steps
+# sleeps the milliseconds it holds. Set on every decode, written in one only.
+SLOW_DECODE_KNOB = "/tmp/pdpair-slow-decode"
+SLOW_DECODE_MS = 150
 # The router's --log-choices line (router/app.py _log_choice).
 CHOICE = re.compile(r"request (\S+): prefill (\d+) \S+, decode (\d+) \S+( \(forced by X-Pdpair-Route\))?;")
 # Apply -> Ready with every instance: the four engines load at once (prefills once a decode runs, a few seconds in).
@@ -183,7 +189,8 @@ def _summary(records: list[dict], baseline_outputs) -> tuple[list[dict], list[di
 
 @pytest.fixture(scope="module")
 def xpair(real_cluster, operator_release, images, model_dir, namespace):
-    manifest = pair_manifest(NAME, namespace, images["engine"].ref, model_dir, prefill_node="n1", decode_node="n2")
+    manifest = pair_manifest(NAME, namespace, images["engine"].ref, model_dir, prefill_node="n1", decode_node="n2",
+                             decode_env=[{"name": ENV_TEST_SLOW_DECODE_FILE, "value": SLOW_DECODE_KNOB}])
     manifest["spec"]["prefill"]["replicas"] = 2
     manifest["spec"]["decode"]["replicas"] = 2
     manifest["spec"]["router"]["debugRouting"] = True
@@ -236,6 +243,43 @@ def test_2p2d_pair_starts_and_every_prefill_decode_combination_serves_like_a_sin
     choices = xpair.choices()
     for rid, (p, d) in rids.items():
         assert choices.get(rid) == (p, d, True), (rid, choices.get(rid))
+
+
+def test_a_slowed_decode_receives_fewer_requests(real_cluster, baseline_outputs, xpair):
+    """Issue 21 item 4/8: the router picks the decode with the fewest requests in flight, so a decode slowed by the
+    test knob (SLOW_DECODE_MS per engine step, written in decode 1's pod only) holds each request longer and is
+    chosen measurably less under a steady unforced load. Cost: no cold start, about 40 s."""
+    ns = xpair.namespace
+    wait_for(lambda: xpair.counts() == ("Ready", "2/2", "2/2"), START_TIMEOUT, "the pair Ready 2/2 2/2",
+             diagnose=xpair.diagnose, interval=1.0)
+    slow = xpair.engine("decode", 1)["metadata"]["name"]
+
+    def knob(*argv: str) -> None:
+        real_cluster.kubectl("exec", "-n", ns, slow, "-c", "engine", "--", "python", "-c", *argv)
+
+    knob(f"open({SLOW_DECODE_KNOB!r}, 'w').write('{SLOW_DECODE_MS}')")
+    ip, port = xpair.service()
+    load = Load(real_cluster, ip, port, CLIENTS + 1)
+    try:
+        t0 = time.time()
+        wait_for(lambda: load.ok_since(t0) >= 40, 300, "40 requests served with decode 1 slowed",
+                 diagnose=lambda: json.dumps(load.records[-5:]), interval=0.5)
+    finally:
+        records = load.stop()
+        knob(f"import os; os.remove({SLOW_DECODE_KNOB!r})")
+    failed, wrong = _summary(records, baseline_outputs)
+    choices = xpair.choices()
+    per_decode = [sum(1 for r in records if r["ok"] and choices.get(r["rid"], (None, None))[1] == d) for d in (0, 1)]
+    slow_s = [r["dur"] for r in records if r["ok"] and choices.get(r["rid"], (None, None))[1] == 1]
+    fast_s = [r["dur"] for r in records if r["ok"] and choices.get(r["rid"], (None, None))[1] == 0]
+    print(f"[realnode-xpyd] decode 1 slowed by {SLOW_DECODE_MS} ms per step: requests per decode {per_decode} of "
+          f"{len(records)} ({len(failed)} failed); median latency decode 0 "
+          f"{sorted(fast_s)[len(fast_s) // 2] if fast_s else 0:.2f}s, decode 1 "
+          f"{sorted(slow_s)[len(slow_s) // 2] if slow_s else 0:.2f}s")
+    assert failed == [] and wrong == [], (failed[:3], wrong[:3])
+    # Measured margin: the slowed decode's requests take several times longer, so least-outstanding sends it a
+    # small share; half of the fast one's count leaves room for a loaded box.
+    assert per_decode[1] * 2 <= per_decode[0], per_decode
 
 
 def test_decode_scale_down_and_up_under_load_fails_no_request(real_cluster, baseline_outputs, xpair):
