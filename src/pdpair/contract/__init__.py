@@ -342,6 +342,10 @@ OPERATOR_PAIR_PHASE = Metric(
 OPERATOR_PAIR_RESTARTS = Metric(
     "pdpair_operator_pair_restarts_total", "counter", ("namespace", "pair", "reason"), "Ordered pair restarts."
 )
+OPERATOR_INSTANCE_REPLACEMENTS = Metric(
+    "pdpair_operator_instance_replacements_total", "counter", ("namespace", "pair", "role", "reason"),
+    "Engine instances of a serving xPyD pair replaced alone (the pair kept serving; reason as for pair restarts).",
+)
 OPERATOR_HANG_DETECTIONS = Metric(
     "pdpair_operator_hang_detections_total", "counter", (), "Hung pods the health watch detected."
 )
@@ -355,6 +359,7 @@ OPERATOR_METRICS = (
     OPERATOR_PAIRS,
     OPERATOR_PAIR_PHASE,
     OPERATOR_PAIR_RESTARTS,
+    OPERATOR_INSTANCE_REPLACEMENTS,
     OPERATOR_HANG_DETECTIONS,
     OPERATOR_PORT_POOL_FREE,
     OPERATOR_PORT_POOL_SIZE,

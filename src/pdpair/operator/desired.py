@@ -130,6 +130,7 @@ class Plan:
     # is then this plan's concern, never an ordered restart of the pair (planner.failure)
     heals_alone: bool = False
     instance_restart_times: Mapping[str, tuple[float, ...]] | None = None  # the new per-instance record, if changed
+    replaced_instance: tuple[str, str] | None = None  # (role, restart reason code) of the instance replaced alone
 
     @property
     def progressing(self) -> bool:
@@ -409,6 +410,7 @@ def _healing_plan(spec: Mapping[str, Any], generation: int, healed: instances.He
     if healed.replace is not None:
         return Plan(STEP_INSTANCES, generation, PHASE_READY, conditions, healed.message, delete=(healed.replace.name,),
                     heals_alone=True, instance_restart_times=healed.restart_times,
+                    replaced_instance=(healed.replace.role, healed.reason),
                     events=(("Warning", "InstanceReplacing", healed.message),))
     message = f"generation {generation} is ready ({counts} serving)" + (f"; {healed.message}" if healed.message else "")
     return Plan(STEP_READY, generation, PHASE_READY, conditions, message, heals_alone=True,

@@ -29,6 +29,7 @@ from typing import Any, Iterable, Mapping
 from pdpair.contract import PHASE_READY, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 
 from . import spec_fields
+from .health import REASON_CONTAINER_RESTART, REASON_POD_FAILED
 from .observed import Finding, PodView
 from .restart_policy import Action, RestartPolicy, decide, prune, restarts_in_window
 
@@ -130,6 +131,7 @@ class Heal:
     wait_seconds: float | None = None  # a replacement in backoff: pass again no later
     message: str = ""
     serving: Mapping[str, int] = field(default_factory=dict)  # role -> instances serving (Ready, not draining)
+    reason: str = ""  # the restart reason code of the replacement (health.RESTART_REASONS: the metric's label)
 
 
 def instance_key(pod: PodView) -> str:
@@ -175,6 +177,8 @@ def heal(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int, now:
     for pod in sorted(failing, key=lambda p: (p.role != ROLE_DECODE, p.instance)):
         key = instance_key(pod)
         earlier = restart_times.get(key, ())
+        code = (finding.reason if pod is named and finding is not None else
+                REASON_POD_FAILED if pod.failed else REASON_CONTAINER_RESTART)
         why = (finding.message if pod is named and finding is not None else
                f"{pod.role} pod {pod.name} {pod.phase.lower()}" if pod.failed else
                f"{pod.role} pod {pod.name} container restarted {pod.restarts}x")
@@ -186,7 +190,7 @@ def heal(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int, now:
             continue
         record = {k: v for k, v in restart_times.items() if restarts_in_window(policy, v, now)}
         record[key] = tuple(prune(policy, list(earlier) + [now], now))
-        return Heal(replace=pod, restart_times=record, serving=serving,
+        return Heal(replace=pod, restart_times=record, serving=serving, reason=code,
                     message=f"replacing {pod.role} instance {pod.instance} alone ({why}); "
                             f"{decision.message} for this instance")
     if waits:

@@ -44,6 +44,8 @@ class OperatorMetrics:
         self._pairs = made[contract.OPERATOR_PAIRS.name]
         self._pair_phase = made[contract.OPERATOR_PAIR_PHASE.name]
         self._restarts = made[contract.OPERATOR_PAIR_RESTARTS.name]
+        self._replacements = made[contract.OPERATOR_INSTANCE_REPLACEMENTS.name]
+        self._replaced: dict[tuple[str, str], set[tuple[str, str]]] = {}  # (ns, pair) -> {(role, reason)} counted
         self._hangs = made[contract.OPERATOR_HANG_DETECTIONS.name]
         self._pool_free = made[contract.OPERATOR_PORT_POOL_FREE.name]
         self._pool_size = made[contract.OPERATOR_PORT_POOL_SIZE.name]
@@ -79,6 +81,9 @@ class OperatorMetrics:
             for reason in RESTART_REASONS:
                 with contextlib.suppress(KeyError):
                     self._restarts.remove(namespace, pair, reason)
+            for role, reason in self._replaced.pop((namespace, pair), set()):
+                with contextlib.suppress(KeyError):
+                    self._replacements.remove(namespace, pair, role, reason)
             self._recount()
 
     def pair_restarted(self, namespace: str, pair: str, reason: str) -> None:
@@ -87,6 +92,18 @@ class OperatorMetrics:
         _check_name("namespace", namespace)
         _check_name("pair", pair)
         self._restarts.labels(namespace=namespace, pair=pair, reason=reason).inc()
+
+    def instance_replaced(self, namespace: str, pair: str, role: str, reason: str) -> None:
+        """One engine instance of an xPyD pair replaced alone (operator/instances.heal)."""
+        if reason not in RESTART_REASONS:
+            raise ValueError(f"reason must be one of {RESTART_REASONS}, got {reason!r}")
+        if role not in (contract.ROLE_PREFILL, contract.ROLE_DECODE):
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        _check_name("namespace", namespace)
+        _check_name("pair", pair)
+        with self._lock:
+            self._replaced.setdefault((namespace, pair), set()).add((role, reason))
+        self._replacements.labels(namespace=namespace, pair=pair, role=role, reason=reason).inc()
 
     def hang_detected(self) -> None:
         self._hangs.inc()

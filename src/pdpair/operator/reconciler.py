@@ -660,6 +660,8 @@ class PairReconciler:
             await self._patch_meta({ANNOTATION_INSTANCE_RESTART_TIMES: json.dumps(
                 {"generation": record[0], "times": {k: list(v) for k, v in record[1].items()}})})
             self.instance_restarts_written = (record, time.monotonic())
+        if plan.replaced_instance is not None and self.rt.metrics is not None:
+            self.rt.metrics.instance_replaced(self.ref.namespace, self.ref.name, *plan.replaced_instance)
 
         if plan.rolled_out:
             self.emit("Normal", "RollingOut", f"spec changed: rolling out generation {plan.pair_generation}, decode first")

@@ -210,6 +210,7 @@ def test_a_failed_decode_instance_is_replaced_alone_while_the_pair_serves():
     plans = replace_alone(world, "p-decode-1-1")
     assert plans[0].step == d.STEP_INSTANCES and plans[0].delete == ("p-decode-1-1",) and plans[0].heals_alone
     assert plans[0].events[0][:2] == ("Warning", "InstanceReplacing") and "p-decode-1-1" in plans[0].events[0][2]
+    assert plans[0].replaced_instance == ("decode", "pod_failed")
     assert "decode 1/2" in dict((c.type, c.message) for c in plans[0].conditions)["Ready"]
     assert (plans[1].create, plans[1].create_instance) == ("decode", 1)
     assert all(world.pods[n] is p for n, p in others.items())
@@ -300,6 +301,7 @@ def test_a_hung_finding_about_one_instance_replaces_it_alone():
     hung = dataclasses.replace(hung, pod_uid="u-new")
     decided = planner.plan(world.spec, world.status, dataclasses.replace(world.observe(), health=hung), world.now)
     assert decided.restart is None and decided.steps.delete == ("p-decode-1-1",)
+    assert decided.steps.replaced_instance == ("decode", "hung")
     assert "waits for 3 signals" in decided.steps.message
     # The same finding in a 1P1D pair is the ordered restart it always was.
     world = SimWorld(spec())

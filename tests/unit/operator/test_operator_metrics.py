@@ -35,6 +35,7 @@ def test_every_operator_metric_is_exported_with_its_type_and_labels(served):
     metrics, port = served
     metrics.set_pair_phase("ns", "a", "Ready")
     metrics.pair_restarted("ns", "a", "hung")
+    metrics.instance_replaced("ns", "a", "decode", "hung")
     metrics.hang_detected()
     metrics.set_port_pool(free=7, size=10)
     with metrics.time_reconcile():
@@ -70,6 +71,10 @@ def test_phases_per_pair_and_by_phase_agree(served):
         assert v[("pdpair_operator_pair_restarts_total", (("namespace", "ns"), ("pair", "b"), ("reason", reason)))] == 0
 
     metrics.pair_restarted("ns", "b", "stale_generation")
+    metrics.instance_replaced("ns", "b", "prefill", "pod_failed")
+    _, v = scrape(port)
+    assert v[("pdpair_operator_instance_replacements_total", (("namespace", "ns"), ("pair", "b"), ("reason", "pod_failed"),
+                                                              ("role", "prefill")))] == 1
     metrics.forget_pair("ns", "b")
     metrics.forget_pair("ns", "never-seen")
     _, v = scrape(port)
@@ -83,6 +88,8 @@ def test_phases_per_pair_and_by_phase_agree(served):
         (lambda m: m.set_pair_phase("ns", "a", "Running"), "phase"),
         (lambda m: m.set_pair_phase("", "a", "Ready"), "namespace"),
         (lambda m: m.pair_restarted("ns", "a", "bored"), "reason"),
+        (lambda m: m.instance_replaced("ns", "a", "decode", "bored"), "reason"),
+        (lambda m: m.instance_replaced("ns", "a", "router", "hung"), "role"),
         (lambda m: m.set_port_pool(free=11, size=10), "free <= size"),
         (lambda m: m.observe_reconcile(-1), "seconds"),
     ],
