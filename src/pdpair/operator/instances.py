@@ -10,13 +10,14 @@ after desired.py's own action (it never overrides one):
   - prefill i >= 1 once a decode of its generation runs (has an address), like prefill 0;
   - an instance at or above its role's count (a scale-down: the highest indexes go, like a StatefulSet) is first
     marked draining (annotation pdpair.io/draining-since on the pod, the executor's write): from that pass on it is
-    in no push, so the router sends it nothing new and no prefill starts a new transfer to it (a decode left out of a
-    prefill's set keeps its edge until the pushes in flight end: the connector's rule); after
+    out of the router's set, so no new request is sent to it; it stays in the prefills' sets until its pod stops
+    running, because a request the router sent to it just before the mark still needs its KV pushed there (taking
+    it out at once failed such a request on the real nodes: decode answered 500); after
     `spec.rollout.drainSeconds` it is deleted, a prefill or router before any decode (desired.teardown's order);
     its port leases are released only once the pod is gone (leases.py counts live pods' instances).
-The pushes (`prefill_peers`, `router_members`): a prefill is given every decode of its own generation that runs and
-is not draining (never another generation's: the pairing stays revision-coherent); the router every instance of
-its generation that is Ready and not draining. The executor sends them (push.py) whenever they differ from what the
+The pushes (`prefill_peers`, `router_members`): a prefill is given every decode of its own generation that runs,
+draining ones included (never another generation's: the pairing stays revision-coherent); the router every
+instance of its generation that is Ready and not draining. The executor sends them (push.py) whenever they differ from what the
 pod was last told.
 """
 
@@ -200,10 +201,11 @@ def heal(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int, now:
 
 
 def prefill_peers(pods: Iterable[PodView], generation: int) -> list[PodView]:
-    """The decodes a prefill of `generation` is given: that generation's, running (an address), not draining; by
-    index."""
-    return sorted((p for p in pods if p.role == ROLE_DECODE and p.generation == generation and p.running
-                   and p.draining_since is None), key=lambda p: p.instance)
+    """The decodes a prefill of `generation` is given: that generation's, running (an address), by index. A draining
+    decode stays until its pod stops: the router no longer sends it requests, but one it sent just before the mark
+    still has its KV pushed there by a prefill."""
+    return sorted((p for p in pods if p.role == ROLE_DECODE and p.generation == generation and p.running),
+                  key=lambda p: p.instance)
 
 
 def peers_digest(entries: Iterable[str]) -> str:
