@@ -1,6 +1,6 @@
 """The chart's PodMonitor, translated by the harness (devcluster/incluster_prometheus.py) and fed the discovery
 sidecar's targets (pod_sd_sidecar.py), selects and labels pods in a REAL Prometheus (Debian's) exactly as the
-PodMonitor says: only the pair pods' prefill/decode `metrics` ports, with namespace/pod/pair/job/endpoint labels.
+PodMonitor says: only the pair pods' prefill/decode `metrics` ports, with namespace/pod/pair/pdpair_instance/job/endpoint labels.
 Prometheus' /api/v1/targets shows the relabelled targets without scraping them (the addresses go nowhere)."""
 from __future__ import annotations
 
@@ -40,8 +40,10 @@ def test_real_prometheus_selects_and_labels_the_pair_pods_like_the_podmonitor(tm
     config["rule_files"] = []
     pair = {contract.LABEL_PAIR: "tiny"}
     pods = [
+        # a pod made before the instance label (instance 0) and an xPyD decode instance 1
         _pod("tiny-prefill-g1", "a", {**pair, contract.LABEL_ROLE: contract.ROLE_PREFILL}),
-        _pod("tiny-decode-g1", "b", {**pair, contract.LABEL_ROLE: contract.ROLE_DECODE}, ip="127.0.0.3"),
+        _pod("tiny-decode-g1-1", "b", {**pair, contract.LABEL_ROLE: contract.ROLE_DECODE, contract.LABEL_INSTANCE: "1"},
+             ip="127.0.0.3"),
         _pod("tiny-router-g1", "a", {**pair, contract.LABEL_ROLE: contract.ROLE_ROUTER}),  # role not selected
         _pod("stray", "a", {contract.LABEL_ROLE: contract.ROLE_DECODE}),  # no pair label
         _pod("tiny-decode-g0", "a", {**pair, contract.LABEL_ROLE: contract.ROLE_DECODE}, phase="Failed"),
@@ -58,13 +60,14 @@ def test_real_prometheus_selects_and_labels_the_pair_pods_like_the_podmonitor(tm
                 break
             time.sleep(0.3)
         got = sorted((t["labels"]["pod"], t["scrapeUrl"]) for t in active)
-        assert got == [("tiny-decode-g1", "http://127.0.0.3:9100/metrics"),
+        assert got == [("tiny-decode-g1-1", "http://127.0.0.3:9100/metrics"),
                        ("tiny-prefill-g1", "http://127.0.0.2:9100/metrics")], json.dumps(active, indent=1)[:3000]
         for t in active:
             labels = t["labels"]
             assert labels["pair"] == "tiny" and labels["container"] == "engine" and labels["endpoint"] == "metrics"
             assert labels["job"] == f"{podmonitor['metadata']['namespace']}/{podmonitor['metadata']['name']}"
-            assert labels["namespace"] == {"tiny-prefill-g1": "a", "tiny-decode-g1": "b"}[labels["pod"]]
+            assert labels["namespace"] == {"tiny-prefill-g1": "a", "tiny-decode-g1-1": "b"}[labels["pod"]]
+            assert labels["pdpair_instance"] == {"tiny-prefill-g1": "0", "tiny-decode-g1-1": "1"}[labels["pod"]]
             assert not any(k.startswith("__meta") for k in labels)
         # every other discovered target (http ports, the router, the unpaired pod, the Failed pod) is dropped
         assert len(data["droppedTargets"]) == 2 * len(pods) - 2

@@ -14,8 +14,8 @@ from pdpair.operator.health import RESTART_REASONS  # the `reason` label values 
 from tests.monitoring_support import DASHBOARD, alert_rules, one, render, rules_from_chart
 
 # Labels Prometheus adds to every pod series: prometheus-operator (namespace, pod, ...), the scrape (job, instance)
-# and the PodMonitor's relabeling (pair).
-TARGET_LABELS = {"namespace", "pod", "container", "endpoint", "service", "job", "instance", "pair"}
+# and the PodMonitor's relabeling (pair, and pdpair_instance: the pod's index within its role, label pdpair.io/instance).
+TARGET_LABELS = {"namespace", "pod", "container", "endpoint", "service", "job", "instance", "pair", "pdpair_instance"}
 SERIES = {series: metric for metric in contract.ALL_METRICS for series in metric.series_names}
 LABEL_VALUES = {"phase": set(contract.PHASES), "outcome": {contract.OUTCOME_OK, contract.OUTCOME_TIMEOUT,
                                                            contract.OUTCOME_ERROR}, "role": set(contract.ROLES),
@@ -149,7 +149,14 @@ def test_pod_monitor_matches_the_contract():
     assert endpoint["path"] == contract.METRICS_PATH
     # Kubernetes service discovery turns label "pdpair.io/pair" into __meta_kubernetes_pod_label_pdpair_io_pair
     sanitized = re.sub(r"[^a-zA-Z0-9_]", "_", contract.LABEL_PAIR)
-    [relabel] = endpoint["relabelings"]
-    assert relabel["sourceLabels"] == [f"__meta_kubernetes_pod_label_{sanitized}"]
-    assert relabel["targetLabel"] == "pair" and "pair" in TARGET_LABELS
+    pair, default_instance, instance = endpoint["relabelings"]
+    assert pair["sourceLabels"] == [f"__meta_kubernetes_pod_label_{sanitized}"]
+    assert pair["targetLabel"] == "pair" and "pair" in TARGET_LABELS
+    # pdpair.io/instance becomes pdpair_instance (Prometheus keeps `instance` for the target): "0" unless the pod has
+    # the label (absent means instance 0, as the operator reads it), then the label's value
+    assert default_instance == {"targetLabel": "pdpair_instance", "replacement": "0", "action": "replace"}
+    sanitized = re.sub(r"[^a-zA-Z0-9_]", "_", contract.LABEL_INSTANCE)
+    assert instance == {"sourceLabels": [f"__meta_kubernetes_pod_label_{sanitized}"], "regex": "(.+)",
+                        "targetLabel": "pdpair_instance", "action": "replace"}
+    assert "pdpair_instance" in TARGET_LABELS
     assert len(contract.METRICS_PORT_NAME) <= 15  # IANA_SVC_NAME limit of a containerPort name

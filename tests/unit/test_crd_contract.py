@@ -186,10 +186,36 @@ def test_health_status_schema_and_column(version, status_schema):
     roles = schema["roles"]["properties"]
     assert set(roles) == {contract.ROLE_DECODE, contract.ROLE_PREFILL} and roles["decode"] == roles["prefill"]
     assert roles["decode"]["properties"]["state"]["enum"] == [s.value for s in health.PodState]
+    # xPyD: the instances beyond the first, keyed <role>-<index>, each entry a roles entry (the apiserver prunes what
+    # the schema does not declare, so a missing key here would silently drop what the watch writes)
+    instances = schema["instances"]
+    assert instances["additionalProperties"] == roles["decode"]
+    assert instances["maxProperties"] >= 2 * (contract.MAX_REPLICAS - 1)
+    assert schema["pod"]["type"] == "string" and schema["pod"]["maxLength"] == 253
     column = next(c for c in version["additionalPrinterColumns"] if c["name"] == "KV Health")
     assert (column["jsonPath"], column["priority"]) == (".status.health.verdict", 1)
     column = next(c for c in version["additionalPrinterColumns"] if c["name"] == "Decode Deficit")
     assert (column["jsonPath"], column["priority"]) == (".status.health.roles.decode.deficit", 1)
+
+
+def test_every_key_the_health_watch_writes_is_in_the_schema(status_schema):
+    """What observe writes for an unhealthy 1P2D pair (roles, instances, pod) is declared, key by key."""
+    from pdpair.operator import health
+
+    def scraped(role, instance):
+        target = health.ScrapeTarget(role, f"p-{role}-g1-{instance}", "10.0.0.1", 20001, instance)
+        metrics = health.PodMetrics({"peer": 2.0}, 40.0, 30.0, 1, 0.0, 3.0)
+        return health.PodScrape(target, health.PodState.HUNG, "hung", metrics)
+
+    written, _ = health.observe(None, 1, [scraped("prefill", 0), scraped("decode", 0), scraped("decode", 1)],
+                                {"prefill": {"metadata": {"name": "p"}, "status": {"phase": "Running"}},
+                                 "decode": {"metadata": {"name": "d"}, "status": {"phase": "Running"}}})
+    schema = status_schema["properties"]["health"]
+    assert set(written) <= set(schema["properties"]) and written["pod"] and written["instances"]
+    entry = schema["properties"]["roles"]["properties"]["decode"]["properties"]
+    for table in (written["roles"], written["instances"]):
+        for value in table.values():
+            assert set(value) <= set(entry), set(value) - set(entry)
 
 
 # --- InferencePairRole: the per-role scale object (docs/xpyd.md section 2) ------------------------------------------

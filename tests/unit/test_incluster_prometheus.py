@@ -37,9 +37,14 @@ def test_podmonitor_becomes_one_role_pod_job_like_prometheus_operator(chart):
     targets = [r.get("target_label") for r in rules]
     for label in ("namespace", "pod", "container", "job", "endpoint"):
         assert label in targets, label
-    # the PodMonitor's own relabeling (the `pair` label the alert rules group by) comes after the operator's
-    assert rules[-1] == {"source_labels": ["__meta_kubernetes_pod_label_pdpair_io_pair"], "target_label": "pair",
-                         "action": "replace"}
+    # the PodMonitor's own relabelings (the `pair` and `pdpair_instance` labels the alert rules group by) come after
+    # the operator's
+    assert rules[-3:] == [
+        {"source_labels": ["__meta_kubernetes_pod_label_pdpair_io_pair"], "target_label": "pair", "action": "replace"},
+        {"target_label": "pdpair_instance", "replacement": "0", "action": "replace"},
+        {"source_labels": ["__meta_kubernetes_pod_label_pdpair_io_instance"], "regex": "(.+)",
+         "target_label": "pdpair_instance", "action": "replace"},
+    ]
 
 
 def test_namespace_selector_match_names_and_default():

@@ -44,7 +44,6 @@ from pdpair.contract import (
     PLURAL,
     PURPOSE_METRICS,
     ROLE_OBJECT_PLURAL,
-    ROLES,
     VERSION,
 )
 
@@ -341,8 +340,9 @@ async def watch_health(
     body: kopf.Body, uid: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, logger: logging.Logger,
     pair_pods: kopf.Index, **_: Any,
 ) -> None:
-    """Every health interval, scrape the Ready pair's pods and write what it saw to `status.health` (only that key;
-    the reconciler owns the conditions and reads the verdict back from status). It decides nothing itself."""
+    """Every health interval, scrape the Ready pair's engine pods (every instance of both roles: _scrape_pair) and
+    write what it saw to `status.health` (only that key; the reconciler owns the conditions and reads the verdict
+    back from status). It decides nothing itself."""
     runtime: Runtime = memo["runtime"]
     interval = runtime.config.health_interval
     refresh = health.HEALTH_REFRESH_INTERVALS * interval
@@ -378,7 +378,10 @@ async def watch_health(
             logger.warning("health check failed: %s: %s", type(exc).__name__, exc)
             continue
         runtime.wake(uid)  # the reconciler derives SignalsHealthy and the restart from what was just written
-        if verdict.restart and health.restart_finding(previous, generation) is None:
+        told = health.restart_finding(previous, generation)
+        # Once per verdict about a pod: an xPyD pair whose hung instance was replaced alone keeps its generation, so
+        # a later hang of another instance is news too.
+        if verdict.restart and (told is None or told.pod != verdict.pod):
             if verdict.hung and runtime.metrics is not None:
                 runtime.metrics.hang_detected()
             _emitter(runtime, body)("Warning", "Unhealthy", f"{verdict.reason}: {verdict.message}")
@@ -388,23 +391,25 @@ async def watch_health(
 async def _scrape_pair(
     body: kopf.Body, generation: int, pods: list[PodView], interval: float
 ) -> tuple[list[health.PodScrape], dict[str, Any]]:
+    """Scrape every engine instance of `generation` the watch judges (health.watched_pods, health.scrape_due), all at
+    once with one per-pod timeout; returns the scrapes and the pod objects by instance key (observe's `pods`)."""
     spec = body.get("spec") or {}
     ports = (body.get("status") or {}).get("ports") or []
-    # Instance 0 of each role: the health verdict is still the pair's, not per edge (docs/xpyd.md section 7)
-    current = {p.role: p for p in pods if p.generation == generation and p.role in ROLES and p.instance == 0}
+    watched = health.watched_pods(pods, generation)
     targets = []
-    for role, pod in current.items():
-        port = port_of(ports, role, PURPOSE_METRICS)
-        if pod.ip and port:
-            targets.append(health.ScrapeTarget(role, pod.name, pod.ip, port))
+    for pod in watched.values():
+        if pod is None or not health.scrape_due(pod):
+            continue
+        port = port_of(ports, pod.role, PURPOSE_METRICS, instance=pod.instance)
+        if port:
+            targets.append(health.ScrapeTarget(pod.role, pod.name, pod.ip or "", port, pod.instance))
     scrapes = await scrape.scrape_pods(
         targets,
         expected_generation=generation,
         hang_timeout_seconds=spec_fields.hang_timeout_seconds(spec),
         timeout=max(0.2, min(2.0, interval / 2)),
     )
-    facts = {role: (current[role].raw if role in current else None) for role in ROLES}
-    return scrapes, facts
+    return scrapes, {key: (pod.raw if pod is not None else None) for key, pod in watched.items()}
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, id="release-ports")

@@ -3,10 +3,12 @@ health watch writes it and the reconciler reads it back. Pure: no I/O, no kopf (
 
 The health daemon in the handlers calls, per pair and per tick:
 
-    targets = [ScrapeTarget(role, pod_name, pod_ip, metrics_port), ...]
+    watched = watched_pods(pods, status.pairGeneration)    # instance key -> PodView (None: instance 0 is gone)
+    targets = [ScrapeTarget(role, pod_name, pod_ip, metrics_port, instance), ...]   # those scrape_due says
     scrapes = await scrape.scrape_pods(targets, expected_generation=status.pairGeneration,
                                        hang_timeout_seconds=spec.connector.hangTimeoutSeconds, timeout=2.0)
-    health, verdict = observe(status.get("health"), status.pairGeneration, scrapes, pods={"decode": pod, ...}, now)
+    health, verdict = observe(status.get("health"), status.pairGeneration, scrapes,
+                              pods={key: view.raw for key, view in watched.items()}, now)
     patch = health_patch(status.get("health"), health, refresh_seconds)  # None: nothing worth a write
     ... patch status.health only, then wake the pair ...
 
@@ -18,8 +20,10 @@ stuck transfer, read from the pod's /healthz); stale_generation (`pdpair_pair_ge
 unreachable (connect error, timeout, non-200, unparsable, or the contract's series missing).
 The pair verdict adds pod facts, in this order of precedence: a pod vanished, a pod Failed, a container restarted,
 a pod hung, a stale generation, a pod unreachable for `UNREACHABLE_THRESHOLD` scrapes in a row (the streak is kept
-in `status.health.roles.<role>.unreachableStreak`). A pod Pending for scheduling makes the verdict `pending` (never
-restart then).
+in `status.health.roles.<role>.unreachableStreak`, or `status.health.instances.<role>-<index>` for an instance
+>= 1). A pod Pending for scheduling makes the verdict `pending` (never restart then). Each rule is applied over every
+watched instance (xPyD: every engine pod of the generation, `watched_pods`), and the verdict names the pod it is
+about (`PairVerdict.pod`, `status.health.pod`, `Finding.pod`): the planner replaces that instance alone where it can.
 """
 
 from __future__ import annotations
@@ -28,13 +32,17 @@ import enum
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from pdpair import contract
-from pdpair.operator.observed import PENDING_SCHEDULING, Finding, pending_for_scheduling
+from pdpair.contract import ROLES
+from pdpair.operator.observed import PENDING_SCHEDULING, Finding, PodView, pending_for_scheduling
 from pdpair.operator.status import FALSE, TRUE, UNKNOWN, Condition, now_rfc3339
 
 __all__ = [
+    "instance_key",
+    "watched_pods",
+    "scrape_due",
     "ScrapeTarget",
     "PodState",
     "PodScrape",
@@ -103,6 +111,7 @@ class ScrapeTarget:
     pod: str
     host: str
     port: int
+    instance: int = 0  # the pod's index within its role (label pdpair.io/instance): where its entry goes in status
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -141,6 +150,51 @@ class PodScrape:
     seconds: float = 0.0  # how long the scrape took
 
 
+# --- which pods the watch judges ----------------------------------------------------------------------
+def instance_key(role: str, instance: int) -> str:
+    """An engine instance's key in status.health: its role for instance 0 (`status.health.roles.<role>`, the key a
+    1P1D pair always had), `<role>-<index>` for the others (`status.health.instances.<role>-<index>`)."""
+    return role if instance == 0 else f"{role}-{instance}"
+
+
+def _role_of(key: str) -> str:
+    return key.partition("-")[0]  # roles have no dash (contract.ROLES)
+
+
+def watched_pods(pods: Iterable[PodView], generation: int) -> dict[str, PodView | None]:
+    """The engine pods of `generation` the health watch judges, by `instance_key`: instance 0 of each role first (in
+    contract.ROLES order; None when the role has none: the pair lost it), then every other instance by role and
+    index, except one draining or being deleted: a scale-down (or a user) is removing it, and vLLM exits 0 on
+    SIGTERM, so its end is no failure (the rule of desired.broken_reason). An instance >= 1 that is not there is not
+    judged either (instances.py creates it)."""
+    first: dict[str, PodView | None] = {role: None for role in ROLES}
+    others: list[PodView] = []
+    for pod in pods:
+        if pod.generation != generation or pod.role not in first:
+            continue
+        if pod.instance == 0:
+            first[pod.role] = pod
+        elif not pod.deleting and pod.draining_since is None:
+            others.append(pod)
+    others.sort(key=lambda p: (ROLES.index(p.role), p.instance))
+    return {**first, **{instance_key(p.role, p.instance): p for p in others}}
+
+
+def scrape_due(pod: PodView) -> bool:
+    """Whether the watch scrapes this watched pod: it has an address and, for an instance >= 1, its engine has
+    started (every container passed its startup probe: vLLM's /health, once the model is loaded). The watch runs
+    only for a Ready pair, so instance 0 is past its startup window; an instance >= 1 of a scale-up is not, and its
+    metrics server may not answer while it loads: scraping it then would count that as unreachable and replace an
+    instance that is only slow to load. Its failures before that are pod facts (Failed, restarted), judged anyway,
+    and the kubelet's startup probe is its deadline, as for the pair's first start."""
+    if not pod.ip:
+        return False
+    if pod.instance == 0 or pod.ready:
+        return True
+    statuses = ((pod.raw or {}).get("status") or {}).get("containerStatuses") or []
+    return bool(statuses) and all(cs.get("started") for cs in statuses)
+
+
 # --- pod facts and the pair verdict ----------------------------------------------------------------
 @dataclass(frozen=True)
 class PodFact:
@@ -148,6 +202,7 @@ class PodFact:
     reason: str | None  # a REASON_* when the pod itself is failing, else None
     pending_scheduling: bool
     message: str
+    pod: str = ""  # the pod's name ("" when no pod object was found: nothing to name)
 
 
 def pod_fact(role: str, pod: Mapping[str, Any] | None) -> PodFact:
@@ -156,13 +211,14 @@ def pod_fact(role: str, pod: Mapping[str, Any] | None) -> PodFact:
         return PodFact(role, REASON_POD_VANISHED, False, f"{role} pod is gone")
     name = (pod.get("metadata") or {}).get("name", "?")
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
-        return PodFact(role, REASON_POD_VANISHED, False, f"{role} pod {name} is being deleted")
+        return PodFact(role, REASON_POD_VANISHED, False, f"{role} pod {name} is being deleted", name)
     status = pod.get("status") or {}
     if status.get("phase") == "Failed":
         why = status.get("reason") or status.get("message") or "no reason given"
-        return PodFact(role, REASON_POD_FAILED, False, f"{role} pod {name} Failed: {why}")
+        return PodFact(role, REASON_POD_FAILED, False, f"{role} pod {name} Failed: {why}", name)
     if status.get("phase") == "Succeeded":
-        return PodFact(role, REASON_POD_FAILED, False, f"{role} pod {name} exited (Succeeded): a server must not end")
+        return PodFact(role, REASON_POD_FAILED, False, f"{role} pod {name} exited (Succeeded): a server must not end",
+                       name)
     for cs in status.get("containerStatuses") or []:
         count = cs.get("restartCount") or 0
         if count > 0:
@@ -172,10 +228,11 @@ def pod_fact(role: str, pod: Mapping[str, Any] | None) -> PodFact:
                 REASON_CONTAINER_RESTART,
                 False,
                 f"{role} pod {name}: container {cs.get('name')} restarted {count}x (last: {last})",
+                name,
             )
     if pending_for_scheduling(pod):
-        return PodFact(role, None, True, f"{role} pod {name} is {PENDING_SCHEDULING}")
-    return PodFact(role, None, False, f"{role} pod {name} {status.get('phase', 'Unknown')}")
+        return PodFact(role, None, True, f"{role} pod {name} is {PENDING_SCHEDULING}", name)
+    return PodFact(role, None, False, f"{role} pod {name} {status.get('phase', 'Unknown')}", name)
 
 
 UNREACHABLE_THRESHOLD = 3  # a pod that just started has no metrics server yet: one failed scrape is no verdict
@@ -195,6 +252,7 @@ class PairVerdict:
     message: str
     scrapes: tuple[PodScrape, ...] = ()
     facts: tuple[PodFact, ...] = ()
+    pod: str = ""  # the pod a restart verdict is about ("" = the pair as a whole, or no restart)
 
     @property
     def hung(self) -> bool:
@@ -209,29 +267,31 @@ def pair_verdict(
     pods: Mapping[str, Mapping[str, Any] | None],
     unreachable_streaks: Mapping[str, int] | None = None,
 ) -> PairVerdict:
-    """Combine one tick's scrapes with the pod objects (role -> pod or None) into a restart verdict.
+    """Combine one tick's scrapes with the pod objects (`instance_key` -> pod or None: `watched_pods`; a 1P1D pair's
+    keys are its roles) into a restart verdict. Each rule of the precedence is applied over every instance before
+    the next rule, in the order of `pods` and of `scrapes`; the verdict names the pod it is about.
 
     `unreachable_streaks` (pod name -> consecutive unreachable scrapes, this one included): a pod is failing at
     UNREACHABLE_THRESHOLD. Without it, a single unreachable scrape counts as failing.
     """
-    facts = tuple(pod_fact(role, pod) for role, pod in pods.items())
+    facts = tuple(pod_fact(_role_of(key), pod) for key, pod in pods.items())
     scrapes = tuple(scrapes)
     for reason in _PRECEDENCE:
         for f in facts:
             if f.reason == reason:
-                return PairVerdict(True, reason, False, f.message, scrapes, facts)
+                return PairVerdict(True, reason, False, f.message, scrapes, facts, f.pod)
     pending = [f for f in facts if f.pending_scheduling]
     if pending:
         return PairVerdict(False, None, True, "; ".join(f.message for f in pending), scrapes, facts)
     for state, reason in ((PodState.HUNG, REASON_HUNG), (PodState.STALE_GENERATION, REASON_STALE_GENERATION)):
         for s in scrapes:
             if s.state is state:
-                return PairVerdict(True, reason, False, s.message, scrapes, facts)
+                return PairVerdict(True, reason, False, s.message, scrapes, facts, s.target.pod)
     for s in scrapes:
         if s.state is PodState.UNREACHABLE and (
             unreachable_streaks is None or unreachable_streaks.get(s.target.pod, 0) >= UNREACHABLE_THRESHOLD
         ):
-            return PairVerdict(True, REASON_UNREACHABLE, False, s.message, scrapes, facts)
+            return PairVerdict(True, REASON_UNREACHABLE, False, s.message, scrapes, facts, s.target.pod)
     return PairVerdict(False, None, False, "healthy", scrapes, facts)
 
 
@@ -240,9 +300,9 @@ VERDICT_HEALTHY = "Healthy"
 VERDICT_UNHEALTHY = "Unhealthy"
 VERDICT_PENDING = "Pending"
 VERDICTS = (VERDICT_HEALTHY, VERDICT_UNHEALTHY, VERDICT_PENDING)
-# A change of verdict, reason, a pod's state, streak, or whether signals are missing is written at once; anything
-# else (observedAt, oldest wait, the exact deficit, transfer counts, scrape times) at most every this many health
-# intervals (5 min at the default 10 s): 1000 idle pairs then cost 3.3 writes/s, and a busy pair (its transfer count
+# A change of verdict, reason, the pod it names, an instance's pod, state, streak, or whether signals are missing is
+# written at once (over `roles` and `instances`); anything else (observedAt, oldest wait, the exact deficit,
+# transfer counts, scrape times) at most every this many health intervals (5 min at the default 10 s): 1000 idle pairs then cost 3.3 writes/s, and a busy pair (its transfer count
 # and in-flight deficit move every scrape) no more than an idle one.
 HEALTH_REFRESH_INTERVALS = 30
 MESSAGE_MAX = 1024
@@ -251,7 +311,8 @@ MESSAGE_MAX = 1024
 def _role_entry(
     scrape: PodScrape, before: Mapping[str, Any], stamp: str
 ) -> dict[str, Any]:
-    """One role's entry: `before` is the same pod's entry from status ({} for a new pod or generation)."""
+    """One instance's entry (a `roles` or an `instances` entry: one shape): `before` is the same pod's entry from
+    status ({} for a new pod or generation)."""
     entry: dict[str, Any] = {
         "pod": scrape.target.pod,
         "state": scrape.state.value,
@@ -275,6 +336,12 @@ def _role_entry(
     return entry
 
 
+def _same_pod(entries: Any, key: str, pod: str) -> Mapping[str, Any]:
+    """The written entry `key` if it is about `pod`, else {}: nothing carries over to another pod."""
+    entry = entries.get(key) if isinstance(entries, Mapping) else None
+    return entry if isinstance(entry, Mapping) and entry.get("pod") == pod else {}
+
+
 def observe(
     previous: Mapping[str, Any] | None,
     generation: int,
@@ -283,20 +350,27 @@ def observe(
     now: datetime | None = None,
 ) -> tuple[dict[str, Any], PairVerdict]:
     """One scrape of a Ready pair -> (the new `status.health`, the verdict). `previous` is `status.health` as written
-    (None or another generation's: nothing carries over). Streaks and transfer counts carry over per role only while
-    the role's pod is the same."""
+    (None or another generation's: nothing carries over). `pods` is pair_verdict's (instance key -> pod object).
+
+    Instance 0 of each role is written under `roles.<role>` (as a 1P1D pair always had it), every other scraped
+    instance under `instances.<role>-<index>` (the key is left out when there is none, so a 1P1D pair's status is
+    what it was); `pod` names the pod of an Unhealthy verdict (left out otherwise, or when it is about the pair as a
+    whole). Streaks and transfer counts carry over per entry only while its pod is the same."""
     stamp = now_rfc3339(now)
     before = read_health(previous)
-    prior_roles = (before or {}).get("roles") or {} if before and before.get("pairGeneration") == generation else {}
+    same_generation = before is not None and before.get("pairGeneration") == generation
+    prior_roles = (before.get("roles") or {}) if same_generation else {}
+    prior_instances = (before.get("instances") or {}) if same_generation else {}
     roles: dict[str, dict[str, Any]] = {}
+    instances: dict[str, dict[str, Any]] = {}
     for scrape in scrapes:
-        prior = prior_roles.get(scrape.target.role)
-        prior = prior if isinstance(prior, Mapping) and prior.get("pod") == scrape.target.pod else {}
-        roles[scrape.target.role] = _role_entry(scrape, prior, stamp)
-    streaks = {e["pod"]: e["unreachableStreak"] for e in roles.values()}
+        key = instance_key(scrape.target.role, scrape.target.instance)
+        table, prior = (roles, prior_roles) if scrape.target.instance == 0 else (instances, prior_instances)
+        table[key] = _role_entry(scrape, _same_pod(prior, key, scrape.target.pod), stamp)
+    streaks = {e["pod"]: e["unreachableStreak"] for e in (*roles.values(), *instances.values())}
     verdict = pair_verdict(scrapes, pods, unreachable_streaks=streaks)
     word = VERDICT_UNHEALTHY if verdict.restart else VERDICT_PENDING if verdict.pending else VERDICT_HEALTHY
-    health = {
+    health: dict[str, Any] = {
         "pairGeneration": generation,
         "observedAt": stamp,
         "verdict": word,
@@ -304,18 +378,28 @@ def observe(
         "message": verdict.message[:MESSAGE_MAX],
         "roles": roles,
     }
+    if verdict.restart and verdict.pod:
+        health["pod"] = verdict.pod
+    if instances:
+        health["instances"] = instances
     return health, verdict
 
 
+def _meaningful_entries(entries: Any) -> tuple:
+    if not isinstance(entries, Mapping):
+        return ()
+    return tuple(sorted((key, e.get("pod"), e.get("state"), e.get("unreachableStreak"), bool(e.get("deficit")))
+                        for key, e in entries.items() if isinstance(e, Mapping)))
+
+
 def meaningful(health: Mapping[str, Any] | None) -> tuple:
-    """What a write is due for at once: the verdict and each pod's state, streak and 'signals missing or not'."""
+    """What a write is due for at once: the verdict, the pod it names, and each instance's pod, state, streak and
+    'signals missing or not' (instance 0's under `roles`, the others' under `instances`)."""
     if not health:
         return ()
-    roles = health.get("roles") or {}
     return (
-        health.get("pairGeneration"), health.get("verdict"), health.get("reason"),
-        tuple(sorted((role, e.get("pod"), e.get("state"), e.get("unreachableStreak"), bool(e.get("deficit")))
-                     for role, e in roles.items() if isinstance(e, Mapping))),
+        health.get("pairGeneration"), health.get("verdict"), health.get("reason"), health.get("pod") or "",
+        _meaningful_entries(health.get("roles")), _meaningful_entries(health.get("instances")),
     )
 
 
@@ -382,13 +466,13 @@ def _current(health: Any, generation: int) -> Mapping[str, Any] | None:
 
 def restart_finding(health: Any, generation: int | None = None) -> Finding | None:
     """The restart finding `status.health` holds about `generation` (default: the generation it judged), if its
-    verdict is unhealthy."""
+    verdict is unhealthy; `Finding.pod` is the pod it names (`status.health.pod`; "" = the pair as a whole)."""
     h = read_health(health)
     if h is None or (generation is not None and h["pairGeneration"] != generation) or h["verdict"] != VERDICT_UNHEALTHY:
         return None
     reason = h.get("reason")
     return Finding(reason if reason in RESTART_REASONS else REASON_UNREACHABLE, str(h.get("message") or "unhealthy"),
-                   int(h["pairGeneration"]))
+                   int(h["pairGeneration"]), pod=str(h.get("pod") or ""))
 
 
 def condition_reason(code: str | None) -> str:

@@ -146,7 +146,9 @@ def test_hung_pod_is_unhealthy_and_reads_back_as_a_restart(exporter):
     assert new["roles"]["decode"]["state"] == "hung" and new["roles"]["decode"]["deficit"] == 3
     assert new["roles"]["decode"]["oldestWaitSeconds"] >= 0.3
     assert new["roles"]["prefill"]["state"] == "healthy"
-    assert restart_finding(new, 1) == Finding(REASON_HUNG, new["message"], 1) and "stuck" in new["message"]
+    assert new["pod"] == decode.pod  # the verdict names its pod (the planner replaces an xPyD instance alone)
+    assert restart_finding(new, 1) == Finding(REASON_HUNG, new["message"], 1, pod=decode.pod)
+    assert "stuck" in new["message"]
     cond = signals_condition(new, 1)
     assert (cond.type, cond.status, cond.reason) == (contract.COND_SIGNALS_HEALTHY, "False", "Hung")
     # a verdict about another generation decides nothing
