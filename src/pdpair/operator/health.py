@@ -380,6 +380,10 @@ def observe(
     }
     if verdict.restart and verdict.pod:
         health["pod"] = verdict.pod
+        uid = next(((p.get("metadata") or {}).get("uid") for p in pods.values()
+                    if p and (p.get("metadata") or {}).get("name") == verdict.pod), None)
+        if uid:  # the replaced instance's pod comes back under the same name: the uid tells the two apart
+            health["podUid"] = str(uid)
     if instances:
         health["instances"] = instances
     return health, verdict
@@ -472,7 +476,7 @@ def restart_finding(health: Any, generation: int | None = None) -> Finding | Non
         return None
     reason = h.get("reason")
     return Finding(reason if reason in RESTART_REASONS else REASON_UNREACHABLE, str(h.get("message") or "unhealthy"),
-                   int(h["pairGeneration"]), pod=str(h.get("pod") or ""))
+                   int(h["pairGeneration"]), pod=str(h.get("pod") or ""), pod_uid=str(h.get("podUid") or ""))
 
 
 def condition_reason(code: str | None) -> str:

@@ -121,6 +121,7 @@ def test_2p3d_scrapes_every_instance_and_names_the_hung_decode(xpyd):
     hung = name("decode", 2)
     assert (verdict.restart, verdict.reason, verdict.pod) == (True, REASON_HUNG, hung)
     assert (new["verdict"], new["reason"], new["pod"]) == (VERDICT_UNHEALTHY, REASON_HUNG, hung)
+    assert new["podUid"] == "uid-decode-2"  # the same name comes back on a replacement; the uid does not
     assert hung in new["message"] and "stuck" in new["message"]  # /healthz named the transfer
     assert set(new["roles"]) == {"prefill", "decode"}  # instance 0 keeps its place
     assert {k: e["pod"] for k, e in new["roles"].items()} == {"prefill": name("prefill"), "decode": name("decode")}
@@ -130,7 +131,7 @@ def test_2p3d_scrapes_every_instance_and_names_the_hung_decode(xpyd):
     assert entry["oldestWaitSeconds"] >= 0.3
     assert all(e["state"] == "healthy" for k, e in {**new["roles"], **new["instances"]}.items() if k != "decode-2")
     assert set(entry) == set(new["roles"]["decode"])  # one entry shape
-    assert restart_finding(new, 1) == Finding(REASON_HUNG, new["message"], 1, pod=hung)
+    assert restart_finding(new, 1) == Finding(REASON_HUNG, new["message"], 1, pod=hung, pod_uid="uid-decode-2")
     cond = signals_condition(new, 1)
     assert (cond.status, cond.reason) == ("False", "Hung")
 
@@ -332,8 +333,8 @@ def one_p_one_d_ticks(h):
 
 
 def without_pod(health_or_patch):
-    """Without the top-level `pod` (the entries' own `pod` is the scraped pod, as before)."""
-    return {k: v for k, v in health_or_patch.items() if k != "pod"}
+    """Without the top-level `pod` and `podUid` (the entries' own `pod` is the scraped pod, as before)."""
+    return {k: v for k, v in health_or_patch.items() if k not in ("pod", "podUid")}
 
 
 def test_a_1p1d_pair_writes_what_it_wrote_before_instances():
