@@ -181,15 +181,16 @@ def watched_pods(pods: Iterable[PodView], generation: int) -> dict[str, PodView 
 
 
 def scrape_due(pod: PodView) -> bool:
-    """Whether the watch scrapes this watched pod: it has an address and, for an instance >= 1, its engine has
-    started (every container passed its startup probe: vLLM's /health, once the model is loaded). The watch runs
-    only for a Ready pair, so instance 0 is past its startup window; an instance >= 1 of a scale-up is not, and its
-    metrics server may not answer while it loads: scraping it then would count that as unreachable and replace an
-    instance that is only slow to load. Its failures before that are pod facts (Failed, restarted), judged anyway,
-    and the kubelet's startup probe is its deadline, as for the pair's first start."""
+    """Whether the watch scrapes this watched pod: it has an address and its engine has started (every container
+    passed its startup probe: vLLM's /health, once the model is loaded), or it is Ready. The watch runs only for a
+    Ready pair, but an instance of it can still be loading: a scale-up's, or one replaced alone (instance 0 too:
+    instances.heal), and its metrics server may not answer while it loads. Scraping it then would count that as
+    unreachable and replace an instance that is only slow to load (the real nodes showed that loop: a replaced decode
+    0 replaced again every ~40 s until its budget was spent). Its failures before that are pod facts (Failed,
+    restarted), judged anyway, and the kubelet's startup probe is its deadline, as for the pair's first start."""
     if not pod.ip:
         return False
-    if pod.instance == 0 or pod.ready:
+    if pod.ready:
         return True
     statuses = ((pod.raw or {}).get("status") or {}).get("containerStatuses") or []
     return bool(statuses) and all(cs.get("started") for cs in statuses)

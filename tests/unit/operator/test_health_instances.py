@@ -163,7 +163,9 @@ def test_watched_pods_and_scrape_due():
     deleting0 = watched_pods([view("decode", 0, deleting=True), view("prefill", 0)], 1)
     fact_verdict = pair_verdict([], {k: v.raw for k, v in deleting0.items()})
     assert (fact_verdict.reason, fact_verdict.pod) == (health.REASON_POD_VANISHED, name("decode"))
-    assert scrape_due(view("decode", 0, ready=False, started=False))  # instance 0 of a Ready pair: always
+    # a loading instance is not scraped, instance 0 included (one replaced alone loads in a Ready pair)
+    assert not scrape_due(view("decode", 0, ready=False, started=False))
+    assert scrape_due(view("decode", 0, ready=False, started=True))
     assert not scrape_due(view("decode", 1, ready=False, started=False))
     assert scrape_due(view("decode", 1, ready=False, started=True))
     assert not scrape_due(view("decode", 1, ip=None))
