@@ -186,6 +186,14 @@ BAD_SPECS: list[tuple[str, Callable[[dict], None], tuple[str, ...]]] = [
      ("spec.decode.resources.requests.cpu", "should match")),
     ("node-selector-value-too-long", at("prefill.nodeSelector", {"pool": "v" * 64}),
      ("spec.prefill.nodeSelector.pool", "Too long")),
+    ("ratio-max-below-min", at("scaling.ratio", {"min": 2, "max": 0.5}),
+     ("spec.scaling.ratio.max", "must be >= spec.scaling.ratio.min")),
+    ("ratio-zero", at("scaling.ratio", {"min": 0, "max": 1}), ("spec.scaling.ratio.min", "greater than 0")),
+    ("ratio-over-16", at("scaling.ratio", {"min": 1, "max": 17}),
+     ("spec.scaling.ratio.max", "less than or equal to 16")),
+    ("ratio-without-max", at("scaling.ratio", {"min": 1}), ("spec.scaling.ratio.max", "Required value")),
+    ("scaling-follower-unknown", both(at("scaling.ratio", {"min": 1, "max": 2}), at("scaling.follower", "router")),
+     ("spec.scaling.follower", "Unsupported value")),
     ("unknown-field", at("replicas", 2), ('unknown field "spec.replicas"',)),
     ("unknown-nested-field", at("connector.transports", "tcp"), ('unknown field "spec.connector.transports"',)),
     ("name-too-long", rename("p" * 46), ("metadata.name", "Too long", "45")),
@@ -340,6 +348,9 @@ GOOD_SPECS: list[tuple[str, Callable[[dict], None]]] = [
             "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}}))),
     ("name-at-45", rename("p" * 45)),
     ("window-equals-hang-timeout", both(at("connector.hangTimeoutSeconds", 600), at("restartPolicy.windowSeconds", 600))),
+    ("ratio-band", at("scaling.ratio", {"min": 0.5, "max": 2})),
+    ("ratio-single-point-decode-follows", both(at("scaling.ratio", {"min": 1, "max": 1}),
+                                               at("scaling.follower", "decode"))),
 ]
 
 

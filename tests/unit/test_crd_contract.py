@@ -278,3 +278,24 @@ def test_role_crd_printer_columns(role_version):
 def test_the_chart_installs_exactly_the_two_crds():
     found = sorted(p.name for p in (REPO / "charts" / "pdpair" / "crds").glob("*.yaml"))
     assert found == sorted([CRD_PATH.name, ROLE_CRD_PATH.name])
+
+
+# --- spec.scaling: the P:D ratio band (operator/ratio_band.py) -----------------------------------------------------
+def test_scaling_ratio_is_an_optional_bounded_band_with_a_follower_enum(spec_schema, status_schema):
+    scaling = spec_schema["properties"]["scaling"]
+    assert "default" not in scaling  # absent = no band: every pair made before the field is unchanged
+    ratio = scaling["properties"]["ratio"]
+    assert ratio["required"] == ["min", "max"]
+    for end in ("min", "max"):
+        bound = ratio["properties"][end]
+        assert bound["type"] == "number" and bound["minimum"] == 0 and bound["exclusiveMinimum"] is True
+        assert bound["maximum"] == contract.MAX_REPLICAS  # 16 prefill for 1 decode is the most there can be
+    [rule] = ratio["x-kubernetes-validations"]
+    assert rule["rule"] == "self.max >= self.min" and "spec.scaling.ratio.max must be >= spec.scaling.ratio.min" in \
+        rule["message"]
+    follower = scaling["properties"]["follower"]
+    assert tuple(follower["enum"]) == contract.ROLES and follower["default"] == contract.ROLE_PREFILL
+    record = status_schema["properties"]["scaling"]["properties"]
+    assert tuple(record["leader"]["enum"]) == tuple(record["follower"]["enum"]) == contract.ROLES
+    for key in ("leaderReplicas", "followerReplicas", "conflictReplicas"):
+        assert record[key]["maximum"] == contract.MAX_REPLICAS

@@ -73,8 +73,11 @@ COND_NODE_LOST = "NodeLost"  # True while a pod of the pair sits on a lost node 
 # True while a role's InferencePairRole holds a count other than the pair's inline spec.<role>.replicas (the role
 # object wins; docs/xpyd.md section 2); the message names the object and both counts.
 COND_REPLICAS_FROM_SCALE_TARGET = "ReplicasFromScaleTarget"
+# With spec.scaling.ratio (operator/ratio_band.py): True while a count another writer set on the follower role's
+# InferencePairRole was outside the band and moved back (until the leader's count next moves); the message names it.
+COND_SCALING_CONFLICT = "ScalingConflict"
 CONDITIONS = (COND_PORTS_LEASED, COND_DECODE_LISTENING, COND_PREFILL_READY, COND_READY, COND_SIGNALS_HEALTHY,
-              COND_PROGRESSING, COND_NODE_LOST, COND_REPLICAS_FROM_SCALE_TARGET)
+              COND_PROGRESSING, COND_NODE_LOST, COND_REPLICAS_FROM_SCALE_TARGET, COND_SCALING_CONFLICT)
 
 # spec.rolloutStrategy
 ROLLOUT_RECREATE = "Recreate"

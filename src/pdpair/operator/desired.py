@@ -62,7 +62,8 @@ from .status import FALSE, TRUE, Condition
 # changing this list rolls every serving pair on operator upgrade.
 POD_SPEC_FIELDS = ("model", "servedModelName", "image", "prefill", "decode", "connector", "network", "router",
                    "startupTimeoutSeconds")
-SPEC_FIELDS_NOT_IN_PODS = ("rolloutStrategy", "rollout", "restartPolicy")  # how to roll and restart, not what
+# How to roll, restart and scale, not what: spec.scaling (the P:D band) moves counts, like replicas.
+SPEC_FIELDS_NOT_IN_PODS = ("rolloutStrategy", "rollout", "restartPolicy", "scaling")
 
 
 # Inside the role specs, what is not a pod field: the instance count (xPyD). Scaling 2 -> 3 must leave every existing

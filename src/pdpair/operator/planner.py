@@ -2,6 +2,8 @@
 reconcile pass does, and `deleted_pair_teardown(pods)` what a deleted pair's cleanup does.
 
 It owns, in this order:
+  0. each role's count (scale_plan): the role objects' counts, then the P:D band (ratio_band.py), with the write
+     to the follower's scale object that the band needs; everything below plans from scale_plan(...).spec;
   1. the port leases, first, because the pod steps depend on what is held (lease_plan, leases.py): lease or only
      read each port set (the serving one, a Surge rollout's other one), quarantine busy ports and re-lease them,
      fence the ports of pods on lost nodes (nodes.py) and re-lease them;
@@ -25,11 +27,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from pdpair.contract import COND_NODE_LOST, COND_READY, PHASE_FAILED, PHASE_RESTARTING, ROLE_DECODE, ROLE_PREFILL
+from pdpair.contract import COND_NODE_LOST, COND_READY, PHASE_FAILED, PHASE_RESTARTING, ROLE_DECODE, ROLE_PREFILL, ROLES
 
 from . import desired as d
 from .observed import Finding, PodView, Observed
-from . import busy_ports, health, leases, nodes, rollout, scale_targets
+from . import busy_ports, health, leases, nodes, ratio_band, rollout, scale_targets, spec_fields
 from .restart_policy import Action, RestartPolicy, decide, prune
 from .status import FALSE, TRUE, Condition
 
@@ -52,10 +54,48 @@ class PairPlan:
 
 
 def effective_spec(spec: Mapping[str, Any], scale_views: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    """The spec every decision of a pass is made from: spec.<role>.replicas is the role's scale object's count once
-    that object exists, the inline count otherwise (scale_targets.effective_replicas: the one statement of which
-    count wins, docs/xpyd.md section 2). None: scale objects not watched (the inline counts)."""
+    """The spec with the counts that win, before any band: spec.<role>.replicas is the role's scale object's count
+    once that object exists, the inline count otherwise (scale_targets.effective_replicas: the one statement of
+    which count wins, docs/xpyd.md section 2). None: scale objects not watched (the inline counts). A pass plans
+    from scale_plan(...).spec, which is this with spec.scaling.ratio applied."""
     return spec if scale_views is None else scale_targets.effective_spec(spec, scale_views)
+
+
+@dataclass(frozen=True)
+class ScalePlan:
+    """A pass's counts, settled before anything else is planned (scale_plan), and what settling them takes."""
+
+    spec: Mapping[str, Any]  # the spec every decision of the pass is made from (banded counts)
+    follower_write: tuple[str, int] | None = None  # (InferencePairRole name, spec.replicas) the executor writes first
+    events: tuple[tuple[str, str, str], ...] = ()  # (type, reason, message): RatioBand, ScalingConflict
+    conditions: tuple[Condition, ...] = ()  # ScalingConflict while a band is set (or being cleared)
+    status_fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # status.scaling (None removes it)
+
+
+def scale_plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None,
+               scale_views: Mapping[str, Any] | None) -> ScalePlan:
+    """Which count each role runs this pass: effective_spec's (a role object's count wins over the inline one), then
+    the P:D band of spec.scaling.ratio (ratio_band.decide: the follower is kept inside the band of the leader's
+    count). The executor writes `follower_write` to the follower's scale object, so the next pass sees the count
+    it plans with now; `status_fields` records what was decided (ratio_band.Record), which is how a later pass
+    tells a count another writer set on the follower from the operator's own."""
+    counts = (scale_targets.effective_replicas(spec, scale_views) if scale_views is not None
+              else {role: spec_fields.replicas(spec, role) for role in ROLES})
+    live = {role: view.name for role in ROLES
+            if (view := scale_targets.live_view(scale_views or {}, role)) is not None}
+    band = ratio_band.ratio_band(spec)
+    decision = ratio_band.decide(spec, counts, live.get(band.follower) if band else None, status,
+                                 live.get(band.leader, "") if band else "")
+    had_record = isinstance((status or {}).get("scaling"), Mapping)
+    record = decision.record.status() if decision.record is not None else None
+    return ScalePlan(
+        # without a band, exactly effective_spec's (a spec without the roles' counts stays without them)
+        spec=scale_targets.with_counts(spec, decision.counts) if band else effective_spec(spec, scale_views),
+        follower_write=decision.write,
+        events=decision.events,
+        conditions=decision.conditions,
+        status_fields={"scaling": record} if record is not None or had_record else {},
+    )
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from .observed import Finding, NodeView, Observed, PodView
 from . import health, leases, planner, rollout
 from .config import ENV_PEERS_KEY, OperatorConfig
 from .lifecycle import probe_ranks
-from . import instances, push, scale_sync, scale_targets
+from . import instances, push, scale_sync, scale_targets, spec_fields
 from .scale_targets import ScaleView
 from .pods import ManifestError, engine_pod, peers_secret_name, pod_name, router_pod, url_host
 from .ports import PairRef, PortLeaser, port_of, status_ports, ports_of
@@ -569,7 +569,6 @@ class PairReconciler:
         none is made); `scale_views`: the pair's InferencePairRole objects by role, as the index has them (None: not
         watched, none is made, the inline counts hold)."""
         started = time.monotonic()
-        spec = planner.effective_spec(self.body["spec"], scale_views)
         self.scale_views = scale_views
         meta_generation = int(self.body["metadata"].get("generation") or 0)
         pods = tuple(pods)
@@ -578,6 +577,8 @@ class PairReconciler:
         self._refresh_status()
         if planner.halted(self.status, meta_generation):
             return cfg.resync_interval  # the restart budget is spent; only a spec change moves the pair again
+        scaling = await self.settle_counts(scale_views)
+        spec = scaling.spec
 
         node_views = dict(node_views or {})
         lease_plan = planner.lease_plan(spec, self.status, pods, node_views, time.time(), cfg.node_lost_seconds)
@@ -635,8 +636,10 @@ class PairReconciler:
             await self._fail(decided.message, decided.conditions, meta_generation)
             return cfg.resync_interval
         if decided.outcome == planner.OUTCOME_BACKOFF:
-            await self._write_status({"phase": decided.phase, "message": decided.message[:32768]},
-                                     list(decided.conditions) + self._signals_condition(generation),  # it stands
+            await self._write_status({"phase": decided.phase, "message": decided.message[:32768],
+                                      **scaling.status_fields},
+                                     list(decided.conditions) + self._signals_condition(generation)  # it stands
+                                     + list(scaling.conditions),
                                      meta_generation)
             wait = (decided.retry_at - time.time()) if decided.retry_at else cfg.probe_interval
             return max(0.2, min(wait, cfg.resync_interval))
@@ -675,9 +678,9 @@ class PairReconciler:
         rejection = self._rejection(plan)
         await self._write_status(
             {**self._status_fields(plan, pods), **self._rollout_fields(plan, pods), **extra,
-             **({"message": rejection.message} if rejection else {})},
+             **scaling.status_fields, **({"message": rejection.message} if rejection else {})},
             list(plan.conditions) + self._signals_condition(plan.pair_generation) + self._scale_condition()
-            + ([self._rejected_condition(rejection, plan)] if rejection else []),
+            + list(scaling.conditions) + ([self._rejected_condition(rejection, plan)] if rejection else []),
             meta_generation,
         )
         if plan.step != self.last_step:
@@ -689,7 +692,8 @@ class PairReconciler:
         await self._act(plan, pods, meta_generation)
         await self.push_sets(pods)
         if scale_views is not None:
-            await self.sync_scale_targets(plan, scale_views)
+            await self.sync_scale_targets(plan, scale_views, {role: spec_fields.replicas(spec, role)
+                                                              for role in (ROLE_PREFILL, ROLE_DECODE)})
         if plan.release_slot:  # status no longer lists them (written above): the leases can go
             released = await self.rt.leaser.release_slot(self.ref, plan.release_slot)
             self.rollout_ports, self.rollout_blocks = None, None
@@ -868,16 +872,33 @@ class PairReconciler:
             return manifest
         raise ManifestError(f"unknown role {plan.create!r}")
 
-    # --- the per-role scale objects (scale_targets.py decides, scale_sync.py writes) ------------------------------
-    async def sync_scale_targets(self, plan: d.Plan, views: Mapping[str, ScaleView]) -> None:
-        """Make a missing role object, bring each one's status (desired, ready, selector: what /scale reports) to the
-        plan's, and tell once per inline count that a role object's count wins over it."""
+    # --- the per-role scale objects (scale_targets.py and ratio_band.py decide, scale_sync.py writes) -------------
+    async def settle_counts(self, views: Mapping[str, ScaleView] | None) -> planner.ScalePlan:
+        """This pass's counts (planner.scale_plan: the role objects' counts, then spec.scaling.ratio), from the
+        views with this executor's own unseen writes overlaid; carries out the plan's write to the follower's scale
+        object before anything is planned from it, then posts the plan's Events (after the write: an Event never
+        tells of a count that was not written)."""
+        seen = scale_sync.with_own_writes(views, self.scale_cache) if views is not None else None
+        scaling = planner.scale_plan(self.body["spec"], self.status, seen)
+        if scaling.follower_write is not None and views is not None:
+            name, replicas = scaling.follower_write
+            indexed = next(v for v in views.values() if v.name == name)  # the index's count: what the write replaces
+            await scale_sync.write_replicas(self.rt.custom, self.ref.namespace, indexed, replicas, self.scale_cache)
+        for event in scaling.events:
+            self.emit(*event)
+        return scaling
+
+    async def sync_scale_targets(self, plan: d.Plan, views: Mapping[str, ScaleView],
+                                 seeds: Mapping[str, int] | None = None) -> None:
+        """Make a missing role object (from `seeds`, the counts the pass planned, else the inline count), bring each
+        one's status (desired, ready, selector: what /scale reports) to the plan's, and tell once per inline count
+        that a role object's count wins over it."""
         if not plan.role_status:
             return  # a plan without the roles' counts (a halted or failed pass) changes nothing here
         desired = {role: int(plan.role_status[role]["desired"]) for role in plan.role_status}
         ready = {role: int(plan.role_status[role]["ready"]) for role in plan.role_status}
         for event in await scale_sync.sync_scale_targets(self.rt.custom, self.body, views, desired, ready,
-                                                         cache=self.scale_cache):
+                                                         cache=self.scale_cache, seed_counts=seeds):
             self.emit(*event)
         for key, event in scale_targets.overridden_events(scale_targets.inline_overridden(self.body["spec"], views)):
             if key not in self.overridden_told:

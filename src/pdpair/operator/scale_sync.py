@@ -1,9 +1,10 @@
 """The executor's part of the per-role scale objects (docs/xpyd.md section 2): IO only, no decisions.
 
-`sync_scale_targets` makes a missing InferencePairRole from the pair's INLINE count (scale_targets.role_object) and
-writes each object's status (desired, replicas = ready, selector) when it differs from what the index shows. Which
-count the pair runs is scale_targets.effective_replicas, decided before this is called; the counts passed in are the
-plan's.
+`sync_scale_targets` makes a missing InferencePairRole from the pair's INLINE count (scale_targets.role_object; a
+band's follower from the plan's count) and writes each object's status (desired, replicas = ready, selector) when it
+differs from what the index shows. `write_replicas` carries out a plan's write to a follower's spec.replicas
+(spec.scaling.ratio), and `with_own_writes` shows the planner its own writes that the index does not show yet.
+Which count the pair runs is planner.scale_plan's, decided before this is called; the counts passed in are the plan's.
 
 Deadlines: every call goes through `custom_api`, which must be the operator's `TimedApi`-wrapped CustomObjectsApi
 (Runtime.custom): api.py sets `_request_timeout` on each call there, nowhere else. The calls run in the default
@@ -13,6 +14,7 @@ executor (the operator's API thread pool), like the reconciler's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -39,11 +41,49 @@ class ScaleSyncCache:
     # object name -> when a create met an object of that name the pair does not own: not tried again for UNSEEN_TTL
     foreign: dict[str, float] = field(default_factory=dict)
     foreign_told: set[str] = field(default_factory=set)  # such names already reported in an Event
+    # object uid -> (spec.replicas seen before, spec.replicas written, when): a band's write to the follower
+    # (write_replicas), overlaid on the index's view until it shows it (with_own_writes)
+    replicas_written: dict[str, tuple[int, int, float]] = field(default_factory=dict)
 
 
 def api_status(exc: BaseException) -> int | None:
     status = getattr(exc, "status", None)
     return status if isinstance(status, int) else None
+
+
+def with_own_writes(views: Mapping[str, ScaleView], cache: ScaleSyncCache, now: float | None = None
+                    ) -> dict[str, ScaleView]:
+    """The views as they will be once the index shows this executor's own spec.replicas writes (write_replicas):
+    an object still showing the count seen before the write holds the written one, for at most UNSEEN_TTL. Without
+    it the pass after a band's write would see the old count and take it for another writer's (ratio_band)."""
+    now = time.monotonic() if now is None else now
+    out = dict(views)
+    for role, view in views.items():
+        written = cache.replicas_written.get(view.uid)
+        if written is None:
+            continue
+        before, after, at = written
+        if view.replicas == before and now - at < UNSEEN_TTL:
+            out[role] = dataclasses.replace(view, replicas=after)
+        else:  # shown, or changed by someone since, or never shown: the index is right again
+            cache.replicas_written.pop(view.uid, None)
+    return out
+
+
+async def write_replicas(custom_api: Any, namespace: str, view: ScaleView, replicas: int,
+                         cache: ScaleSyncCache | None = None, now: float | None = None) -> bool:
+    """Set a role object's spec.replicas (a plan's follower write: planner.ScalePlan.follower_write) with a merge
+    patch, and remember it until the index shows it. False when the object is gone (404: the next pass sees that)."""
+    try:
+        await asyncio.to_thread(custom_api.patch_namespaced_custom_object, GROUP, VERSION, namespace,
+                                ROLE_OBJECT_PLURAL, view.name, {"spec": {"replicas": int(replicas)}})
+    except Exception as exc:
+        if api_status(exc) == 404:
+            return False
+        raise
+    if cache is not None:
+        cache.replicas_written[view.uid] = (view.replicas, int(replicas), time.monotonic() if now is None else now)
+    return True
 
 
 async def sync_scale_targets(
@@ -55,9 +95,11 @@ async def sync_scale_targets(
     *,
     cache: ScaleSyncCache | None = None,
     now: float | None = None,
+    seed_counts: Mapping[str, int] | None = None,
 ) -> list[Event]:
-    """Make each missing role object (seeded from spec.<role>.replicas; 409 = already there) and patch each live
-    object's status when (desired_counts[role], ready_counts[role], selector) differs from the observed one.
+    """Make each missing role object (seeded from spec.<role>.replicas, or seed_counts[role] when the plan moved
+    that count: a band's follower; 409 = already there) and patch each live object's status when
+    (desired_counts[role], ready_counts[role], selector) differs from the observed one.
 
     `views`: the pair's role objects by role (scale_targets.views_by_role over the index). A role absent from
     `desired_counts` or `ready_counts` gets no status write. Nothing is created for a pair being deleted, and nothing
@@ -84,7 +126,8 @@ async def sync_scale_targets(
             met = cache.foreign.get(name)
             if met is not None and now - met < UNSEEN_TTL:
                 continue  # an object of that name the pair does not own: looked at again later
-            events += await _create(custom_api, pair_body, role, name, namespace, pair_uid, cache, now)
+            events += await _create(custom_api, pair_body, role, name, namespace, pair_uid, cache, now,
+                                    (seed_counts or {}).get(role))
             continue
         if view.deleting:
             continue  # deleted by someone: the inline count counts; made again once it is gone
@@ -110,9 +153,10 @@ async def sync_scale_targets(
 
 
 async def _create(custom_api: Any, pair_body: Mapping[str, Any], role: str, name: str, namespace: str,
-                  pair_uid: str, cache: ScaleSyncCache, now: float) -> list[Event]:
+                  pair_uid: str, cache: ScaleSyncCache, now: float, seed: int | None = None) -> list[Event]:
     inline = spec_fields.replicas(pair_body.get("spec") or {}, role)
-    body = role_object(pair_body, role, inline)
+    count = inline if seed is None else int(seed)
+    body = role_object(pair_body, role, count)
     try:
         await asyncio.to_thread(custom_api.create_namespaced_custom_object, GROUP, VERSION, namespace,
                                 ROLE_OBJECT_PLURAL, body)
@@ -131,8 +175,10 @@ async def _create(custom_api: Any, pair_body: Mapping[str, Any], role: str, name
         raise
     cache.crd_missing_told = False
     cache.created[name] = now
+    source = (f"from spec.{role}.replicas" if count == inline
+              else f"spec.{role}.replicas {inline} brought into spec.scaling.ratio")
     return [("Normal", "ScaleTargetCreated",
-             f"created {ROLE_OBJECT_KIND} {name} with replicas {inline} (from spec.{role}.replicas); from now on its "
+             f"created {ROLE_OBJECT_KIND} {name} with replicas {count} ({source}); from now on its "
              f"spec.replicas is the {role} count (kubectl scale ipr/{name} --replicas=N, or an autoscaler)")]
 
 

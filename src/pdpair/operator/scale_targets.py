@@ -141,7 +141,8 @@ def views_by_role(pair_name: str, views: Iterable[ScaleView]) -> dict[str, Scale
     return out
 
 
-def _live(views: Mapping[str, ScaleView], role: str) -> ScaleView | None:
+def live_view(views: Mapping[str, ScaleView], role: str) -> ScaleView | None:
+    """The role's object while its count is the role's (exists, not being deleted, holds a count), else None."""
     view = views.get(role)
     return view if view is not None and not view.deleting and view.replicas >= 1 else None
 
@@ -151,18 +152,22 @@ def effective_replicas(spec: Mapping[str, Any], views: Mapping[str, ScaleView]) 
     inline spec.<role>.replicas (spec_fields.replicas)."""
     out: dict[str, int] = {}
     for role in ROLES:
-        view = _live(views, role)
+        view = live_view(views, role)
         out[role] = view.replicas if view is not None else spec_fields.replicas(spec, role)
     return out
 
 
 def effective_spec(spec: Mapping[str, Any], views: Mapping[str, ScaleView]) -> dict[str, Any]:
-    """A copy of `spec` whose spec.<role>.replicas are the effective counts (what the planner plans from). Only the
-    top level and the two role dicts are copied (templates are shared with `spec`: the planner does not mutate)."""
-    counts = effective_replicas(spec, views)
+    """A copy of `spec` whose spec.<role>.replicas are the effective counts (what the planner plans from)."""
+    return with_counts(spec, effective_replicas(spec, views))
+
+
+def with_counts(spec: Mapping[str, Any], counts: Mapping[str, int]) -> dict[str, Any]:
+    """A copy of `spec` with spec.<role>.replicas = counts[role]. Only the top level and the two role dicts are
+    copied (templates are shared with `spec`: the planner does not mutate)."""
     out = dict(spec)
     for role in ROLES:
-        out[role] = {**(spec.get(role) or {}), "replicas": counts[role]}
+        out[role] = {**(spec.get(role) or {}), "replicas": int(counts[role])}
     return out
 
 
@@ -171,7 +176,7 @@ def inline_overridden(spec: Mapping[str, Any], views: Mapping[str, ScaleView]) -
     in ROLES order. Empty when every live role object agrees (or none exists)."""
     out: list[tuple[str, int, int, str]] = []
     for role in ROLES:
-        view = _live(views, role)
+        view = live_view(views, role)
         if view is None:
             continue
         inline = spec_fields.replicas(spec, role)

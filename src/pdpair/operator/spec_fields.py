@@ -48,3 +48,9 @@ def replicas(spec: Mapping[str, Any], role: str) -> int:
     means one instance (docs/xpyd.md section 1); the contract's DEFAULT_REPLICAS is the CRD's default
     (tests/unit/test_contract_defaults.py)."""
     return int((spec.get(role) or {}).get("replicas", DEFAULT_REPLICAS))
+
+
+def scaling_follower(spec: Mapping[str, Any]) -> str:
+    """spec.scaling.follower: which role follows the P:D band (operator/ratio_band.py). Defaulted by the CRD
+    wherever spec.scaling is written, and read only then (an absent spec.scaling is no band)."""
+    return str(defaulted(spec, "scaling", "follower"))

@@ -295,3 +295,13 @@ def test_sync_does_not_create_twice_before_the_index_shows_it_but_recreates_a_de
     events = sync(api, pair(decode=3), {"prefill": views["prefill"]}, cache=cache, now=3.0)
     assert api.calls[-1][:2] == ("create", "p-decode") and api.objects["p-decode"]["spec"]["replicas"] == 3
     assert [e[1] for e in events] == ["ScaleTargetCreated"]
+
+
+def test_sync_seeds_a_missing_object_from_the_planned_count_when_a_band_moved_it():
+    """spec.scaling.ratio: the follower's object is made with the count the pass planned (else the next pass would
+    read the inline count there as another writer's)."""
+    api = FakeCustom()
+    events = sync(api, pair(prefill=1, decode=4), {}, seed_counts={"prefill": 2, "decode": 4})
+    assert api.objects["p-prefill"]["spec"]["replicas"] == 2 and api.objects["p-decode"]["spec"]["replicas"] == 4
+    assert "spec.prefill.replicas 1 brought into spec.scaling.ratio" in events[0][2]
+    assert "(from spec.decode.replicas)" in events[1][2]
