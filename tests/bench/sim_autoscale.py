@@ -85,18 +85,7 @@ from typing import Callable
 # The operator's source tree, so the band rule below is the operator's own once it exists (no install needed).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "src"))
 
-try:
-    from pdpair.operator.ratio_band import follower_replicas
-except ImportError:
-    # TEMPORARY: a local copy of the operator's rule until pdpair.operator.ratio_band lands on main; the lead removes
-    # this fallback at merge so the simulator always measures the operator's own function.
-    def follower_replicas(leader: int, follower_now: int, band_min: float, band_max: float, lo: int = 1,
-                          hi: int = 16) -> int:
-        allowed_low = max(lo, math.ceil(band_min * leader - 1e-9))
-        allowed_high = min(hi, math.floor(band_max * leader + 1e-9))
-        if allowed_low > allowed_high:
-            return min(hi, max(lo, math.ceil(band_min * leader - 1e-9)))
-        return min(allowed_high, max(allowed_low, follower_now))
+from pdpair.operator.ratio_band import follower_replicas  # noqa: E402  (the operator's own rule)
 
 # ---- measured inputs (citations in the module docstring) -------------------------------------------------------------
 PAIR_RATE_REQ_S = 36.76          # docs/benchmarks.md, issue 23 item 3, concurrency table, 64 | pdpair
