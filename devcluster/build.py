@@ -1,9 +1,9 @@
 """Go builds and their cache: the control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
 kwok) and the real node's parts (kubelet, kube-proxy, containerd, its shim, ctr, the pause image), each built from
 the Go modules under devcluster/go/ and cached by version under ${XDG_CACHE_HOME:-~/.cache}/pdpair/controlplane/;
-kubectl and helm from hack/tools.sh.
+add-ons built on demand (prometheus-adapter: `build_prometheus_adapter()`); kubectl and helm from hack/tools.sh.
 
-    from devcluster.build import build, build_node, kubectl_path, helm_path
+    from devcluster.build import build, build_node, build_prometheus_adapter, kubectl_path, helm_path
 """
 from __future__ import annotations
 
@@ -51,6 +51,12 @@ REQUIRED_HOST_FILES = {"/usr/sbin/runc": "runc", "/usr/lib/cni/bridge": "contain
                        "/usr/sbin/iptables": "iptables", "/usr/sbin/conntrack": "conntrack"}
 PAUSE_VERSION = "3.10.2"  # kubernetes v1.36.3 build/pause/Makefile TAG; the binary is compiled from its pause.c
 PAUSE_IMAGE = f"localhost/pdpair/pause:{PAUSE_VERSION}"
+
+# sigs.k8s.io/prometheus-adapter: the proxy lists no version of it (`go list -m -versions` answers 403) but serves
+# the exact release v0.12.0 (its newest; go.mod `go 1.22.1`, k8s.io/* v0.30.0, no replace lines), which Go 1.26.8
+# builds. Its own module (devcluster/go/prometheus-adapter) keeps k8s.io/* v0.30 apart from go/kube's v0.36.
+PROMETHEUS_ADAPTER_VERSION = "v0.12.0"
+ADDON_BINARIES = {"prometheus-adapter": PROMETHEUS_ADAPTER_VERSION}
 
 NODE_BINARIES = {"kubelet": KUBERNETES_VERSION, "kube-proxy": KUBERNETES_VERSION,
                  "containerd": CONTAINERD_VERSION, "containerd-shim-runc-v2": CONTAINERD_VERSION,
@@ -291,3 +297,45 @@ def _build_pause(out_dir: pathlib.Path, log: Callable[[str], None]) -> None:
                       {"Entrypoint": ["/pause"], "User": "65535:65535"})
     os.replace(tmp, dest)
     log(f"[build] pause image {PAUSE_IMAGE} from {source}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Add-ons, built on demand (not by build()/build_node(): most tests never need them): prometheus-adapter
+# ---------------------------------------------------------------------------------------------------------------
+
+def addon_binary_path(name: str) -> pathlib.Path:
+    return cache_root() / "controlplane" / f"{name}-{ADDON_BINARIES[name]}" / name
+
+
+def build_prometheus_adapter(log: Callable[[str], None] = print) -> pathlib.Path:
+    """Builds (or reuses) sigs.k8s.io/prometheus-adapter/cmd/adapter at PROMETHEUS_ADAPTER_VERSION from
+    devcluster/go/prometheus-adapter: static (CGO_ENABLED=0, as upstream's Makefile builds it), so it runs in a
+    one-layer image with nothing else in it (devcluster/prometheus_adapter.py). Cached like the control plane:
+    ~/.cache/pdpair/controlplane/prometheus-adapter-<version>/prometheus-adapter, under a per-component lock."""
+    dest = addon_binary_path("prometheus-adapter")
+    with _build_lock("prometheus-adapter"):
+        if dest.is_file():
+            return dest
+        gomod = (GO_MODULES_DIR / "prometheus-adapter" / "go.mod").read_text()
+        if f"sigs.k8s.io/prometheus-adapter {PROMETHEUS_ADAPTER_VERSION}" not in gomod:
+            raise BuildError(f"devcluster/go/prometheus-adapter/go.mod does not require sigs.k8s.io/prometheus-adapter "
+                             f"{PROMETHEUS_ADAPTER_VERSION}; run `go get sigs.k8s.io/prometheus-adapter@"
+                             f"{PROMETHEUS_ADAPTER_VERSION} && go mod tidy` there")
+        with tempfile.TemporaryDirectory(prefix="pdpair-adapterbuild-") as out:
+            t0 = time.monotonic()
+            env_before = os.environ.get("CGO_ENABLED")
+            os.environ["CGO_ENABLED"] = "0"
+            try:
+                _run_go("prometheus-adapter", ["build", "-ldflags", " ".join(NO_DEBUG_LDFLAGS),
+                                               "-o", f"{out}/prometheus-adapter",
+                                               "sigs.k8s.io/prometheus-adapter/cmd/adapter"],
+                        GO_MODULES_DIR / "prometheus-adapter", log)
+            finally:
+                if env_before is None:
+                    os.environ.pop("CGO_ENABLED", None)
+                else:
+                    os.environ["CGO_ENABLED"] = env_before
+            _install_binary(pathlib.Path(out) / "prometheus-adapter", dest)
+            log(f"[build] prometheus-adapter {PROMETHEUS_ADAPTER_VERSION} built in "
+                f"{time.monotonic() - t0:.0f}s: {dest}")
+    return dest

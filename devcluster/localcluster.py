@@ -491,6 +491,10 @@ class LocalCluster:
 # ---------------------------------------------------------------------------------------------------------------
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    if args.aggregation_layer and not args.real_nodes:
+        print("--aggregation-layer needs --real-nodes N (the kwok cluster has no aggregation layer option)",
+              file=sys.stderr)
+        return 2
     workdir = pathlib.Path(args.dir).resolve()
     pid_file = workdir / "localcluster.pid"
     if pid_file.exists() and pid_alive(int(pid_file.read_text())):
@@ -506,7 +510,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         log_path = workdir / "localcluster.log"
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen([sys.executable, __file__, "up", "--dir", str(workdir),
-                                     "--timeout", str(args.timeout), "--real-nodes", str(args.real_nodes)],
+                                     "--timeout", str(args.timeout), "--real-nodes", str(args.real_nodes),
+                                     *(["--aggregation-layer"] if args.aggregation_layer else [])],
                                     stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         ready = workdir / "cluster.json"
@@ -537,7 +542,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.real_nodes:
         from devcluster.realnode import RealNodeCluster
         cluster = RealNodeCluster(workdir, nodes=args.real_nodes, start_timeout=args.timeout, keep_workdir=True,
-                                  log=print)
+                                  log=print, aggregation_layer=args.aggregation_layer)
     else:
         cluster = LocalCluster(workdir, start_timeout=args.timeout, keep_workdir=True, log=print)
     try:
@@ -585,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start a cluster; writes DIR/kubeconfig")
     up.add_argument("--real-nodes", type=int, default=0, metavar="N",
                     help="N real nodes (containerd+kubelet+kube-proxy) in network namespaces instead of kwok")
+    up.add_argument("--aggregation-layer", action="store_true",
+                    help="real nodes only: front-proxy certs and aggregator routing for APIServices "
+                         "(devcluster/prometheus_adapter.py)")
     up.add_argument("--dir", required=True)
     up.add_argument("--background", action="store_true", help="detach; pid in DIR/localcluster.pid")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for readiness")

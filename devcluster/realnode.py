@@ -105,6 +105,94 @@ def _write_serving_certs(directory: pathlib.Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Aggregation layer (kube-aggregator): a front-proxy CA and the apiserver's client cert to extension apiservers
+# ---------------------------------------------------------------------------------------------------------------
+
+FRONT_PROXY_CLIENT_CN = "front-proxy-client"
+
+
+def _new_ca(common_name: str):
+    """(key, certificate) of a self-signed CA, valid 7 days, as the cluster's other CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=7))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    return key, cert
+
+
+def _issue_cert(ca_key, ca_cert, common_name: str, *, client: bool, dns_names: tuple[str, ...] = ()):
+    """(key, certificate) signed by the CA: a client cert (clientAuth) or a serving cert (serverAuth, dns_names)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    builder = (x509.CertificateBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+               .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=7))
+               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH if client
+                                                     else ExtendedKeyUsageOID.SERVER_AUTH]), critical=False))
+    if dns_names:
+        builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in dns_names]),
+                                        critical=False)
+    return key, builder.sign(ca_key, hashes.SHA256())
+
+
+def _pem_pair(directory: pathlib.Path, stem: str, key, cert) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    pem = serialization.Encoding.PEM
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{stem}.crt").write_bytes(cert.public_bytes(pem))
+    key_path = directory / f"{stem}.key"
+    key_path.write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key_path.chmod(0o600)
+
+
+def write_front_proxy_certs(directory: pathlib.Path) -> None:
+    """front-proxy-ca.{crt,key} (a CA of its own, as kubeadm makes it: extension apiservers trust it for the
+    X-Remote-* headers only, never for client auth to the apiserver itself) and front-proxy-client.{crt,key}, the
+    client cert the apiserver presents when it proxies a request to an APIService's backend."""
+    ca_key, ca = _new_ca("pdpair-realnode-front-proxy-ca")
+    key, cert = _issue_cert(ca_key, ca, FRONT_PROXY_CLIENT_CN, client=True)
+    _pem_pair(directory, "front-proxy-ca", ca_key, ca)
+    _pem_pair(directory, "front-proxy-client", key, cert)
+
+
+def aggregation_layer_flags(pki: pathlib.Path) -> list[str]:
+    """kube-apiserver flags for the aggregation layer (APIService backends such as prometheus-adapter).
+
+    --enable-aggregator-routing: the apiserver runs in the hub namespace, which has a route to every node's pod CIDR
+    but none to the Service CIDR and no kube-proxy (Service IPs are DNATed only inside the node namespaces). So it
+    must dial an APIService's endpoint (the backend pod's IP), not its ClusterIP."""
+    return [
+        f"--requestheader-client-ca-file={pki / 'front-proxy-ca.crt'}",
+        f"--requestheader-allowed-names={FRONT_PROXY_CLIENT_CN}",
+        "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+        "--requestheader-group-headers=X-Remote-Group",
+        "--requestheader-username-headers=X-Remote-User",
+        f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
+        f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
+        "--enable-aggregator-routing=true",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The cluster
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -137,8 +225,13 @@ class RealNodeCluster(LocalCluster):
     """LocalCluster's control plane in its own network namespace plus `nodes` real nodes. See the module doc."""
 
     def __init__(self, workdir: str | os.PathLike | None = None, *, nodes: int = 2, start_timeout: float = 180.0,
-                 keep_workdir: bool = False, log: Callable[[str], None] = lambda msg: None):
+                 keep_workdir: bool = False, log: Callable[[str], None] = lambda msg: None,
+                 aggregation_layer: bool = False):
+        """`aggregation_layer`: give the apiserver the front-proxy CA, its proxy client cert and aggregator
+        routing (`aggregation_layer_flags`), so APIServices served by pods (prometheus-adapter,
+        devcluster/prometheus_adapter.py) are reachable through it. Off by default: no other test needs it."""
         super().__init__(workdir, start_timeout=start_timeout, keep_workdir=keep_workdir, log=log)
+        self.aggregation_layer = aggregation_layer
         if not 1 <= nodes <= 8:
             raise ValueError("nodes must be 1..8")
         self.prefix = f"pdp{secrets.token_hex(3)}"
@@ -202,6 +295,8 @@ class RealNodeCluster(LocalCluster):
         self._forwarder = LoopbackForwarder(self.hub, (HUB_IP, APISERVER_PORT)).start()
         self._write_credentials()
         _write_serving_certs(w / "pki")
+        if self.aggregation_layer:
+            write_front_proxy_certs(w / "pki")
         rows = (self.workdir / "tokens.csv").read_text().splitlines()
         rows += [f'{self._node_tokens[n.name]},system:node:{n.name},uid-node-{n.name},"system:nodes"'
                  for n in self.nodes]
@@ -233,6 +328,7 @@ class RealNodeCluster(LocalCluster):
             # Node names do not resolve (no DNS leaves the namespaces): reach kubelets by their InternalIP.
             "--kubelet-preferred-address-types=InternalIP",
             "--profiling=false",
+            *self.apiserver_aggregation_flags(w / "pki"),
         ], f"https://127.0.0.1:{APISERVER_PORT}/readyz")
         kcm_kubeconfig = str(w / "kube-controller-manager.kubeconfig")
         kcm = _Component("kube-controller-manager", [
@@ -270,12 +366,17 @@ class RealNodeCluster(LocalCluster):
         self._log(f"[realnode] up: {self.server}, kubeconfig {self.kubeconfig}, nodes "
                   + ", ".join(f"{n.name}={n.ip}" for n in self.nodes))
 
+    def apiserver_aggregation_flags(self, pki: pathlib.Path) -> list[str]:
+        """The apiserver's aggregation-layer flags when the cluster has the option, else none."""
+        return aggregation_layer_flags(pki) if self.aggregation_layer else []
+
     def _wait_healthy(self, component: _Component, deadline: float) -> None:
         # The control plane listens inside the hub namespace; probe it from there.
         in_netns(self.hub, lambda: LocalCluster._wait_healthy(self, component, deadline))
 
     def describe(self) -> dict:
-        return {**super().describe(), "mode": "realnode", "netns": [self.hub] + [n.netns for n in self.nodes],
+        return {**super().describe(), "mode": "realnode", "aggregation_layer": self.aggregation_layer,
+                "netns": [self.hub] + [n.netns for n in self.nodes],
                 "nodes": {n.name: {"ip": n.ip, "podCIDR": n.pod_cidr, "netns": n.netns,
                                    "supervisor_pid": n.process.pid if n.process else None} for n in self.nodes}}
 

@@ -93,7 +93,8 @@ def test_crd_from_the_chart_is_established(local_cluster, release, plural):
 
 # A scenario with every monitoring object on (no charts/pdpair/ci/ file turns monitoring on).
 MONITORING_ON = [f"--set=monitoring.{piece}.enabled=true"
-                 for piece in ("podMonitor", "serviceMonitor", "prometheusRule", "dashboard")]
+                 for piece in ("podMonitor", "serviceMonitor", "prometheusRule", "dashboard")] + [
+    "--set=monitoring.podMonitor.engineMetrics=true"]  # the PodMonitor's second endpoint (vLLM's own metrics)
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,12 @@ MODULE_ORDER = (
     "test_realnode_node_lost",    # a pair of its own; cuts node n2 off the cluster for a while, so last
 )
 
+# Modules that run only when named on the command line (pytest still collects a path given to it explicitly):
+# scenarios kept out of hack/test.sh's `pytest tests/e2e_realnode`. Each module's docstring says what it costs.
+collect_ignore = [
+    "test_realnode_custom_metrics.py",  # prometheus-adapter through the aggregation layer; a cluster of its own
+]
+
 
 def pytest_collection_modifyitems(config, items):
     """Runs this package's modules in MODULE_ORDER (a module missing from it runs last); other items keep their
