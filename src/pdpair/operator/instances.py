@@ -168,7 +168,9 @@ def heal(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int, now:
     if finding is not None and finding.generation == generation and finding.pod:
         named = next((p for p in engines if p.name == finding.pod
                       and (not finding.pod_uid or finding.pod_uid == p.uid)), None)
-    failing = [p for p in engines if _failing(p) or p is named]
+    # A draining instance (a scale-down chose it) is going anyway: instance_step deletes it after its drain, and it
+    # is not re-created, so its failure is neither a replacement nor a charge on its budget.
+    failing = [p for p in engines if p.draining_since is None and (_failing(p) or p is named)]
     serving = {role: sum(1 for p in engines if p.role == role and p.running and p.ready and
                          p.draining_since is None and p not in failing) for role in ENGINE_ROLES}
     if any(count == 0 for count in serving.values()):

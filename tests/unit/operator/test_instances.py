@@ -359,3 +359,22 @@ def test_a_deleted_instance_that_ends_succeeded_is_no_restart():
     world.pods["p-decode-1"] = dataclasses.replace(world.pods["p-decode-1"], phase="Succeeded", ready=False,
                                                   deleting=True)
     assert next_step(world.spec, world.status, world.observe()).step == d.STEP_BROKEN  # no decode serves
+
+
+def test_a_draining_instance_that_fails_is_not_replaced():
+    """A scale-down chose decode 2; it fails while it drains: no replacement, no Event, no budget spent; the drain
+    deletes it and nothing re-creates it."""
+    world = SimWorld(spec(prefill=1, decode=3))
+    simulate_until_ready(world)
+    world.spec = spec(prefill=1, decode=2)
+    world.apply(next_step(world.spec, world.status, world.observe()))  # marks p-decode-1-2 draining
+    assert world.pods["p-decode-1-2"].draining_since is not None
+    fail(world, "p-decode-1-2")
+    plan = next_step(world.spec, world.status, world.observe())
+    assert plan.phase == "Ready" and not plan.delete and not plan.events and plan.replaced_instance is None
+    world.now += DRAIN
+    plan = next_step(world.spec, world.status, world.observe())
+    assert plan.delete == ("p-decode-1-2",) and plan.replaced_instance is None
+    world.apply(plan)
+    assert next_step(world.spec, world.status, world.observe()).step == d.STEP_READY
+    assert "p-decode-1-2" not in world.pods and world.instance_restarts == (0, {})
