@@ -79,8 +79,12 @@ def component_dir(component: str) -> pathlib.Path:
 def binary_path(component: str) -> pathlib.Path:
     return component_dir(component) / component
 
-def _run_go(module: str, args: list[str], cwd: pathlib.Path, log: Callable[[str], None]) -> None:
+def _run_go(module: str, args: list[str], cwd: pathlib.Path, log: Callable[[str], None],
+            static: bool = False) -> None:
+    """`static`: CGO_ENABLED=0 for this build only (a binary exec'd in other mount namespaces or images)."""
     env = dict(os.environ)
+    if static:
+        env["CGO_ENABLED"] = "0"
     env["GOFLAGS"] = (env.get("GOFLAGS", "") + " -buildvcs=false").strip()
     cmd = ["go", *args]
     log(f"[build] {module}: {' '.join(cmd)} (in {cwd.relative_to(REPO_ROOT)})")
@@ -242,20 +246,13 @@ def build_node(log: Callable[[str], None] = print) -> dict[str, pathlib.Path]:
             names = ("containerd", "containerd-shim-runc-v2", "ctr")
             if not all(node_binary_path(n).is_file() for n in names):
                 t0 = time.monotonic()
-                env_before = os.environ.get("CGO_ENABLED")
-                os.environ["CGO_ENABLED"] = "0"  # static: the shim is exec'd in other mount namespaces
-                try:
-                    _run_go("containerd", [
-                        "build", "-tags", "no_btrfs no_devmapper no_zfs",
-                        "-ldflags", " ".join([*NO_DEBUG_LDFLAGS,
-                                              f"-X github.com/containerd/containerd/v2/version.Version={CONTAINERD_VERSION}"]),
-                        "-o", f"{out_dir}/", *[f"github.com/containerd/containerd/v2/cmd/{n}" for n in names]],
-                        GO_MODULES_DIR / "containerd", log)
-                finally:
-                    if env_before is None:
-                        os.environ.pop("CGO_ENABLED", None)
-                    else:
-                        os.environ["CGO_ENABLED"] = env_before
+                # static: the shim is exec'd in other mount namespaces
+                _run_go("containerd", [
+                    "build", "-tags", "no_btrfs no_devmapper no_zfs",
+                    "-ldflags", " ".join([*NO_DEBUG_LDFLAGS,
+                                          f"-X github.com/containerd/containerd/v2/version.Version={CONTAINERD_VERSION}"]),
+                    "-o", f"{out_dir}/", *[f"github.com/containerd/containerd/v2/cmd/{n}" for n in names]],
+                    GO_MODULES_DIR / "containerd", log, static=True)
                 for n in names:
                     _install_binary(out_dir / n, node_binary_path(n))
                 log(f"[build] containerd {CONTAINERD_VERSION} built in {time.monotonic() - t0:.0f}s")
@@ -323,18 +320,10 @@ def build_prometheus_adapter(log: Callable[[str], None] = print) -> pathlib.Path
                              f"{PROMETHEUS_ADAPTER_VERSION} && go mod tidy` there")
         with tempfile.TemporaryDirectory(prefix="pdpair-adapterbuild-") as out:
             t0 = time.monotonic()
-            env_before = os.environ.get("CGO_ENABLED")
-            os.environ["CGO_ENABLED"] = "0"
-            try:
-                _run_go("prometheus-adapter", ["build", "-ldflags", " ".join(NO_DEBUG_LDFLAGS),
-                                               "-o", f"{out}/prometheus-adapter",
-                                               "sigs.k8s.io/prometheus-adapter/cmd/adapter"],
-                        GO_MODULES_DIR / "prometheus-adapter", log)
-            finally:
-                if env_before is None:
-                    os.environ.pop("CGO_ENABLED", None)
-                else:
-                    os.environ["CGO_ENABLED"] = env_before
+            _run_go("prometheus-adapter", ["build", "-ldflags", " ".join(NO_DEBUG_LDFLAGS),
+                                           "-o", f"{out}/prometheus-adapter",
+                                           "sigs.k8s.io/prometheus-adapter/cmd/adapter"],
+                    GO_MODULES_DIR / "prometheus-adapter", log, static=True)
             _install_binary(pathlib.Path(out) / "prometheus-adapter", dest)
             log(f"[build] prometheus-adapter {PROMETHEUS_ADAPTER_VERSION} built in "
                 f"{time.monotonic() - t0:.0f}s: {dest}")
