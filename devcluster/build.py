@@ -297,7 +297,8 @@ def _build_pause(out_dir: pathlib.Path, log: Callable[[str], None]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Add-ons, built on demand (not by build()/build_node(): most tests never need them): prometheus-adapter
+# Add-ons, not built by build()/build_node() (most uses never need them): prometheus-adapter, built by its first
+# user and by hack/test.sh's background Go job (ensure_prometheus_adapter)
 # ---------------------------------------------------------------------------------------------------------------
 
 def addon_binary_path(name: str) -> pathlib.Path:

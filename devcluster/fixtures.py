@@ -6,7 +6,9 @@ during the later packages.
   error, never a skip: the test command builds everything it needs.
 - `cluster_namespace` (function): a fresh namespace with its default ServiceAccount, deleted afterwards.
 - `real_cluster` (package): a RealNodeCluster (devcluster/realnode.py): the same control plane plus two real
-  nodes (containerd, runc, CNI, kubelet, kube-proxy) in network namespaces of its own. Started on first use only.
+  nodes (containerd, runc, CNI, kubelet, kube-proxy) in network namespaces of its own, with the aggregation layer
+  (the custom metrics API that the autoscaling tests read through prometheus-adapter; a few certificates and flags,
+  no process of its own). Started on first use only.
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def cluster_namespace(local_cluster: LocalCluster):
 @pytest.fixture(scope="package")
 def real_cluster():
     keep = os.environ.get("PDPAIR_KEEP_CLUSTER_DIR") == "1"
-    cluster = RealNodeCluster(nodes=2, keep_workdir=keep, log=print)
+    cluster = RealNodeCluster(nodes=2, keep_workdir=keep, log=print, aggregation_layer=True)
     cluster.start()
     try:
         yield cluster

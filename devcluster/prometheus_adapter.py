@@ -246,13 +246,15 @@ class PrometheusAdapter:
         return json.loads(self.cluster.kubectl("get", "--raw", path).stdout)
 
     def pods_metric(self, namespace: str, metric: str, *, version: str = "v1beta1", pods: str = "*",
-                    metric_label_selector: str | None = None) -> Any:
-        from urllib.parse import quote
+                    metric_label_selector: str | None = None, label_selector: str | None = None) -> Any:
+        """A Pods metric as the HPA controller asks for it: `label_selector` picks the pods (an HPA sends its
+        target's /scale selector), `metric_label_selector` the series (an HPA's metric.selector)."""
+        from urllib.parse import urlencode
 
         path = f"/apis/{API_GROUP}/{version}/namespaces/{namespace}/pods/{pods}/{metric}"
-        if metric_label_selector:
-            path += "?metricLabelSelector=" + quote(metric_label_selector, safe="")
-        return self.get_raw(path)
+        query = {k: v for k, v in (("labelSelector", label_selector), ("metricLabelSelector", metric_label_selector))
+                 if v}
+        return self.get_raw(path + (f"?{urlencode(query)}" if query else ""))
 
     def logs(self, tail: int = 60) -> str:
         return self.cluster.kubectl("logs", "-n", self.namespace, f"deployment/{NAME}", f"--tail={tail}",

@@ -221,7 +221,8 @@ class RealNodeCluster(LocalCluster):
                  aggregation_layer: bool = False):
         """`aggregation_layer`: give the apiserver the front-proxy CA, its proxy client cert and aggregator
         routing (`aggregation_layer_flags`), so APIServices served by pods (prometheus-adapter,
-        devcluster/prometheus_adapter.py) are reachable through it. Off by default: no other test needs it."""
+        devcluster/prometheus_adapter.py) are reachable through it. Off by default; the real-node tests' package
+        cluster (devcluster/fixtures.py `real_cluster`) turns it on for the autoscaling tests."""
         super().__init__(workdir, start_timeout=start_timeout, keep_workdir=keep_workdir, log=log)
         self.aggregation_layer = aggregation_layer
         if not 1 <= nodes <= 8:

@@ -109,6 +109,13 @@ ensure_realnode_binaries() {
   "$PY" "$PDPAIR_ROOT/devcluster/localcluster.py" build --real-node
 }
 
+# prometheus-adapter (kubernetes-sigs, pinned in devcluster/build.py) from Go modules, and its one-layer image: the
+# custom metrics API of the real-node autoscaling tests. Cached by version.
+ensure_prometheus_adapter() {
+  log "prometheus-adapter from Go modules, and its image (devcluster/prometheus_adapter.py; cached)"
+  "$PY" "$PDPAIR_ROOT/devcluster/prometheus_adapter.py" image >/dev/null
+}
+
 # `ensure_image base|operator|engine-base|engine` (devcluster/images.py; cached by content).
 ensure_image() {
   log "image $1 via buildah (devcluster/images.py; cached by content)"

@@ -28,11 +28,13 @@ phase "real node: Debian packages" ensure_realnode_packages
 # same lock and calls the same builder (devcluster/localcluster.py, realnode.py, images.py), so it waits for
 # what is still being built and never builds it twice. Two jobs, because the Go builds compute and the image builds
 # mostly unpack and write: on 2 cores they overlap well.
-# - Go: the control plane (first needed by stage 2's tests/e2e), then the real node's binaries (stage 3);
+# - Go: the control plane (first needed by stage 2's tests/e2e), then the real node's binaries and
+#   prometheus-adapter (stage 3);
 # - images: Debian base, operator, engine base (vLLM, torch), engine (pdpair layer): stage 3 only.
 build_go() {
   phase "control plane (Go; background)" ensure_controlplane
   phase "real node: kubelet, kube-proxy, containerd (Go; background)" ensure_realnode_binaries
+  phase "prometheus-adapter (Go; background)" ensure_prometheus_adapter
 }
 build_images() {
   phase "image: Debian base (background)" ensure_image base

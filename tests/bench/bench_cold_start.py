@@ -14,7 +14,12 @@ alternating order (even rounds pair first, odd rounds single first), so neither 
 - single: apply one plain engine pod (devcluster/product.py baseline_pod), time it to the first completion; delete it.
 Before the next measurement the script waits until the last one's vLLM processes have exited.
 
-    python tests/bench/bench_cold_start.py [--repeats 3] [--bind] [--out /tmp/bench_cold_start.json]
+    python tests/bench/bench_cold_start.py [--repeats 3] [--bind] [--cpus 1] [--out /tmp/bench_cold_start.json]
+
+--cpus N gives every engine container (prefill, decode, the single engine) `resources.requests.cpu` and
+`resources.limits.cpu` N: the kubelet's CFS quota holds each engine's whole process tree (API server, engine core,
+worker) to N cores, as a production pod spec would, so a pair's engine starts with the same CPU as the single engine
+instead of the single engine having the whole box to itself while the pair's two share it.
 
 Cost: 5 vLLM cold starts per round (pair 2, its restart 2, single 1), 15 at the default 3 rounds, plus the cluster
 start and image import (about 4 min): roughly 20-30 min on the 2-core box. Run it alone: it refuses to start above
@@ -121,10 +126,12 @@ def listening(status: dict) -> bool:
 
 
 class Bench:
-    def __init__(self, cluster, engine_ref: str, model: pathlib.Path, bind: bool, timeout: float, engines_idle: int):
+    def __init__(self, cluster, engine_ref: str, model: pathlib.Path, bind: bool, timeout: float, engines_idle: int,
+                 cpus: str | None = None):
         from kubernetes import client
 
         self.cluster, self.engine_ref, self.model, self.bind, self.timeout = cluster, engine_ref, model, bind, timeout
+        self.cpus = cpus  # --cpus: every engine container's CPU request and limit (None: none)
         self.engines_idle = engines_idle  # vLLM processes on the box before the cluster started (not ours)
         self.api = cluster.api_client()
         self.core, self.custom = client.CoreV1Api(self.api), client.CustomObjectsApi(self.api)
@@ -132,6 +139,13 @@ class Bench:
 
     def diagnose(self) -> str:
         return describe(self.cluster, NS) + operator_logs(self.cluster, tail=40)
+
+    def limit(self, container: dict) -> None:
+        """--cpus: the container's CPU request and limit (the kubelet's CFS quota on its whole process tree)."""
+        if self.cpus is not None:
+            resources = container.setdefault("resources", {})
+            for kind in ("requests", "limits"):
+                resources.setdefault(kind, {})["cpu"] = self.cpus
 
     def at(self, rec: Recorder, match, what: str, timeout: float | None = None) -> tuple[float, dict]:
         """Waits (with a deadline) until `rec` recorded a matching event; its receipt time, not the time found."""
@@ -156,10 +170,11 @@ class Bench:
     # --- the pair ----------------------------------------------------------------------------------------------------
     def pair(self, name: str) -> dict:
         manifest = pair_manifest(name, NS, self.engine_ref, self.model)
-        if self.bind:
-            for role in (ROLE_PREFILL, ROLE_DECODE):
-                engine = manifest["spec"][role]["template"]["spec"]["containers"][0]  # merged by name ("engine")
+        for role in (ROLE_PREFILL, ROLE_DECODE):
+            engine = manifest["spec"][role]["template"]["spec"]["containers"][0]  # merged by name ("engine")
+            if self.bind:
                 engine["env"] = with_env(engine["env"], bind_env(role))
+            self.limit(engine)
         pods = Recorder(self.api, self.core.list_namespaced_pod, NS)  # from a list's version: nothing missed
         pairs = Recorder(self.api, self.custom.list_namespaced_custom_object, GROUP, VERSION, NS, PLURAL)
         try:
@@ -232,9 +247,10 @@ class Bench:
     # --- the single engine -------------------------------------------------------------------------------------------
     def single(self) -> dict:
         pod = baseline_pod(SINGLE, NS, self.engine_ref, self.model, "n1")
+        engine = pod["spec"]["containers"][0]
         if self.bind:
-            engine = pod["spec"]["containers"][0]
             engine["env"] = with_env(engine["env"], bind_env("single"))
+        self.limit(engine)
         pods = Recorder(self.api, self.core.list_namespaced_pod, NS)
         try:
             load = os.getloadavg()
@@ -292,6 +308,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="rounds (a pair with its restart, a single engine)")
     parser.add_argument("--bind", action="store_true",
                         help="pin each engine's OpenMP threads to one core: prefill 0, decode 1, single 0")
+    parser.add_argument("--cpus", default=None, metavar="N",
+                        help="every engine container's CPU request and limit (e.g. 1): the same CPU for each engine")
     parser.add_argument("--timeout", type=float, default=ENGINE_START_TIMEOUT, help="seconds any one step may take")
     parser.add_argument("--out", default="/tmp/bench_cold_start.json", help="the JSON report")
     args = parser.parse_args()
@@ -312,7 +330,8 @@ def main() -> int:
                     cluster.import_image(image.archive)
                 helm = install_operator(cluster, operator.ref)
                 try:
-                    bench = Bench(cluster, engine.ref, model, args.bind, args.timeout, before["engines_running"])
+                    bench = Bench(cluster, engine.ref, model, args.bind, args.timeout, before["engines_running"],
+                                  cpus=args.cpus)
                     for i in range(args.repeats):
                         order = ("pair", "single") if i % 2 == 0 else ("single", "pair")
                         rounds.append({"round": i, "order": list(order)})
@@ -342,6 +361,7 @@ def main() -> int:
           f"{summary['median_teardown_s']} s; (serving - teardown) / single {summary['restart_ratio']} "
           f"(goal <= {GOAL}: {'holds' if summary['restart_holds'] else 'MISSED'})")
     print(f"answers equal (pair, restarted pair, single): {summary['answers_equal']}; binding: {binding['mode']}; "
+          f"engine CPU limit: {args.cpus or 'none'}; "
           f"report: {args.out}")
     return 0 if summary["answers_equal"] else 1
 

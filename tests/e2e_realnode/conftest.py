@@ -23,6 +23,7 @@ from devcluster.product import (
 
 MODULE_ORDER = (
     "test_realnode_cluster",      # the cluster itself; no engine
+    "test_realnode_custom_metrics",  # Prometheus -> prometheus-adapter -> the custom metrics API; no engine
     "test_realnode_faults",       # creates the serving pair (e), helm upgrade (f), engine kill (c)
     "test_realnode_pair",         # the serving pair's outputs, KV across nodes, health
     "test_realnode_signal_drop",  # the serving pair's signal drop -> ordered restart
@@ -35,9 +36,7 @@ MODULE_ORDER = (
 
 # Modules that run only when named on the command line (pytest still collects a path given to it explicitly):
 # scenarios kept out of hack/test.sh's `pytest tests/e2e_realnode`. Each module's docstring says what it costs.
-collect_ignore = [
-    "test_realnode_custom_metrics.py",  # prometheus-adapter through the aggregation layer; a cluster of its own
-]
+collect_ignore: list[str] = []
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,30 +2,22 @@
 prometheus-adapter (a pod, with the chart's `autoscaling.prometheusAdapterRules`) -> its APIServices
 `v1beta1`/`v1beta2.custom.metrics.k8s.io` -> the kube-apiserver's aggregation layer -> `kubectl get --raw`.
 
-NOT RUN IN CI yet (it starts a cluster of its own, with the aggregation layer, and was not yet tried beside the
-package's cluster inside hack/test.sh); run it by naming the file. Run once, 2026-12-05, alone on the 2-core box:
-4 passed in 70 s (adapter binary cached; Prometheus Ready 1.3 s, adapter Deployment Available 2.2 s, both
-APIServices Available 2.6 s, the first series through the adapter after a few NotFound answers during its relist):
+On the package's real-node cluster (started with the aggregation layer, devcluster/fixtures.py), in a namespace of
+its own, before any engine runs (tests/e2e_realnode/conftest.py MODULE_ORDER). The adapter and its APIServices are
+deleted at the module's end; test_realnode_xpyd.py deploys its own for the HPA on its 2P2D pair.
 
-    .venv/bin/python -m pytest tests/e2e_realnode/test_realnode_custom_metrics.py -v
+No vLLM engine runs: a stand-in pod serves fixed vLLM- and connector-shaped series on ports named `http` and
+`metrics`, labelled like a pair's decode pod, so every value asserted is exact (the real engines' series go
+through the same rules in test_realnode_xpyd.py's HPA test).
 
-tests/e2e_realnode/conftest.py lists it in `collect_ignore`, so `pytest tests/e2e_realnode` (hack/test.sh stage 3)
-does not collect it; pytest still collects a path named on its command line.
+Cost: no cold start. Builds, first use only: the adapter binary (devcluster/build.py `build_prometheus_adapter`;
+hack/test.sh builds it in the background Go job, 224 s cold at GOMAXPROCS=1, seconds once GOCACHE has it) and the
+Prometheus image (3 s). Measured alone on its own cluster (2026-12-05): 4 passed in 70 s, cluster start and stop
+included; on the package's cluster about 40 s (image imports into n1: Prometheus 283 MiB, the Debian base, the
+adapter 60 MiB; Prometheus Ready about 2 s, the adapter's APIServices Available about 3 s, the first series through
+the adapter after its first relist, 5 s).
 
-Cost (estimates from the parts' measurements; nothing here was measured end to end):
-- builds, first use only: the adapter binary (devcluster/build.py `build_prometheus_adapter`; 224 s cold at
-  GOMAXPROCS=1 under nice/ionice, a few seconds once GOCACHE has it), the operator image (the Prometheus
-  discovery sidecar runs on it; cached by content, shared with the real-node tier) and the Prometheus image (3 s);
-- a real-node cluster of its own with the aggregation layer (`RealNodeCluster(aggregation_layer=True)`; the package's
-  `real_cluster` has none): about 15 s to start, 19 s to stop, about 1 GiB RSS, beside the package's cluster if
-  that one is up in the same run;
-- image imports into n1 only: Prometheus (283 MiB), the operator image, the Debian base (the stand-in pod), the
-  adapter (60 MiB, one layer): about 30 s;
-- Prometheus Ready about 10 s, the adapter's APIServices Available about 10 s, the first series through the
-  adapter within a scrape (1 s) plus a relist (5 s);
-so about 2 minutes warm, 10 minutes with every build cold. No vLLM engine runs: a stand-in pod serves fixed
-vLLM- and connector-shaped series on ports named `http` and `metrics`, labelled like a pair's decode pod (an HPA on
-an InferencePairRole with a real pair is the second half of issue 22 item 1).
+    .venv/bin/python -m pytest tests/e2e_realnode/test_realnode_cluster.py tests/e2e_realnode/test_realnode_custom_metrics.py
 """
 from __future__ import annotations
 
@@ -42,7 +34,6 @@ from devcluster.images import debian_base, operator_image
 from devcluster.incluster_prometheus import PROMETHEUS_PORT, InClusterPrometheus, prometheus_image
 from devcluster.prometheus_adapter import PrometheusAdapter, adapter_config_from_chart, prometheus_adapter_image
 from devcluster.product import unique
-from devcluster.realnode import RealNodeCluster
 from devcluster.waiting import wait_for
 
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(1800)]
@@ -110,28 +101,17 @@ def test_the_adapter_loads_the_charts_rules(tmp_path: pathlib.Path):
 
 
 @pytest.fixture(scope="module")
-def aggregated_cluster():
-    cluster = RealNodeCluster(nodes=2, aggregation_layer=True, log=print)
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-        left = cluster.leftovers()
-        assert not left, f"real-node teardown left: {left}"
-
-
-@pytest.fixture(scope="module")
-def namespace(aggregated_cluster):
+def namespace(real_cluster):
     name = unique("rn-cm")
-    aggregated_cluster.create_namespace(name)
-    return name
+    real_cluster.create_namespace(name)
+    yield name
+    real_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 @pytest.fixture(scope="module")
-def stand_in(aggregated_cluster, namespace):
+def stand_in(real_cluster, namespace):
     base = debian_base()
-    aggregated_cluster.import_image(base.archive, nodes=[NODE])
+    real_cluster.import_image(base.archive, nodes=[NODE])
     pages = {"engine.prom": ENGINE_PAGE, "connector.prom": CONNECTOR_PAGE, "serve.py": _SERVE}
     objects = [
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": STAND_IN, "namespace": namespace},
@@ -147,19 +127,19 @@ def stand_in(aggregated_cluster, namespace):
              "volumeMounts": [{"name": "pages", "mountPath": "/pages"}]}],
              "volumes": [{"name": "pages", "configMap": {"name": STAND_IN}}]}},
     ]
-    aggregated_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
-    aggregated_cluster.kubectl("wait", "-n", namespace, "--for=condition=Ready", f"pod/{STAND_IN}", "--timeout=120s",
+    real_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
+    real_cluster.kubectl("wait", "-n", namespace, "--for=condition=Ready", f"pod/{STAND_IN}", "--timeout=120s",
                                timeout=150)
     return STAND_IN
 
 
 @pytest.fixture(scope="module")
-def prometheus(aggregated_cluster, namespace):
+def prometheus(real_cluster, namespace):
     image = prometheus_image()
     sidecar = operator_image()
     for archive in (image.archive, sidecar.archive):
-        aggregated_cluster.import_image(archive, nodes=[NODE])
-    prom = InClusterPrometheus(aggregated_cluster, namespace, image.ref, sidecar.ref, PROMETHEUS_SETS, node=NODE)
+        real_cluster.import_image(archive, nodes=[NODE])
+    prom = InClusterPrometheus(real_cluster, namespace, image.ref, sidecar.ref, PROMETHEUS_SETS, node=NODE)
     t0 = time.monotonic()
     prom.deploy()
     print(f"[custom-metrics] in-cluster Prometheus Ready in {time.monotonic() - t0:.1f}s")
@@ -168,10 +148,10 @@ def prometheus(aggregated_cluster, namespace):
 
 
 @pytest.fixture(scope="module")
-def adapter(aggregated_cluster, namespace, prometheus):
+def adapter(real_cluster, namespace, prometheus):
     image = prometheus_adapter_image()
-    aggregated_cluster.import_image(image.archive, nodes=[NODE])
-    adapter = PrometheusAdapter(aggregated_cluster, namespace, image.ref,
+    real_cluster.import_image(image.archive, nodes=[NODE])
+    adapter = PrometheusAdapter(real_cluster, namespace, image.ref,
                                 f"http://{prometheus.pod_ip}:{PROMETHEUS_PORT}/", adapter_config_from_chart(),
                                 node=NODE)
     adapter.deploy()
@@ -190,9 +170,9 @@ def _items(adapter: PrometheusAdapter, namespace: str, metric: str, **kw) -> dic
     return {i["describedObject"]["name"]: i["value"] for i in answer.get("items", [])}
 
 
-def test_the_apiservices_are_available_through_the_aggregator(aggregated_cluster, adapter):
+def test_the_apiservices_are_available_through_the_aggregator(real_cluster, adapter):
     for name in adapter.apiservices:
-        obj = json.loads(aggregated_cluster.kubectl("get", "apiservice", name, "-o", "json").stdout)
+        obj = json.loads(real_cluster.kubectl("get", "apiservice", name, "-o", "json").stdout)
         conditions = {c["type"]: c for c in obj["status"]["conditions"]}
         assert conditions["Available"]["status"] == "True", conditions
         assert obj["spec"]["service"]["name"] == "prometheus-adapter"  # served by the pod, not local
@@ -200,14 +180,14 @@ def test_the_apiservices_are_available_through_the_aggregator(aggregated_cluster
     assert discovery["groupVersion"] == "custom.metrics.k8s.io/v1beta1"
 
 
-def test_vllm_num_requests_waiting_per_pod(aggregated_cluster, namespace, stand_in, prometheus, adapter):
+def test_vllm_num_requests_waiting_per_pod(real_cluster, namespace, stand_in, prometheus, adapter):
     path = f"/apis/custom.metrics.k8s.io/v1beta1/namespaces/{namespace}/pods/*/vllm:num_requests_waiting"
     values = wait_for(lambda: _items(adapter, namespace, "vllm:num_requests_waiting"), 120,
                       f"`kubectl get --raw {path}` to list {stand_in}",
                       diagnose=lambda: json.dumps(prometheus.targets(), indent=1)[-3000:] + adapter.diagnose(),
                       interval=2.0)
     assert values == {stand_in: "3"}
-    raw = json.loads(aggregated_cluster.kubectl("get", "--raw", path).stdout)  # the literal command of the issue
+    raw = json.loads(real_cluster.kubectl("get", "--raw", path).stdout)  # the literal command of the issue
     [item] = raw["items"]
     assert item["metricName"] == "vllm:num_requests_waiting"
     described = item["describedObject"]

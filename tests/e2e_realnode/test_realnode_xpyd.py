@@ -35,12 +35,14 @@ import pytest
 import yaml
 
 from pdpair.contract import (
-    ANNOTATION_DRAINING_SINCE, ENV_TEST_SLOW_DECODE_FILE, GROUP, LABEL_INSTANCE, LABEL_PAIR, LABEL_PAIR_UID,
-    LABEL_PORT_LEASE, LABEL_ROLE, PLURAL, ROLE_OBJECT_PLURAL,
+    ANNOTATION_DRAINING_SINCE, API_VERSION, ENV_TEST_SLOW_DECODE_FILE, GROUP, LABEL_INSTANCE, LABEL_PAIR,
+    LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_ROLE, PLURAL, ROLE_OBJECT_KIND, ROLE_OBJECT_PLURAL,
 )
+from devcluster.incluster_prometheus import PROMETHEUS_PORT, InClusterPrometheus, prometheus_image
+from devcluster.prometheus_adapter import PrometheusAdapter, adapter_config_from_chart, prometheus_adapter_image
 from devcluster.product import (
-    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, container_processes, describe, engine_core_pid,
-    operator_logs, pair_manifest,
+    ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, container_processes, describe,
+    engine_core_pid, operator_logs, pair_manifest,
 )
 from devcluster.realnode import ClusterError
 from devcluster.waiting import wait_for
@@ -60,6 +62,17 @@ SLOW_DECODE_MS = 150
 CHOICE = re.compile(r"request (\S+): prefill (\d+) \S+, decode (\d+) \S+( \(forced by X-Pdpair-Route\))?;")
 # Apply -> Ready with every instance: the four engines load at once (prefills once a decode runs, a few seconds in).
 START_TIMEOUT = ENGINE_START_TIMEOUT + 120
+# The HPA test (issue 22 item 5). Each decode runs at most DECODE_MAX_NUM_SEQS requests at once (vLLM's
+# --max-num-seqs), so requests beyond that wait in its queue: with the slow-step knob on, HPA_CLIENTS clients keep
+# vllm:num_requests_waiting well above HPA_TARGET_WAITING per decode on one decode and above it on two.
+DECODE_MAX_NUM_SEQS = 2
+HPA_CLIENTS = 8
+HPA_TARGET_WAITING = "1"  # the HPA's Pods metric target: average vllm:num_requests_waiting per decode instance
+HPA_SCALE_DOWN_WINDOW = 15  # behavior.scaleDown.stabilizationWindowSeconds: 300 by default, shortened for the test
+HPA_SYNC = 15  # kube-controller-manager's --horizontal-pod-autoscaler-sync-period, left at its default
+WAITING = "vllm:num_requests_waiting"
+PROMETHEUS_SETS = ("monitoring.podMonitor.interval=1s", "monitoring.podMonitor.scrapeTimeout=1s",
+                   "monitoring.podMonitor.engineMetrics=true")
 
 
 class XPair:
@@ -193,6 +206,7 @@ def xpair(real_cluster, operator_release, images, model_dir, namespace):
                              decode_env=[{"name": ENV_TEST_SLOW_DECODE_FILE, "value": SLOW_DECODE_KNOB}])
     manifest["spec"]["prefill"]["replicas"] = 2
     manifest["spec"]["decode"]["replicas"] = 2
+    manifest["spec"]["decode"]["args"] = ENGINE_ARGS + ["--max-num-seqs", str(DECODE_MAX_NUM_SEQS)]
     manifest["spec"]["router"]["debugRouting"] = True
     manifest["spec"]["rollout"] = {"drainSeconds": DRAIN_SECONDS}
     pair = XPair(real_cluster, namespace)
@@ -434,9 +448,204 @@ def test_killed_decode_instance_0_is_replaced_alone_while_the_pair_serves(real_c
     assert wrong == [] and forced_wrong == [], (wrong[:3], forced_wrong[:3])
 
 
+def _quantity(value: str) -> float:
+    """A resource.Quantity as the custom metrics API writes it ("3", "1500m")."""
+    return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+
+
+@pytest.fixture(scope="module")
+def custom_metrics(real_cluster, namespace, images):
+    """The in-cluster Prometheus (the chart's PodMonitor with engineMetrics, 1 s scrapes) and prometheus-adapter
+    with the chart's rules, both in the module's namespace on n1: the custom metrics API the HPA controller reads."""
+    prom_image, adapter_image = prometheus_image(), prometheus_adapter_image()
+    for archive in (prom_image.archive, adapter_image.archive):
+        real_cluster.import_image(archive, nodes=["n1"])
+    prom = InClusterPrometheus(real_cluster, namespace, prom_image.ref, images["operator"].ref, PROMETHEUS_SETS,
+                               node="n1")
+    prom.deploy()
+    adapter = PrometheusAdapter(real_cluster, namespace, adapter_image.ref, f"http://{prom.pod_ip}:{PROMETHEUS_PORT}/",
+                                adapter_config_from_chart(), node="n1")
+    try:
+        adapter.deploy()
+        yield adapter
+    finally:
+        adapter.delete()
+        prom.delete()
+
+
+class ScaleTimeline:
+    """What the test reads while the HPA works, one line per change: the decodes' vllm:num_requests_waiting as the
+    HPA reads it (the custom metrics API, selected by the decode role object's /scale selector), the HPA's current
+    and desired replicas, both role objects' counts, the pair's phase and P/D counts."""
+
+    def __init__(self, cluster, pair: "XPair", adapter: PrometheusAdapter, hpa: str):
+        self.cluster, self.pair, self.adapter, self.hpa = cluster, pair, adapter, hpa
+        self.t0 = time.time()
+        self.lines: list[tuple[float, str]] = []
+        self.phases: set[str] = set()
+        self.last: dict = {}
+        self.peak = 0.0  # the highest per-decode value read
+
+    def waiting(self) -> dict[str, float]:
+        """{decode pod: vllm:num_requests_waiting}, or {} while the adapter has no series for them."""
+        selector = f"{LABEL_PAIR}={self.pair.name},{LABEL_ROLE}=decode"
+        try:
+            items = self.adapter.pods_metric(self.pair.namespace, WAITING, label_selector=selector)["items"]
+        except ClusterError:
+            return {}
+        return {i["describedObject"]["name"]: _quantity(i["value"]) for i in items}
+
+    def sample(self) -> dict:
+        hpa = json.loads(self.cluster.kubectl("get", "hpa", self.hpa, "-n", self.pair.namespace, "-o", "json",
+                                              check=False).stdout or "{}").get("status") or {}
+        roles = json.loads(self.cluster.kubectl("get", f"{ROLE_OBJECT_PLURAL}.{GROUP}", "-n", self.pair.namespace,
+                                                "-o", "json").stdout)["items"]
+        counts = self.pair.counts()
+        self.phases.add(counts[0])
+        state = {"waiting": self.waiting(), "hpa": (hpa.get("currentReplicas"), hpa.get("desiredReplicas")),
+                 "roles": {o["spec"]["role"]: o["spec"]["replicas"] for o in roles}, "pair": counts}
+        self.peak = max([self.peak, *state["waiting"].values()])
+        line = (f"waiting {json.dumps(state['waiting'], sort_keys=True)}; HPA current/desired {state['hpa'][0]}/{state['hpa'][1]}; role objects {state['roles']}; pair "
+                f"{' '.join(counts)}")
+        if not self.lines or self.lines[-1][1] != line:
+            self.lines.append((time.time() - self.t0, line))
+        self.last = state
+        return state
+
+    def text(self) -> str:
+        return "\n".join(f"  +{t:6.1f}s {line}" for t, line in self.lines)
+
+
+def test_an_hpa_on_decode_follows_queue_depth_and_the_ratio_band_moves_prefill(
+        real_cluster, baseline_outputs, xpair, custom_metrics):
+    """Issue 22 item 5: a HorizontalPodAutoscaler (kube-controller-manager's) on the decode role object, min 1,
+    max 2, Pods metric vllm:num_requests_waiting (average HPA_TARGET_WAITING per decode) read from the engines by the
+    in-cluster Prometheus through prometheus-adapter and the aggregation layer; `spec.scaling.ratio {min: 1, max: 1}`
+    (prefill follows decode). A trickle client runs throughout, so every scale-down drains instances that serve:
+      1. idle: the HPA scales decode 2 -> 1 and the band moves prefill 2 -> 1;
+      2. HPA_CLIENTS more clients with the decodes slowed (the knob): waiting rises above the target, the HPA scales
+         decode to 2, the band moves prefill to 2, both new engines start;
+      3. those clients stop: after the stabilization window the HPA scales decode back to 1 and prefill follows.
+    No request fails, every output equals the single engine's, the pair stays Ready at its generation, a RatioBand
+    Event for each move. Cost: 2 vLLM cold starts (the new decode and prefill, at once), about 4 minutes."""
+    ns, name = xpair.namespace, xpair.name
+    wait_for(lambda: xpair.counts() == ("Ready", "2/2", "2/2"), START_TIMEOUT, "the pair Ready 2/2 2/2",
+             diagnose=xpair.diagnose, interval=1.0)
+    before = xpair.status()
+    real_cluster.kubectl("patch", f"{PLURAL}.{GROUP}", name, "-n", ns, "--type=merge",
+                         "-p", json.dumps({"spec": {"scaling": {"ratio": {"min": 1, "max": 1}}}}))
+    hpa_name = f"{name}-decode"
+    timeline = ScaleTimeline(real_cluster, xpair, custom_metrics, hpa_name)
+    wait_for(lambda: len(timeline.waiting()) == 2, 120, f"the custom metrics API to serve {WAITING} of both decodes",
+             diagnose=custom_metrics.diagnose, interval=2.0)
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+           "metadata": {"name": hpa_name, "namespace": ns},
+           "spec": {"scaleTargetRef": {"apiVersion": API_VERSION, "kind": ROLE_OBJECT_KIND, "name": f"{name}-decode"},
+                    "minReplicas": 1, "maxReplicas": 2,
+                    "metrics": [{"type": "Pods", "pods": {"metric": {"name": WAITING}, "target": {
+                        "type": "AverageValue", "averageValue": HPA_TARGET_WAITING}}}],
+                    "behavior": {"scaleDown": {"stabilizationWindowSeconds": HPA_SCALE_DOWN_WINDOW},
+                                 "scaleUp": {"stabilizationWindowSeconds": 0}}}}
+    ip, port = xpair.service()
+    trickle = Load(real_cluster, ip, port, 1)
+    burst = None
+    slowed: list[str] = []
+    marks: dict[str, float] = {}
+
+    def knob(pod: str, write: bool) -> None:
+        code = (f"open({SLOW_DECODE_KNOB!r}, 'w').write('{SLOW_DECODE_MS}')" if write else
+                f"import os; os.path.exists({SLOW_DECODE_KNOB!r}) and os.remove({SLOW_DECODE_KNOB!r})")
+        # Writing must work; removing is best effort (the pod may be gone by then).
+        real_cluster.kubectl("exec", "-n", ns, pod, "-c", "engine", "--", "python", "-c", code, check=write)
+
+    def at(counts: tuple[str, str, str], hpa_desired: int):
+        def check() -> bool:
+            state = timeline.sample()
+            return state["pair"] == counts and state["hpa"][1] == hpa_desired
+        return check
+
+    try:
+        real_cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(hpa))
+        timeline.t0 = t_hpa = time.time()
+        # 1. Idle (one trickle client): the HPA takes decode to its minimum, the band takes prefill with it.
+        wait_for(at(("Ready", "1/1", "1/1"), 1), 3 * HPA_SYNC + 120, "decode and prefill scaled to 1 by the HPA and "
+                 "the band", diagnose=lambda: f"{timeline.text()}\n{xpair.diagnose()}", interval=1.0)
+        marks["down1"] = time.time() - t_hpa
+        # 2. The load: decode 0 slowed, HPA_CLIENTS more clients.
+        decode0 = xpair.engine("decode", 0)["metadata"]["name"]
+        knob(decode0, True)
+        slowed.append(decode0)
+        t_burst = time.time()
+        burst = Load(real_cluster, ip, port, HPA_CLIENTS)
+
+        def scaled_up() -> bool:
+            state = timeline.sample()
+            decode1 = xpair.engine("decode", 1)
+            if decode1 is not None and decode1["metadata"]["name"] not in slowed and any(
+                    (c.get("state") or {}).get("running") for c in decode1["status"].get("containerStatuses", [])):
+                knob(decode1["metadata"]["name"], True)  # so that two decodes still queue: the HPA keeps 2
+                slowed.append(decode1["metadata"]["name"])
+            if state["hpa"][1] == 2 and "hpa_up" not in marks:
+                marks["hpa_up"] = time.time() - t_burst
+            return state["pair"] == ("Ready", "2/2", "2/2")
+
+        wait_for(scaled_up, 3 * HPA_SYNC + START_TIMEOUT, "decode and prefill scaled to 2 under the load",
+                 diagnose=lambda: f"{timeline.text()}\n{xpair.diagnose()}", interval=1.0)
+        marks["up"] = time.time() - t_burst
+        t_up = time.time()
+        wait_for(lambda: burst.ok_since(t_up) >= HPA_CLIENTS, 300, "requests served with 2 decodes",
+                 diagnose=lambda: json.dumps(burst.records[-5:]), interval=1.0)
+        timeline.sample()
+        # 3. The load stops: after the stabilization window the HPA scales decode back to 1, prefill follows.
+        t_stop = time.time()  # the clients are told to stop; their requests in flight still finish
+        burst_records = burst.stop()
+        burst = None
+        for pod in slowed:
+            knob(pod, False)
+        wait_for(at(("Ready", "1/1", "1/1"), 1), HPA_SCALE_DOWN_WINDOW + 3 * HPA_SYNC + 120,
+                 "decode and prefill back to 1 after the load", diagnose=lambda: f"{timeline.text()}\n"
+                 f"{xpair.diagnose()}", interval=1.0)
+        marks["down2"] = time.time() - t_stop
+        wait_for(lambda: len([p for p in xpair.pods().values()
+                              if p["metadata"]["labels"].get(LABEL_ROLE) in ("prefill", "decode")]) == 2, 120,
+                 "the scaled-down instances' pods gone", diagnose=xpair.diagnose, interval=1.0)
+        wait_for(lambda: trickle.ok_since(t_stop) >= 2, 120,
+                 "the trickle client served after the scale-down", interval=1.0)
+    finally:
+        if burst is not None:
+            burst_records = burst.stop()
+        trickle_records = trickle.stop()
+        real_cluster.kubectl("delete", "hpa", hpa_name, "-n", ns, "--ignore-not-found", check=False)
+        for pod in slowed:
+            knob(pod, False)
+    after = xpair.status()
+    records = burst_records + trickle_records
+    failed, wrong = _summary(records, baseline_outputs)
+    events = json.loads(real_cluster.kubectl("get", "events", "-n", ns, "--field-selector", "reason=RatioBand",
+                                             "-o", "json").stdout)["items"]
+    band = sorted((e.get("lastTimestamp") or e.get("eventTime") or "", e["message"]) for e in events)
+    print(f"\n[realnode-xpyd] HPA on decode ({WAITING} target {HPA_TARGET_WAITING} per decode, scaleDown "
+          f"stabilizationWindowSeconds {HPA_SCALE_DOWN_WINDOW}, sync period {HPA_SYNC}s), ratio band [1, 1]: HPA "
+          f"created -> P 1/1 D 1/1 {marks['down1']:.1f}s; {HPA_CLIENTS} clients -> HPA desired 2 "
+          f"{marks.get('hpa_up', 0):.1f}s, -> P 2/2 D 2/2 {marks['up']:.1f}s; load stopped -> P 1/1 D 1/1 "
+          f"{marks['down2']:.1f}s; {len(failed)} failed of {len(records)} requests ({len(trickle_records)} from the "
+          f"trickle client), {len(wrong)} outputs differ; highest {WAITING} read {timeline.peak}; phases seen {sorted(timeline.phases)}\ntimeline (seconds "
+          f"after the HPA was created):\n{timeline.text()}\nRatioBand events: {band}")
+    assert failed == [], [(round(r["t"] - t_hpa, 1), r["error"][:200]) for r in failed[:5]]
+    assert wrong == [], wrong[:5]
+    assert timeline.phases == {"Ready"}, sorted(timeline.phases)
+    assert after.get("pairGeneration") == before.get("pairGeneration")
+    assert int(after.get("restarts") or 0) == int(before.get("restarts") or 0)
+    messages = [m for _, m in band]
+    assert any(re.match(r"decode 1 → prefill 2 .*: prefill set to 1", m) for m in messages), messages
+    assert any(re.match(r"decode 2 → prefill 1 .*: prefill set to 2", m) for m in messages), messages
+    assert timeline.peak > float(HPA_TARGET_WAITING), timeline.peak  # what the HPA scaled up on
+
+
 def test_deleting_the_2p2d_pair_removes_its_pods_role_objects_and_leases(real_cluster, xpair):
     ns, name = xpair.namespace, xpair.name
     uid = xpair.get()["metadata"]["uid"]
+    engines = [p for p in xpair.pods().values() if p["metadata"]["labels"].get(LABEL_ROLE) in ("prefill", "decode")]
 
     def leases() -> list[dict]:
         return json.loads(real_cluster.kubectl("get", "leases.coordination.k8s.io", "-n", OPERATOR_NS, "-l",
@@ -449,7 +658,8 @@ def test_deleting_the_2p2d_pair_removes_its_pods_role_objects_and_leases(real_cl
         return [o["metadata"]["name"] for o in items]
 
     held = leases()
-    assert len(held) == 3 * 4 + 1, len(held)  # TP 1: side channel, metrics, http per instance; the router's port
+    # TP 1: side channel, metrics, http per instance (the HPA test leaves 1P1D); the router's port
+    assert len(held) == 3 * len(engines) + 1, (len(held), len(engines))
     t0 = time.monotonic()
     real_cluster.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", ns, "--wait=true", "--timeout=120s", timeout=150)
     wait_for(lambda: not xpair.pods(), 180, "the pair's pods to go", diagnose=xpair.diagnose, interval=1.0)
