@@ -17,11 +17,17 @@ each choice, and `spec.rollout.drainSeconds` 5. The tests share it, in file orde
      (0, 1): the pair stays Ready at its generation, decode 0 alone is replaced (instances.heal: a new uid, an
      InstanceReplacing Event, no pair restart), D comes back to 2/2 and the router takes (0, 0) again; requests fail
      only while routed to the killed instance (counted and printed); the forced (0, 1) client fails none;
-  5. the pair deleted: its pods, role objects and port leases go.
+  5. a HorizontalPodAutoscaler on the decode role object, fed by vllm:num_requests_waiting through the in-cluster
+     Prometheus and prometheus-adapter (the custom metrics API), with the ratio band [1, 1]: idle -> P 1/1 D 1/1,
+     a burst of clients on slowed decodes -> P 2/2 D 2/2, the burst stops -> P 1/1 D 1/1, no request failed
+     (issue 22 item 5; the decodes run at most DECODE_MAX_NUM_SEQS requests at once, so a burst queues);
+  6. the pair deleted: its pods, role objects and port leases go.
 
-Cost: 6 vLLM cold starts (4 at the start, loading at once; 1 for the scale-up; 1 for the replaced decode), about
-4.5 minutes of the real-node stage on a 2-core machine (measured: apply -> P 2/2 D 2/2 49-78 s, the 16 forced
-completions 9-18 s, scale-down 7 s and scale-up 61 s under load, delete -> re-created decode Ready 81 s, the pair's
+Cost: 8 vLLM cold starts (4 at the start, loading at once; 1 for the scale-up; 1 for the replaced decode; 2 for the
+HPA's scale-up, at once), about 7.5 minutes of the real-node stage on a 2-core machine (measured: apply -> P 2/2 D
+2/2 49-78 s, the 16 forced completions 8-18 s, scale-down 7 s and scale-up 61 s under load, delete -> re-created
+decode Ready 81 s; the HPA test about 3 minutes: Prometheus and the adapter 5 s once their images are in n1, HPA ->
+P 1/1 D 1/1 31 s, burst -> HPA desired 2 16 s -> P 2/2 D 2/2 72 s, stop -> 1/1 within the window; the pair's
 deletion 3 s).
 """
 from __future__ import annotations
