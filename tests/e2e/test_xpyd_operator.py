@@ -6,8 +6,9 @@ one InferencePair with several prefill and decode instances. What is checked aga
     its Ready instances (the test serves the push endpoints on the pods' leased ports, as the connector and the
     router would);
   - scale up through the role's scale object (`/scale`, as kubectl scale and an HPA do: decode 3 -> 4) leaves every existing pod alone and keeps the pair Ready; scale down (4 -> 2) drains
-    the highest instances first (out of every push), deletes them after spec.rollout.drainSeconds, and releases
-    their ports only once they are gone; P and D in status;
+    the highest instances first (out of every push), deletes them as soon as the router (the test's stand-in,
+    answering `involved` 0 for every instance, to PUT and GET) no longer lists them, well before
+    spec.rollout.drainSeconds (30), and releases their ports only once they are gone; P and D in status;
   - an operator SIGKILLed mid-scale converges after its restart without a duplicate pod or port.
 Cost: about 60-90 s on the shared kwok cluster (one operator subprocess, no engine, 0 vLLM cold starts).
 """
@@ -41,20 +42,43 @@ pytestmark = pytest.mark.cluster
 PEERS_PATH = "/pdpair/v1/peers"
 
 
+def router_answer(body: dict) -> dict:
+    """The router's answer to a pushed set (router/app.py): its members, no request in flight (an idle router)."""
+    def members(role: str) -> list[dict]:
+        return [{"index": m["index"], "url": m["url"], "outstanding": 0, "involved": 0,
+                 "draining": bool(m.get("draining"))} for m in body.get(role) or []]
+
+    return {"epoch": body.get("epoch"), "generation": body.get("generation"), "prefills": members("prefills"),
+            "decodes": members("decodes"), "leaving": [], "warnings": []}
+
+
 class PushReceiver:
     """Serves PUT /pdpair/v1/peers on one port, as a prefill's connector (metrics port) or the router (http port)
-    would, recording each body with its Authorization header."""
+    would, recording each body with its Authorization header; as the router (`router`), it answers the router's
+    shape, to GET too (recorded in `reads`)."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, router: bool = False):
         received = self.received = []
+        reads = self.reads = []
 
         class Handler(BaseHTTPRequestHandler):
             def do_PUT(self):  # noqa: N802 (http.server's name)
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
                 received.append((self.path, self.headers.get("Authorization"), body))
-                answer = json.dumps({"epoch": body.get("epoch"), "generation": body.get("generation"),
-                                     "paired": True}).encode()
+                self.answer(router_answer(body) if router else
+                            {"epoch": body.get("epoch"), "generation": body.get("generation"), "paired": True})
+
+            def do_GET(self):  # noqa: N802
+                if not router:
+                    self.send_error(405)
+                    return
+                reads.append((self.path, self.headers.get("Authorization")))
+                last = received[-1][2] if received else {"epoch": None, "generation": None}
+                self.answer(router_answer(last))
+
+            def answer(self, doc: dict) -> None:
+                answer = json.dumps(doc).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(answer)))
@@ -125,9 +149,9 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
     receivers: dict[int, PushReceiver] = {}
     listeners: list[socket.socket] = []
 
-    def serve(port):
+    def serve(port, router=False):
         if port not in receivers:
-            receivers[port] = PushReceiver(port)
+            receivers[port] = PushReceiver(port, router)
         return receivers[port]
 
     def listen(port):
@@ -141,14 +165,14 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
     try:
         with operator(platform, ns, pool_of_free_ports(80), tmp_path) as proc:
             api.create_pair(ns, "xp", router={"enabled": True}, prefill={"replicas": 2}, decode={"replicas": 3},
-                            rollout={"drainSeconds": 3})
+                            rollout={"drainSeconds": 30})
             pair = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("ports") else None)(api.pair(ns, "xp")),
                             60, "ports leased")
             # The decode listener of instance 0 (the operator's Ready gate) and the push endpoints of every prefill
             # (metrics port) and of the router (http port), on the leased ports, before the pods exist.
             listen(port_named(pair, "decode-sidechannel-0"))
             for name in ("prefill-metrics-0", "prefill-metrics-0-i1", "router-http-0"):
-                serve(port_named(pair, name))
+                serve(port_named(pair, name), router=name.startswith("router"))
             ready = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("phase") == "Ready" and
                                       p["status"].get("decode", {}).get("readyOfDesired") == "3/3" and
                                       p["status"].get("prefill", {}).get("readyOfDesired") == "2/2" else None)(
@@ -210,8 +234,10 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
             assert uids < now_uids
             check_ports(api, ns, scaled)
 
-            # Scale down: decode 4 -> 2. Instances 3 and 2 drain (out of every push) and go after drainSeconds;
-            # their ports are released once they are gone.
+            # Scale down: decode 4 -> 2. Instances 3 and 2 drain (out of every push) and go as soon as the router
+            # answers that it no longer lists them and nothing involves them (its PUT answer, then GETs), well
+            # before drainSeconds (30); their ports are released once they are gone.
+            scale_down_at = time.monotonic()
             scale(api, ns, "xp-decode", 2)
             draining = wait_for(lambda: [p for p in pods_by_role(api, ns)["decode"].values()
                                          if ANNOTATION_DRAINING_SINCE in (p["metadata"].get("annotations") or {})]
@@ -225,6 +251,11 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
                                      sorted(pods_by_role(api, ns)["decode"]) == [0, 1] and
                                      len(p["status"]["ports"]) == 3 * (2 + 2) + 1 else None)(api.pair(ns, "xp")),
                             60, "decode 2/2 with the drained instances' ports released", interval=0.3)
+            drained_in = time.monotonic() - scale_down_at
+            assert drained_in < 20, f"the drain took {drained_in:.1f} s: the router's counts were not used (the " \
+                                    f"deadline is 30 s)\n{diagnose(api, ns, proc)}"
+            router_receiver = receivers[port_named(ready, "router-http-0")]
+            assert all(auth == f"Bearer {token}" for _, auth in router_receiver.reads)
             check_ports(api, ns, down)
             assert down["status"]["phase"] == "Ready"
             deleted = [e for e in recorder.order() if e.startswith("delete")]
