@@ -6,8 +6,9 @@ one InferencePair with several prefill and decode instances. What is checked aga
     its Ready instances (the test serves the push endpoints on the pods' leased ports, as the connector and the
     router would);
   - scale up through the role's scale object (`/scale`, as kubectl scale and an HPA do: decode 3 -> 4) leaves every existing pod alone and keeps the pair Ready; scale down (4 -> 2) drains
-    the highest instances first (out of every push), deletes them after spec.rollout.drainSeconds, and releases
-    their ports only once they are gone; P and D in status;
+    the highest instances first (out of every push), deletes them as soon as the router (the test's stand-in,
+    answering `involved` 0 for every instance, to PUT and GET) no longer lists them, well before
+    spec.rollout.drainSeconds (30), and releases their ports only once they are gone; P and D in status;
   - an operator SIGKILLed mid-scale converges after its restart without a duplicate pod or port.
 Cost: about 60-90 s on the shared kwok cluster (one operator subprocess, no engine, 0 vLLM cold starts).
 """
@@ -41,20 +42,45 @@ pytestmark = pytest.mark.cluster
 PEERS_PATH = "/pdpair/v1/peers"
 
 
+def router_answer(body: dict) -> dict:
+    """The router's answer to a pushed set (router/app.py): its members, no request in flight (an idle router)."""
+    def members(role: str) -> list[dict]:
+        return [{"index": m["index"], "url": m["url"], "outstanding": 0, "involved": 0,
+                 "draining": bool(m.get("draining"))} for m in body.get(role) or []]
+
+    return {"epoch": body.get("epoch"), "generation": body.get("generation"), "prefills": members("prefills"),
+            "decodes": members("decodes"), "leaving": [], "warnings": []}
+
+
 class PushReceiver:
     """Serves PUT /pdpair/v1/peers on one port, as a prefill's connector (metrics port) or the router (http port)
-    would, recording each body with its Authorization header."""
+    would, recording each body with its Authorization header; as the router (`router`), it answers the router's
+    shape, to GET too (recorded in `reads`)."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, router: bool = False):
         received = self.received = []
+        put_times = self.put_times = []  # time.monotonic() of each entry of `received`
+        reads = self.reads = []
 
         class Handler(BaseHTTPRequestHandler):
             def do_PUT(self):  # noqa: N802 (http.server's name)
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
                 received.append((self.path, self.headers.get("Authorization"), body))
-                answer = json.dumps({"epoch": body.get("epoch"), "generation": body.get("generation"),
-                                     "paired": True}).encode()
+                put_times.append(time.monotonic())
+                self.answer(router_answer(body) if router else
+                            {"epoch": body.get("epoch"), "generation": body.get("generation"), "paired": True})
+
+            def do_GET(self):  # noqa: N802
+                if not router:
+                    self.send_error(405)
+                    return
+                reads.append((self.path, self.headers.get("Authorization")))
+                last = received[-1][2] if received else {"epoch": None, "generation": None}
+                self.answer(router_answer(last))
+
+            def answer(self, doc: dict) -> None:
+                answer = json.dumps(doc).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(answer)))
@@ -125,9 +151,9 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
     receivers: dict[int, PushReceiver] = {}
     listeners: list[socket.socket] = []
 
-    def serve(port):
+    def serve(port, router=False):
         if port not in receivers:
-            receivers[port] = PushReceiver(port)
+            receivers[port] = PushReceiver(port, router)
         return receivers[port]
 
     def listen(port):
@@ -141,14 +167,14 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
     try:
         with operator(platform, ns, pool_of_free_ports(80), tmp_path) as proc:
             api.create_pair(ns, "xp", router={"enabled": True}, prefill={"replicas": 2}, decode={"replicas": 3},
-                            rollout={"drainSeconds": 3})
+                            rollout={"drainSeconds": 30})
             pair = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("ports") else None)(api.pair(ns, "xp")),
                             60, "ports leased")
             # The decode listener of instance 0 (the operator's Ready gate) and the push endpoints of every prefill
             # (metrics port) and of the router (http port), on the leased ports, before the pods exist.
             listen(port_named(pair, "decode-sidechannel-0"))
             for name in ("prefill-metrics-0", "prefill-metrics-0-i1", "router-http-0"):
-                serve(port_named(pair, name))
+                serve(port_named(pair, name), router=name.startswith("router"))
             ready = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("phase") == "Ready" and
                                       p["status"].get("decode", {}).get("readyOfDesired") == "3/3" and
                                       p["status"].get("prefill", {}).get("readyOfDesired") == "2/2" else None)(
@@ -210,21 +236,45 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
             assert uids < now_uids
             check_ports(api, ns, scaled)
 
-            # Scale down: decode 4 -> 2. Instances 3 and 2 drain (out of every push) and go after drainSeconds;
-            # their ports are released once they are gone.
+            # Scale down: decode 4 -> 2. Instances 3 and 2 drain (out of every push) and go as soon as the router
+            # answers that it no longer lists them and nothing involves them (its PUT answer, then GETs), well
+            # before drainSeconds (30); their ports are released once they are gone.
+            # An idle drain ends within a pass or two of its mark: a marked pod may be gone before a poll sees its
+            # annotation, so the marks are checked in the pods seen, the operator's InstanceDraining Events and the
+            # router's pushes (each drained decode left the router's set before it was deleted).
+            scale_down_at = time.monotonic()
             scale(api, ns, "xp-decode", 2)
-            draining = wait_for(lambda: [p for p in pods_by_role(api, ns)["decode"].values()
-                                         if ANNOTATION_DRAINING_SINCE in (p["metadata"].get("annotations") or {})]
-                                or None, 30, "a decode marked draining")
-            assert {int(p["metadata"]["labels"][LABEL_INSTANCE]) for p in draining} <= {2, 3}
+            marked: set[int] = set()
+
+            def decode_down():
+                decodes_now = pods_by_role(api, ns)["decode"]
+                marked.update(i for i, p in decodes_now.items()
+                              if ANNOTATION_DRAINING_SINCE in (p["metadata"].get("annotations") or {}))
+                p = api.pair(ns, "xp")
+                return p if (p["status"].get("decode", {}).get("desired") == 2 and sorted(decodes_now) == [0, 1] and
+                             len(p["status"]["ports"]) == 3 * (2 + 2) + 1) else None
+
+            down = wait_for(decode_down, 60, "decode 2/2 with the drained instances' ports released", interval=0.2,
+                            diagnose=lambda: diagnose(api, ns, proc))
+            drained_in = time.monotonic() - scale_down_at
+            assert marked <= {2, 3}, marked
+            assert drained_in < 20, f"the drain took {drained_in:.1f} s: the router's counts were not used (the " \
+                                    f"deadline is 30 s)\n{diagnose(api, ns, proc)}"
             two = {f"127.0.0.1:{port_named(scaled, name)}" for name in ("decode-sidechannel-0",
                                                                         "decode-sidechannel-0-i1")}
             wait_for(lambda: prefill_sets() == [two, two] and router_set() == (2, 2), 30,
                      "the drained decodes out of every push")
-            down = wait_for(lambda: (lambda p: p if p["status"].get("decode", {}).get("desired") == 2 and
-                                     sorted(pods_by_role(api, ns)["decode"]) == [0, 1] and
-                                     len(p["status"]["ports"]) == 3 * (2 + 2) + 1 else None)(api.pair(ns, "xp")),
-                            60, "decode 2/2 with the drained instances' ports released", interval=0.3)
+            wait_for(lambda: {e.message.split(":")[0] for e in api.events(ns) if e.reason == "InstanceDraining"} >=
+                     {"xp-decode-g1-2", "xp-decode-g1-3"}, 30, "an InstanceDraining Event for each drained decode")
+            router_receiver = receivers[port_named(ready, "router-http-0")]
+            assert all(auth == f"Bearer {token}" for _, auth in router_receiver.reads)
+            for instance in (2, 3):
+                url = f"http://127.0.0.1:{port_named(scaled, f'decode-http-0-i{instance}')}"
+                left = next(at for at, (_, _, body) in zip(router_receiver.put_times, router_receiver.received)
+                            if at > scale_down_at and url not in {d["url"] for d in body["decodes"]})
+                gone = next(at for at, kind, name in recorder.events
+                            if kind == "delete" and name == f"xp-decode-g1-{instance}")
+                assert left < gone, f"decode {instance} deleted before the router was told it left"
             check_ports(api, ns, down)
             assert down["status"]["phase"] == "Ready"
             deleted = [e for e in recorder.order() if e.startswith("delete")]

@@ -97,7 +97,8 @@ LABEL_INSTANCE = "pdpair.io/instance"
 # (tests/unit/test_contract_defaults.py holds them equal); a spec read from the API always carries it.
 DEFAULT_REPLICAS = 1
 # On an engine pod chosen for removal by a scale-down: when the operator began draining it (epoch seconds). From
-# then on it is in no push (router, prefills); it is deleted after spec.rollout.drainSeconds (operator/instances.py).
+# then on it is out of the router's set; it is deleted once the router reports no request involving it, at the latest
+# after spec.rollout.drainSeconds (operator/instances.py).
 ANNOTATION_DRAINING_SINCE = "pdpair.io/draining-since"
 # On a prefill or router pod: the digest of the peer set it was created with or last pushed (operator/instances.py).
 ANNOTATION_PEERS_DIGEST = "pdpair.io/peers-digest"

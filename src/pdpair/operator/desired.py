@@ -189,7 +189,8 @@ def with_instances(spec: Mapping[str, Any], observed: Observed, plan: Plan) -> P
             p.generation != plan.pair_generation for p in observed.pods)):
         return plan
     step = instances.instance_step(spec, observed.pods, plan.pair_generation, observed.now,
-                                   observed.leased_instances, serving=plan.heals_alone)
+                                   observed.leased_instances, serving=plan.heals_alone,
+                                   router=observed.router_views.get(plan.pair_generation))
     if step is None:
         return plan
     message = f"{plan.message}; {step.message}"

@@ -12,9 +12,16 @@ after desired.py's own action (it never overrides one):
     marked draining (annotation pdpair.io/draining-since on the pod, the executor's write): from that pass on it is
     out of the router's set, so no new request is sent to it; it stays in the prefills' sets until its pod stops
     running, because a request the router sent to it just before the mark still needs its KV pushed there (taking
-    it out at once failed such a request on the real nodes: decode answered 500); after
-    `spec.rollout.drainSeconds` it is deleted, a prefill or router before any decode (desired.teardown's order);
-    its port leases are released only once the pod is gone (leases.py counts live pods' instances).
+    it out at once failed such a request on the real nodes: decode answered 500). It is deleted as soon as it is
+    drained, a prefill before any decode (desired.teardown's order): the router of its generation has taken the
+    mark (an answer read after the mark no longer lists it as one it may choose) and reports no request in flight
+    that involves it (`involved`: for a prefill until that request's decode answer ended, since prefill pushes the
+    KV to decode after answering; router/app.py) -- `router_drained`, on the executor's RouterDrainView; or, at the
+    latest, once `spec.rollout.drainSeconds` passed since the mark (the deadline: requests still in flight then
+    fail; without a router, before its first answer, or with an answer about another generation, the deadline is
+    the only end). While one drains and its router runs, the plan asks for the next pass within
+    DRAIN_POLL_SECONDS, when the executor reads the router again, so an idle instance goes within a second or two.
+    Its port leases are released only once the pod is gone (leases.py counts live pods' instances).
 The pushes (`prefill_peers`, `router_members`): a prefill is given every decode of its own generation that runs,
 draining ones included (never another generation's: the pairing stays revision-coherent); the router every
 instance of its generation that is Ready and not draining. The executor sends them (push.py) whenever they differ from what the
@@ -31,10 +38,13 @@ from pdpair.contract import PHASE_READY, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 
 from . import spec_fields
 from .health import REASON_CONTAINER_RESTART, REASON_POD_FAILED
-from .observed import Finding, PodView
+from .observed import Finding, PodView, RouterDrainView
 from .restart_policy import Action, RestartPolicy, decide, prune, restarts_in_window
 
 ENGINE_ROLES = (ROLE_DECODE, ROLE_PREFILL)
+# While an instance drains and its generation's router runs: the next pass (and the executor's read of the router's
+# counts) comes this soon, so an idle drain ends within about this much, not at spec.rollout.drainSeconds.
+DRAIN_POLL_SECONDS = 1.0
 
 
 def live_instances(pods: Iterable[PodView], role: str, generation: int) -> dict[int, PodView]:
@@ -67,29 +77,54 @@ def surplus(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int) -
     return sorted(out, key=lambda p: (p.role != ROLE_PREFILL, -p.instance))
 
 
+def router_drained(pod: PodView, router: RouterDrainView | None) -> bool:
+    """Whether the router of `pod`'s generation says the draining `pod` is done: an answer about that generation
+    (from its router pod, and the set it was pushed), read at or after the mark, that no longer lists the pod as one
+    it may choose (draining, leaving, or gone from its set: the push that carried the mark was taken) and reports no
+    request in flight involving it. From then on no request can reach it: only the operator's pushes change the
+    router's set, and none lists a draining instance again. No view, another generation's, or one read before the
+    mark: False (the deadline decides)."""
+    return (router is not None and pod.draining_since is not None and router.generation == pod.generation
+            and router.answered_generation == pod.generation and router.read_at >= pod.draining_since
+            and pod.name not in router.choosable and router.involved.get(pod.name, 0) == 0)
+
+
 def instance_step(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int, now: float,
-                  leased: Mapping[str, frozenset[int]] | None = None, serving: bool = False) -> InstanceStep | None:
+                  leased: Mapping[str, frozenset[int]] | None = None, serving: bool = False,
+                  router: RouterDrainView | None = None) -> InstanceStep | None:
     """The next action on the instances beyond the first of `generation`, or None. Scale-down first (a draining
     instance's drain clock runs while the others start), then creation: decodes before prefills. `serving`: the
     generation heals alone (heals_alone), so a missing instance 0 is re-created here too, beside the serving
-    ones, instead of desired.py's ordered start."""
+    ones, instead of desired.py's ordered start. `router`: what the router of `generation` last answered (the
+    executor's read; None: no router, or none read yet): a draining instance goes as soon as `router_drained`,
+    else at its deadline."""
     pods = list(pods)
     going = surplus(spec, pods, generation)
     # Read only when something drains: the CRD defaults it (spec_fields), and a 1P1D spec never needs it.
     drain_seconds = float(spec_fields.defaulted(spec, "rollout", "drainSeconds")) if going else 0.0
     waits: list[float] = []
+    router_runs = any(p.role == ROLE_ROUTER and p.generation == generation and p.running and not p.deleting
+                      for p in pods)
     for pod in going:
         if pod.draining_since is None:
             return InstanceStep(MARK_DRAINING, pod.role, pod.instance, pod.name,
                                 message=f"scaling {pod.role} down: draining {pod.name}")
         left = pod.draining_since + drain_seconds - now
-        if left <= 0:
+        drained = router_drained(pod, router)
+        if left <= 0 or drained:
             if pod.role == ROLE_DECODE and any(p.role == ROLE_PREFILL and p.draining_since is not None and
                                                p.name != pod.name for p in going):
-                continue  # prefills leave before decodes (no transfer to a decode that is gone)
+                continue  # prefills leave before decodes (no transfer to a decode that is gone); theirs is the wait
+            if drained:
+                why = (f"drained: its router reports no request in flight involving it, {now - pod.draining_since:.1f}"
+                       f" s after the mark")
+            else:
+                count = router.involved.get(pod.name, 0) if router is not None else 0
+                why = (f"drain deadline (spec.rollout.drainSeconds {drain_seconds:g} s) passed"
+                       + (f" with {count} request(s) still involving it" if count else ""))
             return InstanceStep(DELETE, pod.role, pod.instance, pod.name,
-                                message=f"scaling {pod.role} down: {pod.name} drained, deleting it")
-        waits.append(left)
+                                message=f"scaling {pod.role} down: {pod.name} {why}; deleting it")
+        waits.append(min(left, DRAIN_POLL_SECONDS) if router_runs else left)
     unleased: list[str] = []
 
     def missing(role: str) -> list[int]:
@@ -117,7 +152,8 @@ def instance_step(spec: Mapping[str, Any], pods: Iterable[PodView], generation: 
                             "instances keep theirs, the rest start when ports are free")
     if waits:
         return InstanceStep(WAIT_DRAIN, "", -1, wait_seconds=min(waits),
-                            message=f"draining {len(waits)} instance(s) before deleting them")
+                            message=f"draining {len(waits)} instance(s) before deleting them (until the router "
+                                    "reports no request involving each, at most spec.rollout.drainSeconds)")
     return None
 
 
@@ -248,5 +284,5 @@ def role_status(spec: Mapping[str, Any], pods: Iterable[PodView], generation: in
     return out
 
 
-__all__ = ["Heal", "InstanceStep", "heal", "heals_alone", "instance_key", "instance_step", "live_instances", "prefill_peers", "role_status", "router_members",
+__all__ = ["DRAIN_POLL_SECONDS", "Heal", "InstanceStep", "heal", "router_drained", "heals_alone", "instance_key", "instance_step", "live_instances", "prefill_peers", "role_status", "router_members",
            "surplus", "CREATE", "DELETE", "MARK_DRAINING", "WAIT_DRAIN"]

@@ -179,6 +179,67 @@ class Observed:
     # The instances whose port blocks the serving set holds, per role, when the pool could not lease them all (a
     # scale-up past the pool: the serving blocks are kept, ports.ensure hoard_nothing=False); None: every block held
     leased_instances: Mapping[str, frozenset[int]] | None = None
+    # What the router of each generation last answered about its instances (RouterDrainView, by the router pod's
+    # generation), while an instance of the pair drains: instances.instance_step ends a drain early on it
+    router_views: Mapping[int, "RouterDrainView"] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RouterDrainView:
+    """What the router of `generation` answered about its instances (`PUT` or `GET /pdpair/v1/peers`, router/app.py),
+    as the executor last read it, by pod: the planner's evidence that a draining instance is done
+    (instances.router_drained). It records the answer and decides nothing.
+
+    The executor keeps it in memory only: a restarted operator has none until its first read of the router (one pass;
+    the drain deadline, spec.rollout.drainSeconds, holds meanwhile). Nothing is lost by that: a drain's evidence is
+    the router's state now, not a history."""
+
+    generation: int  # the generation of the router pod that answered
+    answered_generation: int | None  # the answer's "generation" (None: nothing pushed yet, the router's flags' set)
+    read_at: float  # epoch seconds (the operator's clock, like pdpair.io/draining-since) when the answer came
+    choosable: frozenset[str] = frozenset()  # pods the router may still choose (a member not marked draining)
+    involved: Mapping[str, int] = field(default_factory=dict)  # pods with requests in flight involving them (> 0)
+
+    @classmethod
+    def from_answer(cls, generation: int, answer: Any, read_at: float,
+                    urls: Mapping[str, tuple[str, str]]) -> "RouterDrainView | None":
+        """The view of a router's answer `{"epoch", "generation", "prefills": [{"index", "url", "outstanding",
+        "involved", "draining"}], "decodes": [...], "leaving": [{"role", "url", "outstanding", "involved"}]}` for the
+        pods `urls` names (pod name -> (role, the engine URL the router is pushed for it)); None for an answer that is
+        malformed or lacks `involved` (a router from before that count: its prefill `outstanding` ends before the KV
+        push does, so the drain keeps its deadline)."""
+        if not isinstance(answer, Mapping):
+            return None
+        answered = answer.get("generation")
+        if answered is not None and (isinstance(answered, bool) or not isinstance(answered, int)):
+            return None
+        by_url: dict[tuple[str, str], str] = {role_url: name for name, role_url in urls.items()}
+        choosable: set[str] = set()
+        involved: dict[str, int] = {}
+        entries: list[tuple[str, Any, bool]] = []
+        for key, role in (("prefills", "prefill"), ("decodes", "decode")):
+            items = answer.get(key)
+            if not isinstance(items, list):
+                return None
+            entries += [(role, item, True) for item in items]
+        leaving = answer.get("leaving", [])
+        if not isinstance(leaving, list):
+            return None
+        entries += [(item.get("role") if isinstance(item, Mapping) else "", item, False) for item in leaving]
+        for role, item, member in entries:
+            if not isinstance(item, Mapping):
+                return None
+            count = item.get("involved")
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                return None
+            name = by_url.get((str(role), str(item.get("url"))))
+            if name is None:
+                continue
+            if member and item.get("draining") is not True:
+                choosable.add(name)
+            if count:
+                involved[name] = involved.get(name, 0) + count
+        return cls(generation, answered, read_at, frozenset(choosable), involved)
 
 
 TAINT_UNREACHABLE = "node.kubernetes.io/unreachable"

@@ -6,9 +6,11 @@ builds the bodies with these functions, sends them with `push`, and records `bod
   pairs with). Its answer: `{"epoch", "generation", "ranks": {rank: {"host:portBase": paired}}, "paired":
   {"host:portBase": every rank paired}}` (502 with `unreachable_ranks` when a TP rank could not be reached).
 - The router: `PUT /pdpair/v1/peers` on its HTTP port, `router_body` (both roles' instances, `draining` marked). Its
-  answer: `{"epoch", "generation", "prefills": [{"index", "url", "outstanding", "draining"}], "decodes": [...],
-  "leaving": [{"role", "url", "outstanding"}], "warnings": [...]}`: a drained instance is done when its
-  `outstanding` is 0 and it is no longer `leaving`.
+  answer, also to `GET` (`read_peers`, while an instance drains): `{"epoch", "generation", "prefills": [{"index",
+  "url", "outstanding", "involved", "draining"}], "decodes": [...], "leaving": [{"role", "url", "outstanding",
+  "involved"}], "warnings": [...]}`: the executor records it as an observed.RouterDrainView, and the planner
+  (instances.router_drained) deletes a draining instance once the router no longer lists it as one it may choose
+  and its `involved` is 0.
 - Both: bearer token PDPAIR_PEERS_TOKEN (401 without), 400 for a malformed body (the error names the field), 409 for
   an epoch older than the last one accepted (and, for a prefill, another generation than its own).
 
@@ -140,6 +142,17 @@ async def push(session: "aiohttp.ClientSession", url: str, token: str, body: dic
     send, answer) bounded by `timeout_seconds`. Never raises for the network (refused, reset, DNS, timeout, a bad
     URL): those are a PushResult with ok False, status None and the cause. A ValueError only for a timeout that is
     not a finite number > 0 (a bug, not the network)."""
+    return await _request(session, "PUT", url, token, body, timeout_seconds)
+
+
+async def read_peers(session: "aiohttp.ClientSession", url: str, token: str, timeout_seconds: float) -> PushResult:
+    """GET `url` (the router's peers endpoint) with the same bearer token and bound as `push`: the router's current
+    answer without a change (its requests in flight per instance, while one drains). Never raises for the network."""
+    return await _request(session, "GET", url, token, None, timeout_seconds)
+
+
+async def _request(session: "aiohttp.ClientSession", method: str, url: str, token: str, body: dict | None,
+                   timeout_seconds: float) -> PushResult:
     import aiohttp
 
     if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) or \
@@ -147,17 +160,18 @@ async def push(session: "aiohttp.ClientSession", url: str, token: str, body: dic
         raise ValueError(f"timeout_seconds must be a finite number > 0, got {timeout_seconds!r}")
 
     async def put() -> tuple[int, str]:
-        async with session.put(url, json=body, headers={"Authorization": f"Bearer {token}"},
-                               timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as resp:
+        async with session.request(method, url, headers={"Authorization": f"Bearer {token}"},
+                                   timeout=aiohttp.ClientTimeout(total=timeout_seconds),
+                                   **({"json": body} if body is not None else {})) as resp:
             return resp.status, await resp.text()
 
     try:
         # aiohttp's total bounds the request; wait_for bounds everything else too (a slow DNS answer included).
         status, text = await asyncio.wait_for(put(), timeout_seconds)
     except asyncio.TimeoutError:
-        return PushResult(False, None, None, f"PUT {url}: no answer within {timeout_seconds:g} s")
+        return PushResult(False, None, None, f"{method} {url}: no answer within {timeout_seconds:g} s")
     except (aiohttp.ClientError, OSError, ValueError) as exc:  # aiohttp.InvalidURL is a ValueError too
-        return PushResult(False, None, None, f"PUT {url}: {type(exc).__name__}: {exc}")
+        return PushResult(False, None, None, f"{method} {url}: {type(exc).__name__}: {exc}")
     try:
         answer = json.loads(text)
     except ValueError:
@@ -166,7 +180,7 @@ async def push(session: "aiohttp.ClientSession", url: str, token: str, body: dic
     if 200 <= status < 300:
         return PushResult(True, status, answer, "")
     cause = answer.get("error") if answer is not None else None
-    return PushResult(False, status, answer, f"PUT {url}: HTTP {status}: {cause or text[:300]!s}")
+    return PushResult(False, status, answer, f"{method} {url}: HTTP {status}: {cause or text[:300]!s}")
 
 
 def pair_token(key: str, pair_uid: str) -> str:

@@ -39,7 +39,7 @@ from pdpair.contract import (
 )
 
 from . import desired as d
-from .observed import Finding, NodeView, Observed, PodView
+from .observed import Finding, NodeView, Observed, PodView, RouterDrainView
 from . import health, leases, planner, rollout
 from .config import ENV_PEERS_KEY, OperatorConfig
 from .lifecycle import probe_ranks
@@ -145,6 +145,23 @@ def _router_members(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> lis
     return members
 
 
+def _engine_urls(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """pod name -> (role, the engine URL the router is pushed for it: _router_members' URL), for the engine pods
+    with an address and an HTTP port in `ports`: how a router's answer (by URL) is read back as pods."""
+    out = {}
+    for p in pods:
+        http = port_of(ports, p.role, PURPOSE_HTTP, instance=p.instance) if p.role in instances.ENGINE_ROLES else None
+        if http is not None and p.ip:
+            out[p.name] = (p.role, f"http://{url_host(p.ip)}:{http}")
+    return out
+
+
+def _draining_generations(pods: Iterable[PodView]) -> set[int]:
+    """The generations with an engine instance draining (marked by a scale-down, not yet being deleted)."""
+    return {p.generation for p in pods if p.role in instances.ENGINE_ROLES and p.draining_since is not None
+            and not p.deleting}
+
+
 def _router_digest(members: Iterable[push.RouterMember]) -> str:
     return instances.peers_digest(f"{m.role}/{m.index}/{m.url}" for m in members)
 
@@ -230,6 +247,11 @@ class PairReconciler:
         self.push_failures: dict[str, str] = {}  # pod uid -> the last push error logged (logged once per cause)
         # pod uid -> the digest this reconciler pushed, until the pod index shows the annotation (the watch's lag)
         self.pushed: dict[str, str] = {}
+        # generation -> what its router last answered (PUT or GET peers) while an instance of it drains: recorded
+        # here, decided on by the planner (instances.router_drained). Memory only: a restarted operator reads the
+        # router again on its first pass while something drains, and its first plan falls back to the deadline.
+        self.router_views: dict[int, RouterDrainView] = {}
+        self.router_read_failures: dict[str, str] = {}  # router pod uid -> the last read error logged (once per cause)
         self.scale_cache = scale_sync.ScaleSyncCache()  # its own writes to the role objects until the index shows them
         self.overridden_told: set[tuple[str, int]] = set()  # (role, inline count) told in a ReplicasFromScaleTarget Event
         self.scale_views: Mapping[str, ScaleView] | None = None  # this pass's, for the status write
@@ -628,6 +650,7 @@ class PairReconciler:
             node_lost_seconds=cfg.node_lost_seconds,
             held_pool_ports=frozenset(int(p["port"]) for p in (self.ports or []) + (self.rollout_ports or [])
                                       if int(p["port"]) in self.rt.leaser.pool),
+            router_views=dict(self.router_views),
         )
         decided = planner.plan(spec, self.status, observed, time.time())
         if decided.outcome == planner.OUTCOME_HALTED:
@@ -690,7 +713,8 @@ class PairReconciler:
         for event in plan.events:
             self.emit(*event)
         await self._act(plan, pods, meta_generation)
-        await self.push_sets(pods)
+        answered = await self.push_sets(pods)
+        await self.read_routers(pods, answered)
         if scale_views is not None:
             await self.sync_scale_targets(plan, scale_views, {role: spec_fields.replicas(spec, role)
                                                               for role in (ROLE_PREFILL, ROLE_DECODE)})
@@ -928,11 +952,14 @@ class PairReconciler:
             return self.rollout_ports
         return self.ports
 
-    async def push_sets(self, pods: tuple[PodView, ...]) -> None:
+    async def push_sets(self, pods: tuple[PodView, ...]) -> set[str]:
         """Send each running prefill and router of the pair the set instances.py gives it, when it differs from
         what the pod was last told (its annotation pdpair.io/peers-digest): the decodes a prefill pairs with, the
-        instances a router sends to. A failed push is retried on the next pass (it is level-triggered)."""
+        instances a router sends to. A failed push is retried on the next pass (it is level-triggered). A router's
+        answer is recorded (`_record_router`) while an instance of its generation drains. Returns the uids of the
+        routers whose answer was recorded."""
         sends = []
+        answered: set[str] = set()
         live = {p.uid for p in pods if p.running}
         self.push_failures = {uid: cause for uid, cause in self.push_failures.items() if uid in live}
         self.pushed = {uid: digest for uid, digest in self.pushed.items() if uid in live}
@@ -968,7 +995,7 @@ class PairReconciler:
             else:
                 self.push_failures.pop(pod.uid, None)
         if not sends:
-            return
+            return answered
         token = await self._peers_token()
         timeout = self.rt.config.probe_timeout
 
@@ -990,10 +1017,73 @@ class PairReconciler:
                 return
             self.push_failures.pop(pod.uid, None)
             self.pushed[pod.uid] = digest
+            if pod.role == ROLE_ROUTER and self._record_router(pod, pods, result.answer, time.time()):
+                answered.add(pod.uid)
             await self._patch_pod_annotations(pod.name, {ANNOTATION_PEERS_DIGEST: digest})
             self.emit("Normal", "PeersPushed", f"{pod.role} {pod.name}: told its current set ({digest})")
 
         await asyncio.gather(*(send(*item) for item in sends))
+        return answered
+
+    def _record_router(self, router: PodView, pods: tuple[PodView, ...], answer: Any, read_at: float) -> bool:
+        """Record the answer of `router` (its generation's RouterDrainView) when an instance of that generation
+        drains; an answer the view cannot read (malformed, or a router without `involved`) drops the view, so the
+        planner falls back to the deadline. True when recorded."""
+        if router.generation not in _draining_generations(pods):
+            return False
+        ports = self._ports_of_generation(router.generation) or []
+        urls = _engine_urls((p for p in pods if p.generation == router.generation and p.draining_since is not None),
+                            ports)
+        view = RouterDrainView.from_answer(router.generation, answer, read_at, urls)
+        if view is None:
+            self.router_views.pop(router.generation, None)
+            self._router_read_failed(router, "its peers answer has no per-instance 'involved' counts (a router "
+                                             "image from before them?)")
+            return False
+        self.router_views[router.generation] = view
+        self.router_read_failures.pop(router.uid, None)
+        return True
+
+    def _router_read_failed(self, router: PodView, cause: str) -> None:
+        if self.router_read_failures.get(router.uid) != cause:  # logged once per cause
+            self.router_read_failures[router.uid] = cause
+            self.log.info("pair %s/%s: router %s's counts not read (%s): a draining instance waits for "
+                          "spec.rollout.drainSeconds", self.ref.namespace, self.ref.name, router.name, cause)
+
+    async def read_routers(self, pods: tuple[PodView, ...], answered: "set[str] | frozenset[str]" = frozenset()) -> None:
+        """While an instance of a generation drains, read its running router's current answer (`GET
+        /pdpair/v1/peers`, the push's token and timeout) unless this pass's push just recorded one (`answered`),
+        for the next pass's plan. A read that fails drops the view (the deadline decides), is logged once per
+        cause, and is tried again next pass; views of generations where nothing drains are dropped."""
+        draining = _draining_generations(pods)
+        self.router_views = {g: v for g, v in self.router_views.items() if g in draining}
+        routers = {p.uid for p in pods if p.role == ROLE_ROUTER and p.running and not p.deleting}
+        self.router_read_failures = {u: c for u, c in self.router_read_failures.items() if u in routers}
+        reads = []
+        for pod in pods:
+            if pod.role != ROLE_ROUTER or not pod.running or pod.deleting or pod.generation not in draining or \
+                    pod.uid in answered:
+                continue
+            port = port_of(self._ports_of_generation(pod.generation) or [], ROLE_ROUTER, PURPOSE_HTTP)
+            if port is None or not pod.ip:
+                continue
+            reads.append((pod, f"http://{url_host(pod.ip)}:{port}{PEERS_PATH}"))
+        if not reads:
+            return
+        token = await self._peers_token()
+
+        async def read(pod: PodView, url: str) -> None:
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session:
+                result = await push.read_peers(session, url, token, self.rt.config.probe_timeout)
+            if not result.ok:
+                self.router_views.pop(pod.generation, None)
+                self._router_read_failed(pod, f"{result.status} {result.error}")
+                return
+            self._record_router(pod, pods, result.answer, time.time())
+
+        await asyncio.gather(*(read(*item) for item in reads))
 
     async def _patch_pod_annotations(self, name: str, annotations: Mapping[str, str]) -> None:
         try:

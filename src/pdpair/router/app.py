@@ -16,8 +16,13 @@ gone from the set is never chosen again while its requests in flight finish, and
 when its last one ends. The swap is synchronous (no await between reading and replacing the pools). An empty or
 all-draining role is accepted, but then /readyz fails and requests are answered 503. Forced routes
 (X-Pdpair-Route) name the "index" fields of the instances that may be chosen. The answer, also to `GET`, is
-`{"epoch", "generation", "prefills": [{"index", "url", "outstanding", "draining"}], "decodes": [...], "leaving":
-[{"role", "url", "outstanding"}], "warnings": [str]}`: the operator sees a drained instance reach 0 requests in flight.
+`{"epoch", "generation", "prefills": [{"index", "url", "outstanding", "involved", "draining"}], "decodes": [...], "leaving": [{"role", "url",
+"outstanding", "involved"}], "warnings": [str]}`. `outstanding` is the choice's load count (a prefill's covers only the
+prefill phase of a request); `involved` counts the requests in flight that involve the instance for their whole
+life: a prefill from its choice until that request's decode answer has ended or failed (prefill pushes the KV to
+decode after answering, so a prefill with `outstanding` 0 may still be pushing), a decode as its `outstanding`. The
+operator deletes a drained instance once the router no longer lists it as one that may be chosen and its `involved`
+is 0 (operator/instances.py).
 The flags' URLs are the set until the first push (with the token none is required). Without the token the path
 answers 404 and the flags are the set.
 
@@ -118,7 +123,11 @@ class Instance:
     role: str
     index: int
     url: str
-    outstanding: int = 0
+    outstanding: int = 0  # requests in flight to it now: the choice's load count (`Pool.hold`)
+    # Requests in flight that involve it for their whole life (`Pool.involve`): a prefill's from its choice until the
+    # request's decode answer ended or failed (its KV push to decode may outlive its own answer), a decode's as
+    # `outstanding`. Never the load (a prefill that answered is free for the next prompt): what a drain waits for.
+    involved: int = 0
     cooldown_until: float = -math.inf  # on the pool's clock
     kv_usage: float | None = None
     kv_usage_at: float = -math.inf
@@ -139,7 +148,8 @@ class Pool:
     """The instances of one role, the requests in flight to each through this router, and the choice among them.
 
     `instances` are the ones that may be chosen (in index order), `draining` the members of the pushed set marked
-    draining, `leaving` (by URL) the instances that left the set with requests still in flight through this router;
+    draining, `leaving` (by URL) the instances that left the set with requests still in flight through this router
+    (held or involved);
     `replace` swaps the set (docs/xpyd.md section 6)."""
 
     def __init__(self, role: str, urls: tuple[str, ...], cooldown_seconds: float,
@@ -188,8 +198,8 @@ class Pool:
     def replace(self, members: list[Member]) -> None:
         """Makes `members` the role's set. Synchronous, so no request's choice sees half of it. An instance is kept
         by URL (its requests in flight, cooldown and KV usage stay); a new URL is a new instance; one marked
-        draining, or gone from the set, is never chosen again while its requests in flight finish (`hold` counts
-        them); one gone from the set is forgotten when its last one ends."""
+        draining, or gone from the set, is never chosen again while its requests in flight finish (`hold` and
+        `involve` count them); one gone from the set is forgotten when its last one ends."""
         known = {i.url: i for i in (*self.instances, *self.draining, *self.leaving.values())}
         instances, draining = [], []
         for m in sorted(members, key=lambda m: m.index):
@@ -199,19 +209,35 @@ class Pool:
         for instance in known.values():
             instance.draining = True
         self.instances, self.draining = instances, draining
-        self.leaving = {url: i for url, i in known.items() if i.outstanding > 0}
+        self.leaving = {url: i for url, i in known.items() if i.outstanding > 0 or i.involved > 0}
 
     @contextlib.contextmanager
     def hold(self, instance: Instance) -> Iterator[Instance]:
-        """Counts a request in flight to `instance` while the block runs (cancelled or failed included). Enter it
-        right after `choose`, with no await between, so that concurrent requests see each other's choice."""
+        """Counts a request in flight to `instance` while the block runs (cancelled or failed included): its load
+        (`outstanding`, what `choose` compares). Enter it right after `choose`, with no await between, so that
+        concurrent requests see each other's choice."""
         instance.outstanding += 1
         try:
             yield instance
         finally:
             instance.outstanding -= 1
-            if instance.outstanding == 0 and self.leaving.get(instance.url) is instance:
-                del self.leaving[instance.url]  # it left the set and its last request ended: forgotten
+            self._forget_if_done(instance)
+
+    @contextlib.contextmanager
+    def involve(self, instance: Instance) -> Iterator[Instance]:
+        """Counts a request that involves `instance` while the block runs (cancelled or failed included):
+        `involved`, what a drain waits for. `_proxy` enters it for the decode beside `hold`, and for each prefill a
+        request is sent to from its choice until decode's answer ended (prefill's KV push outlives its answer)."""
+        instance.involved += 1
+        try:
+            yield instance
+        finally:
+            instance.involved -= 1
+            self._forget_if_done(instance)
+
+    def _forget_if_done(self, instance: Instance) -> None:
+        if instance.outstanding == 0 and instance.involved == 0 and self.leaving.get(instance.url) is instance:
+            del self.leaving[instance.url]  # it left the set and its last request ended: forgotten
 
     def failed(self, instance: Instance) -> None:
         instance.cooldown_until = self._clock() + self._cooldown
@@ -254,18 +280,20 @@ class Router:
 
     def peers_state(self) -> dict:
         """The answer of `PUT`/`GET /pdpair/v1/peers`: each role's members (draining included) with the requests in
-        flight to each through this router, the instances that left the set with requests still in flight
-        (`leaving`; one is gone from it when its count reaches 0), and `warnings` (a role with no instance that may
-        be chosen: /readyz fails and requests are answered 503)."""
+        flight to each through this router (`outstanding`, the load) and those that involve it (`involved`: a
+        prefill's until the request's decode answer ended), the instances that left the set with requests still in
+        flight (`leaving`; one is gone from it when both counts reach 0), and `warnings` (a role with no instance
+        that may be chosen: /readyz fails and requests are answered 503)."""
         def members(pool: Pool) -> list[dict]:
-            return [{"index": i.index, "url": i.url, "outstanding": i.outstanding, "draining": i.draining}
+            return [{"index": i.index, "url": i.url, "outstanding": i.outstanding, "involved": i.involved,
+                     "draining": i.draining}
                     for i in sorted((*pool.instances, *pool.draining), key=lambda i: i.index)]
 
         pools = (self.prefills, self.decodes)
         return {
             "epoch": self.epoch, "generation": self.generation,
             "prefills": members(self.prefills), "decodes": members(self.decodes),
-            "leaving": [{"role": pool.role, "url": i.url, "outstanding": i.outstanding}
+            "leaving": [{"role": pool.role, "url": i.url, "outstanding": i.outstanding, "involved": i.involved}
                         for pool in pools for i in pool.leaving.values()],
             "warnings": [_no_instance(pool.role) for pool in pools if not pool.instances],
         }
@@ -302,12 +330,17 @@ def _refused(exc: BaseException | None) -> bool:
     return isinstance(exc, aiohttp.ClientConnectorError)
 
 
-async def _prefill(router: Router, first: Instance, body: dict, path: str, headers: dict, forced: bool) -> dict:
-    """Prefill's kv_transfer_params, from `first` or from the one prefill the request is sent to once more."""
+async def _prefill(router: Router, first: Instance, body: dict, path: str, headers: dict, forced: bool,
+                   involved: contextlib.ExitStack) -> dict:
+    """Prefill's kv_transfer_params, from `first` or from the one prefill the request is sent to once more. Each
+    prefill it is sent to is entered into `involved` (`Pool.involve`): the caller's stack, left when decode's answer
+    ended, since a prefill that answered may still be pushing the KV to decode (one that failed may have computed
+    it too)."""
     pool, config = router.prefills, router.config
     payload = prefill_body(body, path.endswith("/chat/completions"))
     instance = first
     for attempt in range(2):
+        involved.enter_context(pool.involve(instance))
         with pool.hold(instance):
             try:
                 answer = await _post_json(router.session, "prefill", instance.url + path, payload, headers,
@@ -406,13 +439,14 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     # the prompt.
     decodes_seen = router.decodes.outstanding()
     decode = router.decodes.member(forced[1]) if forced else router.decodes.choose()
-    with router.decodes.hold(decode):
+    # `involved` (Pool.involve): the decode and every prefill the request is sent to, until decode's answer ended.
+    with router.decodes.hold(decode), router.decodes.involve(decode), contextlib.ExitStack() as involved:
         prefills_seen = router.prefills.outstanding()
         prefill = router.prefills.member(forced[0]) if forced else router.prefills.choose()
         if router.config.log_choices:
             _log_choice(router, request_id, prefill, decode, prefills_seen, decodes_seen, forced is not None)
         try:
-            params = await _prefill(router, prefill, body, request.path, headers, forced is not None)
+            params = await _prefill(router, prefill, body, request.path, headers, forced is not None, involved)
         except PeerError as exc:
             logger.error("request %s: %s", request_id, exc.message)
             return exc.response(request_id)
@@ -677,7 +711,7 @@ async def _peers(request: web.Request) -> web.Response:
     if changed:
         logger.info("instance sets pushed: epoch %d, generation %d, prefills %s, decodes %s, leaving %s%s", epoch,
                     generation, _summary(state["prefills"]), _summary(state["decodes"]),
-                    [f"{e['role']} {e['url']} ({e['outstanding']} in flight)" for e in state["leaving"]],
+                    [f"{e['role']} {e['url']} ({e['involved']} in flight)" for e in state["leaving"]],
                     "".join(f"; {w}" for w in state["warnings"]))
     return web.json_response(state)
 

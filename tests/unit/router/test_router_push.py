@@ -124,7 +124,8 @@ async def test_the_endpoint_needs_the_token_and_is_absent_without_it(fleet):
             assert status == 401 and ENV_PEERS_TOKEN in answer["error"], (token, scheme, method, answer)
     status, state = await call(client, router, "GET")
     assert status == 200 and state["epoch"] is None and state["generation"] is None  # nothing pushed (nor applied)
-    assert state["prefills"] == [{"index": 0, "url": urls[p0], "outstanding": 0, "draining": False}]
+    assert state["prefills"] == [{"index": 0, "url": urls[p0], "outstanding": 0, "involved": 0,
+                                  "draining": False}]
     assert state["leaving"] == [] and state["warnings"] == []
 
 
@@ -212,7 +213,7 @@ async def test_a_draining_decode_gets_no_new_request_while_its_slow_one_complete
 
     status, state = await call(client, router, "PUT", body(1, urls, [p0], [d0, d1], draining={d0}))
     assert status == 200 and by_url(state, "decodes")[urls[d0]] == {"index": 0, "url": urls[d0], "outstanding": 1,
-                                                                     "draining": True}, state
+                                                                     "involved": 1, "draining": True}, state
     assert [await complete(client, router) for _ in range(6)] == [200] * 6
     assert d0.arrived == 1 and d1.arrived == 6  # no new request to the draining decode
     assert await complete(client, router, {ROUTE_HEADER: "0,0"}) == 400  # not even a forced one
@@ -238,7 +239,7 @@ async def test_a_decode_that_left_is_leaving_until_its_last_request_ends(fleet):
 
     status, state = await call(client, router, "PUT", body(1, urls, [p0], [(1, d1)]))
     assert status == 200 and list(by_url(state, "decodes")) == [urls[d1]], state
-    assert state["leaving"] == [{"role": "decode", "url": urls[d0], "outstanding": 2}]
+    assert state["leaving"] == [{"role": "decode", "url": urls[d0], "outstanding": 2, "involved": 2}]
     assert [await complete(client, router) for _ in range(3)] == [200] * 3 and d0.arrived == 2
 
     d0.gate.set()
@@ -311,7 +312,7 @@ async def test_requests_in_flight_and_new_ones_all_succeed_while_the_sets_are_pu
     assert len(statuses) >= 80 and statuses == [200] * len(statuses)
     state = (await call(client, router, "GET"))[1]
     assert state["epoch"] == 5 and state["leaving"] == []
-    assert all(e["outstanding"] == 0 for role in ("prefills", "decodes") for e in state[role]), state
+    assert all(e["outstanding"] == 0 and e["involved"] == 0 for role in ("prefills", "decodes") for e in state[role]), state
 
 
 @pytest.mark.asyncio
@@ -341,3 +342,67 @@ def test_a_replaced_set_keeps_each_instance_by_url():
         pool.replace([])
         assert pool.leaving == {"http://b": b}
     assert pool.leaving == {} and b.outstanding == 0  # its last request ended: forgotten
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_is_involved_until_its_requests_decode_answer_ends(fleet):
+    """A drain waits for `involved`, not `outstanding`: prefill pushes the KV to decode after it answered, so a prefill
+    counts as involved in a request until that request's decode answer ended (or failed); one that left the set stays
+    `leaving` until then. Cost: ~0.3 s, no engine (gated stand-ins, no timing)."""
+    start, client = fleet
+    router, [p0, p1], [d0], urls = await start(2, 1, flags=(2, 1), debug_routing=True)
+    d0.gate = asyncio.Event()
+    slow = asyncio.create_task(complete(client, router, {ROUTE_HEADER: "1,0"}))
+    await wait_for("the request reached decode", lambda: d0.waiting == 1)
+
+    state = (await call(client, router, "GET"))[1]
+    assert by_url(state, "prefills")[urls[p1]] == {"index": 1, "url": urls[p1], "outstanding": 0, "involved": 1,
+                                                   "draining": False}, state
+    assert by_url(state, "prefills")[urls[p0]]["involved"] == 0
+    assert by_url(state, "decodes")[urls[d0]]["outstanding"] == 1 and by_url(state, "decodes")[urls[d0]]["involved"] == 1
+
+    status, state = await call(client, router, "PUT", body(1, urls, [p0], [d0]))  # prefill 1 leaves the set
+    assert status == 200 and list(by_url(state, "prefills")) == [urls[p0]], state
+    assert state["leaving"] == [{"role": "prefill", "url": urls[p1], "outstanding": 0, "involved": 1}]
+    status, state = await call(client, router, "PUT", body(2, urls, [p0, p1], [d0], draining={p1}))  # back, draining
+    assert by_url(state, "prefills")[urls[p1]]["involved"] == 1 and state["leaving"] == []
+    status, state = await call(client, router, "PUT", body(3, urls, [p0], [d0]))
+    assert [e["url"] for e in state["leaving"]] == [urls[p1]]
+
+    d0.gate.set()
+    assert await slow == 200
+    state = (await call(client, router, "GET"))[1]
+    assert state["leaving"] == [] and list(by_url(state, "prefills")) == [urls[p0]], state
+    assert all(e["involved"] == 0 and e["outstanding"] == 0 for role in ("prefills", "decodes") for e in state[role])
+
+
+@pytest.mark.asyncio
+async def test_involved_ends_when_decode_fails_and_covers_both_prefills_of_a_retried_request(fleet):
+    """A request sent to prefill once more (a dropped connection) involves both prefills until decode's answer ends;
+    a decode that fails ends the count too. Cost: ~0.3 s, no engine (gated stand-ins, no timing)."""
+    start, client = fleet
+    router, [p0, p1], [d0], urls = await start(2, 1, flags=(2, 1))
+    p0.drop_first = 1  # round-robin sends the first request to prefill 0, which drops it: then prefill 1
+    d0.gate = asyncio.Event()
+    slow = asyncio.create_task(complete(client, router))
+    await wait_for("the request reached decode", lambda: d0.waiting == 1)
+    state = (await call(client, router, "GET"))[1]
+    assert [(e["outstanding"], e["involved"]) for e in state["prefills"]] == [(0, 1), (0, 1)], state
+    d0.status = 500
+    d0.gate.set()
+    assert await slow == 502
+    state = (await call(client, router, "GET"))[1]
+    assert all(e["involved"] == 0 and e["outstanding"] == 0 for role in ("prefills", "decodes") for e in state[role])
+
+
+def test_a_leaving_instance_is_forgotten_once_neither_count_holds_it():
+    """Pool.hold (the load) and Pool.involve (what a drain waits for) both keep an instance that left the set `leaving`;
+    it is forgotten when the last of them ends. Cost: microseconds, pure."""
+    pool = Pool("prefill", ("http://a", "http://b"), cooldown_seconds=5)
+    a, b = pool.instances
+    with pool.involve(a):
+        with pool.hold(a):
+            pool.replace([Member(1, "http://b", "http://b/readyz")])
+            assert pool.leaving == {"http://a": a} and a.draining
+        assert pool.leaving == {"http://a": a} and a.outstanding == 0 and a.involved == 1  # still pushing its KV
+    assert pool.leaving == {} and a.involved == 0 and pool.instances == [b]
