@@ -173,6 +173,7 @@ def manifests(namespace: str, image_ref: str, prometheus_url: str, config_yaml: 
              "metadata": {"labels": labels},
              "spec": {
                  "serviceAccountName": NAME,
+                 "terminationGracePeriodSeconds": 5,  # a test's adapter: nothing to finish
                  **({"nodeSelector": {"kubernetes.io/hostname": node}} if node else {}),
                  "securityContext": {"runAsNonRoot": True, "runAsUser": ADAPTER_UID, "runAsGroup": ADAPTER_UID},
                  "containers": [{
