@@ -635,8 +635,9 @@ def test_an_hpa_on_decode_follows_queue_depth_and_the_ratio_band_moves_prefill(
           f"created -> P 1/1 D 1/1 {marks['down1']:.1f}s; {HPA_CLIENTS} clients -> HPA desired 2 "
           f"{marks.get('hpa_up', 0):.1f}s, -> P 2/2 D 2/2 {marks['up']:.1f}s; load stopped -> P 1/1 D 1/1 "
           f"{marks['down2']:.1f}s; {len(failed)} failed of {len(records)} requests ({len(trickle_records)} from the "
-          f"trickle client), {len(wrong)} outputs differ; highest {WAITING} read {timeline.peak}; phases seen {sorted(timeline.phases)}\ntimeline (seconds "
-          f"after the HPA was created):\n{timeline.text()}\nRatioBand events: {band}")
+          f"trickle client), {len(wrong)} outputs differ; highest {WAITING} read {timeline.peak}; phases seen "
+          f"{sorted(timeline.phases)}\ntimeline (seconds after the HPA was created):\n{timeline.text()}\n"
+          f"RatioBand events: {band}")
     assert failed == [], [(round(r["t"] - t_hpa, 1), r["error"][:200]) for r in failed[:5]]
     assert wrong == [], wrong[:5]
     assert timeline.phases == {"Ready"}, sorted(timeline.phases)
