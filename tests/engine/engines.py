@@ -101,8 +101,10 @@ class Process:
                 pass
         return total
 
-    def wait_healthy(self, timeout: float = START_TIMEOUT_SECONDS, path: str = "/health") -> float:
-        """Seconds until GET path answers 200; fails with the log tail if the process dies or time runs out."""
+    def wait_healthy(self, timeout: float = START_TIMEOUT_SECONDS, path: str = "/health",
+                     interval: float = 0.5) -> float:
+        """Seconds until GET path answers 200, polled every `interval`; fails with the log tail if the process dies
+        or time runs out."""
         started = time.monotonic()
         while time.monotonic() - started < timeout:
             if not self.alive():
@@ -113,7 +115,7 @@ class Process:
                     return time.monotonic() - started
             except OSError:
                 pass
-            time.sleep(0.5)
+            time.sleep(interval)
         raise TimeoutError(f"{self.name} not healthy within {timeout}s; log tail:\n{self.log()[-4000:]}")
 
     def wait_log(self, text: str, timeout: float) -> None:
