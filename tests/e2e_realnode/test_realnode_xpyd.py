@@ -489,7 +489,6 @@ class ScaleTimeline:
         self.t0 = time.time()
         self.lines: list[tuple[float, str]] = []
         self.phases: set[str] = set()
-        self.last: dict = {}
         self.peak = 0.0  # the highest per-decode value read
 
     def waiting(self) -> dict[str, float]:
@@ -515,7 +514,6 @@ class ScaleTimeline:
                 f"{' '.join(counts)}")
         if not self.lines or self.lines[-1][1] != line:
             self.lines.append((time.time() - self.t0, line))
-        self.last = state
         return state
 
     def text(self) -> str:

@@ -159,7 +159,7 @@ async def _request(session: "aiohttp.ClientSession", method: str, url: str, toke
             not (timeout_seconds > 0 and math.isfinite(timeout_seconds)):
         raise ValueError(f"timeout_seconds must be a finite number > 0, got {timeout_seconds!r}")
 
-    async def put() -> tuple[int, str]:
+    async def send() -> tuple[int, str]:
         async with session.request(method, url, headers={"Authorization": f"Bearer {token}"},
                                    timeout=aiohttp.ClientTimeout(total=timeout_seconds),
                                    **({"json": body} if body is not None else {})) as resp:
@@ -167,7 +167,7 @@ async def _request(session: "aiohttp.ClientSession", method: str, url: str, toke
 
     try:
         # aiohttp's total bounds the request; wait_for bounds everything else too (a slow DNS answer included).
-        status, text = await asyncio.wait_for(put(), timeout_seconds)
+        status, text = await asyncio.wait_for(send(), timeout_seconds)
     except asyncio.TimeoutError:
         return PushResult(False, None, None, f"{method} {url}: no answer within {timeout_seconds:g} s")
     except (aiohttp.ClientError, OSError, ValueError) as exc:  # aiohttp.InvalidURL is a ValueError too

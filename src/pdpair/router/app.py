@@ -16,8 +16,8 @@ gone from the set is never chosen again while its requests in flight finish, and
 when its last one ends. The swap is synchronous (no await between reading and replacing the pools). An empty or
 all-draining role is accepted, but then /readyz fails and requests are answered 503. Forced routes
 (X-Pdpair-Route) name the "index" fields of the instances that may be chosen. The answer, also to `GET`, is
-`{"epoch", "generation", "prefills": [{"index", "url", "outstanding", "involved", "draining"}], "decodes": [...], "leaving": [{"role", "url",
-"outstanding", "involved"}], "warnings": [str]}`. `outstanding` is the choice's load count (a prefill's covers only the
+`{"epoch", "generation", "prefills": [{"index", "url", "outstanding", "involved", "draining"}], "decodes": [...],
+"leaving": [{"role", "url", "outstanding", "involved"}], "warnings": [str]}`. `outstanding` is the choice's load count (a prefill's covers only the
 prefill phase of a request); `involved` counts the requests in flight that involve the instance for their whole
 life: a prefill from its choice until that request's decode answer has ended or failed (prefill pushes the KV to
 decode after answering, so a prefill with `outstanding` 0 may still be pushing), a decode as its `outstanding`. The
@@ -211,33 +211,27 @@ class Pool:
         self.instances, self.draining = instances, draining
         self.leaving = {url: i for url, i in known.items() if i.outstanding > 0 or i.involved > 0}
 
-    @contextlib.contextmanager
-    def hold(self, instance: Instance) -> Iterator[Instance]:
+    def hold(self, instance: Instance) -> contextlib.AbstractContextManager[Instance]:
         """Counts a request in flight to `instance` while the block runs (cancelled or failed included): its load
         (`outstanding`, what `choose` compares). Enter it right after `choose`, with no await between, so that
         concurrent requests see each other's choice."""
-        instance.outstanding += 1
-        try:
-            yield instance
-        finally:
-            instance.outstanding -= 1
-            self._forget_if_done(instance)
+        return self._counting(instance, "outstanding")
 
-    @contextlib.contextmanager
-    def involve(self, instance: Instance) -> Iterator[Instance]:
+    def involve(self, instance: Instance) -> contextlib.AbstractContextManager[Instance]:
         """Counts a request that involves `instance` while the block runs (cancelled or failed included):
         `involved`, what a drain waits for. `_proxy` enters it for the decode beside `hold`, and for each prefill a
         request is sent to from its choice until decode's answer ended (prefill's KV push outlives its answer)."""
-        instance.involved += 1
+        return self._counting(instance, "involved")
+
+    @contextlib.contextmanager
+    def _counting(self, instance: Instance, count: str) -> Iterator[Instance]:
+        setattr(instance, count, getattr(instance, count) + 1)
         try:
             yield instance
         finally:
-            instance.involved -= 1
-            self._forget_if_done(instance)
-
-    def _forget_if_done(self, instance: Instance) -> None:
-        if instance.outstanding == 0 and instance.involved == 0 and self.leaving.get(instance.url) is instance:
-            del self.leaving[instance.url]  # it left the set and its last request ended: forgotten
+            setattr(instance, count, getattr(instance, count) - 1)
+            if instance.outstanding == 0 and instance.involved == 0 and self.leaving.get(instance.url) is instance:
+                del self.leaving[instance.url]  # it left the set and its last request ended: forgotten
 
     def failed(self, instance: Instance) -> None:
         instance.cooldown_until = self._clock() + self._cooldown
