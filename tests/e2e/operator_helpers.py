@@ -11,8 +11,10 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import json
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from pdpair.contract import (
     API_VERSION,
@@ -218,3 +220,64 @@ class PodRecorder:
 
     def order(self):
         return [f"{kind} {name}" for _, kind, name in self.events]
+
+
+def router_answer(body: dict) -> dict:
+    """The router's answer to a pushed set (router/app.py): its members, no request in flight (an idle router)."""
+    def members(role: str) -> list[dict]:
+        return [{"index": m["index"], "url": m["url"], "outstanding": 0, "involved": 0,
+                 "draining": bool(m.get("draining"))} for m in body.get(role) or []]
+
+    return {"epoch": body.get("epoch"), "generation": body.get("generation"), "prefills": members("prefills"),
+            "decodes": members("decodes"), "leaving": [], "warnings": []}
+
+
+class PushReceiver:
+    """Serves PUT /pdpair/v1/peers on one port, as a prefill's connector (metrics port) or the router (http port)
+    would, recording each body with its Authorization header; as the router (`router`), it answers the router's
+    shape, to GET too (recorded in `reads`)."""
+
+    def __init__(self, port: int, router: bool = False):
+        received = self.received = []
+        put_times = self.put_times = []  # time.monotonic() of each entry of `received`
+        reads = self.reads = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_PUT(self):  # noqa: N802 (http.server's name)
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                received.append((self.path, self.headers.get("Authorization"), body))
+                put_times.append(time.monotonic())
+                self.answer(router_answer(body) if router else
+                            {"epoch": body.get("epoch"), "generation": body.get("generation"), "paired": True})
+
+            def do_GET(self):  # noqa: N802
+                if not router:
+                    self.send_error(405)
+                    return
+                reads.append((self.path, self.headers.get("Authorization")))
+                last = received[-1][2] if received else {"epoch": None, "generation": None}
+                self.answer(router_answer(last))
+
+            def answer(self, doc: dict) -> None:
+                answer = json.dumps(doc).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args):
+                pass
+
+        ThreadingHTTPServer.allow_reuse_address = True
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def last(self):
+        return self.received[-1] if self.received else None
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()

@@ -49,6 +49,7 @@ from tests.e2e.operator_helpers import (
     ROUTER_HTTP_0,
     Api,
     PodRecorder,
+    PushReceiver,
     check_leases_match_status,
     cleanup_pairs,
     condition,
@@ -63,15 +64,19 @@ pytestmark = pytest.mark.cluster
 
 # --- 1. parallel start, ordered pairing: prefill beside the loading decode, Ready only after the listener -------
 def test_prefill_starts_beside_decode_and_ready_waits_for_the_listener(platform, cluster_namespace, tmp_path):
-    """Prefill is created as soon as decode runs (its address is known), not after decode's listener accepts: the two
-    engines load at the same time. The pairing order is the connector's and prefill's readiness (/readyz) waits for
-    it (the kwok pods here have no engine: their readiness is kwok's); the pair is not Ready, and gets no router,
-    until the operator's own probe saw decode's listener accept."""
+    """Prefill is created beside decode, in the pass after it (not once decode runs, nor after decode's listener
+    accepts): the two engines load at the same time, and the operator pushes decode's address to prefill's metrics
+    port once decode has one. The pairing order is the connector's and prefill's readiness (/readyz) waits for
+    it (the kwok pods here have no engine: their readiness is kwok's; the test serves prefill's push endpoint); the
+    pair is not Ready until the operator's own probe saw decode's listener accept."""
     cluster, _ = platform
     api = Api(cluster)
     ns = cluster_namespace
     with operator(platform, ns, pool_of_free_ports(20), tmp_path):
         api.create_pair(ns, "gate", router={"enabled": True})
+        leased = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("ports") else None)(api.pair(ns, "gate")),
+                          60, "ports leased")
+        receiver = PushReceiver(next(p["port"] for p in leased["status"]["ports"] if p["name"] == "prefill-metrics-0"))
         decode = wait_for(lambda: next((p for p in api.pods(ns) if p["metadata"]["labels"][LABEL_ROLE] == "decode"
                                         and p["status"].get("pod_ip")), None), 60, "a running decode pod")
         pair = api.pair(ns, "gate")
@@ -82,11 +87,17 @@ def test_prefill_starts_beside_decode_and_ready_waits_for_the_listener(platform,
         assert decode["metadata"]["owner_references"][0]["uid"] == pair["metadata"]["uid"]
         assert decode["spec"]["host_network"] is True and decode["status"]["pod_ip"] == "127.0.0.1"
 
-        # Nothing listens: prefill is created all the same, with decode's address...
+        # Nothing listens: prefill is created all the same, and told decode's address by the push (its environment
+        # names a decode only when one had an address at its creation)...
         prefill = wait_for(lambda: next((p for p in api.pods(ns) if p["metadata"]["labels"][LABEL_ROLE] == "prefill"),
                                         None), 30, "the prefill pod beside the loading decode")
-        penv = {e["name"]: e["value"] for e in prefill["spec"]["containers"][0]["env"]}
-        assert penv[ENV_PEER_HOST] == "127.0.0.1" and penv[ENV_PEER_PORT_BASE] == str(side[0])
+        penv = {e["name"]: e.get("value") for e in prefill["spec"]["containers"][0]["env"]}
+        assert ENV_PEER_HOST not in penv or (penv[ENV_PEER_HOST], penv[ENV_PEER_PORT_BASE]) == ("127.0.0.1", str(side[0]))
+        try:
+            pushed = wait_for(receiver.last, 30, "the push of decode's address to prefill")
+        finally:
+            receiver.close()
+        assert [(d["host"], d["portBase"]) for d in pushed[2]["decodes"]] == [("127.0.0.1", side[0])], pushed
         # ...and the router beside them once prefill runs (its readiness is the engines'), but the pair is not Ready
         # while the listener does not accept (watch it a while).
         wait_for(lambda: "router" in {p["metadata"]["labels"][LABEL_ROLE] for p in api.pods(ns)}, 30,
@@ -192,7 +203,7 @@ def test_delete_pairs_removes_pods_and_leases(platform, cluster_namespace, tmp_p
     with operator(platform, ns, pool_of_free_ports(60), tmp_path):
         for i in range(5):
             api.create_pair(ns, f"d{i}")
-        # Counts decode pods only: with the parallel start each prefill is created as soon as its decode runs, so
+        # Counts decode pods only: with the parallel start each prefill is created in the pass after its decode, so
         # "exactly 5 pods Running" could be skipped over between two polls (it was, on a loaded CI run).
         wait_for(lambda: len([p for p in api.pods(ns) if p["status"].get("phase") == "Running"
                               and p["metadata"]["labels"].get(LABEL_ROLE) == ROLE_DECODE]) == 5, 120,

@@ -13,7 +13,6 @@ Run with -s to see the measured latencies.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -34,7 +34,7 @@ from devcluster.waiting import wait_for
 
 NAME = "serving"
 DROP_SIGNALS_KNOB = "/tmp/pdpair-drop-signals"  # the file that makes prefill drop every KV signal while it exists
-# Decode and prefill start together (prefill once decode runs), each within ENGINE_START_TIMEOUT; before the parallel
+# Decode and prefill start together (prefill in the pass after decode), each within ENGINE_START_TIMEOUT; before the parallel
 # start, one after the other, a busy 2-core machine took 12.5 min from apply to Ready (decode 8 min, prefill 4,
 # router 0.5). The bound still allows two starts in a row: two engines loading at once on 2 cores slow each other.
 READY_TIMEOUT = 2 * ENGINE_START_TIMEOUT + 120

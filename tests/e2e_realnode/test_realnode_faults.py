@@ -1,14 +1,15 @@
 """Faults on the real nodes (issue 10, 6c/6e/6f): what a user's cluster does to a serving pair, with real vLLM pods.
 
 - e. the leading operator pod is deleted while a pair starts (decode exists and no pod is Ready yet: prefill is made
-  as soon as decode runs, ~1 s on a real node with the image there, and the router as soon as prefill runs, so which
+  in the pass after decode, and the router as soon as both run (~1 s on a real node with the image there), so which
   of them exist at that moment is a race; no pod is Ready before the engines' cold starts): the standby replica
   takes the leader Lease over and converges with exactly one pod per role, no second set of port leases, and a
   serving pair.
 - f. `helm upgrade` rolls the operator replicas while a client sends requests: no failed request, the pair's pods
   keep their UIDs with no container restart, the pair stays Ready, and the leader runs the new revision.
 - c. decode's engine process is SIGKILLed inside its container: the operator restarts the pair IN ORDER (recorded
-  by a pod watch: prefill deleted, then decode, new decode, its listener up, then the new prefill) and the pair
+  by a pod watch: prefill deleted, then decode, new decode, the new prefill beside it, the router once both run,
+  and the new decode's listener seen before Ready) and the pair
   serves again with the single engine's greedy outputs.
 
 All three run on the package's shared serving pair (serving_pair.py), in this order: e creates it (a first start is
@@ -420,8 +421,10 @@ def test_decode_engine_killed_in_its_container_restarts_the_pair_in_order(
                           and e.ip)
     prefill_added = t_of(lambda e: e.type == "ADDED" and e.role == ROLE_PREFILL and e.generation == new_gen)
     router_added = t_of(lambda e: e.type == "ADDED" and e.role == ROLE_ROUTER and e.generation == new_gen)
-    assert max(prefill_gone, router_gone) <= decode_delete <= decode_gone <= decode_added <= decode_running \
-        <= prefill_added <= router_added, timeline
+    # New generation: decode, then prefill beside it (before decode runs, as a rule: the push gives it decode's
+    # address), the router once both run.
+    assert max(prefill_gone, router_gone) <= decode_delete <= decode_gone <= decode_added <= prefill_added \
+        <= router_added and decode_running <= router_added, timeline
     # No in-place restart of any container anywhere: every replacement went through the ordered path.
     assert not [e for e in events if e.restarts], timeline
     ended = [e.phase for e in events if e.role == ROLE_DECODE and e.generation == old_gen]

@@ -84,7 +84,7 @@ def test_pair_on_two_nodes_serves_through_its_service_like_a_single_engine(real_
     assert by_role["prefill"]["spec"]["nodeName"] == "n1" and by_role["decode"]["spec"]["nodeName"] == "n2", \
         {r: p["spec"].get("nodeName") for r, p in by_role.items()}
     assert by_role["prefill"]["status"]["podIP"] != by_role["decode"]["status"]["podIP"]
-    # Decode first: prefill is created once decode runs (beside it), so never before it.
+    # Decode first: prefill is created in the pass after decode (beside it), so never before it.
     assert by_role["decode"]["metadata"]["creationTimestamp"] <= by_role["prefill"]["metadata"]["creationTimestamp"]
 
     # The KV really crosses nodes: decode's connector counts finished transfers and bytes.

@@ -122,7 +122,7 @@ def test_ports_held_by_a_foreign_process_on_decodes_node_are_replaced_and_the_pa
             assert lease["metadata"]["labels"].get(LABEL_PORT_QUARANTINE) == "true", lease
             assert lease["spec"]["holderIdentity"] == f"{QUARANTINE_HOLDER_PREFIX}{DECODE_NODE}", lease
 
-        # Two engine starts, together now (prefill once decode runs), but on a loaded box each may take up to
+        # Two engine starts, together now (prefill beside decode), but on a loaded box each may take up to
         # ENGINE_START_TIMEOUT (a first run here, one after the other, saw decode listen after 8.5 min at load 25).
         wait_for(lambda: pair().get("status", {}).get("phase") == "Ready", 2 * ENGINE_START_TIMEOUT,
                  "pair phase Ready on the replacement ports", diagnose=diagnose, interval=1.0)

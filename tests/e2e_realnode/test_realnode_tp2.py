@@ -60,11 +60,12 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdpair.contract import (
-    COND_DECODE_LISTENING, ENV_LISTEN_PORT_BASE, ENV_PEER_HOST, ENV_PEER_PORT_BASE, GROUP, LABEL_GENERATION,
-    LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_ROLE, PLURAL, PURPOSE_SIDECHANNEL, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER,
+    ANNOTATION_PEERS_DIGEST, COND_DECODE_LISTENING, ENV_LISTEN_PORT_BASE, ENV_PEER_HOST, ENV_PEER_PORT_BASE, GROUP,
+    LABEL_GENERATION, LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_ROLE, PLURAL, PURPOSE_SIDECHANNEL, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER,
     VERSION,
 )
 from pdpair.operator.health import pod_fact
+from pdpair.operator.instances import peers_digest
 from pdpair.operator.lifecycle import ProbeResult
 from pdpair.operator.ports import ports_of, required_blocks
 from devcluster.product import (
@@ -208,7 +209,7 @@ def tp2(real_cluster, operator_release, baseline_outputs, images, model_dir, nam
 
 def test_prefill_starts_beside_decode_and_pairs_on_both_ranks_once_decode_listens(tp2):
     """Parallel start, ordered pairing, at TP = 2 (where the seed's wrong order hung both sides): prefill is created
-    once decode runs, not after its listener; each prefill rank hands its unique id only to a decode rank that
+    beside decode (told decode's address by the operator's push once decode has one), not after its listener; each prefill rank hands its unique id only to a decode rank that
     accepted (a refused connect is a retry, never a handshake), pairs exactly once, and prefill's readiness (/readyz)
     says both ranks are paired; the router is created beside them once prefill runs, and the pair is Ready only after
     the operator saw both listeners."""
@@ -221,9 +222,14 @@ def test_prefill_starts_beside_decode_and_pairs_on_both_ranks_once_decode_listen
     assert block.count == TP and len(side) == TP and side == list(range(side[0], side[0] + TP)), status["ports"]
     env = {role: {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]} for role, p in by_role.items()}
     assert env[ROLE_DECODE][ENV_LISTEN_PORT_BASE] == str(side[0]), env[ROLE_DECODE]
-    assert env[ROLE_PREFILL][ENV_PEER_PORT_BASE] == str(side[0]), env[ROLE_PREFILL]
     decode_ip = decode["status"]["podIP"]
-    assert env[ROLE_PREFILL][ENV_PEER_HOST] == decode_ip, (env[ROLE_PREFILL], decode_ip)
+    # Prefill is created beside decode, before decode has an address: its environment names a decode only if one had
+    # an address by then; the operator's push told it decode's (PUT /pdpair/v1/peers on its metrics port, forwarded
+    # to rank 1), and the pod's annotation records the set it was last told.
+    if ENV_PEER_HOST in env[ROLE_PREFILL]:
+        assert (env[ROLE_PREFILL][ENV_PEER_HOST], env[ROLE_PREFILL][ENV_PEER_PORT_BASE]) == (decode_ip, str(side[0]))
+    told = by_role[ROLE_PREFILL]["metadata"]["annotations"].get(ANNOTATION_PEERS_DIGEST)
+    assert told == peers_digest([f"{decode_ip}:{side[0]}"]), (told, env[ROLE_PREFILL], decode_ip)
 
     # The order, as the API server saw it: decode created, then prefill (beside it, while decode loads), then the
     # router (once prefill runs); the pair Ready only after DecodeListening True with every port probed.

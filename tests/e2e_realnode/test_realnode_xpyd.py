@@ -66,7 +66,7 @@ SLOW_DECODE_KNOB = "/tmp/pdpair-slow-decode"
 SLOW_DECODE_MS = 150
 # The router's --log-choices line (router/app.py _log_choice).
 CHOICE = re.compile(r"request (\S+): prefill (\d+) \S+, decode (\d+) \S+( \(forced by X-Pdpair-Route\))?;")
-# Apply -> Ready with every instance: the four engines load at once (prefills once a decode runs, a few seconds in).
+# Apply -> Ready with every instance: the four engines load at once (prefills beside the decodes).
 START_TIMEOUT = ENGINE_START_TIMEOUT + 120
 # The HPA test (issue 22 item 5). Each decode runs at most DECODE_MAX_NUM_SEQS requests at once (vLLM's
 # --max-num-seqs), so requests beyond that wait in its queue: with the slow-step knob on, HPA_CLIENTS clients keep

@@ -205,10 +205,18 @@ class PdPairConfig:
         if peers and role != contract.ROLE_PREFILL:
             raise ConfigError(f"{contract.ENV_PEERS} applies to prefill only (decode accepts every prefill), not to {role}")
         peer_host = env.get(contract.ENV_PEER_HOST) or None
-        peer_base = _port(env, contract.ENV_PEER_PORT_BASE, required=role == contract.ROLE_PREFILL and not peers)
-        if role == contract.ROLE_PREFILL and not peers and not peer_host:
+        # A prefill with the push token may start with no decode: the operator creates it beside a decode that has
+        # no address yet and pushes the address once it has one (PUT /pdpair/v1/peers).
+        pushed = bool(env.get(contract.ENV_PEERS_TOKEN))
+        if role == contract.ROLE_PREFILL and not peers and not peer_host and not pushed:
             raise ConfigError(f"{contract.ENV_PEER_HOST} is required on prefill (the decode pod's address), "
-                              f"or {contract.ENV_PEERS} (every decode's host:portBase)")
+                              f"or {contract.ENV_PEERS} (every decode's host:portBase), or {contract.ENV_PEERS_TOKEN} "
+                              "(the operator's push brings the decodes)")
+        peer_base = _port(env, contract.ENV_PEER_PORT_BASE,
+                          required=role == contract.ROLE_PREFILL and not peers and bool(peer_host))
+        if peer_base and not peer_host and not peers:
+            raise ConfigError(f"{contract.ENV_PEER_PORT_BASE} is set without {contract.ENV_PEER_HOST}: set both (the "
+                              "decode pod's address and side-channel base port), or neither")
         if peers and (peer_host or peer_base):
             if not (peer_host and peer_base) or PeerAddress(peer_host, peer_base) not in peers:
                 raise ConfigError(

@@ -8,13 +8,15 @@ again. The order it encodes:
   1. lease ports                          (PortsLeased)
   2. replace stale pods, in order:        prefill and router first, decode after they are gone, wait all gone
   3. create decode                        (phase DecodeStarting)
-  4. wait until decode runs with an IP (its address: prefill is given it at creation)
-  5. create prefill at once (phase PrefillStarting): both engines load at the same time. The pairing stays in
-     order: prefill's connector hands its unique id only to a decode listener that accepted (it retries until
-     then), and prefill's readiness (/readyz, pods.py) passes only once every rank is paired and its engine serves.
-     5b. once prefill runs with an IP: create the router (when enabled) beside the loading engines; its readiness
+  4. create prefill in the next pass, without waiting for decode to be scheduled (phase PrefillStarting): both
+     engines load at the same time. Prefill learns decode's address once decode has one: the executor pushes it
+     (`PUT /pdpair/v1/peers` on prefill's metrics port, instances.prefill_peers decides the set, push.py sends it;
+     retried every probe interval while prefill still loads). The pairing stays in order: prefill's connector
+     hands its unique id only to a decode listener that accepted (it retries until then), and prefill's readiness
+     (/readyz, pods.py) passes only once every rank is paired and its engine serves.
+     4b. once both run with an IP: create the router (when enabled) beside the loading engines; its readiness
      is both engine pods' readiness, so the Service sends nothing through it before they serve.
-     Wait prefill Ready (PrefillReady), decode Ready, and decode's listener seen accepting on every rank by the
+  5. wait prefill Ready (PrefillReady), decode Ready, and decode's listener seen accepting on every rank by the
      operator's own probe (DecodeListening)
   6. wait for the router to be Ready (re-create it if it went missing)
   7. Ready
@@ -304,14 +306,25 @@ def _instance0_state(
              _prefill(FALSE, "WaitingForDecode"), _not_ready("DecodeStarting")],
             create=ROLE_DECODE,
         )
+    # 4. prefill: at once, beside the decode just created (not yet scheduled, maybe): both engines load at the same
+    # time; prefill is pushed decode's address once decode has one, and pairs when decode's listener accepts.
+    if prefill is None:
+        return plan(
+            STEP_CREATE_PREFILL,
+            PHASE_PREFILL_STARTING,
+            f"creating prefill beside decode (generation {generation})",
+            [leased, _listening(FALSE, "DecodeStarting", "decode is starting"), _prefill(FALSE, "Creating"),
+             _not_ready("PrefillStarting")],
+            create=ROLE_PREFILL,
+        )
     if not decode.running:
         why = "waiting for the decode pod to be scheduled" if not decode.scheduled else "waiting for the decode pod to run"
         return plan(
             STEP_WAIT_DECODE_RUNNING,
-            PHASE_DECODE_STARTING,
+            PHASE_PREFILL_STARTING,
             why,
             [leased, _listening(FALSE, "DecodeNotRunning", why), _prefill(FALSE, "WaitingForDecode"),
-             _not_ready("DecodeStarting")],
+             _not_ready("PrefillStarting")],
         )
     # The listener, as the operator's probe saw it; a generation that was Ready already passed it (a probe that
     # fails later, e.g. on a loaded operator after its restart, does not take a serving pair out of Ready).
@@ -323,17 +336,7 @@ def _instance0_state(
         probing = observed.probe_message or f"probing decode {decode.ip} side-channel ports"
         listening = _listening(FALSE, "NotAccepting", probing)
 
-    # 5. prefill: at once, beside the loading decode; it pairs when decode's listener accepts
-    if prefill is None:
-        return plan(
-            STEP_CREATE_PREFILL,
-            PHASE_PREFILL_STARTING,
-            f"decode runs; creating prefill beside it (generation {generation})",
-            [leased, listening, _prefill(FALSE, "Creating"), _not_ready("PrefillStarting")],
-            create=ROLE_PREFILL,
-            probe_decode=not listened,
-        )
-    # 5b. the router, as soon as prefill has an address too: its start (image, imports, bind) runs while the engines
+    # 4b. the router, as soon as prefill has an address too: its start (image, imports, bind) runs while the engines
     # load, off the path to the first answer. Its readiness (/readyz: prefill's and decode's own readiness, pods.py)
     # keeps the Service off it until both serve; the pair's Ready still waits for every step below.
     if router_enabled(spec) and router is None and prefill.running:

@@ -2,12 +2,12 @@
 `now`). docs/xpyd.md is the design; this module is the part of it the planner runs.
 
 Instance 0 of each role goes through desired.py's ordered steps exactly as a 1P1D pair always did (decode, prefill
-beside it once decode runs, router, the listener gate, Ready); a pair with `replicas: 1` on both roles never reaches
+beside it at once, router, the listener gate, Ready); a pair with `replicas: 1` on both roles never reaches
 anything here. The other instances (`spec.<role>.replicas` > 1, as the executor's effective spec says: a role's
 scale object wins over the inline count, scale_targets.py) are planned by `instance_step`, one action per pass,
 after desired.py's own action (it never overrides one):
-  - decode i >= 1 is created as soon as decode 0 exists: every decode loads at once (the parallel start);
-  - prefill i >= 1 once a decode of its generation runs (has an address), like prefill 0;
+  - decode i >= 1 is created as soon as decode 0 exists, prefill i >= 1 as soon as prefill 0 exists: every engine
+    loads at once (the parallel start); a prefill learns each decode's address from the push once it has one;
   - an instance at or above its role's count (a scale-down: the highest indexes go, like a StatefulSet) is first
     marked draining (annotation pdpair.io/draining-since on the pod, the executor's write): from that pass on it is
     out of the router's set, so no new request is sent to it; it stays in the prefills' sets until its pod stops
@@ -142,7 +142,7 @@ def instance_step(spec: Mapping[str, Any], pods: Iterable[PodView], generation: 
         for i in missing(ROLE_DECODE)[:1]:
             return InstanceStep(CREATE, ROLE_DECODE, i, message=f"creating decode instance {i} (generation "
                                 f"{generation})")
-    if any(p.running for p in decodes.values()) and (0 in prefills or (serving and prefills)):
+    if 0 in prefills or (serving and prefills):
         for i in missing(ROLE_PREFILL)[:1]:
             return InstanceStep(CREATE, ROLE_PREFILL, i, message=f"creating prefill instance {i} (generation "
                                 f"{generation})")

@@ -374,10 +374,11 @@ def engine_pod(
     instance: int = 0,
     peers: list[tuple[str, int]] | None = None,
 ) -> dict[str, Any]:
-    """The decode or prefill pod (instance `instance` of its role). Prefill needs its decodes: `peers`, each
-    (address, side-channel base port) of a decode that runs, or `peer_host` alone for decode instance 0 (a decode
-    runs; its listener may not accept yet: prefill's connector retries until it does, and prefill's readiness
-    waits for the pairing). Decodes that start later reach it through the push (instances.py, push.py)."""
+    """The decode or prefill pod (instance `instance` of its role). Prefill is given the decodes that run when it is
+    created: `peers`, each (address, side-channel base port), or `peer_host` alone for decode instance 0; none when
+    it is created beside a decode that has no address yet (desired.py, step 4). Every decode that gets an address
+    later reaches it through the operator's push (PDPAIR_PEERS_TOKEN; instances.py, push.py). Its listener may not
+    accept yet: prefill's connector retries until it does, and prefill's readiness waits for the pairing."""
     if role not in KV_ROLE:
         raise ManifestError(f"engine role must be prefill or decode, got {role!r}")
     spec = pair["spec"]
@@ -405,8 +406,8 @@ def engine_pod(
                 raise ManifestError("no leased side-channel ports for decode")
             peers = [(peer_host, decode_side[0])]
         if not peers:
-            raise ManifestError("prefill needs a decode pod's address (no decode has an IP yet)")
-        if len(peers) == 1:  # the variables a 1P1D prefill always had
+            pass  # created beside a decode with no address yet: the push brings it (PDPAIR_PEERS_TOKEN below)
+        elif len(peers) == 1:  # the variables a 1P1D prefill always had
             env += [
                 {"name": ENV_PEER_HOST, "value": peers[0][0]},
                 {"name": ENV_PEER_PORT_BASE, "value": str(peers[0][1])},

@@ -733,7 +733,10 @@ class PairReconciler:
             return max(0.2, min(rejection.not_before - time.monotonic(), cfg.resync_interval))
         if plan.create and _created_name(self.ref.name, plan) in self.created_unseen:
             return pass_delay(plan.step, cfg, plan.wait_seconds) if plan.wait_seconds is not None else cfg.resync_interval
-        if self.push_failures:  # a pod not yet taking its set (still loading): nothing wakes the pair when it does
+        # A pod not yet taking its set because it still loads (a prefill created beside its decode learns decode's
+        # address this way): nothing wakes the pair when its endpoint opens, so pass again soon. A Ready pod that
+        # refuses is not waited for at that rate (the next event or resync retries): it serves already.
+        if any(p.uid in self.push_failures and not p.ready for p in pods):
             return min(pass_delay(plan.step, cfg, plan.wait_seconds), cfg.probe_interval)
         return pass_delay(plan.step, cfg, plan.wait_seconds)
 

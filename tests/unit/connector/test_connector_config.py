@@ -85,6 +85,9 @@ def test_slow_decode_knob_env_is_not_an_operator_variable():
         ("kv_consumer", TCP, {}, f"{contract.ENV_LISTEN_PORT_BASE} is required"),
         ("kv_producer", {**TCP, contract.ENV_PEER_PORT_BASE: "1"}, {}, f"{contract.ENV_PEER_HOST} is required"),
         ("kv_producer", {**TCP, contract.ENV_PEER_HOST: "h"}, {}, f"{contract.ENV_PEER_PORT_BASE} is required"),
+        ("kv_producer", TCP, {}, f"{contract.ENV_PEER_HOST} is required on prefill"),
+        ("kv_producer", {**TCP, contract.ENV_METRICS_PORT: "9", contract.ENV_PEERS_TOKEN: "t" * 20,
+                         contract.ENV_PEER_PORT_BASE: "1"}, {}, f"{contract.ENV_PEER_PORT_BASE} is set without"),
         ("kv_consumer", {k: v for k, v in DECODE.items() if k != contract.ENV_TRANSPORT}, {},
          f"{contract.ENV_TRANSPORT} is required: one of flagcx, tcp"),
         ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT: ""}, {}, f"{contract.ENV_TRANSPORT} is required"),
@@ -119,6 +122,14 @@ def test_slow_decode_knob_env_is_not_an_operator_variable():
 def test_bad_settings_fail_with_the_variable_named(kv_role, env, extra, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         PdPairConfig.from_env(kv_role, extra, env)
+
+
+def test_prefill_with_the_push_token_starts_without_a_decode():
+    """The operator creates prefill beside a decode that has no address yet and pushes it later: with
+    PDPAIR_PEERS_TOKEN (and the metrics port that serves the push) prefill's peer set may start empty."""
+    env = {**TCP, contract.ENV_METRICS_PORT: "9", contract.ENV_PEERS_TOKEN: "t" * 20}
+    config = PdPairConfig.from_env("kv_producer", {}, env)
+    assert config.peer_set() == () and config.peer_host is None and config.peers_token == "t" * 20
 
 
 def test_transport_slots_default_and_bounds():

@@ -346,6 +346,26 @@ def test_the_peer_set_is_replaced_at_runtime(cluster):
     assert_moved(kv1, [3], pkv, [0])
 
 
+def test_a_prefill_started_without_a_decode_pairs_once_the_push_names_one(cluster):
+    """The parallel start (desired.py step 4): the operator creates prefill beside a decode that has no address yet,
+    so prefill registers its KV with an empty peer set, is not paired (its /readyz fails), and is told the decode by
+    the push. Pushed before that decode listens, its edge retries until the listener accepts, then pairs and moves
+    KV. Cost: about 0.5 s."""
+    p, pkv = cluster.prefill("prefill-a", [], seed=1)
+    assert p.peer_state() == {} and not p.accounts.paired
+    port = free_port()
+    assert p.set_peers([peer(port)]) == {f"127.0.0.1:{port}": False}  # nothing listens there yet
+    time.sleep(0.3)
+    assert not p.accounts.paired
+    d, kv, _ = cluster.decode(port)
+    wait_for("paired once decode listens", lambda: paired(p, d, port, "prefill-a"))
+    assert p.accounts.paired and p.peer_state() == {f"127.0.0.1:{port}": True}
+    send(p, "p-1", [1, 2])
+    recv(d, "d-1", "p-1", "prefill-a", [3, 4])
+    assert settle(d, {"d-1"}) == set()
+    assert_moved(kv, [3, 4], pkv, [1, 2])
+
+
 def test_a_prefill_that_pairs_again_replaces_its_own_edge_only(cluster):
     """Two prefills on one decode; prefill a restarts (a new worker with the same PDPAIR_INSTANCE, as a restarted pod
     has): its new Hello replaces edge a (a new pair communicator) and leaves edge b as it was (the same communicator,

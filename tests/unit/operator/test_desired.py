@@ -25,9 +25,12 @@ CASES = [
     ("no ports yet", {}, Observed(), d.STEP_LEASE_PORTS, None, (), "Pending"),
     ("pool exhausted", {}, Observed(pool_exhausted=True, pool_message="full"), d.STEP_POOL_EXHAUSTED, None, (), "Pending"),
     ("leased, nothing runs", {}, Observed(ports_complete=True), d.STEP_CREATE_DECODE, "decode", (), "DecodeStarting"),
-    ("decode pending", {"pairGeneration": 1},
+    ("decode pending, not scheduled: prefill is created beside it at once", {"pairGeneration": 1},
      Observed((pod("decode", phase="Pending", scheduled=False),), ports_complete=True),
-     d.STEP_WAIT_DECODE_RUNNING, None, (), "DecodeStarting"),
+     d.STEP_CREATE_PREFILL, "prefill", (), "PrefillStarting"),
+    ("both created, decode not running yet: no router (it needs decode's address)", {"pairGeneration": 1},
+     Observed((pod("decode", phase="Pending"), pod("prefill", ready=False)), ports_complete=True),
+     d.STEP_WAIT_DECODE_RUNNING, None, (), "PrefillStarting"),
     ("decode runs, not listening yet: prefill is created beside it", {"pairGeneration": 1},
      Observed((pod("decode", ready=False),), ports_complete=True, decode_listening=False),
      d.STEP_CREATE_PREFILL, "prefill", (), "PrefillStarting"),
@@ -95,15 +98,17 @@ def test_next_step(name, status, observed, step, create, delete, phase):
     assert (plan.step, plan.create, plan.delete, plan.phase) == (step, create, delete, phase)
 
 
-def test_prefill_is_created_once_decode_runs_and_never_before():
-    """Parallel start: prefill needs decode's address (its IP, known once decode runs), not its listener; the
-    pairing order is the connector's (prefill retries until decode accepts) and prefill's readiness waits for it."""
-    for decode in (None, pod("decode", phase="Pending", scheduled=False), pod("decode", phase="Pending")):
-        pods = (decode,) if decode else ()
-        plan = next_step(SPEC, {"pairGeneration": 1}, Observed(pods, ports_complete=True, decode_listening=False))
-        assert plan.create != "prefill"
-    plan = next_step(SPEC, {"pairGeneration": 1}, Observed((pod("decode", ready=False),), ports_complete=True))
-    assert plan.create == "prefill" and plan.probe_decode
+def test_prefill_is_created_in_the_pass_after_decode_and_never_before():
+    """Parallel start: prefill is created beside decode before decode is scheduled (it learns decode's address from
+    the operator's push, once decode has one), never before decode exists; the pairing order is the connector's
+    (prefill retries until decode accepts) and prefill's readiness waits for it. Replaces the rule that prefill waits
+    until decode runs (its address, then fixed in prefill's environment at creation)."""
+    plan = next_step(SPEC, {"pairGeneration": 1}, Observed((), ports_complete=True, decode_listening=False))
+    assert plan.create == "decode"
+    for decode in (pod("decode", phase="Pending", scheduled=False), pod("decode", phase="Pending"),
+                   pod("decode", ready=False)):
+        plan = next_step(SPEC, {"pairGeneration": 1}, Observed((decode,), ports_complete=True, decode_listening=False))
+        assert plan.create == "prefill", decode
 
 
 def test_spec_change_bumps_generation_and_replaces_in_order():

@@ -261,10 +261,10 @@ class World:
         twins = [p.name for p in self.pods.values() if p.role == role and p.generation == gen]
         if twins:
             raise Violation(f"second {role} pod for generation {gen} while {twins} exist")
-        if role == ROLE_PREFILL:  # parallel start: decode's address (it runs), not its listener
+        if role == ROLE_PREFILL:  # parallel start: beside decode (its address comes by push), never before it
             decode = next((p for p in obs.pods if p.role == ROLE_DECODE and p.generation == gen), None)
-            if decode is None or not decode.running:
-                raise Violation(f"prefill of generation {gen} created before its decode runs ({decode})")
+            if decode is None:
+                raise Violation(f"prefill of generation {gen} created before its decode exists")
         name = f"p-{role}-{gen}-{self.creates}"
         self.creates += 1
         slot = plan.create_slot or rollout.serving_slot(self.status)

@@ -91,9 +91,13 @@ def test_args_an_older_crd_admitted_are_refused_naming_the_field():
     assert "upgrade it" in message
 
 
-def test_prefill_without_peer_is_refused():
-    with pytest.raises(ManifestError, match="decode"):
-        engine_pod(PAIR, "prefill", 1, leased(), "h")
+def test_prefill_created_before_its_decode_has_an_address_takes_it_from_the_push():
+    """Parallel start: a prefill made beside a decode with no address yet names no decode in its environment; it
+    has the push token (the operator pushes the address once decode has one), which its connector requires then."""
+    pod = engine_pod(PAIR, "prefill", 1, leased(), "h")
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert c.ENV_PEER_HOST not in env and c.ENV_PEER_PORT_BASE not in env and c.ENV_PEERS not in env
+    assert env[c.ENV_PEERS_TOKEN]["valueFrom"]["secretKeyRef"]["key"] == "token"
 
 
 def test_missing_ports_are_named():

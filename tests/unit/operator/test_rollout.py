@@ -285,12 +285,13 @@ def test_no_room_for_a_second_port_set_fails_the_rollout():
 
 
 def test_the_new_prefill_starts_beside_the_new_decode_and_the_switch_waits_for_its_listener():
-    """Parallel start in a Surge rollout: the new prefill is created once the new decode runs; the new generation
-    does not take over until the operator saw the new decode's listener accept."""
+    """Parallel start in a Surge rollout: the new prefill is created in the pass after the new decode (beside it,
+    before it runs: the push brings its address); the new generation does not take over until the operator saw the
+    new decode's listener accept."""
     world = World(SURGE_V2, pods={p.name: p for p in serving(1)})
     world.run(lambda plan, w: "p-decode-g2" in w.pods)
     plan = next_step(world.spec, world.status, replace(world.observe(), rollout_decode_listening=False), world.now)
-    assert plan.create == ROLE_PREFILL and plan.create_generation == 2 and plan.probe_decode
+    assert plan.create == ROLE_PREFILL and plan.create_generation == 2
     for role in (ROLE_PREFILL, ROLE_ROUTER):
         world.pods[f"p-{role}-g2"] = pod(role, 2, SURGE_V2)
     plan = next_step(world.spec, world.status, replace(world.observe(), rollout_decode_listening=False), world.now)
@@ -464,7 +465,7 @@ class InstanceWorld(World):
 
 def test_a_surge_rollout_of_a_2p2d_pair_switches_only_once_every_new_instance_serves():
     """Revision coherence: the old generation serves with all its instances until the switch; the new generation
-    starts all of its instances (decodes first, each prefill after a new decode runs) on the other port set; no
+    starts all of its instances (decodes first, then the prefills, all at once) on the other port set; no
     prefill or router is ever given an instance of another generation; then the old one drains and goes.
     Cost: pure, well under a second."""
     old = {}
