@@ -5,10 +5,11 @@ InferencePair whose prefill (node n1) and decode (node n2) run vLLM from the eng
 the pair's Service from inside the cluster network, then a single engine pod (no connector) of the same image and
 model beside it, the same prompt to both, a timeline, and a full teardown.
 
-No stand-in anywhere: decode's KV listener is the real connector's. The operator creates prefill as soon as decode
-runs, so both engines load at once; prefill pairs once decode's listener accepts, and the pair is Ready once the
-operator saw that listener (the timeline shows each step). The single engine's apply-to-first-token is the yardstick
-of the pair's. Everything is built or reused from caches first (devcluster/).
+No stand-in anywhere: decode's KV listener is the real connector's. The operator creates prefill right after decode
+(it pushes decode's address to prefill once decode has one), so both engines load at once; prefill pairs once
+decode's listener accepts, and the pair is Ready once the operator saw that listener (the timeline shows each step).
+The single engine's apply-to-first-token is the yardstick of the pair's. Everything is built or reused from caches
+first (devcluster/).
 """
 from __future__ import annotations
 

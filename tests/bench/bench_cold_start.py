@@ -46,7 +46,7 @@ from devcluster.build import build_node  # noqa: E402
 from devcluster.images import engine_image, operator_image  # noqa: E402
 from devcluster.product import (  # noqa: E402
     ENGINE_START_TIMEOUT, OPERATOR_NS, RELEASE, baseline_pod, build_model, completion, describe, install_operator,
-    operator_logs, pair_manifest,
+    OPERATOR_SELECTOR, operator_logs, pair_manifest,
 )
 from devcluster.realnode import RealNodeCluster  # noqa: E402
 from devcluster.realnode_watch import Recorder  # noqa: E402
@@ -127,11 +127,12 @@ def listening(status: dict) -> bool:
 
 class Bench:
     def __init__(self, cluster, engine_ref: str, model: pathlib.Path, bind: bool, timeout: float, engines_idle: int,
-                 cpus: str | None = None):
+                 cpus: str | None = None, logs: pathlib.Path | None = None):
         from kubernetes import client
 
         self.cluster, self.engine_ref, self.model, self.bind, self.timeout = cluster, engine_ref, model, bind, timeout
         self.cpus = cpus  # --cpus: every engine container's CPU request and limit (None: none)
+        self.logs = logs  # --logs: each pair's pods' and the operator's logs are saved there after its first answer
         self.engines_idle = engines_idle  # vLLM processes on the box before the cluster started (not ours)
         self.api = cluster.api_client()
         self.core, self.custom = client.CoreV1Api(self.api), client.CustomObjectsApi(self.api)
@@ -195,6 +196,7 @@ class Bench:
             service = self.core.read_namespaced_service(body["status"].get("service") or name, NS)
             marks["first answer"], text = self.answer(service.spec.cluster_ip, service.spec.ports[0].port)
             start = {k: round(v - t0, 2) for k, v in marks.items()}
+            self.save_logs(name, body["status"].get("pods") or {})
             say(f"pair {name}: first answer {start['first answer']:.1f} s after apply (load {load[0]:.2f}): {start}")
             restart = self.restart(name, pods, pairs)
         finally:
@@ -202,6 +204,19 @@ class Bench:
             pairs.stop()
         self.delete_pair(name)
         return {"name": name, "load_average": load, "start": start, "answer": text, "restart": restart}
+
+    def save_logs(self, name: str, pods: dict) -> None:
+        """--logs: the whole log of each of the pair's pods (timestamped by the kubelet) and the operator's, to find
+        where the seconds between decode's listener and the pair's Ready go."""
+        if self.logs is None:
+            return
+        self.logs.mkdir(parents=True, exist_ok=True)
+        for role, pod in sorted(pods.items()):
+            text = self.cluster.kubectl("logs", "-n", NS, pod, "--timestamps", check=False).stdout
+            (self.logs / f"{name}-{role}.log").write_text(text)
+        (self.logs / f"{name}-operator.log").write_text(self.cluster.kubectl(
+            "logs", "-n", OPERATOR_NS, "-l", OPERATOR_SELECTOR, "--prefix", "--timestamps",
+            "--tail=-1", check=False).stdout)
 
     def restart(self, name: str, pods: Recorder, pairs: Recorder) -> dict:
         """An ordered restart as a user meets one: decode vanishes. The decision is the operator's status write that
@@ -312,6 +327,8 @@ def main() -> int:
                         help="every engine container's CPU request and limit (e.g. 1): the same CPU for each engine")
     parser.add_argument("--timeout", type=float, default=ENGINE_START_TIMEOUT, help="seconds any one step may take")
     parser.add_argument("--out", default="/tmp/bench_cold_start.json", help="the JSON report")
+    parser.add_argument("--logs", default=None, type=pathlib.Path, metavar="DIR",
+                        help="save each pair's pod logs and the operator's there after its first answer")
     args = parser.parse_args()
     before = {**quiet.require_quiet(NAME), "engine_pids": quiet.running_engines()}  # exits on a busy box
     binding = ({"mode": "bind", **{k: bind_env(k) for k in BIND}} if args.bind
@@ -331,7 +348,7 @@ def main() -> int:
                 helm = install_operator(cluster, operator.ref)
                 try:
                     bench = Bench(cluster, engine.ref, model, args.bind, args.timeout, before["engines_running"],
-                                  cpus=args.cpus)
+                                  cpus=args.cpus, logs=args.logs)
                     for i in range(args.repeats):
                         order = ("pair", "single") if i % 2 == 0 else ("single", "pair")
                         rounds.append({"round": i, "order": list(order)})
