@@ -20,6 +20,7 @@ from pdpair.contract import (
     ROLE_DECODE,
 )
 from pdpair.operator.config import ENV_HEALTH_INTERVAL
+from pdpair.operator.pods import without_preflight
 from devcluster.kwok import NEVER_READY_LABEL
 from tests.e2e.operator_helpers import (
     Api,
@@ -150,7 +151,7 @@ def test_operator_pods_carry_the_templates_and_start_in_order(platform, cluster_
             assert engine["securityContext"] == {"runAsUser": 1000, "allowPrivilegeEscalation": False,
                                                  "capabilities": {"add": ["IPC_LOCK"]}}
             assert {e["name"]: e.get("value") for e in engine["env"]}["FLAGCX_USE_HETERO_COMM"] == "1"
-            assert engine["image"] == "img:1" and engine["command"][:3] == [
+            assert engine["image"] == "img:1" and without_preflight(engine["command"])[:3] == [
                 "python", "-m", "vllm.entrypoints.openai.api_server"]
 
             # parallel start, ordered pairing: prefill beside the running decode, the router beside them once prefill
@@ -179,7 +180,7 @@ def test_operator_pods_carry_the_templates_and_start_in_order(platform, cluster_
                 check_template_applied(pod, role)
             router = container(raw_pod(api, ns, pod_of(api, ns, "router")["metadata"]["name"]), "router")
             assert router["readinessProbe"]["httpGet"]["path"] == "/v1/models"
-            assert router["command"][:3] == ["python", "-m", "pdpair.router"]
+            assert without_preflight(router["command"])[:3] == ["python", "-m", "pdpair.router"]
             created = [name.rsplit("-g", 1)[0].rsplit("-", 1)[1] for name in recorder.created()]
             assert created == ["decode", "prefill", "router"], recorder.order()
             cleanup_pairs(api, ns)

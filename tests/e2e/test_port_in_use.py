@@ -2,8 +2,9 @@
 
 kwok runs no containers, so the test does the kubelet's part with the real pieces: a foreign listener holds the
 decode pod's side-channel port on this machine (the kwok nodes are 127.0.0.1, and so is the hostNetwork pod), the
-real preflight runs with the exact command of the pod's `pdpair-preflight` init container, and its termination
-message goes into the pod's status the way the kubelet puts it there (initContainerStatuses, phase Failed). The
+real preflight runs with the exact command in front of the decode pod's engine command (up to `--`: the check, without
+starting an engine), and its termination message goes into the pod's status the way the kubelet puts it there
+(containerStatuses of the engine container, phase Failed). The
 operator is the real one under the chart's RBAC. What must follow: the port is quarantined (a node-busy Lease with a
 TTL), the pair gets other ports, a PortInUse Event names port, node and replacement, the pair restarts decode-first
 outside its restart budget and goes Ready, the foreign listener is untouched, and the quarantine ends after its TTL.
@@ -34,7 +35,7 @@ from pdpair.contract import (
     parse_ports_in_use,
 )
 from pdpair.operator.config import ENV_BUSY_PORT_QUARANTINE, ENV_SWEEP_INTERVAL
-from pdpair.operator.pods import PREFLIGHT_COMMAND, PREFLIGHT_CONTAINER
+from pdpair.operator.pods import ENGINE_CONTAINER, PREFLIGHT_COMMAND, PREFLIGHT_SEPARATOR
 from tests.e2e.operator_helpers import (
     NO_HEALTH,
     OPERATOR_NS,
@@ -68,24 +69,27 @@ def side_port(pod):
     return int(env["PDPAIR_LISTEN_PORT_BASE"])
 
 
-def run_preflight_like_the_init_container(pod, tmp_path):
-    """The pod's preflight command, run here (the node), with the termination message file the kubelet provides."""
-    [init] = [c for c in pod["spec"]["init_containers"] if c["name"] == PREFLIGHT_CONTAINER]
-    assert init["command"][:len(PREFLIGHT_COMMAND)] == PREFLIGHT_COMMAND
+def run_preflight_like_the_container(pod, tmp_path):
+    """The preflight in front of the pod's engine command, run here (the node) up to its `--` (the check alone: no
+    engine is started), with the termination message file the kubelet provides."""
+    [engine] = [c for c in pod["spec"]["containers"] if c["name"] == ENGINE_CONTAINER]
+    command = engine["command"]
+    assert command[:len(PREFLIGHT_COMMAND)] == PREFLIGHT_COMMAND and PREFLIGHT_SEPARATOR in command, command
+    check = command[:command.index(PREFLIGHT_SEPARATOR)]
     log = tmp_path / f"termination-log-{pod['metadata']['name']}"
     log.write_text("")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "PDPAIR_TERMINATION_LOG": str(log)}
-    proc = subprocess.run([sys.executable, *init["command"][1:]], capture_output=True, text=True, timeout=60, env=env)
-    return init, proc, log.read_text()
+    proc = subprocess.run([sys.executable, *check[1:]], capture_output=True, text=True, timeout=60, env=env)
+    return engine, proc, log.read_text()
 
 
-def kubelet_reports_init_failure(api, ns, pod, init, exit_code, message):
-    """What the kubelet writes when an init container of a restartPolicy Never pod fails: the pod is Failed."""
+def kubelet_reports_failure(api, ns, pod, container, exit_code, message):
+    """What the kubelet writes when the container of a restartPolicy Never pod fails: the pod is Failed."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     api.core.patch_namespaced_pod_status(pod["metadata"]["name"], ns, {"status": {
         "phase": "Failed",
-        "initContainerStatuses": [{
-            "name": init["name"], "image": init["image"], "imageID": "", "ready": False, "restartCount": 0,
+        "containerStatuses": [{
+            "name": container["name"], "image": container["image"], "imageID": "", "ready": False, "restartCount": 0,
             "state": {"terminated": {"exitCode": exit_code, "reason": "Error", "message": message,
                                      "startedAt": now, "finishedAt": now}},
         }],
@@ -127,14 +131,14 @@ def test_a_port_busy_on_the_node_is_quarantined_and_the_pair_restarts_on_others(
 
         # "A debugger" on the node holds the leased side-channel port, on another loopback address: the preflight's
         # 0.0.0.0 bind clashes with it, while the operator's probe of the pod IP (127.0.0.1, kwok marks the pod
-        # Running at once where a kubelet would keep it Pending during its init containers) finds nothing there.
+        # Running at once, before any engine could listen) finds nothing there.
         with socket.socket() as foreign:
             foreign.bind((FOREIGN_HOST, busy))
             foreign.listen(4)
-            init, proc, message = run_preflight_like_the_init_container(first, tmp_path)
+            init, proc, message = run_preflight_like_the_container(first, tmp_path)
             assert proc.returncode == 1, proc.stdout + proc.stderr
             assert parse_ports_in_use(message) == (busy,), message
-            kubelet_reports_init_failure(api, ns, first, init, proc.returncode, message)
+            kubelet_reports_failure(api, ns, first, init, proc.returncode, message)
 
             lease = wait_for(lambda: quarantine_lease(api, busy), 60, f"a quarantine lease on port {busy}")
             assert lease.spec.holder_identity == f"{QUARANTINE_HOLDER_PREFIX}{node}"
@@ -160,7 +164,7 @@ def test_a_port_busy_on_the_node_is_quarantined_and_the_pair_restarts_on_others(
                 pass
 
         # The new decode's preflight passes on the new ports, and its listener opens: the pair goes Ready.
-        init, proc, message = run_preflight_like_the_init_container(second, tmp_path)
+        init, proc, message = run_preflight_like_the_container(second, tmp_path)
         assert proc.returncode == 0 and message == "", proc.stdout + proc.stderr
         with socket.socket() as listener:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -209,9 +213,9 @@ def test_an_operator_that_died_after_the_quarantine_finishes_the_move(
     with socket.socket() as foreign:
         foreign.bind((FOREIGN_HOST, busy))
         foreign.listen(4)
-        init, proc, message = run_preflight_like_the_init_container(first, tmp_path)
+        init, proc, message = run_preflight_like_the_container(first, tmp_path)
     assert proc.returncode == 1 and parse_ports_in_use(message) == (busy,), message
-    kubelet_reports_init_failure(api, ns, first, init, proc.returncode, message)
+    kubelet_reports_failure(api, ns, first, init, proc.returncode, message)
     # The step the first operator finished before it died (its own code, against the same API server).
     pair = api.pair(ns, "again")
     ref = PairRef(ns, "again", pair["metadata"]["uid"])

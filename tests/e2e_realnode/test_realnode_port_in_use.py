@@ -3,8 +3,8 @@ leased, on decode's node, before decode starts. The pair must recover by itself,
 
 The operator leases the lowest free ports of its pool, decode's blocks first (ports.required_blocks: side channel,
 metrics, http), so the test reads the port Leases and occupies the three lowest free ports on node n2 with a plain
-Python listener in n2's network namespace (not a pod). Decode's `pdpair-preflight` init container finds them busy
-and fails the pod with `pdpair: ports in use on this node: ...`; the operator quarantines them, leases others, posts
+Python listener in n2's network namespace (not a pod). Decode's port preflight (the first step of its engine
+container) finds them busy and fails the pod with `pdpair: ports in use on this node: ...`; the operator quarantines them, leases others, posts
 PortInUse and restarts the pair decode-first; the pair serves through its Service like a single engine, and the
 foreign process still holds its ports (nothing killed it). The control-plane version of the same flow, with the
 quarantine's end: tests/e2e/test_port_in_use.py.
@@ -24,7 +24,7 @@ from pdpair.contract import (
     QUARANTINE_HOLDER_PREFIX,
 )
 from pdpair.operator.config import DEFAULT_PORT_POOL, PortPool
-from pdpair.operator.pods import PREFLIGHT_CONTAINER
+from pdpair.operator.pods import ENGINE_CONTAINER
 from devcluster.product import (
     ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, operator_logs, pair_manifest, pod_logs,
 )
@@ -115,7 +115,7 @@ def test_ports_held_by_a_foreign_process_on_decodes_node_are_replaced_and_the_pa
         print(f"[realnode-e2e] PortInUse {time.monotonic() - t0:.1f}s after apply: {event['message']}")
         message = event["message"]
         assert f"ports {' '.join(map(str, busy))} in use on node {DECODE_NODE}" in message, (busy, message)
-        assert PREFLIGHT_CONTAINER in message and "decode pod" in message, message
+        assert f"container {ENGINE_CONTAINER}" in message and "decode pod" in message, message
         for port in busy:
             lease = json.loads(real_cluster.kubectl("get", "lease", f"{LEASE_NAME_PREFIX}{port}", "-n", OPERATOR_NS,
                                                     "-o", "json").stdout)
@@ -140,8 +140,10 @@ def test_ports_held_by_a_foreign_process_on_decodes_node_are_replaced_and_the_pa
         by_role = {p["metadata"]["labels"]["pdpair.io/role"]: p for p in pods}
         assert by_role["decode"]["spec"]["nodeName"] == DECODE_NODE
         assert by_role["decode"]["metadata"]["labels"]["pdpair.io/generation"] == "2"
-        preflight = [s for s in by_role["decode"]["status"]["initContainerStatuses"] if s["name"] == PREFLIGHT_CONTAINER]
-        assert preflight and preflight[0]["state"]["terminated"]["exitCode"] == 0, preflight
+        # The replacement's preflight passed and became the engine: no init container of ours, the engine runs.
+        assert not by_role["decode"]["status"].get("initContainerStatuses"), by_role["decode"]["status"]
+        [engine] = [s for s in by_role["decode"]["status"]["containerStatuses"] if s["name"] == ENGINE_CONTAINER]
+        assert engine["state"].get("running") and engine["restartCount"] == 0, engine
 
         svc = json.loads(real_cluster.kubectl("get", "service", name, "-n", namespace, "-o", "json").stdout)
         ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]

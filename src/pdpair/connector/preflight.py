@@ -1,9 +1,15 @@
 """Preflight of an engine pod on the host network: can every port the pod will use be bound on this node?
 
-The operator runs it as the last init container of each hostNetwork pair pod (pods.py), with the pod's
-containerPorts as arguments, in the engine image:
+The operator runs it as the first step of each hostNetwork pair pod's own container (pods.py), with the pod's
+containerPorts as arguments, then `--` and the container's real command, which it becomes (exec) once every port is
+free:
 
-    python -m pdpair.connector.preflight 20000 20001 20002
+    python -m pdpair.connector.preflight 20000 20001 20002 -- python -m vllm.entrypoints.openai.api_server ...
+
+(It was the pod's last init container until the parallel start was measured: an init container's exit reaches the
+kubelet only at its next relist, up to a second later, and its own container start costs as much again, on the
+path of both engines of every pair start. Run in place, it costs one small Python start.) Without `--` it only
+checks and exits 0.
 
 It binds and listens on each port (0.0.0.0, SO_REUSEADDR, as uvicorn, zmq and the metrics server do, so a
 TIME_WAIT leftover is no failure but any listener or bound socket of another process is), all at once, then closes
@@ -30,6 +36,7 @@ TERMINATION_LOG = "/dev/termination-log"
 ENV_TERMINATION_LOG = "PDPAIR_TERMINATION_LOG"  # tests point it elsewhere
 EXIT_PORTS_IN_USE = 1
 EXIT_USAGE = 2
+EXIT_NO_COMMAND = 127  # the shell's "command not found"
 
 
 def busy_ports(ports: Iterable[int], host: str = "0.0.0.0") -> dict[int, str]:
@@ -76,19 +83,33 @@ def report_bind_failure(port: int, exc: BaseException, what: str) -> bool:
     return report_ports_in_use([port], f"{what} could not bind port {port}: {exc}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, execvp=os.execvp) -> int:
     args = sys.argv[1:] if argv is None else argv
+    command: list[str] = []
+    if "--" in args:
+        cut = args.index("--")
+        args, command = args[:cut], args[cut + 1:]
+        if not command:
+            print("usage: python -m pdpair.connector.preflight PORT... [-- COMMAND...]: nothing after --",
+                  file=sys.stderr)
+            return EXIT_USAGE
     try:
         ports = [int(a) for a in args]
     except ValueError:
-        print(f"usage: python -m pdpair.connector.preflight PORT...; got {args!r}", file=sys.stderr)
+        print(f"usage: python -m pdpair.connector.preflight PORT... [-- COMMAND...]; got {args!r}", file=sys.stderr)
         return EXIT_USAGE
     if not ports or any(not 1 <= p <= 65535 for p in ports):
         print(f"usage: python -m pdpair.connector.preflight PORT... (1..65535); got {args!r}", file=sys.stderr)
         return EXIT_USAGE
     busy = busy_ports(ports)
     if not busy:
-        print(f"pdpair preflight: ports {' '.join(map(str, sorted(set(ports))))} are free on this node")
+        print(f"pdpair preflight: ports {' '.join(map(str, sorted(set(ports))))} are free on this node", flush=True)
+        if command:
+            try:
+                execvp(command[0], command)  # becomes the container's command (returns only in tests)
+            except OSError as exc:
+                print(f"pdpair preflight: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+                return EXIT_NO_COMMAND
         return 0
     detail = "; ".join(f"{port}: {why}" for port, why in sorted(busy.items()))
     message = ports_in_use_message(busy, f"another process on this node holds them ({detail})")

@@ -132,9 +132,10 @@ def status_port_name(role: str, purpose: str, index: int, instance: int = 0) -> 
 
 
 # --- a leased port that something else on the node already holds (the pod's termination message) ---------------
-# The engine pods' preflight init container (pdpair.connector.preflight), and the connector when its own bind fails,
-# write one line `pdpair: ports in use on this node: 20003 20004` to /dev/termination-log; the operator reads it from
-# the pod's status, quarantines those ports and leases the pair replacements (docs/design.md, "A leased port in use").
+# The port preflight in front of every hostNetwork pod's command (pdpair.connector.preflight), and the connector when
+# its own bind fails, write one line `pdpair: ports in use on this node: 20003 20004` to /dev/termination-log; the
+# operator reads it from the pod's status, quarantines those ports and leases the pair replacements (docs/design.md,
+# "A leased port in use").
 PORTS_IN_USE_PREFIX = "pdpair: ports in use on this node:"
 LABEL_PORT_QUARANTINE = "pdpair.io/port-quarantine"  # on a port Lease held for a port found busy on a node
 QUARANTINE_HOLDER_PREFIX = "node-busy/"  # holderIdentity of such a Lease: node-busy/<node>

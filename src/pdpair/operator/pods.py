@@ -79,15 +79,16 @@ ROUTER_READINESS_PROBE = {**READINESS_PROBE, "periodSeconds": 1, "failureThresho
 # FlagCX defaults for transport flagcx (docs/design.md): a same-vendor pair fails at init without hetero comm,
 # and registering RDMA memory needs IPC_LOCK.
 FLAGCX_CAPABILITY = "IPC_LOCK"
-# The last init container of every hostNetwork pod: binds each port the pod will use on its node, and on a busy one
-# fails the pod with `pdpair: ports in use on this node: ...` as its termination message (pdpair.connector.preflight),
-# which the operator reads to quarantine the port and lease the pair another (docs/design.md).
-PREFLIGHT_CONTAINER = "pdpair-preflight"
+# The first step of every hostNetwork pod's own container: binds each port the pod will use on its node, and on a
+# busy one fails the container with `pdpair: ports in use on this node: ...` as its termination message
+# (pdpair.connector.preflight), which the operator reads to quarantine the port and lease the pair another
+# (docs/design.md); on free ports it execs the container's command (after PREFLIGHT_SEPARATOR). Not an init
+# container: that cost both engines of every pair start a container start plus the kubelet's relist (up to 1 s).
 PREFLIGHT_COMMAND = ["python", "-m", "pdpair.connector.preflight"]
-# Copied from the main container: the same pull policy; the same securityContext (admission policies judge init
-# containers too); the same resources, so the pod's effective request and QoS class stay what the user set (an
-# init container's request counts as max(init, sum of containers), never on top).
-PREFLIGHT_COPIED_FIELDS = ("imagePullPolicy", "securityContext", "resources")
+PREFLIGHT_SEPARATOR = "--"
+# The init container that ran the preflight before (operator versions up to the parallel start); a template's init
+# container of that name is dropped, so it cannot pose as the operator's.
+LEGACY_PREFLIGHT_CONTAINER = "pdpair-preflight"
 # Scheduling fields the router copies from decode when its own template does not set them.
 SCHEDULING_FIELDS = ("nodeSelector", "tolerations", "affinity")
 
@@ -334,24 +335,26 @@ def _quantities_as_strings(pod: dict[str, Any]) -> dict[str, Any]:
     return pod
 
 
-def _add_preflight(pod: dict[str, Any], container: Mapping[str, Any]) -> None:
-    """The port preflight as the pod's last init container (after the template's own, so it runs right before the
-    engine), checking every containerPort of `container`. Only on the host network: a pod network is private."""
+def _add_preflight(pod: dict[str, Any], container: dict[str, Any]) -> None:
+    """The port preflight in front of `container`'s command (it runs right before the engine, after every init
+    container of the template), checking every containerPort of `container`. Only on the host network: a pod
+    network is private."""
     spec = pod["spec"]
+    if spec.get("initContainers"):
+        spec["initContainers"] = [c for c in spec["initContainers"] if c.get("name") != LEGACY_PREFLIGHT_CONTAINER]
+        if not spec["initContainers"]:
+            del spec["initContainers"]
     if not spec.get("hostNetwork"):
         return
     ports = [str(p["containerPort"]) for p in container.get("ports") or []]
-    preflight: dict[str, Any] = {
-        "name": PREFLIGHT_CONTAINER,
-        "image": container["image"],
-        "command": [*PREFLIGHT_COMMAND, *ports],
-        "terminationMessagePolicy": "File",
-    }
-    for key in PREFLIGHT_COPIED_FIELDS:
-        if container.get(key):
-            preflight[key] = copy.deepcopy(container[key])
-    user = [c for c in spec.get("initContainers") or [] if c.get("name") != PREFLIGHT_CONTAINER]
-    spec["initContainers"] = user + [preflight]
+    container["command"] = [*PREFLIGHT_COMMAND, *ports, PREFLIGHT_SEPARATOR, *container["command"]]
+
+
+def without_preflight(command: list[str]) -> list[str]:
+    """A pod container's command without the operator's preflight in front: what the container runs after it."""
+    if command[:len(PREFLIGHT_COMMAND)] == PREFLIGHT_COMMAND and PREFLIGHT_SEPARATOR in command:
+        return command[command.index(PREFLIGHT_SEPARATOR) + 1:]
+    return command
 
 
 def _identity_env(pair: Mapping[str, Any], role: str, generation: int) -> list[dict[str, str]]:

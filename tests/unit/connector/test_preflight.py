@@ -1,4 +1,5 @@
-"""The port preflight (pdpair.connector.preflight) on real sockets, run the way the init container runs it."""
+"""The port preflight (pdpair.connector.preflight) on real sockets, run the way a hostNetwork pod's container runs it
+(in front of its command, which it execs on free ports)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ def free_ports(count: int) -> list[int]:
     return [free_port() for _ in range(count)]
 
 
-def run_preflight(ports, log_path):
+def run_preflight(ports, log_path, command=()):
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path), preflight.ENV_TERMINATION_LOG: str(log_path)}
-    return subprocess.run([sys.executable, "-m", "pdpair.connector.preflight", *map(str, ports)],
+    then = ["--", *command] if command else []
+    return subprocess.run([sys.executable, "-m", "pdpair.connector.preflight", *map(str, ports), *then],
                           capture_output=True, text=True, timeout=60, env=env)
 
 
@@ -39,6 +41,33 @@ def test_all_ports_free_exits_0_and_writes_nothing(termination_log):
     assert termination_log.read_text() == ""
     # it released every port it bound
     assert preflight.busy_ports(ports) == {}
+
+
+def test_on_free_ports_it_becomes_the_command_and_passes_its_exit_status(termination_log):
+    """As the pod runs it: `preflight PORTS -- COMMAND...` execs the command (its own process: the same pid, so the
+    container's main process is the engine), which can bind every checked port."""
+    ports = free_ports(2)
+    script = ("import os, socket, sys; [socket.socket().bind(('0.0.0.0', int(p))) for p in sys.argv[1:]]; "
+              "print('pid', os.getpid()); sys.exit(7)")
+    proc = run_preflight(ports, termination_log, [sys.executable, "-c", script, *map(str, ports)])
+    assert proc.returncode == 7, proc.stderr
+    assert "are free on this node" in proc.stdout and "pid " in proc.stdout
+    assert termination_log.read_text() == ""
+
+
+def test_on_a_busy_port_the_command_never_runs(termination_log):
+    [port] = free_ports(1)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        proc = run_preflight([port], termination_log, [sys.executable, "-c", "print('engine started')"])
+    assert proc.returncode == preflight.EXIT_PORTS_IN_USE and "engine started" not in proc.stdout
+    assert parse_ports_in_use(termination_log.read_text()) == (port,)
+
+
+def test_a_command_that_cannot_run_is_named(termination_log):
+    proc = run_preflight(free_ports(1), termination_log, ["/nonexistent/engine"])
+    assert proc.returncode == preflight.EXIT_NO_COMMAND and "/nonexistent/engine" in proc.stderr
 
 
 def test_a_listener_and_a_bound_socket_of_another_process_are_both_reported_in_one_go(termination_log):
@@ -76,7 +105,7 @@ def test_time_wait_leftover_is_not_a_clash(termination_log):
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.parametrize("args", [[], ["http"], ["0"], ["70000"]])
+@pytest.mark.parametrize("args", [[], ["http"], ["0"], ["70000"], ["20000", "--"], ["--", "true"]])
 def test_bad_arguments_exit_2(args, termination_log):
     proc = run_preflight(args, termination_log)
     assert proc.returncode == preflight.EXIT_USAGE and "usage" in proc.stderr

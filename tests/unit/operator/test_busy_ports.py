@@ -1,4 +1,5 @@
-"""The pure side of "a leased port in use on a node" (busy_ports.py) and the preflight init container (pods.py)."""
+"""The pure side of "a leased port in use on a node" (busy_ports.py) and the preflight in front of each hostNetwork
+container's command (pods.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pdpair.contract import ports_in_use_message
 from pdpair.operator import busy_ports
 from pdpair.operator.config import PortPool
 from pdpair.operator.observed import PodView
-from pdpair.operator.pods import PREFLIGHT_COMMAND, PREFLIGHT_CONTAINER, engine_pod, router_pod
+from pdpair.operator.pods import (
+    LEGACY_PREFLIGHT_CONTAINER, PREFLIGHT_COMMAND, PREFLIGHT_SEPARATOR, engine_pod, router_pod, without_preflight,
+)
 from pdpair.operator.ports import assign, required_blocks, status_ports
 from tests.crd_defaults import with_crd_defaults
 
@@ -24,7 +27,8 @@ def failed_pod(name="p-decode-g1", role="decode", generation=1, node="n2", *, in
 
     pod_status = {"phase": "Failed"}
     if init is not None:
-        pod_status["initContainerStatuses"] = [status("model-fetch", "done"), status(PREFLIGHT_CONTAINER, init)]
+        # a pod made by an operator that ran the preflight as an init container
+        pod_status["initContainerStatuses"] = [status("model-fetch", "done"), status(LEGACY_PREFLIGHT_CONTAINER, init)]
     if main is not None:
         pod_status["containerStatuses"] = [status("engine", main)]
     if last is not None:
@@ -34,16 +38,16 @@ def failed_pod(name="p-decode-g1", role="decode", generation=1, node="n2", *, in
     return PodView.from_pod(raw)
 
 
-def test_the_preflight_report_is_read_from_the_init_container():
+def test_the_preflight_report_is_read_from_an_init_container_too():
     pod = failed_pod(init=ports_in_use_message([20002, 20000], "another process on this node holds them"))
     [report] = busy_ports.reports([pod], 1)
     assert (report.role, report.pod, report.node, report.container, report.ports) == \
-        ("decode", "p-decode-g1", "n2", PREFLIGHT_CONTAINER, (20000, 20002))
+        ("decode", "p-decode-g1", "n2", LEGACY_PREFLIGHT_CONTAINER, (20000, 20002))
     assert "ports 20000 20002 in use on node n2" in report.describe()
 
 
 @pytest.mark.parametrize("where", ["main", "last"])
-def test_the_connectors_own_report_is_read_from_the_engine_container(where):
+def test_the_preflights_and_the_connectors_report_is_read_from_the_engine_container(where):
     pod = failed_pod(**{where: "Traceback ...\n" + ports_in_use_message([20001], "side-channel listener")})
     [report] = busy_ports.reports([pod], 1)
     assert report.container == "engine" and report.ports == (20001,)
@@ -78,7 +82,7 @@ def test_quarantine_ends_after_its_duration():
     assert busy_ports.quarantine_expired(start, None, start)
 
 
-# --- the preflight init container -------------------------------------------------------------------------------
+# --- the preflight in front of the container's command ---------------------------------------------------------
 def pair(host_network=True, engine_container=None, init_containers=None):
     template = {"spec": {"containers": [engine_container or {"name": "engine"}],
                          **({"initContainers": init_containers} if init_containers else {})}}
@@ -97,36 +101,43 @@ def leased(p):
     return status_ports(ports)
 
 
-def test_every_port_the_pod_uses_is_checked_by_the_last_init_container():
+def test_every_port_the_pod_uses_is_checked_right_before_the_engine_starts():
+    """The preflight runs in the engine's own container, after every init container of the template, and becomes
+    the engine (exec): no init container of ours (its start and the kubelet's relist cost both engines of every
+    pair start up to seconds)."""
     user_init = {"name": "model-fetch", "image": "busybox"}
     engine = {"name": "engine", "imagePullPolicy": "Never", "securityContext": {"runAsNonRoot": True},
               "resources": {"limits": {"nvidia.com/gpu": 2, "memory": "8Gi"}, "requests": {"cpu": 4}}}
     p = pair(engine_container=engine, init_containers=[user_init])
     pod = engine_pod(p, "decode", 1, leased(p), "h")
-    *first, preflight = pod["spec"]["initContainers"]
-    assert first == [user_init] and preflight["name"] == PREFLIGHT_CONTAINER
+    assert pod["spec"]["initContainers"] == [user_init]
     main = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
-    assert preflight["command"][:len(PREFLIGHT_COMMAND)] == PREFLIGHT_COMMAND
-    assert sorted(map(int, preflight["command"][len(PREFLIGHT_COMMAND):])) == \
-        sorted(c["containerPort"] for c in main["ports"])
+    command = main["command"]
+    assert command[:len(PREFLIGHT_COMMAND)] == PREFLIGHT_COMMAND
+    cut = command.index(PREFLIGHT_SEPARATOR)
+    assert sorted(map(int, command[len(PREFLIGHT_COMMAND):cut])) == sorted(c["containerPort"] for c in main["ports"])
     assert len(main["ports"]) == 4  # http, metrics, two side channels (TP 2)
-    # the engine's image, pull policy, securityContext and resources: no new scheduling need, same QoS class
-    for key in ("image", "imagePullPolicy", "securityContext", "resources"):
-        assert preflight[key] == main[key], key
-    assert preflight["terminationMessagePolicy"] == "File"
+    engine_argv = without_preflight(command)
+    assert engine_argv == command[cut + 1:] and engine_argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
 
 
 def test_router_gets_it_too_and_a_pod_network_does_not():
     p = pair()
     ports = leased(p)
     router = router_pod(p, 1, ports, "h", "10.0.0.1", "10.0.0.2")
-    assert router["spec"]["initContainers"][-1]["command"][len(PREFLIGHT_COMMAND):] == \
+    command = router["spec"]["containers"][0]["command"]
+    assert command[len(PREFLIGHT_COMMAND):command.index(PREFLIGHT_SEPARATOR)] == \
         [str(router["spec"]["containers"][0]["ports"][0]["containerPort"])]
+    assert without_preflight(command)[:3] == ["python", "-m", "pdpair.router"]
     private = pair(host_network=False)
-    assert "initContainers" not in engine_pod(private, "decode", 1, leased(private), "h")["spec"]
+    pod = engine_pod(private, "decode", 1, leased(private), "h")
+    assert "initContainers" not in pod["spec"]
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"] and without_preflight(command) == command
 
 
-def test_a_template_container_named_like_ours_is_replaced_not_doubled():
-    p = pair(init_containers=[{"name": PREFLIGHT_CONTAINER, "image": "evil", "command": ["true"]}])
+def test_a_template_init_container_named_like_the_old_preflight_is_dropped():
+    p = pair(init_containers=[{"name": LEGACY_PREFLIGHT_CONTAINER, "image": "evil", "command": ["true"]},
+                              {"name": "model-fetch", "image": "busybox"}])
     inits = engine_pod(p, "decode", 1, leased(p), "h")["spec"]["initContainers"]
-    assert [c["name"] for c in inits] == [PREFLIGHT_CONTAINER] and inits[0]["image"] == "img:1"
+    assert [c["name"] for c in inits] == ["model-fetch"]

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pdpair import contract as c
-from pdpair.operator.pods import ManifestError, engine_pod, pod_name, router_pod
+from pdpair.operator.pods import ManifestError, engine_pod, pod_name, router_pod, without_preflight
 from pdpair.operator.spec_fields import MissingDefaultedField
 from pdpair.operator.ports import assign, required_blocks, status_ports
 
@@ -53,7 +53,7 @@ def test_decode_pod():
     assert (owner["kind"], owner["uid"], owner["controller"]) == (c.KIND, "uid-1", True)
     assert pod["spec"]["hostNetwork"] is True and pod["spec"]["restartPolicy"] == "Never"
     assert pod["spec"]["tolerations"] == [{"key": "k", "operator": "Exists"}]
-    cmd = pod["spec"]["containers"][0]["command"]
+    cmd = without_preflight(pod["spec"]["containers"][0]["command"])  # the port preflight runs first (hostNetwork)
     kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert kv == {"kv_connector": "PdPairConnector", "kv_connector_module_path": "pdpair.connector",
                   "kv_role": "kv_consumer"}
@@ -107,7 +107,7 @@ def test_missing_ports_are_named():
 
 def test_router_pod():
     pod = router_pod(PAIR, 1, leased(), "h", "10.0.0.2", "10.0.0.1")
-    cmd = pod["spec"]["containers"][0]["command"]
+    cmd = without_preflight(pod["spec"]["containers"][0]["command"])
     assert cmd[:3] == ["python", "-m", "pdpair.router"]
     assert cmd[cmd.index("--prefill") + 1].startswith("http://10.0.0.2:")
     assert cmd[cmd.index("--decode") + 1].startswith("http://10.0.0.1:")

@@ -12,11 +12,11 @@ import pytest
 from pdpair import contract as c
 from pdpair.operator.pods import (
     ENGINE_CONTAINER,
-    PREFLIGHT_CONTAINER,
     ROUTER_CONTAINER,
     STARTUP_PERIOD_SECONDS,
     engine_pod,
     router_pod,
+    without_preflight,
 )
 from pdpair.operator.ports import assign, port_of, required_blocks, status_ports
 from tests.crd_defaults import with_crd_defaults
@@ -106,8 +106,7 @@ def test_every_user_pod_field_survives(role):
     pod = build(pair(), role)
     spec = pod["spec"]
     assert spec["volumes"] == VOLUMES
-    assert spec["initContainers"][:-1] == [INIT]  # the user's first; the operator's port preflight runs last
-    assert spec["initContainers"][-1]["name"] == PREFLIGHT_CONTAINER
+    assert spec["initContainers"] == [INIT]  # the operator adds none: its port preflight runs in the engine's command
     # The apiserver fills the port's protocol (a map-list key, so the generated CRD keeps its default).
     assert container(pod, "log-shipper") == {**SIDECAR, "ports": [{**SIDECAR["ports"][0], "protocol": "TCP"}]}
     assert spec["securityContext"] == {"fsGroup": 2000}
@@ -169,7 +168,7 @@ OWNED = {
     "ephemeralContainers": (lambda t: t["spec"].update(ephemeralContainers=[{"name": "dbg", "image": "busybox"}]),
                             lambda pod: "ephemeralContainers" not in pod["spec"]),
     "engine command": (lambda t: _engine(t).update(command=["sleep", "inf"]),
-                       lambda pod: container(pod, ENGINE_CONTAINER)["command"][:3] == [
+                       lambda pod: without_preflight(container(pod, ENGINE_CONTAINER)["command"])[:3] == [
                            "python", "-m", "vllm.entrypoints.openai.api_server"]),
     "engine args": (lambda t: _engine(t).update(args=["--port", "1"]),
                     lambda pod: "args" not in container(pod, ENGINE_CONTAINER)),
@@ -277,7 +276,7 @@ def test_router_gets_a_readiness_probe_and_keeps_its_template():
         metrics = port_of(ports, role, c.PURPOSE_METRICS)
         assert command[command.index(flag) + 1] == f"http://{host}:{metrics}/readyz", command
     assert router["resources"] == {"requests": {"cpu": "100m"}}
-    assert router["command"][:3] == ["python", "-m", "pdpair.router"] and router["image"] == "img:1"
+    assert without_preflight(router["command"])[:3] == ["python", "-m", "pdpair.router"] and router["image"] == "img:1"
     assert container(pod, "log-shipper") == SIDECAR
     assert pod["metadata"]["labels"]["team"] == "edge" and pod["metadata"]["labels"][c.LABEL_ROLE] == "router"
     assert pod["spec"]["priorityClassName"] == "edge"
