@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -50,32 +51,32 @@ class Timeline:
             print(f"[{time.monotonic() - self.started:6.1f}s] {text}", flush=True)
 
 
-def watch_pair(custom, timeline: Timeline, stop: threading.Event) -> None:
+def watch_pair(custom, namespace: str, say, stop: threading.Event) -> None:
     from kubernetes import watch
 
     seen = None
     while not stop.is_set():
         try:
-            for ev in watch.Watch().stream(custom.list_namespaced_custom_object, GROUP, VERSION, NAMESPACE, PLURAL,
+            for ev in watch.Watch().stream(custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
                                            field_selector=f"metadata.name={PAIR}", timeout_seconds=5):
                 status = ev["object"].get("status") or {}
                 now = (status.get("phase"), status.get("message"))
                 if status.get("phase") and now != seen:
                     seen = now
-                    timeline.say(f"pair phase {now[0]}: {now[1]}")
+                    say(f"pair phase {now[0]}: {now[1]}")
                 if stop.is_set():
                     return
         except Exception:  # noqa: BLE001 - the stream ends when the pair or the cluster goes away
             time.sleep(0.2)
 
 
-def watch_pods(core, timeline: Timeline, stop: threading.Event) -> None:
+def watch_pods(core, namespace: str, say, stop: threading.Event) -> None:
     from kubernetes import watch
 
     state: dict[str, tuple] = {}
     while not stop.is_set():
         try:
-            for ev in watch.Watch().stream(core.list_namespaced_pod, NAMESPACE, timeout_seconds=5):
+            for ev in watch.Watch().stream(core.list_namespaced_pod, namespace, timeout_seconds=5):
                 pod = ev["object"]
                 labels = pod.metadata.labels or {}
                 if labels.get(LABEL_PAIR) != PAIR and pod.metadata.name != SINGLE:
@@ -84,19 +85,85 @@ def watch_pods(core, timeline: Timeline, stop: threading.Event) -> None:
                 ready = any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
                 now = (ev["type"], pod.status.phase, ready, pod.spec.node_name)
                 if ev["type"] == "DELETED":
-                    timeline.say(f"pod {name} ({role}) deleted")
+                    say(f"pod {name} ({role}) deleted")
                     state.pop(name, None)
                 elif state.get(name) != now:
                     if name not in state:
-                        timeline.say(f"pod {name} ({role}) created")
+                        say(f"pod {name} ({role}) created")
                     elif ready and not state[name][2]:
-                        timeline.say(f"pod {name} ({role}) Ready on node {pod.spec.node_name} "
+                        say(f"pod {name} ({role}) Ready on node {pod.spec.node_name} "
                                      f"({pod.status.pod_ip})")
                     state[name] = now
                 if stop.is_set():
                     return
         except Exception:  # noqa: BLE001
             time.sleep(0.2)
+
+
+def show_pair_and_single(cluster, engine_ref: str, model: pathlib.Path, say, timeout: float,
+                         namespace: str = NAMESPACE) -> int:
+    """The demo's part on a cluster where the operator runs: the pair applied and timed to its first answer through
+    its Service, then one engine pod without a connector (same image, model and node) timed the same way, both
+    answers printed and compared, both deleted. 0 when the answers are equal. Cost: 3 vLLM cold starts (the pair's
+    two, then the single engine's). `tests/e2e_realnode/test_realnode_demo.py` runs it on the test session's
+    cluster, so this code path is in CI."""
+    from kubernetes import client
+
+    api = cluster.api_client()
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    stop = threading.Event()
+    watchers = [threading.Thread(target=fn, args=(api_, namespace, say, stop), daemon=True)
+                for fn, api_ in ((watch_pair, custom), (watch_pods, core))]
+    for w in watchers:
+        w.start()
+    try:
+        manifest = pair_manifest(PAIR, namespace, engine_ref, model)
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
+        applied = time.monotonic()
+        say(f"kubectl apply: InferencePair {namespace}/{PAIR} (transport tcp; prefill on n1, decode on n2)")
+        deadline = applied + timeout
+        while True:
+            pair = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, PAIR)
+            if (pair.get("status") or {}).get("phase") == "Ready":
+                break
+            if time.monotonic() > deadline:
+                say(f"not Ready after {timeout:.0f}s:\n" + cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout
+                    + operator_logs(cluster, tail=40))
+                return 1
+            time.sleep(0.5)
+        svc = json.loads(cluster.kubectl("get", "service", PAIR, "-n", namespace, "-o", "json").stdout)
+        ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
+        say(f"sending a completion to Service {PAIR} ({ip}:{port}) from inside node n1's network")
+        answer = completion(cluster, "n1", ip, port, PROMPT)
+        pair_seconds = time.monotonic() - applied
+        say(f"pair: first answer {pair_seconds:.1f}s after kubectl apply: {answer!r}")
+        say("(the tiny test model's weights are random, so its words are nonsense by design: what shows the KV "
+            "moved right is that the pair answers exactly as one engine does, greedy, same model)")
+        single = baseline_pod(SINGLE, namespace, engine_ref, model, "n1")
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(single))
+        single_applied = time.monotonic()
+        say(f"kubectl apply: Pod {namespace}/{SINGLE}, one engine without a connector, same image and model, n1")
+        cluster.kubectl("wait", "-n", namespace, "--for=condition=Ready", f"pod/{SINGLE}",
+                        f"--timeout={int(ENGINE_START_TIMEOUT)}s", timeout=ENGINE_START_TIMEOUT + 30)
+        single_ip = json.loads(cluster.kubectl("get", "pod", SINGLE, "-n", namespace, "-o", "json").stdout
+                               )["status"]["podIP"]
+        single_answer = completion(cluster, "n1", single_ip, 8000, PROMPT)
+        single_seconds = time.monotonic() - single_applied
+        say(f"single engine: first answer {single_seconds:.1f}s after kubectl apply: {single_answer!r}")
+        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        say(f"the pair's answer {'EQUALS' if answer == single_answer else 'DIFFERS FROM'} the single engine's; "
+            f"apply to first answer: pair {pair_seconds:.1f}s, single engine {single_seconds:.1f}s "
+            f"(ratio {pair_seconds / single_seconds:.2f}; load average {load})")
+        time.sleep(0.5)  # let the watchers print the last changes
+        cluster.kubectl("delete", "pod", SINGLE, "-n", namespace, "--wait=true", "--timeout=60s", timeout=90)
+        if answer != single_answer:
+            return 1
+        say("cleaning up: delete the pair")
+        cluster.kubectl("delete", f"{PLURAL}.{GROUP}", PAIR, "-n", namespace, "--wait=true",
+                        "--timeout=120s", timeout=150)
+        return 0
+    finally:
+        stop.set()
 
 
 def main() -> int:
@@ -121,64 +188,14 @@ def main() -> int:
             say("images imported into both nodes' containerd")
             helm = install_operator(cluster, operator.ref)
             say(f"helm install {RELEASE} charts/pdpair: the operator runs as 2 pods in {OPERATOR_NS} (one leads, one stands by)")
-            from kubernetes import client
-
-            api = cluster.api_client()
-            core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-            stop = threading.Event()
-            watchers = [threading.Thread(target=fn, args=(api_, timeline, stop), daemon=True)
-                        for fn, api_ in ((watch_pair, custom), (watch_pods, core))]
-            for w in watchers:
-                w.start()
             try:
-                manifest = pair_manifest(PAIR, NAMESPACE, engine.ref, model)
-                cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
-                applied = time.monotonic()
-                say(f"kubectl apply: InferencePair {NAMESPACE}/{PAIR} (transport tcp; prefill on n1, decode on n2)")
-                deadline = applied + args.timeout
-                while True:
-                    pair = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, PAIR)
-                    if (pair.get("status") or {}).get("phase") == "Ready":
-                        break
-                    if time.monotonic() > deadline:
-                        say(f"not Ready after {args.timeout:.0f}s:\n"
-                            + cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout
-                            + operator_logs(cluster, tail=40))
-                        return 1
-                    time.sleep(0.5)
-                svc = json.loads(cluster.kubectl("get", "service", PAIR, "-n", NAMESPACE, "-o", "json").stdout)
-                ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
-                say(f"sending a completion to Service {PAIR} ({ip}:{port}) from inside node n1's network")
-                answer = completion(cluster, "n1", ip, port, PROMPT)
-                pair_seconds = time.monotonic() - applied
-                say(f"pair: first answer {pair_seconds:.1f}s after kubectl apply: {answer!r}")
-                say("(the tiny test model's weights are random, so its words are nonsense by design: what shows the KV "
-                    "moved right is that the pair answers exactly as one engine does, greedy, same model)")
-                single = baseline_pod(SINGLE, NAMESPACE, engine.ref, model, "n1")
-                cluster.kubectl("apply", "-f", "-", input=json.dumps(single))
-                single_applied = time.monotonic()
-                say(f"kubectl apply: Pod {NAMESPACE}/{SINGLE}, one engine without a connector, same image and model, n1")
-                cluster.kubectl("wait", "-n", NAMESPACE, "--for=condition=Ready", f"pod/{SINGLE}",
-                                f"--timeout={int(ENGINE_START_TIMEOUT)}s", timeout=ENGINE_START_TIMEOUT + 30)
-                single_ip = json.loads(cluster.kubectl("get", "pod", SINGLE, "-n", NAMESPACE, "-o", "json").stdout
-                                       )["status"]["podIP"]
-                single_answer = completion(cluster, "n1", single_ip, 8000, PROMPT)
-                single_seconds = time.monotonic() - single_applied
-                say(f"single engine: first answer {single_seconds:.1f}s after kubectl apply: {single_answer!r}")
-                say(f"the pair's answer {'EQUALS' if answer == single_answer else 'DIFFERS FROM'} the single engine's; "
-                    f"apply to first answer: pair {pair_seconds:.1f}s, single engine {single_seconds:.1f}s "
-                    f"(ratio {pair_seconds / single_seconds:.2f}; load average {' '.join(f'{x:.1f}' for x in __import__('os').getloadavg())})")
-                time.sleep(0.5)  # let the watchers print the last changes
-                cluster.kubectl("delete", "pod", SINGLE, "-n", NAMESPACE, "--wait=true", "--timeout=60s", timeout=90)
-                if answer != single_answer:
-                    return 1
-                say("cleaning up: delete the pair, helm uninstall, stop the nodes and the control plane")
-                cluster.kubectl("delete", f"{PLURAL}.{GROUP}", PAIR, "-n", NAMESPACE, "--wait=true",
-                                "--timeout=120s", timeout=150)
+                shown = show_pair_and_single(cluster, engine.ref, model, say, args.timeout)
             finally:
-                stop.set()
+                say("helm uninstall, then stop the nodes and the control plane")
                 helm("uninstall", RELEASE, "--namespace", OPERATOR_NS, "--wait", "--timeout", "120s")
                 helm.close()
+            if shown != 0:
+                return shown
         left = cluster.leftovers()
         say(f"torn down; left on the host: {left or 'nothing'}")
         return 1 if left else 0

@@ -362,7 +362,7 @@ def main() -> int:
     finally:  # a failed run still leaves the rounds it finished
         report["quiet_after"] = {**quiet.report_after(NAME), "engine_pids": quiet.running_engines()}
         report["summary"] = summary = summarize(rounds)
-        pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+        pathlib.Path(args.out).write_text(json.dumps(report, indent=1, default=str))
 
     table("pair: seconds after `kubectl apply`", [(str(r["round"]), {**r["pair"]["start"], "load_average":
                                                     r["pair"]["load_average"]}) for r in rounds], PAIR_MARKS)

@@ -28,6 +28,7 @@ MODULE_ORDER = (
     "test_realnode_pair",         # the serving pair's outputs, KV across nodes, health
     "test_realnode_signal_drop",  # the serving pair's signal drop -> ordered restart
     "test_realnode_rollout",      # Surge, Recreate, then the serving pair is deleted
+    "test_realnode_demo",         # the README demo's pair beside a single engine, on this cluster (3 cold starts)
     "test_realnode_xpyd",         # a 2P2D pair of its own: every (P, D) route, scale under load, a decode deleted
     "test_realnode_port_in_use",  # a pair of its own: a stranger on its ports before the lease
     "test_realnode_tp2",          # a TP = 2 pair of its own

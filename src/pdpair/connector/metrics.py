@@ -40,6 +40,7 @@ import os
 import socket
 import socketserver
 import threading
+import time
 import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -81,6 +82,8 @@ def _json(start_response, ok: bool, payload: dict) -> list[bytes]:
 
 
 ENGINE_HEALTH_TIMEOUT_SECONDS = 2.0  # below the readiness probe's 3 s timeout (pods.READINESS_PROBE) and the router's 2.5 s ask
+# How often the connector asks its engine's /health while it starts, to start the warm-up the moment it serves.
+WARMUP_WATCH_INTERVAL_SECONDS = 0.2
 
 
 def _engine_serves(url: str | None) -> str | None:
@@ -354,7 +357,28 @@ def serve(
     )
     thread.daemon = True
     thread.start()
+    if warmup is not None and engine_health_url is not None:
+        warm_when_serving(warmup, engine_health_url, thread.is_alive)
     return MetricsServer(httpd, thread)
+
+
+def warm_when_serving(warmup: "Warmup", engine_health_url: str, alive: Callable[[], bool],
+                      interval: float = WARMUP_WATCH_INTERVAL_SECONDS) -> threading.Thread:
+    """Start `warmup` as soon as the engine's /health answers 200, polled every `interval` seconds while `alive()`
+    (the metrics server runs), instead of at the kubelet's first /readyz after it: that probe comes up to a startup
+    and a readiness period after the engine serves, and the warm-up then took another period to be seen done, on the
+    pair's path to Ready (measured on the real nodes: 2.2 s from prefill's API server up to its Ready). /readyz still
+    starts it itself if this has not yet (`_warmed`). A refused connection while vLLM starts costs next to nothing."""
+    def watch() -> None:
+        while alive():
+            if _engine_serves(engine_health_url) is None:
+                warmup.state()  # starts it (once; a /readyz may have already)
+                return
+            time.sleep(interval)
+
+    thread = threading.Thread(target=watch, name="pdpair-warmup-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def accounts_from_env(environ: dict[str, str] | None = None, registry: CollectorRegistry | None = None) -> SignalAccounts:

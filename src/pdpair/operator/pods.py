@@ -65,17 +65,20 @@ ROUTER_CONTAINER = "router"
 # Readiness means serving: vLLM's and the router's /health answer 200 only once they serve requests.
 HEALTH_PATH = "/health"
 # The startup probe's period is the delay between an engine that serves and the kubelet seeing it (half of it on
-# average), and a pair pays it per pod in order (decode Ready, then prefill created): 2 s, not 10. A probe of a
-# starting engine is a refused connection, so probing often costs nothing; failureThreshold keeps the window.
-STARTUP_PERIOD_SECONDS = 2
-# Every 2 s: a pod's Ready lags its readiness by up to one period, on the pair's start path once per step (engines,
-# then the router; a 5 s period cost the demo up to 10 s of its 34 s apply-to-answer). 8 failures in a row (16 s)
-# before NotReady, about the 15 s the old 5 s x 3 tolerated, so a slow /health on a loaded node flaps no sooner.
-READINESS_PROBE = {"periodSeconds": 2, "timeoutSeconds": 3, "failureThreshold": 8, "successThreshold": 1}
+# average), on the pair's path to Ready: 1 s, not 10 (2 s until the real-node logs showed prefill's API server up
+# 2.2 s before its Ready: a startup period, then the readiness probe, then a readiness period for the warm-up). A
+# probe of a starting engine is a refused connection, so probing often costs nothing; failureThreshold keeps the
+# window.
+STARTUP_PERIOD_SECONDS = 1
+# Every 1 s: a pod's Ready lags its readiness by up to one period, on the pair's start path (a 5 s period cost the
+# demo up to 10 s of its 34 s apply-to-answer). /readyz is cheap (the engine's /health; the warm-up runs once, started
+# by the connector itself as soon as the engine serves). 16 failures in a row (16 s) before NotReady, about the 15 s
+# the old 5 s x 3 tolerated, so a slow /health on a loaded node flaps no sooner.
+READINESS_PROBE = {"periodSeconds": 1, "timeoutSeconds": 3, "failureThreshold": 16, "successThreshold": 1}
 # The router's: every 1 s, because its Ready is the last step before the pair's first answer (the Service gets its
 # endpoint then) and its /readyz asks the engines' own readiness directly, not the kubelet's view of it; the same
 # 16 s of failures before NotReady. Its /readyz bounds each ask below the timeout (router/app.py).
-ROUTER_READINESS_PROBE = {**READINESS_PROBE, "periodSeconds": 1, "failureThreshold": 16}
+ROUTER_READINESS_PROBE = {**READINESS_PROBE}
 # FlagCX defaults for transport flagcx (docs/design.md): a same-vendor pair fails at init without hetero comm,
 # and registering RDMA memory needs IPC_LOCK.
 FLAGCX_CAPABILITY = "IPC_LOCK"

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from pdpair import contract
-from pdpair.connector.metrics import PeerRanks, export_rank, readiness, serve
+from pdpair.connector.metrics import PeerRanks, export_rank, readiness, serve, warm_when_serving
 from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.warmup import WARMUP_PROMPT, Warmup
 from devcluster.ports import free_port
@@ -193,6 +193,40 @@ def test_prefill_warms_up_while_it_waits_for_decode(engine):
     ready, body = readiness(accounts, engine_health_url=engine.url, warmup=warmup)
     assert ready and body["status"] == "ok", body
     assert len(engine.completions) == 1
+
+
+def test_the_warm_up_starts_when_the_engine_serves_without_waiting_for_a_probe(engine):
+    """The metrics server watches its engine's /health and starts the warm-up the moment it serves, so the
+    kubelet's first /readyz after that finds it done instead of starting it (a probe period on the pair's path to
+    Ready). Nothing before the engine serves; one completion only, however many /readyz come. Cost: about 1 s."""
+    import time
+
+    engine.status = 503  # still loading
+    warmup = Warmup(engine.base)
+    alive = threading.Event()
+    alive.set()
+    watcher = warm_when_serving(warmup, engine.url, alive.is_set, interval=0.05)
+    time.sleep(0.3)
+    assert not engine.completions and warmup._thread is None
+    engine.status = 200  # serves now: no /readyz call at all
+    _until(lambda: engine.completions)
+    _until(lambda: warmup.state()[0])
+    watcher.join(5)
+    assert not watcher.is_alive()
+    accounts = SignalAccounts("decode", 30.0)
+    ready, body = readiness(accounts, engine_health_url=engine.url, warmup=warmup)
+    assert ready and body["warmup"].startswith("ok"), body
+    assert len(engine.completions) == 1
+
+
+def test_the_warm_up_watch_ends_with_the_server(engine):
+    engine.status = 503
+    alive = threading.Event()
+    alive.set()
+    watcher = warm_when_serving(Warmup(engine.base), engine.url, alive.is_set, interval=0.05)
+    alive.clear()  # the metrics server stopped before the engine ever served
+    watcher.join(5)
+    assert not watcher.is_alive() and not engine.completions
 
 
 def test_no_warm_up_before_the_engine_serves(engine):
