@@ -330,8 +330,10 @@ def _instance0_state(
     # fails later, e.g. on a loaded operator after its restart, does not take a serving pair out of Ready).
     listened = observed.decode_listening or listener_proven(status, generation, prefill)
     if listened:
+        # This pass's probe result, else what status says it accepted (a proven listener is not probed again): the
+        # message must not flip between the two on idle passes, each flip a status write.
         listening = _listening(TRUE, "Accepting", (observed.probe_message if observed.decode_listening else "")
-                               or f"decode {decode.ip} accepted on every rank")
+                               or _accepted_message(status) or f"decode {decode.ip} accepted on every rank")
     else:
         probing = observed.probe_message or f"probing decode {decode.ip} side-channel ports"
         listening = _listening(FALSE, "NotAccepting", probing)
@@ -420,6 +422,14 @@ def _healing_plan(spec: Mapping[str, Any], generation: int, healed: instances.He
     message = f"generation {generation} is ready ({counts} serving)" + (f"; {healed.message}" if healed.message else "")
     return Plan(STEP_READY, generation, PHASE_READY, conditions, message, heals_alone=True,
                 wait_seconds=healed.wait_seconds)
+
+
+def _accepted_message(status: Mapping[str, Any]) -> str:
+    """The message of status's DecodeListening condition while it is True ("" when it is not)."""
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == COND_DECODE_LISTENING and cond.get("status") == TRUE:
+            return str(cond.get("message") or "")
+    return ""
 
 
 def _restarting(status: Mapping[str, Any]) -> bool:

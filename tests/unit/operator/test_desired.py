@@ -208,3 +208,19 @@ def test_teardown_order_is_router_and_prefill_then_decode():
     assert d.teardown([decode]) == d.Teardown((decode.name,), front=False)
     assert d.teardown([pod("decode", deleting=True)]) == d.Teardown((), front=False)
     assert deleted_pair_teardown([]) == ()
+
+
+def test_a_proven_listener_keeps_the_message_its_probe_wrote():
+    """A Ready generation's listener is not probed again (listener_proven); its condition keeps the message the
+    probe wrote instead of flipping to a generic one on the next pass (each flip was a status write on an idle
+    pair: tests/e2e/test_operator_scale_idle.py)."""
+    pods = (pod("decode"), pod("prefill"), pod("router"))
+    probed = next_step(SPEC, {"pairGeneration": 1},
+                       Observed(pods, ports_complete=True, decode_listening=True,
+                                probe_message="10.0.0.1 accepts on 20000"))
+    assert probed.step == d.STEP_READY
+    status = {"pairGeneration": 1, "phase": "Ready",
+              "conditions": [{"type": c.type, "status": c.status, "reason": c.reason, "message": c.message}
+                             for c in probed.conditions]}
+    later = next_step(SPEC, status, Observed(pods, ports_complete=True, decode_listening=False))
+    assert later.step == d.STEP_READY and later.conditions == probed.conditions
