@@ -411,14 +411,13 @@ def engine_pod(
             if not decode_side:
                 raise ManifestError("no leased side-channel ports for decode")
             peers = [(peer_host, decode_side[0])]
-        if not peers:
-            pass  # created beside a decode with no address yet: the push brings it (PDPAIR_PEERS_TOKEN below)
-        elif len(peers) == 1:  # the variables a 1P1D prefill always had
+        # No peers: created beside a decode with no address yet; the push brings it (PDPAIR_PEERS_TOKEN below).
+        if peers and len(peers) == 1:  # the variables a 1P1D prefill always had
             env += [
                 {"name": ENV_PEER_HOST, "value": peers[0][0]},
                 {"name": ENV_PEER_PORT_BASE, "value": str(peers[0][1])},
             ]
-        else:
+        elif peers:
             env.append({"name": ENV_PEERS, "value": ",".join(f"{url_host(h)}:{base}" for h, base in peers)})
         env += _peers_token_env(pair["metadata"]["name"])
     container_ports = [
