@@ -52,7 +52,7 @@ while True:
 
 # GET `url` from inside a node or pod; prints the HTTP status. Retries refused connections like the snippet above.
 FETCH_STATUS_SNIPPET = """
-import sys, time, urllib.error, urllib.request
+import errno, sys, time, urllib.error, urllib.request
 url, refused_for = sys.argv[1], float(sys.argv[2])
 deadline = time.monotonic() + refused_for
 while True:
@@ -60,12 +60,15 @@ while True:
         print(urllib.request.urlopen(url, timeout=10).status)
         break
     except urllib.error.URLError as exc:
-        if not isinstance(exc.reason, ConnectionRefusedError) or time.monotonic() > deadline:
+        not_yet = isinstance(exc.reason, ConnectionRefusedError) or getattr(exc.reason, "errno", None) == errno.EHOSTUNREACH
+        if not not_yet or time.monotonic() > deadline:
             raise
         time.sleep(0.5)
 """
 # Measured: kube-proxy's first sync after an endpoint change took up to a few seconds on a busy 2-core machine;
-# one CI run saw a refusal right after `kubectl wait --for=condition=Ready`.
+# one CI run saw a refusal right after `kubectl wait --for=condition=Ready`, another "No route to host" (EHOSTUNREACH:
+# the path to a pod on the other node not answering yet, seconds after both pods were Ready); both are retried
+# until the deadline, anything else fails at once.
 SERVICE_PROGRAMMING_SECONDS = 60.0
 
 
@@ -257,7 +260,9 @@ def baseline_pod(name: str, namespace: str, engine_ref: str, model_dir: pathlib.
                 "env": ENGINE_ENV,
                 "volumeMounts": [MODEL_MOUNT_SPEC, SHM_MOUNT],
                 # Every 1 s, as the operator's engine probes (pods.STARTUP_PERIOD_SECONDS, READINESS_PROBE): the
-                # cold-start comparisons (bench_cold_start, the demo) give both sides the same probe cadence.
+                # cold-start comparisons (bench_cold_start, the demo) give both sides the same probe cadence. vLLM's
+                # /health cannot be held as pdpair's probes are (pods.PROBE_WAIT_SECONDS): that is what a plain vLLM
+                # pod gets, so the comparison keeps it.
                 "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
             }],
         },

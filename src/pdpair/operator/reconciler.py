@@ -195,6 +195,19 @@ def pass_delay(step: str, cfg: OperatorConfig, wait_seconds: float | None = None
     return cfg.probe_interval  # the decode listener probe (nothing wakes us when it starts to accept), creates
 
 
+def push_retry_delay(failing: Iterable[tuple[bool, int]], cfg: OperatorConfig) -> float | None:
+    """When to pass again for the pods whose last push failed, given (ready, consecutive failures) of each; None when
+    none failed. Nothing wakes a pair when a refused push could succeed, so the pass itself must come back. A pod
+    that is not Ready still loads (a prefill created beside its decode learns decode's address this way: its
+    endpoint opens any moment): every probe interval. A Ready pod serves already, and a push it failed (a timeout on
+    a busy node, a dropped connection) is retried at the probe interval doubled per failure, up to the resync interval
+    (a pod that never serves the endpoint, as a kwok pod, costs a pass per resync as before)."""
+    delays = [cfg.probe_interval if not ready else
+              min(cfg.probe_interval * 2 ** min(max(failures, 1) - 1, 16), cfg.resync_interval)
+              for ready, failures in failing]
+    return min(delays) if delays else None
+
+
 EVENT_SOURCE = "pdpair-operator"
 
 
@@ -245,6 +258,7 @@ class PairReconciler:
         self.unreplaceable_reported: set[tuple[str, int]] = set()  # (pod, port) told once as PortInUse
         self.peers_token: str | None = None  # the pair's Secret's token (pods.peers_secret_name), once read or made
         self.push_failures: dict[str, str] = {}  # pod uid -> the last push error logged (logged once per cause)
+        self.push_failure_counts: dict[str, int] = {}  # pod uid -> consecutive failed pushes (push_retry_delay)
         # pod uid -> the digest this reconciler pushed, until the pod index shows the annotation (the watch's lag)
         self.pushed: dict[str, str] = {}
         # generation -> what its router last answered (PUT or GET peers) while an instance of it drains: recorded
@@ -733,12 +747,10 @@ class PairReconciler:
             return max(0.2, min(rejection.not_before - time.monotonic(), cfg.resync_interval))
         if plan.create and _created_name(self.ref.name, plan) in self.created_unseen:
             return pass_delay(plan.step, cfg, plan.wait_seconds) if plan.wait_seconds is not None else cfg.resync_interval
-        # A pod not yet taking its set because it still loads (a prefill created beside its decode learns decode's
-        # address this way): nothing wakes the pair when its endpoint opens, so pass again soon. A Ready pod that
-        # refuses is not waited for at that rate (the next event or resync retries): it serves already.
-        if any(p.uid in self.push_failures and not p.ready for p in pods):
-            return min(pass_delay(plan.step, cfg, plan.wait_seconds), cfg.probe_interval)
-        return pass_delay(plan.step, cfg, plan.wait_seconds)
+        retry = push_retry_delay([(p.ready, self.push_failure_counts.get(p.uid, 1)) for p in pods
+                                  if p.uid in self.push_failures], cfg)
+        delay = pass_delay(plan.step, cfg, plan.wait_seconds)
+        return delay if retry is None else min(delay, retry)
 
     def _rollout_fields(self, plan: d.Plan, pods: tuple[PodView, ...]) -> dict[str, Any]:
         """plan.status_fields, with status.rollout's ports and pods filled in (what the executor holds)."""
@@ -958,13 +970,14 @@ class PairReconciler:
     async def push_sets(self, pods: tuple[PodView, ...]) -> set[str]:
         """Send each running prefill and router of the pair the set instances.py gives it, when it differs from
         what the pod was last told (its annotation pdpair.io/peers-digest): the decodes a prefill pairs with, the
-        instances a router sends to. A failed push is retried on the next pass (it is level-triggered). A router's
-        answer is recorded (`_record_router`) while an instance of its generation drains. Returns the uids of the
-        routers whose answer was recorded."""
+        instances a router sends to. A failed push is retried on the next pass (it is level-triggered), which comes
+        back by push_retry_delay. A router's answer is recorded (`_record_router`) while an instance of its generation
+        drains. Returns the uids of the routers whose answer was recorded."""
         sends = []
         answered: set[str] = set()
         live = {p.uid for p in pods if p.running}
         self.push_failures = {uid: cause for uid, cause in self.push_failures.items() if uid in live}
+        self.push_failure_counts = {uid: n for uid, n in self.push_failure_counts.items() if uid in self.push_failures}
         self.pushed = {uid: digest for uid, digest in self.pushed.items() if uid in live}
         for pod in pods:
             if not pod.running or pod.role not in (ROLE_PREFILL, ROLE_ROUTER) or pod.peers_digest is None:
@@ -997,6 +1010,7 @@ class PairReconciler:
                 sends.append((pod, url, body, digest))
             else:
                 self.push_failures.pop(pod.uid, None)
+                self.push_failure_counts.pop(pod.uid, None)
         if not sends:
             return answered
         token = await self._peers_token()
@@ -1009,6 +1023,7 @@ class PairReconciler:
                 result = await push.push(session, url, token, body, timeout)
             if not result.ok:
                 cause = f"{result.status} {result.error}"
+                self.push_failure_counts[pod.uid] = self.push_failure_counts.get(pod.uid, 0) + 1
                 if self.push_failures.get(pod.uid) != cause:
                     self.push_failures[pod.uid] = cause
                     if result.status == 401:
@@ -1019,6 +1034,7 @@ class PairReconciler:
                                   self.ref.name, pod.role, pod.name, cause)
                 return
             self.push_failures.pop(pod.uid, None)
+            self.push_failure_counts.pop(pod.uid, None)
             self.pushed[pod.uid] = digest
             if pod.role == ROLE_ROUTER and self._record_router(pod, pods, result.answer, time.time()):
                 answered.add(pod.uid)
