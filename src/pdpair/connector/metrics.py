@@ -27,7 +27,9 @@ created in a row in one process never collide on metric registration)::
 Semantics of the accounts (waits, deficit, oldest wait, timeouts, /healthz's verdict): signals.py, where they are
 decided. Here: /healthz answers 503 with JSON naming the oldest stuck transfer (id, peer, expected, received,
 age_seconds) when the accounts say hung, else 200. /readyz (every engine pod's readiness probe) answers 200 once every
-rank is paired with at least one decode of its peer set (prefill), the engine's own /health answers 200 and its warm-up is done (`readiness`). At TP > 1, rank 0 serves the pod's port with
+rank is paired with at least one decode of its peer set (prefill), the engine's own /health answers 200 and its
+warm-up is done (`readiness`); /startupz (its startup probe) once the engine's /health answers (`startup`); both
+take `?wait=SECONDS` (contract.PROBE_WAIT_PARAM: held until they pass, `held`). At TP > 1, rank 0 serves the pod's port with
 `serve(..., ranks=PeerRanks(port, (1, ...)))` and each other rank runs `export_rank(port, accounts)`; see "TP
 ranks" below.
 """
@@ -41,6 +43,7 @@ import socket
 import socketserver
 import threading
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -81,7 +84,9 @@ def _json(start_response, ok: bool, payload: dict) -> list[bytes]:
     return [body]
 
 
-ENGINE_HEALTH_TIMEOUT_SECONDS = 2.0  # below the readiness probe's 3 s timeout (pods.READINESS_PROBE) and the router's 2.5 s ask
+# A held probe (`held`) starts its last check before its wait ends: wait + this stays below the probes' timeouts
+# (pods.READINESS_PROBE, pods.PROBE_WAIT_SECONDS), and this stays below the router's 2.5 s ask.
+ENGINE_HEALTH_TIMEOUT_SECONDS = 2.0
 # How often the connector asks its engine's /health while it starts, to start the warm-up the moment it serves.
 WARMUP_WATCH_INTERVAL_SECONDS = 0.2
 
@@ -135,6 +140,32 @@ def readiness(accounts: SignalAccounts, ranks: "PeerRanks | None" = None,
     else:
         return _warmed(warmup, body)
     return False, body
+
+
+def startup(engine_health_url: str | None) -> tuple[bool, dict]:
+    """An engine pod's startup (/startupz, the operator's default startupProbe): its engine's own /health answers
+    200. The same check as vLLM's /health, here so that the probe can be held (`held`)."""
+    engine = _engine_serves(engine_health_url)
+    return (True, {"status": "serving"}) if engine is None else (False, {"status": engine})
+
+
+def held(check: Callable[[], tuple[bool, dict]], wait: float,
+         interval: float = contract.PROBE_WAIT_POLL_SECONDS) -> tuple[bool, dict]:
+    """check()'s answer, asked again every `interval` seconds while it fails, for at most `wait` seconds (a probe's
+    contract.PROBE_WAIT_PARAM): the kubelet learns that the pod passes within `interval` of it, not a probe period
+    later. No new check starts after `wait`; one that started runs to its own bound (ENGINE_HEALTH_TIMEOUT_SECONDS)."""
+    deadline = time.monotonic() + wait
+    while True:
+        ok, body = check()
+        left = deadline - time.monotonic()
+        if ok or left <= 0:
+            return ok, body
+        time.sleep(min(interval, left))
+
+
+def _query_value(environ: dict, name: str) -> str | None:
+    values = urllib.parse.parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True).get(name)
+    return values[-1] if values else None
 
 
 def _warmed(warmup: "Warmup | None", body: dict) -> tuple[bool, dict]:
@@ -302,8 +333,14 @@ def _app(accounts: SignalAccounts, ranks: "PeerRanks | None" = None, engine_heal
         path = environ.get("PATH_INFO", "")
         if path == contract.PEERS_PATH:
             return _peers_request(peers, environ, start_response)
-        if path == contract.READYZ_PATH:
-            return _json(start_response, *readiness(accounts, ranks, engine_health_url, warmup))
+        if path in (contract.READYZ_PATH, contract.STARTUPZ_PATH):
+            try:
+                wait = contract.parse_probe_wait(_query_value(environ, contract.PROBE_WAIT_PARAM))
+            except ValueError as exc:
+                return _reply(start_response, 400, {"error": str(exc)})
+            if path == contract.STARTUPZ_PATH:
+                return _json(start_response, *held(lambda: startup(engine_health_url), wait))
+            return _json(start_response, *held(lambda: readiness(accounts, ranks, engine_health_url, warmup), wait))
         if path == contract.HEALTHZ_PATH:
             if ranks is None:
                 report = accounts.health()
@@ -313,7 +350,7 @@ def _app(accounts: SignalAccounts, ranks: "PeerRanks | None" = None, engine_heal
             return _json(start_response, not unhealthy, payload)
         if path in (contract.METRICS_PATH, "/"):
             return metrics_app(environ, start_response)
-        body = b"not found: try /metrics, /healthz or /readyz\n"
+        body = b"not found: try /metrics, /healthz, /readyz or /startupz\n"
         start_response("404 Not Found", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
         return [body]
 

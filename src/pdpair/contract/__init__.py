@@ -124,6 +124,20 @@ PURPOSES = (PURPOSE_SIDECHANNEL, PURPOSE_METRICS, PURPOSE_HTTP)
 LEASE_NAME_PREFIX = "pdpair-port-"  # one coordination.k8s.io Lease per port: pdpair-port-<port>
 
 
+def parse_probe_wait(query_value: str | None) -> float:
+    """The seconds a probe asks to be held (PROBE_WAIT_PARAM's value; None or absent: 0), capped at
+    PROBE_WAIT_MAX_SECONDS; a ValueError naming the parameter for anything but a finite number >= 0."""
+    if query_value is None or query_value == "":
+        return 0.0
+    try:
+        seconds = float(query_value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"{PROBE_WAIT_PARAM} must be a number of seconds >= 0, got {query_value!r}")
+    return min(seconds, PROBE_WAIT_MAX_SECONDS)
+
+
 def status_port_name(role: str, purpose: str, index: int, instance: int = 0) -> str:
     """status.ports[].name: `<role>-<purpose>-<index>` for instance 0 (the CRD's Decode Port column reads
     decode-sidechannel-0, and a pair made before instances existed keeps its names), `<role>-<purpose>-<index>-i<n>`
@@ -222,6 +236,18 @@ HEALTHZ_PATH = "/healthz"
 # Prefill's readiness (the operator's default readinessProbe, on the metrics port): 200 once every rank is paired with
 # decode and the engine serves (its own /health); 503 with the reason before. Decode keeps vLLM's /health.
 READYZ_PATH = "/readyz"
+# An engine pod's startup (the operator's default startupProbe, on the metrics port): 200 once the engine's own /health
+# answers 200. Unlike vLLM's /health on the http port it takes PROBE_WAIT_PARAM, as /readyz (connector and router) do.
+STARTUPZ_PATH = "/startupz"
+# `?wait=SECONDS` on /startupz and /readyz: a probe that would fail is held until it would pass or SECONDS have gone
+# (at most PROBE_WAIT_MAX_SECONDS), so the kubelet, whose probe periods are whole seconds, learns within a fraction of a
+# second that a pod became ready instead of at its next period (half a period late on average, on every step of the
+# pair's path to its first answer). Anything but a number in [0, inf) is answered 400.
+PROBE_WAIT_PARAM = "wait"
+PROBE_WAIT_MAX_SECONDS = 5.0
+# How often a held probe checks again: 0.1 s late on average. Each check is a local HTTP request or a few (the
+# engine's /health, the TP ranks' snapshots, the router's asks), made while the engines load on the same cores.
+PROBE_WAIT_POLL_SECONDS = 0.2
 # Prefill: PUT the whole desired peer set (docs/xpyd.md section 3), GET its state; bearer ENV_PEERS_TOKEN.
 PEERS_PATH = "/pdpair/v1/peers"
 # containerPort name of PDPAIR_METRICS_PORT on pair pods; the chart's PodMonitor scrapes the port by this name.

@@ -46,10 +46,12 @@ from pdpair.contract import (
     PURPOSE_HTTP,
     PURPOSE_METRICS,
     PURPOSE_SIDECHANNEL,
+    PROBE_WAIT_PARAM,
     READYZ_PATH,
     ROLE_DECODE,
     ROLE_PREFILL,
     ROLE_ROUTER,
+    STARTUPZ_PATH,
 )
 
 from . import spec_fields
@@ -62,8 +64,6 @@ CONNECTOR_MODULE = "pdpair.connector"
 POD_NAME_MAX = 63  # keeps the pod hostname equal to its name
 ENGINE_CONTAINER = "engine"
 ROUTER_CONTAINER = "router"
-# Readiness means serving: vLLM's and the router's /health answer 200 only once they serve requests.
-HEALTH_PATH = "/health"
 # The startup probe's period is the delay between an engine that serves and the kubelet seeing it (half of it on
 # average), on the pair's path to Ready: 1 s, not 10 (2 s until the real-node logs showed prefill's API server up
 # 2.2 s before its Ready: a startup period, then the readiness probe, then a readiness period for the warm-up). A
@@ -74,7 +74,12 @@ STARTUP_PERIOD_SECONDS = 1
 # demo up to 10 s of its 34 s apply-to-answer). /readyz is cheap (the engine's /health; the warm-up runs once, started
 # by the connector itself as soon as the engine serves). 16 failures in a row (16 s) before NotReady, about the 15 s
 # the old 5 s x 3 tolerated, so a slow /health on a loaded node flaps no sooner.
-READINESS_PROBE = {"periodSeconds": 1, "timeoutSeconds": 3, "failureThreshold": 16, "successThreshold": 1}
+READINESS_PROBE = {"periodSeconds": 1, "timeoutSeconds": 4, "failureThreshold": 16, "successThreshold": 1}
+# Every probe of ours asks to be held while it fails (contract.PROBE_WAIT_PARAM): the kubelet's next period would
+# otherwise add half a period on average to each step of the pair's path to its first answer (engine startup, engine
+# readiness, the router's readiness). One period's worth: the probe returns when the pod passes or the period is over.
+# The timeouts above leave this plus one check's own bound (the engine's /health 2 s, the router's ask 2.5 s).
+PROBE_WAIT_SECONDS = 1
 # The router's: every 1 s, because its Ready is the last step before the pair's first answer (the Service gets its
 # endpoint then) and its /readyz asks the engines' own readiness directly, not the kubelet's view of it; the same
 # 16 s of failures before NotReady. Its /readyz bounds each ask below the timeout (router/app.py).
@@ -265,15 +270,20 @@ def _merge_env(user: list[Mapping[str, Any]], ours: list[dict[str, str]]) -> lis
     return [dict(e) for e in user if e.get("name") not in owned] + ours
 
 
+def held_path(path: str) -> str:
+    """A probe path that asks the connector or router to hold a failing answer for PROBE_WAIT_SECONDS."""
+    return f"{path}?{PROBE_WAIT_PARAM}={PROBE_WAIT_SECONDS}"
+
+
 def _default_probes(container: dict[str, Any], startup_timeout: int) -> None:
-    """readinessProbe and startupProbe, unless the template brought its own. The startup probe is the engine's
-    /health on its http port. Readiness is the connector's /readyz on the metrics port: the engine's /health, then
+    """readinessProbe and startupProbe, unless the template brought its own. The startup probe is the connector's
+    /startupz on the metrics port: the engine's /health (vLLM's own, which cannot hold an answer). Readiness is the connector's /readyz on the metrics port: the engine's /health, then
     one warm-up completion through its API (connector/warmup.py: a first-call compile at TP > 1 is paid before
     Ready, not by the first user request); for prefill also every rank paired with decode, because prefill starts
     beside decode and pairs only once decode's listener accepts: a prefill that serves but is not paired yet must
     not make the pair Ready."""
-    action = {"httpGet": {"path": HEALTH_PATH, "port": HTTP_PORT_NAME, "scheme": "HTTP"}}
-    ready = {"httpGet": {"path": READYZ_PATH, "port": METRICS_PORT_NAME, "scheme": "HTTP"}}
+    action = {"httpGet": {"path": held_path(STARTUPZ_PATH), "port": METRICS_PORT_NAME, "scheme": "HTTP"}}
+    ready = {"httpGet": {"path": held_path(READYZ_PATH), "port": METRICS_PORT_NAME, "scheme": "HTTP"}}
     container.setdefault("readinessProbe", {**ready, **READINESS_PROBE})
     container.setdefault("startupProbe", {
         **action,
@@ -491,7 +501,7 @@ def router_pod(
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": router_port, "protocol": "TCP"}],
     })
     container.setdefault("readinessProbe", {
-        "httpGet": {"path": READYZ_PATH, "port": HTTP_PORT_NAME, "scheme": "HTTP"}, **ROUTER_READINESS_PROBE})
+        "httpGet": {"path": held_path(READYZ_PATH), "port": HTTP_PORT_NAME, "scheme": "HTTP"}, **ROUTER_READINESS_PROBE})
     # The router runs where decode may run: decode's scheduling constraints (shorthand or template), unless the
     # router's own template sets them.
     decode_spec = spec.get(ROLE_DECODE) or {}

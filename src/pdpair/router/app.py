@@ -67,6 +67,7 @@ from aiohttp import web
 from pdpair.connector import timeline
 from pdpair.contract import ENV_PEERS_TOKEN, PEERS_PATH
 from pdpair.contract import READYZ_PATH  # the router's readiness too: it has a prefill and a decode that are ready
+from pdpair.contract import PROBE_WAIT_PARAM, PROBE_WAIT_POLL_SECONDS, parse_probe_wait
 
 logger = logging.getLogger("pdpair.router")
 
@@ -97,9 +98,9 @@ class RouterConfig:
     kv_scrape_interval_seconds: float = 1.0
     kv_scrape_timeout_seconds: float = 0.5
     kv_usage_max_age_seconds: float = 5.0
-    # Above an engine's own /readyz bound on its engine's /health (connector/metrics.py, 2 s), below the kubelet's
-    # readiness timeout for the router (operator/pods.py ROUTER_READINESS_PROBE, 3 s): every instance is asked at
-    # once, so one answer that never comes costs this, not the probe.
+    # Above an engine's own /readyz bound on its engine's /health (connector/metrics.py, 2 s); with the probe's wait
+    # (operator/pods.py PROBE_WAIT_SECONDS) below the kubelet's readiness timeout for the router (ROUTER_READINESS_PROBE):
+    # every instance is asked at once, so one answer that never comes costs this, not the probe.
     ready_check_timeout_seconds: float = 2.5
     # PDPAIR_PEERS_TOKEN: set, the router serves `PUT /pdpair/v1/peers` (the operator's push of its instance sets,
     # bearer this token) and the flags' URLs are only the set until the first push (none may be given); None: 404.
@@ -594,8 +595,20 @@ async def readiness(router: Router) -> tuple[bool, dict]:
 
 
 async def _readyz(request: web.Request) -> web.Response:
-    ready, body = await readiness(request.app[ROUTER])
-    return web.json_response({"ready": ready, **body}, status=200 if ready else 503)
+    """readiness(), held while it fails for the probe's `?wait=SECONDS` (contract.PROBE_WAIT_PARAM; 400 for a bad
+    value): asked again every PROBE_WAIT_POLL_SECONDS, no new ask after the wait, so the kubelet sees the router
+    ready within that of its engines being ready, not a probe period later."""
+    try:
+        wait = parse_probe_wait(request.query.get(PROBE_WAIT_PARAM))
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    deadline = time.monotonic() + wait
+    while True:
+        ready, body = await readiness(request.app[ROUTER])
+        left = deadline - time.monotonic()
+        if ready or left <= 0:
+            return web.json_response({"ready": ready, **body}, status=200 if ready else 503)
+        await asyncio.sleep(min(PROBE_WAIT_POLL_SECONDS, left))
 
 
 async def _models(request: web.Request) -> web.Response:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -252,3 +253,39 @@ def test_a_failed_warm_up_is_reported_and_does_not_hold_readiness(engine, failur
     assert body["warmup"].startswith("failed"), body
     assert ("500" in body["warmup"]) if failure == "error" else ("timed out" in body["warmup"].lower()), body
     engine.release.set()
+
+
+def test_held_probes_answer_when_the_pod_passes_and_a_bad_wait_is_refused(engine):
+    """The operator's probes ask `?wait=1` (pods.PROBE_WAIT_SECONDS): /readyz and /startupz are held while they fail
+    and answer 200 on the first re-check that passes (every PROBE_WAIT_POLL_SECONDS), not when the hold is over;
+    one that keeps failing answers 503 after the hold. /startupz is the engine's /health alone (no pairing, no
+    warm-up). Real metrics server and engine stand-in; about 1.5 s; bounds: the 3 s hold, never a re-check's timing."""
+    accounts = SignalAccounts("prefill", 30.0)
+    server = serve(0, accounts, engine_health_url=engine.url)
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        engine.status = 503
+        assert get(f"{base}{contract.STARTUPZ_PATH}")[0] == 503
+        answers: list = []
+        began = time.monotonic()
+        waiter = threading.Thread(target=lambda: answers.append(get(f"{base}{contract.READYZ_PATH}?wait=3")))
+        waiter.start()
+        time.sleep(0.5)
+        assert answers == []  # held, not answered 503 at once
+        engine.status = 200
+        assert get(f"{base}{contract.STARTUPZ_PATH}?wait=1") == (200, {"status": "serving"})  # serving, unpaired
+        accounts.set_paired(True, PEER)
+        waiter.join(10)
+        assert answers == [(200, {"paired": {"0": True}, "status": "ok"})]
+        assert time.monotonic() - began < 3.0  # answered on a re-check, not when the hold ran out
+
+        accounts.set_paired(False, PEER)
+        began = time.monotonic()
+        status, body = get(f"{base}{contract.READYZ_PATH}?wait=0.5")
+        assert status == 503 and body["status"].startswith("waiting for decode")
+        assert time.monotonic() - began >= 0.5
+        for bad in ("abc", "-1", "nan", "inf"):
+            status, body = get(f"{base}{contract.READYZ_PATH}?wait={bad}")
+            assert status == 400 and "wait must be a number" in body["error"], bad
+    finally:
+        server.stop()

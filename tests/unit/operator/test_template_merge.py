@@ -19,6 +19,7 @@ from pdpair.operator.pods import (
     without_preflight,
 )
 from pdpair.operator.ports import assign, port_of, required_blocks, status_ports
+from pdpair.router.app import RouterConfig
 from tests.crd_defaults import with_crd_defaults
 
 VOLUMES = [
@@ -230,24 +231,41 @@ def test_shorthand_fields_still_apply():
 
 
 # --- probes ---------------------------------------------------------------------------------------------------
+def contract_wait(probe: dict) -> float:
+    """The hold a probe asks for (its path's ?wait=), parsed as the connector and the router parse it."""
+    from urllib.parse import parse_qs, urlsplit
+
+    return c.parse_probe_wait(parse_qs(urlsplit(probe["httpGet"]["path"]).query)[c.PROBE_WAIT_PARAM][0])
+
+
 def test_default_probes_start_on_health_and_ready_through_the_connectors_readyz():
-    """Decode: started = vLLM's /health; Ready = the connector's /readyz (the engine serves and its warm-up
-    completion is done)."""
+    """Decode: started = the connector's /startupz (vLLM's /health); Ready = the connector's /readyz (the engine serves
+    and its warm-up completion is done); both held while they fail (`?wait=`), with a timeout above the hold plus one
+    check's own bound."""
+    from pdpair.connector.metrics import ENGINE_HEALTH_TIMEOUT_SECONDS
+    from pdpair.operator.pods import PROBE_WAIT_SECONDS
+
     engine = container(build(pair()), ENGINE_CONTAINER)
-    assert engine["startupProbe"]["httpGet"] == {"path": "/health", "port": c.HTTP_PORT_NAME, "scheme": "HTTP"}
-    assert engine["readinessProbe"]["httpGet"] == {"path": c.READYZ_PATH, "port": c.METRICS_PORT_NAME,
-                                                   "scheme": "HTTP"}
+    assert engine["startupProbe"]["httpGet"] == {"path": f"{c.STARTUPZ_PATH}?wait={PROBE_WAIT_SECONDS}",
+                                                 "port": c.METRICS_PORT_NAME, "scheme": "HTTP"}
+    assert engine["readinessProbe"]["httpGet"] == {"path": f"{c.READYZ_PATH}?wait={PROBE_WAIT_SECONDS}",
+                                                   "port": c.METRICS_PORT_NAME, "scheme": "HTTP"}
     assert {c.HTTP_PORT_NAME, c.METRICS_PORT_NAME} <= {p["name"] for p in engine["ports"]}
     startup = engine["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] == 1800  # the 30-minute default window
+    for probe in (startup, engine["readinessProbe"]):
+        assert PROBE_WAIT_SECONDS + ENGINE_HEALTH_TIMEOUT_SECONDS < probe["timeoutSeconds"]
+    assert contract_wait(startup) == PROBE_WAIT_SECONDS <= c.PROBE_WAIT_MAX_SECONDS
 
 
 def test_prefill_is_ready_once_paired_through_the_connectors_readyz():
     """Prefill starts beside decode and pairs when decode's listener accepts: its readiness is the connector's
-    /readyz on the metrics port (paired on every rank, engine serving); its startup probe stays vLLM's /health."""
+    /readyz on the metrics port (paired on every rank, engine serving); its startup probe the engine's /health through
+    the connector's /startupz."""
     engine = container(build(pair(), "prefill"), ENGINE_CONTAINER)
-    assert engine["readinessProbe"]["httpGet"] == {"path": c.READYZ_PATH, "port": c.METRICS_PORT_NAME, "scheme": "HTTP"}
-    assert engine["startupProbe"]["httpGet"] == {"path": "/health", "port": c.HTTP_PORT_NAME, "scheme": "HTTP"}
+    assert engine["readinessProbe"]["httpGet"]["path"].startswith(c.READYZ_PATH + "?")
+    assert engine["startupProbe"]["httpGet"]["path"].startswith(c.STARTUPZ_PATH + "?")
+    assert engine["readinessProbe"]["httpGet"]["port"] == engine["startupProbe"]["httpGet"]["port"] == c.METRICS_PORT_NAME
     assert c.METRICS_PORT_NAME in {p["name"] for p in engine["ports"]}
 
 
@@ -269,8 +287,10 @@ def test_router_gets_a_readiness_probe_and_keeps_its_template():
     router = container(pod, ROUTER_CONTAINER)
     # /readyz: the router is created while the engines load, and is Ready only once a prefill and a decode are; it
     # asks each engine pod's own readiness (its /readyz on the metrics port)
-    assert router["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": c.HTTP_PORT_NAME, "scheme": "HTTP"}
+    assert router["readinessProbe"]["httpGet"] == {"path": "/readyz?wait=1", "port": c.HTTP_PORT_NAME, "scheme": "HTTP"}
     assert (router["readinessProbe"]["periodSeconds"], router["readinessProbe"]["failureThreshold"]) == (1, 16)
+    assert contract_wait(router["readinessProbe"]) + RouterConfig.ready_check_timeout_seconds < \
+        router["readinessProbe"]["timeoutSeconds"]
     command, ports = router["command"], leased(p)
     for flag, host, role in (("--prefill-ready", "10.0.0.1", "prefill"), ("--decode-ready", "10.0.0.2", "decode")):
         metrics = port_of(ports, role, c.PURPOSE_METRICS)

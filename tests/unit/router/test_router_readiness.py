@@ -128,6 +128,38 @@ def test_the_bounds_nest_an_engine_inside_the_router_inside_the_kubelet():
     longer than that for it (else a slow but healthy engine reads as not ready), and less than the kubelet waits for
     the router's own probe (else the probe times out before the router can answer 503 with the reason)."""
     from pdpair.connector.metrics import ENGINE_HEALTH_TIMEOUT_SECONDS
-    from pdpair.operator.pods import ROUTER_READINESS_PROBE
+    from pdpair.operator.pods import PROBE_WAIT_SECONDS, ROUTER_READINESS_PROBE
 
-    assert ENGINE_HEALTH_TIMEOUT_SECONDS < RouterConfig.ready_check_timeout_seconds < ROUTER_READINESS_PROBE["timeoutSeconds"]
+    # the probe is held up to PROBE_WAIT_SECONDS while it fails; its last ask may start just before that ends
+    assert ENGINE_HEALTH_TIMEOUT_SECONDS < RouterConfig.ready_check_timeout_seconds < \
+        ROUTER_READINESS_PROBE["timeoutSeconds"] - PROBE_WAIT_SECONDS
+
+
+@pytest.mark.asyncio
+async def test_a_held_probe_answers_when_the_engines_become_ready_and_a_bad_wait_is_refused(fleet):
+    """`/readyz?wait=S` (the operator's probe asks for 1 s) is held while the router is not ready and answers 200 as
+    soon as a re-check passes (every PROBE_WAIT_POLL_SECONDS), not after the hold: the kubelet sees the router Ready
+    within a fraction of a second of its engines. One that stays not ready answers 503 once the hold is over. Costs
+    about 1.5 s; bounds: the hold itself (3 s), never a re-check's timing."""
+    import asyncio
+
+    start, client = fleet
+    router, [prefill], [decode] = await start(1, 1)
+    prefill.ready = False
+    began = time.monotonic()
+    held = asyncio.ensure_future(client.get(router + "/readyz?wait=3"))
+    await asyncio.sleep(0.5)
+    assert not held.done()  # still held: nothing answered 503 early
+    prefill.ready = True
+    async with await held as resp:
+        assert resp.status == 200, await resp.text()
+    assert time.monotonic() - began < 3.0  # answered on a re-check, not when the hold ran out
+
+    prefill.ready = False
+    began = time.monotonic()
+    async with client.get(router + "/readyz?wait=0.5") as resp:
+        assert resp.status == 503 and (await resp.json())["ready"] is False
+    assert time.monotonic() - began >= 0.5
+    for bad in ("abc", "-1", "nan", "inf"):
+        async with client.get(router + f"/readyz?wait={bad}") as resp:
+            assert resp.status == 400 and "wait must be a number" in (await resp.json())["error"], bad
