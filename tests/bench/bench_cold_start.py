@@ -14,7 +14,12 @@ alternating order (even rounds pair first, odd rounds single first), so neither 
 - single: apply one plain engine pod (devcluster/product.py baseline_pod), time it to the first completion; delete it.
 Before the next measurement the script waits until the last one's vLLM processes have exited.
 
-    python tests/bench/bench_cold_start.py [--repeats 3] [--bind] [--cpus 1] [--out /tmp/bench_cold_start.json]
+    python tests/bench/bench_cold_start.py [--repeats 3] [--bind] [--cpus 1] [--cpu] [--logs DIR] \
+        [--out /tmp/bench_cold_start.json]
+
+--cpu adds, for each start, the CPU seconds every group of processes spent from apply to the first answer
+(tests/bench/cpu_share.py: the engines, the control plane, the kubelets, containerd, the operator, the router, the
+bench): on this 2-core box everything that is not an engine runs on the engines' cores.
 
 --cpus N gives every engine container (prefill, decode, the single engine) `resources.requests.cpu` and
 `resources.limits.cpu` N: the kubelet's CFS quota holds each engine's whole process tree (API server, engine core,
@@ -52,6 +57,7 @@ from devcluster.realnode import RealNodeCluster  # noqa: E402
 from devcluster.realnode_watch import Recorder  # noqa: E402
 from devcluster.waiting import wait_for  # noqa: E402
 import quiet  # noqa: E402  (tests/bench/quiet.py: the load guard)
+import cpu_share  # noqa: E402  (tests/bench/cpu_share.py: --cpu)
 
 NAME = "bench_cold_start"
 GOAL = 1.15
@@ -127,12 +133,13 @@ def listening(status: dict) -> bool:
 
 class Bench:
     def __init__(self, cluster, engine_ref: str, model: pathlib.Path, bind: bool, timeout: float, engines_idle: int,
-                 cpus: str | None = None, logs: pathlib.Path | None = None):
+                 cpus: str | None = None, logs: pathlib.Path | None = None, cpu: bool = False):
         from kubernetes import client
 
         self.cluster, self.engine_ref, self.model, self.bind, self.timeout = cluster, engine_ref, model, bind, timeout
         self.cpus = cpus  # --cpus: every engine container's CPU request and limit (None: none)
         self.logs = logs  # --logs: each pair's pods' and the operator's logs are saved there after its first answer
+        self.cpu = cpu  # --cpu: where the box's CPU went from apply to the first answer (cpu_share.py)
         self.engines_idle = engines_idle  # vLLM processes on the box before the cluster started (not ours)
         self.api = cluster.api_client()
         self.core, self.custom = client.CoreV1Api(self.api), client.CustomObjectsApi(self.api)
@@ -180,6 +187,7 @@ class Bench:
         pairs = Recorder(self.api, self.custom.list_namespaced_custom_object, GROUP, VERSION, NS, PLURAL)
         try:
             load = os.getloadavg()
+            window = cpu_share.Window() if self.cpu else None
             t0 = time.monotonic()  # before kubectl starts: its own start is part of "apply"
             self.cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
             t_ready, body = self.at(pairs, pair_match(name, lambda s: s.get("phase") == PHASE_READY), f"{name} Ready")
@@ -195,6 +203,7 @@ class Bench:
             }
             service = self.core.read_namespaced_service(body["status"].get("service") or name, NS)
             marks["first answer"], text = self.answer(service.spec.cluster_ip, service.spec.ports[0].port)
+            cpu = window.close() if window is not None else None
             start = {k: round(v - t0, 2) for k, v in marks.items()}
             self.save_logs(name, body["status"].get("pods") or {})
             say(f"pair {name}: first answer {start['first answer']:.1f} s after apply (load {load[0]:.2f}): {start}")
@@ -203,7 +212,7 @@ class Bench:
             pods.stop()
             pairs.stop()
         self.delete_pair(name)
-        return {"name": name, "load_average": load, "start": start, "answer": text, "restart": restart}
+        return {"name": name, "load_average": load, "start": start, "answer": text, "restart": restart, "cpu": cpu}
 
     def save_logs(self, name: str, pods: dict) -> None:
         """--logs: the whole log of each of the pair's pods (timestamped by the kubelet) and the operator's, to find
@@ -269,19 +278,21 @@ class Bench:
         pods = Recorder(self.api, self.core.list_namespaced_pod, NS)
         try:
             load = os.getloadavg()
+            window = cpu_share.Window() if self.cpu else None
             t0 = time.monotonic()
             self.cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
             t_ready, body = self.at(pods, named(SINGLE, ready), f"pod {SINGLE} Ready")
             marks = {"created": self.at(pods, named(SINGLE), f"pod {SINGLE} created")[0],
                      "Running": self.at(pods, named(SINGLE, running), f"pod {SINGLE} Running")[0], "Ready": t_ready}
             marks["first answer"], text = self.answer(body["status"]["podIP"], 8000)
+            cpu = window.close() if window is not None else None
         finally:
             pods.stop()
         out = {k: round(v - t0, 2) for k, v in marks.items()}
         say(f"single engine: first answer {out['first answer']:.1f} s after apply (load {load[0]:.2f}): {out}")
         self.cluster.kubectl("delete", "pod", SINGLE, "-n", NS, "--wait=true", "--timeout=240s", timeout=260)
         self.engines_gone()
-        return {"load_average": load, **out, "answer": text}
+        return {"load_average": load, **out, "answer": text, "cpu": cpu}
 
 
 def median(values: list[float]) -> float | None:
@@ -294,6 +305,19 @@ def table(title: str, rows: list[tuple[str, dict]], keys: tuple[str, ...]) -> No
         load = f"{row['load_average'][0]:.2f}" if "load_average" in row else ""
         print(f"| {label} | {' | '.join(str(row.get(k, '')) for k in keys)} | {load} |")
     print(f"| median | {' | '.join(str(median([r[k] for _, r in rows if k in r])) for k in keys)} | |")
+
+
+def cpu_table(rounds: list[dict]) -> None:
+    """--cpu: CPU seconds from apply to the first answer, per process group, each start of each round."""
+    starts = [(f"{r['round']} {what}", (r[what] if what == "single" else r[what]).get("cpu"),
+               r[what]["first answer"] if what == "single" else r[what]["start"]["first answer"])
+              for r in rounds for what in ("pair", "single") if what in r]
+    names = sorted({g for _, cpu, _ in starts if cpu for g in cpu["groups"]})
+    print("\nCPU seconds from apply to the first answer (cpu_share.py; the box has "
+          f"{os.cpu_count()} cores)\n| start | wall s | box | {' | '.join(names)} |\n|---|---|---|{'---|' * len(names)}")
+    for label, cpu, wall in starts:
+        if cpu:
+            print(f"| {label} | {wall} | {cpu['box']} | {' | '.join(str(cpu['groups'].get(n, '')) for n in names)} |")
 
 
 def summarize(rounds: list[dict]) -> dict:
@@ -327,6 +351,8 @@ def main() -> int:
                         help="every engine container's CPU request and limit (e.g. 1): the same CPU for each engine")
     parser.add_argument("--timeout", type=float, default=ENGINE_START_TIMEOUT, help="seconds any one step may take")
     parser.add_argument("--out", default="/tmp/bench_cold_start.json", help="the JSON report")
+    parser.add_argument("--cpu", action="store_true",
+                        help="report where the box's CPU went from apply to the first answer, by process group")
     parser.add_argument("--logs", default=None, type=pathlib.Path, metavar="DIR",
                         help="save each pair's pod logs and the operator's there after its first answer")
     args = parser.parse_args()
@@ -348,7 +374,7 @@ def main() -> int:
                 helm = install_operator(cluster, operator.ref)
                 try:
                     bench = Bench(cluster, engine.ref, model, args.bind, args.timeout, before["engines_running"],
-                                  cpus=args.cpus, logs=args.logs)
+                                  cpus=args.cpus, logs=args.logs, cpu=args.cpu)
                     for i in range(args.repeats):
                         order = ("pair", "single") if i % 2 == 0 else ("single", "pair")
                         rounds.append({"round": i, "order": list(order)})
@@ -371,6 +397,8 @@ def main() -> int:
     table("restart: seconds after the decision (kill -> decision: after the decode pod's deletion)",
           [(str(r["round"]), r["pair"]["restart"]) for r in rounds], RESTART_MARKS
           + ("(restart_to_serving - teardown) / single",))
+    if args.cpu:
+        cpu_table(rounds)
     print(f"\napply -> first answer, median of {len(rounds)}: pair {summary['median_pair_first_answer_s']} s, single "
           f"{summary['median_single_first_answer_s']} s; ratio {summary['ratio']} (goal <= {GOAL}: "
           f"{'holds' if summary['holds'] else 'MISSED'})")
