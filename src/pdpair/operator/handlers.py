@@ -29,6 +29,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import random
 import secrets
 import time
 from datetime import datetime, timezone
@@ -54,7 +55,7 @@ from .diffbase import LeanDiffBaseStorage
 from .events import EventPoster, kubernetes_post
 from .observed import NodeView, PodView
 from .ports import PairRef, PortLeaser, port_of
-from .reconciler import PairReconciler, Runtime, api_status
+from .reconciler import PairReconciler, Runtime, api_status, throttled_retry
 from .service import ServiceView
 
 log = logging.getLogger(__name__)
@@ -319,6 +320,11 @@ async def reconcile(
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # 409s, apiserver restarts, bad specs: report, back off, redo the pass
+                throttled = throttled_retry(exc, random.uniform(0.0, 0.5))
+                if throttled is not None:  # the apiserver asked for less: no failure, no Event
+                    logger.info("reconcile pass throttled by the API server (429); retrying in %.1fs", throttled)
+                    await _sleep(wake, stopped, throttled)
+                    continue
                 failures += 1
                 delay = min(30.0, 0.5 * 2 ** min(failures, 6))
                 text = f"{type(exc).__name__}: {str(exc)[:500]}"

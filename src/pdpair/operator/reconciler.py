@@ -85,6 +85,31 @@ def api_status(exc: BaseException) -> int | None:
     return getattr(exc, "status", None)
 
 
+# The API server's "slow down" (429: API Priority and Fairness queues full, or max-inflight): not an error of the pair.
+# A pass it refused is redone after the Retry-After it names, bounded, with jitter so that pairs refused together do
+# not come back together; no failure backoff and no ReconcileError Event (a write to an apiserver that asked for less).
+TOO_MANY_REQUESTS = 429
+THROTTLED_RETRY_DEFAULT = 1.0  # no (readable) Retry-After
+THROTTLED_RETRY_MIN = 0.2
+THROTTLED_RETRY_MAX = 30.0
+
+
+def throttled_retry(exc: BaseException, jitter: float) -> float | None:
+    """Seconds until a pass the API server throttled is redone: its Retry-After (or THROTTLED_RETRY_DEFAULT) within
+    [THROTTLED_RETRY_MIN, THROTTLED_RETRY_MAX], times 1 + `jitter` (a fraction in [0, 0.5], drawn by the caller).
+    None when `exc` is not a 429."""
+    if api_status(exc) != TOO_MANY_REQUESTS:
+        return None
+    headers = getattr(exc, "headers", None) or {}
+    try:
+        seconds = float(headers.get("Retry-After"))
+    except (TypeError, ValueError):
+        seconds = THROTTLED_RETRY_DEFAULT
+    if not seconds == seconds:  # NaN
+        seconds = THROTTLED_RETRY_DEFAULT
+    return min(max(seconds, THROTTLED_RETRY_MIN), THROTTLED_RETRY_MAX) * (1 + min(max(jitter, 0.0), 0.5))
+
+
 # The API server refused the object itself (validation, admission, quota): retrying the same manifest at once
 # cannot succeed, so it is retried with backoff and reported, not hammered.
 REJECTED_STATUSES = (400, 403, 422)
