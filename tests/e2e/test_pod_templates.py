@@ -18,9 +18,10 @@ from pdpair.contract import (
     LABEL_ROLE,
     PURPOSE_SIDECHANNEL,
     ROLE_DECODE,
+    STARTUPZ_PATH,
 )
 from pdpair.operator.config import ENV_HEALTH_INTERVAL
-from pdpair.operator.pods import without_preflight
+from pdpair.operator.pods import held_path, without_preflight
 from devcluster.kwok import NEVER_READY_LABEL
 from tests.e2e.operator_helpers import (
     Api,
@@ -142,7 +143,8 @@ def test_operator_pods_carry_the_templates_and_start_in_order(platform, cluster_
             engine = container(decode, "engine")
             assert engine["readinessProbe"]["httpGet"]["path"] == "/v1/models"  # the user's probe wins
             assert engine["readinessProbe"]["periodSeconds"] == 7
-            assert engine["startupProbe"]["httpGet"]["path"] == "/health"  # the default fills what the user left
+            # the default fills what the user left: the connector's held /startupz
+            assert engine["startupProbe"]["httpGet"]["path"] == held_path(STARTUPZ_PATH)
             assert engine["startupProbe"]["periodSeconds"] * engine["startupProbe"]["failureThreshold"] == 1800
             assert engine["resources"]["limits"] == {"cpu": "1", "memory": "1Gi"}
             assert engine["volumeMounts"][:2] == [{"name": "models", "mountPath": "/models", "readOnly": True},
