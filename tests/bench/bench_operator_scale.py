@@ -134,12 +134,39 @@ class PoolListeners:
             return start
         raise SystemExit(f"no free range of {size} ports below {first_ephemeral}")
 
+    # What a request to a pool port gets: the kwok pods' ports are served by nothing of pdpair's, so the operator's push
+    # of decode's address to a prefill's metrics port is answered as a server without that endpoint would (a refusal
+    # the operator retries on events and resyncs), not left without an answer (a transport failure it retries within
+    # seconds: reconciler.push_retry_delay), which no real pod does.
+    NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
     def _accept(self):
         while not self._stop:
             for key, _ in self._sel.select(timeout=0.5):
+                if key.data is not None:  # a connection: read the whole request, answer it, close
+                    conn, request = key.fileobj, key.data
+                    try:
+                        chunk = conn.recv(65536)
+                    except OSError:
+                        chunk = b""
+                    request += chunk
+                    head, sep, body = bytes(request).partition(b"\r\n\r\n")
+                    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length:")), 0) if sep else 0
+                    if chunk and not (sep and len(body) >= length):
+                        continue  # more of the request to come
+                    self._sel.unregister(conn)
+                    if sep:
+                        try:
+                            conn.sendall(self.NOT_FOUND)
+                        except OSError:
+                            pass
+                    conn.close()  # a probe's connection ends without a request: closed
+                    continue
                 try:
                     conn, _ = key.fileobj.accept()
-                    conn.close()
+                    conn.setblocking(False)
+                    self._sel.register(conn, selectors.EVENT_READ, bytearray())
                 except OSError:
                     pass
 

@@ -220,16 +220,18 @@ def pass_delay(step: str, cfg: OperatorConfig, wait_seconds: float | None = None
     return cfg.probe_interval  # the decode listener probe (nothing wakes us when it starts to accept), creates
 
 
-def push_retry_delay(failing: Iterable[tuple[bool, int]], cfg: OperatorConfig) -> float | None:
-    """When to pass again for the pods whose last push failed, given (ready, consecutive failures) of each; None when
-    none failed. Nothing wakes a pair when a refused push could succeed, so the pass itself must come back. A pod
-    that is not Ready still loads (a prefill created beside its decode learns decode's address this way: its
-    endpoint opens any moment): every probe interval. A Ready pod serves already, and a push it failed (a timeout on
-    a busy node, a dropped connection) is retried at the probe interval doubled per failure, up to the resync interval
-    (a pod that never serves the endpoint, as a kwok pod, costs a pass per resync as before)."""
+def push_retry_delay(failing: Iterable[tuple[bool, bool, int]], cfg: OperatorConfig) -> float | None:
+    """When to pass again for the pods whose last push failed, given (ready, answered, consecutive failures) of each;
+    None when none failed or none needs it sooner than events and resyncs. Nothing wakes a pair when a failed push
+    could succeed, so the pass itself must come back. A pod that is not Ready still loads (a prefill created beside
+    its decode learns decode's address this way: its endpoint opens any moment): every probe interval. A Ready pod
+    serves already: a push that got no answer (a timeout on a busy node, a dropped connection) is retried at the
+    probe interval doubled per failure, up to the resync interval; one it answered with a refusal (401: another
+    operator key; 404: no such endpoint) is not retried sooner than the next event or resync, which is soon enough
+    for what does not change by itself."""
     delays = [cfg.probe_interval if not ready else
               min(cfg.probe_interval * 2 ** min(max(failures, 1) - 1, 16), cfg.resync_interval)
-              for ready, failures in failing]
+              for ready, answered, failures in failing if not (ready and answered)]
     return min(delays) if delays else None
 
 
@@ -290,6 +292,7 @@ class PairReconciler:
         self.peers_token: str | None = None  # the pair's Secret's token (pods.peers_secret_name), once read or made
         self.push_failures: dict[str, str] = {}  # pod uid -> the last push error logged (logged once per cause)
         self.push_failure_counts: dict[str, int] = {}  # pod uid -> consecutive failed pushes (push_retry_delay)
+        self.push_refused: set[str] = set()  # pod uids whose last failed push was answered (an HTTP refusal)
         # pod uid -> the digest this reconciler pushed, until the pod index shows the annotation (the watch's lag)
         self.pushed: dict[str, str] = {}
         # generation -> what its router last answered (PUT or GET peers) while an instance of it drains: recorded
@@ -789,8 +792,8 @@ class PairReconciler:
             return 0.0  # plan the next step from the pod just created (created_views), not after its watch event
         if plan.create and _created_name(self.ref.name, plan) in self.created_unseen:
             return pass_delay(plan.step, cfg, plan.wait_seconds) if plan.wait_seconds is not None else cfg.resync_interval
-        retry = push_retry_delay([(p.ready, self.push_failure_counts.get(p.uid, 1)) for p in pods
-                                  if p.uid in self.push_failures], cfg)
+        retry = push_retry_delay([(p.ready, p.uid in self.push_refused, self.push_failure_counts.get(p.uid, 1))
+                                  for p in pods if p.uid in self.push_failures], cfg)
         delay = pass_delay(plan.step, cfg, plan.wait_seconds)
         return delay if retry is None else min(delay, retry)
 
@@ -1023,6 +1026,7 @@ class PairReconciler:
         live = {p.uid for p in pods if p.running}
         self.push_failures = {uid: cause for uid, cause in self.push_failures.items() if uid in live}
         self.push_failure_counts = {uid: n for uid, n in self.push_failure_counts.items() if uid in self.push_failures}
+        self.push_refused &= set(self.push_failures)
         self.pushed = {uid: digest for uid, digest in self.pushed.items() if uid in live}
         for pod in pods:
             if not pod.running or pod.role not in (ROLE_PREFILL, ROLE_ROUTER) or pod.peers_digest is None:
@@ -1056,6 +1060,7 @@ class PairReconciler:
             else:
                 self.push_failures.pop(pod.uid, None)
                 self.push_failure_counts.pop(pod.uid, None)
+                self.push_refused.discard(pod.uid)
         if not sends:
             return answered
         token = await self._peers_token()
@@ -1069,6 +1074,10 @@ class PairReconciler:
             if not result.ok:
                 cause = f"{result.status} {result.error}"
                 self.push_failure_counts[pod.uid] = self.push_failure_counts.get(pod.uid, 0) + 1
+                if result.status is None:
+                    self.push_refused.discard(pod.uid)
+                else:
+                    self.push_refused.add(pod.uid)
                 if self.push_failures.get(pod.uid) != cause:
                     self.push_failures[pod.uid] = cause
                     if result.status == 401:
@@ -1080,6 +1089,7 @@ class PairReconciler:
                 return
             self.push_failures.pop(pod.uid, None)
             self.push_failure_counts.pop(pod.uid, None)
+            self.push_refused.discard(pod.uid)
             self.pushed[pod.uid] = digest
             if pod.role == ROLE_ROUTER and self._record_router(pod, pods, result.answer, time.time()):
                 answered.add(pod.uid)

@@ -69,19 +69,21 @@ def test_only_the_listener_probe_polls_waits_on_pods_wait_for_their_events():
 
 
 def test_a_failed_push_comes_back_soon_for_a_loading_pod_and_backs_off_for_a_ready_one():
-    """A refused push is retried by the pass itself (nothing else wakes the pair): a loading pod every probe interval;
-    a Ready pod (a push that timed out on a busy node) at the probe interval doubled per failure, never past the
-    resync interval, which is what a kwok pod that serves nothing costs for good."""
+    """A failed push is retried by the pass itself (nothing else wakes the pair): a loading pod every probe interval;
+    a Ready pod whose push got no answer (a timeout on a busy node) at the probe interval doubled per failure, never
+    past the resync interval; a Ready pod that answered with a refusal (401, 404) only on events and resyncs (None)."""
     from pdpair.operator.config import OperatorConfig
     from pdpair.operator.reconciler import push_retry_delay
 
     cfg = OperatorConfig.from_env({"PDPAIR_OPERATOR_NAMESPACE": "ops", "PDPAIR_PROBE_INTERVAL_SECONDS": "1",
                                    "PDPAIR_RESYNC_INTERVAL_SECONDS": "30"})
     assert push_retry_delay([], cfg) is None
-    assert [push_retry_delay([(False, n)], cfg) for n in (1, 5, 40)] == [1, 1, 1]
-    assert [push_retry_delay([(True, n)], cfg) for n in (1, 2, 3, 4, 5, 6, 7, 1000)] == [1, 2, 4, 8, 16, 30, 30, 30]
-    assert push_retry_delay([(True, 6), (True, 3), (False, 9)], cfg) == 1
-    assert push_retry_delay([(True, 6), (True, 3)], cfg) == 4
+    assert [push_retry_delay([(False, answered, n)], cfg) for n in (1, 5, 40) for answered in (False, True)] == [1] * 6
+    assert [push_retry_delay([(True, False, n)], cfg) for n in (1, 2, 3, 4, 5, 6, 7, 1000)] == [1, 2, 4, 8, 16, 30,
+                                                                                                 30, 30]
+    assert push_retry_delay([(True, True, 1)], cfg) is None
+    assert push_retry_delay([(True, False, 6), (True, False, 3), (False, True, 9)], cfg) == 1
+    assert push_retry_delay([(True, False, 6), (True, False, 3), (True, True, 1)], cfg) == 4
 
 
 def _choose_run_reference(pool, taken, count, start_at=None):
