@@ -279,12 +279,6 @@ class PairReconciler:
         # pod name -> when this reconciler created it, until the pod index shows it: our own status patch wakes the
         # next pass before the pod's watch event arrives, and re-creating it then would only earn a 409
         self.created_unseen: dict[str, float] = {}
-        # pod name -> the view of a pod this reconciler created, built from its manifest and the create's answer, while
-        # created_unseen holds it: the passes plan from it (`_with_own_creates`), so the pass right after decode's
-        # create plans prefill's instead of waiting for decode's watch event (at 1000 pairs on a 2-core box the pod
-        # watch lagged ~15 s, and every prefill waited that long)
-        self.created_views: dict[str, PodView] = {}
-        self.created_this_pass = False
         # pod uid -> when this reconciler deleted it, until the index shows it terminating or gone (same lag: a
         # second delete would be accepted and post a second PodDeleted Event)
         self.deleted_unseen: dict[str, float] = {}
@@ -305,14 +299,6 @@ class PairReconciler:
         self.scale_views: Mapping[str, ScaleView] | None = None  # this pass's, for the status write
 
     # --- observation --------------------------------------------------------------------------------
-    def _with_own_creates(self, indexed: tuple[PodView, ...]) -> tuple[PodView, ...]:
-        """The pair's pods as the index has them, plus the ones this reconciler created that the index does not show
-        yet (created_views: Pending, unscheduled, as created). A view the index shows, or that created_unseen no
-        longer holds (120 s without its watch event), is dropped."""
-        names = {p.name for p in indexed}
-        self.created_views = {n: v for n, v in self.created_views.items() if n not in names and n in self.created_unseen}
-        return indexed + tuple(self.created_views.values())
-
     def _refresh_status(self) -> None:
         """Take the live status (kopf's body follows the watch) when its object is newer than our last status
         write: another writer (the health watch, a user, the replica that led before us) is seen on the next pass,
@@ -649,8 +635,7 @@ class PairReconciler:
         started = time.monotonic()
         self.scale_views = scale_views
         meta_generation = int(self.body["metadata"].get("generation") or 0)
-        pods = self._with_own_creates(tuple(pods))
-        self.created_this_pass = False
+        pods = tuple(pods)
         cfg = self.rt.config
 
         self._refresh_status()
@@ -788,8 +773,6 @@ class PairReconciler:
         rejection = self._rejection(plan)
         if rejection is not None:
             return max(0.2, min(rejection.not_before - time.monotonic(), cfg.resync_interval))
-        if self.created_this_pass:
-            return 0.0  # plan the next step from the pod just created (created_views), not after its watch event
         if plan.create and _created_name(self.ref.name, plan) in self.created_unseen:
             return pass_delay(plan.step, cfg, plan.wait_seconds) if plan.wait_seconds is not None else cfg.resync_interval
         retry = push_retry_delay([(p.ready, p.uid in self.push_refused, self.push_failure_counts.get(p.uid, 1))
@@ -861,10 +844,9 @@ class PairReconciler:
         for name in plan.mark_draining:
             await self._patch_pod_annotations(name, {ANNOTATION_DRAINING_SINCE: f"{time.time():.3f}"})
             self.emit("Normal", "InstanceDraining", f"{name}: {plan.message}")
-        seen = {p.name for p in pods if self.created_views.get(p.name) is not p}  # the index's, not our own views
+        seen = {p.name for p in pods}
         for name in [n for n, at in self.created_unseen.items() if n in seen or time.monotonic() - at > CREATED_UNSEEN_WAIT]:
             del self.created_unseen[name]
-            self.created_views.pop(name, None)
         if plan.create in (ROLE_PREFILL, ROLE_ROUTER):
             await self._peers_token()  # the pod takes it from the Secret: it must exist first
         if plan.create:
@@ -876,7 +858,7 @@ class PairReconciler:
             manifest = self._manifest(plan, pods)
             name = manifest["metadata"]["name"]
             try:
-                uid = await self._create_pod(manifest)
+                created = await self._create_pod(manifest)
             except Exception as exc:
                 if api_status(exc) not in REJECTED_STATUSES:
                     raise
@@ -884,9 +866,7 @@ class PairReconciler:
                 return
             self.rejections.pop(plan.create, None)
             self.created_unseen[name] = time.monotonic()
-            if uid is not None:
-                self.created_views[name] = PodView.from_pod({**manifest, "metadata": {**manifest["metadata"], "uid": uid}})
-                self.created_this_pass = True
+            if created:
                 what = plan.create if not plan.create_instance else f"{plan.create} instance {plan.create_instance}"
                 self.emit("Normal", "PodCreated", f"created {what} {name} (generation {_create_generation(plan)})")
 
@@ -1167,20 +1147,18 @@ class PairReconciler:
             if api_status(exc) != 404:  # gone: nothing to mark
                 raise
 
-    async def _create_pod(self, manifest: dict[str, Any]) -> str | None:
-        """Creates the pod; its uid, or None when it exists already (409)."""
+    async def _create_pod(self, manifest: dict[str, Any]) -> bool:
         from kubernetes.client import V1Pod
 
         try:
-            created = await asyncio.to_thread(
+            await asyncio.to_thread(
                 self.rt.core.create_namespaced_pod, manifest["metadata"]["namespace"], V1Pod.from_dict(manifest)
             )
+            return True
         except Exception as exc:
             if api_status(exc) == 409:  # made by an earlier pass; the index had not caught up
-                return None
+                return False
             raise
-        metadata = getattr(created, "metadata", None)
-        return str(getattr(metadata, "uid", "") or "")
 
     async def _delete_pod(self, name: str, uid: str | None) -> None:
         from kubernetes.client import V1DeleteOptions, V1Preconditions
