@@ -59,6 +59,7 @@ from devcluster.localcluster import LocalCluster  # noqa: E402
 import quiet  # noqa: E402  (tests/bench/quiet.py: the load guard)
 
 OPERATOR_NS = "pdpair-system"
+OPERATOR_ACCOUNT = "pdpair-operator"  # the chart's ServiceAccount (devcluster.operator_process.render_rbac)
 PAIR_NS = "scale"
 FLOOR_NS = "scale-floor"
 CREATOR_THREADS = 16
@@ -262,6 +263,20 @@ def load_avg() -> str:
     return " / ".join(open("/proc/loadavg").read().split()[:3])
 
 
+def operator_flow_schema(level: str) -> dict:
+    """A FlowSchema that puts every request of the operator's ServiceAccount in priority level `level`, ahead of the
+    built-in `service-accounts` schema (matchingPrecedence 9000)."""
+    return {"apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema",
+            "metadata": {"name": "bench-pdpair-operator"},
+            "spec": {"priorityLevelConfiguration": {"name": level}, "matchingPrecedence": 500,
+                     "distinguisherMethod": {"type": "ByUser"},
+                     "rules": [{"subjects": [{"kind": "ServiceAccount", "serviceAccount": {
+                                    "name": OPERATOR_ACCOUNT, "namespace": OPERATOR_NS}}],
+                                "resourceRules": [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"],
+                                                   "namespaces": ["*"], "clusterScope": True}],
+                                "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}]}]}}
+
+
 # --- the floor: the same writes, issued directly -----------------------------------------------------------
 def floor_plan(op_writes: collections.Counter, n: int) -> list[list[tuple]]:
     """Per pair, the list of writes to replay: the operator's totals of each kind spread evenly over the pairs."""
@@ -385,6 +400,10 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=3600, help="for each wait")
     parser.add_argument("--out", type=pathlib.Path)
     parser.add_argument("--workdir", type=pathlib.Path, help="keep the cluster's and operator's files here")
+    parser.add_argument("--operator-priority-level", default=None, metavar="LEVEL",
+                        help="a FlowSchema puts the operator's ServiceAccount in this API Priority and Fairness level "
+                             "(e.g. exempt, workload-high; default: none, the ServiceAccount falls in workload-low). "
+                             "The floor always runs as cluster admin (exempt)")
     args = parser.parse_args()
     result_box = {"box_before": quiet.require_quiet("bench_operator_scale")}  # exits when the box is too busy to measure
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
@@ -407,6 +426,10 @@ def main() -> int:
     with LocalCluster(workdir / "cluster") as cluster:
         devrun.install_crd(cluster)
         kubeconfig = devrun.install_operator_rbac(cluster, helm_path(), OPERATOR_NS)
+        if args.operator_priority_level:
+            cluster.kubectl("apply", "-f", "-", input=json.dumps(operator_flow_schema(args.operator_priority_level)))
+            log(f"the operator's requests: priority level {args.operator_priority_level} (FlowSchema)")
+        result["operator_priority_level"] = args.operator_priority_level or "workload-low (the default for SAs)"
         for ns in (PAIR_NS, FLOOR_NS):
             cluster.create_namespace(ns)
         for i in range(2):

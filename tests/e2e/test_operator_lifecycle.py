@@ -92,12 +92,19 @@ def test_prefill_starts_beside_decode_and_ready_waits_for_the_listener(platform,
         prefill = wait_for(lambda: next((p for p in api.pods(ns) if p["metadata"]["labels"][LABEL_ROLE] == "prefill"),
                                         None), 30, "the prefill pod beside the loading decode")
         penv = {e["name"]: e.get("value") for e in prefill["spec"]["containers"][0]["env"]}
-        assert ENV_PEER_HOST not in penv or (penv[ENV_PEER_HOST], penv[ENV_PEER_PORT_BASE]) == ("127.0.0.1", str(side[0]))
         try:
-            pushed = wait_for(receiver.last, 30, "the push of decode's address to prefill")
+            if ENV_PEER_HOST in penv:
+                # kwok ran decode before the pass that created prefill saw it (under load, its first watch event
+                # already says Running with an IP): prefill was created knowing decode's address, and no push is due
+                # (its peers-digest annotation says so; CI hit this twice, waiting for a push that never comes)
+                assert (penv[ENV_PEER_HOST], penv[ENV_PEER_PORT_BASE]) == ("127.0.0.1", str(side[0]))
+                print("\nprefill was created with decode's address in its environment (no push due)")
+            else:
+                pushed = wait_for(receiver.last, 30, "the push of decode's address to prefill")
+                assert [(d["host"], d["portBase"]) for d in pushed[2]["decodes"]] == [("127.0.0.1", side[0])], pushed
+                print("\nprefill was told decode's address by the push")
         finally:
             receiver.close()
-        assert [(d["host"], d["portBase"]) for d in pushed[2]["decodes"]] == [("127.0.0.1", side[0])], pushed
         # ...and the router beside them once prefill runs (its readiness is the engines'), but the pair is not Ready
         # while the listener does not accept (watch it a while).
         wait_for(lambda: "router" in {p["metadata"]["labels"][LABEL_ROLE] for p in api.pods(ns)}, 30,
