@@ -25,7 +25,10 @@ from devcluster.ports import free_port
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHART_DIR = REPO_ROOT / "charts" / "pdpair"
 CRD_DIR = pathlib.Path(os.environ.get("PDPAIR_CRD_DIR") or CHART_DIR / "crds")  # override: try an edited CRD
-RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+# What the operator runs as, from the chart: its identity and rights, and its API Priority and Fairness level (so
+# the operator meets the apiserver's throttling as it does when installed with the chart).
+RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+              "PriorityLevelConfiguration", "FlowSchema")
 
 
 def install_crd(cluster: Any) -> None:
@@ -36,7 +39,8 @@ def install_crd(cluster: Any) -> None:
 
 
 def render_rbac(helm: str | os.PathLike, namespace: str, release: str = "pdpair") -> tuple[str, str]:
-    """The chart's RBAC objects for `namespace` as YAML, and the operator ServiceAccount's name."""
+    """The chart's RBAC and API priority objects (RBAC_KINDS) for `namespace` as YAML, and the operator
+    ServiceAccount's name."""
     env = {
         **os.environ,
         "HELM_CACHE_HOME": "/tmp/pdpair-helm/cache",

@@ -265,7 +265,7 @@ def load_avg() -> str:
 
 def operator_flow_schema(level: str) -> dict:
     """A FlowSchema that puts every request of the operator's ServiceAccount in priority level `level`, ahead of the
-    built-in `service-accounts` schema (matchingPrecedence 9000)."""
+    built-in `service-accounts` schema (9000) and the chart's (operator.apiPriority.matchingPrecedence, 1000)."""
     return {"apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema",
             "metadata": {"name": "bench-pdpair-operator"},
             "spec": {"priorityLevelConfiguration": {"name": level}, "matchingPrecedence": 500,
@@ -401,9 +401,10 @@ def main() -> int:
     parser.add_argument("--out", type=pathlib.Path)
     parser.add_argument("--workdir", type=pathlib.Path, help="keep the cluster's and operator's files here")
     parser.add_argument("--operator-priority-level", default=None, metavar="LEVEL",
-                        help="a FlowSchema puts the operator's ServiceAccount in this API Priority and Fairness level "
-                             "(e.g. exempt, workload-high; default: none, the ServiceAccount falls in workload-low). "
-                             "The floor always runs as cluster admin (exempt)")
+                        help="a FlowSchema ahead of the chart's puts the operator's ServiceAccount in this API Priority "
+                             "and Fairness level (e.g. exempt, or workload-low: where it falls without the chart's "
+                             "objects). Default: the chart's own level (operator.apiPriority, installed with the "
+                             "RBAC). The floor always runs as cluster admin (exempt)")
     args = parser.parse_args()
     result_box = {"box_before": quiet.require_quiet("bench_operator_scale")}  # exits when the box is too busy to measure
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
@@ -429,7 +430,7 @@ def main() -> int:
         if args.operator_priority_level:
             cluster.kubectl("apply", "-f", "-", input=json.dumps(operator_flow_schema(args.operator_priority_level)))
             log(f"the operator's requests: priority level {args.operator_priority_level} (FlowSchema)")
-        result["operator_priority_level"] = args.operator_priority_level or "workload-low (the default for SAs)"
+        result["operator_priority_level"] = args.operator_priority_level or "the chart's (operator.apiPriority)"
         for ns in (PAIR_NS, FLOOR_NS):
             cluster.create_namespace(ns)
         for i in range(2):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -36,6 +38,9 @@ def helm_template(release: str, namespace: str, *args: str) -> str:
     return proc.stdout
 
 
+CLUSTER_SCOPED = ("ClusterRole", "ClusterRoleBinding", "PriorityLevelConfiguration", "FlowSchema")
+
+
 @pytest.fixture(scope="module")
 def release(local_cluster):
     """The chart (CRD included) applied for real in a fresh namespace; cluster-scoped RBAC removed afterwards."""
@@ -48,7 +53,7 @@ def release(local_cluster):
                                  "-f", "-", input=rendered)
     yield {"namespace": namespace, "name": name, "docs": docs, "apply_output": proc.stdout}
     for doc in docs:
-        if doc["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+        if doc["kind"] in CLUSTER_SCOPED:
             local_cluster.kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"], "--wait=false", check=False)
     local_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
@@ -76,7 +81,8 @@ def qualified(doc: dict) -> str:
 def test_every_rendered_object_was_applied(release, local_cluster):
     kinds = {d["kind"] for d in release["docs"]}
     assert kinds == {"CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
-                     "RoleBinding", "Deployment", "Service", "PodDisruptionBudget", "Secret"}
+                     "RoleBinding", "Deployment", "Service", "PodDisruptionBudget", "Secret",
+                     "PriorityLevelConfiguration", "FlowSchema"}
     for doc in release["docs"]:
         assert f"{qualified(doc)} serverside-applied" in release["apply_output"], release["apply_output"]
         namespace = ["-n", release["namespace"]] if "namespace" in doc["metadata"] else []
@@ -241,6 +247,34 @@ def test_service_account_token_does_real_work_and_nothing_more(local_cluster, re
     denied = local_cluster.kubectl("create", "-f", "-", input=json.dumps({**lease, "metadata": {
         **lease["metadata"], "namespace": other_namespace}}), kubeconfig=kubeconfig, check=False)
     assert denied.returncode != 0 and "Forbidden" in denied.stderr, denied.stderr
+
+
+PRIORITY_LEVEL_HEADER = re.compile(r"x-kubernetes-pf-prioritylevel-uid:\s*([0-9a-f-]{36})", re.IGNORECASE)
+
+
+def test_operator_requests_run_in_the_charts_priority_level(local_cluster, release, other_namespace):
+    """API Priority and Fairness classifies a request made with the ServiceAccount's token into the chart's own
+    priority level (the apiserver names the level it used in every response's X-Kubernetes-PF-PriorityLevel-UID),
+    and the FlowSchema is not dangling. A request of the cluster admin is not in that level."""
+    [sa] = [d for d in release["docs"] if d["kind"] == "ServiceAccount"]
+    [level] = [d for d in release["docs"] if d["kind"] == "PriorityLevelConfiguration"]
+    [schema] = [d for d in release["docs"] if d["kind"] == "FlowSchema"]
+    assert schema["spec"]["priorityLevelConfiguration"]["name"] == level["metadata"]["name"]
+    level_uid = json.loads(local_cluster.kubectl("get", "prioritylevelconfiguration", level["metadata"]["name"],
+                                                 "-o", "json").stdout)["metadata"]["uid"]
+    kubeconfig = local_cluster.service_account_kubeconfig(release["namespace"], sa["metadata"]["name"])
+    proc = local_cluster.kubectl("get", "pods", "-n", other_namespace, "-v=8", kubeconfig=kubeconfig)
+    assert set(PRIORITY_LEVEL_HEADER.findall(proc.stderr)) == {level_uid}, proc.stderr[-3000:]
+    admin = local_cluster.kubectl("get", "pods", "-n", other_namespace, "-v=8")
+    assert PRIORITY_LEVEL_HEADER.findall(admin.stderr) and level_uid not in PRIORITY_LEVEL_HEADER.findall(admin.stderr)
+
+    def dangling() -> str | None:
+        found = json.loads(local_cluster.kubectl("get", "flowschema", schema["metadata"]["name"], "-o", "json").stdout)
+        return {c["type"]: c["status"] for c in found.get("status", {}).get("conditions", [])}.get("Dangling")
+    deadline = time.monotonic() + 30  # the apiserver's APF controller writes the condition after the create
+    while dangling() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert dangling() == "False"
 
 
 def test_service_account_runs_the_operator_steps_on_a_pair(local_cluster, release, other_namespace):

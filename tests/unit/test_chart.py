@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "pdpair"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 NAMESPACE = "pdpair-system"
+CLUSTER_SCOPED = ("ClusterRole", "ClusterRoleBinding", "PriorityLevelConfiguration", "FlowSchema")
 RELEASE = "rel"
 
 
@@ -84,14 +85,14 @@ def test_template_renders_labelled_objects(helm, values):
         assert labels["app.kubernetes.io/instance"] == RELEASE
         assert labels["app.kubernetes.io/part-of"] == "pdpair"
         assert len(doc["metadata"]["name"]) <= 63
-        if doc["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+        if doc["kind"] not in CLUSTER_SCOPED:
             assert doc["metadata"]["namespace"] == NAMESPACE
 
 
 def test_default_render_has_every_operator_object(helm):
     kinds = by_kind(helm.template())
     assert set(kinds) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment",
-                          "Service", "PodDisruptionBudget", "Secret"}
+                          "Service", "PodDisruptionBudget", "Secret", "PriorityLevelConfiguration", "FlowSchema"}
     deployment = kinds["Deployment"]
     selector = deployment["spec"]["selector"]["matchLabels"]
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
@@ -151,6 +152,25 @@ def test_pod_disruption_budget_selects_the_operator_pods(helm):
     assert pdb["apiVersion"] == "policy/v1"
     assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
     assert pdb["spec"]["selector"]["matchLabels"] == kinds["Deployment"]["spec"]["selector"]["matchLabels"]
+
+
+def test_operator_requests_get_a_priority_level_of_their_own(helm):
+    """The FlowSchema matches the operator's ServiceAccount (and only it) and names the chart's level; the level
+    queues (one queue: one flow) instead of refusing a burst. tests/e2e/test_chart_apply.py checks a real apiserver
+    classifies the ServiceAccount's requests into it."""
+    kinds = by_kind(helm.template("--set", "operator.apiPriority.queueLengthLimit=77"))
+    level, schema = kinds["PriorityLevelConfiguration"], kinds["FlowSchema"]
+    assert level["apiVersion"] == schema["apiVersion"] == "flowcontrol.apiserver.k8s.io/v1"
+    assert schema["spec"]["priorityLevelConfiguration"]["name"] == level["metadata"]["name"]
+    assert 900 < schema["spec"]["matchingPrecedence"] < 9000  # after the system schemas, before service-accounts
+    [rule] = schema["spec"]["rules"]
+    assert rule["subjects"] == [{"kind": "ServiceAccount", "serviceAccount": {
+        "name": kinds["ServiceAccount"]["metadata"]["name"], "namespace": NAMESPACE}}]
+    limited = level["spec"]["limited"]
+    assert level["spec"]["type"] == "Limited" and limited["limitResponse"]["type"] == "Queue"
+    assert limited["limitResponse"]["queuing"] == {"queues": 1, "handSize": 1, "queueLengthLimit": 77}
+    off = by_kind(helm.template("--set", "operator.apiPriority.enabled=false"))
+    assert "FlowSchema" not in off and "PriorityLevelConfiguration" not in off
 
 
 def test_replicas_prefer_different_nodes(helm):
@@ -266,6 +286,10 @@ BAD_VALUES = [
     ("retry period not below the renew deadline", ["--set", "operator.leaderElection.retryPeriodSeconds=10"],
      "operator.leaderElection needs retryPeriodSeconds (10)"),
     ("zero replicas", ["--set", "operator.replicas=0"], "/operator/replicas"),
+    ("lendable percent above 100", ["--set", "operator.apiPriority.lendablePercent=101"],
+     "/operator/apiPriority/lendablePercent"),
+    ("precedence of the catch-all", ["--set", "operator.apiPriority.matchingPrecedence=10000"],
+     "/operator/apiPriority/matchingPrecedence"),
     ("unknown election key", ["--set", "operator.leaderElection.leaseSeconds=3"],
      "additional properties 'leaseSeconds'"),
     ("extraEnv overrides the election", ["--set", "operator.extraEnv[0].name=PDPAIR_LEADER_ELECT",
