@@ -38,3 +38,13 @@ def test_the_crd_states_the_replicas_default_and_bound_of_the_contract():
         assert replicas["default"] == contract.DEFAULT_REPLICAS
         assert replicas["maximum"] == contract.MAX_REPLICAS
         assert replicas["minimum"] == 1
+
+
+def test_a_held_probe_sleeps_a_poll_interval_at_most_and_never_past_its_wait():
+    """contract.probe_hold_pause, which the connector's and the router's held /readyz loops share: a passing check
+    or a spent wait answers now; otherwise the next check comes after the poll interval, or when the wait ends."""
+    assert contract.probe_hold_pause(True, 0.9) is None
+    assert contract.probe_hold_pause(False, 0.0) is None and contract.probe_hold_pause(False, -0.1) is None
+    assert contract.probe_hold_pause(False, 0.9) == contract.PROBE_WAIT_POLL_SECONDS
+    assert contract.probe_hold_pause(False, 0.05) == 0.05
+    assert contract.probe_hold_pause(False, 0.9, interval=0.5) == 0.5

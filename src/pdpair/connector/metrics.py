@@ -157,10 +157,10 @@ def held(check: Callable[[], tuple[bool, dict]], wait: float,
     deadline = time.monotonic() + wait
     while True:
         ok, body = check()
-        left = deadline - time.monotonic()
-        if ok or left <= 0:
+        pause = contract.probe_hold_pause(ok, deadline - time.monotonic(), interval)
+        if pause is None:
             return ok, body
-        time.sleep(min(interval, left))
+        time.sleep(pause)
 
 
 def _query_value(environ: dict, name: str) -> str | None:

@@ -138,6 +138,16 @@ def parse_probe_wait(query_value: str | None) -> float:
     return min(seconds, PROBE_WAIT_MAX_SECONDS)
 
 
+def probe_hold_pause(passed: bool, left: float, interval: float | None = None) -> float | None:
+    """A held probe's next move (PROBE_WAIT_PARAM), given whether this check passed and the seconds left of its
+    wait: None to answer now (it passed, or the wait is over: no new check starts after it), else the seconds to
+    sleep before checking again (`interval`, default PROBE_WAIT_POLL_SECONDS, or what is left). The connector's
+    (sync) and the router's (async) /readyz loops both ask this."""
+    if passed or left <= 0:
+        return None
+    return min(PROBE_WAIT_POLL_SECONDS if interval is None else interval, left)
+
+
 def status_port_name(role: str, purpose: str, index: int, instance: int = 0) -> str:
     """status.ports[].name: `<role>-<purpose>-<index>` for instance 0 (the CRD's Decode Port column reads
     decode-sidechannel-0, and a pair made before instances existed keeps its names), `<role>-<purpose>-<index>-i<n>`

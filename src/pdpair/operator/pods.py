@@ -73,17 +73,15 @@ STARTUP_PERIOD_SECONDS = 1
 # Every 1 s: a pod's Ready lags its readiness by up to one period, on the pair's start path (a 5 s period cost the
 # demo up to 10 s of its 34 s apply-to-answer). /readyz is cheap (the engine's /health; the warm-up runs once, started
 # by the connector itself as soon as the engine serves). 16 failures in a row (16 s) before NotReady, about the 15 s
-# the old 5 s x 3 tolerated, so a slow /health on a loaded node flaps no sooner.
+# the old 5 s x 3 tolerated, so a slow /health on a loaded node flaps no sooner. The router's readiness probe is the
+# same: its Ready is the last step before the pair's first answer (the Service gets its endpoint then), and its
+# /readyz asks the engines' own readiness directly (each ask bounded below the timeout, router/app.py).
 READINESS_PROBE = {"periodSeconds": 1, "timeoutSeconds": 4, "failureThreshold": 16, "successThreshold": 1}
 # Every probe of ours asks to be held while it fails (contract.PROBE_WAIT_PARAM): the kubelet's next period would
 # otherwise add half a period on average to each step of the pair's path to its first answer (engine startup, engine
 # readiness, the router's readiness). One period's worth: the probe returns when the pod passes or the period is over.
 # The timeouts above leave this plus one check's own bound (the engine's /health 2 s, the router's ask 2.5 s).
 PROBE_WAIT_SECONDS = 1
-# The router's: every 1 s, because its Ready is the last step before the pair's first answer (the Service gets its
-# endpoint then) and its /readyz asks the engines' own readiness directly, not the kubelet's view of it; the same
-# 16 s of failures before NotReady. Its /readyz bounds each ask below the timeout (router/app.py).
-ROUTER_READINESS_PROBE = {**READINESS_PROBE}
 # FlagCX defaults for transport flagcx (docs/design.md): a same-vendor pair fails at init without hetero comm,
 # and registering RDMA memory needs IPC_LOCK.
 FLAGCX_CAPABILITY = "IPC_LOCK"
@@ -501,7 +499,7 @@ def router_pod(
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": router_port, "protocol": "TCP"}],
     })
     container.setdefault("readinessProbe", {
-        "httpGet": {"path": held_path(READYZ_PATH), "port": HTTP_PORT_NAME, "scheme": "HTTP"}, **ROUTER_READINESS_PROBE})
+        "httpGet": {"path": held_path(READYZ_PATH), "port": HTTP_PORT_NAME, "scheme": "HTTP"}, **READINESS_PROBE})
     # The router runs where decode may run: decode's scheduling constraints (shorthand or template), unless the
     # router's own template sets them.
     decode_spec = spec.get(ROLE_DECODE) or {}

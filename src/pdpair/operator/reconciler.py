@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
 from pdpair.contract import (
@@ -220,6 +220,16 @@ def pass_delay(step: str, cfg: OperatorConfig, wait_seconds: float | None = None
     return cfg.probe_interval  # the decode listener probe (nothing wakes us when it starts to accept), creates
 
 
+@dataclass(frozen=True)
+class PushFailure:
+    """A pod's push that has failed `count` times in a row; `answered`: the last failure was the pod's HTTP refusal
+    (401, 404), not a timeout or a reset (push_retry_delay)."""
+
+    cause: str  # the last failure, as logged (each new cause is logged once)
+    count: int
+    answered: bool
+
+
 def push_retry_delay(failing: Iterable[tuple[bool, bool, int]], cfg: OperatorConfig) -> float | None:
     """When to pass again for the pods whose last push failed, given (ready, answered, consecutive failures) of each;
     None when none failed or none needs it sooner than events and resyncs. Nothing wakes a pair when a failed push
@@ -284,9 +294,7 @@ class PairReconciler:
         self.deleted_unseen: dict[str, float] = {}
         self.unreplaceable_reported: set[tuple[str, int]] = set()  # (pod, port) told once as PortInUse
         self.peers_token: str | None = None  # the pair's Secret's token (pods.peers_secret_name), once read or made
-        self.push_failures: dict[str, str] = {}  # pod uid -> the last push error logged (logged once per cause)
-        self.push_failure_counts: dict[str, int] = {}  # pod uid -> consecutive failed pushes (push_retry_delay)
-        self.push_refused: set[str] = set()  # pod uids whose last failed push was answered (an HTTP refusal)
+        self.push_failures: dict[str, PushFailure] = {}  # pod uid -> its failing push, until one succeeds
         # pod uid -> the digest this reconciler pushed, until the pod index shows the annotation (the watch's lag)
         self.pushed: dict[str, str] = {}
         # generation -> what its router last answered (PUT or GET peers) while an instance of it drains: recorded
@@ -775,8 +783,8 @@ class PairReconciler:
             return max(0.2, min(rejection.not_before - time.monotonic(), cfg.resync_interval))
         if plan.create and _created_name(self.ref.name, plan) in self.created_unseen:
             return pass_delay(plan.step, cfg, plan.wait_seconds) if plan.wait_seconds is not None else cfg.resync_interval
-        retry = push_retry_delay([(p.ready, p.uid in self.push_refused, self.push_failure_counts.get(p.uid, 1))
-                                  for p in pods if p.uid in self.push_failures], cfg)
+        retry = push_retry_delay([(p.ready, failure.answered, failure.count)
+                                  for p in pods if (failure := self.push_failures.get(p.uid)) is not None], cfg)
         delay = pass_delay(plan.step, cfg, plan.wait_seconds)
         return delay if retry is None else min(delay, retry)
 
@@ -847,28 +855,35 @@ class PairReconciler:
         seen = {p.name for p in pods}
         for name in [n for n, at in self.created_unseen.items() if n in seen or time.monotonic() - at > CREATED_UNSEEN_WAIT]:
             del self.created_unseen[name]
+        if plan.create and await self._create(plan, pods, meta_generation) and plan.then_create:
+            await self._create(replace(plan, create=plan.then_create, then_create=None), pods, meta_generation)
+
+    async def _create(self, plan: d.Plan, pods: tuple[PodView, ...], meta_generation: int) -> bool:
+        """Creates plan.create's pod. True when it exists now (created, or by an earlier pass and not yet seen);
+        False when it was refused, now or before for this spec (then nothing after it is created either)."""
+        assert plan.create
         if plan.create in (ROLE_PREFILL, ROLE_ROUTER):
             await self._peers_token()  # the pod takes it from the Secret: it must exist first
-        if plan.create:
-            rejection = self._rejection(plan)
-            if rejection is not None and time.monotonic() < rejection.not_before:
-                return  # refused before for this very spec: wait out the backoff
-            if _created_name(self.ref.name, plan) in self.created_unseen:
-                return  # created by an earlier pass; its watch event (which wakes this pair) has not arrived yet
-            manifest = self._manifest(plan, pods)
-            name = manifest["metadata"]["name"]
-            try:
-                created = await self._create_pod(manifest)
-            except Exception as exc:
-                if api_status(exc) not in REJECTED_STATUSES:
-                    raise
-                await self._rejected(plan, name, exc, meta_generation)
-                return
-            self.rejections.pop(plan.create, None)
-            self.created_unseen[name] = time.monotonic()
-            if created:
-                what = plan.create if not plan.create_instance else f"{plan.create} instance {plan.create_instance}"
-                self.emit("Normal", "PodCreated", f"created {what} {name} (generation {_create_generation(plan)})")
+        rejection = self._rejection(plan)
+        if rejection is not None and time.monotonic() < rejection.not_before:
+            return False  # refused before for this very spec: wait out the backoff
+        if _created_name(self.ref.name, plan) in self.created_unseen:
+            return True  # created by an earlier pass; its watch event (which wakes this pair) has not arrived yet
+        manifest = self._manifest(plan, pods)
+        name = manifest["metadata"]["name"]
+        try:
+            created = await self._create_pod(manifest)
+        except Exception as exc:
+            if api_status(exc) not in REJECTED_STATUSES:
+                raise
+            await self._rejected(plan, name, exc, meta_generation)
+            return False
+        self.rejections.pop(plan.create, None)
+        self.created_unseen[name] = time.monotonic()
+        if created:
+            what = plan.create if not plan.create_instance else f"{plan.create} instance {plan.create_instance}"
+            self.emit("Normal", "PodCreated", f"created {what} {name} (generation {_create_generation(plan)})")
+        return True
 
     def _rejection(self, plan: d.Plan) -> Rejection | None:
         """The standing refusal of the pod this plan creates, if the spec is still the one refused."""
@@ -1004,9 +1019,7 @@ class PairReconciler:
         sends = []
         answered: set[str] = set()
         live = {p.uid for p in pods if p.running}
-        self.push_failures = {uid: cause for uid, cause in self.push_failures.items() if uid in live}
-        self.push_failure_counts = {uid: n for uid, n in self.push_failure_counts.items() if uid in self.push_failures}
-        self.push_refused &= set(self.push_failures)
+        self.push_failures = {uid: failure for uid, failure in self.push_failures.items() if uid in live}
         self.pushed = {uid: digest for uid, digest in self.pushed.items() if uid in live}
         for pod in pods:
             if not pod.running or pod.role not in (ROLE_PREFILL, ROLE_ROUTER) or pod.peers_digest is None:
@@ -1039,8 +1052,6 @@ class PairReconciler:
                 sends.append((pod, url, body, digest))
             else:
                 self.push_failures.pop(pod.uid, None)
-                self.push_failure_counts.pop(pod.uid, None)
-                self.push_refused.discard(pod.uid)
         if not sends:
             return answered
         token = await self._peers_token()
@@ -1053,13 +1064,10 @@ class PairReconciler:
                 result = await push.push(session, url, token, body, timeout)
             if not result.ok:
                 cause = f"{result.status} {result.error}"
-                self.push_failure_counts[pod.uid] = self.push_failure_counts.get(pod.uid, 0) + 1
-                if result.status is None:
-                    self.push_refused.discard(pod.uid)
-                else:
-                    self.push_refused.add(pod.uid)
-                if self.push_failures.get(pod.uid) != cause:
-                    self.push_failures[pod.uid] = cause
+                last = self.push_failures.get(pod.uid)
+                self.push_failures[pod.uid] = PushFailure(cause, (last.count if last else 0) + 1,
+                                                          answered=result.status is not None)
+                if last is None or last.cause != cause:  # logged once per cause
                     if result.status == 401:
                         self.emit("Warning", "PeersPushRefused", f"{pod.role} {pod.name} refused the operator's "
                                   f"token: it took another operator key's token ({ENV_PEERS_KEY} changed, or unset "
@@ -1068,8 +1076,6 @@ class PairReconciler:
                                   self.ref.name, pod.role, pod.name, cause)
                 return
             self.push_failures.pop(pod.uid, None)
-            self.push_failure_counts.pop(pod.uid, None)
-            self.push_refused.discard(pod.uid)
             self.pushed[pod.uid] = digest
             if pod.role == ROLE_ROUTER and self._record_router(pod, pods, result.answer, time.time()):
                 answered.add(pod.uid)

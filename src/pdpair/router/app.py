@@ -67,7 +67,7 @@ from aiohttp import web
 from pdpair.connector import timeline
 from pdpair.contract import ENV_PEERS_TOKEN, PEERS_PATH
 from pdpair.contract import READYZ_PATH  # the router's readiness too: it has a prefill and a decode that are ready
-from pdpair.contract import PROBE_WAIT_PARAM, PROBE_WAIT_POLL_SECONDS, parse_probe_wait
+from pdpair.contract import PROBE_WAIT_PARAM, parse_probe_wait, probe_hold_pause
 
 logger = logging.getLogger("pdpair.router")
 
@@ -605,10 +605,10 @@ async def _readyz(request: web.Request) -> web.Response:
     deadline = time.monotonic() + wait
     while True:
         ready, body = await readiness(request.app[ROUTER])
-        left = deadline - time.monotonic()
-        if ready or left <= 0:
+        pause = probe_hold_pause(ready, deadline - time.monotonic())
+        if pause is None:
             return web.json_response({"ready": ready, **body}, status=200 if ready else 503)
-        await asyncio.sleep(min(PROBE_WAIT_POLL_SECONDS, left))
+        await asyncio.sleep(pause)
 
 
 async def _models(request: web.Request) -> web.Response:
