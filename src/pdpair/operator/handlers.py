@@ -159,6 +159,8 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime | None = memo.get("runtime")
     if runtime is not None and runtime.events is not None:
         await runtime.events.drain(EVENT_DRAIN_TIMEOUT)  # what is still queued goes out, a few seconds at most
+    if runtime is not None:
+        await runtime.close()
     poster = memo.get("event_poster")
     if poster is not None:
         poster.cancel()

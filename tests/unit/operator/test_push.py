@@ -216,3 +216,27 @@ def test_the_pure_part_loads_no_http_client():
             "or m.startswith('pdpair.connector'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_every_push_shares_one_session_of_its_event_loop():
+    """Runtime.http: one aiohttp session for every pair's pushes and reads (a bounded pool, no keep-alive), made in
+    the running loop; a new loop (a test's next asyncio.run) gets a new one, and close() closes it."""
+    from pdpair.operator.reconciler import PEER_HTTP_CONNECTIONS, Runtime
+
+    runtime = Runtime(config=None, core=None, custom=None, leaser=None)
+
+    async def twice() -> aiohttp.ClientSession:
+        first, second = runtime.http(), runtime.http()
+        assert first is second and not first.closed
+        assert first.connector.limit == PEER_HTTP_CONNECTIONS and first.connector.force_close
+        return first
+
+    one = asyncio.run(twice())
+    two = asyncio.run(twice())
+    assert two is not one
+
+    async def close() -> None:
+        await runtime.close()
+
+    asyncio.run(close())
+    assert two.closed
