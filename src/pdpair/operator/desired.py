@@ -8,8 +8,7 @@ again. The order it encodes:
   1. lease ports                          (PortsLeased)
   2. replace stale pods, in order:        prefill and router first, decode after they are gone, wait all gone
   3. create decode                        (phase DecodeStarting)
-  4. create prefill in the same pass, right after decode (Plan.then_create; in a pass of its own only when decode's
-     pass did not make it), without waiting for decode to be scheduled: both
+  4. create prefill in the next pass, without waiting for decode to be scheduled (phase PrefillStarting): both
      engines load at the same time. Prefill learns decode's address once decode has one: the executor pushes it
      (`PUT /pdpair/v1/peers` on prefill's metrics port, instances.prefill_peers decides the set, push.py sends it;
      retried every probe interval while prefill still loads). The pairing stays in order: prefill's connector
@@ -116,9 +115,6 @@ class Plan:
     message: str
     delete: tuple[str, ...] = ()  # pod names, in this order
     create: str | None = None  # a role
-    # A second role created in the same pass, right after `create` succeeded (decode, then prefill beside it: both
-    # engines start at once, and no pass, status write or watch event sits between their creates)
-    then_create: str | None = None
     create_instance: int = 0  # which instance of that role (xPyD: instances.py); 0 for a 1P1D pair
     mark_draining: tuple[str, ...] = ()  # pods a scale-down chose: annotate pdpair.io/draining-since = now
     role_status: Mapping[str, Any] = field(default_factory=dict)  # status.prefill / status.decode (instances.py)
@@ -300,21 +296,18 @@ def _instance0_state(
         return plan(STEP_WAIT_GONE, replacing_phase, "waiting until deleted pods are gone",
                     [leased, _not_ready("Replacing")])
 
-    # 3-4. decode, and prefill in the same pass right after it (decode's create refused: prefill waits): both
-    # engines load at the same time; prefill is pushed decode's address once decode has one, and pairs when decode's
-    # listener accepts.
+    # 3-4. decode
     if decode is None:
         return plan(
             STEP_CREATE_DECODE,
             PHASE_DECODE_STARTING,
-            f"creating decode (generation {generation})" if prefill is not None
-            else f"creating decode, then prefill beside it (generation {generation})",
+            f"creating decode (generation {generation})",
             [leased, _listening(FALSE, "DecodeCreating", "the decode pod is being created"),
-             _prefill(FALSE, "WaitingForDecode" if prefill is not None else "Creating"), _not_ready("DecodeStarting")],
+             _prefill(FALSE, "WaitingForDecode"), _not_ready("DecodeStarting")],
             create=ROLE_DECODE,
-            then_create=ROLE_PREFILL if prefill is None else None,
         )
-    # 4. prefill, when decode's pass did not create it (refused, or gone since): beside decode, not waiting for it.
+    # 4. prefill: at once, beside the decode just created (not yet scheduled, maybe): both engines load at the same
+    # time; prefill is pushed decode's address once decode has one, and pairs when decode's listener accepts.
     if prefill is None:
         return plan(
             STEP_CREATE_PREFILL,

@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from pdpair.contract import (
@@ -881,12 +881,12 @@ class PairReconciler:
         seen = {p.name for p in pods}
         for name in [n for n, at in self.created_unseen.items() if n in seen or time.monotonic() - at > CREATED_UNSEEN_WAIT]:
             del self.created_unseen[name]
-        if plan.create and await self._create(plan, pods, meta_generation) and plan.then_create:
-            await self._create(replace(plan, create=plan.then_create, then_create=None), pods, meta_generation)
+        if plan.create:
+            await self._create(plan, pods, meta_generation)
 
     async def _create(self, plan: d.Plan, pods: tuple[PodView, ...], meta_generation: int) -> bool:
         """Creates plan.create's pod. True when it exists now (created, or by an earlier pass and not yet seen);
-        False when it was refused, now or before for this spec (then nothing after it is created either)."""
+        False when it was refused, now or before for this spec."""
         assert plan.create
         if plan.create in (ROLE_PREFILL, ROLE_ROUTER):
             await self._peers_token()  # the pod takes it from the Secret: it must exist first

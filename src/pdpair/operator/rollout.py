@@ -181,8 +181,7 @@ def _maybe_start(spec: Mapping[str, Any], status: Mapping[str, Any], observed: O
     return dataclasses.replace(
         plan,
         step=STEP_ROLLOUT_START,
-        # a pending scale step waits for the rollout
-        create=None, then_create=None, create_instance=0, mark_draining=(), delete=(),
+        create=None, create_instance=0, mark_draining=(), delete=(),  # a pending scale step waits for the rollout
         message=message,
         conditions=plan.conditions + (_progressing(TRUE, "RollingOut", message),),
         status_fields={
@@ -221,8 +220,8 @@ def _progress(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Obse
     def going(step: str, message: str, **kw: Any) -> d.Plan:
         message = f"rolling out generation {new}: {message}"
         return dataclasses.replace(
-            serving, **{"delete": (), "create": None, "then_create": None, "create_instance": 0, "mark_draining": (),
-                        "probe_decode": False, **kw}, step=step, message=message,
+            serving, **{"delete": (), "create": None, "create_instance": 0, "mark_draining": (), "probe_decode": False,
+                        **kw}, step=step, message=message,
             conditions=serving.conditions + (_progressing(TRUE, "RollingOut", message),),
             status_fields={"rollout": {**rollout, "message": message[:1024]}}, wait_seconds=left)
 
@@ -234,8 +233,7 @@ def _progress(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Obse
     bring = d.recreate_state(spec, {"pairGeneration": new}, mine, pin_generation=new)
     if bring.step != d.STEP_READY:
         # xPyD: the new generation's other instances too (instances.py), on its port set; its scale-down waits
-        return going(bring.step, bring.message, create=bring.create, then_create=bring.then_create,
-                     create_instance=bring.create_instance,
+        return going(bring.step, bring.message, create=bring.create, create_instance=bring.create_instance,
                      create_generation=new, create_slot=str(rollout["portSlot"]), probe_decode=bring.probe_decode)
 
     drain = drain_seconds(spec)
@@ -266,8 +264,7 @@ def _roll_back(serving: d.Plan, rollout: Mapping[str, Any], reason: str, failed:
                                    "reason": reason[:1024], "time": rfc3339(now or 0.0)}
     condition = _progressing(FALSE, "RolloutFailed", message) if failed else _progressing(TRUE, "Superseded", message)
     return dataclasses.replace(
-        serving, message=message, delete=(), create=None, then_create=None, create_instance=0, mark_draining=(),
-        probe_decode=False,
+        serving, message=message, delete=(), create=None, create_instance=0, mark_draining=(), probe_decode=False,
         conditions=serving.conditions + (condition,), status_fields=fields,
         events=((("Warning", EVENT_FAILED, message),) if failed else ()))
 
@@ -297,8 +294,7 @@ def _finish(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observ
 
     def step(name: str, message: str, **kw: Any) -> d.Plan:
         return dataclasses.replace(
-            serving, step=name, message=message, delete=kw.pop("delete", ()), create=None, then_create=None,
-            create_instance=0,
+            serving, step=name, message=message, delete=kw.pop("delete", ()), create=None, create_instance=0,
             mark_draining=(), probe_decode=False,
             conditions=serving.conditions + (kw.pop("condition", condition),), **kw)
 

@@ -54,13 +54,11 @@ class SimWorld:
         for name in plan.mark_draining:
             self.log.append(f"drain {name}")
             self.pods[name] = dataclasses.replace(self.pods[name], draining_since=self.now)
-        for role in (plan.create, plan.then_create) if plan.create else ():  # then_create: the same pass, after
-            if role is None:
-                continue
-            name = f"p-{role}-{plan.pair_generation}" + (f"-{plan.create_instance}" if plan.create_instance else "")
+        if plan.create:
+            name = f"p-{plan.create}-{plan.pair_generation}" + (f"-{plan.create_instance}" if plan.create_instance else "")
             self.log.append(f"create {name}")
             self.pods[name] = PodView(
-                name, role, plan.pair_generation, d.spec_fingerprint(self.spec), "Running", True, "127.0.0.1",
+                name, plan.create, plan.pair_generation, d.spec_fingerprint(self.spec), "Running", True, "127.0.0.1",
                 scheduled=True, instance=plan.create_instance,
             )
 

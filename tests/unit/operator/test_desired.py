@@ -24,8 +24,7 @@ CASES = [
     # name, status, observed, expected step, create, delete, phase
     ("no ports yet", {}, Observed(), d.STEP_LEASE_PORTS, None, (), "Pending"),
     ("pool exhausted", {}, Observed(pool_exhausted=True, pool_message="full"), d.STEP_POOL_EXHAUSTED, None, (), "Pending"),
-    ("leased, nothing runs: decode, then prefill in the same pass", {}, Observed(ports_complete=True),
-     d.STEP_CREATE_DECODE, "decode", (), "DecodeStarting"),
+    ("leased, nothing runs", {}, Observed(ports_complete=True), d.STEP_CREATE_DECODE, "decode", (), "DecodeStarting"),
     ("decode pending, not scheduled: prefill is created beside it at once", {"pairGeneration": 1},
      Observed((pod("decode", phase="Pending", scheduled=False),), ports_complete=True),
      d.STEP_CREATE_PREFILL, "prefill", (), "PrefillStarting"),
@@ -99,15 +98,13 @@ def test_next_step(name, status, observed, step, create, delete, phase):
     assert (plan.step, plan.create, plan.delete, plan.phase) == (step, create, delete, phase)
 
 
-def test_prefill_is_created_right_after_decode_in_the_same_pass_and_never_before():
-    """Parallel start: prefill is created in decode's pass, right after decode's create succeeded (Plan.then_create;
-    it learns decode's address from the operator's push, once decode has one), never before decode exists; the
-    pairing order is the connector's (prefill retries until decode accepts) and prefill's readiness waits for it.
-    Replaces the rule that prefill waits until decode runs (its address, then fixed in prefill's environment at
-    creation), and then the pass of its own after decode's. A decode present without prefill (its create refused,
-    or prefill gone) gets prefill in a pass of its own."""
+def test_prefill_is_created_in_the_pass_after_decode_and_never_before():
+    """Parallel start: prefill is created beside decode before decode is scheduled (it learns decode's address from
+    the operator's push, once decode has one), never before decode exists; the pairing order is the connector's
+    (prefill retries until decode accepts) and prefill's readiness waits for it. Replaces the rule that prefill waits
+    until decode runs (its address, then fixed in prefill's environment at creation)."""
     plan = next_step(SPEC, {"pairGeneration": 1}, Observed((), ports_complete=True, decode_listening=False))
-    assert (plan.create, plan.then_create) == ("decode", "prefill")
+    assert plan.create == "decode"
     for decode in (pod("decode", phase="Pending", scheduled=False), pod("decode", phase="Pending"),
                    pod("decode", ready=False)):
         plan = next_step(SPEC, {"pairGeneration": 1}, Observed((decode,), ports_complete=True, decode_listening=False))
@@ -136,9 +133,9 @@ def test_restartpolicy_change_is_not_a_rollout():
 def test_fresh_pair_reaches_ready_decode_first():
     world = SimWorld(SPEC)
     plans = simulate_until_ready(world)
-    assert [p.step for p in plans] == [d.STEP_CREATE_DECODE, d.STEP_CREATE_ROUTER, d.STEP_READY]
-    assert plans[0].create == "decode" and plans[0].then_create == "prefill"  # one pass, decode's create first
-    assert world.log == ["create p-decode-1", "create p-prefill-1", "create p-router-1"]
+    assert [p.step for p in plans] == [
+        d.STEP_CREATE_DECODE, d.STEP_CREATE_PREFILL, d.STEP_CREATE_ROUTER, d.STEP_READY,
+    ]
     assert world.status["pairGeneration"] == 1
 
 

@@ -246,8 +246,6 @@ class World:
                 self.pods[name] = _deleting(self.pods[name])
         if plan.create:
             self._create(plan, obs)
-            if plan.then_create:  # the same pass, right after
-                self._create(dataclasses.replace(plan, create=plan.then_create, then_create=None), obs)
         if plan.release_slot:  # after the status write and the pod actions, as the executor does
             users = [n for n, p in self.pods.items() if self.pod_slots[n] == plan.release_slot
                      and not set(p.ports) <= self.fenced]  # a pod whose ports are all fenced uses none of the set's
@@ -264,8 +262,7 @@ class World:
         if twins:
             raise Violation(f"second {role} pod for generation {gen} while {twins} exist")
         if role == ROLE_PREFILL:  # parallel start: beside decode (its address comes by push), never before it
-            # (the world's pods: decode may have been created earlier in this very pass, Plan.then_create)
-            decode = next((p for p in self.pods.values() if p.role == ROLE_DECODE and p.generation == gen), None)
+            decode = next((p for p in obs.pods if p.role == ROLE_DECODE and p.generation == gen), None)
             if decode is None:
                 raise Violation(f"prefill of generation {gen} created before its decode exists")
         name = f"p-{role}-{gen}-{self.creates}"

@@ -85,14 +85,12 @@ class World:
         for name in plan.delete:
             self.log.append(f"delete {name}")
             self.pods[name] = replace(self.pods[name], deleting=True)
-        for role in (plan.create, plan.then_create) if plan.create else ():  # then_create: the same pass, after
-            if role is None:
-                continue
+        if plan.create:
             gen = plan.create_generation if plan.create_generation is not None else plan.pair_generation
-            name = f"p-{role}-g{gen}"
+            name = f"p-{plan.create}-g{gen}"
             self.log.append(f"create {name}" + (f" on {plan.create_slot}" if plan.create_slot else ""))
-            made = self.make_pod(role, gen) if self.make_pod else None
-            self.pods[name] = made or pod(role, gen, self.spec)
+            made = self.make_pod(plan.create, gen) if self.make_pod else None
+            self.pods[name] = made or pod(plan.create, gen, self.spec)
         if plan.release_slot and not dies_before_release:
             self.log.append(f"release {plan.release_slot}")
             self.slots.discard(plan.release_slot)
@@ -287,13 +285,13 @@ def test_no_room_for_a_second_port_set_fails_the_rollout():
 
 
 def test_the_new_prefill_starts_beside_the_new_decode_and_the_switch_waits_for_its_listener():
-    """Parallel start in a Surge rollout: the new prefill is created in the new decode's pass, right after it (beside
-    it, before it runs: the push brings its address), on the new port set; the new generation does not take over
-    until the operator saw the new decode's listener accept."""
+    """Parallel start in a Surge rollout: the new prefill is created in the pass after the new decode (beside it,
+    before it runs: the push brings its address); the new generation does not take over until the operator saw the
+    new decode's listener accept."""
     world = World(SURGE_V2, pods={p.name: p for p in serving(1)})
-    [plan] = [p for p in world.run(lambda plan, w: "p-decode-g2" in w.pods) if p.create]
-    assert (plan.create, plan.then_create, plan.create_generation) == (ROLE_DECODE, ROLE_PREFILL, 2)
-    assert plan.create_slot is not None and "p-prefill-g2" in world.pods
+    world.run(lambda plan, w: "p-decode-g2" in w.pods)
+    plan = next_step(world.spec, world.status, replace(world.observe(), rollout_decode_listening=False), world.now)
+    assert plan.create == ROLE_PREFILL and plan.create_generation == 2
     for role in (ROLE_PREFILL, ROLE_ROUTER):
         world.pods[f"p-{role}-g2"] = pod(role, 2, SURGE_V2)
     plan = next_step(world.spec, world.status, replace(world.observe(), rollout_decode_listening=False), world.now)
