@@ -884,17 +884,17 @@ class PairReconciler:
         if plan.create:
             await self._create(plan, pods, meta_generation)
 
-    async def _create(self, plan: d.Plan, pods: tuple[PodView, ...], meta_generation: int) -> bool:
-        """Creates plan.create's pod. True when it exists now (created, or by an earlier pass and not yet seen);
-        False when it was refused, now or before for this spec."""
+    async def _create(self, plan: d.Plan, pods: tuple[PodView, ...], meta_generation: int) -> None:
+        """Creates plan.create's pod, unless it was refused before for this spec (backoff) or an earlier pass
+        created it and the watch has not shown it yet."""
         assert plan.create
         if plan.create in (ROLE_PREFILL, ROLE_ROUTER):
             await self._peers_token()  # the pod takes it from the Secret: it must exist first
         rejection = self._rejection(plan)
         if rejection is not None and time.monotonic() < rejection.not_before:
-            return False  # refused before for this very spec: wait out the backoff
+            return  # refused before for this very spec: wait out the backoff
         if _created_name(self.ref.name, plan) in self.created_unseen:
-            return True  # created by an earlier pass; its watch event (which wakes this pair) has not arrived yet
+            return  # created by an earlier pass; its watch event (which wakes this pair) has not arrived yet
         manifest = self._manifest(plan, pods)
         name = manifest["metadata"]["name"]
         try:
@@ -903,13 +903,12 @@ class PairReconciler:
             if api_status(exc) not in REJECTED_STATUSES:
                 raise
             await self._rejected(plan, name, exc, meta_generation)
-            return False
+            return
         self.rejections.pop(plan.create, None)
         self.created_unseen[name] = time.monotonic()
         if created:
             what = plan.create if not plan.create_instance else f"{plan.create} instance {plan.create_instance}"
             self.emit("Normal", "PodCreated", f"created {what} {name} (generation {_create_generation(plan)})")
-        return True
 
     def _rejection(self, plan: d.Plan) -> Rejection | None:
         """The standing refusal of the pod this plan creates, if the spec is still the one refused."""
