@@ -254,9 +254,39 @@ def operator_metric(proc: devrun.OperatorProcess, name: str, labels: str = "") -
     return None
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cluster_cpu(cluster: LocalCluster) -> dict[str, float]:
+    """CPU seconds used so far by each control-plane process (apiserver, etcd, scheduler, controller-manager, kwok):
+    compared between the operator's phase and the floor's, it says where the box's two cores went."""
+    out = {}
+    for component in cluster._components:
+        if component.process is not None and component.process.poll() is None:
+            out[component.name] = round(cpu_seconds(component.process.pid), 2)
+    return out
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """The operator's CPU seconds by thread: the main thread (kopf's event loop and every pass) apart from the rest
+    (the API client threads, the watch streams' reads, the metrics server)."""
+    main, others = 0.0, 0.0
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            seconds = cpu_seconds_of(task / "stat")
+        except OSError:
+            continue
+        if task.name == str(pid):
+            main += seconds
+        else:
+            others += seconds
+    return {"main_thread": round(main, 2), "other_threads": round(others, 2)}
+
+
+def cpu_seconds_of(stat: pathlib.Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    return cpu_seconds_of(pathlib.Path(f"/proc/{pid}/stat"))
 
 
 def load_avg() -> str:
@@ -457,6 +487,7 @@ def main() -> int:
         op.start()
         rss_start = rss_mib(op.proc.pid)
         before = write_counts(cluster)
+        cluster_cpu_before = cluster_cpu(cluster)
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(CREATOR_THREADS) as tp:
             list(tp.map(lambda i: custom.create_namespaced_custom_object(GROUP, VERSION, PAIR_NS, PLURAL, {
@@ -480,6 +511,14 @@ def main() -> int:
             f"({sum(op_writes.values()) / n:.1f}/pair; refused {op_refused}); RSS {result['rss_ready_mib']:.0f} MiB; load {load_avg()}")
 
         result["operator_cpu_seconds_to_ready"] = cpu_seconds(op.proc.pid)
+        result["operator_thread_cpu_to_ready"] = thread_cpu(op.proc.pid)
+        passes = operator_metric(op, "pdpair_operator_reconcile_seconds_count")
+        result["passes_per_pair_to_ready"] = passes / n if passes is not None else None
+        result["cluster_cpu_operator_phase"] = {k: round(v - cluster_cpu_before.get(k, 0.0), 2)
+                                                for k, v in cluster_cpu(cluster).items()}
+        log(f"operator CPU to Ready {result['operator_cpu_seconds_to_ready']:.1f}s "
+            f"({result['operator_thread_cpu_to_ready']}); passes/pair {result['passes_per_pair_to_ready']}; "
+            f"control plane CPU meanwhile {result['cluster_cpu_operator_phase']}")
 
         # 3. settle (kopf posts Events from a queue, after the step that emitted them), then idle: RSS and write rate
         t0 = time.monotonic()
@@ -539,12 +578,17 @@ def main() -> int:
         ready.stop()
 
         # 5. floor
+        bench_cpu_before = cpu_seconds(os.getpid())
         threads = CREATOR_THREADS + api_threads
+        cluster_cpu_before = cluster_cpu(cluster)
         floor = run_floor(cluster, op_writes, n, threads, args.timeout)
+        floor["cluster_cpu"] = {k: round(v - cluster_cpu_before.get(k, 0.0), 2) for k, v in cluster_cpu(cluster).items()}
+        floor["client_cpu"] = round(cpu_seconds(os.getpid()) - bench_cpu_before, 2)
         result.update(floor=floor, floor_threads=threads, load_after=load_avg())
         result["ratio_to_floor"] = op_seconds / floor["seconds"]
         result["ratio_to_floor_writes_only"] = op_seconds / floor["writes_seconds"]
-        log(f"floor: {floor['writes_seconds']:.1f}s writes, {floor['seconds']:.1f}s with pods Running")
+        log(f"floor: {floor['writes_seconds']:.1f}s writes, {floor['seconds']:.1f}s with pods Running; control plane "
+            f"CPU {floor['cluster_cpu']}, the floor's client {floor['client_cpu']}s")
 
     listeners.close()
     print()

@@ -1,11 +1,18 @@
-"""kopf's diff-base (`last-handled-configuration`) built without deep-copying the whole pair (issue 23, item 4).
+"""No diff-base: kopf's `last-handled-configuration` is neither built nor stored (issue 23, item 4).
 
-kopf builds the essence of the object on every watch event of a pair: `copy.deepcopy(dict(body))`, then it deletes
-`metadata` and `status` from the copy. A pair's body carries managedFields and a status with ports and conditions,
-and the operator patches status ~6 times per pair while starting it: at 1000 pairs that deepcopy was 8.5% of the
-event loop (py-spy). `LeanDiffBaseStorage.build` hands kopf's own build a view of the body without `status` and
-with only the metadata that build reads (labels, annotations, ownerReferences), so the essence is the same, computed
-from less. With extra fields asked for (no handler of this operator asks), kopf's build runs on the whole body.
+kopf keeps a diff-base so that on.create / on.update / on.field handlers learn what changed. For that it builds the
+"essence" of the object (a deep copy of its body) on **every** watch event of **every** watched kind (pairs, pods,
+nodes, Services, PodDisruptionBudgets, role objects), and patches it into an annotation of each object that has a
+changing handler. This operator has none of those handlers: its passes are level-triggered (reconciler.py reads the
+live spec each pass), and the pair's one changing handler is on.delete (handlers.release_ports), which kopf detects
+from `deletionTimestamp`, not from a diff. So the diff-base was pure cost: one deep copy per watch event and one PATCH
+of each pair (plus the watch event that PATCH brings back, kopf's processing of it and the pass it woke): one of the
+operator's ~20 writes per pair at 1000 pairs (docs/benchmarks.md).
+
+`NoDiffBaseStorage` hands kopf one constant, empty essence as both the stored and the current one: every event that is
+not a deletion is then "no change" (kopf's NOOP), nothing is stored, nothing is copied. `changing_handlers_allowed`
+is what handlers.py checks at startup: an on.create/on.update/on.resume/on.field handler added later would never
+fire with this storage, so the operator refuses to start with one instead of ignoring it silently.
 """
 
 from __future__ import annotations
@@ -14,20 +21,28 @@ from typing import Any, Iterable
 
 import kopf
 
-KEPT_METADATA = ("labels", "annotations", "ownerReferences")
+# The changing-handler reasons that work without a diff-base (kopf detects deletion from deletionTimestamp).
+DIFF_FREE_REASONS = frozenset({"delete"})
+EMPTY_ESSENCE: Any = kopf.BodyEssence()
 
 
-def lean_body(body: Any) -> kopf.Body:
-    """The body without status and with only the metadata the essence reads (shallow: nothing is copied here)."""
-    raw = {key: value for key, value in body.items() if key not in ("status", "metadata")}
-    metadata = body.get("metadata") or {}
-    raw["metadata"] = {key: metadata[key] for key in KEPT_METADATA if key in metadata}
-    return kopf.Body(raw)
-
-
-class LeanDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+class NoDiffBaseStorage(kopf.DiffBaseStorage):
     def build(self, *, body: Any, extra_fields: Iterable[Any] | None = None) -> Any:
-        extra = list(extra_fields or ())
-        if extra:
-            return super().build(body=body, extra_fields=extra)
-        return super().build(body=lean_body(body), extra_fields=extra)
+        return EMPTY_ESSENCE
+
+    def fetch(self, *, body: Any) -> Any:
+        return EMPTY_ESSENCE
+
+    def store(self, *, body: Any, patch: Any, essence: Any) -> None:
+        return None
+
+
+def diff_dependent_handlers(registry: Any) -> list[str]:
+    """The ids of registered changing handlers that need a diff-base (anything but on.delete): must be none."""
+    found = []
+    for handler in registry._changing.get_all_handlers():
+        reason = getattr(handler, "reason", None)
+        value = getattr(reason, "value", reason)
+        if value not in DIFF_FREE_REASONS:
+            found.append(str(handler.id))
+    return found

@@ -48,10 +48,10 @@ from pdpair.contract import (
     VERSION,
 )
 
-from . import disruption, health, memory, planner, scale_targets, scrape, spec_fields
+from . import disruption, health, memory, planner, scale_targets, scrape, spec_fields, wake_filter
 from .api import TimedApi
 from .config import ENV_PEERS_KEY, OperatorConfig
-from .diffbase import LeanDiffBaseStorage
+from .diffbase import NoDiffBaseStorage, diff_dependent_handlers
 from .events import EventPoster, kubernetes_post
 from .observed import NodeView, PodView
 from .ports import PairRef, PortLeaser, port_of
@@ -113,13 +113,14 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     quiet_wake_ups()
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = LeanDiffBaseStorage(  # kopf's, without deep-copying status (diffbase.py)
-        prefix=GROUP, key="last-handled-configuration"
-    )
+    needs_diff = diff_dependent_handlers(kopf.get_default_registry())
+    if needs_diff:  # they would never fire without a diff-base (diffbase.py): refuse rather than ignore them
+        raise kopf.PermanentError(f"handlers {needs_diff} need kopf's diff-base, which this operator does not keep")
+    settings.persistence.diffbase_storage = NoDiffBaseStorage()  # no handler needs one (diffbase.py)
     # The pairs' Events go through events.EventPoster (handlers._emitter), not kopf's queue; kopf posts none of its
     # log lines (posting.loggers is off by default) and, at this level, nothing below a warning.
     settings.posting.level = logging.WARNING
-    # After its own patch (finalizer, last-handled-configuration) kopf waits this long for the watch to show it; past
+    # After its own patch (the finalizer) kopf waits this long for the watch to show it; past
     # that it acts on the stale body and patches the same again. Under load (1000 pairs) the watch lags more than
     # kopf's 5 s default: every such lag cost a duplicate PATCH per pair. Only the delete handler waits on this.
     settings.persistence.consistency_timeout = CONSISTENCY_TIMEOUT
@@ -241,10 +242,12 @@ async def pair_budgets(name: str, labels: kopf.Labels, spec: kopf.Spec, **_: Any
 
 
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={LABEL_PAIR_UID: kopf.PRESENT})
-async def budget_changed(labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+async def budget_changed(body: kopf.Body, uid: str, labels: kopf.Labels, memo: kopf.Memo, type: str | None,
+                         **_: Any) -> None:
     runtime: Runtime | None = memo.get("runtime")
-    if runtime:
-        runtime.wake(labels[LABEL_PAIR_UID])  # e.g. someone deleted the pair's PodDisruptionBudget: make it again
+    # e.g. someone deleted the pair's PodDisruptionBudget or changed it: make it again; not its status updates
+    if runtime and runtime.wake_filter.changed("pdb", uid, wake_filter.dependent_key(body), type):
+        runtime.wake(labels[LABEL_PAIR_UID])
 
 
 def _owned_by_a_pair(body: kopf.Body, **_: Any) -> bool:
@@ -259,11 +262,12 @@ async def pair_scale_targets(body: kopf.Body, **_: Any) -> dict[str, scale_targe
 
 
 @kopf.on.event(GROUP, VERSION, ROLE_OBJECT_PLURAL, when=_owned_by_a_pair)
-async def scale_target_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+async def scale_target_changed(body: kopf.Body, uid: str, memo: kopf.Memo, type: str | None, **_: Any) -> None:
     runtime: Runtime | None = memo.get("runtime")
-    uid = scale_targets.owner_uid(body)
-    if runtime and uid:
-        runtime.wake(uid)  # kubectl scale / an autoscaler moved spec.replicas, or someone deleted it: act now
+    pair_uid = scale_targets.owner_uid(body)
+    # kubectl scale / an autoscaler moved spec.replicas, or someone deleted it: act now; not our own status writes
+    if runtime and pair_uid and runtime.wake_filter.changed("role", uid, wake_filter.dependent_key(body), type):
+        runtime.wake(pair_uid)
 
 
 def _scale_views(pair_scale_targets: kopf.Index, uid: str, pair_name: str) -> dict[str, scale_targets.ScaleView]:
@@ -272,10 +276,10 @@ def _scale_views(pair_scale_targets: kopf.Index, uid: str, pair_name: str) -> di
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def pair_changed(uid: str, memo: kopf.Memo, **_: Any) -> None:
+async def pair_changed(body: kopf.Body, uid: str, memo: kopf.Memo, type: str | None, **_: Any) -> None:
     runtime: Runtime | None = memo.get("runtime")
-    if runtime:
-        runtime.wake(uid)
+    if runtime and runtime.wake_filter.changed("pair", uid, wake_filter.pair_key(body), type):
+        runtime.wake(uid)  # not for the reconciler's own status writes: wake_filter.py
 
 
 def _emitter(runtime: Runtime, body: kopf.Body) -> Callable[[str, str, str], None]:

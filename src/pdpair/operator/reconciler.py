@@ -52,6 +52,7 @@ from .service import (
     ACTION_CREATE, ACTION_DELETE, ACTION_PATCH, ServiceView, kept_service_port, plan_service, router_service,
     service_name,
 )
+from .wake_filter import WakeFilter
 from .status import FALSE, Condition, apply_conditions, now_rfc3339, status_diff
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class Runtime:
     policy: Any = None  # kubernetes.client.PolicyV1Api: the pairs' PodDisruptionBudgets (disruption.py); None: none
     nodes_seen: dict[str, Any] = field(default_factory=dict)  # node name -> the NodeView a node event last woke for
     events: Any = None  # events.EventPoster: the pairs' Events (handlers.py); None: kopf.event
+    wake_filter: WakeFilter = field(default_factory=WakeFilter)  # which watch events wake a pass (wake_filter.py)
     _http: tuple[Any, Any] | None = field(default=None, init=False, repr=False)  # (loop, aiohttp session): http()
 
     def http(self) -> Any:
