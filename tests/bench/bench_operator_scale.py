@@ -264,6 +264,21 @@ def cluster_cpu(cluster: LocalCluster) -> dict[str, float]:
     return out
 
 
+def wait_cluster_quiet(cluster: LocalCluster, cores: float = 0.25, window: float = 5.0, timeout: float = 180.0
+                       ) -> dict[str, float]:
+    """Wait until the control plane used less than `cores` of CPU over `window` seconds (the garbage collector and the
+    disruption controller work through the last phase's objects for a while), so that the operator's phase and the
+    floor each start from a quiet control plane. Returns how long it waited and the last rate."""
+    started = time.monotonic()
+    while True:
+        before = sum(cluster_cpu(cluster).values())
+        time.sleep(window)
+        rate = (sum(cluster_cpu(cluster).values()) - before) / window
+        waited = time.monotonic() - started
+        if rate < cores or waited > timeout:
+            return {"waited_seconds": round(waited, 1), "control_plane_cores": round(rate, 2)}
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
     """The operator's CPU seconds by thread: the main thread (kopf's event loop and every pass) apart from the rest
     (the API client threads, the watch streams' reads, the metrics server)."""
@@ -479,6 +494,8 @@ def main() -> int:
         log(f"baseline (no operator): {base_rate:.2f} writes/s: " + ", ".join(f"{key_name(k)} {v}" for k, v in base.items()))
 
         # 2. operator: N pairs to Ready
+        result["quiet_before_operator"] = wait_cluster_quiet(cluster)
+        log(f"control plane quiet before the operator: {result['quiet_before_operator']}")
         ready = Watcher(custom.list_namespaced_custom_object, (GROUP, VERSION, PAIR_NS, PLURAL),
                         lambda p: (p.get("status") or {}).get("phase") == "Ready")
         op = devrun.OperatorProcess(kubeconfig, OPERATOR_NS, pool, workdir / "operator-1.log",
@@ -578,9 +595,11 @@ def main() -> int:
         ready.stop()
 
         # 5. floor
-        bench_cpu_before = cpu_seconds(os.getpid())
         threads = CREATOR_THREADS + api_threads
+        result["quiet_before_floor"] = wait_cluster_quiet(cluster)
+        log(f"control plane quiet before the floor: {result['quiet_before_floor']}")
         cluster_cpu_before = cluster_cpu(cluster)
+        bench_cpu_before = cpu_seconds(os.getpid())
         floor = run_floor(cluster, op_writes, n, threads, args.timeout)
         floor["cluster_cpu"] = {k: round(v - cluster_cpu_before.get(k, 0.0), 2) for k, v in cluster_cpu(cluster).items()}
         floor["client_cpu"] = round(cpu_seconds(os.getpid()) - bench_cpu_before, 2)
