@@ -264,6 +264,19 @@ def cluster_cpu(cluster: LocalCluster) -> dict[str, float]:
     return out
 
 
+def box_cpu() -> dict[str, float]:
+    """The box's CPU seconds so far from /proc/stat: busy (user, nice, system, irq, softirq) and steal (time the
+    hypervisor gave to someone else: a phase with steal ran on less than the box's cores)."""
+    fields = [int(v) for v in pathlib.Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq, steal = fields[:8]
+    return {"busy": (user + nice + system + irq + softirq) / tick, "idle": (idle + iowait) / tick, "steal": steal / tick}
+
+
+def box_cpu_delta(before: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before[k], 2) for k, v in box_cpu().items()}
+
+
 def wait_cluster_quiet(cluster: LocalCluster, cores: float = 0.25, window: float = 5.0, timeout: float = 180.0
                        ) -> dict[str, float]:
     """Wait until the control plane used less than `cores` of CPU over `window` seconds (the garbage collector and the
@@ -505,6 +518,7 @@ def main() -> int:
         rss_start = rss_mib(op.proc.pid)
         before = write_counts(cluster)
         cluster_cpu_before = cluster_cpu(cluster)
+        box_before = box_cpu()
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(CREATOR_THREADS) as tp:
             list(tp.map(lambda i: custom.create_namespaced_custom_object(GROUP, VERSION, PAIR_NS, PLURAL, {
@@ -533,9 +547,10 @@ def main() -> int:
         result["passes_per_pair_to_ready"] = passes / n if passes is not None else None
         result["cluster_cpu_operator_phase"] = {k: round(v - cluster_cpu_before.get(k, 0.0), 2)
                                                 for k, v in cluster_cpu(cluster).items()}
+        result["box_cpu_operator_phase"] = box_cpu_delta(box_before)
         log(f"operator CPU to Ready {result['operator_cpu_seconds_to_ready']:.1f}s "
             f"({result['operator_thread_cpu_to_ready']}); passes/pair {result['passes_per_pair_to_ready']}; "
-            f"control plane CPU meanwhile {result['cluster_cpu_operator_phase']}")
+            f"control plane CPU meanwhile {result['cluster_cpu_operator_phase']}; box {result['box_cpu_operator_phase']}")
 
         # 3. settle (kopf posts Events from a queue, after the step that emitted them), then idle: RSS and write rate
         t0 = time.monotonic()
@@ -600,14 +615,16 @@ def main() -> int:
         log(f"control plane quiet before the floor: {result['quiet_before_floor']}")
         cluster_cpu_before = cluster_cpu(cluster)
         bench_cpu_before = cpu_seconds(os.getpid())
+        box_before = box_cpu()
         floor = run_floor(cluster, op_writes, n, threads, args.timeout)
+        floor["box_cpu"] = box_cpu_delta(box_before)
         floor["cluster_cpu"] = {k: round(v - cluster_cpu_before.get(k, 0.0), 2) for k, v in cluster_cpu(cluster).items()}
         floor["client_cpu"] = round(cpu_seconds(os.getpid()) - bench_cpu_before, 2)
         result.update(floor=floor, floor_threads=threads, load_after=load_avg())
         result["ratio_to_floor"] = op_seconds / floor["seconds"]
         result["ratio_to_floor_writes_only"] = op_seconds / floor["writes_seconds"]
         log(f"floor: {floor['writes_seconds']:.1f}s writes, {floor['seconds']:.1f}s with pods Running; control plane "
-            f"CPU {floor['cluster_cpu']}, the floor's client {floor['client_cpu']}s")
+            f"CPU {floor['cluster_cpu']}, the floor's client {floor['client_cpu']}s; box {floor['box_cpu']}")
 
     listeners.close()
     print()
