@@ -104,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdpair operator: bad configuration: {exc}", file=sys.stderr)
         return 2
 
-    from .memory import tune_malloc
+    from .memory import tune_gc, tune_malloc
 
     tune_malloc()  # before kopf and the API threads allocate (memory.py)
+    tune_gc()
 
     import kopf
 

@@ -149,9 +149,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     memo["sweeper"] = asyncio.create_task(_sweep_forever(runtime), name="pdpair-lease-sweep")
     memo["trimmer"] = asyncio.create_task(memory.trim_forever(), name="pdpair-malloc-trim")
     memo["metrics_server"] = _start_metrics(runtime)
+    frozen = memory.freeze_startup()  # what the startup made is never walked by the collector again (memory.py)
     logger.info(
-        "pdpair operator: pool %d-%d (%d held), leases in %s, probe every %.1fs",
-        config.port_pool.first, config.port_pool.last, held, config.namespace, config.probe_interval,
+        "pdpair operator: pool %d-%d (%d held), leases in %s, probe every %.1fs; %d startup objects frozen",
+        config.port_pool.first, config.port_pool.last, held, config.namespace, config.probe_interval, frozen,
     )
 
 
