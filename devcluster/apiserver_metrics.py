@@ -12,6 +12,7 @@ import ssl
 import urllib.request
 
 WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION", "APPLY"})
+READ_VERBS = frozenset({"GET", "LIST", "WATCH"})
 
 _SAMPLE = re.compile(r'^apiserver_request_total\{([^}]*)\} ([0-9.e+]+)$')
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -19,6 +20,11 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 def write_counts(cluster) -> collections.Counter:
     """Cumulative write requests by (verb, group, resource, subresource, code), from kube-apiserver's /metrics."""
+    return request_counts(cluster, WRITE_VERBS)
+
+
+def request_counts(cluster, verbs: frozenset[str]) -> collections.Counter:
+    """Cumulative requests of `verbs` by (verb, group, resource, subresource, code), from kube-apiserver's /metrics."""
     ctx = ssl.create_default_context(cafile=str(cluster.ca_file))
     req = urllib.request.Request(cluster.server + "/metrics", headers={"Authorization": f"Bearer {cluster.admin_token}"})
     with urllib.request.urlopen(req, timeout=30, context=ctx) as resp:
@@ -29,7 +35,7 @@ def write_counts(cluster) -> collections.Counter:
         if not m:
             continue
         labels = dict(_LABEL.findall(m.group(1)))
-        if labels.get("verb") in WRITE_VERBS:
+        if labels.get("verb") in verbs:
             key = (labels["verb"], labels.get("group", ""), labels.get("resource", ""), labels.get("subresource", ""),
                    labels.get("code", ""))
             out[key] += int(float(m.group(2)))

@@ -53,7 +53,7 @@ from pdpair.operator import config as opconfig  # noqa: E402
 from devcluster import operator_process as devrun  # noqa: E402
 from pdpair.operator.pods import engine_pod  # noqa: E402
 from pdpair.operator.ports import assign, required_blocks, status_ports  # noqa: E402
-from devcluster.apiserver_metrics import by_kind, counts_delta, key_name, write_counts  # noqa: E402
+from devcluster.apiserver_metrics import READ_VERBS, by_kind, counts_delta, key_name, request_counts, write_counts  # noqa: E402
 from devcluster.build import build, helm_path  # noqa: E402
 from devcluster.localcluster import LocalCluster  # noqa: E402
 import quiet  # noqa: E402  (tests/bench/quiet.py: the load guard)
@@ -519,6 +519,7 @@ def main() -> int:
         before = write_counts(cluster)
         cluster_cpu_before = cluster_cpu(cluster)
         box_before = box_cpu()
+        reads_before = request_counts(cluster, READ_VERBS)
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(CREATOR_THREADS) as tp:
             list(tp.map(lambda i: custom.create_namespaced_custom_object(GROUP, VERSION, PAIR_NS, PLURAL, {
@@ -548,6 +549,9 @@ def main() -> int:
         result["cluster_cpu_operator_phase"] = {k: round(v - cluster_cpu_before.get(k, 0.0), 2)
                                                 for k, v in cluster_cpu(cluster).items()}
         result["box_cpu_operator_phase"] = box_cpu_delta(box_before)
+        result["reads_operator_phase"] = {key_name(k): v for k, v in sorted(
+            counts_delta(request_counts(cluster, READ_VERBS), reads_before).items())}
+        log(f"reads meanwhile (everyone's): {result['reads_operator_phase']}")
         log(f"operator CPU to Ready {result['operator_cpu_seconds_to_ready']:.1f}s "
             f"({result['operator_thread_cpu_to_ready']}); passes/pair {result['passes_per_pair_to_ready']}; "
             f"control plane CPU meanwhile {result['cluster_cpu_operator_phase']}; box {result['box_cpu_operator_phase']}")
@@ -616,8 +620,12 @@ def main() -> int:
         cluster_cpu_before = cluster_cpu(cluster)
         bench_cpu_before = cpu_seconds(os.getpid())
         box_before = box_cpu()
+        reads_before = request_counts(cluster, READ_VERBS)
         floor = run_floor(cluster, op_writes, n, threads, args.timeout)
         floor["box_cpu"] = box_cpu_delta(box_before)
+        floor["reads"] = {key_name(k): v for k, v in sorted(
+            counts_delta(request_counts(cluster, READ_VERBS), reads_before).items())}
+        log(f"floor reads (everyone's): {floor['reads']}")
         floor["cluster_cpu"] = {k: round(v - cluster_cpu_before.get(k, 0.0), 2) for k, v in cluster_cpu(cluster).items()}
         floor["client_cpu"] = round(cpu_seconds(os.getpid()) - bench_cpu_before, 2)
         result.update(floor=floor, floor_threads=threads, load_after=load_avg())
