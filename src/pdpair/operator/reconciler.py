@@ -231,6 +231,13 @@ def _service_port(manifest: Mapping[str, Any]) -> int:
 # Steps that wait for a pod to change: the pod's watch event wakes the pair (handlers.pod_changed), so these wait a
 # resync interval, not the probe interval. Polling them every second was most of the operator's passes while 1000
 # pairs started: the event loop saturated and the decode probes timed out on it, a livelock.
+# A pair's leases are re-read from the apiserver (the truth: someone may have deleted one) every this many resync
+# intervals, not every pass: each re-read is a LIST that the apiserver answers by matching the pair's label against
+# every port lease in the namespace (6000 at 1000 pairs). Once per resync interval it was a second LIST for every
+# pair whose start took longer than that (all of them while 1000 pairs started) and 33 LISTs a second at rest.
+LEASE_RECHECK_RESYNCS = 10
+
+
 WAITS_FOR_POD_EVENTS = frozenset({d.STEP_WAIT_DECODE_RUNNING, d.STEP_WAIT_PREFILL_READY, d.STEP_WAIT_DECODE_READY,
                                   d.STEP_WAIT_ROUTER_READY, d.STEP_WAIT_GONE, rollout.STEP_ROLLOUT_WAIT_GONE,
                                   rollout.STEP_ROLLOUT_DRAIN})  # the drain's end is the plan's wait_seconds
@@ -384,11 +391,14 @@ class PairReconciler:
                 return written
         return recorded
 
+    def _lease_recheck_seconds(self) -> float:
+        return LEASE_RECHECK_RESYNCS * self.rt.config.resync_interval
+
     async def lease_serving(self, step: leases.LeaseStep) -> None:
         """Carry out the serving port set's lease step (leases.serving_lease); `self.ports` then mirrors the pair's
-        leases exactly ([] or None: none held). Leases are re-read (the truth) once per resync interval, or when
-        the blocks change; after an exhausted pool, no sooner than pool_retry."""
-        fresh = time.monotonic() - self.leases_checked_at < self.rt.config.resync_interval
+        leases exactly ([] or None: none held). Leases are re-read (the truth) every LEASE_RECHECK_RESYNCS resync
+        intervals, or when the blocks change; after an exhausted pool, no sooner than pool_retry."""
+        fresh = time.monotonic() - self.leases_checked_at < self._lease_recheck_seconds()
         if not step.leasing:
             if self.ports is None or not fresh:
                 held, self.leased_slots = await self.rt.leaser.held(self.ref, step.slot)
@@ -428,7 +438,7 @@ class PairReconciler:
         if step is None:
             self.rollout_ports, self.rollout_blocks, self.rollout_pool_message = None, None, ""
             return
-        fresh = time.monotonic() - self.rollout_checked_at < self.rt.config.resync_interval
+        fresh = time.monotonic() - self.rollout_checked_at < self._lease_recheck_seconds()
         if not step.leasing:
             if self.rollout_ports is None or not fresh:
                 held, self.leased_slots = await self.rt.leaser.held(self.ref, step.slot)
