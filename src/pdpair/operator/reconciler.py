@@ -52,8 +52,8 @@ from .service import (
     ACTION_CREATE, ACTION_DELETE, ACTION_PATCH, ServiceView, kept_service_port, plan_service, router_service,
     service_name,
 )
-from .wake_filter import WakeFilter
 from .status import FALSE, Condition, apply_conditions, now_rfc3339, status_diff
+from .wake_filter import WakeFilter
 
 log = logging.getLogger(__name__)
 
@@ -228,9 +228,6 @@ def _service_port(manifest: Mapping[str, Any]) -> int:
     return int(manifest["spec"]["ports"][0]["port"])
 
 
-# Steps that wait for a pod to change: the pod's watch event wakes the pair (handlers.pod_changed), so these wait a
-# resync interval, not the probe interval. Polling them every second was most of the operator's passes while 1000
-# pairs started: the event loop saturated and the decode probes timed out on it, a livelock.
 # A pair's leases are re-read from the apiserver (the truth: someone may have deleted one) every this many resync
 # intervals, not every pass: each re-read is a LIST that the apiserver answers by matching the pair's label against
 # every port lease in the namespace (6000 at 1000 pairs). Once per resync interval it was a second LIST for every
@@ -238,6 +235,9 @@ def _service_port(manifest: Mapping[str, Any]) -> int:
 LEASE_RECHECK_RESYNCS = 10
 
 
+# Steps that wait for a pod to change: the pod's watch event wakes the pair (handlers.pod_changed), so these wait a
+# resync interval, not the probe interval. Polling them every second was most of the operator's passes while 1000
+# pairs started: the event loop saturated and the decode probes timed out on it, a livelock.
 WAITS_FOR_POD_EVENTS = frozenset({d.STEP_WAIT_DECODE_RUNNING, d.STEP_WAIT_PREFILL_READY, d.STEP_WAIT_DECODE_READY,
                                   d.STEP_WAIT_ROUTER_READY, d.STEP_WAIT_GONE, rollout.STEP_ROLLOUT_WAIT_GONE,
                                   rollout.STEP_ROLLOUT_DRAIN})  # the drain's end is the plan's wait_seconds
