@@ -21,9 +21,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdpair import contract
 from pdpair.httpserver import StoppableServer
@@ -33,65 +34,129 @@ __all__ = ["OperatorMetrics", "OperatorMetricsServer", "serve", "RESTART_REASONS
 
 
 
+class _PairRecord:
+    """One pair's per-pair series: its phase, when it was first seen (the counters' `_created`), and the counts that are
+    not zero."""
+
+    __slots__ = ("phase", "first_seen", "restarts", "replacements")
+
+    def __init__(self, phase: str, first_seen: float) -> None:
+        self.phase = phase
+        self.first_seen = first_seen
+        self.restarts: dict[str, float] | None = None
+        self.replacements: dict[tuple[str, str], tuple[float, float]] | None = None  # (role, reason) -> (n, created)
+
+
+class PairSeries:
+    """The per-pair families (and `pdpair_operator_pairs`, counted from them), as a custom collector over one dict.
+
+    prometheus-client's labelled children cost ~700 bytes each, and every pair has 15 (a phase series per phase and a
+    restart counter per reason, created at 0 so `increase()` in the alert rules sees the first restart): 10 MiB at
+    1000 pairs (tracemalloc, docs/benchmarks.md). Here a pair is one small record, and the samples are built when
+    scraped. The exposition is the same: every phase series, a zero counter per restart reason from the first
+    sighting, a replacement counter once that instance was first replaced."""
+
+    FAMILIES = frozenset(m.name for m in (contract.OPERATOR_PAIRS, contract.OPERATOR_PAIR_PHASE,
+                                          contract.OPERATOR_PAIR_RESTARTS, contract.OPERATOR_INSTANCE_REPLACEMENTS))
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()  # the scrape runs in the HTTP server's thread
+        self._records: dict[tuple[str, str], _PairRecord] = {}
+
+    def set_phase(self, namespace: str, pair: str, phase: str) -> None:
+        with self._lock:
+            record = self._records.get((namespace, pair))
+            if record is None:
+                self._records[(namespace, pair)] = _PairRecord(phase, self._clock())
+            else:
+                record.phase = phase
+
+    def forget(self, namespace: str, pair: str) -> None:
+        with self._lock:
+            self._records.pop((namespace, pair), None)
+
+    def count(self, namespace: str, pair: str, which: str, key: Any) -> None:
+        """One more restart (`which` "restarts", key the reason) or instance replacement ("replacements", key
+        (role, reason)). A pair not seen yet is first seen now, in phase Pending."""
+        with self._lock:
+            record = self._records.get((namespace, pair))
+            if record is None:
+                record = self._records[(namespace, pair)] = _PairRecord(contract.PHASE_PENDING, self._clock())
+            if which == "restarts":
+                record.restarts = record.restarts or {}
+                record.restarts[key] = record.restarts.get(key, 0.0) + 1
+            else:
+                record.replacements = record.replacements or {}
+                n, created = record.replacements.get(key, (0.0, self._clock()))
+                record.replacements[key] = (n + 1, created)
+
+    def describe(self) -> list[Metric]:
+        """The four families, without samples: the registry refuses another collector of these names."""
+        return [GaugeMetricFamily(contract.OPERATOR_PAIRS.name, contract.OPERATOR_PAIRS.help),
+                GaugeMetricFamily(contract.OPERATOR_PAIR_PHASE.name, contract.OPERATOR_PAIR_PHASE.help),
+                CounterMetricFamily(contract.OPERATOR_PAIR_RESTARTS.base_name, contract.OPERATOR_PAIR_RESTARTS.help),
+                CounterMetricFamily(contract.OPERATOR_INSTANCE_REPLACEMENTS.base_name,
+                                    contract.OPERATOR_INSTANCE_REPLACEMENTS.help)]
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:  # copy out under the lock, build the samples outside it
+            rows = [(ns, pair, r.phase, r.first_seen, dict(r.restarts or {}), dict(r.replacements or {}))
+                    for (ns, pair), r in self._records.items()]
+        by_phase = GaugeMetricFamily(contract.OPERATOR_PAIRS.name, contract.OPERATOR_PAIRS.help,
+                                     labels=contract.OPERATOR_PAIRS.labels)
+        counts = dict.fromkeys(contract.PHASES, 0)
+        phase = GaugeMetricFamily(contract.OPERATOR_PAIR_PHASE.name, contract.OPERATOR_PAIR_PHASE.help,
+                                  labels=contract.OPERATOR_PAIR_PHASE.labels)
+        restarts = CounterMetricFamily(contract.OPERATOR_PAIR_RESTARTS.base_name, contract.OPERATOR_PAIR_RESTARTS.help,
+                                       labels=contract.OPERATOR_PAIR_RESTARTS.labels)
+        replacements = CounterMetricFamily(contract.OPERATOR_INSTANCE_REPLACEMENTS.base_name,
+                                           contract.OPERATOR_INSTANCE_REPLACEMENTS.help,
+                                           labels=contract.OPERATOR_INSTANCE_REPLACEMENTS.labels)
+        for ns, pair, current, first_seen, restarted, replaced in rows:
+            counts[current] += 1
+            for p in contract.PHASES:
+                phase.add_metric((ns, pair, p), 1.0 if p == current else 0.0)
+            for reason in RESTART_REASONS:
+                restarts.add_metric((ns, pair, reason), restarted.get(reason, 0.0), created=first_seen)
+            for (role, reason), (n, created) in sorted(replaced.items()):
+                replacements.add_metric((ns, pair, role, reason), n, created=created)
+        for p, n in counts.items():
+            by_phase.add_metric((p,), float(n))
+        yield from (by_phase, phase, restarts, replacements)
+
+
 class OperatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
         made = {
             m.name: kinds[m.kind](m.base_name, m.help, labelnames=m.labels, registry=self.registry)
-            for m in contract.OPERATOR_METRICS
+            for m in contract.OPERATOR_METRICS if m.name not in PairSeries.FAMILIES
         }
-        self._pairs = made[contract.OPERATOR_PAIRS.name]
-        self._pair_phase = made[contract.OPERATOR_PAIR_PHASE.name]
-        self._restarts = made[contract.OPERATOR_PAIR_RESTARTS.name]
-        self._replacements = made[contract.OPERATOR_INSTANCE_REPLACEMENTS.name]
-        self._replaced: dict[tuple[str, str], set[tuple[str, str]]] = {}  # (ns, pair) -> {(role, reason)} counted
+        self._pairs = PairSeries()
+        self.registry.register(self._pairs)
         self._hangs = made[contract.OPERATOR_HANG_DETECTIONS.name]
         self._pool_free = made[contract.OPERATOR_PORT_POOL_FREE.name]
         self._pool_size = made[contract.OPERATOR_PORT_POOL_SIZE.name]
         self._reconcile = made[contract.OPERATOR_RECONCILE_SECONDS.name]
-        self._lock = threading.Lock()
-        self._phases: dict[tuple[str, str], str] = {}
-        for phase in contract.PHASES:
-            self._pairs.labels(phase=phase).set(0)
 
     def set_pair_phase(self, namespace: str, pair: str, phase: str) -> None:
         if phase not in contract.PHASES:
             raise ValueError(f"phase must be one of {contract.PHASES}, got {phase!r}")
         _check_name("namespace", namespace)
         _check_name("pair", pair)
-        with self._lock:
-            previous = self._phases.get((namespace, pair))
-            if previous == phase:
-                return  # called after every reconcile pass: at 1000 pairs, a full recount each time cost seconds of CPU
-            if previous is None:
-                for reason in RESTART_REASONS:
-                    self._restarts.labels(namespace=namespace, pair=pair, reason=reason)
-            self._phases[(namespace, pair)] = phase
-            for p in contract.PHASES:
-                self._pair_phase.labels(namespace=namespace, pair=pair, phase=p).set(1 if p == phase else 0)
-            self._recount()
+        self._pairs.set_phase(namespace, pair, phase)
 
     def forget_pair(self, namespace: str, pair: str) -> None:
-        with self._lock:
-            if self._phases.pop((namespace, pair), None) is None:
-                return
-            for p in contract.PHASES:
-                self._pair_phase.remove(namespace, pair, p)
-            for reason in RESTART_REASONS:
-                with contextlib.suppress(KeyError):
-                    self._restarts.remove(namespace, pair, reason)
-            for role, reason in self._replaced.pop((namespace, pair), set()):
-                with contextlib.suppress(KeyError):
-                    self._replacements.remove(namespace, pair, role, reason)
-            self._recount()
+        self._pairs.forget(namespace, pair)
 
     def pair_restarted(self, namespace: str, pair: str, reason: str) -> None:
         if reason not in RESTART_REASONS:
             raise ValueError(f"reason must be one of {RESTART_REASONS}, got {reason!r}")
         _check_name("namespace", namespace)
         _check_name("pair", pair)
-        self._restarts.labels(namespace=namespace, pair=pair, reason=reason).inc()
+        self._pairs.count(namespace, pair, "restarts", reason)
 
     def instance_replaced(self, namespace: str, pair: str, role: str, reason: str) -> None:
         """One engine instance of an xPyD pair replaced alone (operator/instances.heal)."""
@@ -101,9 +166,7 @@ class OperatorMetrics:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         _check_name("namespace", namespace)
         _check_name("pair", pair)
-        with self._lock:
-            self._replaced.setdefault((namespace, pair), set()).add((role, reason))
-        self._replacements.labels(namespace=namespace, pair=pair, role=role, reason=reason).inc()
+        self._pairs.count(namespace, pair, "replacements", (role, reason))
 
     def hang_detected(self) -> None:
         self._hangs.inc()
@@ -135,13 +198,6 @@ class OperatorMetrics:
             yield
         finally:
             self._reconcile.observe(time.perf_counter() - started)
-
-    def _recount(self) -> None:
-        counts = {p: 0 for p in contract.PHASES}
-        for phase in self._phases.values():
-            counts[phase] += 1
-        for phase, n in counts.items():
-            self._pairs.labels(phase=phase).set(n)
 
 
 def _check_name(what: str, value: str) -> None:

@@ -112,3 +112,40 @@ def test_serve_three_times_on_one_port():
         server.stop()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_per_pair_series_cost_a_small_record_per_pair():
+    """1000 pairs' 15 series each (a phase series per phase, a zero restart counter per reason) held as one record per
+    pair, built when scraped: prometheus-client's labelled children took 8.9 MiB for these (~700 bytes a child), this
+    0.23 MiB (measured); the bound leaves 6x that. Well under a second."""
+    import gc
+    import tracemalloc
+
+    metrics = OperatorMetrics()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(1000):
+            metrics.set_pair_phase("bench-ns", f"pair-{i:04d}", "Pending")
+            metrics.set_pair_phase("bench-ns", f"pair-{i:04d}", "Ready")
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 1.5 * 2**20, held
+    from prometheus_client import generate_latest
+
+    text = generate_latest(metrics.registry).decode()
+    assert text.count('pdpair_operator_pair_phase{namespace="bench-ns"') == 1000 * len(contract.PHASES)
+    assert text.count('pdpair_operator_pair_restarts_total{namespace="bench-ns"') == 1000 * len(RESTART_REASONS)
+    assert 'pdpair_operator_pairs{phase="Ready"} 1000.0' in text
+
+
+def test_a_second_collector_of_the_per_pair_names_is_refused():
+    from prometheus_client import CollectorRegistry, Gauge
+
+    registry = CollectorRegistry()
+    OperatorMetrics(registry)
+    with pytest.raises(ValueError, match="Duplicated"):
+        Gauge(contract.OPERATOR_PAIR_PHASE.name, "again", labelnames=("namespace",), registry=registry)
