@@ -25,9 +25,11 @@ nothing.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from pdpair.contract import (
@@ -285,6 +287,54 @@ class PoolExhausted(Exception):
     pass
 
 
+def read_json(reply: Any) -> Any:
+    """A kubernetes client reply asked for with `_preload_content=False`, decoded as plain JSON; the connection goes
+    back to the client's pool."""
+    try:
+        return json.loads(reply.read() or b"null")
+    finally:
+        reply.release_conn()
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    """What the leaser reads of a Lease, from the apiserver's JSON.
+
+    Not the kubernetes client's models: from client 35 on these are pydantic models, ~17 objects a Lease with its
+    managedFields. A restarted operator's orphan sweep listed all 6000 Leases of 1000 pairs and held them while it
+    asked about each pair: 100k model objects, 16.4 MiB (tracemalloc, docs/benchmarks.md)."""
+
+    name: str
+    uid: str
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+    duration_seconds: int | None = None
+    acquire_time: datetime | None = None
+    renew_time: datetime | None = None
+
+    @classmethod
+    def from_json(cls, item: Mapping[str, Any]) -> LeaseRecord:
+        meta = item.get("metadata") or {}
+        spec = item.get("spec") or {}
+        return cls(
+            name=meta.get("name") or "", uid=meta.get("uid") or "",
+            labels=meta.get("labels") or {}, annotations=meta.get("annotations") or {},
+            duration_seconds=spec.get("leaseDurationSeconds"),
+            acquire_time=_micro_time(spec.get("acquireTime")), renew_time=_micro_time(spec.get("renewTime")),
+        )
+
+
+def _micro_time(value: str | None) -> datetime | None:
+    """A Lease's MicroTime (RFC 3339, e.g. 2026-12-06T01:02:03.000004Z); None when absent or unreadable (a
+    quarantine without a time is over at once: busy_ports.quarantine_expired)."""
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
 class PortLeaser:
     """Claims and releases port Leases with the official kubernetes client, off the event loop.
 
@@ -306,19 +356,22 @@ class PortLeaser:
     async def _call(self, fn, *args, **kwargs):
         return await asyncio.to_thread(fn, *args, **kwargs)
 
-    async def list_leases(self, label_selector: str) -> list[Any]:
-        items: list[Any] = []
+    async def list_leases(self, label_selector: str) -> list[LeaseRecord]:
+        """The Leases the selector matches, as `LeaseRecord`s read from the apiserver's JSON (not the client's models:
+        see LeaseRecord), 500 a page."""
+        items: list[LeaseRecord] = []
         token = None
         while True:
-            resp = await self._call(
+            page = read_json(await self._call(
                 self.api.list_namespaced_lease,
                 self.namespace,
                 label_selector=label_selector,
                 limit=500,
                 _continue=token,
-            )
-            items.extend(resp.items)
-            token = getattr(resp.metadata, "var_continue", None)
+                _preload_content=False,
+            ))
+            items.extend(LeaseRecord.from_json(item) for item in page.get("items") or ())
+            token = (page.get("metadata") or {}).get("continue")
             if not token:
                 return items
 
@@ -341,7 +394,7 @@ class PortLeaser:
         return await self.list_leases(f"{LABEL_PORT_LEASE}=true,{LABEL_PAIR_UID}={pair_uid}")
 
     async def _create(self, pair: PairRef, role: str, purpose: str, port: int, slot: str = DEFAULT_SLOT,
-                      instance: int = 0) -> Any | None:
+                      instance: int = 0) -> LeaseRecord | None:
         """Create the lease; None when another holder has it (409)."""
         from kubernetes.client import V1Lease, V1LeaseSpec, V1ObjectMeta
         from kubernetes.client.exceptions import ApiException
@@ -364,7 +417,8 @@ class PortLeaser:
             spec=V1LeaseSpec(holder_identity=pair.holder),
         )
         try:
-            return await self._call(self.api.create_namespaced_lease, self.namespace, body)
+            return LeaseRecord.from_json(read_json(
+                await self._call(self.api.create_namespaced_lease, self.namespace, body, _preload_content=False)))
         except ApiException as exc:
             if exc.status == 409:
                 return None
@@ -397,13 +451,13 @@ class PortLeaser:
             port = _lease_port(lease)
             if port is None:
                 continue
-            labels = lease.metadata.labels or {}
+            labels = lease.labels
             in_slot = lease_slot(labels)
             slots.add(in_slot)
             if in_slot != slot:
                 continue
             held[(labels.get(LABEL_ROLE, ""), lease_instance(labels), labels.get(LABEL_PURPOSE, ""))].append(port)
-            uids[port] = lease.metadata.uid
+            uids[port] = lease.uid
         return held, uids, frozenset(slots)
 
     async def held(self, pair: PairRef, slot: str = DEFAULT_SLOT) -> tuple[list[PortAssignment], frozenset[str]]:
@@ -481,7 +535,7 @@ class PortLeaser:
             async with self._lock:
                 self.taken.add(block.fixed)
             return [(PortAssignment(block.role, block.purpose, 0, block.fixed, instance=block.instance),
-                     lease.metadata.uid)]
+                     lease.uid)]
         refreshed = False
         start_at: int | None = None
         while True:
@@ -510,7 +564,7 @@ class PortLeaser:
                     if lease is None:
                         clash = assignment.port
                         break
-                    got.append((assignment, lease.metadata.uid))
+                    got.append((assignment, lease.uid))
             except BaseException:
                 # An apiserver error or cancellation: what was created carries the pair uid, so the next
                 # ensure() adopts or releases it; just forget the reservation.
@@ -552,7 +606,7 @@ class PortLeaser:
         for lease in await self.leases_of(pair_uid):
             port = _lease_port(lease)
             if port is not None:
-                released += await self._release_port(port, lease.metadata.uid)
+                released += await self._release_port(port, lease.uid)
         return released
 
     # - quarantine: a port found busy on a node (busy_ports.py); fence: a port of a pod on a lost node (nodes.py) --
@@ -624,13 +678,12 @@ class PortLeaser:
         freed: list[int] = []
         for lease in await self.list_leases(f"{LABEL_PORT_QUARANTINE}=true"):
             port = _lease_port(lease)
-            spec = lease.spec
-            if ANNOTATION_FENCED_POD in (lease.metadata.annotations or {}):
+            if ANNOTATION_FENCED_POD in lease.annotations:
                 continue
-            renewed = (spec.renew_time or spec.acquire_time) if spec else None
-            if port is None or not quarantine_expired(renewed, spec.lease_duration_seconds if spec else None, now):
+            if port is None or not quarantine_expired(lease.renew_time or lease.acquire_time, lease.duration_seconds,
+                                                      now):
                 continue
-            if await self._release_port(port, lease.metadata.uid):
+            if await self._release_port(port, lease.uid):
                 freed.append(port)
         if freed:
             log.info("quarantine over for ports %s: free for leasing again", freed)
@@ -642,14 +695,14 @@ class PortLeaser:
         freed: list[int] = []
         for lease in await self.list_leases(f"{LABEL_PORT_QUARANTINE}=true"):
             port = _lease_port(lease)
-            ref = (lease.metadata.annotations or {}).get(ANNOTATION_FENCED_POD)
+            ref = lease.annotations.get(ANNOTATION_FENCED_POD)
             if port is None or ref is None:
                 continue
             namespace, _, rest = ref.partition("/")
             name, _, uid = rest.partition("/")
             if await pod_exists(namespace, name, uid):
                 continue
-            if await self._release_port(port, lease.metadata.uid):
+            if await self._release_port(port, lease.uid):
                 freed.append(port)
                 log.info("port %d: its fenced pod %s is gone; free for leasing again", port, ref)
         return freed
@@ -657,27 +710,28 @@ class PortLeaser:
     async def sweep_orphans(self, pair_uid_alive) -> int:
         """Delete leases whose pair no longer exists. `pair_uid_alive(namespace, name, uid)` is awaited.
         Quarantine Leases belong to no pair; sweep_quarantines ends them."""
-        leases = await self.list_leases(f"{LABEL_PORT_LEASE}=true")
-        by_pair: dict[tuple[str, str, str], list[Any]] = defaultdict(list)
-        for lease in leases:
-            labels = lease.metadata.labels or {}
-            if labels.get(LABEL_PORT_QUARANTINE) == "true":
+        # Only (port, lease uid) per pair is kept across the awaits below: the orphan check of a restarted operator
+        # asks the apiserver about every pair it does not reconcile yet, for as long as that takes.
+        by_pair: dict[tuple[str, str, str], list[tuple[int, str]]] = defaultdict(list)
+        for lease in await self.list_leases(f"{LABEL_PORT_LEASE}=true"):
+            labels = lease.labels
+            port = _lease_port(lease)
+            if labels.get(LABEL_PORT_QUARANTINE) == "true" or port is None:
                 continue
-            by_pair[(labels.get(LABEL_PAIR_NAMESPACE, ""), labels.get(LABEL_PAIR, ""), labels.get(LABEL_PAIR_UID, ""))].append(lease)
+            key = (labels.get(LABEL_PAIR_NAMESPACE, ""), labels.get(LABEL_PAIR, ""), labels.get(LABEL_PAIR_UID, ""))
+            by_pair[key].append((port, lease.uid))
         released = 0
         for (namespace, name, uid), group in by_pair.items():
             if await pair_uid_alive(namespace, name, uid):
                 continue
-            for lease in group:
-                port = _lease_port(lease)
-                if port is not None:
-                    released += await self._release_port(port, lease.metadata.uid)
+            for port, lease_uid in group:
+                released += await self._release_port(port, lease_uid)
             log.info("released %d orphaned port leases of %s/%s (uid %s)", len(group), namespace, name, uid)
         return released
 
 
-def _lease_port(lease: Any) -> int | None:
-    name = lease.metadata.name or ""
+def _lease_port(lease: LeaseRecord) -> int | None:
+    name = lease.name
     if not name.startswith(LEASE_NAME_PREFIX):
         return None
     try:

@@ -4,10 +4,26 @@ Test code only."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import Any
 
+from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
+
+
+class RawReply:
+    """What the client returns with `_preload_content=False`: the reply's bytes, read once, then the connection back."""
+
+    def __init__(self, obj: Any) -> None:
+        self._data = json.dumps(ApiClient().sanitize_for_serialization(obj)).encode()
+        self.released = False
+
+    def read(self) -> bytes:
+        return self._data
+
+    def release_conn(self) -> None:
+        self.released = True
 
 
 class Leases:
@@ -17,18 +33,20 @@ class Leases:
         self.items: dict[str, Any] = {}
         self.fail_deletes = 0
 
-    def list_namespaced_lease(self, namespace, label_selector="", limit=None, _continue=None):
+    def list_namespaced_lease(self, namespace, label_selector="", limit=None, _continue=None, _preload_content=True):
         want = dict(term.split("=", 1) for term in label_selector.split(",") if term)
         items = [lease for lease in self.items.values()
                  if all((lease.metadata.labels or {}).get(k) == v for k, v in want.items())]
+        if not _preload_content:
+            return RawReply({"items": items, "metadata": {}})
         return SimpleNamespace(items=items, metadata=SimpleNamespace(var_continue=None))
 
-    def create_namespaced_lease(self, namespace, body):
+    def create_namespaced_lease(self, namespace, body, _preload_content=True):
         if body.metadata.name in self.items:
             raise ApiException(status=409, reason="AlreadyExists")
         body.metadata.uid, body.metadata.resource_version = f"lease-{body.metadata.name}", "1"
         self.items[body.metadata.name] = body
-        return body
+        return body if _preload_content else RawReply(body)
 
     def read_namespaced_lease(self, name, namespace):
         if name not in self.items:

@@ -132,3 +132,44 @@ def test_unknown_instance_labels_are_released_and_not_listed():
     assert 20050 not in {a.port for a in held} and len(held) == 6
     outcome = asyncio.run(leaser(api, 20099).ensure(PAIR, required_blocks(ONE)))
     assert outcome.released == 1 and 20050 not in api.ours()
+
+
+def test_leases_are_read_as_plain_records_and_every_reply_gives_its_connection_back():
+    """list_leases and the create read the apiserver's JSON (`_preload_content=False`) into LeaseRecords, not the
+    client's pydantic models; a quarantine's times survive the round trip, and a quarantine whose time is over is
+    released by the sweep. Milliseconds."""
+    from datetime import datetime, timedelta, timezone
+
+    from kubernetes.client import ApiClient, V1Lease, V1LeaseSpec, V1ObjectMeta
+
+    from pdpair.contract import LABEL_PORT_QUARANTINE
+    from pdpair.operator.ports import LeaseRecord
+
+    acquired = datetime(2026, 12, 6, 1, 2, 3, 4, tzinfo=timezone.utc)
+    quarantine = V1Lease(
+        metadata=V1ObjectMeta(name=lease_name(31000), uid="q-uid",
+                              labels={LABEL_PORT_LEASE: "true", LABEL_PORT_QUARANTINE: "true"}),
+        spec=V1LeaseSpec(holder_identity="node-busy/n1", lease_duration_seconds=60, acquire_time=acquired,
+                         renew_time=acquired + timedelta(seconds=5)),
+    )
+    record = LeaseRecord.from_json(ApiClient().sanitize_for_serialization(quarantine))
+    assert record == LeaseRecord(lease_name(31000), "q-uid", {LABEL_PORT_LEASE: "true", LABEL_PORT_QUARANTINE: "true"},
+                                 {}, 60, acquired, acquired + timedelta(seconds=5))
+    assert LeaseRecord.from_json({"metadata": {"name": "x"}, "spec": {"renewTime": "not a time"}}).renew_time is None
+
+    replies = []
+
+    class Counted(Leases):
+        def list_namespaced_lease(self, *args, **kwargs):
+            replies.append(reply := super().list_namespaced_lease(*args, **kwargs))
+            return reply
+
+    api = Counted()
+    api.items[quarantine.metadata.name] = quarantine
+    ports = leaser(api, 20099)
+    assert asyncio.run(ports.sweep_quarantines(now=acquired + timedelta(seconds=64))) == []  # 1 s left
+    assert asyncio.run(ports.sweep_quarantines(now=acquired + timedelta(seconds=65))) == [31000]
+    assert not api.items
+    assert asyncio.run(ports.ensure(PAIR, required_blocks(ONE))).assignments
+    assert {type(lease) for lease in asyncio.run(ports.leases_of(PAIR.uid))} == {LeaseRecord}
+    assert replies and all(reply.released for reply in replies)
