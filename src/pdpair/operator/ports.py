@@ -25,7 +25,6 @@ nothing.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -59,6 +58,7 @@ from pdpair.contract import (
     status_port_name,
 )
 
+from .api import read_json
 from .busy_ports import quarantine_expired
 from .config import PortPool
 from .spec_fields import replicas
@@ -285,15 +285,6 @@ class LeaseOutcome:
 
 class PoolExhausted(Exception):
     pass
-
-
-def read_json(reply: Any) -> Any:
-    """A kubernetes client reply asked for with `_preload_content=False`, decoded as plain JSON; the connection goes
-    back to the client's pool."""
-    try:
-        return json.loads(reply.read() or b"null")
-    finally:
-        reply.release_conn()
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from pdpair.contract import (
 )
 
 from . import desired as d
+from .api import drop_reply
 from .observed import Finding, NodeView, Observed, PodView, RouterDrainView
 from . import health, leases, planner, rollout
 from .config import ENV_PEERS_KEY, OperatorConfig
@@ -651,8 +652,9 @@ class PairReconciler:
             else:
                 from kubernetes.client import V1PodDisruptionBudget
 
-                await asyncio.to_thread(self.rt.policy.create_namespaced_pod_disruption_budget, self.ref.namespace,
-                                        V1PodDisruptionBudget.from_dict(manifest))
+                drop_reply(await asyncio.to_thread(self.rt.policy.create_namespaced_pod_disruption_budget,
+                                                   self.ref.namespace, V1PodDisruptionBudget.from_dict(manifest),
+                                                   _preload_content=False))
                 done = ("DisruptionBudgetCreated", f"created PodDisruptionBudget {name} (minAvailable "
                         f"{disruption.NO_READY_POD_EVICTED}: no Ready pod is evicted; a drain waits until the pair "
                         "has moved)")
@@ -1178,8 +1180,9 @@ class PairReconciler:
 
     async def _patch_pod_annotations(self, name: str, annotations: Mapping[str, str]) -> None:
         try:
-            await asyncio.to_thread(self.rt.core.patch_namespaced_pod, name, self.ref.namespace,
-                                    {"metadata": {"annotations": dict(annotations)}})
+            drop_reply(await asyncio.to_thread(self.rt.core.patch_namespaced_pod, name, self.ref.namespace,
+                                               {"metadata": {"annotations": dict(annotations)}},
+                                               _preload_content=False))
         except Exception as exc:
             if api_status(exc) != 404:  # gone: nothing to mark
                 raise
@@ -1188,9 +1191,10 @@ class PairReconciler:
         from kubernetes.client import V1Pod
 
         try:
-            await asyncio.to_thread(
-                self.rt.core.create_namespaced_pod, manifest["metadata"]["namespace"], V1Pod.from_dict(manifest)
-            )
+            drop_reply(await asyncio.to_thread(
+                self.rt.core.create_namespaced_pod, manifest["metadata"]["namespace"], V1Pod.from_dict(manifest),
+                _preload_content=False,
+            ))
             return True
         except Exception as exc:
             if api_status(exc) == 409:  # made by an earlier pass; the index had not caught up
@@ -1202,7 +1206,8 @@ class PairReconciler:
 
         opts = V1DeleteOptions(preconditions=V1Preconditions(uid=uid) if uid else None)
         try:
-            await asyncio.to_thread(self.rt.core.delete_namespaced_pod, name, self.ref.namespace, body=opts)
+            drop_reply(await asyncio.to_thread(self.rt.core.delete_namespaced_pod, name, self.ref.namespace, body=opts,
+                                               _preload_content=False))
         except Exception as exc:
             if api_status(exc) not in (404, 409):
                 raise
