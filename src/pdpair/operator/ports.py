@@ -58,7 +58,6 @@ from pdpair.contract import (
     status_port_name,
 )
 
-from .api import read_json
 from .busy_ports import quarantine_expired
 from .config import PortPool
 from .spec_fields import replicas
@@ -350,6 +349,8 @@ class PortLeaser:
     async def list_leases(self, label_selector: str) -> list[LeaseRecord]:
         """The Leases the selector matches, as `LeaseRecord`s read from the apiserver's JSON (not the client's models:
         see LeaseRecord), 500 a page."""
+        from .api import read_json  # an executor module: the planner imports this one's pure half
+
         items: list[LeaseRecord] = []
         token = None
         while True:
@@ -389,6 +390,8 @@ class PortLeaser:
         """Create the lease; None when another holder has it (409)."""
         from kubernetes.client import V1Lease, V1LeaseSpec, V1ObjectMeta
         from kubernetes.client.exceptions import ApiException
+
+        from .api import read_json
 
         body = V1Lease(
             metadata=V1ObjectMeta(
