@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     import kopf
 
     from . import handlers  # noqa: F401  (registers the handlers)
+    from . import lean_watch
+
+    lean_watch.install()  # kopf's watch events without managedFields, before any watch starts (lean_watch.py)
 
     elector = _elect(config) if config.leader_elect else None
     try:
