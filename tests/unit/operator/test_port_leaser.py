@@ -173,3 +173,36 @@ def test_leases_are_read_as_plain_records_and_every_reply_gives_its_connection_b
     assert asyncio.run(ports.ensure(PAIR, required_blocks(ONE))).assignments
     assert {type(lease) for lease in asyncio.run(ports.leases_of(PAIR.uid))} == {LeaseRecord}
     assert replies and all(reply.released for reply in replies)
+
+
+def test_a_pair_without_leases_at_the_full_list_is_not_listed_again_until_it_claims():
+    """After the start-up's full list (refresh_taken) a pair that held no Lease then, and for which this process made
+    none since, needs no list of its own: its first ensure() only creates. A pair that held Leases at the full list (a
+    crashed operator's leftovers) is listed and adopts them, and so is a pair this process has claimed for (a pass
+    that died between its creates and its status write). Milliseconds."""
+    selectors = []
+
+    class Counted(Leases):
+        def list_namespaced_lease(self, namespace, label_selector="", **kwargs):
+            selectors.append(label_selector)
+            return super().list_namespaced_lease(namespace, label_selector=label_selector, **kwargs)
+
+    api = Counted()
+    left = PairRef("ns", "left", "uid-left")
+    asyncio.run(leaser(api, 20099).ensure(left, required_blocks(ONE)))  # another operator's, before this one started
+    leftovers = {name for name, lease in api.items.items() if lease.metadata.labels[LABEL_PAIR_UID] == left.uid}
+    ports = leaser(api, 20099)
+    asyncio.run(ports.refresh_taken())
+    selectors.clear()
+
+    new = asyncio.run(ports.ensure(PAIR, required_blocks(ONE)))
+    assert new.claimed == 6 and new.adopted == 0
+    assert not [s for s in selectors if PAIR.uid in s]  # no list for the new pair
+    again = asyncio.run(ports.ensure(PAIR, required_blocks(ONE)))  # its status write was lost: the next pass adopts
+    assert again.adopted == 6 and again.claimed == 0 and [s for s in selectors if PAIR.uid in s]
+    adopted = asyncio.run(ports.ensure(left, required_blocks(ONE)))
+    assert adopted.adopted == 6 and adopted.claimed == 0
+    assert {name for name, lease in api.items.items() if lease.metadata.labels[LABEL_PAIR_UID] == left.uid} == leftovers
+
+    unlisted = leaser(api, 20099)  # no full list yet (no start-up): every pair is listed
+    assert asyncio.run(unlisted.held(PAIR))[0]
