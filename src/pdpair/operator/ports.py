@@ -356,19 +356,19 @@ class PortLeaser:
     async def list_leases(self, label_selector: str) -> list[LeaseRecord]:
         """The Leases the selector matches, as `LeaseRecord`s read from the apiserver's JSON (not the client's models:
         see LeaseRecord), 500 a page."""
-        from .api import read_json  # an executor module: the planner imports this one's pure half
+        from .api import call_json  # an executor module: the planner imports this one's pure half
 
         items: list[LeaseRecord] = []
         token = None
         while True:
-            page = read_json(await self._call(
+            page = await self._call(
+                call_json,
                 self.api.list_namespaced_lease,
                 self.namespace,
                 label_selector=label_selector,
                 limit=500,
                 _continue=token,
-                _preload_content=False,
-            ))
+            )
             items.extend(LeaseRecord.from_json(item) for item in page.get("items") or ())
             token = (page.get("metadata") or {}).get("continue")
             if not token:
@@ -399,7 +399,7 @@ class PortLeaser:
         from kubernetes.client import V1Lease, V1LeaseSpec, V1ObjectMeta
         from kubernetes.client.exceptions import ApiException
 
-        from .api import read_json
+        from .api import call_json
 
         if self._may_hold is not None:
             self._may_hold.add(pair.uid)  # before the call: a create whose reply is lost may still have been made
@@ -421,8 +421,8 @@ class PortLeaser:
             spec=V1LeaseSpec(holder_identity=pair.holder),
         )
         try:
-            return LeaseRecord.from_json(read_json(
-                await self._call(self.api.create_namespaced_lease, self.namespace, body, _preload_content=False)))
+            return LeaseRecord.from_json(await self._call(call_json, self.api.create_namespaced_lease, self.namespace,
+                                                          body))
         except ApiException as exc:
             if exc.status == 409:
                 return None

@@ -39,7 +39,7 @@ from pdpair.contract import (
 )
 
 from . import desired as d
-from .api import drop_reply
+from .api import call_dropped
 from .observed import Finding, NodeView, Observed, PodView, RouterDrainView
 from . import health, leases, planner, rollout
 from .config import ENV_PEERS_KEY, OperatorConfig
@@ -652,9 +652,8 @@ class PairReconciler:
             else:
                 from kubernetes.client import V1PodDisruptionBudget
 
-                drop_reply(await asyncio.to_thread(self.rt.policy.create_namespaced_pod_disruption_budget,
-                                                   self.ref.namespace, V1PodDisruptionBudget.from_dict(manifest),
-                                                   _preload_content=False))
+                await asyncio.to_thread(call_dropped, self.rt.policy.create_namespaced_pod_disruption_budget,
+                                        self.ref.namespace, V1PodDisruptionBudget.from_dict(manifest))
                 done = ("DisruptionBudgetCreated", f"created PodDisruptionBudget {name} (minAvailable "
                         f"{disruption.NO_READY_POD_EVICTED}: no Ready pod is evicted; a drain waits until the pair "
                         "has moved)")
@@ -1180,9 +1179,8 @@ class PairReconciler:
 
     async def _patch_pod_annotations(self, name: str, annotations: Mapping[str, str]) -> None:
         try:
-            drop_reply(await asyncio.to_thread(self.rt.core.patch_namespaced_pod, name, self.ref.namespace,
-                                               {"metadata": {"annotations": dict(annotations)}},
-                                               _preload_content=False))
+            await asyncio.to_thread(call_dropped, self.rt.core.patch_namespaced_pod, name, self.ref.namespace,
+                                    {"metadata": {"annotations": dict(annotations)}})
         except Exception as exc:
             if api_status(exc) != 404:  # gone: nothing to mark
                 raise
@@ -1191,10 +1189,10 @@ class PairReconciler:
         from kubernetes.client import V1Pod
 
         try:
-            drop_reply(await asyncio.to_thread(
-                self.rt.core.create_namespaced_pod, manifest["metadata"]["namespace"], V1Pod.from_dict(manifest),
-                _preload_content=False,
-            ))
+            await asyncio.to_thread(
+                call_dropped, self.rt.core.create_namespaced_pod, manifest["metadata"]["namespace"],
+                V1Pod.from_dict(manifest),
+            )
             return True
         except Exception as exc:
             if api_status(exc) == 409:  # made by an earlier pass; the index had not caught up
@@ -1206,8 +1204,8 @@ class PairReconciler:
 
         opts = V1DeleteOptions(preconditions=V1Preconditions(uid=uid) if uid else None)
         try:
-            drop_reply(await asyncio.to_thread(self.rt.core.delete_namespaced_pod, name, self.ref.namespace, body=opts,
-                                               _preload_content=False))
+            await asyncio.to_thread(call_dropped, self.rt.core.delete_namespaced_pod, name, self.ref.namespace,
+                                    body=opts)
         except Exception as exc:
             if api_status(exc) not in (404, 409):
                 raise

@@ -162,10 +162,19 @@ UID = "uid-drain"
 
 
 class Core:
-    """Pod patches, Secret creates and Events: accepted and forgotten (the test hands the reconciler its pods)."""
+    """Pod patches, Secret creates and Events: accepted and forgotten (the test hands the reconciler its pods). A
+    call asking for the raw reply (`_preload_content=False`, api.call_dropped) gets an empty one, as the client's."""
 
     def __getattr__(self, name):
-        return lambda *args, **kwargs: None
+        return lambda *args, _preload_content=True, **kwargs: None if _preload_content else EmptyReply()
+
+
+class EmptyReply:
+    def read(self) -> bytes:
+        return b"{}"
+
+    def release_conn(self) -> None:
+        pass
 
 
 def pod(name: str, role: str, instance: int = 0, **kw) -> PodView:
