@@ -3,8 +3,9 @@
 The API server makes "create if absent" atomic, so a 409 means another pair holds the port and we try the next.
 The leases are the truth and `status.ports` is a copy: after a crash the operator lists the leases by pair uid and
 adopts them. A pair that held no Lease at the start-up's full list, and that this process has not claimed for since,
-is not listed (`PortLeaser._may_hold`: the operator is the only writer of pair Leases). The pure planner (`required_blocks`, `choose_run`, `match_existing`) is apart from the API calls
-(`PortLeaser`), so it can be table-tested.
+is not listed (`PortLeaser._may_hold`: the operator is the only writer of pair Leases). The pure planner
+(`required_blocks`, `choose_run`, `match_existing`) is apart from the API calls (`PortLeaser`), so it can be
+table-tested.
 
 Instances (xPyD, docs/xpyd.md section 1): every prefill and decode instance has its own blocks (side channel per
 rank, metrics, http), keyed (role, instance, purpose); the router has one (instance 0). A Lease carries its instance
