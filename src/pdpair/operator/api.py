@@ -39,29 +39,25 @@ class TimedApi:
         return call
 
 
-def read_json(reply: Any) -> Any:
-    """A reply asked for with `_preload_content=False`, decoded as plain JSON; the connection goes back to the pool.
-    Blocking (it reads the body): in the API thread, as `call_json` does.
+def call_json(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` of the kubernetes client, its reply asked for with `_preload_content=False` and decoded
+    as plain JSON; the connection goes back to the pool. Blocking: run it in an API thread
+    (`asyncio.to_thread(call_json, api.list_..., ...)`), so the event loop never waits on a body's read.
 
     From kubernetes client 35 on, a reply is otherwise built into pydantic models (a created pod's ~0.2 ms of CPU,
-    its managedFields included): for what the operator only reads a few fields of, or drops."""
-    try:
-        return json.loads(reply.read() or b"null")
-    finally:
-        reply.release_conn()
-
-
-def call_json(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` of the kubernetes client, its reply as plain JSON (read_json). Blocking: run it in an API
-    thread (`asyncio.to_thread(call_json, api.list_..., ...)`), so the event loop never waits on a body's read."""
-    return read_json(fn(*args, _preload_content=False, **kwargs))
+    its managedFields included): for what the operator only reads a few fields of, or drops (call_dropped)."""
+    return json.loads(_read(fn(*args, _preload_content=False, **kwargs)) or b"null")
 
 
 def call_dropped(fn: Any, *args: Any, **kwargs: Any) -> None:
     """`fn(*args, **kwargs)` of the kubernetes client, its reply read and dropped (no model built); errors raise as
     usual (the client raises ApiException before returning a raw reply). Blocking: run it in an API thread."""
-    reply = fn(*args, _preload_content=False, **kwargs)
+    _read(fn(*args, _preload_content=False, **kwargs))
+
+
+def _read(reply: Any) -> bytes:
+    """A raw reply's body; the connection back to the client's pool either way."""
     try:
-        reply.read()
+        return reply.read()
     finally:
         reply.release_conn()

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from pdpair.contract import GROUP, KIND, VERSION
 
+from .api import call_dropped
 from .status import now_rfc3339
 
 log = logging.getLogger(__name__)
@@ -153,8 +154,6 @@ def kubernetes_post(core: Any) -> Callable[[str, dict[str, Any]], None]:
     V1Event (the kubernetes client's deserialisation costs more CPU than the request)."""
 
     def post(namespace: str, body: dict[str, Any]) -> None:
-        reply = core.create_namespaced_event(namespace, body, _preload_content=False)
-        reply.read()
-        reply.release_conn()
+        call_dropped(core.create_namespaced_event, namespace, body)
 
     return post

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -76,20 +76,25 @@ class PairSeries:
         with self._lock:
             self._records.pop((namespace, pair), None)
 
-    def count(self, namespace: str, pair: str, which: str, key: Any) -> None:
-        """One more restart (`which` "restarts", key the reason) or instance replacement ("replacements", key
-        (role, reason)). A pair not seen yet is first seen now, in phase Pending."""
+    def restarted(self, namespace: str, pair: str, reason: str) -> None:
         with self._lock:
-            record = self._records.get((namespace, pair))
-            if record is None:
-                record = self._records[(namespace, pair)] = _PairRecord(contract.PHASE_PENDING, self._clock())
-            if which == "restarts":
-                record.restarts = record.restarts or {}
-                record.restarts[key] = record.restarts.get(key, 0.0) + 1
-            else:
-                record.replacements = record.replacements or {}
-                n, created = record.replacements.get(key, (0.0, self._clock()))
-                record.replacements[key] = (n + 1, created)
+            record = self._record(namespace, pair)
+            record.restarts = record.restarts or {}
+            record.restarts[reason] = record.restarts.get(reason, 0.0) + 1
+
+    def replaced(self, namespace: str, pair: str, role: str, reason: str) -> None:
+        with self._lock:
+            record = self._record(namespace, pair)
+            record.replacements = record.replacements or {}
+            n, created = record.replacements.get((role, reason), (0.0, self._clock()))
+            record.replacements[(role, reason)] = (n + 1, created)
+
+    def _record(self, namespace: str, pair: str) -> _PairRecord:
+        """The pair's record (under the lock); a pair not seen yet is first seen now, in phase Pending."""
+        record = self._records.get((namespace, pair))
+        if record is None:
+            record = self._records[(namespace, pair)] = _PairRecord(contract.PHASE_PENDING, self._clock())
+        return record
 
     def describe(self) -> list[Metric]:
         """The four families, without samples: the registry refuses another collector of these names."""
@@ -156,7 +161,7 @@ class OperatorMetrics:
             raise ValueError(f"reason must be one of {RESTART_REASONS}, got {reason!r}")
         _check_name("namespace", namespace)
         _check_name("pair", pair)
-        self._pairs.count(namespace, pair, "restarts", reason)
+        self._pairs.restarted(namespace, pair, reason)
 
     def instance_replaced(self, namespace: str, pair: str, role: str, reason: str) -> None:
         """One engine instance of an xPyD pair replaced alone (operator/instances.heal)."""
@@ -166,7 +171,7 @@ class OperatorMetrics:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         _check_name("namespace", namespace)
         _check_name("pair", pair)
-        self._pairs.count(namespace, pair, "replacements", (role, reason))
+        self._pairs.replaced(namespace, pair, role, reason)
 
     def hang_detected(self) -> None:
         self._hangs.inc()
