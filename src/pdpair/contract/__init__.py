@@ -211,6 +211,11 @@ ENV_INSTANCE = "PDPAIR_INSTANCE"
 # Prefill: the bearer token of `PUT PEERS_PATH` on its metrics port (the operator's push of the peer set; per pair, from
 # a Secret). Unset: the endpoint answers 404 and the set stays what PDPAIR_PEERS (or PEER_HOST/_PORT_BASE) said.
 ENV_PEERS_TOKEN = "PDPAIR_PEERS_TOKEN"
+# Prefill and decode (never the router): the pair's side-channel key, from the pair's Secret (key
+# SIDE_CHANNEL_SECRET_KEY). Every Hello is authenticated with it (HMAC challenge-response, docs/security.md) before it
+# may change an edge; a router, which holds only the push token, cannot pair as a prefill.
+ENV_SIDE_CHANNEL_KEY = "PDPAIR_SIDE_CHANNEL_KEY"
+SIDE_CHANNEL_SECRET_KEY = "side-channel-key"
 ENV_METRICS_PORT = "PDPAIR_METRICS_PORT"
 ENV_HTTP_PORT = "PDPAIR_HTTP_PORT"
 ENV_HANG_TIMEOUT_SECONDS = "PDPAIR_HANG_TIMEOUT_SECONDS"
@@ -234,6 +239,7 @@ POD_ENV = (
     ENV_PEERS,
     ENV_INSTANCE,
     ENV_PEERS_TOKEN,
+    ENV_SIDE_CHANNEL_KEY,
     ENV_METRICS_PORT,
     ENV_HTTP_PORT,
     ENV_HANG_TIMEOUT_SECONDS,
