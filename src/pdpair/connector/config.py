@@ -128,6 +128,8 @@ class PdPairConfig:
     peers: tuple[PeerAddress, ...] = ()
     instance: str = ""  # prefill's identity (PDPAIR_INSTANCE; `instance_id` falls back to default_instance)
     peers_token: str | None = field(default=None, repr=False)  # prefill: PUT /pdpair/v1/peers bearer token
+    # both roles: the pair's side-channel key (PDPAIR_SIDE_CHANNEL_KEY); the TP rank channel's key is derived from it
+    side_channel_key: str | None = field(default=None, repr=False)
     transport_slots: int = DEFAULT_TRANSPORT_SLOTS  # request slots per peer connection (puts in flight)
     http_port: int | None = None  # the engine's own API port (PDPAIR_HTTP_PORT): /readyz checks its /health
     # The transport's own variables as the pod set them (TransportSpec.env_names, e.g. flagcx's FLAGCX_LIB_PATH):
@@ -245,6 +247,12 @@ class PdPairConfig:
                 raise ConfigError(f"{contract.ENV_PEERS_TOKEN} must be at least 16 printable ASCII characters "
                                   "without spaces")
 
+        side_channel_key = env.get(contract.ENV_SIDE_CHANNEL_KEY) or None
+        if side_channel_key is not None and (len(side_channel_key) < 16 or not side_channel_key.isascii()
+                                             or any(c.isspace() for c in side_channel_key)):
+            raise ConfigError(f"{contract.ENV_SIDE_CHANNEL_KEY} must be at least 16 printable ASCII characters "
+                              "without spaces")
+
         corrupt = extra.pop("test_corrupt_kv_file", None)
         drop = _test_knob_file(extra, "test_drop_signals_file", env, contract.ENV_TEST_DROP_SIGNALS_FILE)
         if drop and role != contract.ROLE_PREFILL:
@@ -273,6 +281,7 @@ class PdPairConfig:
             peers=peers,
             instance=instance,
             peers_token=peers_token,
+            side_channel_key=side_channel_key,
             transport_slots=transport_slots,
             transport_env={name: env[name] for name in transport_spec(transport).env_names if name in env},
             test_corrupt_kv_file=str(corrupt) if corrupt else None,
