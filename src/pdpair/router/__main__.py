@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from aiohttp import web
 
 from pdpair.contract import ENV_PEERS_TOKEN
-from pdpair.router.app import RouterConfig, check_timeout, make_app
+from pdpair.router.app import RouterConfig, check_body_bytes, check_timeout, make_app
 
 
 def _port(raw: str) -> int:
@@ -29,6 +29,13 @@ def _port(raw: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a port in 0..65535")
     return value
+
+
+def _bytes(raw: str) -> int:
+    try:
+        return check_body_bytes("the limit", int(raw))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of bytes >= 1") from None
 
 
 def _seconds(raw: str) -> float:
@@ -88,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-choices", action="store_true", default=_DEFAULTS["log_choices"],
         help="log one INFO line per request: its id, the chosen prefill and decode, the outstanding counts seen "
              "(default off)")
+    parser.add_argument(
+        "--max-body-bytes", type=_bytes, default=_DEFAULTS["max_body_bytes"],
+        help="the largest request body accepted; a larger one is answered 413 before it is read (default "
+             f"{_DEFAULTS['max_body_bytes']}, 4 MiB: a 128k-token prompt is under 1 MiB; raise it for inline images)")
     return parser
 
 
@@ -101,6 +112,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         prefill_timeout_seconds=args.prefill_timeout, decode_timeout_seconds=args.decode_timeout,
         connect_timeout_seconds=args.connect_timeout, idle_connection_seconds=args.idle_connection_timeout,
         failure_cooldown_seconds=args.failure_cooldown, debug_routing=args.debug_routing, log_choices=args.log_choices,
+        max_body_bytes=args.max_body_bytes,
     )
 
 

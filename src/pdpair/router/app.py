@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import dataclasses
 import hmac
 import json
@@ -90,6 +89,12 @@ class RouterConfig:
     failure_cooldown_seconds: float = 5.0
     debug_routing: bool = False
     log_choices: bool = False
+    # The largest request body accepted (--max-body-bytes); a larger one is answered 413 before it is read. A
+    # completion needs its prompt and parameters: a 128k-token prompt is about 0.5 MiB as text and under 1 MiB as a
+    # JSON list of token ids, and chat messages with tool definitions stay well below 4 MiB. The bound is what one
+    # client can make the router hold (and parse into objects several times larger) per request; 64 MiB, aiohttp's
+    # setting before, let a few clients take the router's memory. Images sent inline (base64) may need more: raise it.
+    max_body_bytes: int = 4 * 2**20
     # Each instance's own readiness URL, in the order of its role's URLs (empty: its base URL + /health). The
     # router's /readyz passes while at least one prefill and one decode pass theirs (`readiness`).
     prefill_ready_urls: tuple[str, ...] = ()
@@ -304,7 +309,7 @@ ROUTER = web.AppKey("router", Router)
 
 def prefill_body(body: dict, chat: bool) -> dict:
     """The request prefill sees: one token, no streaming, and the request to keep the KV for decode."""
-    out = copy.deepcopy(body)
+    out = dict(body)  # shallow: only top-level keys change, and a deep copy of a large prompt costs its size again
     out["max_tokens"] = 1
     if chat and "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
@@ -416,8 +421,16 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER]
     request_id = request.headers.get(REQUEST_ID_HEADER) or f"pdpair-{uuid.uuid4().hex}"
     headers = {REQUEST_ID_HEADER: request_id}
+    limit = router.config.max_body_bytes
+    too_large = PeerError(413, "router", f"the request body is over the router's limit of {limit} bytes "
+                                         f"(--max-body-bytes)")
+    if (request.content_length or 0) > limit:
+        return too_large.response(request_id)  # answered before a byte of it is read
+    raw = await _read_body(request, limit)
+    if raw is None:  # a chunked body that grew past the limit: not read further
+        return too_large.response(request_id)
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except ValueError:
         return PeerError(400, "router", "request body is not JSON").response(request_id)
     if not isinstance(body, dict):
@@ -449,6 +462,17 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         return await _decode(router, decode, request, body, params, headers, received, prefill_answered)
 
 
+async def _read_body(request: web.Request, limit: int) -> bytes | None:
+    """The request's body, or None as soon as it is over `limit` bytes (the rest is never read)."""
+    chunks, size = [], 0
+    while chunk := await request.content.read(65536):
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class _ClientGone(Exception):
     """The client closed its connection while decode's answer was being relayed: not decode's failure."""
 
@@ -465,8 +489,7 @@ async def _decode(router: Router, decode: Instance, request: web.Request, body: 
                   received: float, prefill_answered: float) -> web.StreamResponse:
     config = router.config
     request_id = headers[REQUEST_ID_HEADER]
-    decode_body = copy.deepcopy(body)
-    decode_body["kv_transfer_params"] = params
+    decode_body = {**body, "kv_transfer_params": params}  # shallow, as prefill_body
     url = decode.url + request.path
     timeout = aiohttp.ClientTimeout(total=config.decode_timeout_seconds, connect=config.connect_timeout_seconds)
     stream = bool(body.get("stream"))
@@ -751,6 +774,13 @@ def check_timeout(flag: str, seconds: float) -> float:
     return float(seconds)
 
 
+def check_body_bytes(flag: str, value: int) -> int:
+    """`value` if it is an int >= 1, else a ValueError naming `flag`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{flag} must be a number of bytes >= 1, got {value!r}")
+    return value
+
+
 def check_urls(flag: str, urls: tuple[str, ...], allow_empty: bool = False) -> tuple[str, ...]:
     """`urls` without trailing slashes, else a ValueError naming `flag`: none given (unless `allow_empty`), one that
     is not an http(s) URL with a host, or one instance given twice (the same scheme, host, port and path, however spelled: the choice by
@@ -818,7 +848,10 @@ def make_app(config: RouterConfig) -> web.Application:
     for field in ("kv_scrape_interval_seconds", "kv_scrape_timeout_seconds", "kv_usage_max_age_seconds",
                   "ready_check_timeout_seconds"):
         check_timeout(field, getattr(config, field))
-    app = web.Application(client_max_size=64 * 2**20)
+    check_body_bytes("--max-body-bytes", config.max_body_bytes)
+    # aiohttp's own bound on a body read whole (request.read(): the pushed set, itself bounded lower); completions
+    # are read by _read_body up to max_body_bytes.
+    app = web.Application(client_max_size=max(config.max_body_bytes, MAX_PEERS_BODY_BYTES))
     router = app[ROUTER] = Router(config)
 
     async def client_ctx(app: web.Application):

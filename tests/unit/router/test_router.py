@@ -144,6 +144,39 @@ async def test_non_json_body_is_400(stack):
         assert resp.status == 400
 
 
+@pytest.mark.asyncio
+async def test_a_body_over_the_limit_is_413_and_reaches_no_engine(stack):
+    """--max-body-bytes: a body larger than the limit is answered 413 naming the limit, whether its Content-Length
+    says so (answered before it is read) or it comes chunked and grows past it; one at the limit is served. Real
+    router and engine stand-ins on loopback; cost: about 0.1 s."""
+    prefill, decode, start_router, client = stack
+    router = await start_router(max_body_bytes=1024)
+    at_limit = b'{"model": "m", "prompt": "' + b"x" * (1024 - 28) + b'"}'
+    assert len(at_limit) == 1024
+    async with client.post(router + "/v1/completions", data=at_limit,
+                           headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == 200
+    over = at_limit[:-2] + b'x"}'
+
+    async def chunked():
+        yield over[:512]
+        yield over[512:]
+
+    for data in (over, chunked()):
+        async with client.post(router + "/v1/completions", data=data,
+                               headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == 413
+            error = (await resp.json())["error"]
+        assert error["code"] == 413 and "limit of 1024 bytes (--max-body-bytes)" in error["message"], error
+    assert len(prefill.received) == len(decode.received) == 1  # only the request at the limit
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_a_body_limit_below_one_byte_is_refused(value):
+    with pytest.raises(ValueError, match="--max-body-bytes must be a number of bytes >= 1"):
+        make_app(RouterConfig(("http://p",), ("http://d",), max_body_bytes=value))
+
+
 def test_bad_url_is_refused_at_start():
     with pytest.raises(ValueError, match="--prefill must be an http"):
         make_app(RouterConfig(("localhost:8000",), ("http://x",)))
