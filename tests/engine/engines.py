@@ -17,6 +17,7 @@ from typing import Iterator
 
 from pdpair import contract
 from devcluster.ports import free_port  # noqa: F401  (the engine tests and benchmarks take it from here)
+from tests.side_channel_support import TEST_SIDE_CHANNEL_KEY
 
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -194,6 +195,7 @@ def pair_env(role: str, *, generation: int, listen_base: int | None = None, peer
         contract.ENV_GENERATION: str(generation),
         contract.ENV_TRANSPORT: contract.TRANSPORT_TCP,
         contract.ENV_HANG_TIMEOUT_SECONDS: str(hang_timeout),
+        contract.ENV_SIDE_CHANNEL_KEY: TEST_SIDE_CHANNEL_KEY,  # the pair's key, as the operator sets it from a Secret
     }
     if listen_base is not None:
         env[contract.ENV_LISTEN_PORT_BASE] = str(listen_base)

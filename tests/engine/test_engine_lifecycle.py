@@ -13,6 +13,7 @@ from pathlib import Path
 from pdpair import contract
 
 from engines import ENGINE_ENV, free_port
+from tests.side_channel_support import TEST_SIDE_CHANNEL_KEY
 
 HERE = Path(__file__).parent
 
@@ -29,6 +30,7 @@ def _decode_env(listen_port: int, metrics_port: int) -> dict[str, str]:
         contract.ENV_METRICS_PORT: str(metrics_port),
         contract.ENV_HANG_TIMEOUT_SECONDS: "5",
         contract.ENV_TRANSPORT: contract.TRANSPORT_TCP,
+        contract.ENV_SIDE_CHANNEL_KEY: TEST_SIDE_CHANNEL_KEY,
     })
     return env
 

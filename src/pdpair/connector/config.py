@@ -128,8 +128,12 @@ class PdPairConfig:
     peers: tuple[PeerAddress, ...] = ()
     instance: str = ""  # prefill's identity (PDPAIR_INSTANCE; `instance_id` falls back to default_instance)
     peers_token: str | None = field(default=None, repr=False)  # prefill: PUT /pdpair/v1/peers bearer token
-    # both roles: the pair's side-channel key (PDPAIR_SIDE_CHANNEL_KEY); the TP rank channel's key is derived from it
+    # Both roles: the pair's side-channel key (PDPAIR_SIDE_CHANNEL_KEY); every Hello is authenticated with it (and the
+    # TP rank channel derives its key from it). Required from the environment; a config built in code without it
+    # cannot start a worker (check_side_channel_key).
     side_channel_key: str | None = field(default=None, repr=False)
+    # Decode: most prefill edges per TP rank (PDPAIR_MAX_EDGES); a further prefill is refused until one leaves.
+    max_edges: int = contract.DEFAULT_MAX_EDGES
     transport_slots: int = DEFAULT_TRANSPORT_SLOTS  # request slots per peer connection (puts in flight)
     http_port: int | None = None  # the engine's own API port (PDPAIR_HTTP_PORT): /readyz checks its /health
     # The transport's own variables as the pod set them (TransportSpec.env_names, e.g. flagcx's FLAGCX_LIB_PATH):
@@ -247,11 +251,11 @@ class PdPairConfig:
                 raise ConfigError(f"{contract.ENV_PEERS_TOKEN} must be at least 16 printable ASCII characters "
                                   "without spaces")
 
-        side_channel_key = env.get(contract.ENV_SIDE_CHANNEL_KEY) or None
-        if side_channel_key is not None and (len(side_channel_key) < 16 or not side_channel_key.isascii()
-                                             or any(c.isspace() for c in side_channel_key)):
-            raise ConfigError(f"{contract.ENV_SIDE_CHANNEL_KEY} must be at least 16 printable ASCII characters "
-                              "without spaces")
+        side_channel_key = env.get(contract.ENV_SIDE_CHANNEL_KEY) or ""
+        check_side_channel_key(side_channel_key)
+        max_edges = _int(env, contract.ENV_MAX_EDGES, default=contract.DEFAULT_MAX_EDGES, minimum=1)
+        if env.get(contract.ENV_MAX_EDGES) and role != contract.ROLE_DECODE:
+            raise ConfigError(f"{contract.ENV_MAX_EDGES} applies to decode only (prefill's edges are its peer set)")
 
         corrupt = extra.pop("test_corrupt_kv_file", None)
         drop = _test_knob_file(extra, "test_drop_signals_file", env, contract.ENV_TEST_DROP_SIGNALS_FILE)
@@ -282,6 +286,7 @@ class PdPairConfig:
             instance=instance,
             peers_token=peers_token,
             side_channel_key=side_channel_key,
+            max_edges=max_edges,
             transport_slots=transport_slots,
             transport_env={name: env[name] for name in transport_spec(transport).env_names if name in env},
             test_corrupt_kv_file=str(corrupt) if corrupt else None,
@@ -289,6 +294,23 @@ class PdPairConfig:
             test_delay_listener_file=str(delay_listener) if delay_listener else None,
             test_slow_decode_file=slow_decode,
         )
+
+
+MIN_SIDE_CHANNEL_KEY_CHARS = 32  # 32 random characters are >= 160 bits even from a small alphabet
+
+
+def check_side_channel_key(key: str | None) -> str:
+    """PDPAIR_SIDE_CHANNEL_KEY as both engine roles need it: at least MIN_SIDE_CHANNEL_KEY_CHARS printable ASCII
+    characters without spaces. ConfigError naming the variable (never the value)."""
+    name = contract.ENV_SIDE_CHANNEL_KEY
+    if not key:
+        raise ConfigError(f"{name} is required on prefill and decode: the pair's side-channel key (the operator sets it "
+                          f"from the pair's Secret, key {contract.SIDE_CHANNEL_SECRET_KEY}); every Hello is "
+                          "authenticated with it")
+    if len(key) < MIN_SIDE_CHANNEL_KEY_CHARS or not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
+        raise ConfigError(f"{name} must be at least {MIN_SIDE_CHANNEL_KEY_CHARS} printable ASCII characters without "
+                          f"spaces (got {len(key)} characters)")
+    return key
 
 
 def _test_knob_file(extra: dict[str, Any], key: str, env: Mapping[str, str], env_name: str) -> str | None:

@@ -1,16 +1,31 @@
-"""Wire types of the side channel (msgspec), the compatibility hash, and the per-request kv_transfer_params.
+"""Wire types of the side channel (msgspec), the compatibility hash, the handshake's authentication, and the
+per-request kv_transfer_params.
 
 Every side-channel message is two ZMQ frames: the sender's compatibility hash (ascii hex) and the msgpack body.
 The receiver compares the hash BEFORE decoding the body, so a peer built from another connector version, another
 vLLM or another KV layout fails with a message naming both hashes instead of a msgpack error. The Hello carries a
-third frame, the hash's factors as JSON, so the mismatch can be explained in the log.
+third frame, the hash's factors as JSON, so the mismatch can be explained in the log. The one exception is decode's
+reading of a Hello and a Proof (`decode_handshake`): it decodes them whatever the hash, because the hash may be named
+to a peer only after that peer proved it holds the pair's side-channel key (an unauthenticated peer learns nothing of
+decode), and a prefill of another build that holds the key must still be told why it is refused.
+
+Every field is bounded when it is decoded (msgspec constraints below): a peer's input is refused as a
+`msgspec.ValidationError` before any code acts on it. The bounds follow what a real peer can send: the instance is a
+metric label (config.py's rule), a uid is at most `MAX_UNIQUE_ID_BYTES`, a region table at most `MAX_TABLE_BYTES`.
+
+Authentication (HMAC-SHA256 with PDPAIR_SIDE_CHANNEL_KEY, `proof`): prefill's Hello carries a fresh nonce; decode
+answers `Challenge` with its own nonce (and nothing about itself); prefill answers `Proof` = HMAC over the transcript
+(both nonces, prefill's hash frame and the Hello's body as sent, so every Hello field is covered); decode checks it in
+constant time before anything changes, then answers `Accepted` with its own proof over the same transcript (a
+different role label, so neither proof can be replayed as the other), which prefill checks before init_pair.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -22,7 +37,11 @@ import msgspec
 #   2: any prefill to any decode (xPyD). Hello carries `instance`, the prefill's identity (PDPAIR_INSTANCE);
 #      prefill's kv_transfer_params carry it as `remote_instance`, and decode sends that request's Pull on the edge of
 #      that prefill (decode refuses nothing new: a prefill it is not paired with fails the load at once).
-PDPAIR_CONNECTOR_VERSION = 2
+#   3: authenticated handshake. Hello carries a nonce and a required, label-shaped instance; decode answers
+#      Challenge (its nonce), prefill answers Proof (HMAC-SHA256 with the pair's side-channel key over both nonces
+#      and the Hello as sent), decode answers Accepted with its own proof, or a Refused that names nothing of decode
+#      until the peer is authenticated. Every field is bounded at decode time.
+PDPAIR_CONNECTOR_VERSION = 3
 
 # Keys of kv_transfer_params. do_remote_* are vLLM's (the router and vLLM's own proxy use them); the rest are ours.
 PARAM_DO_REMOTE_DECODE = "do_remote_decode"
@@ -67,42 +86,91 @@ def compatibility_hash(factors: dict[str, Any]) -> str:
     return hashlib.sha256(canonical).hexdigest()[:16]
 
 
+# --- bounds of wire fields ------------------------------------------------------------------------
+NONCE_BYTES = 32
+PROOF_BYTES = 32  # HMAC-SHA256
+# A metric label value (config.py's rule for PDPAIR_INSTANCE; decode labels the edge's series with it).
+INSTANCE_PATTERN = r"^[A-Za-z0-9_.:\-\[\]/]{1,128}$"
+# A transport's unique id: flagcx's is 256 bytes, tcp's a short JSON object; 4 KiB leaves room for both.
+MAX_UNIQUE_ID_BYTES = 4096
+# A region table: tcp's is a short JSON object; flagcx's holds one size per region (one region per layer) and the slot
+# count. 256 KiB is room for ~10000 regions; a model has at most a few hundred layers.
+MAX_TABLE_BYTES = 256 * 1024
+MAX_REGIONS = 16384  # region indices in Regions / Welcome (one per layer)
+# Block ids in one Pull: a request's blocks (2M tokens at 16 tokens per block; vLLM's longest contexts are 1M).
+MAX_PULL_BLOCKS = 1 << 17
+MAX_TEXT = 4096  # reasons, pair names
+MAX_ID = 1024  # request ids (signals.py's bound on a transfer id)
+# The largest frame any peer can need: a Pull of MAX_PULL_BLOCKS block ids (at most 5 bytes each in msgpack for a
+# u32) or a region table with its indices, plus 64 KiB for the other fields and framing: 1.3 MiB. ZMQ_MAXMSGSIZE on
+# both sides' sockets: libzmq drops the connection of a peer that announces a larger frame before allocating it.
+MAX_MESSAGE_BYTES = max(5 * MAX_PULL_BLOCKS, MAX_TABLE_BYTES + 5 * MAX_REGIONS) + 64 * 1024
+
+_U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+_U32 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+_Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+_Id = Annotated[str, msgspec.Meta(max_length=MAX_ID)]
+_Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+_Proof = Annotated[bytes, msgspec.Meta(min_length=PROOF_BYTES, max_length=PROOF_BYTES)]
+_Table = Annotated[bytes, msgspec.Meta(max_length=MAX_TABLE_BYTES)]
+_Indices = Annotated[list[_U32], msgspec.Meta(max_length=MAX_REGIONS)]
+
+
 # --- messages --------------------------------------------------------------------------------------
 class Hello(msgspec.Struct, tag="hello", frozen=True):
-    """prefill -> decode: who I am and the transport's unique id; both sides then init the pair."""
+    """prefill -> decode: who I am, the transport's unique id and a fresh nonce. Nothing acts on it before the
+    sender proved the key (Challenge / Proof)."""
 
-    generation: int
-    pair: str
-    tp_rank: int
-    transport: str
-    unique_id: bytes
-    instance: str = ""  # the prefill's identity (PDPAIR_INSTANCE): one edge per instance on decode, a new Hello
-    # from the same instance replaces its edge
+    generation: _U63
+    pair: Annotated[str, msgspec.Meta(max_length=253)]
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=65536)]
+    transport: Annotated[str, msgspec.Meta(max_length=32)]
+    unique_id: Annotated[bytes, msgspec.Meta(max_length=MAX_UNIQUE_ID_BYTES)]
+    # the prefill's identity (PDPAIR_INSTANCE): one edge per instance on decode, an authenticated Hello from the same
+    # instance replaces its edge once its handshake completes
+    instance: Annotated[str, msgspec.Meta(pattern=INSTANCE_PATTERN)]
+    nonce: _Nonce
+
+
+class Challenge(msgspec.Struct, tag="challenge", frozen=True):
+    """decode -> prefill: prove the pair's key over the transcript with this nonce. Says nothing about decode."""
+
+    nonce: _Nonce
+
+
+class Proof(msgspec.Struct, tag="proof", frozen=True):
+    """prefill -> decode: HMAC-SHA256(key, "prefill" + transcript)."""
+
+    mac: _Proof
 
 
 class Accepted(msgspec.Struct, tag="accepted", frozen=True):
-    """decode -> prefill: the Hello is valid; decode is initialising its side of the pair now."""
+    """decode -> prefill: the Hello is authenticated and valid; decode is initialising its side of the pair now.
+    `proof` = HMAC-SHA256(key, "decode" + transcript): prefill pairs only with a decode of its own pair."""
+
+    proof: _Proof
 
 
 class Regions(msgspec.Struct, tag="regions", frozen=True):
     """prefill -> decode, after init + register: prefill's region table (one region per layer, in layer order)."""
 
-    table: bytes
-    region_indices: list[int]
+    table: _Table
+    region_indices: _Indices
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     """decode -> prefill: OK, with decode's region table; transfers may start."""
 
-    table: bytes
-    region_indices: list[int]
-    num_blocks: int
+    table: _Table
+    region_indices: _Indices
+    num_blocks: _U63
 
 
 class Refused(msgspec.Struct, tag="refused", frozen=True):
-    """decode -> prefill: the handshake is refused (generation mismatch, transport mismatch, init failure)."""
+    """decode -> prefill: the handshake is refused. Before the peer proved the key only `NOT_ACCEPTED` or `BUSY`;
+    afterwards the reason may name the mismatch (generation, transport, rank, hash), the peer being the pair's own."""
 
-    reason: str
+    reason: _Text
 
 
 class Pull(msgspec.Struct, tag="pull", frozen=True):
@@ -110,36 +178,43 @@ class Pull(msgspec.Struct, tag="pull", frozen=True):
     decode's `dst_block_ids`, one put_signal per (layer, block) into `signal_slot`, `expected_signals` in all.
     An empty `dst_block_ids` only releases the prefill blocks (decode had everything cached)."""
 
-    transfer_id: str  # decode's request id
-    remote_request_id: str  # prefill's request id
-    first_block: int
-    dst_block_ids: list[int]
-    signal_slot: int
-    expected_signals: int
+    transfer_id: _Id  # decode's request id
+    remote_request_id: _Id  # prefill's request id
+    first_block: _U32
+    dst_block_ids: Annotated[list[_U32], msgspec.Meta(max_length=MAX_PULL_BLOCKS)]
+    signal_slot: _U32
+    expected_signals: _U63
 
 
 class PullDone(msgspec.Struct, tag="pull_done", frozen=True):
     """prefill -> decode: every put of a Pull was posted and completed locally."""
 
-    transfer_id: str
-    nbytes: int
+    transfer_id: _Id
+    nbytes: _U63
 
 
 class PullFailed(msgspec.Struct, tag="pull_failed", frozen=True):
     """prefill -> decode: the Pull cannot be served; decode fails the request at once instead of at the deadline."""
 
-    transfer_id: str
-    reason: str
+    transfer_id: _Id
+    reason: _Text
 
 
-Message = Hello | Accepted | Regions | Welcome | Refused | Pull | PullDone | PullFailed
+Message = Hello | Challenge | Proof | Accepted | Regions | Welcome | Refused | Pull | PullDone | PullFailed
+
+# The only refusals an unauthenticated peer gets: they say nothing of decode (hash, generation, rank, transport).
+NOT_ACCEPTED = "not accepted"
+BUSY = "busy: too many handshakes in progress; retry"
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
-def encode(message: Message, local_hash: str) -> list[bytes]:
-    return [local_hash.encode("ascii"), _encoder.encode(message)]
+def encode(message: Message, local_hash: str | bytes) -> list[bytes]:
+    """[hash frame, body]. Decode answers a peer that has not proved the key with that peer's own hash frame
+    (`local_hash` as bytes), so even the frames say nothing of decode's build."""
+    frame = local_hash if isinstance(local_hash, bytes) else local_hash.encode("ascii")
+    return [frame, _encoder.encode(message)]
 
 
 def decode(frames: list[bytes], local_hash: str) -> Message:
@@ -153,3 +228,38 @@ def decode(frames: list[bytes], local_hash: str) -> Message:
             "layout differ; see the factors logged with the Hello)"
         )
     return _decoder.decode(frames[1])
+
+
+def decode_handshake(frames: list[bytes]) -> tuple[Hello | Proof, str]:
+    """Decode's reading of a Hello or a Proof: (the message, the peer's hash frame as text), whatever the hash (it is
+    checked, and may be named, once the peer is authenticated; see the module docstring). Raises ValueError
+    (msgspec's errors are ValueErrors) when the body is neither."""
+    if len(frames) < 2:
+        raise ValueError(f"malformed side-channel message: {len(frames)} frame(s), expected >= 2")
+    message = _decoder.decode(frames[1])
+    if not isinstance(message, (Hello, Proof)):
+        raise ValueError(f"expected a Hello or a Proof under another compatibility hash, got {type(message).__name__}")
+    return message, frames[0].decode("ascii", "replace")[:64]
+
+
+def transcript(hash_frame: bytes, hello_body: bytes, decode_nonce: bytes) -> bytes:
+    """What both proofs cover: prefill's hash frame and Hello body as sent (its nonce, generation, pair, rank,
+    transport, uid and instance) and decode's nonce, each length-prefixed so no two transcripts read the same."""
+    parts = (b"pdpair-side-channel-v3", hash_frame, hello_body, decode_nonce)
+    return b"".join(len(p).to_bytes(8, "big") + p for p in parts)
+
+
+def proof(key: bytes, role: str, transcript_bytes: bytes) -> bytes:
+    """HMAC-SHA256(key, role + transcript); `role` is "prefill" or "decode" (a proof is never valid as the other)."""
+    return hmac.new(key, role.encode() + b"\0" + transcript_bytes, hashlib.sha256).digest()
+
+
+def proof_matches(key: bytes, role: str, transcript_bytes: bytes, mac: bytes) -> bool:
+    """Constant-time check of a peer's proof (hmac.compare_digest)."""
+    return hmac.compare_digest(proof(key, role, transcript_bytes), mac)
+
+
+def derive_secret(key: bytes, transcript_bytes: bytes, purpose: str, size: int = 8) -> bytes:
+    """A per-handshake secret both authenticated sides derive and nobody else can (e.g. the tcp data connection's
+    token): HMAC-SHA256(key, "derive:" + purpose + transcript), first `size` bytes."""
+    return hmac.new(key, b"derive:" + purpose.encode() + b"\0" + transcript_bytes, hashlib.sha256).digest()[:size]

@@ -28,11 +28,12 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import secrets
 import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -40,10 +41,16 @@ from pdpair import contract
 from pdpair.connector.deadlines import handshake_deadline
 from pdpair.connector.preflight import report_bind_failure
 from pdpair.connector.metadata import (
+    BUSY,
+    MAX_MESSAGE_BYTES,
+    NONCE_BYTES,
+    NOT_ACCEPTED,
     Accepted,
+    Challenge,
     CompatibilityError,
     Hello,
     Message,
+    Proof,
     Pull,
     PullDone,
     PullFailed,
@@ -51,7 +58,11 @@ from pdpair.connector.metadata import (
     Regions,
     Welcome,
     decode,
+    decode_handshake,
     encode,
+    proof,
+    proof_matches,
+    transcript,
 )
 from pdpair.connector.transports.base import RANK_DECODE, RANK_PREFILL, PairComm, PairTransport, TransportError
 
@@ -81,6 +92,22 @@ SEND_TIMEOUT_SECONDS = 5.0
 # flight. A host that really goes silent is still noticed well before the hang timeout.
 HEARTBEAT_INTERVAL_SECONDS = 2.0
 DISCONNECT_GRACE_SECONDS = 30.0
+# Decode's pair setup for one authenticated Hello (init_pair, registering the regions, prefill's Regions) runs on a
+# handshake thread within this bound (or the hang timeout, if shorter). It runs off the loop, so the bound does not
+# protect the Pulls (nothing a handshake does delays them); it bounds how long a prefill that stalls its handshake
+# holds one of the MAX_CONCURRENT_HANDSHAKES slots. A real pair needs well under a second on tcp (one TCP connect,
+# pointer registrations); 10 s leaves room for a loaded node and for FlagCX's bootstrap. (FlagCX's collective
+# registrations keep their own bound, the hang timeout, inside the transport.)
+HANDSHAKE_SECONDS = 10.0
+# Handshake threads at once per decode rank; a further authenticated Hello is refused busy (prefill retries). Pairings
+# come one per prefill instance at start or after a restart, so 4 at once only queues large fleets starting together.
+MAX_CONCURRENT_HANDSHAKES = 4
+# Hellos answered with a Challenge and awaiting their Proof (each at most HELLO_REPLY_TIMEOUT_SECONDS); a further one
+# is refused busy. They cost a small record each and no thread.
+MAX_PENDING_CHALLENGES = 64
+# Messages the loop reads before it serves its outbox and the handshakes' results again.
+RECEIVE_BATCH = 256
+MIN_KEY_BYTES = 32  # config.MIN_SIDE_CHANNEL_KEY_CHARS, as bytes
 
 
 def _bounded_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
@@ -89,6 +116,9 @@ def _bounded_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     timeout_ms = max(1, int(SEND_TIMEOUT_SECONDS * 1000))
     sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
     sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    # A frame larger than any message of the protocol drops that peer's connection inside libzmq, before Python
+    # allocates it (metadata.MAX_MESSAGE_BYTES says what the largest needs).
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     return sock
 
 # (comm) -> (region table, region indices, num_blocks): the worker registers its KV regions on the new comm.
@@ -168,8 +198,67 @@ class DecodeEdge:
         return self.instance
 
 
+@dataclass(eq=False)
+class _Pending:
+    """A Hello answered with a Challenge, waiting for its Proof (decode's loop thread only)."""
+
+    hello: Hello
+    peer_hash: str
+    hash_frame: bytes  # the peer's own hash frame, echoed in every answer before Welcome
+    peer_factors: str
+    transcript: bytes
+    expires: float
+
+
+@dataclass(eq=False)
+class _Handshake:
+    """An authenticated Hello whose pair a handshake thread is setting up. The loop thread hands it prefill's Regions
+    (`regions`, at most one); the thread hands its result back through `DecodeSideChannel._call_on_loop`."""
+
+    identity: bytes
+    hello: Hello
+    hash_frame: bytes
+    transcript: bytes
+    deadline: float
+    regions: queue.Queue = field(default_factory=lambda: queue.Queue(maxsize=1))
+
+
+class _LogLimit:
+    """At most `burst` lines per `period` seconds per kind of peer failure: a peer that sends garbage in a loop must not
+    fill the log (or take the loop's time formatting lines). The lines held back are counted in the next one."""
+
+    def __init__(self, burst: int = 10, period: float = 60.0) -> None:
+        self.burst, self.period = burst, period
+        self._window: dict[str, tuple[float, int, int]] = {}  # kind -> (window start, lines, held back)
+
+    def __call__(self, kind: str, level: int, msg: str, *args) -> None:
+        now = time.monotonic()
+        start, lines, held = self._window.get(kind, (now, 0, 0))
+        if now - start >= self.period:
+            start, lines = now, 0
+        if lines >= self.burst:
+            self._window[kind] = (start, lines, held + 1)
+            return
+        if held:
+            msg += f" ({held} similar line(s) held back)"
+        logger.log(level, msg, *args)
+        self._window[kind] = (start, lines + 1, 0)
+
+
 class DecodeSideChannel(_SideChannel):
-    """The ROUTER of one decode TP rank: accepts a handshake from every prefill (one edge per prefill instance)."""
+    """The ROUTER of one decode TP rank: accepts an authenticated handshake from every prefill of its pair (one edge
+    per prefill instance, at most `max_edges`).
+
+    Threads: the loop thread owns the socket and never blocks on a peer: it answers Hellos (Challenge), checks Proofs,
+    routes Pulls and their answers, and hands Regions to the handshake that waits for them. Each authenticated Hello's
+    pair setup (init_pair, registering the regions, waiting for prefill's Regions) runs on a handshake thread of its
+    own, at most MAX_CONCURRENT_HANDSHAKES at once, within HANDSHAKE_SECONDS; the thread gives its result back to the
+    loop (`_call_on_loop`: a queue and the inproc wake-up), which sends Welcome and installs the edge. So a peer that
+    stalls its handshake stalls only its own handshake thread; Pulls on the existing edges keep flowing.
+
+    Nothing a peer sends ends the loop: every message is handled under its own `except Exception`. If the loop stops
+    anyway (a bug), `alive` turns False and `error` says why, and the accounts tell decode's /readyz at once
+    (`SignalAccounts.set_listener_failed`)."""
 
     def __init__(
         self,
@@ -182,11 +271,13 @@ class DecodeSideChannel(_SideChannel):
         hang_timeout_seconds: float,
         local_hash: str,
         factors: dict,
+        key: bytes,
         register_regions: RegisterRegions,
         on_pull_done: Callable[[PullDone], None],
         on_pull_failed: Callable[[PullFailed], None],
         on_disconnect: Callable[[DecodeEdge, str], None],
         accounts,
+        max_edges: int = contract.DEFAULT_MAX_EDGES,
     ) -> None:
         super().__init__(f"pdpair-sidechannel-decode-r{tp_rank}", local_hash, accounts)
         self.host, self.port, self.tp_rank = host, port, tp_rank
@@ -194,14 +285,24 @@ class DecodeSideChannel(_SideChannel):
         self.transport = transport
         self.hang_timeout_seconds = hang_timeout_seconds
         self.factors = factors
+        self.key = _check_key(key)
+        if not isinstance(max_edges, int) or max_edges < 1:
+            raise ValueError(f"max_edges must be an int >= 1, got {max_edges!r}")
+        self.max_edges = max_edges
         self.register_regions = register_regions
         self.on_pull_done = on_pull_done
         self.on_pull_failed = on_pull_failed
         self.on_disconnect = on_disconnect
         self._edges: dict[str, DecodeEdge] = {}  # prefill instance -> its edge; written by this thread only
         self._edges_lock = threading.Lock()
-        self._stash: list[list[bytes]] = []  # other prefills' messages that came during a handshake
+        self._pending: dict[bytes, _Pending] = {}  # routing id -> Hello awaiting its Proof; loop thread only
+        self._handshakes: dict[bytes, _Handshake] = {}  # routing id -> pair being set up; loop thread only
         self._outbox: queue.SimpleQueue[tuple[DecodeEdge | None, Message]] = queue.SimpleQueue()
+        # (on the loop, if the loop is gone): results of handshake threads, run by the loop thread
+        self._control: queue.SimpleQueue[tuple[Callable[[zmq.Socket], None], Callable[[], None]]] = queue.SimpleQueue()
+        self._control_lock = threading.Lock()
+        self._loop_done = False
+        self._log = _LogLimit()
 
     # --- the edges, for the worker (any thread) --------------------------------------------------------
     def edge(self, instance: str) -> DecodeEdge | None:
@@ -222,6 +323,11 @@ class DecodeSideChannel(_SideChannel):
         """The pair communicator when exactly one prefill is paired (1P1D), else None."""
         edges = self.edges()
         return edges[0].comm if len(edges) == 1 else None
+
+    @property
+    def alive(self) -> bool:
+        """The loop is serving: started, bound, not stopped, not failed."""
+        return self.ready.is_set() and self.is_alive() and self.error is None and not self.stopped.is_set()
 
     def post(self, message: Message | None = None, edge: DecodeEdge | None = None) -> None:
         """Queue a message for the prefill of `edge` (None: the only paired prefill, as in 1P1D); safe from any
@@ -249,6 +355,7 @@ class DecodeSideChannel(_SideChannel):
             # A port taken after the pod's preflight: tell the operator (termination message) so it re-leases.
             report_bind_failure(self.port, exc, f"{self.name} (side-channel listener)")
             sock.close(linger=0)
+            self._finish_loop()
             self.ready.set()
             return
         logger.info("%s: side-channel listener on %s:%d (generation %d)", self.name, self.host, self.port, self.generation)
@@ -262,17 +369,58 @@ class DecodeSideChannel(_SideChannel):
                 events = dict(poller.poll(POLL_MS))
                 if self._wake_rx in events:
                     self._drain_wake()
+                self._run_control(sock)
                 self._flush_outbox(sock)
-                if sock in events or self._stash:
+                if sock in events:
                     self._receive(sock)
-        except Exception:  # noqa: BLE001 - the thread must report, not vanish
-            logger.exception("%s: side-channel loop failed", self.name)
+                self._expire_pending()
+        except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
+            self.error = exc
+            logger.exception("%s: side-channel loop failed; this decode rank pairs no prefill until restarted", self.name)
         finally:
+            if self.error is not None:
+                # /readyz answers 503 from now on, naming this (metrics.readiness): the operator replaces the pod.
+                self.accounts.set_listener_failed(f"{self.name}: side-channel loop stopped: {self.error!r}")
             self.accounts.set_listener_ready(self.tp_rank, False)
+            self._finish_loop()
             for edge in self.edges():
                 self._drop_edge(edge, "decode's side channel stopped")
             sock.close(linger=0)
             logger.info("%s: listener on port %d closed", self.name, self.port)
+
+    # --- the loop's helpers (loop thread) --------------------------------------------------------------
+    def _finish_loop(self) -> None:
+        """No more results from handshake threads will run on the loop: the ones queued, and any that come later, are
+        abandoned (their pair communicators closed)."""
+        with self._control_lock:
+            self._loop_done = True
+        while True:
+            try:
+                _, abandon = self._control.get_nowait()
+            except queue.Empty:
+                return
+            _quietly(abandon)
+
+    def _call_on_loop(self, on_loop: Callable[[zmq.Socket], None], abandon: Callable[[], None]) -> None:
+        """From a handshake thread: run `on_loop(sock)` on the loop thread, or `abandon()` here if the loop is gone."""
+        with self._control_lock:
+            if not self._loop_done:
+                self._control.put((on_loop, abandon))
+                super().post(None)
+                return
+        _quietly(abandon)
+
+    def _run_control(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                on_loop, abandon = self._control.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                on_loop(sock)
+            except Exception:  # noqa: BLE001 - one handshake's end must not take the loop down
+                logger.exception("%s: finishing a handshake failed", self.name)
+                _quietly(abandon)
 
     def _drop_edge(self, edge: DecodeEdge, reason: str) -> None:
         with self._edges_lock:
@@ -284,7 +432,10 @@ class DecodeSideChannel(_SideChannel):
             edge.comm.close()
         except Exception:  # noqa: BLE001 - closing must not kill the loop
             logger.exception("%s: closing the pair communicator of prefill %s failed", self.name, edge.instance)
-        self.on_disconnect(edge, reason)
+        try:
+            self.on_disconnect(edge, reason)
+        except Exception:  # noqa: BLE001
+            logger.exception("%s: on_disconnect for prefill %s failed", self.name, edge.instance)
 
     def _flush_outbox(self, sock: zmq.Socket) -> None:
         while True:
@@ -299,142 +450,288 @@ class DecodeSideChannel(_SideChannel):
                     why = "no prefill connected" if not edges else f"{len(edges)} prefills paired and none named"
                     logger.error("%s: dropping %s: %s", self.name, type(message).__name__, why)
                     if isinstance(message, Pull):
-                        self.on_pull_failed(PullFailed(message.transfer_id, f"{why} to the side channel"))
+                        self._pull_failed(PullFailed(message.transfer_id, f"{why} to the side channel"))
                     continue
             elif not self.is_current(edge):
                 why = f"prefill {edge.instance}'s edge closed (it left or re-paired) before the message was sent"
                 logger.error("%s: dropping %s: %s", self.name, type(message).__name__, why)
                 if isinstance(message, Pull):
-                    self.on_pull_failed(PullFailed(message.transfer_id, why))
+                    self._pull_failed(PullFailed(message.transfer_id, why))
                 continue
             failure = self._send(sock, edge.identity, message)
             if failure is not None and isinstance(message, Pull):
-                self.on_pull_failed(PullFailed(message.transfer_id, f"Pull not delivered to prefill: {failure}"))
+                self._pull_failed(PullFailed(message.transfer_id, f"Pull not delivered to prefill: {failure}"))
 
-    def _send(self, sock: zmq.Socket, identity: bytes, message: Message) -> str | None:
-        """Send to one prefill; None on success, else why it was not sent (logged). Bounded by SNDTIMEO."""
+    def _pull_failed(self, failed: PullFailed) -> None:
         try:
-            sock.send_multipart([identity, *encode(message, self.local_hash)])
+            self.on_pull_failed(failed)
+        except Exception:  # noqa: BLE001 - the worker's callback must not take the loop down
+            logger.exception("%s: on_pull_failed(%s) failed", self.name, failed.transfer_id)
+
+    def _send(self, sock: zmq.Socket, identity: bytes, message: Message, echo: bytes | None = None) -> str | None:
+        """Send to one peer; None on success, else why it was not sent (logged). Bounded by SNDTIMEO. `echo`: the
+        peer's own hash frame instead of ours (every answer of the handshake before Welcome: see metadata.encode)."""
+        try:
+            sock.send_multipart([identity, *encode(message, self.local_hash if echo is None else echo)])
             return None
         except zmq.Again:
             reason = f"prefill did not take it within {SEND_TIMEOUT_SECONDS:g}s (its queue is full: not reading)"
         except zmq.ZMQError as exc:
             reason = f"prefill is gone ({exc})" if exc.errno == zmq.EHOSTUNREACH else f"send failed: {exc}"
-        logger.error("%s: %s not sent: %s", self.name, type(message).__name__, reason)
+        self._log("send", logging.ERROR, "%s: %s not sent: %s", self.name, type(message).__name__, reason)
         return reason
 
-    def _next_frames(self, sock: zmq.Socket) -> list[bytes] | None:
-        if self._stash:
-            return self._stash.pop(0)
-        try:
-            return sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return None
-
     def _receive(self, sock: zmq.Socket) -> None:
-        while (frames := self._next_frames(sock)) is not None:
-            identity, body = frames[0], frames[1:]
+        # At most RECEIVE_BATCH messages per pass: the outbox (Pulls) and the handshakes' results are served between
+        # batches even while a peer floods the socket.
+        for _ in range(RECEIVE_BATCH):
             try:
-                message = decode(body, self.local_hash)
-            except CompatibilityError as exc:
-                peer_factors = body[2].decode("utf-8", "replace") if len(body) > 2 else "(not sent)"
-                logger.error(
-                    "%s: refusing an incompatible prefill: %s. local factors %s; peer factors %s",
-                    self.name, exc, json.dumps(self.factors, sort_keys=True), peer_factors,
-                )
-                self.accounts.on_handshake("refused")
-                self._send(sock, identity, Refused(str(exc)))
-                continue
-            except Exception as exc:  # noqa: BLE001 - a malformed frame must not kill the listener
-                logger.error("%s: undecodable side-channel message: %s", self.name, exc)
-                continue
-            if isinstance(message, Hello):
-                self._handshake(sock, identity, message)
-                continue
-            edge = next((e for e in self.edges() if e.identity == identity), None)
-            if edge is None:
-                logger.warning("%s: %s from a peer that is not a paired prefill; ignored", self.name, type(message).__name__)
-            elif isinstance(message, PullDone):
-                self.on_pull_done(message)
-            elif isinstance(message, PullFailed):
-                self.on_pull_failed(message)
-            else:
-                logger.warning("%s: unexpected %s from prefill %s; ignored", self.name, type(message).__name__,
-                               edge.instance)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(sock, frames)
+            except Exception as exc:  # noqa: BLE001 - nothing a peer sends may end the loop
+                self.accounts.on_handshake("malformed")
+                self._log("handle", logging.ERROR, "%s: a side-channel message could not be handled (%s: %s); the "
+                          "listener goes on", self.name, type(exc).__name__, exc)
 
-    def _refuse(self, sock: zmq.Socket, identity: bytes, reason: str, outcome: str = "refused") -> None:
+    def _refuse_stranger(self, sock: zmq.Socket, identity: bytes, echo: bytes, outcome: str, why: str, *args) -> None:
+        """Refuse an unauthenticated peer: it is told NOT_ACCEPTED under its own hash frame (`echo`) and nothing else;
+        `why` goes to the local log only."""
+        self.accounts.on_handshake(outcome)
+        self._log(outcome, logging.WARNING, "%s: refused an unauthenticated peer: " + why, self.name, *args)
+        self._send(sock, identity, Refused(NOT_ACCEPTED), echo)
+
+    def _handle(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        identity, body = frames[0], frames[1:]
+        echo = body[0][:64] if body else b""
+        edge = self._edge_of(identity)
+        try:
+            message = decode(body, self.local_hash)
+            peer_hash = self.local_hash
+        except CompatibilityError:
+            # Only a Hello and a Proof are read whatever their hash: the hash is named once the peer proved the key.
+            try:
+                message, peer_hash = decode_handshake(body)
+            except ValueError as exc:
+                if edge is not None:
+                    self._log("incompatible", logging.ERROR, "%s: incompatible message from prefill %s: %s", self.name,
+                              edge.instance, exc)
+                    return
+                self._refuse_stranger(sock, identity, echo, "malformed", "incompatible message (%s)", exc)
+                return
+        except ValueError as exc:  # msgspec: not msgpack, unknown tag, a field of the wrong type or out of bounds
+            if edge is not None:
+                self._log("undecodable", logging.ERROR, "%s: undecodable message from prefill %s: %s", self.name,
+                          edge.instance, exc)
+                return
+            self._refuse_stranger(sock, identity, echo, "malformed", "undecodable message (%s)", exc)
+            return
+        if isinstance(message, Hello):
+            self._on_hello(sock, identity, message, peer_hash, body)
+        elif isinstance(message, Proof):
+            self._on_proof(sock, identity, message, echo)
+        elif isinstance(message, Regions) and identity in self._handshakes:
+            try:
+                self._handshakes[identity].regions.put_nowait(message)
+            except queue.Full:
+                self._log("regions", logging.WARNING, "%s: a second Regions during one handshake; ignored", self.name)
+        elif edge is None:
+            self._refuse_stranger(sock, identity, echo, "malformed", "%s from a peer that is not a paired prefill",
+                                  type(message).__name__)
+        elif isinstance(message, PullDone):
+            self.on_pull_done(message)
+        elif isinstance(message, PullFailed):
+            self._pull_failed(message)
+        else:
+            self._log("unexpected", logging.WARNING, "%s: unexpected %s from prefill %s; ignored", self.name,
+                      type(message).__name__, edge.instance)
+
+    def _edge_of(self, identity: bytes) -> DecodeEdge | None:
+        with self._edges_lock:
+            return next((e for e in self._edges.values() if e.identity == identity), None)
+
+    def _expire_pending(self) -> None:
+        if not self._pending:
+            return
+        now = time.monotonic()
+        for identity in [i for i, p in self._pending.items() if p.expires <= now]:
+            del self._pending[identity]
+
+    def _on_hello(self, sock: zmq.Socket, identity: bytes, hello: Hello, peer_hash: str, body: list[bytes]) -> None:
+        """Answer a Hello with a Challenge: nothing about decode is said and nothing changes until the Proof."""
+        if identity not in self._pending and len(self._pending) >= MAX_PENDING_CHALLENGES:
+            self._expire_pending()
+            if len(self._pending) >= MAX_PENDING_CHALLENGES:
+                self.accounts.on_handshake("busy")
+                self._log("busy", logging.WARNING, "%s: %d Hellos await their Proof; one more refused busy", self.name,
+                          len(self._pending))
+                self._send(sock, identity, Refused(BUSY), body[0][:64])
+                return
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        peer_factors = body[2].decode("utf-8", "replace")[:4096] if len(body) > 2 else "(not sent)"
+        self._pending[identity] = _Pending(
+            hello, peer_hash, body[0][:64], peer_factors, transcript(body[0], body[1], nonce),
+            time.monotonic() + HELLO_REPLY_TIMEOUT_SECONDS,
+        )
+        self._send(sock, identity, Challenge(nonce), body[0][:64])
+
+    def _on_proof(self, sock: zmq.Socket, identity: bytes, message: Proof, echo: bytes) -> None:
+        pending = self._pending.pop(identity, None)
+        if pending is None:
+            self._refuse_stranger(sock, identity, echo, "unauthenticated", "a Proof without a Hello (or after %gs)",
+                                  HELLO_REPLY_TIMEOUT_SECONDS)
+            return
+        if not proof_matches(self.key, "prefill", pending.transcript, message.mac):
+            hello = pending.hello
+            self._refuse_stranger(
+                sock, identity, pending.hash_frame, "unauthenticated",
+                "wrong proof of the side-channel key (a peer outside this pair) for a Hello naming instance %r, pair %r, "
+                "rank %d, generation %d (decode: rank %d, generation %d)",
+                hello.instance, hello.pair, hello.tp_rank, hello.generation, self.tp_rank, self.generation,
+            )
+            return
+        self._authenticated(sock, identity, pending)
+
+    def _refuse(self, sock: zmq.Socket, identity: bytes, echo: bytes, reason: str, outcome: str = "refused") -> None:
+        """Refuse an authenticated prefill (one of this pair's): the reason may name decode's values. Sent under the
+        prefill's own hash frame, so a prefill of another build still reads why."""
         logger.error("%s: handshake refused: %s", self.name, reason)
         self.accounts.on_handshake(outcome)
-        self._send(sock, identity, Refused(reason))
+        self._send(sock, identity, Refused(reason), echo)
 
-    def _handshake(self, sock: zmq.Socket, identity: bytes, hello: Hello) -> None:
+    def _authenticated(self, sock: zmq.Socket, identity: bytes, pending: _Pending) -> None:
+        """A Hello whose sender proved the key: check it, then set the pair up on a handshake thread."""
+        hello = pending.hello
+        if pending.peer_hash != self.local_hash:
+            logger.error("%s: refusing an incompatible prefill %s: peer compatibility hash %s != local %s. local "
+                         "factors %s; peer factors %s", self.name, hello.instance, pending.peer_hash, self.local_hash,
+                         json.dumps(self.factors, sort_keys=True), pending.peer_factors)
+            self._refuse(sock, identity, pending.hash_frame, f"peer compatibility hash {pending.peer_hash} != local {self.local_hash} "
+                         "(connector version, vLLM version or KV layout differ; see the factors in decode's log)")
+            return
         if hello.generation != self.generation:
             self._refuse(
-                sock, identity,
+                sock, identity, pending.hash_frame,
                 f"generation mismatch: prefill {hello.pair or '?'} rank {hello.tp_rank} has {contract.ENV_GENERATION}="
                 f"{hello.generation}, this decode has {self.generation} (a stale peer from another pair generation)",
             )
             return
         if hello.transport != self.transport.name:
-            self._refuse(sock, identity, f"transport mismatch: prefill uses {hello.transport!r}, decode uses {self.transport.name!r}")
+            self._refuse(sock, identity, pending.hash_frame, f"transport mismatch: prefill uses {hello.transport!r}, decode uses {self.transport.name!r}")
             return
         if hello.tp_rank != self.tp_rank:
-            self._refuse(sock, identity, f"rank mismatch: prefill rank {hello.tp_rank} reached decode rank {self.tp_rank}")
+            self._refuse(sock, identity, pending.hash_frame, f"rank mismatch: prefill rank {hello.tp_rank} reached decode rank {self.tp_rank}")
             return
-        instance = hello.instance or f"prefill-{identity.hex()}"
-        # The same prefill again (it restarted, or re-paired after its side channel dropped): that edge only is
-        # replaced; every other prefill's edge is untouched.
-        for old in self.edges():
-            if old.instance == instance or old.identity == identity:
-                logger.warning("%s: prefill %s pairs again; closing its old edge", self.name, old.instance)
-                self._drop_edge(old, f"replaced by a new Hello from prefill {instance}")
-        if self._send(sock, identity, Accepted()) is not None:
-            self.accounts.on_handshake(contract.OUTCOME_ERROR)
-            return
-        deadline = handshake_deadline(self.hang_timeout_seconds, time.monotonic())
         try:
-            comm = self.transport.init_pair(hello.unique_id, RANK_DECODE, deadline)
+            self.transport.check_unique_id(hello.unique_id)
         except TransportError as exc:
-            self._refuse(sock, identity, f"transport init as rank {RANK_DECODE} failed: {exc}", outcome="error")
+            self._refuse(sock, identity, pending.hash_frame, f"malformed unique id: {exc}", outcome="malformed")
             return
-        try:
-            table, indices, num_blocks = self.register_regions(comm)
-            regions = self._await_regions(sock, identity, deadline)
-            comm.set_peer_region_table(regions.table)
-        except Exception as exc:  # noqa: BLE001 - any failure here refuses this prefill, the listener lives on
-            comm.close()
-            self._refuse(sock, identity, f"pair setup failed: {exc}", outcome="error")
+        instance = hello.instance
+        if any(job.hello.instance == instance for job in self._handshakes.values()):
+            self._refuse(sock, identity, pending.hash_frame, f"busy: a handshake of prefill {instance} is in progress", outcome="busy")
             return
-        if self._send(sock, identity, Welcome(table, indices, num_blocks)) is not None:
-            comm.close()
-            self.accounts.on_handshake(contract.OUTCOME_ERROR)
+        if len(self._handshakes) >= MAX_CONCURRENT_HANDSHAKES:
+            self._refuse(sock, identity, pending.hash_frame, f"busy: {len(self._handshakes)} handshakes in progress (at most "
+                         f"{MAX_CONCURRENT_HANDSHAKES} at once); retry", outcome="busy")
             return
         with self._edges_lock:
-            self._edges[instance] = DecodeEdge(instance, identity, comm, hello.pair)
+            paired = len(self._edges) - (1 if instance in self._edges else 0)
+        if paired + len(self._handshakes) >= self.max_edges:
+            self._refuse(sock, identity, pending.hash_frame, f"edge cap: this decode rank has {paired} prefill(s) paired and "
+                         f"{len(self._handshakes)} pairing, at most {self.max_edges} ({contract.ENV_MAX_EDGES})",
+                         outcome="busy")
+            return
+        if self._send(sock, identity, Accepted(proof(self.key, "decode", pending.transcript)), pending.hash_frame) is not None:
+            self.accounts.on_handshake(contract.OUTCOME_ERROR)
+            return
+        deadline = time.monotonic() + min(HANDSHAKE_SECONDS, self.hang_timeout_seconds)
+        job = _Handshake(identity, hello, pending.hash_frame, pending.transcript, deadline)
+        self._handshakes[identity] = job
+        thread = threading.Thread(target=self._set_up_pair, args=(job,), daemon=True,
+                                  name=f"pdpair-handshake-decode-r{self.tp_rank}")
+        try:
+            thread.start()
+        except Exception as exc:  # noqa: BLE001 - e.g. no thread left in the process: this prefill only is refused
+            del self._handshakes[identity]
+            self._refuse(sock, identity, pending.hash_frame, f"cannot start a handshake thread: {exc}", outcome="error")
+
+    # --- a handshake thread ----------------------------------------------------------------------------
+    def _set_up_pair(self, job: _Handshake) -> None:
+        """init_pair, register, wait for prefill's Regions; the loop thread sends Welcome and installs the edge."""
+        comm: PairComm | None = None
+        try:
+            comm = self.transport.init_pair(job.hello.unique_id, RANK_DECODE, job.deadline)
+            table, indices, num_blocks = self.register_regions(comm)
+            regions = self._await_regions(job)
+            if len(regions.region_indices) != len(indices):
+                raise HandshakeError(f"prefill announced {len(regions.region_indices)} region(s), decode has "
+                                     f"{len(indices)} (one per layer)")
+            comm.set_peer_region_table(regions.table)
+        except BaseException as exc:  # noqa: BLE001 - any failure refuses this prefill; the listener lives on
+            failed = comm
+            why = (f"transport init as rank {RANK_DECODE} failed: {exc}" if failed is None
+                   else f"pair setup failed: {type(exc).__name__}: {exc}")
+            if failed is not None:
+                _quietly(failed.close)
+            self._call_on_loop(lambda sock: self._handshake_failed(sock, job, why), lambda: None)
+            return
+        self._call_on_loop(lambda sock: self._handshake_done(sock, job, comm, table, indices, num_blocks), comm.close)
+
+    def _await_regions(self, job: _Handshake) -> Regions:
+        while not self.stopped.is_set():
+            left = job.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"prefill's region table did not arrive within {HANDSHAKE_SECONDS:g}s")
+            try:
+                return job.regions.get(timeout=min(left, POLL_MS / 1000))
+            except queue.Empty:
+                continue
+        raise HandshakeError("stopping")
+
+    # --- a handshake's end (loop thread) ---------------------------------------------------------------
+    def _handshake_failed(self, sock: zmq.Socket, job: _Handshake, why: str) -> None:
+        self._handshakes.pop(job.identity, None)
+        self._refuse(sock, job.identity, job.hash_frame, why, outcome=contract.OUTCOME_ERROR)
+
+    def _handshake_done(self, sock: zmq.Socket, job: _Handshake, comm: PairComm, table: bytes, indices: list[int],
+                        num_blocks: int) -> None:
+        self._handshakes.pop(job.identity, None)
+        hello = job.hello
+        if self.stopped.is_set() or self._send(sock, job.identity, Welcome(table, indices, num_blocks)) is not None:
+            _quietly(comm.close)
+            self.accounts.on_handshake(contract.OUTCOME_ERROR)
+            return
+        # The same prefill again (it restarted, or re-paired after its side channel dropped): that edge only is
+        # replaced, now that the new one is set up; every other prefill's edge is untouched.
+        for old in self.edges():
+            if old.instance == hello.instance or old.identity == job.identity:
+                logger.warning("%s: prefill %s paired again; closing its old edge", self.name, old.instance)
+                self._drop_edge(old, f"replaced by a new handshake of prefill {hello.instance}")
+        with self._edges_lock:
+            self._edges[hello.instance] = DecodeEdge(hello.instance, job.identity, comm, hello.pair)
             paired = len(self._edges)
         self.accounts.on_handshake(contract.OUTCOME_OK)
         self.connected.set()
         logger.info(
             "%s: paired with prefill %s rank %d (instance %s, generation %d, transport %s; %d prefill(s) paired)",
-            self.name, hello.pair or "?", hello.tp_rank, instance, hello.generation, hello.transport, paired,
+            self.name, hello.pair or "?", hello.tp_rank, hello.instance, hello.generation, hello.transport, paired,
         )
 
-    def _await_regions(self, sock: zmq.Socket, identity: bytes, deadline: float) -> Regions:
-        while not self.stopped.is_set():
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                raise TimeoutError("prefill's region table did not arrive before the deadline")
-            if not sock.poll(min(left_ms, POLL_MS)):
-                continue
-            frames = sock.recv_multipart(zmq.NOBLOCK)  # poll said a whole message is there
-            if frames[0] != identity:
-                self._stash.append(frames)  # another prefill's message: handled once this handshake is done
-                continue
-            message = decode(frames[1:], self.local_hash)
-            if isinstance(message, Regions):
-                return message
-            raise HandshakeError(f"expected Regions, got {type(message).__name__}")
-        raise HandshakeError("stopping")
+
+def _quietly(fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - cleanup of a failed handshake must not raise
+        logger.exception("cleanup after a side-channel handshake failed")
+
+
+def _check_key(key: bytes) -> bytes:
+    if not isinstance(key, bytes) or len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"the side-channel key must be at least {MIN_KEY_BYTES} bytes ({contract.ENV_SIDE_CHANNEL_KEY})")
+    return key
 
 
 class PrefillSideChannel(_SideChannel):
@@ -456,6 +753,7 @@ class PrefillSideChannel(_SideChannel):
         hang_timeout_seconds: float,
         local_hash: str,
         factors: dict,
+        key: bytes,
         register_regions: RegisterRegions,
         on_pull: Callable[[Pull], Message | None],
         on_tick: Callable[[], list[Message]],
@@ -466,7 +764,11 @@ class PrefillSideChannel(_SideChannel):
         super().__init__(f"pdpair-sidechannel-prefill-r{tp_rank}-{label}", local_hash, accounts)
         self.log_name = f"pdpair-sidechannel-prefill-r{tp_rank}"
         self.peer_host, self.peer_port, self.tp_rank = peer_host, peer_port, tp_rank
-        self.generation, self.pair, self.instance = generation, pair, instance
+        # The instance names this prefill's edge on decode; a side channel built without one (direct use) gets a random
+        # one, so it never replaces another prefill's edge.
+        self.generation, self.pair = generation, pair
+        self.instance = instance or f"prefill-{secrets.token_hex(8)}"
+        self.key = _check_key(key)
         self.comm: PairComm | None = None
         self.transport = transport
         self.hang_timeout_seconds = hang_timeout_seconds
@@ -540,16 +842,30 @@ class PrefillSideChannel(_SideChannel):
             sock.connect(f"tcp://{self.peer_host}:{self.peer_port}")
         try:
             uid = self.transport.create_unique_id()
-            hello = Hello(self.generation, self.pair, self.tp_rank, self.transport.name, uid, self.instance)
-            sock.send_multipart([*encode(hello, self.local_hash), json.dumps(self.factors, sort_keys=True).encode()])
+            hello = Hello(self.generation, self.pair, self.tp_rank, self.transport.name, uid, self.instance,
+                          secrets.token_bytes(NONCE_BYTES))
+            frames = encode(hello, self.local_hash)
+            sock.send_multipart([*frames, json.dumps(self.factors, sort_keys=True).encode()])
+            # Decode challenges every Hello; the Proof shows we hold the pair's key, Accepted's proof that decode does.
             reply = self._recv(sock, time.monotonic() + HELLO_REPLY_TIMEOUT_SECONDS)
+            if isinstance(reply, Challenge):
+                said = transcript(frames[0], frames[1], reply.nonce)
+                sock.send_multipart(encode(Proof(proof(self.key, "prefill", said)), self.local_hash))
+                reply = self._recv(sock, time.monotonic() + HELLO_REPLY_TIMEOUT_SECONDS)
+                if isinstance(reply, Accepted) and not proof_matches(self.key, "decode", said, reply.proof):
+                    logger.error("%s: the listener at %s did not prove this pair's side-channel key (another pair's "
+                                 "decode on this address, or an impostor); not pairing", self.log_name, self.peer_label)
+                    return self._failed(sock, "refused", "decode did not prove the pair's side-channel key")
             if reply is None:
                 if self.stopped.is_set():
                     self._close_sock()  # a socket left open would make stop()'s context term wait forever
                     return None
                 return self._failed(sock, "timeout", "no answer to Hello")
             if isinstance(reply, Refused):
-                logger.error("%s: decode %s refused the handshake: %s", self.log_name, self.peer_label, reply.reason)
+                hint = (" (this prefill's side-channel key is not the decode's: another pair's decode on this "
+                        f"address, or {contract.ENV_SIDE_CHANNEL_KEY} differs)" if reply.reason == NOT_ACCEPTED else "")
+                logger.error("%s: decode %s refused the handshake: %s%s", self.log_name, self.peer_label, reply.reason,
+                             hint)
                 return self._failed(sock, "refused", f"refused: {reply.reason}")
             if not isinstance(reply, Accepted):
                 return self._failed(sock, contract.OUTCOME_ERROR, f"unexpected {type(reply).__name__}")
@@ -576,6 +892,8 @@ class PrefillSideChannel(_SideChannel):
             return self._failed(sock, contract.OUTCOME_ERROR, f"decode took no message for {SEND_TIMEOUT_SECONDS:g}s")
         except zmq.ZMQError as exc:
             return self._failed(sock, contract.OUTCOME_ERROR, f"side-channel send failed: {exc}")
+        except Exception as exc:  # noqa: BLE001 - whatever decode (or an impostor at its address) sent, retry
+            return self._failed(sock, contract.OUTCOME_ERROR, f"{type(exc).__name__}: {exc}")
         self.comm = comm
         self.accounts.on_handshake(contract.OUTCOME_OK)
         self.connected.set()
@@ -636,7 +954,12 @@ class PrefillSideChannel(_SideChannel):
                             logger.error("%s: undecodable message from decode: %s", self.log_name, exc)
                             continue
                         if isinstance(message, Pull):
-                            reply = self.on_pull(message)
+                            try:
+                                reply = self.on_pull(message)
+                            except Exception as exc:  # noqa: BLE001 - one bad Pull must not end the edge's loop
+                                logger.exception("%s: Pull %s from decode could not be handled", self.log_name,
+                                                 message.transfer_id)
+                                reply = PullFailed(message.transfer_id, f"prefill could not handle the Pull: {exc}")
                             if reply is not None:
                                 replies.append(reply)
                         else:

@@ -158,6 +158,7 @@ class SignalAccounts:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._clock = clock
         self._lock = threading.Lock()
+        self._listener_failure: str | None = None  # decode: why its side-channel loop stopped (never reset)
         self._waits: dict[str, _Wait] = {}
         self._peers: set[str] = set()
         self._requeues_seen: dict[str, int] = {}
@@ -287,6 +288,20 @@ class SignalAccounts:
         if not isinstance(ready, bool):
             raise ValueError(f"ready must be a bool, got {ready!r}")
         self._listener.labels(role=self.role, rank=str(rank)).set(1 if ready else 0)
+
+    def set_listener_failed(self, reason: str) -> None:
+        """Decode: this rank's side-channel loop stopped without being asked to (it pairs no prefill any more);
+        decode's /readyz answers 503 naming `reason` from now on (metrics.readiness), so the pod is replaced."""
+        if not isinstance(reason, str) or not reason:
+            raise ValueError(f"reason must be a non-empty string, got {reason!r}")
+        with self._lock:
+            self._listener_failure = reason[:1024]
+
+    @property
+    def listener_failure(self) -> str | None:
+        """Why this rank's side-channel loop stopped, None while it serves (or never started)."""
+        with self._lock:
+            return self._listener_failure
 
     def set_transport_counters(self, peer: str, inflight: int, slots: int, requeues: int) -> None:
         """Copy the transport's per-peer counters; `requeues` is the transport's cumulative count.

@@ -35,12 +35,13 @@ import torch
 
 from pdpair import contract
 from pdpair.connector import timeline
-from pdpair.connector.config import PdPairConfig, PeerAddress, check_peer_set
+from pdpair.connector.config import PdPairConfig, PeerAddress, check_peer_set, check_side_channel_key
 from pdpair.connector.deadlines import flush_deadline, parked_pull_deadline, signal_wait_deadline
 from pdpair.connector.side_channel import DecodeSideChannel, PrefillSideChannel
 from pdpair.connector.preflight import report_bind_failure
 from pdpair.connector.metadata import KvLayout, Message, Pull, PullDone, PullFailed, Welcome, compatibility_factors, compatibility_hash
-from pdpair.connector.metrics import MetricsServer, PeerPush, PeerRanks, RankExporter, export_rank, serve
+from pdpair.connector.metrics import (MetricsServer, PeerPush, PeerRanks, RankExporter, export_rank, rank_channel_key,
+                                      serve)
 from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.warmup import Warmup
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
@@ -195,6 +196,8 @@ def _wall(monotonic: float | None) -> float | None:
 class _Worker:
     def __init__(self, config: PdPairConfig, tp_rank: int, tp_size: int, block_size: int, vllm_version: str) -> None:
         self.config = config
+        # Every Hello is authenticated with the pair's key: no side channel starts without one (ConfigError).
+        self.side_channel_key = check_side_channel_key(config.side_channel_key).encode()
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.block_size = block_size
@@ -210,8 +213,11 @@ class _Worker:
         # forwarded to every other rank's exporter; each rank applies it to its own edges (`_apply_peer_push`).
         push = config.peers_token is not None and config.role == contract.ROLE_PREFILL
         if config.metrics_port is not None:
+            # The ranks' channel is authenticated with a key derived from the pair's side-channel key
+            # (metrics.rank_channel_key): on hostNetwork any pod of the node can reach the ranks' sockets.
+            rank_key = rank_channel_key(config.side_channel_key or "") if tp_size > 1 else b""
             if tp_rank == 0:
-                peers = PeerRanks(config.metrics_port, tuple(range(1, tp_size))) if tp_size > 1 else None
+                peers = PeerRanks(config.metrics_port, tuple(range(1, tp_size)), rank_key) if tp_size > 1 else None
                 try:
                     api = f"http://127.0.0.1:{config.http_port}" if config.http_port else None
                     peer_push = PeerPush(config.peers_token, config.generation, self._apply_peer_push,
@@ -223,7 +229,7 @@ class _Worker:
                     report_bind_failure(config.metrics_port, exc, "the connector's metrics server")
                     raise
             else:
-                self.rank_exporter = export_rank(config.metrics_port, self.accounts,
+                self.rank_exporter = export_rank(config.metrics_port, self.accounts, rank_key,
                                                  self._apply_peer_push if push else None)
         self.regions: KvRegions | None = None
         self.layout: KvLayout | None = None
@@ -312,6 +318,8 @@ class DecodeWorker(_Worker):
             hang_timeout_seconds=self.config.hang_timeout_seconds,
             local_hash=self.local_hash,
             factors=self.factors,
+            key=self.side_channel_key,
+            max_edges=self.config.max_edges,
             register_regions=self._register,
             on_pull_done=self._on_pull_done,
             on_pull_failed=self._on_pull_failed,
@@ -716,6 +724,7 @@ class PrefillWorker(_Worker):
             hang_timeout_seconds=self.config.hang_timeout_seconds,
             local_hash=self.local_hash,
             factors=self.factors,
+            key=self.side_channel_key,
             register_regions=functools.partial(self._register_edge, edge),
             on_pull=functools.partial(self._on_pull, edge),
             on_tick=functools.partial(self._on_tick, edge),

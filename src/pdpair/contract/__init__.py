@@ -216,6 +216,10 @@ ENV_PEERS_TOKEN = "PDPAIR_PEERS_TOKEN"
 # may change an edge; a router, which holds only the push token, cannot pair as a prefill.
 ENV_SIDE_CHANNEL_KEY = "PDPAIR_SIDE_CHANNEL_KEY"
 SIDE_CHANNEL_SECRET_KEY = "side-channel-key"
+# Decode: most prefill edges per TP rank (one per paired prefill instance); a Hello from a further prefill is refused
+# until an edge closes. Unset: DEFAULT_MAX_EDGES. The operator may set the prefill role's replica bound.
+ENV_MAX_EDGES = "PDPAIR_MAX_EDGES"
+DEFAULT_MAX_EDGES = 64
 ENV_METRICS_PORT = "PDPAIR_METRICS_PORT"
 ENV_HTTP_PORT = "PDPAIR_HTTP_PORT"
 ENV_HANG_TIMEOUT_SECONDS = "PDPAIR_HANG_TIMEOUT_SECONDS"
@@ -240,6 +244,7 @@ POD_ENV = (
     ENV_INSTANCE,
     ENV_PEERS_TOKEN,
     ENV_SIDE_CHANNEL_KEY,
+    ENV_MAX_EDGES,
     ENV_METRICS_PORT,
     ENV_HTTP_PORT,
     ENV_HANG_TIMEOUT_SECONDS,
@@ -337,7 +342,10 @@ LISTENER_READY = Metric(
     "pdpair_listener_ready", "gauge", ("role", "rank"), "1 while the side-channel listener accepts connections."
 )
 HANDSHAKES = Metric(
-    "pdpair_handshakes_total", "counter", ("role", "rank", "outcome"), "Side-channel uid exchanges by outcome."
+    "pdpair_handshakes_total", "counter", ("role", "rank", "outcome"),
+    "Side-channel uid exchanges by outcome (ok, retry, refused, timeout, error; on decode also unauthenticated: a "
+    "Hello whose sender did not prove the pair's side-channel key, malformed: an undecodable or out-of-bounds "
+    "message, busy: refused at a cap).",
 )
 PEER_PAIRED = Metric(
     "pdpair_peer_paired", "gauge", ("role", "rank", "peer"),

@@ -17,8 +17,9 @@ from pdpair.connector.transports.base import deadline_in
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from transport_suite import connect_pair  # noqa: E402
+from tests.side_channel_support import TEST_SIDE_CHANNEL_KEY  # noqa: E402
 
-TCP = {contract.ENV_TRANSPORT: contract.TRANSPORT_TCP}
+TCP = {contract.ENV_TRANSPORT: contract.TRANSPORT_TCP, contract.ENV_SIDE_CHANNEL_KEY: TEST_SIDE_CHANNEL_KEY}
 DECODE = {**TCP, contract.ENV_LISTEN_PORT_BASE: "20000", contract.ENV_GENERATION: "3",
           contract.ENV_HANG_TIMEOUT_SECONDS: "12"}
 PREFILL = {**TCP, contract.ENV_PEER_HOST: "10.0.0.9", contract.ENV_PEER_PORT_BASE: "20000"}
@@ -250,3 +251,28 @@ def test_peers_token_enables_the_peer_push_on_prefill_only():
             PdPairConfig.from_env("kv_producer", {}, bad_env)
     with pytest.raises(ConfigError, match="PDPAIR_PEERS_TOKEN applies to prefill only"):
         PdPairConfig.from_env("kv_consumer", {}, {**DECODE, contract.ENV_PEERS_TOKEN: token})
+
+
+@pytest.mark.parametrize("kv_role, env", [("kv_consumer", DECODE), ("kv_producer", PREFILL)])
+def test_side_channel_key_is_required_on_both_roles_and_at_least_32_characters(kv_role, env):
+    """Every Hello is authenticated with PDPAIR_SIDE_CHANNEL_KEY: a pod without it (or with a short one) fails at
+    start naming the variable, never the value; a good one is kept out of the config's repr. Instant."""
+    without = {k: v for k, v in env.items() if k != contract.ENV_SIDE_CHANNEL_KEY}
+    with pytest.raises(ConfigError, match=f"{contract.ENV_SIDE_CHANNEL_KEY} is required on prefill and decode"):
+        PdPairConfig.from_env(kv_role, {}, without)
+    for bad in ("short-key", "x" * 31, "a key with spaces in it that is long enough", "é" * 40):
+        with pytest.raises(ConfigError, match=f"{contract.ENV_SIDE_CHANNEL_KEY} must be at least 32") as info:
+            PdPairConfig.from_env(kv_role, {}, {**without, contract.ENV_SIDE_CHANNEL_KEY: bad})
+        assert bad not in str(info.value)
+    config = PdPairConfig.from_env(kv_role, {}, env)
+    assert config.side_channel_key == TEST_SIDE_CHANNEL_KEY and TEST_SIDE_CHANNEL_KEY not in repr(config)
+
+
+def test_max_edges_is_a_decode_setting_with_a_default():
+    """PDPAIR_MAX_EDGES: decode's cap on prefill edges per rank (default contract.DEFAULT_MAX_EDGES). Instant."""
+    assert PdPairConfig.from_env("kv_consumer", {}, DECODE).max_edges == contract.DEFAULT_MAX_EDGES == 64
+    assert PdPairConfig.from_env("kv_consumer", {}, {**DECODE, contract.ENV_MAX_EDGES: "3"}).max_edges == 3
+    with pytest.raises(ConfigError, match=f"{contract.ENV_MAX_EDGES}=0 must be >= 1"):
+        PdPairConfig.from_env("kv_consumer", {}, {**DECODE, contract.ENV_MAX_EDGES: "0"})
+    with pytest.raises(ConfigError, match="applies to decode only"):
+        PdPairConfig.from_env("kv_producer", {}, {**PREFILL, contract.ENV_MAX_EDGES: "3"})

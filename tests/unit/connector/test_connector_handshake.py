@@ -18,6 +18,7 @@ from pdpair.connector.metadata import KvLayout, Pull, PullDone, compatibility_fa
 from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.transports.tcp import TcpTransport
 from devcluster.ports import free_port, port_is_free
+from tests.side_channel_support import TEST_KEY_BYTES
 
 FACTORS = compatibility_factors(KvLayout(["l0"], [4096], 32, "torch.float32", 1), "0.32.0")
 HASH = compatibility_hash(FACTORS)
@@ -44,7 +45,7 @@ def make_decode(port: int, side: Side, generation: int = 4, host: str = "127.0.0
     accounts = SignalAccounts("decode", 5.0, generation=generation)
     channel = DecodeSideChannel(
         host=host, port=port, tp_rank=0, generation=generation, transport=TcpTransport(), hang_timeout_seconds=5.0,
-        local_hash=HASH, factors=FACTORS, register_regions=side.register,
+        local_hash=HASH, factors=FACTORS, key=TEST_KEY_BYTES, register_regions=side.register,
         on_pull_done=lambda d: (side.done.append(d), side.got_done.set()),
         on_pull_failed=side.failed.append, on_disconnect=lambda edge, reason: None, accounts=accounts,
     )
@@ -67,7 +68,8 @@ def make_prefill(port: int, side: Side, generation: int = 4):
 
     channel = PrefillSideChannel(
         peer_host="127.0.0.1", peer_port=port, tp_rank=0, generation=generation, pair="p", transport=TcpTransport(),
-        hang_timeout_seconds=5.0, local_hash=HASH, factors=FACTORS, register_regions=side.register, on_pull=on_pull,
+        hang_timeout_seconds=5.0, local_hash=HASH, factors=FACTORS, key=TEST_KEY_BYTES, register_regions=side.register,
+        on_pull=on_pull,
         on_tick=lambda: [], on_connected=on_connected, accounts=accounts,
     )
     return channel, accounts

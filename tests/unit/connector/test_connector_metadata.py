@@ -22,7 +22,7 @@ def test_roundtrip_with_matching_hash():
     local = compatibility_hash(compatibility_factors(LAYOUT, "0.32.0"))
     pull = Pull("decode-1", "prefill-1", 2, [5, 6, 7], 9, 6)
     assert decode(encode(pull, local), local) == pull
-    hello = Hello(3, "pair", 0, "tcp", b"\x00uid")
+    hello = Hello(3, "pair", 0, "tcp", b"\x00uid", "prefill-0", b"n" * 32)
     assert decode(encode(hello, local), local) == hello
 
 

@@ -18,6 +18,7 @@ from pdpair.connector.config import PdPairConfig
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest, SendRequest
 from pdpair.connector.worker import SLOW_PUSH_SECONDS, DecodeWorker, PrefillWorker
 from devcluster.ports import free_port
+from tests.side_channel_support import TEST_SIDE_CHANNEL_KEY
 
 NUM_BLOCKS = 8
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
@@ -33,7 +34,7 @@ def config(role: str, port: int) -> PdPairConfig:
         listen_port_base=port if role == contract.ROLE_DECODE else None,
         peer_host="127.0.0.1" if role == contract.ROLE_PREFILL else None,
         peer_port_base=port if role == contract.ROLE_PREFILL else None,
-        instance="prefill-0" if role == contract.ROLE_PREFILL else "",
+        instance="prefill-0" if role == contract.ROLE_PREFILL else "", side_channel_key=TEST_SIDE_CHANNEL_KEY,
     )
 
 

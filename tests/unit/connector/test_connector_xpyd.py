@@ -23,6 +23,7 @@ from pdpair.connector import side_channel
 from pdpair.connector.side_channel import DISCONNECT_GRACE_SECONDS
 from pdpair.connector.worker import DecodeWorker, PrefillWorker
 from devcluster.ports import free_port
+from tests.side_channel_support import TEST_SIDE_CHANNEL_KEY
 
 NUM_BLOCKS = 8
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
@@ -39,7 +40,7 @@ def decode_config(port: int) -> PdPairConfig:
     return PdPairConfig(
         role=contract.ROLE_DECODE, generation=3, pair="unit", namespace="default", transport=contract.TRANSPORT_TCP,
         hang_timeout_seconds=HANG_TIMEOUT, metrics_port=None, listen_host="127.0.0.1", listen_port_base=port,
-        peer_host=None, peer_port_base=None,
+        peer_host=None, peer_port_base=None, side_channel_key=TEST_SIDE_CHANNEL_KEY,
     )
 
 
@@ -48,7 +49,7 @@ def prefill_config(instance: str, ports: list[int]) -> PdPairConfig:
     return PdPairConfig(
         role=contract.ROLE_PREFILL, generation=3, pair="unit", namespace="default", transport=contract.TRANSPORT_TCP,
         hang_timeout_seconds=HANG_TIMEOUT, metrics_port=None, listen_host="127.0.0.1", listen_port_base=None,
-        peer_host=None, peer_port_base=None, peers=peers, instance=instance,
+        peer_host=None, peer_port_base=None, peers=peers, instance=instance, side_channel_key=TEST_SIDE_CHANNEL_KEY,
     )
 
 

@@ -228,8 +228,13 @@ def test_garbage_unique_id_is_invalid_argument():
     with pytest.raises(FlagcxError) as info:
         transport.init_pair(b"\x01" * 256, RANK_DECODE, deadline_in(5))
     assert info.value.result_name == "flagcxInvalidArgument"
-    with pytest.raises(ValueError, match="256 bytes"):
+    # A peer's id of the wrong length is a TransportError like every other refusal of the pair (decode's side
+    # channel checks it with check_unique_id before answering the Hello).
+    with pytest.raises(TransportError, match="256 bytes"):
         transport.init_pair(b"short", RANK_DECODE, deadline_in(5))
+    with pytest.raises(TransportError, match="256 bytes, got 257"):
+        transport.check_unique_id(b"\x01" * 257)
+    transport.check_unique_id(b"\x01" * 256)
 
 
 # --- the upstream request-pool bug -------------------------------------------------------------------------------
@@ -784,9 +789,11 @@ def test_the_connector_finds_libflagcx_through_its_config_not_the_process_enviro
     from pdpair import contract
     from pdpair.connector.config import PdPairConfig
     from pdpair.connector.transports import build_transport
+    from tests.side_channel_support import TEST_SIDE_CHANNEL_KEY
 
     pod_env = {contract.ENV_TRANSPORT: "flagcx", contract.ENV_LISTEN_PORT_BASE: "20000", contract.ENV_GENERATION: "1",
-               ENV_LIB_PATH: fake_libs["uid-ptr"], contract.ENV_TRANSPORT_SLOTS: "7"}
+               ENV_LIB_PATH: fake_libs["uid-ptr"], contract.ENV_TRANSPORT_SLOTS: "7",
+               contract.ENV_SIDE_CHANNEL_KEY: TEST_SIDE_CHANNEL_KEY}
     config = PdPairConfig.from_env("kv_consumer", {}, pod_env)
     monkeypatch.setenv(ENV_LIB_PATH, "/nonexistent/libflagcx.so")
     monkeypatch.delenv("FLAGCX_USE_HETERO_COMM", raising=False)  # build_transport sets it; restored after the test

@@ -20,6 +20,7 @@ from pdpair.connector.config import PdPairConfig
 from pdpair.connector.scheduler import PdPairConnectorMetadata
 from pdpair.connector.worker import TEST_SLOW_DECODE_MAX_MS, DecodeWorker, PrefillWorker, SlowDecodeKnob
 from devcluster.ports import free_port
+from tests.side_channel_support import TEST_SIDE_CHANNEL_KEY
 
 NUM_BLOCKS = 4
 LONG_DELAY_MS = 4000  # a step that slept it would take >= 4 s; "no sleep" is asserted as < 2 s
@@ -112,7 +113,7 @@ def test_the_file_is_read_at_most_once_per_poll_interval(tmp_path, monkeypatch):
 def decode_config(knob_path: str) -> PdPairConfig:
     """Through from_env with the test-only variable, as a decode pod under the operator gets it."""
     env = {contract.ENV_TRANSPORT: contract.TRANSPORT_TCP, contract.ENV_LISTEN_PORT_BASE: str(free_port()),
-           contract.ENV_TEST_SLOW_DECODE_FILE: knob_path}
+           contract.ENV_TEST_SLOW_DECODE_FILE: knob_path, contract.ENV_SIDE_CHANNEL_KEY: TEST_SIDE_CHANNEL_KEY}
     return dataclasses.replace(PdPairConfig.from_env("kv_consumer", {}, env), listen_host="127.0.0.1")
 
 
@@ -151,6 +152,7 @@ def test_prefill_never_sleeps_even_with_the_field_set_in_code(tmp_path, read_eve
         role=contract.ROLE_PREFILL, generation=0, pair="unit", namespace="default", transport=contract.TRANSPORT_TCP,
         hang_timeout_seconds=30.0, metrics_port=None, listen_host="127.0.0.1", listen_port_base=None,
         peer_host="127.0.0.1", peer_port_base=free_port(), instance="prefill-0", test_slow_decode_file=str(path),
+        side_channel_key=TEST_SIDE_CHANNEL_KEY,
     )
     prefill = PrefillWorker(config, 0, 1, 32, "0.32.0")
     try:

@@ -133,6 +133,11 @@ class PairTransport(ABC):
         """Join the pair named by `unique_id` as `rank` (0 prefill, 1 decode), like `flagcxCommInitRank(2, uid,
         rank)`. Both sides call it concurrently; raises TransportError if the peer has not joined by `deadline`."""
 
+    def check_unique_id(self, unique_id: bytes) -> None:
+        """Raise TransportError when a peer's `unique_id` is not one this transport's `init_pair` can take (decode
+        checks a Hello's id with it before answering; init_pair must still never raise anything but TransportError
+        for a bad id). The default checks nothing."""
+
     def set_local_address(self, host: str) -> None:  # noqa: B027 - optional hook
         """The address the peer reaches this process at; prefill learns it from its side-channel connection to
         decode and calls this before `create_unique_id`. Transports whose id already carries it ignore it."""

@@ -279,11 +279,15 @@ class FlagcxTransport(PairTransport):
         finally:
             _libc_free(ptr.value)  # the library calloc'ed it
 
+    def check_unique_id(self, unique_id: bytes) -> None:
+        if not isinstance(unique_id, bytes) or len(unique_id) != UNIQUE_ID_BYTES:
+            got = len(unique_id) if isinstance(unique_id, bytes) else type(unique_id).__name__
+            raise TransportError(f"a FlagCX unique id has {UNIQUE_ID_BYTES} bytes, got {got}")
+
     def init_pair(self, unique_id: bytes, rank: int, deadline: float) -> FlagcxPairComm:
         if rank not in (RANK_PREFILL, RANK_DECODE):
             raise ValueError(f"rank must be {RANK_PREFILL} (prefill) or {RANK_DECODE} (decode), got {rank}")
-        if len(unique_id) != UNIQUE_ID_BYTES:
-            raise ValueError(f"a FlagCX unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+        self.check_unique_id(unique_id)  # a peer's input: TransportError, like every other refusal of the pair
         uid = ctypes.create_string_buffer(unique_id, UNIQUE_ID_BYTES)
         comm = ctypes.c_void_p()
         fn = self.lib.fn["flagcxCommInitRank"]

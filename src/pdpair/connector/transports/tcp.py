@@ -60,7 +60,12 @@ class TcpPairComm(PairComm):
         return json.dumps({"regions": len(self._context.regions)}).encode()
 
     def set_peer_region_table(self, table: bytes) -> None:
-        count = int(json.loads(table)["regions"])
+        try:
+            count = json.loads(table)["regions"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TransportError(f"malformed tcp region table {table[:80]!r}: {exc}") from None
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= native.DEFAULT_MAX_REGIONS:
+            raise TransportError(f"tcp region table: region count {count!r} is not in 0..{native.DEFAULT_MAX_REGIONS}")
         try:
             self._conn.wait_remote_regions(count, timeout=REGION_TABLE_TIMEOUT_SECONDS)
         except native.TransportError as exc:
@@ -151,12 +156,11 @@ class TcpTransport(PairTransport):
             self._pending[uid] = (context, listener)
         return uid
 
+    def check_unique_id(self, unique_id: bytes) -> None:
+        _parse_unique_id(unique_id)
+
     def init_pair(self, unique_id: bytes, rank: int, deadline: float) -> PairComm:
-        try:
-            info = json.loads(unique_id)
-            host, port, token = str(info["host"]), int(info["port"]), int(info["token"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise TransportError(f"malformed tcp unique id {unique_id[:80]!r}: {exc}") from None
+        host, port, token = _parse_unique_id(unique_id)
         if rank == RANK_PREFILL:
             with self._lock:
                 pending = self._pending.pop(unique_id, None)
@@ -172,10 +176,13 @@ class TcpTransport(PairTransport):
                 listener.close()
             return TcpPairComm(context, conn, rank)
         if rank == RANK_DECODE:
-            context = self._make_context(token)
+            try:
+                context = self._make_context(token)
+            except (native.TransportError, ValueError) as exc:
+                raise TransportError(f"cannot make a context for prefill's pair: {exc}") from exc
             try:
                 conn = context.connect(host, port, timeout=seconds_left(deadline))
-            except native.TransportError as exc:
+            except (native.TransportError, ValueError, OSError) as exc:  # ValueError: a host the binding refuses
                 context.close()
                 raise TransportError(f"cannot join prefill's pair at {host}:{port}: {exc}") from exc
             return TcpPairComm(context, conn, rank)
@@ -187,6 +194,22 @@ class TcpTransport(PairTransport):
         for context, listener in pending:
             listener.close()
             context.close()
+
+
+def _parse_unique_id(unique_id: bytes) -> tuple[str, int, int]:
+    """(host, port, token) of a tcp unique id, every field in range; TransportError otherwise (a peer's id is input)."""
+    try:
+        info = json.loads(unique_id)
+        host, port, token = info["host"], info["port"], info["token"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TransportError(f"malformed tcp unique id {unique_id[:80]!r}: {exc}") from None
+    if not isinstance(host, str) or not 0 < len(host) <= 253 or any(c.isspace() or c == "\0" for c in host):
+        raise TransportError(f"tcp unique id: host {str(host)[:80]!r} is not a host name or address")
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        raise TransportError(f"tcp unique id: port {str(port)[:30]!r} is not in 1..65535")
+    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < 1 << 64:
+        raise TransportError(f"tcp unique id: token {str(token)[:30]!r} is not in [0, 2^64)")
+    return host, port, token
 
 
 def build(config: PdPairConfig) -> TcpTransport:
