@@ -18,10 +18,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdpair import contract
-from pdpair.connector.metrics import PeerRanks, accounts_from_env, export_rank, serve
+from pdpair.connector.metrics import PeerRanks, accounts_from_env, export_rank, rank_channel_key, serve
 from pdpair.connector.signals import SignalAccounts
 
 PEER = "10.0.0.7:20000"  # the decode of prefill's peer set (host:portBase), the `peer` label of its pairing
+RANK_KEY = rank_channel_key("unit-test-side-channel-key-0123456789")  # the TP ranks' channel key
 
 RANK0 = ("rank", "0")  # every per-rank series of a TP = 1 engine (or of TP rank 0)
 
@@ -415,8 +416,8 @@ def test_rank_zero_serves_every_tp_ranks_series_and_verdict(clock):
     metrics_port = free_tcp_port()
     rank0 = SignalAccounts("decode", 10.0, generation=3, rank=0, clock=clock)
     rank1 = SignalAccounts("decode", 10.0, generation=3, rank=1, clock=clock)
-    exporter = export_rank(metrics_port, rank1)
-    server = serve(0, rank0, addr="127.0.0.1", ranks=PeerRanks(metrics_port, (1,)))
+    exporter = export_rank(metrics_port, rank1, RANK_KEY)
+    server = serve(0, rank0, addr="127.0.0.1", ranks=PeerRanks(metrics_port, (1,), RANK_KEY))
     try:
         rank0.open_wait("r0", "prefill-r0", 4, deadline=clock.now + 10)
         rank0.on_signals("r0", 4)

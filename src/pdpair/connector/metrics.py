@@ -36,8 +36,11 @@ ranks" below.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import hmac
 import json
+import logging
 import os
 import socket
 import socketserver
@@ -45,17 +48,16 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
-from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import Metric as MetricFamily
 from prometheus_client.samples import Sample
 
 from pdpair import contract
-from pdpair.httpserver import StoppableServer
+from pdpair.httpserver import BoundedThreadingMixIn, DeadlineRequestMixIn, Limits, StoppableServer
 
 from .signals import SignalAccounts
 from .warmup import Warmup
@@ -68,13 +70,30 @@ __all__ = [
     "PeerRanks",
     "RankExporter",
     "PeerPush",
+    "rank_channel_key",
 ]
+logger = logging.getLogger("pdpair.connector.metrics")
 
 
 # --- HTTP ------------------------------------------------------------------------------------------
-class _QuietHandler(WSGIRequestHandler):
+class _QuietHandler(DeadlineRequestMixIn, WSGIRequestHandler):
+    """One request per connection (wsgiref), read within the server's Limits.read_seconds (slowloris)."""
+
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib signature
         pass
+
+
+_BUSY = b"busy: the pod's metrics server is serving as many connections as it may; try again\n"
+
+
+class _BoundedWSGIServer(BoundedThreadingMixIn, WSGIServer):
+    """The pod's HTTP server: a thread per connection up to `limits.max_connections` (httpserver.Limits says why);
+    one beyond is answered 503 by the accept loop, without a thread."""
+
+    def refuse(self, request: socket.socket) -> None:
+        request.setblocking(False)  # the accept loop must never wait on a client: a full buffer drops the answer
+        request.send(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nRetry-After: 1\r\n"
+                     b"Connection: close\r\nContent-Length: " + str(len(_BUSY)).encode() + b"\r\n\r\n" + _BUSY)
 
 
 def _json(start_response, ok: bool, payload: dict) -> list[bytes]:
@@ -180,7 +199,7 @@ def _warmed(warmup: "Warmup | None", body: dict) -> tuple[bool, dict]:
 # --- the peer push (prefill): PUT /pdpair/v1/peers ----------------------------------------------------------
 MAX_PEERS_BODY_BYTES = 1 << 20
 _STATUS = {200: "200 OK", 400: "400 Bad Request", 401: "401 Unauthorized", 404: "404 Not Found",
-           405: "405 Method Not Allowed", 409: "409 Conflict", 413: "413 Payload Too Large",
+           405: "405 Method Not Allowed", 408: "408 Request Timeout", 409: "409 Conflict", 413: "413 Payload Too Large",
            502: "502 Bad Gateway", 503: "503 Service Unavailable"}
 
 
@@ -204,10 +223,14 @@ class PeerPush:
         self.epoch: int | None = None
         self._decodes: list[dict] | None = None
 
-    def handle(self, method: str, authorization: str, body: bytes) -> tuple[int, dict]:
+    def authorized(self, authorization: str) -> bool:
+        """The request's Authorization header carries the bearer token (compared in constant time)."""
         scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._token):
-            return 401, {"error": "a valid bearer token is required (the pair's PDPAIR_PEERS_TOKEN)"}
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._token)
+
+    def handle(self, method: str, authorization: str, body: bytes) -> tuple[int, dict]:
+        if not self.authorized(authorization):
+            return 401, _UNAUTHORIZED
         if method == "GET":
             with self._lock:
                 try:
@@ -303,19 +326,31 @@ class _Conflict(ValueError):
     pass
 
 
+_UNAUTHORIZED = {"error": f"a valid bearer token is required (the pair's {contract.ENV_PEERS_TOKEN})"}
+
+
 def _peers_request(push: PeerPush | None, environ, start_response) -> list[bytes]:
     if push is None:
         return _reply(start_response, 404, {"error": f"no peer push on this pod (decode, or prefill without "
                                                       f"{contract.ENV_PEERS_TOKEN})"})
     method = environ.get("REQUEST_METHOD", "GET")
+    authorization = environ.get("HTTP_AUTHORIZATION", "")
+    # The token first: nobody without it makes this pod read (or wait for) a single byte of a body.
+    if not push.authorized(authorization):
+        return _reply(start_response, 401, _UNAUTHORIZED)
     try:
         length = int(environ.get("CONTENT_LENGTH") or 0)
     except ValueError:
         length = -1
     if length < 0 or length > MAX_PEERS_BODY_BYTES:
         return _reply(start_response, 413 if length > 0 else 400, {"error": "bad Content-Length"})
-    body = environ["wsgi.input"].read(length) if length else b""
-    status, payload = push.handle(method, environ.get("HTTP_AUTHORIZATION", ""), body)
+    try:
+        body = environ["wsgi.input"].read(length) if length else b""
+    except OSError:  # the request's read deadline (httpserver.Limits.read_seconds) passed, or a reset
+        return _reply(start_response, 408, {"error": "the body did not arrive in time"})
+    if len(body) != length:
+        return _reply(start_response, 400, {"error": "the body is shorter than its Content-Length"})
+    status, payload = push.handle(method, authorization, body)
     return _reply(start_response, status, payload)
 
 
@@ -370,6 +405,7 @@ def serve(
     engine_health_url: str | None = None,
     warmup: "Warmup | None" = None,
     peers: PeerPush | None = None,
+    limits: Limits | None = None,
 ) -> MetricsServer:
     """Serve /metrics and /healthz for `accounts` on `port` (0 = any free port, see `.port`) in a daemon thread.
 
@@ -378,7 +414,8 @@ def serve(
     are merged into /metrics and their verdicts into /healthz at every request. `engine_health_url`: the engine's own
     /health, which /readyz checks once every rank is paired (prefill's readiness; see `readiness`). `warmup`: the
     engine's warm-up (warmup.py), which /readyz starts once the engine serves and waits for. `peers`: prefill's
-    peer push (`PeerPush`), served on contract.PEERS_PATH.
+    peer push (`PeerPush`), served on contract.PEERS_PATH. `limits`: connections at once and the read and write
+    deadlines (httpserver.Limits; its defaults unless a test shortens them).
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an int in 0..65535, got {port!r}")
@@ -386,8 +423,8 @@ def serve(
         raise ValueError(
             f"hang_timeout_seconds {hang_timeout_seconds} differs from the accounts' {accounts.hang_timeout_seconds}"
         )
-    httpd = make_server(addr, port, _app(accounts, ranks, engine_health_url, warmup, peers), ThreadingWSGIServer,
-                        handler_class=_QuietHandler)
+    httpd = make_server(addr, port, _app(accounts, ranks, engine_health_url, warmup, peers),
+                        functools.partial(_BoundedWSGIServer, limits=limits or Limits()), handler_class=_QuietHandler)
     # A short poll interval makes stop() quick (shutdown waits for the serve loop to notice).
     thread = threading.Thread(
         target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name=f"pdpair-metrics-{httpd.server_address[1]}"
@@ -439,8 +476,51 @@ def accounts_from_env(environ: dict[str, str] | None = None, registry: Collector
 # PDPAIR_METRICS_PORT; every other rank answers rank 0 on an abstract Unix socket named after that port (abstract:
 # nothing on disk to clean up, gone when the process is). Rank 0 merges their per-rank series (those labelled `rank`)
 # into /metrics and their verdicts into /healthz at each request, so a deficit on any rank is visible and judged.
+#
+# The rank channel is authenticated (`rank_channel_key`). On hostNetwork the abstract socket namespace is the node's:
+# any process of any hostNetwork pod on the node can connect to a rank's name, or bind it first. Without a key such a
+# process could push a peer set to a rank (repoint or unpair it) or, holding the name, feed rank 0 a fake snapshot
+# (a hung rank reported healthy). Every exchange is a challenge-response both ways, one connection each:
+#   1. the rank sends a fresh 16-byte nonce Ne (hex, one line);
+#   2. rank 0 sends MAC(key, "request" | Ne | body) and the body, a JSON object with its own fresh nonce N0 (one line);
+#   3. the rank checks the MAC before it parses the body; a wrong one is logged locally and the connection closed
+#      with nothing more sent (the refusal tells the sender nothing); else it answers
+#      MAC(key, "reply" | Ne | N0 | snapshot) and the snapshot, and rank 0 checks that MAC before it believes a word.
+# The nonces make every message good for one exchange only (a captured request or answer cannot be replayed), and the
+# labels keep a request from passing as an answer. A name held by a stranger makes the rank unreadable, so rank 0's
+# /healthz and /readyz fail ("rank_unreachable") and the operator restarts the pod: never a silent lie.
 RANK_FETCH_TIMEOUT_SECONDS = 1.0
 _PER_RANK = frozenset(m.name for m in contract.POD_METRICS if "rank" in m.labels)
+RANK_NONCE_BYTES = 16
+# The most a snapshot may take on the channel: a rank's families with a label per decode of its peer set and per
+# transfer kind are tens of KiB; rank 0 reads no further (a stranger must not make it buffer without end).
+MAX_RANK_SNAPSHOT_BYTES = 8 << 20
+# Connections a rank's exporter serves at once: rank 0 asks each rank once per /metrics, /healthz, /readyz or push
+# it serves, and its HTTP server serves at most httpserver.Limits().max_connections at once.
+RANK_MAX_CONNECTIONS = 16
+_RANK_KEY_LABEL = b"pdpair TP rank channel v1"
+_REQUEST_LABEL = b"request\0"
+_REPLY_LABEL = b"reply\0"
+
+
+def rank_channel_key(side_channel_key: str | bytes) -> bytes:
+    """The TP rank channel's key, derived from the pair's side-channel key (PDPAIR_SIDE_CHANNEL_KEY, which every rank
+    of both engine roles has): its own key, so that no MAC of the rank channel can ever pass on the side channel or
+    the other way round. A ValueError for an empty key (the channel is never unauthenticated)."""
+    secret = side_channel_key.encode() if isinstance(side_channel_key, str) else bytes(side_channel_key)
+    if not secret:
+        raise ValueError(f"the TP rank channel needs the pair's {contract.ENV_SIDE_CHANNEL_KEY}")
+    return hmac.new(secret, _RANK_KEY_LABEL, hashlib.sha256).digest()
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"".join(parts), hashlib.sha256).hexdigest().encode()
+
+
+def _check_key(key: bytes) -> bytes:
+    if not isinstance(key, bytes) or len(key) < 16:
+        raise ValueError("the TP rank channel needs a key of at least 16 bytes (rank_channel_key)")
+    return key
 
 
 def rank_socket_name(metrics_port: int, rank: int) -> str:
@@ -470,42 +550,67 @@ def _snapshot(accounts: SignalAccounts, peers: dict[str, bool] | None = None) ->
     return snapshot
 
 
-# How long a rank's exporter waits for the request line rank 0 sends first (an empty object: the snapshot only).
+# How long a rank's exporter waits for rank 0's request line, in all, from the connection's accept.
 RANK_REQUEST_TIMEOUT_SECONDS = 1.0
 
 
-class RankExporter:
-    """TP rank > 0: answers each connection on `rank_socket_name` with a JSON snapshot of its accounts. Rank 0 sends a
-    request line first: `{}` for the snapshot, `{"decodes": [...]}` (prefill's peer push) to apply a peer set first
-    (`on_peers`: PrefillWorker.set_peers of this rank, given PeerAddress values; called with None for the state only);
-    the snapshot then carries `peers` (this rank's pairing per decode), or `peers_error`."""
+class _RankServer(BoundedThreadingMixIn, socketserver.UnixStreamServer):
+    limits = Limits(max_connections=RANK_MAX_CONNECTIONS, read_seconds=RANK_REQUEST_TIMEOUT_SECONDS,
+                    write_seconds=RANK_FETCH_TIMEOUT_SECONDS)
 
-    def __init__(self, metrics_port: int, accounts: SignalAccounts,
+
+class RankExporter:
+    """TP rank > 0: answers each authenticated connection on `rank_socket_name` with a JSON snapshot of its accounts
+    (the exchange: "TP ranks" above; `key` from `rank_channel_key`). Rank 0's request is `{}` for the snapshot,
+    `{"decodes": [...]}` (prefill's peer push) to apply a peer set first (`on_peers`: PrefillWorker.set_peers of this
+    rank, given PeerAddress values; called with None for the state only); the snapshot then carries `peers` (this
+    rank's pairing per decode), or `peers_error`. A request whose MAC fails is never parsed, let alone applied;
+    `refused` counts them."""
+
+    def __init__(self, metrics_port: int, accounts: SignalAccounts, key: bytes,
                  on_peers: Callable[[tuple | None], dict[str, bool]] | None = None) -> None:
-        class Handler(socketserver.BaseRequestHandler):
+        key = _check_key(key)
+        exporter = self
+        self.refused = 0
+
+        class Handler(DeadlineRequestMixIn, socketserver.StreamRequestHandler):
             def handle(self) -> None:
-                request = _read_request(self.request)
+                nonce = os.urandom(RANK_NONCE_BYTES)
+                self.wfile.write(nonce.hex().encode() + b"\n")
+                request = _read_request(self.rfile, key, nonce)
+                if request is None:
+                    exporter._refuse()
+                    return  # nothing more is sent: the sender learns nothing
+                theirs = request.pop("nonce")
                 peers = error = None
                 if on_peers is not None:
                     try:
                         peers = on_peers(_peer_set(request["decodes"]) if "decodes" in request else None)
                     except Exception as exc:  # noqa: BLE001 - rank 0 reports it; the exporter lives on
                         error = f"{type(exc).__name__}: {exc}"
+                elif "decodes" in request:
+                    error = "this rank takes no peer set (decode, or prefill without the peer push)"
                 snapshot = _snapshot(accounts, peers)
                 if error is not None:
                     snapshot["peers_error"] = error
-                self.request.sendall(json.dumps(snapshot).encode())
-
-        class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-            daemon_threads = True
+                body = json.dumps(snapshot).encode()
+                self.wfile.write(_mac(key, _REPLY_LABEL, nonce, theirs, body) + b" " + body)
 
         self.name = rank_socket_name(metrics_port, int(accounts.rank))
-        self._server = Server(self.name, Handler)
+        self._server = _RankServer(self.name, Handler)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True,
             name=f"pdpair-rank-metrics-r{accounts.rank}",
         )
         self._thread.start()
+
+    def _refuse(self) -> None:
+        self.refused += 1
+        # Logged here, never told to the sender; a stranger can send many, so the count shows, the lines do not pile up.
+        if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, 8, ...
+            logger.warning("TP rank channel %r: refused %d unauthenticated or malformed request(s) (another process "
+                           "on this node, or a rank with another key); nothing was applied", self.name[1:],
+                           self.refused)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._server.shutdown()
@@ -515,23 +620,24 @@ class RankExporter:
             raise RuntimeError(f"rank metrics thread {self._thread.name} did not stop within {timeout}s")
 
 
-def _read_request(sock: socket.socket) -> dict:
-    """The request line rank 0 sends (bounded in time and size); {} when none or not an object."""
-    sock.settimeout(RANK_REQUEST_TIMEOUT_SECONDS)
-    data = b""
+def _read_request(rfile: Any, key: bytes, nonce: bytes) -> dict | None:
+    """Rank 0's request line, authenticated against this exchange's `nonce`: the object, with its own "nonce" as
+    bytes, or None (refused) when it is late, too long, its MAC is wrong, or it is not such an object."""
     try:
-        while b"\n" not in data and len(data) < MAX_PEERS_BODY_BYTES:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    except OSError:
-        return {}
+        line = rfile.readline(MAX_PEERS_BODY_BYTES + 256)
+    except OSError:  # the deadline (TimeoutError) or a reset
+        return None
+    if not line.endswith(b"\n"):
+        return None
+    mac, _, body = line[:-1].partition(b" ")
+    if not hmac.compare_digest(mac, _mac(key, _REQUEST_LABEL, nonce, body)):
+        return None
     try:
-        request = json.loads(data.split(b"\n", 1)[0] or b"{}")
-    except ValueError:
-        return {}
-    return request if isinstance(request, dict) else {}
+        request = json.loads(body)
+        request["nonce"] = bytes.fromhex(request["nonce"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    return request if len(request["nonce"]) == RANK_NONCE_BYTES else None
 
 
 def _peer_set(decodes: list[dict]) -> tuple:
@@ -540,36 +646,97 @@ def _peer_set(decodes: list[dict]) -> tuple:
     return tuple(PeerAddress(str(d["host"]), int(d["portBase"])) for d in decodes)
 
 
-def export_rank(metrics_port: int, accounts: SignalAccounts,
+def export_rank(metrics_port: int, accounts: SignalAccounts, key: bytes,
                 on_peers: Callable[[tuple | None], dict[str, bool]] | None = None) -> RankExporter:
-    return RankExporter(metrics_port, accounts, on_peers)
+    return RankExporter(metrics_port, accounts, key, on_peers)
+
+
+class _Unauthenticated(ValueError):
+    pass
 
 
 @dataclass(frozen=True)
 class PeerRanks:
-    """The other TP ranks of this engine, read through their exporters."""
+    """The other TP ranks of this engine, read through their exporters; `key` from `rank_channel_key`."""
 
     metrics_port: int
     ranks: tuple[int, ...]
+    key: bytes = field(repr=False)
     timeout: float = RANK_FETCH_TIMEOUT_SECONDS
+
+    def __post_init__(self) -> None:
+        _check_key(self.key)
 
     def fetch(self, request: dict | None = None) -> dict[int, dict | str]:
         """rank -> its snapshot, or why it could not be read. `request`: sent first (RankExporter says what)."""
         out: dict[int, dict | str] = {}
-        line = json.dumps(request or {}).encode() + b"\n"
         for rank in self.ranks:
             try:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                    sock.settimeout(self.timeout)
-                    sock.connect(rank_socket_name(self.metrics_port, rank))
-                    sock.sendall(line)
-                    chunks = []
-                    while chunk := sock.recv(65536):
-                        chunks.append(chunk)
-                out[rank] = json.loads(b"".join(chunks))
+                out[rank] = self._exchange(rank, request or {})
+            except _Unauthenticated as exc:
+                out[rank] = str(exc)
             except (OSError, ValueError) as exc:
                 out[rank] = f"{type(exc).__name__}: {exc}"
         return out
+
+    def _exchange(self, rank: int, request: dict) -> dict:
+        deadline = time.monotonic() + self.timeout
+        name = rank_socket_name(self.metrics_port, rank)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(self.timeout)
+            sock.connect(name)
+            reader = _DeadlineLines(sock, deadline)
+            theirs = bytes.fromhex(reader.line(2 * RANK_NONCE_BYTES + 1).decode("ascii", "replace").strip())
+            if len(theirs) != RANK_NONCE_BYTES:
+                raise ValueError("no nonce")
+            nonce = os.urandom(RANK_NONCE_BYTES)
+            body = json.dumps({**request, "nonce": nonce.hex()}).encode()
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock.sendall(_mac(self.key, _REQUEST_LABEL, theirs, body) + b" " + body + b"\n")
+            answer = reader.rest(MAX_RANK_SNAPSHOT_BYTES)
+        mac, _, snapshot = answer.partition(b" ")
+        if not hmac.compare_digest(mac, _mac(self.key, _REPLY_LABEL, theirs, nonce, snapshot)):
+            # The name answered but not with the pair's key: a stranger on the node holds it, or the rank's process
+            # has another key (never its snapshot: nothing of it is believed).
+            raise _Unauthenticated(f"the answer on {name[1:]!r} was not authenticated with the pair's key")
+        snapshot_doc = json.loads(snapshot)
+        if not isinstance(snapshot_doc, dict):
+            raise ValueError("the snapshot is not an object")
+        return snapshot_doc
+
+
+class _DeadlineLines:
+    """Reads of one socket, bounded in all by `deadline` and each by a size."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock, self._deadline, self._buffer = sock, deadline, b""
+
+    def _recv(self) -> bytes:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the rank did not answer in time")
+        self._sock.settimeout(left)
+        return self._sock.recv(65536)
+
+    def line(self, limit: int) -> bytes:
+        while b"\n" not in self._buffer:
+            if len(self._buffer) > limit:
+                raise ValueError("line too long")
+            chunk = self._recv()
+            if not chunk:
+                raise ValueError("closed before a line")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+    def rest(self, limit: int) -> bytes:
+        chunks, size = [self._buffer], len(self._buffer)
+        while chunk := self._recv():
+            size += len(chunk)
+            if size > limit:
+                raise ValueError(f"the snapshot is over {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
 
 class _MergedRegistry:

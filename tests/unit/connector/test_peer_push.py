@@ -23,6 +23,7 @@ from devcluster.ports import free_port, port_is_free
 NUM_BLOCKS = 4
 LAYERS = ("model.layers.0.attn",)
 TOKEN = "unit-test-token-0123456789"
+SIDE_CHANNEL_KEY = "unit-test-side-channel-key-0123456789abcdef"  # the pair's; the TP ranks' channel key comes from it
 GENERATION = 3
 DEADLINE = 20.0
 
@@ -39,7 +40,7 @@ def two_free_ports() -> int:
 def config(role: str, **kw) -> PdPairConfig:
     fields = dict(role=role, generation=GENERATION, pair="unit", namespace="default", transport=contract.TRANSPORT_TCP,
                   hang_timeout_seconds=30.0, metrics_port=None, listen_host="127.0.0.1", listen_port_base=None,
-                  peer_host=None, peer_port_base=None)
+                  peer_host=None, peer_port_base=None, side_channel_key=SIDE_CHANNEL_KEY)
     fields.update(kw)
     return PdPairConfig(**fields)
 

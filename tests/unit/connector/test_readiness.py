@@ -15,12 +15,13 @@ import urllib.request
 import pytest
 
 from pdpair import contract
-from pdpair.connector.metrics import PeerRanks, export_rank, readiness, serve, warm_when_serving
+from pdpair.connector.metrics import PeerRanks, export_rank, rank_channel_key, readiness, serve, warm_when_serving
 from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.warmup import WARMUP_PROMPT, Warmup
 from devcluster.ports import free_port
 
 PEER = "10.0.0.7:20000"  # the decode of prefill's peer set (host:portBase), the `peer` label of its pairing
+RANK_KEY = rank_channel_key("unit-test-side-channel-key-0123456789")  # the TP ranks' channel key
 
 
 class Engine:
@@ -117,8 +118,8 @@ def test_served_over_http_with_every_tp_rank(engine):
     port = free_port()
     rank0 = SignalAccounts("prefill", 30.0, rank=0)
     rank1 = SignalAccounts("prefill", 30.0, rank=1)
-    exporter = export_rank(port, rank1)
-    server = serve(port, rank0, ranks=PeerRanks(port, (1,)), engine_health_url=engine.url)
+    exporter = export_rank(port, rank1, RANK_KEY)
+    server = serve(port, rank0, ranks=PeerRanks(port, (1,), RANK_KEY), engine_health_url=engine.url)
     url = f"http://127.0.0.1:{server.port}{contract.READYZ_PATH}"
     try:
         rank0.set_paired(True, PEER)
@@ -140,7 +141,7 @@ def get_unreachable(port: int, engine: Engine) -> tuple[int, dict]:
     """A rank whose exporter is gone: the pod is not ready (its readiness cannot be known)."""
     rank0 = SignalAccounts("prefill", 30.0, rank=0)
     rank0.set_paired(True, PEER)
-    server = serve(port, rank0, ranks=PeerRanks(port, (1,), timeout=0.2), engine_health_url=engine.url)
+    server = serve(port, rank0, ranks=PeerRanks(port, (1,), RANK_KEY, timeout=0.2), engine_health_url=engine.url)
     try:
         return get(f"http://127.0.0.1:{server.port}{contract.READYZ_PATH}")
     finally:
