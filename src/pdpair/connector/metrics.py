@@ -131,6 +131,14 @@ def readiness(accounts: SignalAccounts, ranks: "PeerRanks | None" = None,
     so the first user request pays no first-call compile). Prefill's warm-up starts as soon as its engine serves,
     paired or not."""
     if accounts.role != contract.ROLE_PREFILL:
+        # A decode rank whose side-channel loop stopped pairs no prefill any more: not ready, at once, on any rank.
+        failures = {accounts.rank: accounts.listener_failure}
+        for rank, snapshot in (ranks.fetch().items() if ranks is not None else ()):
+            if isinstance(snapshot, dict):
+                failures[str(rank)] = snapshot.get("listener_failure")
+        stopped = {rank: why for rank, why in failures.items() if why}
+        if stopped:
+            return False, {"status": "side-channel listener stopped", "listener_failure": stopped}
         engine = _engine_serves(engine_health_url)
         if engine is not None:
             return False, {"status": engine}
@@ -544,7 +552,7 @@ def _snapshot(accounts: SignalAccounts, peers: dict[str, bool] | None = None) ->
         })
     report = accounts.health()
     snapshot = {"rank": accounts.rank, "families": families, "health": {**report.as_json(), "hung": report.hung},
-                "paired": accounts.paired}
+                "paired": accounts.paired, "listener_failure": accounts.listener_failure}
     if peers is not None:
         snapshot["peers"] = peers
     return snapshot
