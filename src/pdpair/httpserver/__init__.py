@@ -91,6 +91,7 @@ class BoundedThreadingMixIn:
         if not self._slots.acquire(blocking=False):
             try:
                 self.refuse(request)
+                _drain(request)
             except OSError:
                 pass
             self.shutdown_request(request)
@@ -117,6 +118,18 @@ class BoundedThreadingMixIn:
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         logger.debug("connection from %s ended with an error", client_address or "a local peer", exc_info=True)
+
+
+def _drain(request: socket.socket) -> None:
+    """Read, without waiting, what a refused client already sent: closing a socket with unread bytes resets the
+    connection, and the client would then see the reset instead of the refusal written just before it."""
+    request.setblocking(False)
+    for _ in range(16):
+        try:
+            if not request.recv(65536):
+                return
+        except (BlockingIOError, InterruptedError):
+            return
 
 
 class DeadlineRequestMixIn:
