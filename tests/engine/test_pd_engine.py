@@ -12,8 +12,11 @@ import time
 import urllib.request
 
 
-from conftest import HANG_TIMEOUT_SECONDS
-from engines import http_get, http_post
+from conftest import GENERATION, HANG_TIMEOUT_SECONDS
+from engines import PREFILL_INSTANCE, http_get, http_post
+from pdpair import contract
+from pdpair.connector.metadata import NOT_ACCEPTED, Refused
+from tests.side_channel_support import TEST_KEY_BYTES, Stranger, answers_hello
 
 # Distinct prompts per test: decode's prefix cache must not serve them locally, so each one is really transferred.
 # Lengths span 1 to 5 blocks of 32 tokens.
@@ -167,6 +170,84 @@ def test_corrupted_kv_changes_the_output(stack):
         (p[:30], expected[p][1], observed[p][1]) for p in CORRUPT_PROMPTS if abs(observed[p][1] - expected[p][1]) < 1e-4
     ]
     assert not same_logprob, f"the first decoded token's logprob did not change: {same_logprob}"
+
+
+def _side_channel_port(stack) -> int:
+    return int(stack.decode.env[contract.ENV_LISTEN_PORT_BASE])
+
+
+def _handshakes(stack, outcome: str) -> float:
+    """Decode's pdpair_handshakes_total{outcome}; 0 while no such handshake happened (no series yet)."""
+    try:
+        return metric(stack.decode_metrics, "pdpair_handshakes_total", {"outcome": outcome})
+    except AssertionError:
+        return 0.0
+
+
+def _decode_hash(stack) -> bytes:
+    """Decode's compatibility hash, as only a holder of the pair's key can learn it: an authenticated Hello under a
+    wrong hash is refused naming both."""
+    with Stranger(_side_channel_port(stack), timeout=10) as keyholder:
+        answers, _ = keyholder.hello(b"0" * 16, TEST_KEY_BYTES, generation=GENERATION, instance="keyholder")
+    match = re.search(r"!= local ([0-9a-f]{16})", answers[-1].reason)
+    assert match, answers
+    return match.group(1).encode()
+
+
+def test_side_channel_refusals_name_neither_hash_nor_generation(stack):
+    """A process that is not one of the pair's pods sends Hellos with a wrong hash and with a wrong generation
+    (under decode's own hash too), without the key: each gets a Challenge and `not accepted`, under its own hash
+    frame; no byte decode sent names its hash or its generation; the pair keeps serving. About 2 s."""
+    decode_hash = _decode_hash(stack)
+    before = _handshakes(stack, "unauthenticated")
+    for hash_frame, generation in ((b"0" * 16, GENERATION), (decode_hash, GENERATION + 1), (b"f" * 16, 0)):
+        with Stranger(_side_channel_port(stack), timeout=10) as stranger:
+            answers, _ = stranger.hello(hash_frame, None, generation=generation, instance="outsider")
+            stranger.send([hash_frame, b"\x81\xa4type\xa4pull"])  # and a Pull that decodes to nothing
+            extra = stranger.recv(5)
+        assert isinstance(answers[-1], Refused) and answers[-1].reason == NOT_ACCEPTED, answers
+        for text in (answers[-1].reason, repr(extra)):
+            assert decode_hash.decode() not in text and f"={GENERATION}" not in text and "has 7" not in text
+    assert _handshakes(stack, "unauthenticated") == before + 3
+    status, payload = completion(stack.router.url, "Refused strangers change nothing.")
+    assert status == 200, payload
+
+
+def test_side_channel_bad_uid_leaves_the_pair_serving(stack):
+    """The listener kill: a Hello with a tcp token of -1 (and a port out of range), from a stranger without the key
+    and from a holder of the key. The first is `not accepted`, the second refused naming the uid; the listener still
+    challenges a Hello and completions through the router still move their KV. About 3 s."""
+    decode_hash = _decode_hash(stack)
+    for uid in (b'{"host": "127.0.0.1", "port": 20000, "token": -1}', b'{"host": "127.0.0.1", "port": 70000, "token": 1}'):
+        for key in (None, TEST_KEY_BYTES):
+            with Stranger(_side_channel_port(stack), timeout=10) as stranger:
+                answers, _ = stranger.hello(decode_hash, key, generation=GENERATION, unique_id=uid, instance="bad-uid")
+            assert isinstance(answers[-1], Refused), answers
+            assert answers[-1].reason == NOT_ACCEPTED if key is None else "malformed unique id" in answers[-1].reason
+    assert answers_hello(_side_channel_port(stack), decode_hash)
+    before = ok_transfers(stack)
+    status, payload = completion(stack.router.url, "The listener outlived a bad uid.")
+    assert status == 200, payload
+    assert ok_transfers(stack) == before + 1
+
+
+def test_side_channel_hijack_without_the_key_leaves_the_edge_serving(stack):
+    """A Hello with decode's hash and generation naming the paired prefill's instance, with a proof made without the
+    key: refused, no new handshake on decode, and the next completion still moves its KV over the same edge.
+    About 2 s."""
+    decode_hash = _decode_hash(stack)
+    ok_before = _handshakes(stack, "ok")
+    for _ in range(3):
+        with Stranger(_side_channel_port(stack), timeout=10) as stranger:
+            uid = b'{"host": "127.0.0.1", "port": 9, "token": 5}'
+            answers, _ = stranger.hello(decode_hash, None, generation=GENERATION, unique_id=uid,
+                                        instance=PREFILL_INSTANCE)
+        assert isinstance(answers[-1], Refused) and answers[-1].reason == NOT_ACCEPTED, answers
+    before = ok_transfers(stack)
+    status, payload = completion(stack.router.url, "The edge still belongs to its prefill.")
+    assert status == 200, payload
+    assert ok_transfers(stack) == before + 1
+    assert _handshakes(stack, "ok") == ok_before
 
 
 def test_dropped_signals_fail_the_request_within_the_deadline(stack):

@@ -41,7 +41,6 @@ from pdpair import contract
 from pdpair.connector.deadlines import handshake_deadline
 from pdpair.connector.preflight import report_bind_failure
 from pdpair.connector.metadata import (
-    BUSY,
     MAX_MESSAGE_BYTES,
     NONCE_BYTES,
     NOT_ACCEPTED,
@@ -103,7 +102,7 @@ HANDSHAKE_SECONDS = 10.0
 # come one per prefill instance at start or after a restart, so 4 at once only queues large fleets starting together.
 MAX_CONCURRENT_HANDSHAKES = 4
 # Hellos answered with a Challenge and awaiting their Proof (each at most HELLO_REPLY_TIMEOUT_SECONDS); a further one
-# is refused busy. They cost a small record each and no thread.
+# evicts the oldest (see _on_hello). They cost a small record each and no thread.
 MAX_PENDING_CHALLENGES = 64
 # Messages the loop reads before it serves its outbox and the handshakes' results again.
 RECEIVE_BATCH = 256
@@ -375,12 +374,13 @@ class DecodeSideChannel(_SideChannel):
                     self._receive(sock)
                 self._expire_pending()
         except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
+            # /readyz answers 503 from now on, naming this (metrics.readiness): the operator replaces the pod. Set
+            # before `error`, so whoever sees `alive` turn False finds readiness already failing.
+            self.accounts.set_listener_failed(f"{self.name}: side-channel loop stopped: {exc!r}")
+            self.accounts.set_listener_ready(self.tp_rank, False)
             self.error = exc
             logger.exception("%s: side-channel loop failed; this decode rank pairs no prefill until restarted", self.name)
         finally:
-            if self.error is not None:
-                # /readyz answers 503 from now on, naming this (metrics.readiness): the operator replaces the pod.
-                self.accounts.set_listener_failed(f"{self.name}: side-channel loop stopped: {self.error!r}")
             self.accounts.set_listener_ready(self.tp_rank, False)
             self._finish_loop()
             for edge in self.edges():
@@ -561,14 +561,17 @@ class DecodeSideChannel(_SideChannel):
 
     def _on_hello(self, sock: zmq.Socket, identity: bytes, hello: Hello, peer_hash: str, body: list[bytes]) -> None:
         """Answer a Hello with a Challenge: nothing about decode is said and nothing changes until the Proof."""
-        if identity not in self._pending and len(self._pending) >= MAX_PENDING_CHALLENGES:
+        self._pending.pop(identity, None)  # a second Hello on one connection starts over
+        if len(self._pending) >= MAX_PENDING_CHALLENGES:
             self._expire_pending()
-            if len(self._pending) >= MAX_PENDING_CHALLENGES:
-                self.accounts.on_handshake("busy")
-                self._log("busy", logging.WARNING, "%s: %d Hellos await their Proof; one more refused busy", self.name,
-                          len(self._pending))
-                self._send(sock, identity, Refused(BUSY), body[0][:64])
-                return
+        if len(self._pending) >= MAX_PENDING_CHALLENGES:
+            # The oldest challenge goes, not the new Hello: a flood of Hellos then only evicts itself, while a real
+            # prefill's Proof comes one round trip after its Challenge (MAX_PENDING_CHALLENGES Hellos would have to
+            # arrive within that round trip to push it out).
+            del self._pending[next(iter(self._pending))]
+            self.accounts.on_handshake("busy")
+            self._log("evict", logging.WARNING, "%s: %d Hellos await their Proof; the oldest is dropped", self.name,
+                      MAX_PENDING_CHALLENGES)
         nonce = secrets.token_bytes(NONCE_BYTES)
         peer_factors = body[2].decode("utf-8", "replace")[:4096] if len(body) > 2 else "(not sent)"
         self._pending[identity] = _Pending(
