@@ -30,8 +30,8 @@ age_seconds) when the accounts say hung, else 200. /readyz (every engine pod's r
 rank is paired with at least one decode of its peer set (prefill), the engine's own /health answers 200 and its
 warm-up is done (`readiness`); /startupz (its startup probe) once the engine's /health answers (`startup`); both
 take `?wait=SECONDS` (contract.PROBE_WAIT_PARAM: held until they pass, `held`). At TP > 1, rank 0 serves the pod's port with
-`serve(..., ranks=PeerRanks(port, (1, ...)))` and each other rank runs `export_rank(port, accounts)`; see "TP
-ranks" below.
+`serve(..., ranks=PeerRanks(port, (1, ...), key))` and each other rank runs `export_rank(port, accounts, key)`, with
+`key = rank_channel_key(PDPAIR_SIDE_CHANNEL_KEY)`; see "TP ranks" below.
 """
 
 from __future__ import annotations
