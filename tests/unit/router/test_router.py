@@ -216,6 +216,8 @@ BASE_ARGS = ["--prefill", "http://p:1", "--decode", "http://d:2"]
         (["--port", "8000", "--connect-timeout", "nan"], "argument --connect-timeout: 'nan': must be a finite"),
         (["--port", "8000", "--decode-timeout", "inf"], "argument --decode-timeout: 'inf': must be a finite"),
         (["--port", "8000", "--prefill-timeout", "soon"], "argument --prefill-timeout: 'soon' is not a number"),
+        (["--port", "8000", "--max-body-bytes", "0"], "argument --max-body-bytes: '0' is not a number of bytes >= 1"),
+        (["--port", "8000", "--max-body-bytes", "4MiB"], "argument --max-body-bytes: '4MiB' is not a number of bytes"),
     ],
 )
 def test_cli_bad_port_or_timeout_is_a_usage_error(capsys, argv, message):
