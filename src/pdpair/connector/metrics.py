@@ -580,6 +580,7 @@ class RankExporter:
         key = _check_key(key)
         exporter = self
         self.refused = 0
+        self._refused_lock = threading.Lock()  # handler threads refuse at once
 
         class Handler(DeadlineRequestMixIn, socketserver.StreamRequestHandler):
             def handle(self) -> None:
@@ -613,12 +614,13 @@ class RankExporter:
         self._thread.start()
 
     def _refuse(self) -> None:
-        self.refused += 1
+        with self._refused_lock:
+            self.refused += 1
+            refused = self.refused
         # Logged here, never told to the sender; a stranger can send many, so the count shows, the lines do not pile up.
-        if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, 8, ...
+        if refused & (refused - 1) == 0:  # 1, 2, 4, 8, ...
             logger.warning("TP rank channel %r: refused %d unauthenticated or malformed request(s) (another process "
-                           "on this node, or a rank with another key); nothing was applied", self.name[1:],
-                           self.refused)
+                           "on this node, or a rank with another key); nothing was applied", self.name[1:], refused)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._server.shutdown()
