@@ -40,16 +40,43 @@ static void ctx_remove_conn(pdpair_context *ctx, pdpair_conn *c)
     pthread_mutex_unlock(&ctx->mu);
 }
 
-/* Send our hello and read the peer's within the deadline, both at once so neither side can block the other.
- * wake_fd (or -1) aborts the exchange when it becomes readable (listener shutdown). */
+/* Equal without an early exit: the time taken says nothing about how much of a guessed token was right. */
+static bool token_equal(uint64_t a, uint64_t b)
+{
+    volatile uint64_t diff = a ^ b;
+    return diff == 0;
+}
+
+/* The peer's hello header is in: right protocol and (constant-time) right token? */
+static pdpair_status check_peer_header(const uint8_t *in, uint64_t token, char *err)
+{
+    uint32_t version = wire_get_u32(in + 4);
+    if (version != PDPAIR_PROTOCOL_VERSION) {
+        pdpi_format_error(err, "protocol version mismatch: peer %u, here %u", version, PDPAIR_PROTOCOL_VERSION);
+        return PDPAIR_PROTOCOL_ERROR;
+    }
+    if (!token_equal(wire_get_u64(in + 8), token)) {
+        /* Neither value is named: the error text reaches logs, and the token is the connection's secret. */
+        pdpi_format_error(err, "handshake token mismatch (a peer that does not hold this pair's token)");
+        return PDPAIR_PROTOCOL_ERROR;
+    }
+    return PDPAIR_OK;
+}
+
+/* Send our hello and read the peer's within the deadline. The connecting side (`accepting` false) sends and reads
+ * at once; the listener's side reads the peer's whole hello and checks it against `token` before it sends a byte,
+ * so a peer without the token never sees the listener's hello (or its token). wake_fd (or -1) aborts the exchange
+ * when it becomes readable (listener shutdown). */
 static pdpair_status exchange_hello(int fd, int wake_fd, const uint8_t *out, size_t out_len, uint8_t **in_out,
-                                    size_t *in_len_out, uint64_t deadline_ns, char *err)
+                                    size_t *in_len_out, uint64_t deadline_ns, bool accepting, uint64_t token,
+                                    char *err)
 {
     size_t sent = 0, got = 0, want = WIRE_HELLO_SIZE;
     uint8_t *in = malloc(WIRE_HELLO_SIZE);
     if (!in) return PDPAIR_NO_MEMORY;
     while (sent < out_len || got < want) {
-        struct pollfd p[2] = {{.fd = fd, .events = (short)((sent < out_len ? POLLOUT : 0) |
+        bool may_send = sent < out_len && (!accepting || got == want);
+        struct pollfd p[2] = {{.fd = fd, .events = (short)((may_send ? POLLOUT : 0) |
                                                            (got < want ? POLLIN : 0))},
                               {.fd = wake_fd, .events = POLLIN}};
         int n = poll(p, wake_fd >= 0 ? 2 : 1, pdpi_poll_ms_left(deadline_ns));
@@ -69,7 +96,7 @@ static pdpair_status exchange_hello(int fd, int wake_fd, const uint8_t *out, siz
             free(in);
             return PDPAIR_CLOSED;
         }
-        if (sent < out_len && (p[0].revents & (POLLOUT | POLLERR | POLLHUP))) {
+        if (may_send && (p[0].revents & (POLLOUT | POLLERR | POLLHUP))) {
             ssize_t k = send(fd, out + sent, out_len - sent, MSG_NOSIGNAL);
             if (k < 0 && errno != EAGAIN && errno != EINTR) {
                 pdpi_format_error(err, "handshake send: %s", strerror(errno));
@@ -82,8 +109,9 @@ static pdpair_status exchange_hello(int fd, int wake_fd, const uint8_t *out, siz
             ssize_t k = recv(fd, in + got, want - got, 0);
             if (k == 0 || (k < 0 && errno != EAGAIN && errno != EINTR)) {
                 int e = k == 0 ? 0 : errno;
-                pdpi_format_error(err, "peer hung up during the handshake%s%s", e ? ": " : "",
-                                  e ? strerror(e) : "");
+                pdpi_format_error(err, "peer hung up during the handshake%s%s%s", e ? ": " : "",
+                                  e ? strerror(e) : "",
+                                  accepting ? "" : " (a listener closes a peer whose token or protocol it refuses)");
                 free(in);
                 return k == 0 ? PDPAIR_PEER_CLOSED : pdpi_net_errno_status(e);
             }
@@ -93,6 +121,11 @@ static pdpair_status exchange_hello(int fd, int wake_fd, const uint8_t *out, siz
                     pdpi_format_error(err, "the peer is not a pdpair transport (bad magic)");
                     free(in);
                     return PDPAIR_PROTOCOL_ERROR;
+                }
+                pdpair_status checked = check_peer_header(in, token, err);
+                if (checked != PDPAIR_OK) {
+                    free(in);
+                    return checked;
                 }
                 uint32_t nreg = wire_get_u32(in + 24);
                 if (nreg > WIRE_MAX_REGIONS) {
@@ -116,8 +149,8 @@ static pdpair_status exchange_hello(int fd, int wake_fd, const uint8_t *out, siz
 }
 
 /* Takes ownership of fd (closes it on failure). */
-pdpair_status pdpi_conn_establish(pdpair_context *ctx, int fd, int wake_fd, uint64_t deadline_ns, char *err,
-                                  pdpair_conn **out)
+pdpair_status pdpi_conn_establish(pdpair_context *ctx, int fd, int wake_fd, uint64_t deadline_ns, bool accepting,
+                                  char *err, pdpair_conn **out)
 {
     pdpair_conn *c = calloc(1, sizeof *c);
     if (!c) {
@@ -170,7 +203,8 @@ pdpair_status pdpi_conn_establish(pdpair_context *ctx, int fd, int wake_fd, uint
     memset(hello, 0, WIRE_HELLO_SIZE);
     wire_put_u32(hello, WIRE_MAGIC);
     wire_put_u32(hello + 4, PDPAIR_PROTOCOL_VERSION);
-    wire_put_u64(hello + 8, ctx->opts.token);
+    uint64_t token = ctx->opts.token; /* pdpair_context_set_token may change it: read once, under ctx->mu */
+    wire_put_u64(hello + 8, token);
     wire_put_u32(hello + 16, c->signal_slots);
     wire_put_u32(hello + 20, c->slots);
     wire_put_u32(hello + 24, nreg);
@@ -184,21 +218,9 @@ pdpair_status pdpi_conn_establish(pdpair_context *ctx, int fd, int wake_fd, uint
     pdpi_net_tune(fd);
     st = pdpi_net_set_blocking(fd, false, err);
     if (st != PDPAIR_OK) goto fail;
-    st = exchange_hello(fd, wake_fd, hello, hello_len, &peer, &peer_len, deadline_ns, err);
+    /* exchange_hello checked the peer's version and token as soon as its header was in */
+    st = exchange_hello(fd, wake_fd, hello, hello_len, &peer, &peer_len, deadline_ns, accepting, token, err);
     if (st != PDPAIR_OK) goto fail;
-    uint32_t version = wire_get_u32(peer + 4);
-    uint64_t token = wire_get_u64(peer + 8);
-    if (version != PDPAIR_PROTOCOL_VERSION) {
-        pdpi_format_error(err, "protocol version mismatch: peer %u, here %u", version, PDPAIR_PROTOCOL_VERSION);
-        st = PDPAIR_PROTOCOL_ERROR;
-        goto fail;
-    }
-    if (token != ctx->opts.token) {
-        pdpi_format_error(err, "handshake token mismatch: peer %llu, here %llu", (unsigned long long)token,
-                          (unsigned long long)ctx->opts.token);
-        st = PDPAIR_PROTOCOL_ERROR;
-        goto fail;
-    }
     c->n_remote = wire_get_u32(peer + 24);
     c->remote_cap = c->n_remote ? c->n_remote : 16;
     c->remote_sizes = malloc(c->remote_cap * sizeof *c->remote_sizes);
@@ -259,7 +281,7 @@ pdpair_status pdpair_connect(pdpair_context *ctx, const char *host, uint16_t por
     } else {
         uint64_t deadline = pdpi_deadline_ns(timeout_ms);
         st = pdpi_net_connect(host, port, deadline, &fd, err);
-        if (st == PDPAIR_OK) st = pdpi_conn_establish(ctx, fd, -1, deadline, err, out);
+        if (st == PDPAIR_OK) st = pdpi_conn_establish(ctx, fd, -1, deadline, false, err, out);
     }
     if (st != PDPAIR_OK) {
         pthread_mutex_lock(&ctx->mu);

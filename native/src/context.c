@@ -83,6 +83,15 @@ size_t pdpair_context_last_error(pdpair_context *ctx, char *buf, size_t len)
     return n;
 }
 
+pdpair_status pdpair_context_set_token(pdpair_context *ctx, uint64_t token)
+{
+    if (!ctx) return PDPAIR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&ctx->mu);
+    ctx->opts.token = token; /* read under ctx->mu by every handshake (pdpi_conn_establish) */
+    pthread_mutex_unlock(&ctx->mu);
+    return PDPAIR_OK;
+}
+
 uint32_t pdpair_context_region_count(pdpair_context *ctx)
 {
     return ctx ? atomic_load_explicit(&ctx->region_count, memory_order_acquire) : 0;

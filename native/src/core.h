@@ -129,9 +129,10 @@ void pdpi_conn_break_locked(pdpair_conn *c, pdpair_status st, const char *fmt, .
 
 /* --- connection life (connection.c) and its threads (sender.c, receiver.c) ---------------------------------- */
 /* Handshake on a connected socket and start the threads. Takes ownership of fd (closes it on failure). wake_fd
- * (or -1) aborts the handshake when it becomes readable (listener shutdown). */
-pdpair_status pdpi_conn_establish(pdpair_context *ctx, int fd, int wake_fd, uint64_t deadline_ns, char *err,
-                                  pdpair_conn **out);
+ * (or -1) aborts the handshake when it becomes readable (listener shutdown). `accepting`: this is the listener's
+ * side, which reads and checks the peer's whole hello before it sends its own. */
+pdpair_status pdpi_conn_establish(pdpair_context *ctx, int fd, int wake_fd, uint64_t deadline_ns, bool accepting,
+                                  char *err, pdpair_conn **out);
 void *pdpi_sender_main(void *arg);
 void *pdpi_receiver_main(void *arg);
 

@@ -1,4 +1,5 @@
-/* Listener: a bound TCP port; accept establishes a connection, skipping peers that hang up before their hello. */
+/* Listener: a bound TCP port; accept establishes a connection, skipping connections that hang up before their
+ * hello, send a wrong one, or stay silent past PDPAIR_ACCEPT_HELLO_MS. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
@@ -85,15 +86,28 @@ pdpair_status pdpair_accept(pdpair_listener *l, int64_t timeout_ms, pdpair_conn 
         st = PDPAIR_INVALID_ARGUMENT;
     }
     uint64_t deadline = pdpi_deadline_ns(timeout_ms < 0 ? 0 : timeout_ms);
-    unsigned probes = 0;
+    unsigned probes = 0, refused = 0, silent = 0;
+    char last[PDPAIR_ERRLEN] = "";
     while (st == PDPAIR_OK) {
         int fd = accept4(l->fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd >= 0) {
-            st = pdpi_conn_establish(l->ctx, fd, l->wake_fd, deadline, err, out);
-            if (st != PDPAIR_PEER_CLOSED) break;
-            /* It hung up before finishing its hello: a TCP probe or port scan, not a peer. Keep waiting. */
-            probes++;
-            st = PDPAIR_OK;
+            /* One connection's hello gets at most PDPAIR_ACCEPT_HELLO_MS: one that stays silent must not hold the
+             * real peer, queued behind it, until accept's own deadline. */
+            uint64_t hello_deadline = pdpi_deadline_ns(PDPAIR_ACCEPT_HELLO_MS);
+            bool own_deadline = hello_deadline < deadline;
+            st = pdpi_conn_establish(l->ctx, fd, l->wake_fd, own_deadline ? hello_deadline : deadline, true, err, out);
+            if (st == PDPAIR_PEER_CLOSED) {
+                probes++; /* it hung up before finishing its hello: a TCP probe or port scan, not a peer */
+            } else if (st == PDPAIR_PROTOCOL_ERROR) {
+                refused++; /* a wrong hello (magic, version, token): closed unanswered */
+            } else if (st == PDPAIR_TIMEOUT && own_deadline) {
+                silent++;
+            } else {
+                break;
+            }
+            memcpy(last, err, sizeof last);
+            err[0] = '\0';
+            st = PDPAIR_OK; /* keep waiting for the real peer */
             continue;
         }
         if (errno == EINTR || errno == ECONNABORTED) continue;
@@ -111,8 +125,9 @@ pdpair_status pdpair_accept(pdpair_listener *l, int64_t timeout_ms, pdpair_conn 
             pdpi_format_error(err, "listener closed");
             st = PDPAIR_CLOSED;
         } else if (n == 0) {
-            pdpi_format_error(err, "no peer connected before the deadline (%u connection(s) hung up before "
-                              "the handshake)", probes);
+            pdpi_format_error(err, "no peer completed the handshake before the deadline (%u connection(s) hung up, "
+                              "%u sent a wrong hello, %u stayed silent past %d ms%s%s)", probes, refused, silent,
+                              PDPAIR_ACCEPT_HELLO_MS, last[0] ? "; last: " : "", last);
             st = PDPAIR_TIMEOUT;
         }
     }

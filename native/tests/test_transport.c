@@ -1,7 +1,9 @@
 /* C tests of the transport. Usage: test_transport [test-name ...] (all tests when none is named).
  * `test_transport --peer-sender PORT` is the child process of the peer_killed test. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <limits.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -343,6 +345,13 @@ static void *accept_once(void *arg)
     return NULL;
 }
 
+static void *accept_short(void *arg) /* for tests whose peer is refused: accept then ends at a short deadline */
+{
+    struct accept_job *job = arg;
+    job->st = pdpair_accept(job->lis, 500, &job->conn);
+    return NULL;
+}
+
 /* The same property without a race: a hand-made peer sends a put_signal's header and half its payload, then stops.
  * The signal must not count until the rest arrives. A receiver that added the signal before reading the payload
  * fails here within the 500 ms wait whatever the scheduler does (the checker thread above only catches it when it
@@ -654,7 +663,8 @@ static void test_listen_connect_errors(void)
     pdpair_context_destroy(ctx);
 }
 
-/* A peer with a different token (e.g. a stale generation) is refused on both ends. */
+/* A peer with a different token (e.g. a stale generation) is refused: the listener closes it unanswered (the
+ * connecting side sees the hang-up), skips it, and accept times out naming the wrong hello. */
 
 static void test_token_mismatch(void)
 {
@@ -662,16 +672,28 @@ static void test_token_mismatch(void)
     struct accept_job job = {0};
     CHECK_OK(pdpair_listen(ctx_a, "127.0.0.1", 0, &job.lis), NULL);
     pthread_t t;
-    CHECK(pthread_create(&t, NULL, accept_once, &job) == 0);
+    CHECK(pthread_create(&t, NULL, accept_short, &job) == 0);
     pdpair_conn *c = NULL;
     CHECK_STATUS(pdpair_connect(ctx_b, "127.0.0.1", pdpair_listener_port(job.lis), 5000, &c),
-                 PDPAIR_PROTOCOL_ERROR, NULL);
+                 PDPAIR_PEER_CLOSED, NULL);
     pthread_join(t, NULL);
-    CHECK_STATUS(job.st, PDPAIR_PROTOCOL_ERROR, NULL);
+    CHECK_STATUS(job.st, PDPAIR_TIMEOUT, NULL);
     CHECK(c == NULL && job.conn == NULL);
-    char err[256];
+    char err[512];
     pdpair_context_last_error(ctx_b, err, sizeof err);
-    CHECK_MSG(strstr(err, "token"), "error text: %s", err);
+    CHECK_MSG(strstr(err, "hung up"), "error text: %s", err);
+    pdpair_listener_last_error(job.lis, err, sizeof err);
+    CHECK_MSG(strstr(err, "1 sent a wrong hello") && strstr(err, "token mismatch"), "error text: %s", err);
+    CHECK_MSG(!strstr(err, " 1,") && !strstr(err, "here 1"), "the token leaked into the error text: %s", err);
+    /* the same listener, the token changed after it was bound (pdpair_context_set_token): b now pairs */
+    CHECK_OK(pdpair_context_set_token(ctx_a, 2), NULL);
+    CHECK(pthread_create(&t, NULL, accept_once, &job) == 0);
+    CHECK_OK(pdpair_connect(ctx_b, "127.0.0.1", pdpair_listener_port(job.lis), 5000, &c), NULL);
+    pthread_join(t, NULL);
+    CHECK_STATUS(job.st, PDPAIR_OK, NULL);
+    CHECK_OK(pdpair_conn_close(job.conn), NULL);
+    CHECK_OK(pdpair_conn_close(c), NULL);
+    CHECK_STATUS(pdpair_context_set_token(NULL, 1), PDPAIR_INVALID_ARGUMENT, NULL);
     /* A listener blocked in accept is woken by shutdown from another thread: CLOSED, where a missed wake-up would
      * give TIMEOUT at accept's 5 s deadline. An accept that starts after the shutdown gets CLOSED at once, so the
      * check holds whatever the scheduler does; the sleep only makes the blocked case the usual one. */
@@ -686,8 +708,67 @@ static void test_token_mismatch(void)
     pdpair_context_destroy(ctx_b);
 }
 
-/* TCP probes (connect, close) are skipped by accept, which goes on waiting for the real peer; a stranger that
- * sends a wrong hello is refused with PROTOCOL_ERROR and the listener stays usable. */
+/* Read what arrives on fd within ms (nonblocking reads after poll); -1 if the peer closed, else the byte count. */
+static ssize_t read_for(int fd, uint8_t *buf, size_t len, int ms)
+{
+    size_t got = 0;
+    uint64_t end = now_ms() + (uint64_t)ms;
+    while (got < len) {
+        uint64_t now = now_ms();
+        if (now >= end) break;
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, (int)(end - now)) <= 0) break;
+        ssize_t n = recv(fd, buf + got, len - got, 0);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return got ? (ssize_t)got : -1;
+        if (n > 0) got += (size_t)n;
+    }
+    return (ssize_t)got;
+}
+
+/* The listener speaks only to a peer that proved its token first: a connection that sends nothing gets nothing, one
+ * with the wrong token is closed without a byte of the listener's hello (so it cannot learn the token and echo it),
+ * and the right token gets the listener's hello. */
+static void test_listener_answers_only_its_token(void)
+{
+    const uint64_t token = 0x5eed5eed5eedULL;
+    pdpair_context *ctx_a = new_context(0, token);
+    struct accept_job job = {0};
+    CHECK_OK(pdpair_listen(ctx_a, "127.0.0.1", 0, &job.lis), NULL);
+    uint16_t port = pdpair_listener_port(job.lis);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, accept_once, &job) == 0);
+    uint8_t buf[WIRE_HELLO_SIZE];
+
+    int quiet = raw_connect(port);
+    CHECK_MSG(read_for(quiet, buf, sizeof buf, 200) == 0, "the listener spoke before the peer's hello");
+    close(quiet);
+
+    uint8_t hello[WIRE_HELLO_SIZE] = {0};
+    wire_put_u32(hello, WIRE_MAGIC);
+    wire_put_u32(hello + 4, PDPAIR_PROTOCOL_VERSION);
+    wire_put_u64(hello + 8, token + 1);
+    wire_put_u32(hello + 16, 4096);
+    wire_put_u32(hello + 20, 256);
+    int wrong = raw_connect(port);
+    send_all(wrong, hello, sizeof hello);
+    CHECK_MSG(read_for(wrong, buf, sizeof buf, 1000) == -1, "a wrong token was answered instead of closed");
+    close(wrong);
+
+    wire_put_u64(hello + 8, token);
+    int right = raw_connect(port);
+    send_all(right, hello, sizeof hello);
+    CHECK_MSG(read_for(right, buf, sizeof buf, 2000) == (ssize_t)sizeof buf, "the right token got no hello");
+    CHECK(wire_get_u32(buf) == WIRE_MAGIC && wire_get_u64(buf + 8) == token);
+    pthread_join(t, NULL);
+    CHECK_STATUS(job.st, PDPAIR_OK, NULL);
+    close(right);
+    CHECK_OK(pdpair_conn_close(job.conn), NULL);
+    CHECK_OK(pdpair_listener_close(job.lis), NULL);
+    pdpair_context_destroy(ctx_a);
+}
+
+/* TCP probes (connect, close), junk and a connection that stays silent are skipped by accept, which goes on waiting
+ * for the real peer; the silent one costs at most PDPAIR_ACCEPT_HELLO_MS, not accept's whole deadline. */
 static void test_accept_skips_probes(void)
 {
     pdpair_context *ctx_a = new_context(0, 3), *ctx_b = new_context(0, 3);
@@ -697,34 +778,41 @@ static void test_accept_skips_probes(void)
     /* the probes sit in the listen queue before the real peer connects: accept meets them first, in order */
     close(raw_connect(port));
     close(raw_connect(port));
-    pthread_t t;
-    CHECK(pthread_create(&t, NULL, accept_once, &job) == 0);
-    pdpair_conn *b = NULL;
-    CHECK_OK(pdpair_connect(ctx_b, "127.0.0.1", port, 5000, &b), NULL);
-    pthread_join(t, NULL);
-    CHECK_STATUS(job.st, PDPAIR_OK, NULL);
-    CHECK_OK(pdpair_conn_close(job.conn), NULL);
-    CHECK_OK(pdpair_conn_close(b), NULL);
-
     int stranger = raw_connect(port);
     uint8_t junk[64];
     memset(junk, 'x', sizeof junk);
     CHECK(send(stranger, junk, sizeof junk, 0) == (ssize_t)sizeof junk);
-    pdpair_conn *c = NULL;
-    CHECK_STATUS(pdpair_accept(job.lis, 5000, &c), PDPAIR_PROTOCOL_ERROR, NULL);
-    char err[256];
-    pdpair_listener_last_error(job.lis, err, sizeof err);
-    CHECK_MSG(strstr(err, "magic"), "error text: %s", err);
-    close(stranger);
-    /* still usable: a probe that stays silent only costs accept its deadline */
     int silent = raw_connect(port);
+    pthread_t t;
     uint64_t t0 = now_ms();
-    CHECK_STATUS(pdpair_accept(job.lis, 200, &c), PDPAIR_TIMEOUT, NULL);
+    CHECK(pthread_create(&t, NULL, accept_once, &job) == 0);
+    pdpair_conn *b = NULL;
+    CHECK_OK(pdpair_connect(ctx_b, "127.0.0.1", port, 5000, &b), NULL);
+    pthread_join(t, NULL);
     uint64_t took = now_ms() - t0;
-    CHECK_MSG(took < 200 + LATE_MS, "accept with a silent peer returned after %llu ms (deadline 200 ms)",
-              (unsigned long long)took);
-    printf("    accept: a silent peer cost %llu ms (deadline 200 ms)\n", (unsigned long long)took);
+    CHECK_STATUS(job.st, PDPAIR_OK, NULL);
+    CHECK_MSG(took >= PDPAIR_ACCEPT_HELLO_MS - 50 && took < PDPAIR_ACCEPT_HELLO_MS + LATE_MS,
+              "accept behind a silent connection took %llu ms (its hello bound is %d ms)", (unsigned long long)took,
+              PDPAIR_ACCEPT_HELLO_MS);
+    printf("    accept: 2 probes, junk and a silent connection ahead of the peer cost %llu ms\n",
+           (unsigned long long)took);
+    CHECK_OK(pdpair_conn_close(job.conn), NULL);
+    CHECK_OK(pdpair_conn_close(b), NULL);
+    close(stranger);
     close(silent);
+
+    /* still usable; with nobody but strangers, accept times out at its own deadline and says what it met */
+    stranger = raw_connect(port);
+    CHECK(send(stranger, junk, sizeof junk, 0) == (ssize_t)sizeof junk);
+    pdpair_conn *c = NULL;
+    t0 = now_ms();
+    CHECK_STATUS(pdpair_accept(job.lis, 300, &c), PDPAIR_TIMEOUT, NULL);
+    took = now_ms() - t0;
+    CHECK_MSG(took < 300 + LATE_MS, "accept returned after %llu ms (deadline 300 ms)", (unsigned long long)took);
+    char err[512];
+    pdpair_listener_last_error(job.lis, err, sizeof err);
+    CHECK_MSG(strstr(err, "1 sent a wrong hello") && strstr(err, "magic"), "error text: %s", err);
+    close(stranger);
     CHECK_OK(pdpair_listener_close(job.lis), NULL);
     pdpair_context_destroy(ctx_a);
     pdpair_context_destroy(ctx_b);
@@ -791,6 +879,7 @@ static const struct test TESTS[] = {
     {"listen_connect_errors", test_listen_connect_errors},
     {"token_mismatch", test_token_mismatch},
     {"accept_skips_probes", test_accept_skips_probes},
+    {"listener_answers_only_its_token", test_listener_answers_only_its_token},
     {"concurrent_posters", test_concurrent_posters},
 };
 

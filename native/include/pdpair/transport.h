@@ -39,8 +39,14 @@ extern "C" {
 #define PDPAIR_VERSION_PATCH 0
 /* MAJOR*10000 + MINOR*100 + PATCH; pdpair_version() returns the value the library was built with. */
 #define PDPAIR_VERSION (PDPAIR_VERSION_MAJOR * 10000 + PDPAIR_VERSION_MINOR * 100 + PDPAIR_VERSION_PATCH)
-/* Wire protocol version, exchanged in the handshake; peers with a different one are refused. */
-#define PDPAIR_PROTOCOL_VERSION 1
+/* Wire protocol version, exchanged in the handshake; peers with a different one are refused.
+ * 1: both sides sent their hello at once. 2: the connecting side speaks first; the listener answers only a hello
+ * with its token (so the token is never sent to a peer that does not already hold it). */
+#define PDPAIR_PROTOCOL_VERSION 2
+/* How long accept waits for one connection's hello before closing it and accepting the next (within its own
+ * deadline): a peer's hello is sent the moment it connects, so this only bounds what a connection that stays silent
+ * (or trickles) costs the real peer queued behind it. */
+#define PDPAIR_ACCEPT_HELLO_MS 2000
 
 /* The block between the cffi markers is parsed by src/pdpair/native/_build.py: no macros inside. */
 /* cffi-begin */
@@ -118,6 +124,9 @@ pdpair_status pdpair_context_destroy(pdpair_context *ctx);
  * and future connection of this context. Regions stay registered for the context's life. */
 pdpair_status pdpair_context_register(pdpair_context *ctx, void *addr, uint64_t size, uint32_t *region_out);
 uint32_t pdpair_context_region_count(pdpair_context *ctx);
+/* Replace the handshake token for every later connect and accept of this context (e.g. a secret both sides derive
+ * after authenticating each other elsewhere, once a listener is already bound). */
+pdpair_status pdpair_context_set_token(pdpair_context *ctx, uint64_t token);
 /* Copies the context's last error text (always NUL-terminated, "" if none); returns the full length. */
 size_t pdpair_context_last_error(pdpair_context *ctx, char *buf, size_t len);
 
@@ -126,8 +135,11 @@ size_t pdpair_context_last_error(pdpair_context *ctx, char *buf, size_t len);
 pdpair_status pdpair_listen(pdpair_context *ctx, const char *host, uint16_t port, pdpair_listener **out);
 uint16_t pdpair_listener_port(pdpair_listener *lis);
 /* Wait up to timeout_ms for one peer and run the handshake (within the same deadline). TIMEOUT if no peer came.
- * Connections that hang up before finishing the handshake (TCP probes, port scans) are skipped and the wait goes
- * on. A peer that sends a wrong hello (magic, version, token) gives PROTOCOL_ERROR; the listener stays usable. */
+ * The connecting side speaks first: the listener reads the peer's whole hello and checks magic, version and token
+ * (constant-time) before it sends anything, so a peer without the token learns nothing, not even the token.
+ * Connections that hang up before finishing their hello (TCP probes, port scans), send a wrong hello, or do not
+ * finish it within PDPAIR_ACCEPT_HELLO_MS are closed and the wait goes on; at the deadline the TIMEOUT's error text
+ * counts them and names the last one's fault. */
 pdpair_status pdpair_accept(pdpair_listener *lis, int64_t timeout_ms, pdpair_conn **out);
 size_t pdpair_listener_last_error(pdpair_listener *lis, char *buf, size_t len);
 /* Make every blocked and future accept() return CLOSED; the handle stays valid until pdpair_listener_close. */
@@ -135,7 +147,8 @@ pdpair_status pdpair_listener_shutdown(pdpair_listener *lis);
 /* Shut down, wait for callers to leave, close the port (it can be listened on again at once), free. */
 pdpair_status pdpair_listener_close(pdpair_listener *lis);
 
-/* Connect to host:port and run the handshake, all within timeout_ms. */
+/* Connect to host:port and run the handshake, all within timeout_ms. The listener answers only a hello with its
+ * token: with another token the peer closes the connection (PEER_CLOSED, "hung up during the handshake"). */
 pdpair_status pdpair_connect(pdpair_context *ctx, const char *host, uint16_t port, int64_t timeout_ms,
                              pdpair_conn **out);
 

@@ -58,6 +58,7 @@ from pdpair.connector.metadata import (
     Welcome,
     decode,
     decode_handshake,
+    derive_secret,
     encode,
     proof,
     proof_matches,
@@ -107,6 +108,9 @@ MAX_PENDING_CHALLENGES = 64
 # Messages the loop reads before it serves its outbox and the handshakes' results again.
 RECEIVE_BATCH = 256
 MIN_KEY_BYTES = 32  # config.MIN_SIDE_CHANNEL_KEY_CHARS, as bytes
+# What the pair's secret is derived for (metadata.derive_secret): both sides pass it to init_pair, so the tcp data
+# connection joins only the peer of this authenticated handshake.
+PAIR_SECRET_PURPOSE = "pair"
 
 
 def _bounded_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
@@ -666,7 +670,8 @@ class DecodeSideChannel(_SideChannel):
         """init_pair, register, wait for prefill's Regions; the loop thread sends Welcome and installs the edge."""
         comm: PairComm | None = None
         try:
-            comm = self.transport.init_pair(job.hello.unique_id, RANK_DECODE, job.deadline)
+            secret = derive_secret(self.key, job.transcript, PAIR_SECRET_PURPOSE)
+            comm = self.transport.init_pair(job.hello.unique_id, RANK_DECODE, job.deadline, secret)
             table, indices, num_blocks = self.register_regions(comm)
             regions = self._await_regions(job)
             if len(regions.region_indices) != len(indices):
@@ -851,14 +856,15 @@ class PrefillSideChannel(_SideChannel):
             sock.send_multipart([*frames, json.dumps(self.factors, sort_keys=True).encode()])
             # Decode challenges every Hello; the Proof shows we hold the pair's key, Accepted's proof that decode does.
             reply = self._recv(sock, time.monotonic() + HELLO_REPLY_TIMEOUT_SECONDS)
+            said = b""  # the transcript, once decode challenged: an Accepted without a Challenge proves nothing
             if isinstance(reply, Challenge):
                 said = transcript(frames[0], frames[1], reply.nonce)
                 sock.send_multipart(encode(Proof(proof(self.key, "prefill", said)), self.local_hash))
                 reply = self._recv(sock, time.monotonic() + HELLO_REPLY_TIMEOUT_SECONDS)
-                if isinstance(reply, Accepted) and not proof_matches(self.key, "decode", said, reply.proof):
-                    logger.error("%s: the listener at %s did not prove this pair's side-channel key (another pair's "
-                                 "decode on this address, or an impostor); not pairing", self.log_name, self.peer_label)
-                    return self._failed(sock, "refused", "decode did not prove the pair's side-channel key")
+            if isinstance(reply, Accepted) and (not said or not proof_matches(self.key, "decode", said, reply.proof)):
+                logger.error("%s: the listener at %s did not prove this pair's side-channel key (another pair's "
+                             "decode on this address, or an impostor); not pairing", self.log_name, self.peer_label)
+                return self._failed(sock, "refused", "decode did not prove the pair's side-channel key")
             if reply is None:
                 if self.stopped.is_set():
                     self._close_sock()  # a socket left open would make stop()'s context term wait forever
@@ -873,7 +879,8 @@ class PrefillSideChannel(_SideChannel):
             if not isinstance(reply, Accepted):
                 return self._failed(sock, contract.OUTCOME_ERROR, f"unexpected {type(reply).__name__}")
             deadline = handshake_deadline(self.hang_timeout_seconds, time.monotonic())
-            comm = self.transport.init_pair(uid, RANK_PREFILL, deadline)
+            secret = derive_secret(self.key, said, PAIR_SECRET_PURPOSE)
+            comm = self.transport.init_pair(uid, RANK_PREFILL, deadline, secret)
             try:
                 table, indices, _ = self.register_regions(comm)
                 sock.send_multipart(encode(Regions(table, indices), self.local_hash))

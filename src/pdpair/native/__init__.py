@@ -281,6 +281,21 @@ class Context(_Handle):
     def regions(self) -> tuple[Region, ...]:
         return tuple(self._regions)
 
+    def set_token(self, token: int) -> None:
+        """Replace the handshake token for every later connect and accept (a listener already bound included): e.g. a
+        secret both sides derived after authenticating each other. The listener answers only a peer whose hello
+        carries it."""
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < 2**64:
+            raise ValueError(f"token must be an int in [0, 2**64), got {token!r}")
+        ptr = self._enter()
+        try:
+            st = lib.pdpair_context_set_token(ptr, token)
+            if st != lib.PDPAIR_OK:
+                self._error(st, "set_token")
+            self.token = token
+        finally:
+            self._leave()
+
     def listen(self, host: str = "0.0.0.0", port: int = 0) -> Listener:
         """Listen on host:port (port 0 = ephemeral; see Listener.port). SO_REUSEADDR is set."""
         _check_port(port, allow_zero=True)

@@ -29,6 +29,7 @@ from pdpair.connector.metadata import (
     Welcome,
     compatibility_factors,
     compatibility_hash,
+    derive_secret,
     encode,
     proof_matches,
 )
@@ -60,9 +61,9 @@ class CountingTransport(TcpTransport):
         super().__init__()
         self.inits = 0
 
-    def init_pair(self, unique_id, rank, deadline):
+    def init_pair(self, unique_id, rank, deadline, secret=None):
         self.inits += 1
-        return super().init_pair(unique_id, rank, deadline)
+        return super().init_pair(unique_id, rank, deadline, secret)
 
 
 class Side:
@@ -303,13 +304,12 @@ def test_regions_of_the_wrong_size_refuse_that_handshake_only(paired):
         ours = TcpTransport()
         uid = ours.create_unique_id()
         joined: list = []
-        accept = threading.Thread(target=lambda: joined.append(ours.init_pair(uid, RANK_PREFILL, time.monotonic() + 5)))
-        accept.start()
         with Stranger(port) as stranger:
-            answers, _ = stranger.hello(HASH_BYTES, TEST_KEY_BYTES, generation=GENERATION, unique_id=uid,
-                                        instance="prefill-z")
+            answers, said = stranger.hello(HASH_BYTES, TEST_KEY_BYTES, generation=GENERATION, unique_id=uid,
+                                           instance="prefill-z")
             assert isinstance(answers[-1], Accepted)
-            accept.join(5)
+            secret = derive_secret(TEST_KEY_BYTES, said, side_channel.PAIR_SECRET_PURPOSE)
+            joined.append(ours.init_pair(uid, RANK_PREFILL, time.monotonic() + 5, secret))
             stranger.send(encode(regions, HASH))
             refusal = stranger.recv_message(HASH_BYTES)
         assert isinstance(refusal, Refused) and "pair setup failed" in refusal.reason

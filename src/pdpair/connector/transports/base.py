@@ -129,9 +129,12 @@ class PairTransport(ABC):
         """Rank 0 (prefill) makes the id; the handshake sends it to decode. Opaque, at most a few KiB."""
 
     @abstractmethod
-    def init_pair(self, unique_id: bytes, rank: int, deadline: float) -> PairComm:
+    def init_pair(self, unique_id: bytes, rank: int, deadline: float, secret: bytes | None = None) -> PairComm:
         """Join the pair named by `unique_id` as `rank` (0 prefill, 1 decode), like `flagcxCommInitRank(2, uid,
-        rank)`. Both sides call it concurrently; raises TransportError if the peer has not joined by `deadline`."""
+        rank)`. Both sides call it concurrently; raises TransportError if the peer has not joined by `deadline`.
+        `secret`: bytes both sides derived from their authenticated handshake (the side channel passes
+        `metadata.derive_secret(..., "pair")`); a transport whose own connection can be bound to it (tcp) joins only
+        a peer that holds it. Without one (direct use) nothing binds the connection."""
 
     def check_unique_id(self, unique_id: bytes) -> None:
         """Raise TransportError when a peer's `unique_id` is not one this transport's `init_pair` can take (decode

@@ -284,7 +284,10 @@ class FlagcxTransport(PairTransport):
             got = len(unique_id) if isinstance(unique_id, bytes) else type(unique_id).__name__
             raise TransportError(f"a FlagCX unique id has {UNIQUE_ID_BYTES} bytes, got {got}")
 
-    def init_pair(self, unique_id: bytes, rank: int, deadline: float) -> FlagcxPairComm:
+    def init_pair(self, unique_id: bytes, rank: int, deadline: float, secret: bytes | None = None) -> FlagcxPairComm:
+        # `secret` is not used: FlagCX's bootstrap has no token to bind. What holds is that only a peer that proved
+        # the pair's key on the side channel is ever given this uid's pair (connector README, "The side channel's
+        # guard").
         if rank not in (RANK_PREFILL, RANK_DECODE):
             raise ValueError(f"rank must be {RANK_PREFILL} (prefill) or {RANK_DECODE} (decode), got {rank}")
         self.check_unique_id(unique_id)  # a peer's input: TransportError, like every other refusal of the pair

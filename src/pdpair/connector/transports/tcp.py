@@ -1,10 +1,15 @@
 """`tcp` transport: the native core (native/, C11) through its Python binding `pdpair.native`.
 
 Mapping onto the FlagCX-shaped interface:
-- `create_unique_id` (prefill, rank 0) makes a context with a random handshake token and listens on an ephemeral
-  port; the id is {host, port, token}. The host is the address decode reaches prefill at: the side channel sets it
-  from its own TCP connection to decode (`set_local_address`).
+- `create_unique_id` (prefill, rank 0) makes a context and listens on an ephemeral port; the id is {host, port}.
+  The host is the address decode reaches prefill at: the side channel sets it from its own TCP connection to decode
+  (`set_local_address`).
 - `init_pair` accepts (rank 0) or connects (rank 1) within the deadline; the listener is closed after the accept.
+  The native handshake token is the first 8 bytes of `secret`, which both sides derive from their authenticated
+  side-channel handshake (HMAC with the pair's key over its transcript): it is never sent in the id, the connecting
+  side (decode) proves it first, and prefill's listener answers nothing until it has checked it (constant-time, in
+  C), so a third party that reaches the listener first can neither join the pair nor learn the token. Without a
+  secret (direct use) the token is derived from the id, which binds nothing.
 - Region tables: the native core announces registered regions to its peer itself, so the table carries only the
   region count and `set_peer_region_table` waits (bounded) until that many peer regions are known.
 - Every native call takes a timeout derived from the caller's deadline; native errors become TransportError.
@@ -12,6 +17,7 @@ Mapping onto the FlagCX-shaped interface:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import threading
@@ -144,14 +150,14 @@ class TcpTransport(PairTransport):
 
     def create_unique_id(self) -> bytes:
         self.close()  # one handshake at a time: an id from a failed attempt is never used again
-        token = secrets.randbits(63)
-        context = self._make_context(token)
+        # A random token until init_pair sets the one derived from the handshake: nobody can join before that.
+        context = self._make_context(secrets.randbits(64))
         try:
             listener = context.listen("0.0.0.0", 0)
         except native.TransportError as exc:
             context.close()
             raise TransportError(f"listen for the pair: {exc}") from exc
-        uid = json.dumps({"host": self._local_host, "port": listener.port, "token": token}).encode()
+        uid = json.dumps({"host": self._local_host, "port": listener.port}).encode()
         with self._lock:
             self._pending[uid] = (context, listener)
         return uid
@@ -159,8 +165,11 @@ class TcpTransport(PairTransport):
     def check_unique_id(self, unique_id: bytes) -> None:
         _parse_unique_id(unique_id)
 
-    def init_pair(self, unique_id: bytes, rank: int, deadline: float) -> PairComm:
-        host, port, token = _parse_unique_id(unique_id)
+    def init_pair(self, unique_id: bytes, rank: int, deadline: float, secret: bytes | None = None) -> PairComm:
+        host, port, uid_token = _parse_unique_id(unique_id)
+        if secret is not None and (not isinstance(secret, bytes) or len(secret) < 8):
+            raise TransportError("the pair's secret must be at least 8 bytes")
+        token = int.from_bytes(secret[:8], "big") if secret is not None else uid_token
         if rank == RANK_PREFILL:
             with self._lock:
                 pending = self._pending.pop(unique_id, None)
@@ -168,6 +177,7 @@ class TcpTransport(PairTransport):
                 raise TransportError("init_pair as rank 0 needs a unique id made by this transport's create_unique_id")
             context, listener = pending
             try:
+                context.set_token(token)
                 conn = listener.accept(timeout=seconds_left(deadline))
             except native.TransportError as exc:
                 context.close()
@@ -197,11 +207,14 @@ class TcpTransport(PairTransport):
 
 
 def _parse_unique_id(unique_id: bytes) -> tuple[str, int, int]:
-    """(host, port, token) of a tcp unique id, every field in range; TransportError otherwise (a peer's id is input)."""
+    """(host, port, token) of a tcp unique id, every field in range; TransportError otherwise (a peer's id is input).
+    The token is the id's own "token" field if it has one (an id of direct use may), else derived from the id: either
+    way it binds nothing, and init_pair uses the handshake's secret instead when it has one."""
     try:
         info = json.loads(unique_id)
-        host, port, token = info["host"], info["port"], info["token"]
-    except (ValueError, KeyError, TypeError) as exc:
+        host, port = info["host"], info["port"]
+        token = info.get("token", int.from_bytes(hashlib.sha256(unique_id).digest()[:8], "big"))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise TransportError(f"malformed tcp unique id {unique_id[:80]!r}: {exc}") from None
     if not isinstance(host, str) or not 0 < len(host) <= 253 or any(c.isspace() or c == "\0" for c in host):
         raise TransportError(f"tcp unique id: host {str(host)[:80]!r} is not a host name or address")
