@@ -129,7 +129,9 @@ def pod_environment(lib: str, rank: int) -> dict[str, str]:
     FLAGCX_PATH when lib is its build/lib/libflagcx.so, else FLAGCX_LIB_PATH."""
     from pdpair import contract
 
-    env = {contract.ENV_TRANSPORT: contract.TRANSPORT_FLAGCX, contract.ENV_HANG_TIMEOUT_SECONDS: "60"}
+    env = {contract.ENV_TRANSPORT: contract.TRANSPORT_FLAGCX, contract.ENV_HANG_TIMEOUT_SECONDS: "60",
+           # the pair's side-channel key, required on both roles (these checks start no side channel)
+           contract.ENV_SIDE_CHANNEL_KEY: "gpu-checks-side-channel-key-0123456789abcdef"}
     if rank == 0:
         env.update({contract.ENV_PEER_HOST: "127.0.0.1", contract.ENV_PEER_PORT_BASE: "20000"})
     else:
