@@ -18,9 +18,15 @@ the hand-written CEL rules elsewhere stay as they are. Each region is `template:
 - metadata is labels and annotations only (plus name/namespace/generateName so they can be refused by name);
 - ephemeralContainers left out (a pod cannot be created with them);
 - PodSpec's `containers` is not required (the operator adds the engine container), and a few lists get a maxItems
-  so the CEL rules that walk them have a bounded cost;
+  (the requests/limits maps a maxProperties, their quantities a maxLength) so the CEL rules that walk them have a
+  bounded cost;
 - the CEL rules that refuse operator-owned fields (restartPolicy, hostNetwork, the engine/router container's
-  command, args, image, ports, PDPAIR_* env, port names, pdpair.io/ labels) are added at the matching schema node.
+  command, args, image, ports, PDPAIR_* env, port names, pdpair.io/ labels) are added at the matching schema node;
+- so are the rules that refuse what no pod accepts (the pod's own validation would refuse it only when the operator
+  creates the pod, after admission): a negative quantity in requests/limits, a request above its limit (containers,
+  initContainers and the pod-level resources), a toleration's tolerationSeconds with an effect other than NoExecute.
+  The role shorthands spec.<role>.resources and spec.<role>.tolerations carry the same rules, written by hand
+  (tests/unit/test_crd_contract.py checks that they equal resources_rules() and toleration_rules()).
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ INT_OR_STRING = ("io.k8s.apimachinery.pkg.util.intstr.IntOrString", "io.k8s.apim
 KEPT_EXTENSIONS = ("x-kubernetes-list-type", "x-kubernetes-list-map-keys", "x-kubernetes-map-type")
 # Bounds for the lists CEL rules walk (the apiserver refuses a rule whose worst-case cost is unbounded).
 MAX_ITEMS = {"containers": 32, "initContainers": 32, "env": 256, "ports": 64}
+# Resource names per requests/limits map, and the length of one quantity string: quantity() costs its argument's
+# length, and an int-or-string without maxLength is costed as a 3 MiB string.
+MAX_RESOURCES = 32
+QUANTITY_MAX_LENGTH = 64
 BEGIN = re.compile(r"^(?P<indent> *)# >>> generated: (?P<name>[a-z-]+)\b.*$")
 END = "# <<< generated: {name}"
 
@@ -113,6 +123,60 @@ def container_rules(main: str, shorthand: str) -> list[dict[str, str]]:
              "containers[].ports[].name must not be http, metrics or side-<n>: the operator names its own ports so",
              ".ports"),
     ]
+
+
+# A requests/limits value is an int-or-string: an int is a count, a string a quantity. Not a quantity at all is
+# left to the schema's pattern (shorthand) or to the pod's validation (template), so these rules never error.
+def _valid_quantity(v: str) -> str:
+    return f"(type({v}) == int || isQuantity({v}))"
+
+
+def _as_quantity(v: str) -> str:
+    return f"(type({v}) == int ? quantity('0').add({v}) : quantity({v}))"
+
+
+def quantity_rules(field: str) -> list[dict[str, str]]:
+    """Rules on one value of a requests/limits map; `field` names the resources object in the message."""
+    return [
+        # (sign() is a global function in the apiserver's library, not the member its docs show: isLessThan instead)
+        rule("type(self) == int ? self >= 0 : (!isQuantity(self) || !quantity(self).isLessThan(quantity('0')))",
+             f"{field} requests and limits must not be negative: a pod refuses a negative quantity"),
+    ]
+
+
+def resources_rules(field: str) -> list[dict[str, str]]:
+    """Rules on a core/v1 ResourceRequirements object; `field` names it in the message (e.g. spec.<role>.resources)."""
+    req, lim = "self.requests[k]", "self.limits[k]"
+    above = (f"k in self.limits && {_valid_quantity(req)} && {_valid_quantity(lim)} && "
+             f"{_as_quantity(lim)}.isLessThan({_as_quantity(req)})")
+    out = rule(f"!has(self.requests) || !has(self.limits) || !self.requests.exists(k, {above})",
+               f"{field}.requests must not be above {field}.limits of the same resource: a pod refuses a request "
+               "above its limit", ".requests")
+    # One resource above its limit (the rule failed, so there is one), named once: a map's order is not stable, so a
+    # second filter(...)[0] may name another. join() of them all is costed far above the budget.
+    out["messageExpression"] = (
+        f"'{field}.requests[' + self.requests.filter(k, {above})[0] + '] must not be above {field}.limits of the "
+        "same resource: a pod refuses a request above its limit'")
+    return [out]
+
+
+def toleration_rules() -> list[dict[str, str]]:
+    """Rules on one toleration (template.spec.tolerations[] and the shorthand spec.<role>.tolerations[])."""
+    return [
+        rule("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+             "tolerations[].tolerationSeconds needs tolerations[].effect NoExecute: it is how long the pod stays on "
+             "a node after a NoExecute taint, and a pod refuses it with any other effect or none", ".tolerationSeconds"),
+    ]
+
+
+def bound_resources(node: dict[str, Any], field: str) -> None:
+    """Bounds and rules on a core/v1 ResourceRequirements schema node (see MAX_RESOURCES)."""
+    for name in ("requests", "limits"):
+        quantities = node["properties"][name]
+        quantities["maxProperties"] = MAX_RESOURCES
+        quantities["additionalProperties"]["maxLength"] = QUANTITY_MAX_LENGTH
+        quantities["additionalProperties"]["x-kubernetes-validations"] = quantity_rules(field)
+    node["x-kubernetes-validations"] = resources_rules(field)
 
 
 class Converter:
@@ -215,6 +279,10 @@ def pod_template_schema(document: dict[str, Any], main: str, shorthand: str) -> 
         for sub in ("env", "ports"):
             props[list_name]["items"]["properties"][sub]["maxItems"] = MAX_ITEMS[sub]
     props["containers"]["items"]["x-kubernetes-validations"] = container_rules(main, shorthand)
+    for list_name in ("containers", "initContainers"):
+        bound_resources(props[list_name]["items"]["properties"]["resources"], f"template.spec.{list_name}[].resources")
+    bound_resources(props["resources"], "template.spec.resources")
+    props["tolerations"]["items"]["x-kubernetes-validations"] = toleration_rules()
     return template
 
 

@@ -99,8 +99,16 @@ def rename(name: str) -> Callable[[dict], None]:
 
 
 OWNED = "operator-owned flag"
+NEGATIVE = "requests and limits must not be negative"
+NO_EXECUTE = "tolerationSeconds needs tolerations[].effect NoExecute"
 RESERVED = "PDPAIR_* variables are set by the operator"
 KEY_REF = {"name": "hf", "key": "token"}
+
+
+def above(resource: str) -> str:
+    """The message of a request above its limit names the resource."""
+    return f"requests[{resource}] must not be above"
+
 
 BAD_SPECS: list[tuple[str, Callable[[dict], None], tuple[str, ...]]] = [
     ("spec-missing", drop("spec"), ("spec: Required value",)),
@@ -184,6 +192,37 @@ BAD_SPECS: list[tuple[str, Callable[[dict], None], tuple[str, ...]]] = [
      ("spec.prefill.tolerations[0].effect", "Unsupported value")),
     ("resources-bad-quantity", at("decode.resources", {"requests": {"cpu": "lots"}}),
      ("spec.decode.resources.requests.cpu", "should match")),
+    # What a pod refuses is refused at admission, not only when the operator creates the pod.
+    ("resources-negative-cpu-request", at("decode.resources", {"requests": {"cpu": "-100m"}}),
+     ("spec.decode.resources.requests[cpu]", NEGATIVE)),
+    ("resources-negative-cpu-request-integer", at("prefill.resources", {"requests": {"cpu": -1}}),
+     ("spec.prefill.resources.requests[cpu]", NEGATIVE)),
+    ("resources-negative-memory-limit", at("prefill.resources", {"limits": {"memory": "-1Gi"}}),
+     ("spec.prefill.resources.limits[memory]", NEGATIVE)),
+    ("resources-negative-gpu-limit-integer", at("decode.resources", {"limits": {"nvidia.com/gpu": -2}}),
+     ("spec.decode.resources.limits[nvidia.com/gpu]", NEGATIVE)),
+    ("resources-cpu-request-above-limit", at("decode.resources", {"requests": {"cpu": "2", "memory": "1Gi"},
+                                                                 "limits": {"cpu": "1500m", "memory": "1Gi"}}),
+     ("spec.decode.resources.requests", above("cpu"))),
+    ("resources-memory-request-above-limit", at("prefill.resources", {"requests": {"memory": "1025Mi"},
+                                                                     "limits": {"memory": "1Gi"}}),
+     ("spec.prefill.resources.requests", above("memory"))),
+    ("resources-integer-request-above-string-limit", at("decode.resources", {"requests": {"nvidia.com/gpu": 2},
+                                                                            "limits": {"nvidia.com/gpu": "1"}}),
+     ("spec.decode.resources.requests", above("nvidia.com/gpu"))),
+    ("resources-string-request-above-integer-limit", at("decode.resources", {"requests": {"cpu": "1001m"},
+                                                                            "limits": {"cpu": 1}}),
+     ("spec.decode.resources.requests", above("cpu"))),
+    ("toleration-seconds-with-no-schedule", at("decode.tolerations", [{"key": "gpu", "operator": "Exists",
+                                                                       "effect": "NoSchedule", "tolerationSeconds": 30}]),
+     ("spec.decode.tolerations[0].tolerationSeconds", NO_EXECUTE)),
+    ("toleration-seconds-without-effect", at("prefill.tolerations", [
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30},
+        {"key": "gpu", "operator": "Exists", "tolerationSeconds": 30}]),
+     ("spec.prefill.tolerations[1].tolerationSeconds", NO_EXECUTE)),
+    ("toleration-seconds-with-empty-effect", at("decode.tolerations", [{"key": "gpu", "operator": "Equal", "value": "a",
+                                                                        "effect": "", "tolerationSeconds": 0}]),
+     ("spec.decode.tolerations[0].tolerationSeconds", NO_EXECUTE)),
     ("node-selector-value-too-long", at("prefill.nodeSelector", {"pool": "v" * 64}),
      ("spec.prefill.nodeSelector.pool", "Too long")),
     ("ratio-max-below-min", at("scaling.ratio", {"min": 2, "max": 0.5}),
@@ -340,6 +379,14 @@ GOOD_SPECS: list[tuple[str, Callable[[dict], None]]] = [
                               at("rollout.progressDeadlineSeconds", 86400))),
     ("toleration-exists", at("decode.tolerations", [{"key": "nvidia.com/gpu", "operator": "Exists",
                                                      "effect": "NoSchedule"}])),
+    ("toleration-seconds-with-no-execute", at("decode.tolerations", [
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30},
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])),
+    ("resources-request-equals-limit", at("decode.resources", {
+        "requests": {"cpu": "1", "memory": "1Gi", "nvidia.com/gpu": 1, "ephemeral-storage": "0"},
+        "limits": {"cpu": "1000m", "memory": "1024Mi", "nvidia.com/gpu": "1"}})),
+    ("resources-request-below-limit-and-zero", at("prefill.resources", {"requests": {"cpu": "500m", "memory": 0},
+                                                                        "limits": {"cpu": 2, "memory": "2Gi"}})),
     ("resources-and-placement", both(
         at("decode.resources", {"requests": {"cpu": "500m", "memory": "2Gi", "nvidia.com/gpu": 1},
                                 "limits": {"memory": "4Gi"}}),
@@ -365,6 +412,125 @@ def test_good_spec_is_accepted_as_written(custom_api, crd_namespace, mutate, req
             assert value.items() <= created["spec"][key].items(), key
         else:
             assert created["spec"][key] == value, key
+
+
+# --- what a pod refuses, in the pod templates too (rules from hack/gen_crd.py) -----------------------------------
+
+def template(role: str, **pod_spec: Any) -> Callable[[dict], None]:
+    return at(f"{role}.template", {"spec": pod_spec})
+
+
+BAD_TEMPLATE_PODS: list[tuple[str, Callable[[dict], None], tuple[str, ...]]] = [
+    ("router-container-negative-cpu-request",
+     template("router", containers=[{"name": "router", "resources": {"requests": {"cpu": "-1"}}}]),
+     ("spec.router.template.spec.containers[0].resources.requests[cpu]", NEGATIVE)),
+    ("sidecar-negative-memory-limit",
+     template("decode", containers=[{"name": "sidecar", "image": "busybox:1",
+                                     "resources": {"limits": {"memory": -1}}}]),
+     ("spec.decode.template.spec.containers[0].resources.limits[memory]", NEGATIVE)),
+    ("engine-cpu-request-above-limit",
+     template("prefill", containers=[{"name": "engine", "resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}}]),
+     ("spec.prefill.template.spec.containers[0].resources.requests", above("cpu"))),
+    ("init-container-memory-request-above-limit",
+     template("decode", initContainers=[{"name": "fetch", "image": "busybox:1", "resources": {
+         "requests": {"memory": "2Gi"}, "limits": {"memory": "1Gi"}}}]),
+     ("spec.decode.template.spec.initContainers[0].resources.requests", above("memory"))),
+    ("pod-level-memory-request-above-limit",
+     template("router", resources={"requests": {"memory": "2Gi"}, "limits": {"memory": "1Gi"}}),
+     ("spec.router.template.spec.resources.requests", above("memory"))),
+    ("template-toleration-seconds-with-no-schedule",
+     template("router", tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule",
+                                      "tolerationSeconds": 30}]),
+     ("spec.router.template.spec.tolerations[0].tolerationSeconds", NO_EXECUTE)),
+    ("template-toleration-seconds-without-effect",
+     template("decode", tolerations=[{"key": "gpu", "operator": "Exists", "tolerationSeconds": 30}]),
+     ("spec.decode.template.spec.tolerations[0].tolerationSeconds", NO_EXECUTE)),
+]
+
+
+@pytest.mark.parametrize("mutate,expected", [(m, e) for _, m, e in BAD_TEMPLATE_PODS],
+                         ids=[i for i, _, _ in BAD_TEMPLATE_PODS])
+def test_template_a_pod_would_refuse_is_refused_naming_the_field(custom_api, crd_namespace, mutate, expected, request):
+    obj = minimal(f"badpod-{abs(hash(request.node.name)) % 10**8}")
+    mutate(obj)
+    message = create_error(custom_api, crd_namespace, obj)
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} not in the apiserver's message:\n{message}"
+
+
+def test_template_a_pod_accepts_is_admitted(custom_api, crd_namespace):
+    equal = {"requests": {"cpu": "1", "memory": "1Gi", "nvidia.com/gpu": 1},
+             "limits": {"cpu": "1000m", "memory": "1024Mi", "nvidia.com/gpu": "1"}}
+    obj = minimal("goodpod")
+    template("decode", containers=[{"name": "engine", "resources": equal}],
+             initContainers=[{"name": "fetch", "image": "busybox:1", "resources": {"requests": {"cpu": 0}}}],
+             tolerations=[{"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute",
+                           "tolerationSeconds": 300}])(obj)
+    template("router", resources={"requests": {"memory": "512Mi"}, "limits": {"memory": "512Mi"}})(obj)
+    created = create(custom_api, crd_namespace, obj)
+    assert created["spec"]["decode"]["template"] == obj["spec"]["decode"]["template"]
+    assert created["spec"]["router"]["template"] == obj["spec"]["router"]["template"]
+
+
+# The same verdicts as the pod's own validation (a server-side dry run of a Pod), on the edges of the rules: equal
+# quantities in other spellings, integer against string, negative zero, a limit one unit below the request.
+# (resources or a toleration, whether a pod admits it)
+PARITY_RESOURCES: list[tuple[dict, bool]] = [
+    ({"requests": {"cpu": "-0"}}, True),
+    ({"requests": {"cpu": "1"}, "limits": {"cpu": "1000m"}}, True),
+    ({"requests": {"cpu": 1}, "limits": {"cpu": "999m"}}, False),
+    ({"requests": {"memory": "1Gi"}, "limits": {"memory": 1073741824}}, True),
+    ({"requests": {"memory": "1Gi"}, "limits": {"memory": 1073741823}}, False),
+    ({"requests": {"cpu": "1e3"}, "limits": {"cpu": "1k"}}, True),
+    ({"requests": {"cpu": "-1e-3"}}, False),
+    ({"limits": {"cpu": "-1m"}}, False),
+    ({"requests": {"example.com/foo": 3, "cpu": "2"}, "limits": {"example.com/foo": 3}}, True),
+]
+PARITY_TOLERATIONS: list[tuple[dict, bool]] = [
+    ({"key": "a", "operator": "Exists", "tolerationSeconds": 1}, False),
+    ({"key": "a", "operator": "Exists", "effect": "PreferNoSchedule", "tolerationSeconds": 0}, False),
+    ({"key": "a", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 0}, True),
+    ({"key": "a", "operator": "Equal", "value": "b", "effect": "NoSchedule"}, True),
+]
+
+
+def admitted(call: Callable[[], Any]) -> bool:
+    from kubernetes.client.rest import ApiException
+
+    try:
+        call()
+    except ApiException as exc:
+        assert exc.status in (400, 422), f"unexpected HTTP {exc.status}: {exc.body}"
+        return False
+    return True
+
+
+@pytest.mark.parametrize("resources,tolerations,pod_admits",
+                         [(r, None, ok) for r, ok in PARITY_RESOURCES] + [(None, [t], ok) for t, ok in PARITY_TOLERATIONS],
+                         ids=[f"resources-{i}" for i in range(len(PARITY_RESOURCES))]
+                         + [f"toleration-{i}" for i in range(len(PARITY_TOLERATIONS))])
+def test_admission_agrees_with_the_pods_own_validation(local_cluster, custom_api, crd_namespace, resources, tolerations,
+                                                        pod_admits, request):
+    container = {"name": "c", "image": "busybox:1", **({"resources": resources} if resources else {})}
+    # "default": its ServiceAccount exists from the start (a fresh namespace's may not yet); a dry run stores nothing.
+    # kubectl, not the client's model, which takes quantities only as strings.
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "parity", "namespace": "default"},
+           "spec": {"containers": [container], **({"tolerations": tolerations} if tolerations else {})}}
+    proc = local_cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False)
+    expected = proc.returncode == 0
+    assert expected == pod_admits and (expected or "is invalid" in proc.stderr), proc.stderr
+    name = f"par-{abs(hash(request.node.name)) % 10**8}"
+    shorthand = minimal(f"{name}-s")
+    if resources:
+        shorthand["spec"]["decode"] = {"resources": resources}
+    else:
+        shorthand["spec"]["prefill"] = {"tolerations": tolerations}
+    in_template = minimal(f"{name}-t")
+    at("router.template", {"spec": pod["spec"]})(in_template)
+    for obj in (shorthand, in_template):
+        got = admitted(lambda: custom_api.create_namespaced_custom_object(
+            contract.GROUP, contract.VERSION, crd_namespace, contract.PLURAL, obj, dry_run="All"))
+        assert got == expected, f"pod admitted: {expected}, pair admitted: {got}: {json.dumps(obj['spec'])}"
 
 
 def test_examples_exist():

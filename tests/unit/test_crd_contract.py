@@ -113,6 +113,32 @@ def test_args_rules_are_the_generated_owned_flag_rules(spec_schema):
             assert option in engine_args.ARG_MESSAGE and option in engine_args.ARG_MESSAGE_EXPRESSION
 
 
+def _gen_crd():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_crd", REPO / "hack" / "gen_crd.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_shorthand_resources_and_tolerations_refuse_what_a_pod_would_as_the_templates_do(spec_schema):
+    """spec.<role>.resources and .tolerations carry hack/gen_crd.py's rules (the templates' rules come from there)."""
+    gen = _gen_crd()
+    field = "spec.<role>.resources"
+    for role in (contract.ROLE_PREFILL, contract.ROLE_DECODE):
+        props = spec_schema["properties"][role]["properties"]
+        resources = props["resources"]
+        assert resources["x-kubernetes-validations"] == gen.resources_rules(field)
+        for name in ("requests", "limits"):
+            quantity = resources["properties"][name]["additionalProperties"]
+            assert quantity["x-kubernetes-validations"] == gen.quantity_rules(field)
+            assert quantity["maxLength"] <= gen.QUANTITY_MAX_LENGTH  # bounds the cost estimate of quantity()
+            assert resources["properties"][name]["maxProperties"] <= gen.MAX_RESOURCES
+        item_rules = props["tolerations"]["items"]["x-kubernetes-validations"]
+        assert [r for r in item_rules if r.get("fieldPath") == ".tolerationSeconds"] == gen.toleration_rules()
+
+
 def test_printer_columns(version):
     columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
     assert columns["Phase"]["jsonPath"] == ".status.phase"
