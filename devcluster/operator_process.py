@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from pdpair.operator import config
+from pdpair.operator.model import config
 from devcluster.ports import free_port
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]

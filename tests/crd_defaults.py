@@ -1,6 +1,6 @@
 """What the apiserver does to an InferencePair before the operator sees it: fill in the CRD's defaults
 (structural-schema defaulting). Unit tests build specs by hand, so they pass them through this first; the operator
-itself never states a default (pdpair.operator.spec_fields)."""
+itself never states a default (pdpair.operator.model.spec_fields)."""
 
 from __future__ import annotations
 

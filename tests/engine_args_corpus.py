@@ -1,4 +1,4 @@
-"""Spellings of spec.<role>.args for the owned-flag guard (pdpair.operator.engine_args), shared by two tests:
+"""Spellings of spec.<role>.args for the owned-flag guard (pdpair.operator.build.engine_args), shared by two tests:
 tests/unit/operator/test_engine_args.py runs them through vLLM's real argument parser, and
 tests/e2e/test_crd_validation.py through the real kube-apiserver. Pure data: no vllm import.
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterator, NamedTuple
 
-from pdpair.operator.engine_args import OWNED_FLAGS, OwnedFlag
+from pdpair.operator.build.engine_args import OWNED_FLAGS, OwnedFlag
 
 
 class Spelling(NamedTuple):

@@ -45,14 +45,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "src"))
 from pdpair.contract import (  # noqa: E402
     API_VERSION, GROUP, KIND, LABEL_PAIR_UID, PLURAL, ROLE_OBJECT_PLURAL, VERSION,
 )
-from pdpair.operator.disruption import pair_budget  # noqa: E402
-from pdpair.operator.push import new_token, token_secret  # noqa: E402
-from pdpair.operator.scale_targets import role_object, role_selector  # noqa: E402
-from pdpair.operator.scale_targets import status_patch as role_status_patch  # noqa: E402
-from pdpair.operator import config as opconfig  # noqa: E402
+from pdpair.operator.build.disruption import pair_budget  # noqa: E402
+from pdpair.operator.act.push import new_token, token_secret  # noqa: E402
+from pdpair.operator.build.role_object import role_object
+from pdpair.operator.decide.scale_targets import role_selector  # noqa: E402
+from pdpair.operator.decide.scale_targets import status_patch as role_status_patch  # noqa: E402
+from pdpair.operator.model import config as opconfig  # noqa: E402
 from devcluster import operator_process as devrun  # noqa: E402
-from pdpair.operator.pods import engine_pod  # noqa: E402
-from pdpair.operator.ports import assign, required_blocks, status_ports  # noqa: E402
+from pdpair.operator.build.pods import engine_pod  # noqa: E402
+from pdpair.operator.decide.port_blocks import assign, required_blocks
+from pdpair.operator.act.port_leaser import status_ports  # noqa: E402
 from devcluster.apiserver_metrics import READ_VERBS, by_kind, counts_delta, key_name, request_counts, write_counts  # noqa: E402
 from devcluster.build import build, helm_path  # noqa: E402
 from devcluster.localcluster import LocalCluster  # noqa: E402

@@ -85,7 +85,7 @@ from typing import Callable
 # The operator's source tree, so the band rule below is the operator's own once it exists (no install needed).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "src"))
 
-from pdpair.operator.ratio_band import follower_replicas  # noqa: E402  (the operator's own rule)
+from pdpair.operator.decide.ratio_band import follower_replicas  # noqa: E402  (the operator's own rule
 
 # ---- measured inputs (citations in the module docstring) -------------------------------------------------------------
 PAIR_RATE_REQ_S = 36.76          # docs/benchmarks.md, issue 23 item 3, concurrency table, 64 | pdpair

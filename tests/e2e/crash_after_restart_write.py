@@ -18,7 +18,7 @@ EVENT_QUEUE_LAG_SECONDS = 2.0
 def main() -> None:
     from kopf._cogs.clients import events as kopf_events  # what kopf's Event poster calls, looked up per call
 
-    from pdpair.operator import reconciler
+    from pdpair.operator.act import reconciler
 
     post_event = kopf_events.post_event
 

@@ -28,7 +28,7 @@ from pdpair.contract import (
     PURPOSE_SIDECHANNEL,
     ROLE_DECODE,
 )
-from pdpair.operator import config as opconfig
+from pdpair.operator.model import config as opconfig
 from devcluster import operator_process
 from tests.e2e.operator_helpers import NO_HEALTH, OPERATOR_NS
 from devcluster.waiting import wait_for
@@ -155,7 +155,7 @@ class Replicas:
             proc.stop()
 
     def fenced_exits(self) -> int:
-        from pdpair.operator.election import LOST_LEADERSHIP_EXIT_CODE
+        from pdpair.operator.act.election import LOST_LEADERSHIP_EXIT_CODE
 
         return sum(1 for _, code in self.exits if code == LOST_LEADERSHIP_EXIT_CODE)
 

@@ -36,7 +36,7 @@ from pdpair.contract import (
 from devcluster import operator_process
 from devcluster.fixtures import OPERATOR_NAMESPACE
 from devcluster.ports import free_port_range
-from pdpair.operator.config import ENV_HEALTH_INTERVAL, ENV_WATCH_NAMESPACES
+from pdpair.operator.model.config import ENV_HEALTH_INTERVAL, ENV_WATCH_NAMESPACES
 from devcluster.waiting import wait_for
 
 OPERATOR_NS = OPERATOR_NAMESPACE  # one name: cluster_namespace cleans the port leases it holds

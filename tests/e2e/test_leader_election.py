@@ -1,4 +1,4 @@
-"""The leader-election protocol (pdpair.operator.election) against the real apiserver, in-process: exclusivity
+"""The leader-election protocol (pdpair.operator.act.election) against the real apiserver, in-process: exclusivity
 while the leader renews, takeover only after the lease duration, the optimistic-concurrency race on an expired
 Lease, release on a graceful stop, and fencing when renewals stop succeeding."""
 
@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from pdpair.operator.election import ElectionSettings, LeaderElector
+from pdpair.operator.act.election import ElectionSettings, LeaderElector
 from devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster

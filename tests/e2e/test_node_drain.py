@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 from pdpair.contract import LABEL_GENERATION, LABEL_PAIR_UID, LABEL_ROLE, ROLE_DECODE, ROLE_PREFILL
-from pdpair.operator import disruption
+from pdpair.operator.build import disruption
 from tests.e2e.ha_support import DecodeListeners
 from tests.e2e.operator_helpers import NO_HEALTH, Api, operator, own_nodes, pool_of_free_ports
 from devcluster.waiting import wait_for

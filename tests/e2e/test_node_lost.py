@@ -25,7 +25,7 @@ from pdpair.contract import (
     ROLE_DECODE,
     ROLE_PREFILL,
 )
-from pdpair.operator.config import ENV_BUSY_PORT_QUARANTINE, ENV_NODE_LOST_SECONDS, ENV_SWEEP_INTERVAL
+from pdpair.operator.model.config import ENV_BUSY_PORT_QUARANTINE, ENV_NODE_LOST_SECONDS, ENV_SWEEP_INTERVAL
 from tests.e2e.ha_support import DecodeListeners
 from tests.e2e.operator_helpers import NO_HEALTH, Api, condition, operator, own_nodes, pool_of_free_ports
 from devcluster.kwok import FAKE_NODE_LABEL

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from pdpair.contract import COND_SIGNALS_HEALTHY, GROUP, PLURAL
-from pdpair.operator.health import HEALTH_REFRESH_INTERVALS, UNREACHABLE_THRESHOLD
+from pdpair.operator.decide.health import HEALTH_REFRESH_INTERVALS, UNREACHABLE_THRESHOLD
 from devcluster.apiserver_metrics import counts_delta, write_counts
 from tests.e2e.operator_helpers import (
     NO_HEALTH,

@@ -40,7 +40,7 @@ from pdpair.contract import (
     VERSION,
 )
 from devcluster import operator_process
-from pdpair.operator.config import ENV_WATCH_NAMESPACES
+from pdpair.operator.model.config import ENV_WATCH_NAMESPACES
 from tests.e2e.operator_helpers import (
     DECODE_SIDECHANNEL_0,
     NO_HEALTH,

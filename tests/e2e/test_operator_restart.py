@@ -25,7 +25,7 @@ from pdpair.contract import (
     ROLE_PREFILL,
     status_port_name,
 )
-from pdpair.operator.config import ENV_HEALTH_INTERVAL
+from pdpair.operator.model.config import ENV_HEALTH_INTERVAL
 from tests.e2e.crash_after_restart_write import CRASH_EXIT_CODE
 from tests.e2e.ha_support import DecodeListeners, restart_generations
 from tests.e2e.operator_helpers import (

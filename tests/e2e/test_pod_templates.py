@@ -20,8 +20,8 @@ from pdpair.contract import (
     ROLE_DECODE,
     STARTUPZ_PATH,
 )
-from pdpair.operator.config import ENV_HEALTH_INTERVAL
-from pdpair.operator.pods import held_path, without_preflight
+from pdpair.operator.model.config import ENV_HEALTH_INTERVAL
+from pdpair.operator.build.pods import held_path, without_preflight
 from devcluster.kwok import NEVER_READY_LABEL
 from tests.e2e.operator_helpers import (
     Api,

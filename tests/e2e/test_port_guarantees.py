@@ -33,7 +33,7 @@ from pdpair.contract import (
     ROLE_DECODE,
     VERSION,
 )
-from pdpair.operator.config import ENV_POD_GONE_TIMEOUT
+from pdpair.operator.model.config import ENV_POD_GONE_TIMEOUT
 from tests.e2e.operator_helpers import (
     NO_HEALTH,
     PORTS_PER_PAIR_NO_ROUTER,

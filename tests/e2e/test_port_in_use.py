@@ -34,8 +34,8 @@ from pdpair.contract import (
     ROLE_DECODE,
     parse_ports_in_use,
 )
-from pdpair.operator.config import ENV_BUSY_PORT_QUARANTINE, ENV_SWEEP_INTERVAL
-from pdpair.operator.pods import ENGINE_CONTAINER, PREFLIGHT_COMMAND, PREFLIGHT_SEPARATOR
+from pdpair.operator.model.config import ENV_BUSY_PORT_QUARANTINE, ENV_SWEEP_INTERVAL
+from pdpair.operator.build.pods import ENGINE_CONTAINER, PREFLIGHT_COMMAND, PREFLIGHT_SEPARATOR
 from tests.e2e.operator_helpers import (
     NO_HEALTH,
     OPERATOR_NS,
@@ -199,8 +199,8 @@ def test_an_operator_that_died_after_the_quarantine_finishes_the_move(
     ports, generation 2 decode-first, Ready; the quarantine stays."""
     import asyncio
 
-    from pdpair.operator.config import PortPool
-    from pdpair.operator.ports import PairRef, PortLeaser
+    from pdpair.operator.model.config import PortPool
+    from pdpair.operator.act.port_leaser import PairRef, PortLeaser
 
     cluster, _ = platform
     api = Api(cluster)

@@ -25,7 +25,7 @@ from pdpair.contract import (
     ROLES,
     VERSION,
 )
-from pdpair.operator import scale_targets
+from pdpair.operator.decide import scale_targets
 from devcluster.waiting import wait_for
 from tests.e2e.operator_helpers import Api, cleanup_pairs, condition, operator, pool_of_free_ports
 

@@ -228,8 +228,8 @@ def dry_run_operator_pods(cluster, namespace: str, pair: dict) -> None:
     """Build the pair's pods as the operator does (pods.py, made-up leases) and have the apiserver validate them."""
     from kubernetes import client
 
-    from pdpair.operator.pods import engine_pod, router_pod
-    from pdpair.operator.ports import assign, required_blocks, status_ports
+    from pdpair.operator.build.pods import engine_pod, router_pod
+    from pdpair.operator.decide.port_blocks import assign, required_blocks, status_ports
 
     leased, port = [], 30000
     for block in required_blocks(pair["spec"]):

@@ -31,7 +31,7 @@ from pdpair.contract import (
     LABEL_ROLE,
     LEASE_NAME_PREFIX,
 )
-from pdpair.operator.pods import peers_secret_name
+from pdpair.operator.build.pods import peers_secret_name
 from tests.e2e.operator_helpers import Api, PodRecorder, PushReceiver, cleanup_pairs, operator, pool_of_free_ports
 from devcluster.waiting import wait_for
 

@@ -35,7 +35,7 @@ from pdpair.contract import (
     GROUP, LABEL_PAIR, LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_PURPOSE, LABEL_ROLE, PLURAL, ROLE_DECODE, ROLE_PREFILL,
     ROLE_ROUTER,
 )
-from pdpair.operator.ports import required_blocks
+from pdpair.operator.decide.port_blocks import required_blocks
 from devcluster.product import (
     CHART, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, container_processes, describe, engine_core_pid,
     leader_pod_name, operator_logs, operator_pods, pod_logs,

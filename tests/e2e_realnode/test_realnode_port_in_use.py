@@ -1,7 +1,7 @@
 """The first seed failure on a real node (issue 10, 6d): a process outside Kubernetes holds the ports decode will be
 leased, on decode's node, before decode starts. The pair must recover by itself, with a clear Event.
 
-The operator leases the lowest free ports of its pool, decode's blocks first (ports.required_blocks: side channel,
+The operator leases the lowest free ports of its pool, decode's blocks first (port_blocks.required_blocks: side channel,
 metrics, http), so the test reads the port Leases and occupies the three lowest free ports on node n2 with a plain
 Python listener in n2's network namespace (not a pod). Decode's port preflight (the first step of its engine
 container) finds them busy and fails the pod with `pdpair: ports in use on this node: ...`; the operator quarantines them, leases others, posts
@@ -23,8 +23,8 @@ from pdpair.contract import (
     ANNOTATION_RESTART_TIMES, GROUP, LABEL_PORT_LEASE, LABEL_PORT_QUARANTINE, LEASE_NAME_PREFIX, PLURAL,
     QUARANTINE_HOLDER_PREFIX,
 )
-from pdpair.operator.config import DEFAULT_PORT_POOL, PortPool
-from pdpair.operator.pods import ENGINE_CONTAINER
+from pdpair.operator.model.config import DEFAULT_PORT_POOL, PortPool
+from pdpair.operator.build.pods import ENGINE_CONTAINER
 from devcluster.product import (
     ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, operator_logs, pair_manifest, pod_logs,
 )

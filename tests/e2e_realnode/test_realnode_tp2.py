@@ -64,10 +64,10 @@ from pdpair.contract import (
     LABEL_GENERATION, LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_ROLE, PLURAL, PURPOSE_SIDECHANNEL, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER,
     VERSION,
 )
-from pdpair.operator.health import pod_fact
-from pdpair.operator.instances import peers_digest
-from pdpair.operator.lifecycle import ProbeResult
-from pdpair.operator.ports import ports_of, required_blocks
+from pdpair.operator.decide.health import pod_fact
+from pdpair.operator.decide.instances import peers_digest
+from pdpair.operator.act.listener_probe import ProbeResult
+from pdpair.operator.decide.port_blocks import ports_of, required_blocks
 from devcluster.product import (
     ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, SERVED_NAME, completion, container_processes, describe,
     operator_logs, pair_manifest,

@@ -33,9 +33,9 @@ import pytest
 from engines import PREFILL_INSTANCE, Process, engine, free_port, http_get, pair_env, router
 from test_pd_engine import completion, metric_in, tokens
 
-from pdpair.operator.health import PodState, ScrapeTarget
-from pdpair.operator.scrape import scrape_pods
-from pdpair.operator.lifecycle import probe_ranks
+from pdpair.operator.decide.health import PodState, ScrapeTarget
+from pdpair.operator.act.scrape import scrape_pods
+from pdpair.operator.act.listener_probe import probe_ranks
 from devcluster.waiting import wait_for
 
 TP = 2

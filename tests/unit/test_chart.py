@@ -139,7 +139,7 @@ def test_two_replicas_with_leader_election_by_default(helm):
     assert timing == sorted(timing) and len(set(timing)) == 3
     assert env["PDPAIR_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     # The operator accepts exactly what the chart renders (the same validation the pod runs at start).
-    from pdpair.operator.config import OperatorConfig
+    from pdpair.operator.model.config import OperatorConfig
 
     cfg = OperatorConfig.from_env({k: e["value"] for k, e in env.items() if "value" in e}
                                   | {"PDPAIR_OPERATOR_NAMESPACE": NAMESPACE})
@@ -202,8 +202,8 @@ def test_single_replica_without_election_is_recreate_without_budget(helm):
 
 
 def test_operator_config_env_is_what_the_operator_reads(helm):
-    """Every PDPAIR_* variable the chart sets is one pdpair.operator.config reads (a rename breaks this test)."""
-    from pdpair.operator import config
+    """Every PDPAIR_* variable the chart sets is one pdpair.operator.model.config reads (a rename breaks this test)."""
+    from pdpair.operator.model import config
 
     read = {v for k, v in vars(config).items() if k.startswith("ENV_")}
     docs = helm.template("-f", str(CHART / "ci" / "01-watch-namespaces-tuning-values.yaml"))

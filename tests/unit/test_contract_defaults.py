@@ -9,7 +9,7 @@ from __future__ import annotations
 from pdpair import contract
 from pdpair.connector import config as connector_config
 from pdpair.connector.transports import TRANSPORT_SPECS, flagcx
-from pdpair.operator import pods
+from pdpair.operator.build import pods
 from tests.crd_defaults import spec_schema
 
 

@@ -10,7 +10,9 @@ import promql_parser
 import pytest
 
 from pdpair import contract
-from pdpair.operator.health import RESTART_REASONS  # the `reason` label values of pdpair_operator_pair_restarts_total
+from pdpair.operator.decide.health import (
+    RESTART_REASONS  # the `reason` label values of pdpair_operator_pair_restarts_total,
+)
 from tests.monitoring_support import DASHBOARD, alert_rules, one, render, rules_from_chart
 
 # Labels Prometheus adds to every pod series: prometheus-operator (namespace, pod, ...), the scrape (job, instance)

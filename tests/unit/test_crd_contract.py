@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from pdpair import contract
-from pdpair.operator import engine_args
+from pdpair.operator.build import engine_args
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "charts" / "pdpair" / "crds" / "inferencepairs.pdpair.io.yaml"
@@ -96,7 +96,7 @@ def test_env_rule_reserves_the_prefix_of_every_contract_env_name(spec_schema):
 
 
 def test_args_rules_are_the_generated_owned_flag_rules(spec_schema):
-    """The args rules are engine_args' (one source of truth); regenerate with python -m pdpair.operator.engine_args."""
+    """The args rules are engine_args' (one source of truth); regenerate with python -m pdpair.operator.build.engine_args."""
     for role in contract.ROLES:
         args = spec_schema["properties"][role]["properties"]["args"]
         assert args["x-kubernetes-validations"] == [
@@ -204,7 +204,7 @@ def test_every_validation_rule_has_a_message_that_names_a_field(version):
 
 
 def test_health_status_schema_and_column(version, status_schema):
-    from pdpair.operator import health
+    from pdpair.operator.decide import health
 
     schema = status_schema["properties"]["health"]["properties"]
     assert tuple(schema["verdict"]["enum"]) == health.VERDICTS
@@ -226,7 +226,7 @@ def test_health_status_schema_and_column(version, status_schema):
 
 def test_every_key_the_health_watch_writes_is_in_the_schema(status_schema):
     """What observe writes for an unhealthy 1P2D pair (roles, instances, pod) is declared, key by key."""
-    from pdpair.operator import health
+    from pdpair.operator.decide import health
 
     def scraped(role, instance):
         target = health.ScrapeTarget(role, f"p-{role}-g1-{instance}", "10.0.0.1", 20001, instance)

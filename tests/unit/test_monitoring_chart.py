@@ -117,7 +117,7 @@ def test_bad_values_are_refused(sets, expected):
 def test_the_restart_panel_names_every_restart_reason():
     """The reason label's words live in health.RESTART_REASONS; the dashboard's restart panel lists them for the
     reader (it once missed port_in_use)."""
-    from pdpair.operator.health import RESTART_REASONS
+    from pdpair.operator.decide.health import RESTART_REASONS
 
     panels = json.loads(DASHBOARD.read_text())["panels"]
     [restarts] = [p for p in panels if "pdpair_operator_pair_restarts_total" in json.dumps(p.get("targets", []))

@@ -21,7 +21,7 @@ import sys
 import threading
 import uuid
 
-from .config import ENV_POD_NAME, ConfigError, OperatorConfig
+from pdpair.operator.model.config import ENV_POD_NAME, ConfigError, OperatorConfig
 
 log = logging.getLogger("pdpair.operator")
 
@@ -67,7 +67,7 @@ def _elect(config: OperatorConfig):
     """Blocks until this process leads; returns the elector (renewing, fenced)."""
     import kubernetes
 
-    from .election import ElectionSettings, LeaderElector, exit_now
+    from pdpair.operator.act.election import ElectionSettings, LeaderElector, exit_now
 
     try:
         kubernetes.config.load_incluster_config()
@@ -104,15 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdpair operator: bad configuration: {exc}", file=sys.stderr)
         return 2
 
-    from .memory import tune_gc, tune_malloc
+    from pdpair.operator.glue.memory import tune_gc, tune_malloc
 
     tune_malloc()  # before kopf and the API threads allocate (memory.py)
     tune_gc()
 
     import kopf
 
-    from . import handlers  # noqa: F401  (registers the handlers)
-    from . import lean_watch
+    from pdpair.operator.glue import handlers  # noqa: F401  (registers the handlers)
+    from pdpair.operator.glue import lean_watch
 
     lean_watch.install()  # kopf's watch events without managedFields, before any watch starts (lean_watch.py)
 

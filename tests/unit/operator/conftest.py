@@ -7,7 +7,7 @@ import pytest
 
 from pdpair.connector.metrics import serve
 from pdpair.connector.signals import SignalAccounts
-from pdpair.operator.health import ScrapeTarget
+from pdpair.operator.decide.health import ScrapeTarget
 
 
 @pytest.fixture

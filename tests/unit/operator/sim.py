@@ -1,5 +1,5 @@
 """A tiny fake of the outside world for the planner's table tests: pods appear Running/Ready as soon as they are
-made, and vanish at once when deleted. Test code only (it was in desired.py)."""
+made, and vanish at once when deleted. Test code only (it was in recreate.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from pdpair.operator import desired as d
-from pdpair.operator.observed import PodView, Observed
-from pdpair.operator.planner import next_step
+from pdpair.operator.decide import recreate as d
+from pdpair.operator.model.observed import PodView, Observed
+from pdpair.operator.decide.planner import next_step
 
 
 @dataclass

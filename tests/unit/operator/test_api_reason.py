@@ -6,7 +6,7 @@ import json
 
 from kubernetes.client.exceptions import ApiException
 
-from pdpair.operator.reconciler import REJECTED_STATUSES, api_reason
+from pdpair.operator.act.reconciler import REJECTED_STATUSES, api_reason
 
 
 def _api_exception(status, reason, body):
@@ -37,7 +37,7 @@ def test_a_body_that_is_not_a_status_falls_back_to_the_exception():
 def test_a_throttled_pass_waits_the_retry_after_it_was_told_with_jitter_and_bounds():
     """429 (API Priority and Fairness): the pass is redone after the apiserver's Retry-After, within [0.2, 30] s and
     stretched by the caller's jitter (at most half); any other error is not a throttle (None)."""
-    from pdpair.operator.reconciler import throttled_retry
+    from pdpair.operator.act.reconciler import throttled_retry
 
     def throttled(retry_after):
         exc = _api_exception(429, "Too Many Requests", '{"kind": "Status", "code": 429}')

@@ -8,7 +8,7 @@ import kubernetes
 import pytest
 import urllib3
 
-from pdpair.operator.api import CONNECT_TIMEOUT_CAP, TimedApi, request_timeout
+from pdpair.operator.act.kube_api import CONNECT_TIMEOUT_CAP, TimedApi, request_timeout
 
 # urllib3 wraps the read timeout in MaxRetryError even with retries=0
 TIMED_OUT = (urllib3.exceptions.MaxRetryError, urllib3.exceptions.ReadTimeoutError)

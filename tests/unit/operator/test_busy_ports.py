@@ -8,13 +8,18 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from pdpair.contract import ports_in_use_message
-from pdpair.operator import busy_ports
-from pdpair.operator.config import PortPool
-from pdpair.operator.observed import PodView
-from pdpair.operator.pods import (
-    LEGACY_PREFLIGHT_CONTAINER, PREFLIGHT_COMMAND, PREFLIGHT_SEPARATOR, engine_pod, router_pod, without_preflight,
+from pdpair.operator.decide import busy_ports
+from pdpair.operator.model.config import PortPool
+from pdpair.operator.model.observed import PodView
+from pdpair.operator.build.pods import (
+    LEGACY_PREFLIGHT_CONTAINER,
+    PREFLIGHT_COMMAND,
+    PREFLIGHT_SEPARATOR,
+    engine_pod,
+    router_pod,
+    without_preflight,
 )
-from pdpair.operator.ports import assign, required_blocks, status_ports
+from pdpair.operator.decide.port_blocks import assign, required_blocks, status_ports
 from tests.crd_defaults import with_crd_defaults
 
 POOL = PortPool(20000, 20099)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from pdpair.operator.config import ConfigError, OperatorConfig
+from pdpair.operator.model.config import ConfigError, OperatorConfig
 
 BASE = {"PDPAIR_OPERATOR_NAMESPACE": "pdpair-system"}
 
@@ -73,7 +73,7 @@ def test_chart_deployment_sets_only_variables_the_operator_reads():
     import pathlib
     import re
 
-    from pdpair.operator import config
+    from pdpair.operator.model import config
 
     root = pathlib.Path(__file__).resolve().parents[3]
     template = (root / "charts" / "pdpair" / "templates" / "operator" / "deployment.yaml").read_text()
@@ -94,7 +94,7 @@ CHART_DEFAULT_DIFFERS = {"operator.leaderElection.enabled": "the chart runs 2 re
 def test_every_config_field_is_declared_once_with_its_default():
     import dataclasses
 
-    from pdpair.operator import config
+    from pdpair.operator.model import config
 
     fields = {f.name: f for f in dataclasses.fields(OperatorConfig)}
     declared = [s.field for s in config.SETTINGS if s.field]
@@ -111,11 +111,11 @@ def test_every_config_field_is_declared_once_with_its_default():
 
 
 def test_operator_readme_table_is_generated_from_the_settings():
-    from pdpair.operator import config
+    from pdpair.operator.model import config
 
     readme = (ROOT / "src" / "pdpair" / "operator" / "README.md").read_text()
     block = readme.split("<!-- settings:begin -->\n", 1)[1].split("<!-- settings:end -->", 1)[0]
-    assert block == config.settings_markdown(), "run `python -m pdpair.operator.config` and paste its table"
+    assert block == config.settings_markdown(), "run `python -m pdpair.operator.model.config` and paste its table"
 
 
 def _values_comment(lines, key_path):
@@ -138,7 +138,7 @@ def test_chart_values_docs_and_template_agree_with_the_settings():
 
     import yaml
 
-    from pdpair.operator import config
+    from pdpair.operator.model import config
 
     values_text = (ROOT / "charts" / "pdpair" / "values.yaml").read_text()
     values = yaml.safe_load(values_text)
@@ -176,7 +176,7 @@ def test_docs_that_quote_a_default_quote_the_declared_one():
     (docs/design.md quotes several)."""
     import re
 
-    from pdpair.operator import config
+    from pdpair.operator.model import config
 
     quoted = 0
     for doc in ROOT.rglob("*.md"):

@@ -3,10 +3,10 @@
 import pytest
 
 from pdpair.contract import ANNOTATION_SPEC_HASH, LABEL_GENERATION, LABEL_ROLE
-from pdpair.operator import desired as d
-from pdpair.operator.desired import spec_fingerprint
-from pdpair.operator.observed import Observed, PodView
-from pdpair.operator.planner import next_step
+from pdpair.operator.decide import recreate as d
+from pdpair.operator.decide.recreate import spec_fingerprint
+from pdpair.operator.model.observed import Observed, PodView
+from pdpair.operator.decide.planner import next_step
 from tests.unit.operator.sim import SimWorld, simulate_until_ready
 
 SPEC = {"model": "m", "image": "img:1", "router": {"enabled": True}}
@@ -194,7 +194,7 @@ def test_a_prefill_that_never_becomes_ready_waits_without_a_deadline():
 def test_teardown_order_is_router_and_prefill_then_decode():
     """desired.teardown, the one definition of the order, used by replacements (Recreate step 2, a Surge rollout's
     old or rolled-back generation) and by a deleted pair (planner.deleted_pair_teardown, executed by handlers)."""
-    from pdpair.operator.planner import deleted_pair_teardown
+    from pdpair.operator.decide.planner import deleted_pair_teardown
 
     decode, prefill, router = pod("decode"), pod("prefill"), pod("router")
     going = d.teardown([decode, prefill, router])

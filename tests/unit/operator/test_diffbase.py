@@ -7,7 +7,7 @@ from __future__ import annotations
 import kopf
 from kopf._core.intents import causes
 
-from pdpair.operator.diffbase import NoDiffBaseStorage, diff_dependent_handlers
+from pdpair.operator.glue.diffbase import NoDiffBaseStorage, diff_dependent_handlers
 
 FINALIZER = "pdpair.io/finalizer"
 
@@ -71,6 +71,6 @@ def test_handlers_that_need_a_diff_base_are_found():
 
 
 def test_the_operators_own_handlers_need_none():
-    import pdpair.operator.handlers  # noqa: F401  (registers the operator's handlers in kopf's default registry)
+    import pdpair.operator.glue.handlers  # noqa: F401  (registers the operator's handlers in kopf's default registry)
 
     assert diff_dependent_handlers(kopf.get_default_registry()) == []

@@ -18,13 +18,13 @@ import time
 import aiohttp
 import pytest
 
-from pdpair.operator import desired as d
-from pdpair.operator import instances
-from pdpair.operator.config import OperatorConfig, PortPool
-from pdpair.operator.observed import PodView, RouterDrainView
-from pdpair.operator.planner import next_step
-from pdpair.operator.push import pair_token
-from pdpair.operator.reconciler import PairReconciler, Runtime
+from pdpair.operator.decide import recreate as d
+from pdpair.operator.decide import instances
+from pdpair.operator.model.config import OperatorConfig, PortPool
+from pdpair.operator.model.observed import PodView, RouterDrainView
+from pdpair.operator.decide.planner import next_step
+from pdpair.operator.act.push import pair_token
+from pdpair.operator.act.reconciler import PairReconciler, Runtime
 from pdpair.router.app import ROUTE_HEADER, RouterConfig, make_app
 from tests.router_support import engine_server, serve
 from tests.unit.operator.sim import SimWorld, simulate_until_ready

@@ -4,8 +4,8 @@ apiserver in tests/e2e/test_leader_election.py."""
 import pytest
 
 from pdpair.operator.__main__ import candidate_identity
-from pdpair.operator.config import ConfigError, OperatorConfig
-from pdpair.operator.election import ElectionSettings, may_take
+from pdpair.operator.model.config import ConfigError, OperatorConfig
+from pdpair.operator.act.election import ElectionSettings, may_take
 
 BASE = {"PDPAIR_OPERATOR_NAMESPACE": "pdpair-system"}
 

@@ -26,9 +26,9 @@ import pytest
 import yaml
 
 from pdpair.contract import ENV_HTTP_PORT, ROLE_DECODE
-from pdpair.operator import engine_args
-from pdpair.operator.engine_args import OWNED_FLAGS, OWNED_OPTION_STRINGS
-from pdpair.operator.pods import ENGINE_ENTRYPOINT, engine_command, owned_engine_flags
+from pdpair.operator.build import engine_args
+from pdpair.operator.build.engine_args import OWNED_FLAGS, OWNED_OPTION_STRINGS
+from pdpair.operator.build.pods import ENGINE_ENTRYPOINT, engine_command, owned_engine_flags
 from tests.engine_args_corpus import (
     BENIGN_SPELLINGS,
     CONFIG_FILE,

@@ -8,7 +8,7 @@ import asyncio
 import threading
 import time
 
-from pdpair.operator.events import EVENT_SOURCE, EventPoster, event_body
+from pdpair.operator.act.events import EVENT_SOURCE, EventPoster, event_body
 
 
 class FakePost:
@@ -126,8 +126,8 @@ def test_a_failed_post_is_retried_then_dropped():
 def test_the_pairs_emitter_posts_through_the_runtimes_poster():
     """handlers._emitter hands Events to the runtime's poster (not kopf.event, which needs kopf's context and would
     post through kopf's unbounded session) and keeps the pair's reference only."""
-    from pdpair.operator import handlers
-    from pdpair.operator.reconciler import Runtime
+    from pdpair.operator.glue import handlers
+    from pdpair.operator.act.reconciler import Runtime
 
     poster = EventPoster(FakePost())
     runtime = Runtime(config=None, core=None, custom=None, leaser=None, events=poster)

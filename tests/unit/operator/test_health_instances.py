@@ -17,9 +17,10 @@ import pytest
 
 from pdpair import contract
 from pdpair.contract import LABEL_GENERATION, LABEL_INSTANCE, LABEL_PAIR_UID, LABEL_ROLE, PURPOSE_METRICS
-from pdpair.operator import health, pods as pod_manifests
-from pdpair.operator.handlers import _scrape_pair
-from pdpair.operator.health import (
+from pdpair.operator.decide import health
+from pdpair.operator.build import pods as pod_manifests
+from pdpair.operator.glue.handlers import _scrape_pair
+from pdpair.operator.decide.health import (
     HEALTH_REFRESH_INTERVALS,
     REASON_HUNG,
     REASON_POD_FAILED,
@@ -37,7 +38,7 @@ from pdpair.operator.health import (
     signals_condition,
     watched_pods,
 )
-from pdpair.operator.observed import Finding, PodView
+from pdpair.operator.model.observed import Finding, PodView
 
 T0 = datetime(2026, 12, 1, 8, 0, 0, tzinfo=timezone.utc)
 REFRESH = HEALTH_REFRESH_INTERVALS * 10.0

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from pdpair import contract
-from pdpair.operator.health import (
+from pdpair.operator.decide.health import (
     HEALTH_REFRESH_INTERVALS,
     REASON_HUNG,
     REASON_UNREACHABLE,
@@ -30,9 +30,9 @@ from pdpair.operator.health import (
     restart_finding,
     signals_condition,
 )
-from pdpair.operator.scrape import scrape_pods
-from pdpair.operator.observed import Finding
-from pdpair.operator.status import status_diff
+from pdpair.operator.act.scrape import scrape_pods
+from pdpair.operator.model.observed import Finding
+from pdpair.operator.model.conditions import status_diff
 
 T0 = datetime(2026, 12, 1, 8, 0, 0, tzinfo=timezone.utc)
 REFRESH = HEALTH_REFRESH_INTERVALS * 10.0

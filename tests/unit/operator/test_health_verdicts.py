@@ -1,4 +1,4 @@
-"""pdpair.operator.health against real local HTTP servers serving the real pod exporter's output."""
+"""pdpair.operator.decide.health against real local HTTP servers serving the real pod exporter's output."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from pdpair import contract
-from pdpair.operator.health import (
+from pdpair.operator.decide.health import (
     REASON_CONTAINER_RESTART,
     REASON_HUNG,
     REASON_POD_FAILED,
@@ -23,7 +23,7 @@ from pdpair.operator.health import (
     UNREACHABLE_THRESHOLD,
     pair_verdict,
 )
-from pdpair.operator.scrape import parse_pod_metrics, scrape_pods
+from pdpair.operator.act.scrape import parse_pod_metrics, scrape_pods
 
 
 @pytest.fixture
@@ -276,8 +276,8 @@ def test_unreachable_needs_a_streak(healthy_pair, closed_port):
 
 
 def test_reasons_are_the_operator_metrics_labels():
-    from pdpair.operator.health import RESTART_REASONS
-    from pdpair.operator.metrics import RESTART_REASONS as metric_reasons
+    from pdpair.operator.decide.health import RESTART_REASONS
+    from pdpair.operator.act.metrics import RESTART_REASONS as metric_reasons
 
     assert RESTART_REASONS is metric_reasons
     assert contract.OPERATOR_PAIR_RESTARTS.labels == ("namespace", "pair", "reason")

@@ -1,87 +1,126 @@
-"""The operator image needs no connector code: importing every operator module loads nothing of pdpair.connector
-(nor vllm/torch). A subprocess, so other tests' imports do not hide a new dependency."""
+"""The operator's layers, drawn from its own source: `model/` (settings, spec fields, what a pass observed,
+conditions) < `decide/` (the pure rules) < `build/` (manifests) < `act/` (the executor: API calls, leases, pushes,
+probes) < `glue/` (kopf and the process) < `__main__`. A module imports only its own layer and the layers below;
+the module graph has no circle; the decisions load no client. Costs about 10 s (two subprocess imports)."""
 
+from __future__ import annotations
+
+import ast
 import json
-import pkgutil
+import pathlib
 import subprocess
 import sys
+from graphlib import CycleError, TopologicalSorter
 
 import pdpair.operator
 
-
-def test_operator_modules_do_not_import_the_connector():
-    modules = [f"pdpair.operator.{m.name}" for m in pkgutil.iter_modules(pdpair.operator.__path__)
-               if m.name != "__main__"]
-    code = ("import importlib, json, sys\n"
-            f"for name in {modules!r}: importlib.import_module(name)\n"
-            "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('pdpair.connector', 'vllm', 'torch')))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
-    assert "pdpair.operator.handlers" in modules and "pdpair.operator.metrics" in modules
+PACKAGE = "pdpair.operator"
+FOLDER = pathlib.Path(pdpair.operator.__path__[0])
+LAYERS = ("model", "decide", "build", "act", "glue")
 
 
-def _operator_imports() -> dict[str, set[str]]:
-    """Each operator module -> the operator modules it imports, at any depth of its code (a function-level import
-    is still an edge of the circle)."""
-    import ast
-    import pathlib
+def _modules() -> dict[str, pathlib.Path]:
+    """Every operator module by dotted name (packages' __init__ included under the package's name)."""
+    found = {}
+    for path in FOLDER.rglob("*.py"):
+        parts = list(path.relative_to(FOLDER).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join([PACKAGE, *parts])] = path
+    return found
 
-    folder = pathlib.Path(pdpair.operator.__path__[0])
-    names = {p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "__main__")}
-    edges: dict[str, set[str]] = {}
-    for name in names:
-        tree = ast.parse((folder / f"{name}.py").read_text())
-        found: set[str] = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                if node.level == 1 and node.module:  # from .x import y
-                    found.add(node.module.split(".")[0])
-                elif node.level == 1:  # from . import x, y
-                    found.update(a.name for a in node.names)
-                elif node.module and node.module.startswith("pdpair.operator."):
-                    found.add(node.module.split(".")[2])
-                elif node.module == "pdpair.operator":
-                    found.update(a.name for a in node.names)
-            elif isinstance(node, ast.Import):
-                found.update(a.name.split(".")[2] for a in node.names if a.name.startswith("pdpair.operator."))
-        edges[name] = (found & names) - {name}
-    return edges
+
+def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The operator modules `name` imports, at any depth of its code (a function-level import is an edge too)."""
+    is_package = path.name == "__init__.py"
+    package = name if is_package else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            targets = [origin] + [f"{origin}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        for target in targets:
+            if target in modules and target != name:
+                found.add(target)
+    # a submodule's import of its own package's __init__ is no edge of interest
+    return {m for m in found if m not in (PACKAGE, package) or m == name}
+
+
+def layer_of(name: str) -> int:
+    parts = name.split(".")
+    if len(parts) < 3:
+        return -1  # the package itself
+    if parts[2] == "__main__":
+        return len(LAYERS)
+    assert parts[2] in LAYERS, f"{name} is in no layer: put it in one of {LAYERS}"
+    return LAYERS.index(parts[2])
+
+
+def operator_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_every_module_sits_in_a_layer():
+    loose = sorted(p.name for p in FOLDER.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert not loose, f"operator modules outside the layer folders {LAYERS}: {loose}"
+    for name in operator_graph():
+        layer_of(name)
+
+
+def test_no_import_from_a_lower_layer_into_a_higher_one():
+    upward = sorted(f"{name} -> {target}" for name, targets in operator_graph().items() for target in targets
+                    if layer_of(target) > layer_of(name))
+    assert not upward, "imports into a higher layer:\n" + "\n".join(upward)
 
 
 def test_operator_modules_import_each_other_without_a_circle():
-    """desired.py (Recreate) and rollout.py (Surge) once imported each other; planner.next_step now picks between
-    them. A topological sort of the import graph fails on any circle and names it."""
-    from graphlib import CycleError, TopologicalSorter
-
-    edges = _operator_imports()
-    assert "rollout" in edges["planner"] and "desired" in edges["rollout"] and not edges["desired"] & {"rollout", "planner"}
+    """recreate.py (Recreate) and surge.py (Surge) once imported each other; planner.next_step picks between them. A
+    topological sort of the import graph fails on any circle and names it."""
+    graph = operator_graph()
+    assert f"{PACKAGE}.decide.surge" in graph[f"{PACKAGE}.decide.planner"]
+    assert f"{PACKAGE}.decide.recreate" in graph[f"{PACKAGE}.decide.surge"]
     try:
-        list(TopologicalSorter(edges).static_order())
+        list(TopologicalSorter(graph).static_order())
     except CycleError as circle:
         raise AssertionError(f"import circle among operator modules: {' -> '.join(circle.args[1])}") from None
 
 
-DECISION_MODULES = ("planner", "leases", "desired", "rollout", "restart_policy", "busy_ports", "nodes", "health",
-                    "observed")
-EXECUTOR_MODULES = ("reconciler", "handlers", "scrape", "api", "election", "metrics", "__main__")
-
-
-def test_decision_modules_load_no_client_and_no_executor():
-    """The planner and everything it decides with are pure: importing them loads no kopf, no kubernetes client, no
-    HTTP client (the health scrape's aiohttp lives in scrape.py), and no executor module. A subprocess, so the
-    test's own imports do not hide a new dependency."""
-    modules = [f"pdpair.operator.{m}" for m in DECISION_MODULES]
+def _loaded_after_importing(modules: list[str]) -> set[str]:
+    """Every module loaded once `modules` are imported, in a fresh interpreter (the test's own imports would hide a
+    new dependency)."""
     code = ("import importlib, json, sys\n"
             f"for name in {modules!r}: importlib.import_module(name)\n"
-            "print(json.dumps(sorted({m.split('.')[0] if not m.startswith('pdpair.') else m for m in sys.modules})))")
+            "print(json.dumps(sorted(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
-    assert not loaded & {"kopf", "kubernetes", "aiohttp", "httpx", "urllib3"}, sorted(loaded)
-    assert not loaded & {f"pdpair.operator.{m}" for m in EXECUTOR_MODULES}, sorted(loaded)
-    assert set(modules) <= loaded
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def test_no_decision_module_imports_an_executor_module():
-    edges = _operator_imports()
-    for name in DECISION_MODULES:
-        assert not edges[name] & set(EXECUTOR_MODULES), f"{name} imports {sorted(edges[name] & set(EXECUTOR_MODULES))}"
+def test_operator_modules_do_not_import_the_connector():
+    """The operator image needs no connector code: importing every operator module loads nothing of
+    pdpair.connector (nor vllm/torch)."""
+    modules = sorted(name for name in operator_graph() if not name.endswith("__main__"))
+    loaded = _loaded_after_importing(modules)
+    assert not {m for m in loaded if m.startswith(("pdpair.connector", "vllm", "torch"))}
+    assert f"{PACKAGE}.glue.handlers" in modules and f"{PACKAGE}.act.metrics" in modules
+
+
+def test_decisions_and_manifests_load_no_client_and_no_executor():
+    """The planner, everything it decides with, and the manifests are pure: importing them loads no kopf, no
+    kubernetes client, no HTTP client (the health scrape's aiohttp lives in act/scrape.py), and nothing of act/ or
+    glue/."""
+    pure = sorted(name for name in operator_graph() if layer_of(name) in (0, 1, 2))
+    loaded = _loaded_after_importing(pure)
+    top = {m.split(".")[0] for m in loaded}
+    assert not top & {"kopf", "kubernetes", "aiohttp", "httpx", "urllib3"}, sorted(top)
+    executor = {m for m in loaded if m.startswith((f"{PACKAGE}.act", f"{PACKAGE}.glue"))}
+    assert not executor, sorted(executor)
+    assert f"{PACKAGE}.decide.planner" in pure and f"{PACKAGE}.build.pods" in pure

@@ -1,4 +1,4 @@
-"""xPyD in the planner (operator/instances.py through desired.recreate_state): a pair with several instances per
+"""xPyD in the planner (operator/instances.py through recreate.recreate_state): a pair with several instances per
 role starts, scales up and down, and tells each pod the right set, in the simulated world of sim.py.
 
 Cost: about 2 s (pure; no cluster, no engine)."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from pdpair.operator import desired as d
-from pdpair.operator import instances
-from pdpair.operator.desired import spec_fingerprint
-from pdpair.operator.observed import PodView
-from pdpair.operator.planner import next_step
+from pdpair.operator.decide import recreate as d
+from pdpair.operator.decide import instances
+from pdpair.operator.decide.recreate import spec_fingerprint
+from pdpair.operator.model.observed import PodView
+from pdpair.operator.decide.planner import next_step
 from tests.unit.operator.sim import SimWorld, simulate_until_ready
 
 DRAIN = 30
@@ -222,7 +222,7 @@ def test_a_failed_decode_instance_is_replaced_alone_while_the_pair_serves():
 
 def test_instance_0_is_replaced_alone_too_once_the_pair_served():
     """Decode 0 and prefill 0 are instances like the others once the generation served: a killed one is re-created
-    beside the serving ones (not desired.py's ordered start, which would take the pair out of Ready)."""
+    beside the serving ones (not recreate.py's ordered start, which would take the pair out of Ready)."""
     for role, name in (("decode", "p-decode-1"), ("prefill", "p-prefill-1")):
         world = SimWorld(spec(prefill=2, decode=2))
         simulate_until_ready(world)
@@ -254,7 +254,7 @@ def test_a_1p1d_pair_still_restarts_as_a_whole():
 
 def test_a_starting_generation_is_not_healed_alone():
     """Before the generation served (status not Ready at it), a failed instance restarts the pair in order: the
-    parallel start's ordering is desired.py's, not the healer's."""
+    parallel start's ordering is recreate.py's, not the healer's."""
     world = SimWorld(spec(prefill=2, decode=2))
     simulate_until_ready(world)
     world.status["phase"] = "PrefillStarting"
@@ -291,8 +291,8 @@ def test_each_instance_has_its_own_restart_budget_and_backoff():
 def test_a_hung_finding_about_one_instance_replaces_it_alone():
     """The health watch names the hung pod (status.health.pod and its uid): planner.plan replaces that instance,
     never a pair restart; a finding about a pod since replaced (same name, another uid) touches nothing."""
-    from pdpair.operator import planner
-    from pdpair.operator.observed import Finding
+    from pdpair.operator.decide import planner
+    from pdpair.operator.model.observed import Finding
 
     world = SimWorld(spec(prefill=2, decode=2))
     simulate_until_ready(world)

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from pdpair.operator import lean_watch
+from pdpair.operator.glue import lean_watch
 
 
 def event(kind: str = "MODIFIED") -> dict:

@@ -7,13 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdpair.contract import ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
-from pdpair.operator import leases, planner
-from pdpair.operator import rollout as r
-from pdpair.operator.busy_ports import PortsInUse
-from pdpair.operator.config import PortPool
-from pdpair.operator.desired import spec_fingerprint
-from pdpair.operator.observed import PodView
-from pdpair.operator.ports import other_slot, required_blocks
+from pdpair.operator.decide import leases
+from pdpair.operator.decide import planner
+from pdpair.operator.decide import surge as r
+from pdpair.operator.decide.busy_ports import PortsInUse
+from pdpair.operator.model.config import PortPool
+from pdpair.operator.decide.recreate import spec_fingerprint
+from pdpair.operator.model.observed import PodView
+from pdpair.operator.decide.port_blocks import other_slot, required_blocks
 from tests.crd_defaults import with_crd_defaults
 
 

@@ -1,4 +1,4 @@
-"""The decode gate's probe (lifecycle.py): a listener accepts, a closed port refuses, and a TCP self-connect is
+"""The decode gate's probe (listener_probe.py): a listener accepts, a closed port refuses, and a TCP self-connect is
 not mistaken for a listener (issue 8, finding 3)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from pdpair.operator.lifecycle import accepts, connected_to_itself, probe_ranks
+from pdpair.operator.act.listener_probe import accepts, connected_to_itself, probe_ranks
 
 
 def _unused_port() -> int:

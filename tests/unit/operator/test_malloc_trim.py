@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from pdpair.operator import memory
+from pdpair.operator.glue import memory
 
 CHILD = r"""
 import ctypes, json
-from pdpair.operator import memory
+from pdpair.operator.glue import memory
 
 def rss_mib():
     for line in open("/proc/self/status"):
@@ -54,7 +54,7 @@ def test_the_operator_tunes_before_kopf_and_trims_while_running():
     import inspect
 
     from pdpair.operator import __main__ as entry
-    from pdpair.operator import handlers
+    from pdpair.operator.glue import handlers
 
     main = inspect.getsource(entry.main)
     assert main.index("tune_malloc()") < main.index("import kopf")
@@ -64,7 +64,7 @@ def test_the_operator_tunes_before_kopf_and_trims_while_running():
 
 GC_CHILD = r"""
 import gc, json
-from pdpair.operator import memory
+from pdpair.operator.glue import memory
 
 memory.tune_gc()
 startup = [[i] for i in range(20000)]  # what a startup leaves behind (lists: always tracked by the collector)
@@ -89,7 +89,7 @@ def test_the_operator_tunes_gc_early_and_freezes_once_started():
     import inspect
 
     from pdpair.operator import __main__ as entry
-    from pdpair.operator import handlers
+    from pdpair.operator.glue import handlers
 
     main = inspect.getsource(entry.main)
     assert main.index("tune_gc()") < main.index("import kopf")

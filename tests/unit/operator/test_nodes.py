@@ -7,9 +7,10 @@ from datetime import datetime, timezone
 
 import pytest
 
-from pdpair.operator import leases, nodes
-from pdpair.operator.config import PortPool
-from pdpair.operator.observed import TAINT_UNREACHABLE, NodeView, PodView
+from pdpair.operator.decide import leases
+from pdpair.operator.decide import nodes
+from pdpair.operator.model.config import PortPool
+from pdpair.operator.model.observed import TAINT_UNREACHABLE, NodeView, PodView
 
 NOW = 1_800_000_000.0
 POOL = PortPool(20000, 20099)
@@ -106,7 +107,7 @@ def test_cordoned_pods_skips_pods_being_deleted_and_unbound_ones():
 
 def test_the_pair_budget_selects_every_pod_of_the_pair_and_allows_no_disruption():
     from pdpair.contract import LABEL_PAIR_UID
-    from pdpair.operator import disruption
+    from pdpair.operator.build import disruption
 
     pair = {"metadata": {"name": "p", "namespace": "ns", "uid": "u-1"}}
     budget = disruption.pair_budget(pair)
@@ -118,7 +119,7 @@ def test_the_pair_budget_selects_every_pod_of_the_pair_and_allows_no_disruption(
 
 
 def test_a_budget_of_an_older_operator_is_patched_back_and_a_current_one_is_left_alone():
-    from pdpair.operator import disruption
+    from pdpair.operator.build import disruption
 
     pair = {"metadata": {"name": "p", "namespace": "ns", "uid": "u-1"}}
     current = disruption.budget_shape(disruption.pair_budget(pair)["spec"])

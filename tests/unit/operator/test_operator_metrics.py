@@ -1,4 +1,4 @@
-"""pdpair.operator.metrics served by prometheus-client, read back with its parser."""
+"""pdpair.operator.act.metrics served by prometheus-client, read back with its parser."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdpair import contract
-from pdpair.operator.health import RESTART_REASONS
-from pdpair.operator.metrics import OperatorMetrics, serve
+from pdpair.operator.decide.health import RESTART_REASONS
+from pdpair.operator.act.metrics import OperatorMetrics, serve
 
 
 def scrape(port: int) -> tuple[dict, dict]:

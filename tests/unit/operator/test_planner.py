@@ -15,12 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdpair.contract import PHASE_FAILED, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
-from pdpair.operator import desired as d
-from pdpair.operator import health, leases, planner, rollout
-from pdpair.operator.config import PortPool
-from pdpair.operator.desired import spec_fingerprint
-from pdpair.operator.observed import Finding, NodeView, Observed, PodView
-from pdpair.operator.restart_policy import RestartPolicy, restarts_in_window
+from pdpair.operator.decide import recreate as d
+from pdpair.operator.decide import health
+from pdpair.operator.decide import leases
+from pdpair.operator.decide import planner
+from pdpair.operator.decide import surge
+from pdpair.operator.model.config import PortPool
+from pdpair.operator.decide.recreate import spec_fingerprint
+from pdpair.operator.model.observed import Finding, NodeView, Observed, PodView
+from pdpair.operator.decide.restart_policy import RestartPolicy, restarts_in_window
 from tests.crd_defaults import with_crd_defaults
 
 POLICY = {"maxRestarts": 3, "windowSeconds": 600, "backoffSeconds": 10, "maxBackoffSeconds": 40}
@@ -178,9 +181,9 @@ class World:
 
     def observe(self) -> Observed:
         pods = tuple(self.pods.values())
-        active = rollout.active_rollout(self.status)
-        self.slots.add(rollout.serving_slot(self.status))  # the executor leases first (ensure_*_ports)
-        if active and active["phase"] == rollout.PHASE_PROGRESSING:
+        active = surge.active_rollout(self.status)
+        self.slots.add(surge.serving_slot(self.status))  # the executor leases first (ensure_*_ports)
+        if active and active["phase"] == surge.PHASE_PROGRESSING:
             self.slots.add(active["portSlot"])
         for slot in self.slots:
             self._lease(slot)
@@ -196,7 +199,7 @@ class World:
         return Observed(pods, ports_complete=True, leased_slots=frozenset(self.slots),
                         nodes=self.node_views(), node_lost_seconds=NODE_LOST_SECONDS,
                         held_pool_ports=frozenset(p for ports in self.held.values() for p in ports),
-                        decode_listening=self.listening(rollout.serving_generation(self.status, pods)),
+                        decode_listening=self.listening(surge.serving_generation(self.status, pods)),
                         meta_generation=self.meta_generation, restart_times=self.restart_times, health=self.health,
                         rollout_ports_complete=True,
                         rollout_decode_listening=bool(active) and self.listening(int(active["toGeneration"])))
@@ -216,10 +219,10 @@ class World:
                 self.failed_at_generation = self.meta_generation
             return
         plan = decided.steps
-        active = rollout.active_rollout(self.status)
+        active = surge.active_rollout(self.status)
         serving = int(self.status.get("pairGeneration") or 0)
-        if (decided.restart is None and active and active["phase"] in (rollout.PHASE_PROGRESSING,
-                                                                       rollout.PHASE_ROLLING_BACK)
+        if (decided.restart is None and active and active["phase"] in (surge.PHASE_PROGRESSING,
+                                                                       surge.PHASE_ROLLING_BACK)
                 and int(active["fromGeneration"]) == serving):  # (after a restart, Recreate replaces every generation)
             hit = [n for n in plan.delete if n in self.pods and self.pods[n].generation == serving]
             if hit:
@@ -249,7 +252,7 @@ class World:
         if plan.release_slot:  # after the status write and the pod actions, as the executor does
             users = [n for n, p in self.pods.items() if self.pod_slots[n] == plan.release_slot
                      and not set(p.ports) <= self.fenced]  # a pod whose ports are all fenced uses none of the set's
-            if plan.release_slot == rollout.serving_slot(self.status) or users:
+            if plan.release_slot == surge.serving_slot(self.status) or users:
                 raise Violation(f"port set {plan.release_slot} released while it serves ({self.status.get('portSlot')}) "
                                 f"or pods use it: {users}")
             self.slots.discard(plan.release_slot)
@@ -267,7 +270,7 @@ class World:
                 raise Violation(f"prefill of generation {gen} created before its decode exists")
         name = f"p-{role}-{gen}-{self.creates}"
         self.creates += 1
-        slot = plan.create_slot or rollout.serving_slot(self.status)
+        slot = plan.create_slot or surge.serving_slot(self.status)
         self.pod_slots[name] = slot
         ports = tuple(sorted(self.held.get(slot, ())))
         stranded = {p for q in self.pods.values() if q.node in self.lost for p in q.ports}
@@ -477,7 +480,7 @@ def test_a_recreate_pair_on_a_cordoned_node_restarts_off_it_outside_the_budget()
     assert decided.restart.reason == health.REASON_NODE_DRAIN and not decided.restart.counted
     assert "node n1 is cordoned" in decided.restart.message and decided.steps.pair_generation == 2
     assert decided.restart_times is None  # outside the budget: no restart time recorded
-    # Schedulable, or a Surge pair (rollout.py re-homes it instead): no restart.
+    # Schedulable, or a Surge pair (surge.py re-homes it instead): no restart.
     calm = planner.plan(SPEC, {"pairGeneration": 1}, observed(pods, nodes={"n1": NodeView("n1", "True", NOW)}), NOW)
     assert calm.restart is None
     surge = planner.plan({**SPEC, "rolloutStrategy": "Surge"}, {"pairGeneration": 1},

@@ -8,8 +8,8 @@ import copy
 import pytest
 
 from pdpair.contract import LABEL_GENERATION, LABEL_ROLE
-from pdpair.operator import health
-from pdpair.operator.observed import PodView
+from pdpair.operator.decide import health
+from pdpair.operator.model.observed import PodView
 
 
 def whole_pod(**status) -> dict:

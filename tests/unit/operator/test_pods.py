@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from pdpair import contract as c
-from pdpair.operator.pods import ManifestError, engine_pod, pod_name, router_pod, without_preflight
-from pdpair.operator.spec_fields import MissingDefaultedField
-from pdpair.operator.ports import assign, required_blocks, status_ports
+from pdpair.operator.build.pods import ManifestError, engine_pod, pod_name, router_pod, without_preflight
+from pdpair.operator.model.spec_fields import MissingDefaultedField
+from pdpair.operator.decide.port_blocks import assign, required_blocks, status_ports
 
 from tests.crd_defaults import spec_schema, with_crd_defaults
 

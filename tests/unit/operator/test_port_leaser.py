@@ -21,8 +21,9 @@ from pdpair.contract import (
     PURPOSE_SIDECHANNEL,
     ROLE_DECODE,
 )
-from pdpair.operator.config import PortPool
-from pdpair.operator.ports import PairRef, PortLeaser, lease_name, required_blocks, status_ports
+from pdpair.operator.model.config import PortPool
+from pdpair.operator.act.port_leaser import PairRef, PortLeaser
+from pdpair.operator.decide.port_blocks import lease_name, required_blocks, status_ports
 from tests.unit.operator.fake_leases import Leases as FakeLeases
 
 PAIR = PairRef("ns", "p", "uid-p")
@@ -143,7 +144,7 @@ def test_leases_are_read_as_plain_records_and_every_reply_gives_its_connection_b
     from kubernetes.client import ApiClient, V1Lease, V1LeaseSpec, V1ObjectMeta
 
     from pdpair.contract import LABEL_PORT_QUARANTINE
-    from pdpair.operator.ports import LeaseRecord
+    from pdpair.operator.act.port_leaser import LeaseRecord
 
     acquired = datetime(2026, 12, 6, 1, 2, 3, 4, tzinfo=timezone.utc)
     quarantine = V1Lease(

@@ -3,8 +3,8 @@
 import pytest
 
 from pdpair.contract import PURPOSE_HTTP, PURPOSE_METRICS, PURPOSE_SIDECHANNEL
-from pdpair.operator.config import ConfigError, PortPool
-from pdpair.operator.ports import (
+from pdpair.operator.model.config import ConfigError, PortPool
+from pdpair.operator.decide.port_blocks import (
     PortBlock,
     assign,
     choose_run,
@@ -155,7 +155,7 @@ def test_match_existing_works_per_instance():
         ("decode", 1, PURPOSE_HTTP): [220],  # kept as instance 1's
         ("decode", 2, PURPOSE_HTTP): [230],  # an instance no block names (scaled down, pod gone): released
         ("prefill", 0, PURPOSE_METRICS): [240],  # kept
-        ("prefill", -1, PURPOSE_HTTP): [250],  # a label we did not write (ports.lease_instance): released
+        ("prefill", -1, PURPOSE_HTTP): [250],  # a label we did not write (port_blocks.lease_instance): released
     }
     keep, release = match_existing(blocks, held)
     assert sorted((a.role, a.instance, a.purpose, a.rank, a.port) for a in keep) == [

@@ -21,9 +21,18 @@ from pdpair import contract
 from pdpair.connector.config import PeerAddress
 from pdpair.connector.metrics import PeerPush, serve
 from pdpair.connector.signals import SignalAccounts
-from pdpair.operator.pods import owned_labels
-from pdpair.operator.push import (PrefillPeer, PushResult, RouterMember, body_digest, new_token, prefill_body, push,
-                                  router_body, token_secret)
+from pdpair.operator.build.pods import owned_labels
+from pdpair.operator.act.push import (
+    PrefillPeer,
+    PushResult,
+    RouterMember,
+    body_digest,
+    new_token,
+    prefill_body,
+    push,
+    router_body,
+    token_secret,
+)
 from pdpair.router.app import RouterConfig, check_peers_token, make_app, parse_peers_body
 from tests.router_support import Engine, engine_server, serve as serve_app
 
@@ -211,7 +220,7 @@ def test_the_pure_part_loads_no_http_client():
     import subprocess
     import sys
 
-    code = ("import json, sys, pdpair.operator.push\n"
+    code = ("import json, sys, pdpair.operator.act.push\n"
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('aiohttp', 'kopf', 'kubernetes') "
             "or m.startswith('pdpair.connector'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
@@ -221,7 +230,7 @@ def test_the_pure_part_loads_no_http_client():
 def test_every_push_shares_one_session_of_its_event_loop():
     """Runtime.http: one aiohttp session for every pair's pushes and reads (a bounded pool, no keep-alive), made in
     the running loop; a new loop (a test's next asyncio.run) gets a new one, and close() closes it."""
-    from pdpair.operator.reconciler import PEER_HTTP_CONNECTIONS, Runtime
+    from pdpair.operator.act.reconciler import PEER_HTTP_CONNECTIONS, Runtime
 
     runtime = Runtime(config=None, core=None, custom=None, leaser=None)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 import logging
 
-from pdpair.operator import handlers
+from pdpair.operator.glue import handlers
 
 
 def _record(level: int, msg: str) -> logging.LogRecord:

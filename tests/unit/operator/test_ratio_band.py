@@ -13,12 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdpair import contract
-from pdpair.operator import planner, ratio_band, scale_sync
-from pdpair.operator.ratio_band import follower_bounds, follower_replicas
-from pdpair.operator.reconciler import PairReconciler, Runtime
-from pdpair.operator.config import OperatorConfig, PortPool
-from pdpair.operator.scale_targets import ScaleView
-from pdpair.operator.status import apply_conditions
+from pdpair.operator.decide import planner
+from pdpair.operator.decide import ratio_band
+from pdpair.operator.act import scale_sync
+from pdpair.operator.decide.ratio_band import follower_bounds, follower_replicas
+from pdpair.operator.act.reconciler import PairReconciler, Runtime
+from pdpair.operator.model.config import OperatorConfig, PortPool
+from pdpair.operator.decide.scale_targets import ScaleView
+from pdpair.operator.model.conditions import apply_conditions
 from tests.crd_defaults import with_crd_defaults
 
 MAX = contract.MAX_REPLICAS

@@ -1,11 +1,11 @@
-"""Table tests of pdpair.operator.restart_policy (pure functions)."""
+"""Table tests of pdpair.operator.decide.restart_policy (pure functions)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdpair.operator.observed import PodView, pending_for_scheduling
-from pdpair.operator.restart_policy import (
+from pdpair.operator.model.observed import PodView, pending_for_scheduling
+from pdpair.operator.decide.restart_policy import (
     Action,
     RestartPolicy,
     backoff_for,

@@ -1,4 +1,4 @@
-"""Surge rollouts (rollout.py): table tests of the pure planner and whole rollouts simulated pass by pass.
+"""Surge rollouts (surge.py): table tests of the pure planner and whole rollouts simulated pass by pass.
 
 The simulation applies each plan the way the executor does (status fields, creates on the rollout's port set,
 deletes, port-set releases) and checks at every pass that the generation the router Service selects still has a
@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 
 from pdpair.contract import COND_PROGRESSING, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
-from pdpair.operator import desired as d
-from pdpair.operator import rollout as r
-from pdpair.operator import instances
-from pdpair.operator.desired import spec_fingerprint
-from pdpair.operator.observed import NodeView, Observed, PodView
-from pdpair.operator.planner import next_step
+from pdpair.operator.decide import recreate as d
+from pdpair.operator.decide import surge as r
+from pdpair.operator.decide import instances
+from pdpair.operator.decide.recreate import spec_fingerprint
+from pdpair.operator.model.observed import NodeView, Observed, PodView
+from pdpair.operator.decide.planner import next_step
 from tests.crd_defaults import with_crd_defaults
 
 

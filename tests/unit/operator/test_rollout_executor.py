@@ -25,12 +25,13 @@ from pdpair.contract import (
     ROLE_PREFILL,
     ROLE_ROUTER,
 )
-from pdpair.operator import rollout as r
-from pdpair.operator.config import OperatorConfig, PortPool
-from pdpair.operator.desired import spec_fingerprint
-from pdpair.operator.observed import PodView
-from pdpair.operator.ports import PortLeaser, assign, lease_name, lease_slot, required_blocks, status_ports
-from pdpair.operator.reconciler import PairReconciler, Runtime
+from pdpair.operator.decide import surge as r
+from pdpair.operator.model.config import OperatorConfig, PortPool
+from pdpair.operator.decide.recreate import spec_fingerprint
+from pdpair.operator.model.observed import PodView
+from pdpair.operator.act.port_leaser import PortLeaser
+from pdpair.operator.decide.port_blocks import assign, lease_name, lease_slot, required_blocks, status_ports
+from pdpair.operator.act.reconciler import PairReconciler, Runtime
 from tests.crd_defaults import with_crd_defaults
 from tests.unit.operator.fake_leases import Leases as FakeLeases
 

@@ -8,9 +8,9 @@ import random
 from prometheus_client import CollectorRegistry
 
 from pdpair import contract
-from pdpair.operator.config import PortPool
-from pdpair.operator.metrics import OperatorMetrics
-from pdpair.operator.ports import PortLeaser
+from pdpair.operator.model.config import PortPool
+from pdpair.operator.act.metrics import OperatorMetrics
+from pdpair.operator.act.port_leaser import PortLeaser
 
 
 def test_free_count_counts_only_held_ports_inside_the_pool():
@@ -53,9 +53,9 @@ def test_phase_gauges_stay_consistent_when_most_passes_repeat_the_phase():
 
 
 def test_only_the_listener_probe_polls_waits_on_pods_wait_for_their_events():
-    from pdpair.operator import desired as d
-    from pdpair.operator.config import OperatorConfig
-    from pdpair.operator.reconciler import pass_delay
+    from pdpair.operator.decide import recreate as d
+    from pdpair.operator.model.config import OperatorConfig
+    from pdpair.operator.act.reconciler import pass_delay
 
     cfg = OperatorConfig.from_env({"PDPAIR_OPERATOR_NAMESPACE": "ops", "PDPAIR_PROBE_INTERVAL_SECONDS": "1",
                                    "PDPAIR_RESYNC_INTERVAL_SECONDS": "30", "PDPAIR_POOL_RETRY_SECONDS": "5"})
@@ -72,8 +72,8 @@ def test_a_failed_push_comes_back_soon_for_a_loading_pod_and_backs_off_for_a_rea
     """A failed push is retried by the pass itself (nothing else wakes the pair): a loading pod every probe interval;
     a Ready pod whose push got no answer (a timeout on a busy node) at the probe interval doubled per failure, never
     past the resync interval; a Ready pod that answered with a refusal (401, 404) only on events and resyncs (None)."""
-    from pdpair.operator.config import OperatorConfig
-    from pdpair.operator.reconciler import push_retry_delay
+    from pdpair.operator.model.config import OperatorConfig
+    from pdpair.operator.act.reconciler import push_retry_delay
 
     cfg = OperatorConfig.from_env({"PDPAIR_OPERATOR_NAMESPACE": "ops", "PDPAIR_PROBE_INTERVAL_SECONDS": "1",
                                    "PDPAIR_RESYNC_INTERVAL_SECONDS": "30"})
@@ -96,7 +96,7 @@ def _choose_run_reference(pool, taken, count, start_at=None):
 
 
 def test_choose_run_is_the_lowest_fit_for_random_pools():
-    from pdpair.operator.ports import choose_run
+    from pdpair.operator.decide.port_blocks import choose_run
 
     rng = random.Random(7)
     for _ in range(400):
@@ -122,8 +122,8 @@ def test_the_pool_gauge_is_counted_when_scraped_not_after_every_pass():
     Cost: milliseconds, no I/O."""
     from types import SimpleNamespace
 
-    from pdpair.operator.ports import PairRef
-    from pdpair.operator.reconciler import PairReconciler
+    from pdpair.operator.act.port_leaser import PairRef
+    from pdpair.operator.act.reconciler import PairReconciler
 
     leaser = PortLeaser(None, "ns", PortPool(20000, 20999))
     calls = []

@@ -11,9 +11,12 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from pdpair import contract
-from pdpair.operator import pods, scale_sync, scale_targets
-from pdpair.operator.api import TimedApi
-from pdpair.operator.scale_targets import ScaleView
+from pdpair.operator.build import pods
+from pdpair.operator.act import scale_sync
+from pdpair.operator.decide import scale_targets
+from pdpair.operator.build.role_object import role_object
+from pdpair.operator.act.kube_api import TimedApi
+from pdpair.operator.decide.scale_targets import ScaleView
 from tests.crd_defaults import with_crd_defaults
 
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -87,7 +90,7 @@ def test_overridden_reports_role_both_counts_and_the_object():
     assert scale_targets.overridden_condition([])[1:3] == ("False", "InlineReplicasMatch")
     [(key, event)] = scale_targets.overridden_events(items)
     assert key == ("decode", 3) and event[:2] == ("Normal", "ReplicasFromScaleTarget") and event[2] in message
-    from pdpair.operator.status import Condition
+    from pdpair.operator.model.conditions import Condition
     assert Condition(*scale_targets.overridden_condition(items)).status == "True"  # the reconciler's shape
 
 
@@ -124,7 +127,7 @@ def test_role_object_name_refuses_what_is_not_a_pair_role():
 # --- manifest, selector, status -------------------------------------------------------------------------------------
 def test_manifest_is_owned_by_the_pair_and_seeded_with_the_count():
     body = pair(name="chat", decode=3)
-    manifest = scale_targets.role_object(body, "decode", 3)
+    manifest = role_object(body, "decode", 3)
     assert manifest["apiVersion"] == contract.API_VERSION and manifest["kind"] == contract.ROLE_OBJECT_KIND
     meta = manifest["metadata"]
     assert (meta["name"], meta["namespace"]) == ("chat-decode", "ns")
@@ -219,7 +222,7 @@ def test_sync_creates_missing_objects_from_the_inline_count_with_deadlines():
 
 
 def test_sync_never_moves_an_existing_count_and_409_of_our_own_is_quiet():
-    ours = scale_targets.role_object(pair(), "decode", 2)
+    ours = role_object(pair(), "decode", 2)
     api = FakeCustom({"p-decode": ours})
     # the index has not shown p-decode yet: the create meets 409, the get shows it is ours
     events = sync(api, pair(decode=3), {"prefill": view("prefill", 1)})
@@ -262,8 +265,8 @@ def test_sync_makes_nothing_for_a_deleted_pair_or_over_a_deleting_object():
 
 def test_sync_patches_status_only_when_it_differs_and_not_again_before_the_index_shows_it():
     sel = {role: scale_targets.role_selector(UID, role) for role in contract.ROLES}
-    api = FakeCustom({"p-prefill": scale_targets.role_object(pair(), "prefill", 1),
-                      "p-decode": scale_targets.role_object(pair(), "decode", 2)})
+    api = FakeCustom({"p-prefill": role_object(pair(), "prefill", 1),
+                      "p-decode": role_object(pair(), "decode", 2)})
     cache = scale_sync.ScaleSyncCache()
     views = {"prefill": view("prefill", 1, status=(1, 1, sel["prefill"])), "decode": view("decode", 2)}
     desired, ready = {"prefill": 1, "decode": 2}, {"prefill": 1, "decode": 1}

@@ -3,8 +3,8 @@
 import pytest
 
 from pdpair import contract as c
-from pdpair.operator.ports import assign, required_blocks, status_ports
-from pdpair.operator.service import (
+from pdpair.operator.decide.port_blocks import assign, required_blocks, status_ports
+from pdpair.operator.build.service import (
     ACTION_CREATE,
     ACTION_DELETE,
     ACTION_PATCH,
@@ -121,7 +121,7 @@ def test_view_of_an_api_object_matches_its_manifest():
 def test_the_service_keeps_the_port_clients_know_when_the_routers_changes():
     """A restart whose router port was fenced (lost node) or found busy gets a new router port: the existing
     Service keeps its port (clients know it), only targetPort (by name) follows. A fixed spec.router.port wins."""
-    from pdpair.operator.service import kept_service_port
+    from pdpair.operator.build.service import kept_service_port
 
     p = pair()
     first = router_service(p, leased(p["spec"]))

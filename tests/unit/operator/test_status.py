@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdpair.operator.status import Condition, apply_conditions, set_condition, status_diff
+from pdpair.operator.model.conditions import Condition, apply_conditions, set_condition, status_diff
 
 
 def test_new_condition_is_a_change():

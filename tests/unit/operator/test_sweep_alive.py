@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from pdpair.operator.handlers import _pair_alive
-from pdpair.operator.reconciler import Runtime
+from pdpair.operator.glue.handlers import _pair_alive
+from pdpair.operator.act.reconciler import Runtime
 
 
 class Custom:

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from pdpair import contract as c
-from pdpair.operator.pods import (
+from pdpair.operator.build.pods import (
     ENGINE_CONTAINER,
     ROUTER_CONTAINER,
     STARTUP_PERIOD_SECONDS,
@@ -18,7 +18,7 @@ from pdpair.operator.pods import (
     router_pod,
     without_preflight,
 )
-from pdpair.operator.ports import assign, port_of, required_blocks, status_ports
+from pdpair.operator.decide.port_blocks import assign, port_of, required_blocks, status_ports
 from pdpair.router.app import RouterConfig
 from tests.crd_defaults import with_crd_defaults
 
@@ -243,7 +243,7 @@ def test_default_probes_start_on_health_and_ready_through_the_connectors_readyz(
     and its warm-up completion is done); both held while they fail (`?wait=`), with a timeout above the hold plus one
     check's own bound."""
     from pdpair.connector.metrics import ENGINE_HEALTH_TIMEOUT_SECONDS
-    from pdpair.operator.pods import PROBE_WAIT_SECONDS
+    from pdpair.operator.build.pods import PROBE_WAIT_SECONDS
 
     engine = container(build(pair()), ENGINE_CONTAINER)
     assert engine["startupProbe"]["httpGet"] == {"path": f"{c.STARTUPZ_PATH}?wait={PROBE_WAIT_SECONDS}",

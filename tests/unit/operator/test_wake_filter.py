@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 
-from pdpair.operator.wake_filter import WakeFilter, dependent_key, pair_key
+from pdpair.operator.decide.wake_filter import WakeFilter, dependent_key, pair_key
 
 
 def _pair(generation=1, status=None, **meta):

@@ -38,23 +38,37 @@ from pdpair.contract import (
     VERSION,
 )
 
-from . import desired as d
-from .api import call_dropped
-from .observed import Finding, NodeView, Observed, PodView, RouterDrainView
-from . import health, leases, planner, rollout
-from .config import ENV_PEERS_KEY, OperatorConfig
-from .lifecycle import probe_ranks
-from . import instances, push, scale_sync, scale_targets, spec_fields
-from .scale_targets import ScaleView
-from .pods import ManifestError, engine_pod, peers_secret_name, pod_name, router_pod, url_host
-from .ports import PairRef, PortLeaser, port_of, status_ports, ports_of
-from . import disruption
-from .service import (
-    ACTION_CREATE, ACTION_DELETE, ACTION_PATCH, ServiceView, kept_service_port, plan_service, router_service,
+from pdpair.operator.decide import recreate as d
+from pdpair.operator.act.kube_api import call_dropped
+from pdpair.operator.model.observed import Finding, NodeView, Observed, PodView, RouterDrainView
+from pdpair.operator.decide import health
+from pdpair.operator.decide import leases
+from pdpair.operator.decide import planner
+from pdpair.operator.decide import surge
+from pdpair.operator.model.config import ENV_PEERS_KEY, OperatorConfig
+from pdpair.operator.act.listener_probe import probe_ranks
+from pdpair.operator.decide import instances
+from pdpair.operator.act import push
+from pdpair.operator.act import scale_sync
+from pdpair.operator.decide import scale_targets
+from pdpair.operator.model import spec_fields
+from pdpair.operator.decide.scale_targets import ScaleView
+from pdpair.operator.build.pods import ManifestError, engine_pod, peers_secret_name, pod_name, router_pod, url_host
+from pdpair.operator.act.port_leaser import PairRef, PortLeaser
+from pdpair.operator.decide.port_blocks import port_of, status_ports, ports_of
+from pdpair.operator.build import disruption
+from pdpair.operator.build.service import (
+    ACTION_CREATE,
+    ACTION_DELETE,
+    ACTION_PATCH,
+    ServiceView,
+    kept_service_port,
+    plan_service,
+    router_service,
     service_name,
 )
-from .status import FALSE, Condition, apply_conditions, now_rfc3339, status_diff
-from .wake_filter import WakeFilter
+from pdpair.operator.model.conditions import FALSE, Condition, apply_conditions, now_rfc3339, status_diff
+from pdpair.operator.decide.wake_filter import WakeFilter
 
 log = logging.getLogger(__name__)
 
@@ -240,8 +254,8 @@ LEASE_RECHECK_RESYNCS = 10
 # resync interval, not the probe interval. Polling them every second was most of the operator's passes while 1000
 # pairs started: the event loop saturated and the decode probes timed out on it, a livelock.
 WAITS_FOR_POD_EVENTS = frozenset({d.STEP_WAIT_DECODE_RUNNING, d.STEP_WAIT_PREFILL_READY, d.STEP_WAIT_DECODE_READY,
-                                  d.STEP_WAIT_ROUTER_READY, d.STEP_WAIT_GONE, rollout.STEP_ROLLOUT_WAIT_GONE,
-                                  rollout.STEP_ROLLOUT_DRAIN})  # the drain's end is the plan's wait_seconds
+                                  d.STEP_WAIT_ROUTER_READY, d.STEP_WAIT_GONE, surge.STEP_ROLLOUT_WAIT_GONE,
+                                  surge.STEP_ROLLOUT_DRAIN})  # the drain's end is the plan's wait_seconds
 
 
 def pass_delay(step: str, cfg: OperatorConfig, wait_seconds: float | None = None) -> float:
@@ -302,13 +316,13 @@ class PairReconciler:
         self.pool_message = ""
         self.next_lease_try = 0.0
         self.leases_checked_at = 0.0
-        # A Surge rollout's other generation (rollout.py): its port set ("slot"), leased beside self.ports
+        # A Surge rollout's other generation (surge.py): its port set ("slot"), leased beside self.ports
         self.rollout_ports: list[dict[str, Any]] | None = None
         self.rollout_blocks: tuple | None = None
         self.rollout_checked_at = 0.0
         self.rollout_pool_message = ""
         # Every port set the pair holds leases in, as last read (with the reads above, no call of its own): a set
-        # that a rollout left leased when the pass that ended it died before releasing it (rollout.release_left_slot)
+        # that a rollout left leased when the pass that ended it died before releasing it (surge.release_left_slot)
         self.leased_slots: frozenset[str] = frozenset()
         self.listening_pods: set[str] = set()  # pod uids whose listener accepted on every rank
         self.probe_message = ""
@@ -701,7 +715,7 @@ class PairReconciler:
         if budgets is not None:
             await self.ensure_budget(budgets)
 
-        generation = rollout.serving_generation(self.status, pods)
+        generation = surge.serving_generation(self.status, pods)
         probes = planner.listener_probes(self.status, pods)
         listening = probes.serving is not None and await self.probe_decode(probes.serving)
         probe_message = self.probe_message
@@ -831,8 +845,8 @@ class PairReconciler:
         """plan.status_fields, with status.rollout's ports and pods filled in (what the executor holds)."""
         fields = dict(plan.status_fields)
         current = fields.get("rollout", self.status.get("rollout"))
-        if isinstance(current, Mapping) and current.get("phase") in rollout.ACTIVE_PHASES:
-            generation, _ = rollout.other_generation({**self.status, "rollout": current})  # type: ignore[misc]
+        if isinstance(current, Mapping) and current.get("phase") in surge.ACTIVE_PHASES:
+            generation, _ = surge.other_generation({**self.status, "rollout": current})  # type: ignore[misc]
             fields["rollout"] = {**current, "ports": self.rollout_ports or [],
                                  "pods": sorted(p.name for p in pods if p.generation == generation)}
         return fields
@@ -935,8 +949,8 @@ class PairReconciler:
     def _rollout_rejection(self, spec: Mapping[str, Any]) -> str:
         """The API server's refusal of a pod of a Surge rollout's new generation (only those are created while
         one is Progressing), for the planner to roll the rollout back."""
-        active = rollout.active_rollout(self.status)
-        if not active or active.get("phase") != rollout.PHASE_PROGRESSING:
+        active = surge.active_rollout(self.status)
+        if not active or active.get("phase") != surge.PHASE_PROGRESSING:
             return ""
         want = d.spec_fingerprint(spec)
         return next((r.message for r in self.rejections.values() if r.spec_hash == want), "")
@@ -1043,7 +1057,7 @@ class PairReconciler:
         return token
 
     def _ports_of_generation(self, generation: int) -> list[dict[str, Any]] | None:
-        active = rollout.active_rollout(self.status)
+        active = surge.active_rollout(self.status)
         if active and int(active.get("toGeneration") or 0) == generation and self.rollout_ports is not None:
             return self.rollout_ports
         return self.ports
@@ -1071,7 +1085,7 @@ class PairReconciler:
                 decodes = instances.prefill_peers(pods, pod.generation)
                 peers = [(p.ip or "", _side_base(ports, p.instance)) for p in decodes]
                 if not peers or metrics is None:
-                    continue  # no decode runs: nothing to pair with (desired.py restarts a pair left without one)
+                    continue  # no decode runs: nothing to pair with (recreate.py restarts a pair left without one)
                 digest = instances.peers_digest(_prefill_entries(peers))
                 tp = int((self.body["spec"].get(ROLE_DECODE) or {}).get("tensorParallelSize") or 1)
                 body = push.prefill_body(epoch, pod.generation, [

@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 from pdpair.contract import GROUP, KIND, VERSION
 
-from .api import call_dropped
-from .status import now_rfc3339
+from pdpair.operator.act.kube_api import call_dropped
+from pdpair.operator.model.conditions import now_rfc3339
 
 log = logging.getLogger(__name__)
 

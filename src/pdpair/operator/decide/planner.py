@@ -12,9 +12,9 @@ It owns, in this order:
      a current pod failed or vanished, a health
      verdict for the current generation, ports found busy on the node and re-leased) and whether it may restart now (restart_policy:
      backoff, budget, the scheduling gate), or must wait, or has spent its budget (Failed);
-  4. the ordered steps (next_step: rollout.py's Surge plan while one applies, else desired.py's Recreate plan):
+  4. the ordered steps (next_step: surge.py's Surge plan while one applies, else recreate.py's Recreate plan):
      decode first, the listener gate, prefill, router, the replacement of older generations (rollouts and
-     restarts alike, in desired.teardown's order) and the release of a port set no generation uses.
+     restarts alike, in recreate.teardown's order) and the release of a port set no generation uses.
 
 Pure: no client, no kopf, no clock but `now` (epoch seconds). The executor (reconciler.py) observes, calls
 lease_plan() and plan() once per pass, and carries out what they return. Everything they need is in spec, status
@@ -29,11 +29,18 @@ from typing import Any, Mapping
 
 from pdpair.contract import COND_NODE_LOST, COND_READY, PHASE_FAILED, PHASE_RESTARTING, ROLE_DECODE, ROLE_PREFILL, ROLES
 
-from . import desired as d
-from .observed import Finding, PodView, Observed
-from . import busy_ports, health, leases, nodes, ratio_band, rollout, scale_targets, spec_fields
-from .restart_policy import Action, RestartPolicy, decide, prune
-from .status import FALSE, TRUE, Condition
+from pdpair.operator.decide import recreate as d
+from pdpair.operator.model.observed import Finding, PodView, Observed
+from pdpair.operator.decide import busy_ports
+from pdpair.operator.decide import health
+from pdpair.operator.decide import leases
+from pdpair.operator.decide import nodes
+from pdpair.operator.decide import ratio_band
+from pdpair.operator.decide import surge
+from pdpair.operator.decide import scale_targets
+from pdpair.operator.model import spec_fields
+from pdpair.operator.decide.restart_policy import Action, RestartPolicy, decide, prune
+from pdpair.operator.model.conditions import FALSE, TRUE, Condition
 
 OUTCOME_STEP = "Step"  # apply `steps` (create/delete/probe), maybe after recording `restart`
 OUTCOME_BACKOFF = "RestartBackoff"  # a restart is due but must wait (backoff, or a pod Pending for scheduling)
@@ -129,7 +136,7 @@ class ListenerProbes:
 def _to_probe(pods: "tuple[PodView, ...]", generation: int, status: Mapping[str, Any] | None = None) -> PodView | None:
     """The generation's decode while its listener is still to be seen accepting: it runs, and the generation was not
     Ready yet with its prefill Ready (prefill starts beside decode and pairs when the listener accepts, so its
-    readiness proves the listener; desired.recreate_state reads the result). The executor caches a decode seen
+    readiness proves the listener; recreate.recreate_state reads the result). The executor caches a decode seen
     accepting, so each is probed until then, not after."""
     decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation and p.instance == 0), None)
     if decode is None or not decode.running:
@@ -143,35 +150,35 @@ def _to_probe(pods: "tuple[PodView, ...]", generation: int, status: Mapping[str,
 
 def listener_probes(status: Mapping[str, Any] | None, pods: "tuple[PodView, ...]") -> ListenerProbes:
     status = status or {}
-    active = rollout.active_rollout(status)
+    active = surge.active_rollout(status)
     new_decode = None
-    if active and active.get("phase") == rollout.PHASE_PROGRESSING:
+    if active and active.get("phase") == surge.PHASE_PROGRESSING:
         new_decode = _to_probe(pods, int(active["toGeneration"]))
-    return ListenerProbes(_to_probe(pods, rollout.serving_generation(status, pods), status), new_decode)
+    return ListenerProbes(_to_probe(pods, surge.serving_generation(status, pods), status), new_decode)
 
 
 def service_generation(status: Mapping[str, Any] | None) -> int | None:
     """The generation whose router the pair's Service selects: during a Surge rollout two routers exist and the
     Service selects the serving generation's; otherwise any router of the pair (None)."""
     status = status or {}
-    return int(status.get("pairGeneration") or 0) if rollout.active_rollout(status) else None
+    return int(status.get("pairGeneration") or 0) if surge.active_rollout(status) else None
 
 
 def next_step(
     spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Observed, now: float | None = None
 ) -> d.Plan:
     """The next step of the pair's ordered steps. `now` (epoch seconds) is only read by a Surge rollout's deadlines
-    (drain, progress). desired.py (Recreate) and rollout.py (Surge, built on desired.py) are siblings that never
+    (drain, progress). recreate.py (Recreate) and surge.py (Surge, built on recreate.py) are siblings that never
     import this module: the choice between them is made here, once."""
     status = status or {}
-    surge = rollout.surge_plan(spec, status, observed, now)
-    steps = surge if surge is not None else d.recreate_state(spec, status, observed)
-    return rollout.release_left_slot(steps, status, observed)
+    surge_steps = surge.surge_plan(spec, status, observed, now)
+    steps = surge_steps if surge_steps is not None else d.recreate_state(spec, status, observed)
+    return surge.release_left_slot(steps, status, observed)
 
 
 def deleted_pair_teardown(pods: "list[PodView]") -> tuple[str, ...]:
     """Which pods of a deleted pair to delete now (handlers.release_ports executes it until none is left): the
-    Recreate order, with decode going once prefill and router are being deleted (desired.teardown)."""
+    Recreate order, with decode going once prefill and router are being deleted (recreate.teardown)."""
     return d.teardown(pods, decode_after_front_gone=False).delete
 
 
@@ -202,9 +209,9 @@ def failure(steps: d.Plan, observed: Observed, lost: nodes.LostPods | None = Non
                 if fact.reason:
                     return Finding(fact.reason, fact.message, generation)
         return Finding(health.REASON_POD_VANISHED, steps.broken_reason or "a pair pod vanished", generation)
-    if steps.step == d.STEP_READY and spec is not None and not rollout.surge_requested(spec):
+    if steps.step == d.STEP_READY and spec is not None and not surge.surge_requested(spec):
         # A Recreate pair with a pod on a cordoned node: an ordered restart moves it (the new pods are scheduled
-        # elsewhere; a Surge pair is re-homed by rollout.py instead, without a gap). Outside the budget: cordoning
+        # elsewhere; a Surge pair is re-homed by surge.py instead, without a gap). Outside the budget: cordoning
         # is the cluster's decision, not a failure of the pair.
         moving = nodes.cordoned_pods([p for p in observed.pods if p.generation == generation], observed.nodes)
         if moving:

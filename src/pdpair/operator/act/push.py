@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdpair.contract import ROLE_DECODE, ROLE_PREFILL
 
-from .pods import PEERS_SECRET_KEY, owned_metadata
+from pdpair.operator.build.pods import PEERS_SECRET_KEY, owned_metadata
 
 if TYPE_CHECKING:
     import aiohttp

@@ -7,7 +7,7 @@ with `pdpair: ports in use on this node: <ports>` as a termination message. The 
 
   1. reads those ports from the current generation's pods (`reports`);
   2. turns each busy port the pair holds from the pool into a quarantine Lease (holder node-busy/<node>, a TTL), so
-     no pair is leased it until the TTL passes (ports.PortLeaser.quarantine);
+     no pair is leased it until the TTL passes (port_leaser.PortLeaser.quarantine);
   3. leases the pair replacements (the ordinary ensure), emits PortInUse, and restarts the pair decode-first on the
      new ports, outside the restart budget: every such restart consumed a quarantined port, so it cannot loop.
 
@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 
 from pdpair.contract import parse_ports_in_use
 
-from .config import PortPool
+from pdpair.operator.model.config import PortPool
 
 
 @dataclass(frozen=True)

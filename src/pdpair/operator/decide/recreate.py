@@ -1,7 +1,7 @@
 """The step planner: given spec, status and what was observed, which single step comes next.
 
-No client, no kopf, no clock, and no import of rollout.py (which builds on this module). planner.next_step picks
-this Recreate planner or rollout.py's Surge one; planner.plan (the one owner of a pass's decisions) calls it once the
+No client, no kopf, no clock, and no import of surge.py (which builds on this module). planner.next_step picks
+this Recreate planner or surge.py's Surge one; planner.plan (the one owner of a pass's decisions) calls it once the
 restart question is settled; the executor (reconciler.PairReconciler) applies the plan, observes again, and asks
 again. The order it encodes:
 
@@ -21,8 +21,8 @@ again. The order it encodes:
   6. wait for the router to be Ready (re-create it if it went missing)
   7. Ready
 
-With spec.rolloutStrategy Surge, rollout.py plans a spec change of a serving pair instead: the new generation goes
-through steps 3-7 beside the serving one, on its own port set, then takes over (see rollout.py).
+With spec.rolloutStrategy Surge, surge.py plans a spec change of a serving pair instead: the new generation goes
+through steps 3-7 beside the serving one, on its own port set, then takes over (see surge.py).
 
 "Ready" of a pod is its Ready condition: every container's readiness probe passes (decode's is vLLM's /health,
 prefill's the connector's /readyz: paired and serving, see pods.py), so a pair is Ready only when both serve, paired. No step has a deadline: a pod that loads
@@ -54,9 +54,10 @@ from pdpair.contract import (
     ROLE_ROUTER,
 )
 
-from . import instances, spec_fields
-from .observed import Observed, PodView
-from .status import FALSE, TRUE, Condition
+from pdpair.operator.decide import instances
+from pdpair.operator.model import spec_fields
+from pdpair.operator.model.observed import Observed, PodView
+from pdpair.operator.model.conditions import FALSE, TRUE, Condition
 
 # The spec fields pods are built from; a change to any of them is a rollout. Every property of the CRD's spec is in
 # exactly one of these two tuples (tests/unit/operator/test_spec_fingerprint.py fails on a new field in neither, so a
@@ -121,7 +122,7 @@ class Plan:
     probe_decode: bool = False  # the executor should probe the current decode pod's listener
     broken_reason: str | None = None
     rolled_out: bool = False  # this plan moved to a new generation for a spec change
-    # Surge rollouts (rollout.py); the defaults are a Recreate plan's
+    # Surge rollouts (surge.py); the defaults are a Recreate plan's
     create_generation: int | None = None  # the generation `create` builds (None: pair_generation)
     create_slot: str | None = None  # the port set the created pod uses (None: the serving generation's)
     status_fields: Mapping[str, Any] = field(default_factory=dict)  # more status to write (None deletes a field)
@@ -161,7 +162,7 @@ def broken_reason(pods: Iterable[PodView], generation: int) -> str | None:
         if pod.restarts > 0:
             return f"{pod.role} pod {pod.name} container restarted {pod.restarts}x"
     # Every decode gone while a prefill runs: nothing is left to pair with (one of several decodes that went is
-    # re-created by instances.py instead; instance 0 is desired.py's own).
+    # re-created by instances.py instead; instance 0 is recreate.py's own).
     prefill = next((p for p in current if p.role == ROLE_PREFILL), None)
     decodes = [p for p in current if p.role == ROLE_DECODE]
     decode0 = next((p for p in decodes if p.instance == 0), None)
@@ -174,7 +175,7 @@ def recreate_state(
     spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observed, pin_generation: int | None = None
 ) -> Plan:
     """The Recreate planner (steps 1-7 above). With `pin_generation` it plans that generation as it is, whatever
-    spec its pods were built from (rollout.py plans the serving and the new generation of a Surge rollout so)."""
+    spec its pods were built from (surge.py plans the serving and the new generation of a Surge rollout so)."""
     plan = with_instances(spec, observed, _instance0_state(spec, status, observed, pin_generation))
     return replace(plan, role_status=instances.role_status(spec, observed.pods, plan.pair_generation))
 

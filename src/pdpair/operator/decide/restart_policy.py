@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from .observed import PENDING_SCHEDULING
+from pdpair.operator.model.observed import PENDING_SCHEDULING
 
 __all__ = [
     "RestartPolicy",

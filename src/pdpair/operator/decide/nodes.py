@@ -11,7 +11,7 @@ bound to a deleted node, and an index still filling must not look like a lost cl
 
 A node is cordoned when spec.unschedulable is set (`kubectl cordon`, `kubectl drain`) and it is still Ready: the
 pair's PodDisruptionBudget (disruption.py) refuses the drain's evictions of its Ready pods, and the planner moves
-the pair off the node itself, in order (rollout.py: a Surge re-home; planner.failure: a Recreate pair's ordered
+the pair off the node itself, in order (surge.py: a Surge re-home; planner.failure: a Recreate pair's ordered
 restart), after which the drain finds the pods gone (docs/design.md, "Drained nodes").
 
 What the planner does with a lost node (planner.py, docs/design.md "Lost nodes"): a pod on a lost node is treated as gone for
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from .observed import TAINT_UNREACHABLE, NodeView
+from pdpair.operator.model.observed import TAINT_UNREACHABLE, NodeView
 
 
 def lost_reason(node: NodeView | None, now: float, lost_after: float) -> str | None:

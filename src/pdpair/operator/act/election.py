@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .api import request_timeout
+from pdpair.operator.act.kube_api import request_timeout
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from pdpair.contract import (
-    API_VERSION,
     COND_REPLICAS_FROM_SCALE_TARGET,
     GROUP,
     KIND,
@@ -31,8 +30,7 @@ from pdpair.contract import (
     ROLES,
 )
 
-from . import spec_fields
-from .pods import owned_metadata
+from pdpair.operator.model import spec_fields
 
 # metadata.name of a custom object: a DNS-1123 subdomain, at most 253 characters. The pair's own name is one too,
 # so `<pair>-<role>` can exceed it by up to len("-prefill"); such a name keeps a prefix of the pair's name and gets
@@ -67,18 +65,6 @@ def role_selector(pair_uid: str, role: str) -> str:
     pod of the pair in that role carries both labels (pods.pod_labels); the router's role label is `router`."""
     return f"{LABEL_PAIR_UID}={pair_uid},{LABEL_ROLE}={role}"
 
-
-def role_object(pair: Mapping[str, Any], role: str, replicas: int) -> dict[str, Any]:
-    """The InferencePairRole manifest for `role` of `pair`: in the pair's namespace, the labels of everything the pair
-    owns (pods.owned_labels: note the pair-name label limits the pair's name to 63 characters, as for its pods) plus
-    the role, and the pair as controller owner, so the garbage collector deletes it with the pair."""
-    name = role_object_name(pair["metadata"]["name"], role)
-    return {
-        "apiVersion": API_VERSION,
-        "kind": ROLE_OBJECT_KIND,
-        "metadata": owned_metadata(pair, name, COMPONENT, **{LABEL_ROLE: role}),
-        "spec": {"pair": pair["metadata"]["name"], "role": role, "replicas": int(replicas)},
-    }
 
 
 def owner_uid(body: Mapping[str, Any]) -> str | None:

@@ -20,7 +20,7 @@ Three guards, checked against vLLM's real parser by tests/unit/operator/test_eng
    CRD older than the operator admitted (Helm never upgrades CRDs).
 
 tests/unit/test_crd_contract.py checks that the CRD holds exactly these rules and messages;
-`python -m pdpair.operator.engine_args` prints them for pasting into the CRD.
+`python -m pdpair.operator.build.engine_args` prints them for pasting into the CRD.
 """
 
 from __future__ import annotations

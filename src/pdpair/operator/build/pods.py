@@ -54,9 +54,9 @@ from pdpair.contract import (
     STARTUPZ_PATH,
 )
 
-from . import spec_fields
-from .engine_args import refused_args
-from .ports import port_of, ports_of
+from pdpair.operator.model import spec_fields
+from pdpair.operator.build.engine_args import refused_args
+from pdpair.operator.decide.port_blocks import port_of, ports_of
 
 KV_ROLE = {ROLE_PREFILL: "kv_producer", ROLE_DECODE: "kv_consumer"}
 CONNECTOR_CLASS = "PdPairConnector"
@@ -181,7 +181,7 @@ def engine_command(spec: Mapping[str, Any], role: str) -> list[str]:
     """vLLM's command line: the user's args, then the operator's own flags, so argparse keeps ours on a repeat.
 
     Order cannot beat every spelling (vLLM appends --flag.key dotted keys last, --config reads a file); the CRD refuses
-    those, see pdpair.operator.engine_args, and so does this function for a spec an older CRD admitted.
+    those, see pdpair.operator.build.engine_args, and so does this function for a spec an older CRD admitted.
     """
     user = [str(a) for a in (spec.get(role) or {}).get("args") or []]
     if refused := refused_args(user):
@@ -390,7 +390,7 @@ def engine_pod(
 ) -> dict[str, Any]:
     """The decode or prefill pod (instance `instance` of its role). Prefill is given the decodes that run when it is
     created: `peers`, each (address, side-channel base port), or `peer_host` alone for decode instance 0; none when
-    it is created beside a decode that has no address yet (desired.py, step 4). Every decode that gets an address
+    it is created beside a decode that has no address yet (recreate.py, step 4). Every decode that gets an address
     later reaches it through the operator's push (PDPAIR_PEERS_TOKEN; instances.py, push.py). Its listener may not
     accept yet: prefill's connector retries until it does, and prefill's readiness waits for the pairing."""
     if role not in KV_ROLE:
@@ -479,7 +479,7 @@ def router_pod(
             http = _require(port_of(ports, role, PURPOSE_HTTP, instance=instance), f"{what} http")
             command += [f"--{role}", f"http://{url_host(host)}:{http}"]
     # The engine pods' own readiness (paired, serving, warmed up): the router is created while they load, and its
-    # /readyz passes only once a prefill and a decode do (desired.py, step 5).
+    # /readyz passes only once a prefill and a decode do (recreate.py, step 5).
     for role in (ROLE_PREFILL, ROLE_DECODE):
         for instance, host in members[role]:
             what = role if not instance else f"{role} instance {instance}"

@@ -31,8 +31,8 @@ from pdpair.contract import (
     ROLE_PREFILL,
 )
 
-from . import spec_fields
-from .status import FALSE, TRUE, Condition
+from pdpair.operator.model import spec_fields
+from pdpair.operator.model.conditions import FALSE, TRUE, Condition
 
 # Products like 0.1 * 30 are 3.0000000000000004 in binary floating point: the band's ends are widened by this much so
 # a count exactly on an end is inside the band.

@@ -20,8 +20,8 @@ from pdpair.contract import (
     ROLE_ROUTER,
 )
 
-from .pods import owned_metadata
-from .ports import port_of
+from pdpair.operator.build.pods import owned_metadata
+from pdpair.operator.decide.port_blocks import port_of
 
 ACTION_CREATE = "create"
 ACTION_PATCH = "patch"  # ours, but its port or selector is not what the pair needs now

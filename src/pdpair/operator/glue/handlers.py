@@ -1,14 +1,14 @@
 """kopf handlers, with three loops that still live here (issue "One owner for every decision" moves them out): the
 health scrape (`watch_health`, `_scrape_pair`), the deletion's pod teardown (`_pods_gone`, which executes the order
 planner.deleted_pair_teardown decides, until the pods are gone or its deadline passes) and the orphan-lease sweep (`_sweep_forever`). Everything else reads its inputs and hands them to
-reconciler.py / ports.py.
+reconciler.py / port_leaser.py.
 
 - startup: settings (finalizer and progress storage in pdpair.io, posting level, watch timeouts), API clients,
   the port leaser, the orphan-lease sweep.
 - index `pair_pods`: the pods of each pair (by the pair-uid label), kept live by the watch; `pair_services` the same
   for the router Service.
 - index `node_views`: every Node as observed.NodeView (Ready condition, unreachable taint, cordon); a change of any
-  wakes the pairs with a pod on that node (lost and cordoned nodes: nodes.py, planner.py, rollout.py).
+  wakes the pairs with a pod on that node (lost and cordoned nodes: nodes.py, planner.py, surge.py).
 - index `pair_budgets`: the PodDisruptionBudget of each pair, its name and spec (disruption.py); the reconciler makes
   a missing one and patches an outdated one.
 - index `pair_scale_targets`: each pair's InferencePairRole objects (scale_targets.ScaleView), by the uid of the pair
@@ -48,15 +48,23 @@ from pdpair.contract import (
     VERSION,
 )
 
-from . import disruption, health, memory, planner, scale_targets, scrape, spec_fields, wake_filter
-from .api import TimedApi
-from .config import ENV_PEERS_KEY, OperatorConfig
-from .diffbase import NoDiffBaseStorage, diff_dependent_handlers
-from .events import EventPoster, kubernetes_post
-from .observed import NodeView, PodView
-from .ports import PairRef, PortLeaser, port_of
-from .reconciler import PairReconciler, Runtime, api_status, throttled_retry
-from .service import ServiceView
+from pdpair.operator.build import disruption
+from pdpair.operator.decide import health
+from pdpair.operator.glue import memory
+from pdpair.operator.decide import planner
+from pdpair.operator.decide import scale_targets
+from pdpair.operator.act import scrape
+from pdpair.operator.model import spec_fields
+from pdpair.operator.decide import wake_filter
+from pdpair.operator.act.kube_api import TimedApi
+from pdpair.operator.model.config import ENV_PEERS_KEY, OperatorConfig
+from pdpair.operator.glue.diffbase import NoDiffBaseStorage, diff_dependent_handlers
+from pdpair.operator.act.events import EventPoster, kubernetes_post
+from pdpair.operator.model.observed import NodeView, PodView
+from pdpair.operator.act.port_leaser import PairRef, PortLeaser
+from pdpair.operator.decide.port_blocks import port_of
+from pdpair.operator.act.reconciler import PairReconciler, Runtime, api_status, throttled_retry
+from pdpair.operator.build.service import ServiceView
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +144,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
         concurrent.futures.ThreadPoolExecutor(max_workers=config.api_threads, thread_name_prefix="pdpair-api")
     )
     api = _load_kube_config(config.api_threads)
-    timeout = config.api_timeout  # every blocking API call below gets this deadline (api.py)
+    timeout = config.api_timeout  # every blocking API call below gets this deadline (kube_api.py)
     coordination = TimedApi(kubernetes.client.CoordinationV1Api(api), timeout)
     leaser = PortLeaser(coordination, config.namespace, config.port_pool)
     held = await leaser.refresh_taken()
@@ -574,7 +582,7 @@ async def _sweep_forever(runtime: Runtime) -> None:
 
 def _start_metrics(runtime: Runtime) -> Any:
     """Serve the operator metrics (metrics.py) on the configured port."""
-    from .metrics import OperatorMetrics, serve
+    from pdpair.operator.act.metrics import OperatorMetrics, serve
 
     runtime.metrics = OperatorMetrics()
     runtime.metrics.read_port_pool(runtime.leaser.free_count, runtime.config.port_pool.size)

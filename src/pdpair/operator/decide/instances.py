@@ -1,11 +1,11 @@
 """xPyD: the instances of a role beyond the first, and what each pod is told (pure: no client, the clock only as
 `now`). docs/xpyd.md is the design; this module is the part of it the planner runs.
 
-Instance 0 of each role goes through desired.py's ordered steps exactly as a 1P1D pair always did (decode, prefill
+Instance 0 of each role goes through recreate.py's ordered steps exactly as a 1P1D pair always did (decode, prefill
 beside it at once, router, the listener gate, Ready); a pair with `replicas: 1` on both roles never reaches
 anything here. The other instances (`spec.<role>.replicas` > 1, as the executor's effective spec says: a role's
 scale object wins over the inline count, scale_targets.py) are planned by `instance_step`, one action per pass,
-after desired.py's own action (it never overrides one):
+after recreate.py's own action (it never overrides one):
   - decode i >= 1 is created as soon as decode 0 exists, prefill i >= 1 as soon as prefill 0 exists: every engine
     loads at once (the parallel start); a prefill learns each decode's address from the push once it has one;
   - an instance at or above its role's count (a scale-down: the highest indexes go, like a StatefulSet) is first
@@ -13,7 +13,7 @@ after desired.py's own action (it never overrides one):
     out of the router's set, so no new request is sent to it; it stays in the prefills' sets until its pod stops
     running, because a request the router sent to it just before the mark still needs its KV pushed there (taking
     it out at once failed such a request on the real nodes: decode answered 500). It is deleted as soon as it is
-    drained, a prefill before any decode (desired.teardown's order): the router of its generation has taken the
+    drained, a prefill before any decode (recreate.teardown's order): the router of its generation has taken the
     mark (an answer read after the mark no longer lists it as one it may choose) and reports no request in flight
     that involves it (`involved`: for a prefill until that request's decode answer ended, since prefill pushes the
     KV to decode after answering; router/app.py) -- `router_drained`, on the executor's RouterDrainView; or, at the
@@ -36,10 +36,10 @@ from typing import Any, Iterable, Mapping
 
 from pdpair.contract import PHASE_READY, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 
-from . import spec_fields
-from .health import REASON_CONTAINER_RESTART, REASON_POD_FAILED
-from .observed import Finding, PodView, RouterDrainView
-from .restart_policy import Action, RestartPolicy, decide, prune, restarts_in_window
+from pdpair.operator.model import spec_fields
+from pdpair.operator.decide.health import REASON_CONTAINER_RESTART, REASON_POD_FAILED
+from pdpair.operator.model.observed import Finding, PodView, RouterDrainView
+from pdpair.operator.decide.restart_policy import Action, RestartPolicy, decide, prune, restarts_in_window
 
 ENGINE_ROLES = (ROLE_DECODE, ROLE_PREFILL)
 # While an instance drains and its generation's router runs: the next pass (and the executor's read of the router's
@@ -95,7 +95,7 @@ def instance_step(spec: Mapping[str, Any], pods: Iterable[PodView], generation: 
     """The next action on the instances beyond the first of `generation`, or None. Scale-down first (a draining
     instance's drain clock runs while the others start), then creation: decodes before prefills. `serving`: the
     generation heals alone (heals_alone), so a missing instance 0 is re-created here too, beside the serving
-    ones, instead of desired.py's ordered start. `router`: what the router of `generation` last answered (the
+    ones, instead of recreate.py's ordered start. `router`: what the router of `generation` last answered (the
     executor's read; None: no router, or none read yet): a draining instance goes as soon as `router_drained`,
     else at its deadline."""
     pods = list(pods)
@@ -178,7 +178,7 @@ def instance_key(pod: PodView) -> str:
 def heals_alone(spec: Mapping[str, Any], status: Mapping[str, Any], generation: int) -> bool:
     """Whether failures of `generation` are healed one instance at a time: the pair runs more than one instance in
     some role (xPyD) and this generation has served (status says Ready at it; a Surge rollout's serving generation
-    keeps that phase). A 1P1D pair, and any generation still starting, restarts in order as a whole (desired.py)."""
+    keeps that phase). A 1P1D pair, and any generation still starting, restarts in order as a whole (recreate.py)."""
     many = spec_fields.replicas(spec, ROLE_PREFILL) + spec_fields.replicas(spec, ROLE_DECODE) > 2
     return many and status.get("phase") == PHASE_READY and int(status.get("pairGeneration") or 0) == generation
 
@@ -254,7 +254,7 @@ def peers_digest(entries: Iterable[str]) -> str:
 
 def router_members(pods: Iterable[PodView], generation: int) -> list[PodView]:
     """The engine instances the router of `generation` sends to: its generation's, Ready, not draining. A decode
-    that is Ready has been probed listening or is paired with a Ready prefill (desired.py's gates)."""
+    that is Ready has been probed listening or is paired with a Ready prefill (recreate.py's gates)."""
     return sorted((p for p in pods if p.role in ENGINE_ROLES and p.generation == generation and p.running
                    and p.ready and p.draining_since is None), key=lambda p: (p.role, p.instance))
 

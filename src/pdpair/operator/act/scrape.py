@@ -13,7 +13,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdpair import contract
-from pdpair.operator.health import PodMetrics, PodScrape, PodState, ScrapeTarget
+from pdpair.operator.decide.health import PodMetrics, PodScrape, PodState, ScrapeTarget
 
 
 def parse_pod_metrics(text: str) -> PodMetrics:

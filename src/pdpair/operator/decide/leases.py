@@ -1,7 +1,7 @@
 """The port-lease decisions of one pass. Pure: no client, no clock.
 
 Before planning pod steps, a pass needs the pair's ports; this module decides what happens to their Leases, and
-the executor (reconciler.py) carries it out with ports.PortLeaser:
+the executor (reconciler.py) carries it out with port_leaser.PortLeaser:
 
   - `serving_lease`: the serving generation's port set (status.ports) is leased to match the spec's blocks, or,
     while any pod built from another spec still exists (running or terminating, so possibly still bound to them),
@@ -10,13 +10,13 @@ the executor (reconciler.py) carries it out with ports.PortLeaser:
     instance a pod on that set still has (`instances_on_set`), so a scale-down releases an instance's block only
     once its pod is gone, however long it takes to terminate. The spec given is the effective one (replicas as the
     scale targets say). With a pod on the set, a pool exhausted by a scale-up keeps the held blocks
-    (`LeaseStep.hoard_nothing` False, ports.PortLeaser.ensure): the serving instances keep their ports.
-  - `rollout_lease`: a Surge rollout's other generation (rollout.py) has its own port set: leased for the new spec
+    (`LeaseStep.hoard_nothing` False, port_leaser.PortLeaser.ensure): the serving instances keep their ports.
+  - `rollout_lease`: a Surge rollout's other generation (surge.py) has its own port set: leased for the new spec
     while it comes up (Progressing), only read while it drains or rolls back; none without a rollout. Its release
     is a pod-step decision (Plan.release_slot), made with the pods.
   - `fences`: a pod on a lost node (nodes.py) may still run, bound to its ports, for as long as the partition
     lasts: the ports it declares that the pair holds (either port set) become fence Leases held until that pod
-    object is gone (ports.PortLeaser.fence, sweep_fences), and the pair is leased replacements. Any generation's pod:
+    object is gone (port_leaser.PortLeaser.fence, sweep_fences), and the pair is leased replacements. Any generation's pod:
     a stale one on a lost node fences as well as a current one.
   - `busy_ports`: ports the current generation's pods found busy on their node (busy_ports.py) that the pair still
     holds from the pool are quarantined and re-leased; fixed ones (spec.router.port, outside the pool) are only
@@ -33,14 +33,14 @@ from typing import Any, Iterable, Mapping
 
 from pdpair.contract import MAX_REPLICAS, ROLE_DECODE, ROLE_PREFILL
 
-from . import busy_ports as busy
-from . import desired as d
-from .nodes import LostPods
-from .observed import PodView
-from . import rollout
-from . import spec_fields
-from .config import PortPool
-from .ports import PortBlock, required_blocks
+from pdpair.operator.decide import busy_ports as busy
+from pdpair.operator.decide import recreate as d
+from pdpair.operator.decide.nodes import LostPods
+from pdpair.operator.model.observed import PodView
+from pdpair.operator.decide import surge
+from pdpair.operator.model import spec_fields
+from pdpair.operator.model.config import PortPool
+from pdpair.operator.decide.port_blocks import PortBlock, required_blocks
 
 LEASE = "Lease"  # adopt, claim and release so that the set holds exactly `blocks`
 KEEP = "Keep"  # pods of another spec may still be bound to the set: read what is held, change nothing
@@ -88,21 +88,21 @@ def serving_lease(spec: Mapping[str, Any], status: Mapping[str, Any], pods: Iter
     mode = KEEP if any(p.spec_hash != want for p in pods) else LEASE
     # Every generation is on the serving set (Recreate keeps its ports across generations) but a Surge rollout's
     # other one, which has the other set (rollout_lease).
-    other = rollout.other_generation(status)
+    other = surge.other_generation(status)
     on_set = tuple(p for p in pods if other is None or p.generation != other[0])
-    return LeaseStep(mode, rollout.serving_slot(status), required_blocks(spec, instances_on_set(spec, on_set)),
+    return LeaseStep(mode, surge.serving_slot(status), required_blocks(spec, instances_on_set(spec, on_set)),
                      hoard_nothing=not on_set)
 
 
 def rollout_lease(spec: Mapping[str, Any], status: Mapping[str, Any], pods: Iterable[PodView]) -> LeaseStep | None:
-    other = rollout.other_generation(status)
+    other = surge.other_generation(status)
     if other is None:
         return None
     generation, slot = other
-    active = rollout.active_rollout(status) or {}
+    active = surge.active_rollout(status) or {}
     want = d.spec_fingerprint(spec)
     on_set = tuple(p for p in pods if p.generation == generation)
-    leasing = active.get("phase") == rollout.PHASE_PROGRESSING and active.get("specHash") == want and all(
+    leasing = active.get("phase") == surge.PHASE_PROGRESSING and active.get("specHash") == want and all(
         p.spec_hash == want for p in on_set)
     return LeaseStep(LEASE if leasing else KEEP, slot, required_blocks(spec, instances_on_set(spec, on_set)),
                      generation, hoard_nothing=not on_set)
@@ -111,7 +111,7 @@ def rollout_lease(spec: Mapping[str, Any], status: Mapping[str, Any], pods: Iter
 def busy_reports(status: Mapping[str, Any], pods: Iterable[PodView]) -> list[busy.PortsInUse]:
     """The busy-port reports of the serving generation's pods."""
     pods = tuple(pods)
-    return busy.reports(pods, rollout.serving_generation(status, pods))
+    return busy.reports(pods, surge.serving_generation(status, pods))
 
 
 def _fixed_ports(blocks: Iterable[PortBlock]) -> list[int]:

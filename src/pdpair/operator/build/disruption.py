@@ -5,7 +5,7 @@ One `policy/v1` PodDisruptionBudget per pair, named after it, selecting every po
 the pair-uid label), `minAvailable` = NO_READY_POD_EVICTED: the Eviction API (`kubectl drain`, the cluster
 autoscaler) refuses to evict a Ready pod of the pair (HTTP 429) and retries. Meanwhile the operator sees the node cordoned
 (nodes.cordoned: drain cordons first) and moves the pair itself, in order: a Surge pair is re-homed beside the old
-generation and switched without a gap (rollout.py), a Recreate pair gets an ordered restart (planner.failure,
+generation and switched without a gap (surge.py), a Recreate pair gets an ordered restart (planner.failure,
 reason node_drain); it then deletes the old pods itself (a delete is not an eviction), and the drain's next try
 finds them gone. `unhealthyPodEvictionPolicy: AlwaysAllow`: a pod that is not Ready serves nothing and may be
 evicted at once (a pair that is starting or broken never blocks a drain). Owned by the pair (ownerReference): the
@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 from pdpair.contract import LABEL_PAIR_UID
 
-from .pods import owned_metadata
+from pdpair.operator.build.pods import owned_metadata
 
 
 # More pods than a pair ever has (every generation of every role during a Surge), so no Ready pod is evictable.

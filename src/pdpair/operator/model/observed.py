@@ -1,5 +1,5 @@
 """What one reconcile pass observed of a pair: its pods (PodView), the nodes they run on (NodeView), the lease and
-probe results, the health finding, the restart record (Observed). Pure data, read by every planner (planner.py, desired.py, rollout.py,
+probe results, the health finding, the restart record (Observed). Pure data, read by every planner (planner.py, recreate.py, surge.py,
 restart_policy.py) and filled by the executor (reconciler.py) and the health watch (health.py); it decides
 nothing, so none of those imports a planner for it.
 """
@@ -159,14 +159,14 @@ class Observed:
     instance_restarts_generation: int = 0
     health: Finding | None = None  # the health watch's restart finding (health.restart_finding), if any
     ports_replaced: str | None = None  # busy ports the pair no longer holds were re-leased: restart on the new ones
-    # A Surge rollout's new generation (rollout.py): its port set and its decode's listener
+    # A Surge rollout's new generation (surge.py): its port set and its decode's listener
     rollout_ports_complete: bool = False
     rollout_pool_exhausted: bool = False
     rollout_pool_message: str = ""
     rollout_decode_listening: bool = False
     rollout_probe_message: str = ""
     rollout_rejection: str = ""  # the API server refused one of its pods (the message)
-    # Every port set the pair holds leases in, as the executor last read them (rollout.release_left_slot)
+    # Every port set the pair holds leases in, as the executor last read them (surge.release_left_slot)
     leased_slots: frozenset[str] = frozenset()
     # Lost nodes (nodes.py): the nodes of the pair's pods as the node index has them, how long a not-Ready node
     # waits before it counts as lost (PDPAIR_NODE_LOST_SECONDS; infinite: never judged), and the pool ports the pair

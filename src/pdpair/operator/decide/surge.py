@@ -1,12 +1,12 @@
 """Surge rollouts (spec.rolloutStrategy: Surge): a spec change of a serving pair never takes it down.
 
-Pure like desired.py (spec, status, observed, now -> Plan); `now` is epoch seconds passed in by the executor.
+Pure like recreate.py (spec, status, observed, now -> Plan); `now` is epoch seconds passed in by the executor.
 The rollout lives in status.rollout, so a restarted operator carries on where the last one stopped:
 
   (no rollout)  the serving generation F is Ready and the spec changed, or a pod of F sits on a cordoned node
                 (nodes.cordoned: kubectl cordon/drain; same spec, a re-home)  -> Progressing (RollingOut Event)
-  Progressing   generation T = F+1 goes through desired.py's steps 3-7 (decode, listener probe, prefill, router)
-                beside F, on the pair's other port set (ports.py slots "a"/"b"); the router Service keeps
+  Progressing   generation T = F+1 goes through recreate.py's steps 3-7 (decode, listener probe, prefill, router)
+                beside F, on the pair's other port set (port_leaser.py slots "a"/"b"); the router Service keeps
                 selecting F's router. When T is Ready: status.pairGeneration = T, status.ports = T's ports, the
                 Service selects T's router                                 -> Draining (RolloutSwitched)
                 T failed (a pod Failed or restarted, or the API server refused one), was not Ready within
@@ -38,12 +38,12 @@ from pdpair.contract import (
     ROLLOUT_SURGE,
 )
 
-from . import desired as d
-from . import nodes
-from .observed import Observed
-from .ports import DEFAULT_SLOT, other_slot, port_of
-from .spec_fields import defaulted
-from .status import FALSE, TRUE, Condition
+from pdpair.operator.decide import recreate as d
+from pdpair.operator.decide import nodes
+from pdpair.operator.model.observed import Observed
+from pdpair.operator.decide.port_blocks import DEFAULT_SLOT, other_slot, port_of
+from pdpair.operator.model.spec_fields import defaulted
+from pdpair.operator.model.conditions import FALSE, TRUE, Condition
 
 PHASE_PROGRESSING = "Progressing"
 PHASE_DRAINING = "Draining"
@@ -100,7 +100,7 @@ def other_generation(status: Mapping[str, Any]) -> tuple[int, str] | None:
 
 def serving_generation(status: Mapping[str, Any], pods) -> int:
     """The generation the pair serves with: status.pairGeneration during a rollout (pods of the new generation
-    exist beside it), else the highest generation seen (desired.current_generation)."""
+    exist beside it), else the highest generation seen (recreate.current_generation)."""
     if active_rollout(status) is not None and status.get("pairGeneration"):
         return int(status["pairGeneration"])
     return d.current_generation(status, pods)
@@ -130,7 +130,7 @@ def _without(observed: Observed, generation: int) -> Observed:
 
 def surge_plan(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observed,
                now: float | None) -> d.Plan | None:
-    """The plan while a Surge rollout runs or starts; None: desired.recreate_state plans."""
+    """The plan while a Surge rollout runs or starts; None: recreate.recreate_state plans."""
     rollout = active_rollout(status)
     if rollout is None:
         return _maybe_start(spec, status, observed, now)

@@ -2,7 +2,7 @@
 
 SETTINGS is the one declaration of every variable: its name, the OperatorConfig field it fills, its default, how it
 is read and checked, what it means and the chart value that sets it. The dataclass defaults, `from_env`, the table
-in operator/README.md (`python -m pdpair.operator.config` prints it) come from it; tests/unit/operator/test_config.py
+in operator/README.md (`python -m pdpair.operator.model.config` prints it) come from it; tests/unit/operator/test_config.py
 checks the chart's README, values.yaml comments and deployment template against it.
 """
 

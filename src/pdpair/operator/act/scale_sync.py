@@ -7,7 +7,7 @@ differs from what the index shows. `write_replicas` carries out a plan's write t
 Which count the pair runs is planner.scale_plan's, decided before this is called; the counts passed in are the plan's.
 
 Deadlines: every call goes through `custom_api`, which must be the operator's `TimedApi`-wrapped CustomObjectsApi
-(Runtime.custom): api.py sets `_request_timeout` on each call there, nowhere else. The calls run in the default
+(Runtime.custom): kube_api.py sets `_request_timeout` on each call there, nowhere else. The calls run in the default
 executor (the operator's API thread pool), like the reconciler's.
 """
 
@@ -21,8 +21,9 @@ from typing import Any, Mapping
 
 from pdpair.contract import GROUP, ROLE_OBJECT_KIND, ROLE_OBJECT_PLURAL, ROLES, VERSION
 
-from . import spec_fields
-from .scale_targets import ScaleView, owner_uid, role_object, role_object_name, role_selector, status_patch
+from pdpair.operator.model import spec_fields
+from pdpair.operator.decide.scale_targets import ScaleView, owner_uid, role_object_name, role_selector, status_patch
+from pdpair.operator.build.role_object import role_object
 
 Event = tuple[str, str, str]  # (type, reason, message), what the reconciler's emit() takes
 UNSEEN_TTL = 120.0  # how long an own write may stay unseen by the index before it is done again (reconciler's too)

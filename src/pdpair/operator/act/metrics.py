@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pdpair import contract
 from pdpair.httpserver import StoppableServer
-from pdpair.operator.health import RESTART_REASONS  # the `reason` label values
+from pdpair.operator.decide.health import RESTART_REASONS  # the `reason` label values
 
 __all__ = ["OperatorMetrics", "OperatorMetricsServer", "serve", "RESTART_REASONS"]
 

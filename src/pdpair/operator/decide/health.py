@@ -36,8 +36,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from pdpair import contract
 from pdpair.contract import ROLES
-from pdpair.operator.observed import PENDING_SCHEDULING, Finding, PodView, pending_for_scheduling
-from pdpair.operator.status import FALSE, TRUE, UNKNOWN, Condition, now_rfc3339
+from pdpair.operator.model.observed import PENDING_SCHEDULING, Finding, PodView, pending_for_scheduling
+from pdpair.operator.model.conditions import FALSE, TRUE, UNKNOWN, Condition, now_rfc3339
 
 __all__ = [
     "instance_key",
@@ -165,7 +165,7 @@ def watched_pods(pods: Iterable[PodView], generation: int) -> dict[str, PodView 
     """The engine pods of `generation` the health watch judges, by `instance_key`: instance 0 of each role first (in
     contract.ROLES order; None when the role has none: the pair lost it), then every other instance by role and
     index, except one draining or being deleted: a scale-down (or a user) is removing it, and vLLM exits 0 on
-    SIGTERM, so its end is no failure (the rule of desired.broken_reason). An instance >= 1 that is not there is not
+    SIGTERM, so its end is no failure (the rule of recreate.broken_reason). An instance >= 1 that is not there is not
     judged either (instances.py creates it)."""
     first: dict[str, PodView | None] = {role: None for role in ROLES}
     others: list[PodView] = []

@@ -1,0 +1,1 @@
+"""kopf and process glue: the handlers, wraps of kopf internals, the process's memory settings."""
