@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdpair.contract import ROLE_DECODE, ROLE_PREFILL
 
+from pdpair.operator.act.capped_read import AnswerTooLarge, decode, read_capped
 from pdpair.operator.build.pods import PEERS_SECRET_KEY, owned_metadata
 
 if TYPE_CHECKING:
@@ -40,6 +41,11 @@ if TYPE_CHECKING:
 
 TOKEN_KEY = PEERS_SECRET_KEY  # the key of the token in the pair's Secret (pods.py gives pods the env entry)
 TOKEN_COMPONENT = "peers-token"  # app.kubernetes.io/component of the Secret
+# The most of an answer to a push or a read_peers the operator reads (capped_read.py says why a cap at all). The
+# largest real one, the router's at the CRD's bounds (16 instances a role, each with its URL and counts, plus its
+# warnings), is a few KiB; 64 KiB is far above it. An endpoint that sends more has refused the push (an answered
+# failure: retried on events and resyncs, not at the probe interval).
+ANSWER_LIMIT = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -159,11 +165,14 @@ async def _request(session: "aiohttp.ClientSession", method: str, url: str, toke
             not (timeout_seconds > 0 and math.isfinite(timeout_seconds)):
         raise ValueError(f"timeout_seconds must be a finite number > 0, got {timeout_seconds!r}")
 
-    async def send() -> tuple[int, str]:
+    async def send() -> tuple[int, str | AnswerTooLarge]:
         async with session.request(method, url, headers={"Authorization": f"Bearer {token}"},
                                    timeout=aiohttp.ClientTimeout(total=timeout_seconds),
                                    **({"json": body} if body is not None else {})) as resp:
-            return resp.status, await resp.text()
+            try:
+                return resp.status, decode(await read_capped(resp, ANSWER_LIMIT), resp)
+            except AnswerTooLarge as exc:
+                return resp.status, exc
 
     try:
         # aiohttp's total bounds the request; wait_for bounds everything else too (a slow DNS answer included).
@@ -172,6 +181,8 @@ async def _request(session: "aiohttp.ClientSession", method: str, url: str, toke
         return PushResult(False, None, None, f"{method} {url}: no answer within {timeout_seconds:g} s")
     except (aiohttp.ClientError, OSError, ValueError) as exc:  # aiohttp.InvalidURL is a ValueError too
         return PushResult(False, None, None, f"{method} {url}: {type(exc).__name__}: {exc}")
+    if isinstance(text, AnswerTooLarge):  # it answered, with more than any endpoint of ours sends: a refusal
+        return PushResult(False, status, None, f"{method} {url}: HTTP {status}: {text}")
     try:
         answer = json.loads(text)
     except ValueError:

@@ -13,7 +13,17 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdpair import contract
+from pdpair.operator.act.capped_read import AnswerTooLarge, decode, read_capped
 from pdpair.operator.decide.health import PodMetrics, PodScrape, PodState, ScrapeTarget
+
+# The most of a pod's /metrics answer the operator reads (capped_read.py says why a cap at all). A pdpair pod's
+# connector exports a few series per TP rank and per peer edge; at the CRD's bounds (16 peers, TP 8) that is far
+# below 1 MiB. 4 MiB leaves room for label growth, and the scrapes of a tick (one per watched pod, concurrent) still
+# hold at most 4 MiB each. A pod that sends more is judged unreachable, like one that does not answer.
+METRICS_ANSWER_LIMIT = 4 << 20
+# The most of a hung pod's /healthz read for its stuck transfer: a small JSON object (one transfer's id, peer, rank
+# and counts); 64 KiB is far above it. Past it the transfer is not named (the verdict comes from /metrics alone).
+HEALTHZ_ANSWER_LIMIT = 64 << 10
 
 
 def parse_pod_metrics(text: str) -> PodMetrics:
@@ -93,9 +103,12 @@ async def scrape_pod(
     try:
         async with asyncio.timeout(timeout):
             async with session.get(target.url()) as resp:
-                body = await resp.text()
                 if resp.status != 200:
                     return done(PodState.UNREACHABLE, f"{target.url()} answered HTTP {resp.status}")
+                try:
+                    body = decode(await read_capped(resp, METRICS_ANSWER_LIMIT), resp)
+                except AnswerTooLarge as exc:
+                    return done(PodState.UNREACHABLE, f"{target.url()}: {exc}")
             try:
                 metrics = parse_pod_metrics(body)
                 state, message = _judge(target, metrics, expected_generation, hang_timeout_seconds)
@@ -123,8 +136,8 @@ async def _stuck_transfer(session: aiohttp.ClientSession, target: ScrapeTarget) 
     """The transfer /healthz names (best effort: the verdict comes from /metrics alone)."""
     try:
         async with session.get(target.url(contract.HEALTHZ_PATH)) as resp:
-            body = json.loads(await resp.text())
-    except (aiohttp.ClientError, OSError, ValueError):
+            body = json.loads(await read_capped(resp, HEALTHZ_ANSWER_LIMIT))
+    except (aiohttp.ClientError, OSError, ValueError):  # AnswerTooLarge is a ValueError
         return None
     transfer = body.get("transfer") if isinstance(body, dict) else None
     return transfer if isinstance(transfer, dict) else None
