@@ -2,8 +2,8 @@
 """Real-node mode of the local cluster: the control plane of localcluster.py plus real nodes (containerd, runc,
 CNI, kubelet, kube-proxy), every process inside network namespaces this harness creates, with no default route.
 
-Layout (all addresses are RFC 2544 space, never eth0's and never a private range; see
-../shared/notes/realnode.md for the network rule):
+Layout (all addresses are RFC 2544 space, never eth0's and never a private range: traffic stays on loopback or
+inside the namespaces this harness creates, devcluster/README.md "Layout and the network rule"):
 
     netns <prefix>-hub     bridge br0 198.18.0.1/24: etcd, kube-apiserver (:6443), controller-manager, scheduler
     netns <prefix>-n<i>    eth0 198.18.0.(1+i)/24 (a veth whose peer is on br0 in the hub), node-local bridge
