@@ -1,0 +1,1 @@
+"""Manifests, pure: pods, the router Service, the disruption budget, role objects, the engine arguments."""
