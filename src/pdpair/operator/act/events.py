@@ -1,4 +1,4 @@
-"""The pairs' Kubernetes Events, posted by a few workers over the operator's own API client (issue 23, item 4).
+"""The pairs' Kubernetes Events, posted by a few workers over the operator's own API client.
 
 kopf.event() queues each Event for a per-object worker, and every worker posts through kopf's aiohttp session, whose
 connector has no connection limit (`TCPConnector(limit=0)`). With 1000 pairs finishing their steps together, about a

@@ -15,7 +15,7 @@ it brings one that exists back to this spec (budget_outdated: a budget made by a
 Why an integer `minAvailable` and not `maxUnavailable: 0`: the pair's pods are controlled by an InferencePair,
 which has no `/scale` subresource. For `maxUnavailable` (or a percentage) the disruption controller must read
 the expected pod count from each pod's controller's `/scale`; for a pair it cannot, so it fails safe (no eviction)
-but posts a Warning Event `CalculateExpectedPodCountFailed` per pair on every sync (found in stop 29's CI: the
+but posts a Warning Event `CalculateExpectedPodCountFailed` per pair on every sync (found in CI on 2026-12-03: the
 idle operator test counted them). An integer `minAvailable` needs no controller: `disruptionsAllowed` is
 `ready pods - minAvailable`, never above 0 while minAvailable exceeds any pair's pod count (the Kubernetes docs,
 "Arbitrary workloads": only an integer minAvailable works for pods of a custom controller).
@@ -60,7 +60,7 @@ def budget_shape(spec: Mapping[str, Any] | None) -> tuple[Any, Any, Any]:
 
 def budget_outdated(shape: tuple[Any, Any, Any], pair: Mapping[str, Any]) -> dict[str, Any] | None:
     """The merge patch that brings an existing budget of the pair to pair_budget's spec, or None when it has it
-    (an operator before stop 29 made them with maxUnavailable 0: the patch drops it, `null` in a merge patch)."""
+    (an operator before 8b49220, 2026-12-03, made them with maxUnavailable 0: the patch drops it, `null` in a merge patch)."""
     desired = pair_budget(pair)["spec"]
     if shape == budget_shape(desired):
         return None

@@ -1,4 +1,4 @@
-"""The P:D ratio band (issue 22 item 3; docs/xpyd.md section 2): pure rules, no client, no clock.
+"""The P:D ratio band (docs/xpyd.md, "The P:D ratio band"): pure rules, no client, no clock.
 
 `spec.scaling.ratio: {min, max}` bounds prefill instances per decode instance. Two writers on one count fight, so
 each count has one owner while a band is set: the LEADER's count (decode; the other role when

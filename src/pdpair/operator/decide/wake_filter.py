@@ -1,4 +1,4 @@
-"""Which watch events wake a pair's reconcile pass: those that change something the pass reads (issue 23, item 4).
+"""Which watch events wake a pair's reconcile pass: those that change something the pass reads.
 
 Every watch event of a pair, of its PodDisruptionBudget and of its role objects used to wake the pair's pass
 (handlers.py: Runtime.wake). Most of them change nothing a pass reads: the operator's own status writes to the pair

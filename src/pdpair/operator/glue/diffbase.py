@@ -1,4 +1,4 @@
-"""No diff-base: kopf's `last-handled-configuration` is neither built nor stored (issue 23, item 4).
+"""No diff-base: kopf's `last-handled-configuration` is neither built nor stored.
 
 kopf keeps a diff-base so that on.create / on.update / on.field handlers learn what changed. For that it builds the
 "essence" of the object (a deep copy of its body) on **every** watch event of **every** watched kind (pairs, pods,
@@ -10,7 +10,7 @@ of each pair (plus the watch event that PATCH brings back, kopf's processing of 
 operator's ~20 writes per pair at 1000 pairs (docs/benchmarks.md).
 
 `NoDiffBaseStorage` hands kopf one constant, empty essence as both the stored and the current one: every event that is
-not a deletion is then "no change" (kopf's NOOP), nothing is stored, nothing is copied. `changing_handlers_allowed`
+not a deletion is then "no change" (kopf's NOOP), nothing is stored, nothing is copied. `diff_dependent_handlers`
 is what handlers.py checks at startup: an on.create/on.update/on.resume/on.field handler added later would never
 fire with this storage, so the operator refuses to start with one instead of ignoring it silently.
 """

@@ -1,4 +1,4 @@
-"""glibc malloc settings and trimming for the operator process (issue 23, item 4: RSS at 1000 pairs).
+"""glibc malloc settings and trimming for the operator process (RSS at 1000 pairs: docs/benchmarks.md).
 
 The operator's RSS is a high-water mark: creating 1000 pairs churns large blocks (watch bodies decoded from JSON,
 TLS buffers of 128 KiB per connection, API replies) through glibc's malloc, which keeps what is freed. A measurement
