@@ -174,6 +174,7 @@ class SignalAccounts:
         self._bytes = m[contract.KV_TRANSFER_BYTES.name].labels(role=role, rank=self.rank)
         self._seconds = m[contract.KV_TRANSFER_SECONDS.name].labels(role=role, rank=self.rank)
         self._listener = m[contract.LISTENER_READY.name]
+        self._listener_failed = m[contract.LISTENER_FAILED.name]
         self._handshakes = m[contract.HANDSHAKES.name]
         self._paired_gauge = m[contract.PEER_PAIRED.name]
         self._paired: dict[str, bool] = {}  # prefill: decode peer label -> paired
@@ -188,6 +189,7 @@ class SignalAccounts:
             self._handshakes.labels(role=role, rank=self.rank, outcome=outcome)
         if role == contract.ROLE_DECODE:
             self._listener.labels(role=role, rank=self.rank).set(0)  # 0 until this rank's listener binds
+            self._listener_failed.labels(role=role, rank=self.rank).set(0)
         # Prefill: each decode's pdpair_peer_paired{peer} is 0 from the moment the worker takes it into its peer set
         # (set_paired(False, peer)) until its edge pairs.
         self.set_pair_generation(generation)
@@ -296,6 +298,8 @@ class SignalAccounts:
             raise ValueError(f"reason must be a non-empty string, got {reason!r}")
         with self._lock:
             self._listener_failure = reason[:1024]
+        # The series the health watch and the alert read (contract.LISTENER_FAILED); /readyz reads the reason.
+        self._listener_failed.labels(role=self.role, rank=self.rank).set(1)
 
     @property
     def listener_failure(self) -> str | None:

@@ -341,6 +341,14 @@ KV_TRANSFER_SECONDS = Metric(
 LISTENER_READY = Metric(
     "pdpair_listener_ready", "gauge", ("role", "rank"), "1 while the side-channel listener accepts connections."
 )
+# Never reset while the pod lives: the health watch reads it (a served pair whose decode reports a stopped loop is
+# Unhealthy, reason listener_lost, and replaced) and so does the alert PdPairListenerLost. pdpair_listener_ready is
+# 0 before the listener binds too (the whole model load), so it cannot tell a lost listener from a loading one.
+LISTENER_FAILED = Metric(
+    "pdpair_listener_failed", "gauge", ("role", "rank"),
+    "1 once this decode rank's side-channel loop stopped without being asked (it pairs no prefill until the pod is "
+    "replaced; /readyz names why), else 0; decode only.",
+)
 HANDSHAKES = Metric(
     "pdpair_handshakes_total", "counter", ("role", "rank", "outcome"),
     "Side-channel uid exchanges by outcome (ok, retry, refused, timeout, error; on decode also unauthenticated: a "
@@ -375,6 +383,7 @@ POD_METRICS = (
     KV_TRANSFER_BYTES,
     KV_TRANSFER_SECONDS,
     LISTENER_READY,
+    LISTENER_FAILED,
     HANDSHAKES,
     PEER_PAIRED,
     TRANSPORT_INFLIGHT,
@@ -437,6 +446,7 @@ ALERT_RESTART_BUDGET_EXHAUSTED = "PdPairRestartBudgetExhausted"
 ALERT_PORT_POOL_LOW = "PdPairPortPoolLow"
 ALERT_TRANSFER_ERRORS = "PdPairTransferErrors"
 ALERT_NODE_LOST = "PdPairNodeLost"
+ALERT_LISTENER_LOST = "PdPairListenerLost"
 ALERTS = (
     ALERT_SIGNAL_DEFICIT,
     ALERT_RESTART_LOOP,
@@ -445,6 +455,7 @@ ALERTS = (
     ALERT_PORT_POOL_LOW,
     ALERT_TRANSFER_ERRORS,
     ALERT_NODE_LOST,
+    ALERT_LISTENER_LOST,
 )
 
 

@@ -32,8 +32,20 @@ def _ports(ports: tuple[int, ...]) -> str:
     return ", ".join(str(p) for p in ports)
 
 
+ACCEPTED = "accepted"
+REFUSED = "refused"  # a definite no: the host answered that nothing listens (RST), or the probe met itself
+NO_ANSWER = "no answer"  # a timeout or an unreachable host: says nothing about the listener
+
+
 async def accepts(host: str, port: int, timeout: float, *, local_addr: tuple[str, int] | None = None) -> bool:
-    """True when a listener on host:port accepts a TCP connection within `timeout` seconds.
+    """True when a listener on host:port accepts a TCP connection within `timeout` seconds."""
+    return await connect_outcome(host, port, timeout, local_addr=local_addr) == ACCEPTED
+
+
+async def connect_outcome(host: str, port: int, timeout: float, *,
+                          local_addr: tuple[str, int] | None = None) -> str:
+    """ACCEPTED, REFUSED or NO_ANSWER for one TCP connect to host:port within `timeout` seconds. The health watch
+    counts only REFUSED against a served listener: a timeout on a loaded operator or node is no evidence.
 
     A connection to itself is not a listener: when the operator shares decode's IP (an operator on hostNetwork,
     a test on loopback) and nothing listens on an ephemeral-range port, the kernel can pick that very port as the
@@ -42,10 +54,13 @@ async def accepts(host: str, port: int, timeout: float, *, local_addr: tuple[str
     """
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=local_addr), timeout)
+    except ConnectionRefusedError:
+        return REFUSED
     except (OSError, asyncio.TimeoutError):
-        return False
+        return NO_ANSWER
     try:
-        return not connected_to_itself(writer.get_extra_info("sockname"), writer.get_extra_info("peername"))
+        itself = connected_to_itself(writer.get_extra_info("sockname"), writer.get_extra_info("peername"))
+        return REFUSED if itself else ACCEPTED
     finally:
         writer.close()
         with contextlib.suppress(OSError, asyncio.TimeoutError):
@@ -67,3 +82,15 @@ async def probe_ranks(host: str, ports: list[int] | tuple[int, ...], timeout: fl
     accepting = tuple(p for p, ok in zip(ports, results) if ok)
     refusing = tuple(p for p, ok in zip(ports, results) if not ok)
     return ProbeResult(host, accepting, refusing)
+
+
+async def refused_ports(host: str, ports: list[int] | tuple[int, ...], timeout: float) -> tuple[int, ...] | None:
+    """The health watch's probe of a served decode: the side-channel ports that refused (a definite "nothing listens
+    here"), () when every port accepted, None when none refused and some gave no answer (no evidence either way)."""
+    if not ports:
+        raise ValueError("no side-channel ports to probe")
+    outcomes = await asyncio.gather(*(connect_outcome(host, p, timeout) for p in ports))
+    refused = tuple(p for p, o in zip(ports, outcomes) if o == REFUSED)
+    if refused:
+        return refused
+    return () if all(o == ACCEPTED for o in outcomes) else None

@@ -34,6 +34,7 @@ def parse_pod_metrics(text: str) -> PodMetrics:
     generation: float | None = None
     timeouts = 0.0
     transfers = 0.0
+    listener_failed: set[str] = set()
     seen: set[str] = set()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -51,6 +52,9 @@ def parse_pod_metrics(text: str) -> PodMetrics:
             elif s.name == contract.KV_TRANSFERS.name:
                 if s.labels.get("outcome") == contract.OUTCOME_OK:
                     transfers += s.value
+            elif s.name == contract.LISTENER_FAILED.name:
+                if s.value >= 1:
+                    listener_failed.add(s.labels.get("rank", ""))
             else:
                 continue
             seen.add(s.name)
@@ -60,12 +64,22 @@ def parse_pod_metrics(text: str) -> PodMetrics:
         raise ValueError(f"not a pdpair pod's metrics: missing {', '.join(missing)}")
     if generation is None or not math.isfinite(generation) or generation != int(generation):
         raise ValueError(f"{contract.PAIR_GENERATION.name} is not an integer: {generation!r}")
-    return PodMetrics(deficit, oldest, hang_timeout, int(generation), timeouts, transfers)
+    return PodMetrics(deficit, oldest, hang_timeout, int(generation), timeouts, transfers,
+                      tuple(sorted(listener_failed, key=lambda r: (len(r), r))))
 
 
 def _judge(
     target: ScrapeTarget, metrics: PodMetrics, expected_generation: int | None, hang_timeout_seconds: float | None
 ) -> tuple[PodState, str]:
+    if metrics.listener_failed and target.role == contract.ROLE_DECODE:
+        # Before the hang: a decode whose loop stopped pairs no prefill, and prefill's transfers to it then hang
+        # too; the pod says why itself, so this needs no streak (a connector older than the series never says it).
+        ranks = ", ".join(metrics.listener_failed)
+        return PodState.LISTENER_LOST, (
+            f"{target.role} pod {target.pod}: side-channel listener lost: its loop stopped on rank"
+            f"{'s' if len(metrics.listener_failed) > 1 else ''} {ranks} ({contract.LISTENER_FAILED.name}); "
+            f"it pairs no prefill, its /readyz names why"
+        )
     timeout = hang_timeout_seconds if hang_timeout_seconds is not None else metrics.hang_timeout_seconds
     if timeout is None:
         raise ValueError(

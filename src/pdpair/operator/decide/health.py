@@ -15,11 +15,14 @@ The health daemon in the handlers calls, per pair and per tick:
 and the reconciler reads the verdict back from `status.health` (`restart_finding`, `signals_condition`), so nothing
 about health lives only in the operator's memory: a restarted operator reads the same verdict and streaks.
 
-Pod verdicts (`PodState`, judged by scrape.py): healthy; hung (per `pdpair.contract.is_hung`; the details name the
+Pod verdicts (`PodState`, judged by scrape.py): healthy; listener_lost (a decode reports its side-channel loop
+stopped, `pdpair_listener_failed`; or, judged here, its side-channel ports refused the watch's TCP probe
+`LISTENER_REFUSED_THRESHOLD` ticks in a row); hung (per `pdpair.contract.is_hung`; the details name the
 stuck transfer, read from the pod's /healthz); stale_generation (`pdpair_pair_generation` differs from the pair's);
 unreachable (connect error, timeout, non-200, unparsable, or the contract's series missing).
 The pair verdict adds pod facts, in this order of precedence: a pod vanished, a pod Failed, a container restarted,
-a pod hung, a stale generation, a pod unreachable for `UNREACHABLE_THRESHOLD` scrapes in a row (the streak is kept
+a decode's listener lost, a pod hung, a stale generation, a pod unreachable for `UNREACHABLE_THRESHOLD` scrapes in a
+row (the streak is kept
 in `status.health.roles.<role>.unreachableStreak`, or `status.health.instances.<role>-<index>` for an instance
 >= 1). A pod Pending for scheduling makes the verdict `pending` (never restart then). Each rule is applied over every
 watched instance (xPyD: every engine pod of the generation, `watched_pods`), and the verdict names the pod it is
@@ -28,6 +31,7 @@ about (`PairVerdict.pod`, `status.health.pod`, `Finding.pod`): the planner repla
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -35,7 +39,7 @@ from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping, Sequence
 
 from pdpair import contract
-from pdpair.contract import ROLES
+from pdpair.contract import PHASE_FAILED, PHASE_READY, PHASE_RESTARTING, ROLES
 from pdpair.operator.model.observed import PENDING_SCHEDULING, Finding, PodView, pending_for_scheduling
 from pdpair.operator.model.conditions import FALSE, TRUE, UNKNOWN, Condition, now_rfc3339
 
@@ -48,6 +52,8 @@ __all__ = [
     "PodScrape",
     "PairVerdict",
     "UNREACHABLE_THRESHOLD",
+    "LISTENER_REFUSED_THRESHOLD",
+    "watch_generation",
     "HEALTH_REFRESH_INTERVALS",
     "VERDICT_HEALTHY",
     "VERDICT_UNHEALTHY",
@@ -72,6 +78,7 @@ __all__ = [
     "REASON_PORT_IN_USE",
     "REASON_NODE_LOST",
     "REASON_NODE_DRAIN",
+    "REASON_LISTENER_LOST",
     "RESTART_REASONS",
 ]
 
@@ -85,6 +92,10 @@ REASON_UNREACHABLE = "unreachable"
 REASON_PORT_IN_USE = "port_in_use"  # a leased port was busy on the node: re-leased, restarted outside the budget
 REASON_NODE_LOST = "node_lost"  # a current pod's node is lost (nodes.py): its ports fenced, re-homed elsewhere
 REASON_NODE_DRAIN = "node_drain"  # a Recreate pair's current pod is on a cordoned node: moved, outside the budget
+# A served generation's decode lost its side-channel listener (it reports the loop stopped, or its ports refuse the
+# watch's probe): prefill can no longer pair with it, so every request through the pair fails. Counted in the budget,
+# like a hang: a listener that keeps dying is the pair's fault.
+REASON_LISTENER_LOST = "listener_lost"
 RESTART_REASONS = (
     REASON_HUNG,
     REASON_STALE_GENERATION,
@@ -95,11 +106,13 @@ RESTART_REASONS = (
     REASON_PORT_IN_USE,
     REASON_NODE_LOST,
     REASON_NODE_DRAIN,
+    REASON_LISTENER_LOST,
 )
 
 
 class PodState(str, enum.Enum):
     HEALTHY = "healthy"
+    LISTENER_LOST = "listener_lost"
     HUNG = "hung"
     STALE_GENERATION = "stale_generation"
     UNREACHABLE = "unreachable"
@@ -134,6 +147,7 @@ class PodMetrics:
     generation: int | None
     wait_timeouts: float
     transfers_ok: float = 0.0  # pdpair_kv_transfers_total{outcome="ok"}, summed over ranks
+    listener_failed: tuple[str, ...] = ()  # TP ranks whose pdpair_listener_failed is 1 (decode: its loop stopped)
 
     @property
     def deficit(self) -> float:
@@ -151,6 +165,25 @@ class PodScrape:
 
 
 # --- which pods the watch judges ----------------------------------------------------------------------
+def watch_generation(status: Mapping[str, Any] | None) -> int | None:
+    """The generation the watch judges now, or None (nothing to judge). A Ready pair's; and one that served and is
+    Ready no more while status.health is still about it (the watch judged it while it was Ready), unless it is
+    restarting or Failed. That second case is the point: a pair whose decode lost its listener loses Ready within
+    about 16 s (prefill's readiness needs the pairing, decode's /readyz fails at once, 16 probes of 1 s each), and
+    its phase goes back to PrefillStarting; a watch that judged only Ready pairs then stopped judging it, and
+    status.health kept saying Healthy, with no restart, for as long as the pods lived. A generation still starting
+    is never judged (the kubelet's startup probe is its deadline); a restart moves pairGeneration past the health."""
+    status = status or {}
+    generation = int(status.get("pairGeneration") or 0)
+    phase = status.get("phase")
+    if not generation or phase in (PHASE_RESTARTING, PHASE_FAILED):
+        return None
+    if phase == PHASE_READY:
+        return generation
+    judged = read_health(status.get("health"))
+    return generation if judged is not None and judged["pairGeneration"] == generation else None
+
+
 def instance_key(role: str, instance: int) -> str:
     """An engine instance's key in status.health: its role for instance 0 (`status.health.roles.<role>`, the key a
     1P1D pair always had), `<role>-<index>` for the others (`status.health.instances.<role>-<index>`)."""
@@ -237,6 +270,13 @@ def pod_fact(role: str, pod: Mapping[str, Any] | None) -> PodFact:
 
 
 UNREACHABLE_THRESHOLD = 3  # a pod that just started has no metrics server yet: one failed scrape is no verdict
+# A served decode's side-channel ports refusing the watch's TCP probe (connection refused, or a self-connect: nothing
+# listens) this many ticks in a row is a lost listener. Two, not one: a refusal is a definite answer (a probe that
+# times out counts neither way: a loaded operator or node is no verdict), but one tick may fall in the moment a
+# listener is re-bound; two ticks are one health interval apart (10 s by default), so the verdict comes within
+# 2 intervals (20 s), a third of the default 60 s hang timeout, leaving the restart's own latency room inside it. A
+# decode that reports its loop stopped (pdpair_listener_failed) is judged at once, on the first tick.
+LISTENER_REFUSED_THRESHOLD = 2
 
 
 def next_streak(previous: int, unreachable: bool) -> int:
@@ -284,7 +324,9 @@ def pair_verdict(
     pending = [f for f in facts if f.pending_scheduling]
     if pending:
         return PairVerdict(False, None, True, "; ".join(f.message for f in pending), scrapes, facts)
-    for state, reason in ((PodState.HUNG, REASON_HUNG), (PodState.STALE_GENERATION, REASON_STALE_GENERATION)):
+    # A lost listener first: prefill's transfers to that decode then hang too, and the listener is why.
+    for state, reason in ((PodState.LISTENER_LOST, REASON_LISTENER_LOST), (PodState.HUNG, REASON_HUNG),
+                          (PodState.STALE_GENERATION, REASON_STALE_GENERATION)):
         for s in scrapes:
             if s.state is state:
                 return PairVerdict(True, reason, False, s.message, scrapes, facts, s.target.pod)
@@ -310,10 +352,12 @@ MESSAGE_MAX = 1024
 
 
 def _role_entry(
-    scrape: PodScrape, before: Mapping[str, Any], stamp: str
+    scrape: PodScrape, before: Mapping[str, Any], stamp: str, unreachable: bool | None = None, listener_streak: int = 0
 ) -> dict[str, Any]:
     """One instance's entry (a `roles` or an `instances` entry: one shape): `before` is the same pod's entry from
-    status ({} for a new pod or generation)."""
+    status ({} for a new pod or generation). `unreachable`: whether the scrape itself failed (default: its state
+    says so; a state judged from the listener probe keeps the scrape's own streak). `listener_streak`: a decode's
+    refused side-channel probes in a row, written only when above 0 (a healthy entry keeps the shape it had)."""
     entry: dict[str, Any] = {
         "pod": scrape.target.pod,
         "state": scrape.state.value,
@@ -321,8 +365,10 @@ def _role_entry(
         "oldestWaitSeconds": float(before.get("oldestWaitSeconds") or 0.0),
         "transfers": int(before.get("transfers") or 0),
         "unreachableStreak": next_streak(int(before.get("unreachableStreak") or 0),
-                                         scrape.state is PodState.UNREACHABLE),
+                                         scrape.state is PodState.UNREACHABLE if unreachable is None else unreachable),
     }
+    if listener_streak > 0:
+        entry["listenerStreak"] = listener_streak
     for key in ("lastTransferTime", "lastScrapeTime"):
         if before.get(key):
             entry[key] = before[key]
@@ -337,6 +383,27 @@ def _role_entry(
     return entry
 
 
+def next_listener_streak(previous: int, refused: tuple[int, ...] | None) -> int:
+    """A decode's refused side-channel probes in a row after one more tick: `refused` is the ports that refused
+    (() = every rank accepted: back to 0; None = not probed, or no definite answer: unchanged). Capped at the
+    threshold, as the unreachable streak, so a dead listener does not rewrite status every tick."""
+    if refused is None:
+        return max(0, previous)
+    return min(LISTENER_REFUSED_THRESHOLD, max(0, previous) + 1) if refused else 0
+
+
+def _listener_lost(scrape: PodScrape, streak: int, refused: tuple[int, ...] | None) -> PodScrape:
+    """The scrape, judged listener_lost once its decode's probe refused LISTENER_REFUSED_THRESHOLD ticks in a row
+    (whatever its /metrics said: a pod that still answers there but no longer listens serves nobody)."""
+    if streak < LISTENER_REFUSED_THRESHOLD or scrape.state is PodState.LISTENER_LOST:
+        return scrape
+    t = scrape.target
+    ports = f"port{'s' if refused and len(refused) > 1 else ''} {', '.join(map(str, refused))}" if refused else "ports"
+    return dataclasses.replace(scrape, state=PodState.LISTENER_LOST, message=(
+        f"{t.role} pod {t.pod}: side-channel listener lost: {t.host} refused the operator's probe on {ports}, "
+        f"{streak} health checks in a row"))
+
+
 def _same_pod(entries: Any, key: str, pod: str) -> Mapping[str, Any]:
     """The written entry `key` if it is about `pod`, else {}: nothing carries over to another pod."""
     entry = entries.get(key) if isinstance(entries, Mapping) else None
@@ -349,9 +416,12 @@ def observe(
     scrapes: Sequence[PodScrape],
     pods: Mapping[str, Mapping[str, Any] | None],
     now: datetime | None = None,
+    refused: Mapping[str, tuple[int, ...] | None] | None = None,
 ) -> tuple[dict[str, Any], PairVerdict]:
     """One scrape of a Ready pair -> (the new `status.health`, the verdict). `previous` is `status.health` as written
     (None or another generation's: nothing carries over). `pods` is pair_verdict's (instance key -> pod object).
+    `refused`: per decode pod name, the side-channel ports that refused the watch's TCP probe this tick (() = all
+    accepted; None or absent = no definite answer, the streak holds; next_listener_streak).
 
     Instance 0 of each role is written under `roles.<role>` (as a 1P1D pair always had it), every other scraped
     instance under `instances.<role>-<index>` (the key is left out when there is none, so a 1P1D pair's status is
@@ -364,12 +434,19 @@ def observe(
     prior_instances = (before.get("instances") or {}) if same_generation else {}
     roles: dict[str, dict[str, Any]] = {}
     instances: dict[str, dict[str, Any]] = {}
+    judged: list[PodScrape] = []
     for scrape in scrapes:
         key = instance_key(scrape.target.role, scrape.target.instance)
         table, prior = (roles, prior_roles) if scrape.target.instance == 0 else (instances, prior_instances)
-        table[key] = _role_entry(scrape, _same_pod(prior, key, scrape.target.pod), stamp)
+        before_entry = _same_pod(prior, key, scrape.target.pod)
+        ports = (refused or {}).get(scrape.target.pod)
+        streak = next_listener_streak(int(before_entry.get("listenerStreak") or 0), ports)
+        unreachable = scrape.state is PodState.UNREACHABLE
+        scrape = _listener_lost(scrape, streak, ports)
+        judged.append(scrape)
+        table[key] = _role_entry(scrape, before_entry, stamp, unreachable, streak)
     streaks = {e["pod"]: e["unreachableStreak"] for e in (*roles.values(), *instances.values())}
-    verdict = pair_verdict(scrapes, pods, unreachable_streaks=streaks)
+    verdict = pair_verdict(judged, pods, unreachable_streaks=streaks)
     word = VERDICT_UNHEALTHY if verdict.restart else VERDICT_PENDING if verdict.pending else VERDICT_HEALTHY
     health: dict[str, Any] = {
         "pairGeneration": generation,
@@ -393,12 +470,13 @@ def observe(
 def _meaningful_entries(entries: Any) -> tuple:
     if not isinstance(entries, Mapping):
         return ()
-    return tuple(sorted((key, e.get("pod"), e.get("state"), e.get("unreachableStreak"), bool(e.get("deficit")))
+    return tuple(sorted((key, e.get("pod"), e.get("state"), e.get("unreachableStreak"), bool(e.get("deficit")),
+                         e.get("listenerStreak") or 0)
                         for key, e in entries.items() if isinstance(e, Mapping)))
 
 
 def meaningful(health: Mapping[str, Any] | None) -> tuple:
-    """What a write is due for at once: the verdict, the pod it names, and each instance's pod, state, streak and
+    """What a write is due for at once: the verdict, the pod it names, and each instance's pod, state, streaks and
     'signals missing or not' (instance 0's under `roles`, the others' under `instances`)."""
     if not health:
         return ()

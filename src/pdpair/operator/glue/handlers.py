@@ -41,9 +41,10 @@ from pdpair.contract import (
     FINALIZER,
     GROUP,
     LABEL_PAIR_UID,
-    PHASE_READY,
     PLURAL,
     PURPOSE_METRICS,
+    PURPOSE_SIDECHANNEL,
+    ROLE_DECODE,
     ROLE_OBJECT_PLURAL,
     VERSION,
 )
@@ -62,7 +63,8 @@ from pdpair.operator.glue.diffbase import NoDiffBaseStorage, diff_dependent_hand
 from pdpair.operator.act.events import EventPoster, kubernetes_post
 from pdpair.operator.model.observed import NodeView, PodView
 from pdpair.operator.act.port_leaser import PairRef, PortLeaser
-from pdpair.operator.decide.port_blocks import port_of
+from pdpair.operator.decide.port_blocks import port_of, ports_of
+from pdpair.operator.act.listener_probe import refused_ports
 from pdpair.operator.act.reconciler import PairReconciler, Runtime, api_status, throttled_retry
 from pdpair.operator.build.service import ServiceView
 
@@ -361,9 +363,10 @@ async def watch_health(
     body: kopf.Body, uid: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, logger: logging.Logger,
     pair_pods: kopf.Index, **_: Any,
 ) -> None:
-    """Every health interval, scrape the Ready pair's engine pods (every instance of both roles: _scrape_pair) and
-    write what it saw to `status.health` (only that key; the reconciler owns the conditions and reads the verdict
-    back from status). It decides nothing itself."""
+    """Every health interval, scrape the Ready pair's engine pods (every instance of both roles: _scrape_pair), probe
+    its decodes' side-channel listeners (_probe_listeners), and write what it saw to `status.health` (only that key;
+    the reconciler owns the conditions and reads the verdict back from status). It decides nothing itself. A
+    generation that served keeps being judged after it lost Ready (health.watch_generation)."""
     runtime: Runtime = memo["runtime"]
     interval = runtime.config.health_interval
     refresh = health.HEALTH_REFRESH_INTERVALS * interval
@@ -380,13 +383,16 @@ async def watch_health(
         if stopped:
             break
         status = body.get("status") or {}
-        generation = int(status.get("pairGeneration") or 0)
-        if status.get("phase") != PHASE_READY or not generation:
+        generation = health.watch_generation(status)
+        if generation is None:
             continue  # a pair still starting (or restarting) has nothing to judge yet
         previous = health.newest(written, status.get("health"))
         try:
-            scrapes, facts = await _scrape_pair(body, generation, list(pair_pods.get(uid, ())), interval)
-            observed, verdict = health.observe(previous, generation, scrapes, facts)
+            pods = list(pair_pods.get(uid, ()))
+            (scrapes, facts), refused = await asyncio.gather(
+                _scrape_pair(body, generation, pods, interval),
+                _probe_listeners(body, generation, pods, runtime.config.probe_timeout))
+            observed, verdict = health.observe(previous, generation, scrapes, facts, refused=refused)
             patch = health.health_patch(previous, observed, refresh)
             if patch is None:
                 continue
@@ -431,6 +437,26 @@ async def _scrape_pair(
         timeout=max(0.2, min(2.0, interval / 2)),
     )
     return scrapes, {key: (pod.raw if pod is not None else None) for key, pod in watched.items()}
+
+
+async def _probe_listeners(
+    body: kopf.Body, generation: int, pods: list[PodView], timeout: float
+) -> dict[str, tuple[int, ...] | None]:
+    """TCP-probe the side-channel ports of every decode instance of `generation` the watch scrapes, all at once:
+    pod name -> the ports that refused (() = all accepted, None = no definite answer; health.observe's `refused`).
+    The reconciler's own probe stops once a generation served (a Ready prefill proves the pairing, and a serving
+    pair's pass runs only on events and resyncs: probing it every second would wake every serving pair every
+    second); this one runs on the watch's tick, so a listener that closes later is seen."""
+    ports = (body.get("status") or {}).get("ports") or []
+    probes: dict[str, Any] = {}
+    for pod in health.watched_pods(pods, generation).values():
+        if pod is None or pod.role != ROLE_DECODE or not health.scrape_due(pod):
+            continue
+        ranks = ports_of(ports, ROLE_DECODE, PURPOSE_SIDECHANNEL, instance=pod.instance)
+        if ranks:
+            probes[pod.name] = refused_ports(pod.ip or "", ranks, timeout)
+    results = await asyncio.gather(*probes.values())
+    return dict(zip(probes, results))
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, id="release-ports")
