@@ -111,7 +111,7 @@ def _check_kube_gomod() -> None:
 
 @contextlib.contextmanager
 def _build_lock(name: str) -> Iterator[None]:
-    """Serialise builds of one component across processes (several engineers share the cache)."""
+    """Serialise builds of one component across processes (several checkouts share the cache)."""
     lock_dir = cache_root() / "controlplane"
     lock_dir.mkdir(parents=True, exist_ok=True)
     with open(lock_dir / f".{name}.lock", "w") as fh:

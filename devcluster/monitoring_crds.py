@@ -89,7 +89,7 @@ def _check_crd(path: pathlib.Path, kind: str) -> None:
 
 @contextlib.contextmanager
 def _fetch_lock(version: str) -> Iterator[None]:
-    """One fetch at a time across processes (several engineers share the cache)."""
+    """One fetch at a time across processes (several checkouts share the cache)."""
     lock_dir = crd_cache_dir(version).parent
     lock_dir.mkdir(parents=True, exist_ok=True)
     with open(lock_dir / f".{version}.lock", "w") as fh:

@@ -4,7 +4,7 @@ One allocator for every test process on this machine, because the test command r
 (hack/test.sh, stage 2: two e2e workers beside the engine tier) and each used to pick ports on its own:
 - bind(0) hands out a port from the kernel's ephemeral range, and outgoing connections draw from that same range:
   between the check and the server's bind (seconds for an operator, a minute for an engine) one can take it
-  (CI stop 28: an operator's liveness port, EADDRINUSE). So ports come from below the ephemeral range.
+  (a CI run of 0579f41: an operator's liveness port, EADDRINUSE). So ports come from below the ephemeral range.
 - two processes choosing below it at random can choose the same port (or one inside the other's port pool) and
   only one bind wins. So every port handed out is *claimed* machine-wide first: a file per port under CLAIM_DIR,
   written under a lock; a claim ends when the process that made it exits or after CLAIM_TTL_SECONDS (by then the

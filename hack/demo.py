@@ -92,7 +92,7 @@ def main() -> int:
         operator_process.install_crd(cluster)
         kubeconfig = operator_process.install_operator_rbac(cluster, helm_path(), OPERATOR_NS)
         say(f"installed the chart's CRD and RBAC; the operator runs as its ServiceAccount in {OPERATOR_NS}", started)
-        # No engine means no pod /metrics either: keep the health watch (issue 5) from judging that as a failure.
+        # No engine means no pod /metrics either: keep the health watch from judging that as a failure.
         operator = operator_process.OperatorProcess(kubeconfig, OPERATOR_NS, free_range(50), pathlib.Path("/tmp/pdpair-demo-operator.log"),
                                           extra_env={"PDPAIR_HEALTH_INTERVAL_SECONDS": "3600"})
         operator.start()
