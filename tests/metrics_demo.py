@@ -14,7 +14,9 @@ The stuck transfer expects `--expected` signals and gets `expected - deficit` of
   reports what arrived, exactly as the connector's worker does. Transport counters come from the connection.
 
 When the stuck transfer opens: at start (default), after `--deficit-after S` seconds, or on SIGUSR1 with
-`--deficit-on-sigusr1` (tests use it to know the exact moment). `--ok-every S` finishes one complete transfer every
+`--deficit-on-sigusr1` (tests use it to know the exact moment). With `--listener-failed-on-sigusr2`, SIGUSR2 makes a
+decode report its side-channel loop stopped (`pdpair_listener_failed` 1), as the connector does when the loop ends
+without being asked. `--ok-every S` finishes one complete transfer every
 S seconds so the counters move as in a live pod. `--generation` sets pdpair_pair_generation.
 """
 
@@ -30,7 +32,7 @@ import time
 import urllib.request
 
 from pdpair import contract
-from pdpair.connector.metrics import serve
+from pdpair.connector.pod_server import serve
 from pdpair.connector.signals import SignalAccounts
 
 PEER = "demo-peer:20000"
@@ -50,6 +52,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--deficit-after", type=float, default=0.0, help="seconds of health before the stuck transfer")
     p.add_argument("--deficit-on-sigusr1", action="store_true", help="open the stuck transfer on SIGUSR1")
     p.add_argument("--ok-every", type=float, default=0.0, help="finish one complete transfer every S seconds")
+    p.add_argument("--listener-failed-on-sigusr2", action="store_true",
+                   help="decode: on SIGUSR2, report the side-channel loop stopped (pdpair_listener_failed 1)")
     args = p.parse_args(argv)
     if not 0 <= args.deficit <= args.expected:
         p.error(f"--deficit must be in 0..--expected ({args.expected}), got {args.deficit}")
@@ -145,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, lambda *_: stop.set())
     if args.deficit_on_sigusr1:
         signal.signal(signal.SIGUSR1, lambda *_: trigger.set())
+    # Handled in the loop below, not in the handler: the accounts' lock may be held by the interrupted main thread.
+    listener_stop = threading.Event()
+    if args.listener_failed_on_sigusr2:
+        signal.signal(signal.SIGUSR2, lambda *_: listener_stop.set())
 
     def open_stuck() -> None:
         if loop is not None:
@@ -172,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         finished = 0
         while not stop.is_set():
             now = time.monotonic()
+            if listener_stop.is_set() and accounts.listener_failure is None:
+                accounts.set_listener_failed("demo: side-channel loop stopped (SIGUSR2)")
+                accounts.set_listener_ready(0, False)
             if args.deficit and not stuck_opened:
                 if trigger.is_set() or (not args.deficit_on_sigusr1 and now - started >= args.deficit_after):
                     open_stuck()

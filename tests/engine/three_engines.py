@@ -49,7 +49,7 @@ def child_processes() -> list[int]:
 
 
 def rank_sockets(metrics_port: int) -> list[str]:
-    """Abstract Unix sockets the ranks > 0 export their metrics on (pdpair.connector.metrics.rank_socket_name)."""
+    """Abstract Unix sockets the ranks > 0 export their metrics on (pdpair.connector.rank_channel.rank_socket_name)."""
     prefix = f"@pdpair-metrics-{metrics_port}-rank-"
     with open("/proc/net/unix") as table:
         return sorted({line.split()[-1] for line in table if line.split()[-1].startswith(prefix)})

@@ -1,4 +1,4 @@
-"""The pod exporter (pdpair.connector.metrics) over real HTTP, parsed with prometheus-client's parser."""
+"""The pod exporter (pdpair.connector.pod_server) over real HTTP, parsed with prometheus-client's parser."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdpair import contract
-from pdpair.connector.metrics import PeerRanks, accounts_from_env, export_rank, rank_channel_key, serve
+from pdpair.connector.rank_channel import PeerRanks, export_rank, rank_channel_key
+from pdpair.connector.pod_server import accounts_from_env, serve
 from pdpair.connector.signals import SignalAccounts
 
 PEER = "10.0.0.7:20000"  # the decode of prefill's peer set (host:portBase), the `peer` label of its pairing

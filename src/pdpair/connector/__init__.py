@@ -2,7 +2,7 @@
 `{"kv_connector": "PdPairConnector", "kv_connector_module_path": "pdpair.connector", ...}`.
 
 Importing this package is light (no vllm): `PdPairConnector` is resolved on first access, so the operator can import
-`pdpair.connector.metrics` without vLLM installed.
+`pdpair.connector.pod_server` without vLLM installed.
 """
 
 from __future__ import annotations

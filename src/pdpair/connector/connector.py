@@ -84,7 +84,8 @@ class PdPairConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            from pdpair.connector.worker import DecodeWorker, PrefillWorker
+            from pdpair.connector.decode_worker import DecodeWorker
+            from pdpair.connector.prefill_worker import PrefillWorker
 
             tp_size = vllm_config.parallel_config.tensor_parallel_size
             tp_rank = get_tensor_model_parallel_rank()
@@ -121,7 +122,7 @@ class PdPairConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        from pdpair.connector.worker import DecodeWorker
+        from pdpair.connector.decode_worker import DecodeWorker
 
         meta = self._connector_metadata  # bound for this step; None outside one
         idle = isinstance(meta, PdPairConnectorMetadata) and meta.idle_step

@@ -1,7 +1,7 @@
 """The connector's signal accounting and hang detection: `SignalAccounts`, one per engine process, TP rank and
 role, counts the completion signals each KV transfer waits for, decides when the pod is hung
 (`pdpair.contract.is_hung`), and holds the pod metrics that follow from it on a private registry (so three engines
-created in a row in one process never collide on metric registration). metrics.py serves them (/metrics, /healthz,
+created in a row in one process never collide on metric registration). pod_server.py serves them (/metrics, /healthz,
 TP ranks > 0); nothing here opens a socket. No vllm import; safe anywhere.
 
 Semantics:

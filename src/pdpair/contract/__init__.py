@@ -269,6 +269,9 @@ PROBE_WAIT_MAX_SECONDS = 5.0
 # How often a held probe checks again: 0.1 s late on average. Each check is a local HTTP request or a few (the
 # engine's /health, the TP ranks' snapshots, the router's asks), made while the engines load on the same cores.
 PROBE_WAIT_POLL_SECONDS = 0.2
+# The largest body of a peer push (a whole peer set, to prefill or to the router) and of a TP rank channel's peer set:
+# a set of MAX_REPLICAS addresses is a few KiB; the bound keeps a stranger from making a pod buffer more.
+MAX_PEERS_BODY_BYTES = 1 << 20
 # Prefill: PUT the whole desired peer set (docs/xpyd.md section 3), GET its state; bearer ENV_PEERS_TOKEN.
 PEERS_PATH = "/pdpair/v1/peers"
 # containerPort name of PDPAIR_METRICS_PORT on pair pods; the chart's PodMonitor scrapes the port by this name.

@@ -1,7 +1,7 @@
 """A threaded HTTP server that can be stopped: shut down, port freed, thread joined (or a clear error); and the bounds
 a server reachable from every pod of a cluster needs (`Limits`, `BoundedThreadingMixIn`, `DeadlineRequestMixIn`).
 
-Shared by the pods' exporter (pdpair.connector.metrics) and the operator's metrics endpoint (pdpair.operator.act.metrics,
+Shared by the pods' exporter (pdpair.connector.pod_server) and the operator's metrics endpoint (pdpair.operator.act.metrics,
 which runs prometheus-client's own server): neither package imports the other for it.
 """
 

@@ -64,7 +64,7 @@ import aiohttp
 from aiohttp import web
 
 from pdpair.connector import timeline
-from pdpair.contract import ENV_PEERS_TOKEN, PEERS_PATH
+from pdpair.contract import ENV_PEERS_TOKEN, MAX_PEERS_BODY_BYTES, PEERS_PATH
 from pdpair.contract import READYZ_PATH  # the router's readiness too: it has a prefill and a decode that are ready
 from pdpair.contract import PROBE_WAIT_PARAM, parse_probe_wait, probe_hold_pause
 
@@ -75,7 +75,6 @@ ROUTE_HEADER = "X-Pdpair-Route"
 KV_USAGE_METRIC = "vllm:kv_cache_usage_perc"
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 HEALTH_PATH = "/health"  # the router's liveness, and an engine's (vLLM's) readiness when no other URL is given
-MAX_PEERS_BODY_BYTES = 1 << 20  # a pushed set (the connector's bound too)
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,7 @@ class RouterConfig:
     kv_scrape_interval_seconds: float = 1.0
     kv_scrape_timeout_seconds: float = 0.5
     kv_usage_max_age_seconds: float = 5.0
-    # Above an engine's own /readyz bound on its engine's /health (connector/metrics.py, 2 s); with the probe's wait
+    # Above an engine's own /readyz bound on its engine's /health (connector/pod_server.py, 2 s); with the probe's wait
     # (operator/pods.py PROBE_WAIT_SECONDS) below the kubelet's readiness timeout for the router (ROUTER_READINESS_PROBE):
     # every instance is asked at once, so one answer that never comes costs this, not the probe.
     ready_check_timeout_seconds: float = 2.5

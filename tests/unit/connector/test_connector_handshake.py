@@ -12,7 +12,9 @@ import time
 import pytest
 import torch
 
-from pdpair.connector.side_channel import DecodeSideChannel, HandshakeError, PrefillSideChannel
+from pdpair.connector.decode_side_channel import DecodeSideChannel
+from pdpair.connector.side_channel import HandshakeError
+from pdpair.connector.prefill_side_channel import PrefillSideChannel
 from pdpair.contract import parse_ports_in_use
 from pdpair.connector.metadata import KvLayout, Pull, PullDone, compatibility_factors, compatibility_hash
 from pdpair.connector.signals import SignalAccounts
@@ -234,7 +236,8 @@ def test_prefill_send_to_a_decode_that_stopped_reading_times_out_instead_of_bloc
     """Decode's side-channel thread hangs (its PullDone callback never returns), so it stops reading; prefill keeps
     sending until ZMQ's high-water mark and the kernel buffers are full. The send must fail after SNDTIMEO and
     prefill must drop the pair and handshake again, not block its thread forever."""
-    monkeypatch.setattr("pdpair.connector.side_channel.SEND_TIMEOUT_SECONDS", 1.0)
+    monkeypatch.setattr("pdpair.connector.side_channel.SEND_TIMEOUT_SECONDS", 1.0)  # the sockets' SNDTIMEO
+    monkeypatch.setattr("pdpair.connector.prefill_side_channel.SEND_TIMEOUT_SECONDS", 1.0)  # its log line
     port = free_port()
     decode_side, prefill_side = Side(0.0), Side(2.0)
     release = threading.Event()

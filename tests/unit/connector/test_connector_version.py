@@ -25,6 +25,6 @@ def test_local_build_tag_is_accepted():
 
 
 def test_importing_the_package_does_not_import_vllm():
-    code = "import sys, pdpair.connector, pdpair.connector.metrics; print('vllm' in sys.modules)"
+    code = "import sys, pdpair.connector, pdpair.connector.pod_server; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"

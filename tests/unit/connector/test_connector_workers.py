@@ -16,7 +16,8 @@ import torch
 from pdpair import contract, native
 from pdpair.connector.config import PdPairConfig
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest, SendRequest
-from pdpair.connector.worker import SLOW_PUSH_SECONDS, DecodeWorker, PrefillWorker
+from pdpair.connector.prefill_worker import SLOW_PUSH_SECONDS, PrefillWorker
+from pdpair.connector.decode_worker import DecodeWorker
 from devcluster.ports import free_port
 from tests.side_channel_support import TEST_SIDE_CHANNEL_KEY
 

@@ -19,9 +19,10 @@ import torch
 from pdpair import contract, native
 from pdpair.connector.config import PdPairConfig, PeerAddress
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest, SendRequest
-from pdpair.connector import side_channel
-from pdpair.connector.side_channel import DISCONNECT_GRACE_SECONDS
-from pdpair.connector.worker import DecodeWorker, PrefillWorker
+from pdpair.connector import prefill_side_channel
+from pdpair.connector.prefill_side_channel import DISCONNECT_GRACE_SECONDS
+from pdpair.connector.decode_worker import DecodeWorker
+from pdpair.connector.prefill_worker import PrefillWorker
 from devcluster.ports import free_port
 from tests.side_channel_support import TEST_SIDE_CHANNEL_KEY
 
@@ -457,8 +458,8 @@ def test_a_decode_whose_host_goes_silent_fails_only_its_edges_pushes_within_the_
     disconnect, the edge's pair closes and the push held in flight on it fails: the send is reported finished within
     the grace (1 s here, 5 s in production) plus the heartbeat interval, asserted with 5 s of margin. Decode 1's edge
     serves throughout. Cost: about 3 s."""
-    monkeypatch.setattr(side_channel, "HEARTBEAT_INTERVAL_SECONDS", 0.5)
-    monkeypatch.setattr(side_channel, "DISCONNECT_GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(prefill_side_channel, "HEARTBEAT_INTERVAL_SECONDS", 0.5)
+    monkeypatch.setattr(prefill_side_channel, "DISCONNECT_GRACE_SECONDS", 1.0)
     d0, kv0, port0 = cluster.decode()
     d1, kv1, port1 = cluster.decode()
     proxy = FreezableProxy(port0)

@@ -14,7 +14,8 @@ import urllib.request
 import pytest
 
 from pdpair import contract
-from pdpair.connector.metrics import MAX_PEERS_BODY_BYTES, PeerPush, serve
+from pdpair.connector.pod_server import PeerPush, serve
+from pdpair.contract import MAX_PEERS_BODY_BYTES
 from pdpair.connector.signals import SignalAccounts
 from pdpair.httpserver import Limits
 

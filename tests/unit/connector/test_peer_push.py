@@ -15,9 +15,10 @@ import torch
 
 from pdpair import contract
 from pdpair.connector.config import PdPairConfig, PeerAddress
-from pdpair.connector.metrics import serve
+from pdpair.connector.pod_server import serve
 from pdpair.connector.signals import SignalAccounts
-from pdpair.connector.worker import DecodeWorker, PrefillWorker
+from pdpair.connector.decode_worker import DecodeWorker
+from pdpair.connector.prefill_worker import PrefillWorker
 from devcluster.ports import free_port, port_is_free
 
 NUM_BLOCKS = 4

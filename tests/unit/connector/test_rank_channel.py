@@ -1,4 +1,4 @@
-"""The TP rank channel (pdpair.connector.metrics, "TP ranks"): rank 0 and a rank's exporter on the real abstract Unix
+"""The TP rank channel (pdpair.connector.pod_server, "TP ranks"): rank 0 and a rank's exporter on the real abstract Unix
 socket, and a stranger on the same socket name, as any process of a hostNetwork pod on the node could be. Every
 exchange is authenticated with the pair's key both ways; no mocks."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from pdpair import contract
 from pdpair.connector.config import PeerAddress
-from pdpair.connector.metrics import (PeerRanks, _mac, export_rank, rank_channel_key, rank_socket_name, readiness,
-                                      serve)
+from pdpair.connector.rank_channel import PeerRanks, _mac, export_rank, rank_channel_key, rank_socket_name
+from pdpair.connector.pod_server import readiness, serve
 from pdpair.connector.signals import SignalAccounts
 from devcluster.ports import free_port
 

@@ -15,7 +15,8 @@ import urllib.request
 import pytest
 
 from pdpair import contract
-from pdpair.connector.metrics import PeerRanks, export_rank, rank_channel_key, readiness, serve, warm_when_serving
+from pdpair.connector.rank_channel import PeerRanks, export_rank, rank_channel_key
+from pdpair.connector.pod_server import readiness, serve, warm_when_serving
 from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.warmup import WARMUP_PROMPT, Warmup
 from devcluster.ports import free_port

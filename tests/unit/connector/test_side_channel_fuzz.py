@@ -30,7 +30,8 @@ from pdpair.connector.metadata import (
     proof,
     transcript,
 )
-from pdpair.connector.side_channel import DecodeSideChannel, PrefillSideChannel
+from pdpair.connector.decode_side_channel import DecodeSideChannel
+from pdpair.connector.prefill_side_channel import PrefillSideChannel
 from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.transports.tcp import TcpTransport
 from devcluster.ports import free_port

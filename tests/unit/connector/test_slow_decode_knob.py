@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from pdpair import contract
-from pdpair.connector import worker
+from pdpair.connector import testing_knobs
 from pdpair.connector.config import PdPairConfig
 from pdpair.connector.scheduler import PdPairConnectorMetadata
-from pdpair.connector.worker import TEST_SLOW_DECODE_MAX_MS, DecodeWorker, PrefillWorker, SlowDecodeKnob
+from pdpair.connector.testing_knobs import TEST_SLOW_DECODE_MAX_MS, SlowDecodeKnob
+from pdpair.connector.decode_worker import DecodeWorker
+from pdpair.connector.prefill_worker import PrefillWorker
 from devcluster.ports import free_port
 from tests.side_channel_support import TEST_SIDE_CHANNEL_KEY
 
@@ -30,7 +32,7 @@ NO_SLEEP_BOUND_SECONDS = LONG_DELAY_MS / 1000 / 2
 @pytest.fixture
 def read_every_time(monkeypatch):
     """Each call reads the file (no caching), so a test sees its own writes at once."""
-    monkeypatch.setattr(worker, "TEST_SLOW_DECODE_POLL_SECONDS", 0.0)
+    monkeypatch.setattr(testing_knobs, "TEST_SLOW_DECODE_POLL_SECONDS", 0.0)
 
 
 @pytest.fixture
@@ -98,14 +100,14 @@ def test_an_unreadable_file_means_no_delay(tmp_path, read_every_time, knob_logs)
 
 
 def test_the_file_is_read_at_most_once_per_poll_interval(tmp_path, monkeypatch):
-    monkeypatch.setattr(worker, "TEST_SLOW_DECODE_POLL_SECONDS", 3600.0)
+    monkeypatch.setattr(testing_knobs, "TEST_SLOW_DECODE_POLL_SECONDS", 3600.0)
     path = tmp_path / "slow"
     path.write_text("30")
     knob = SlowDecodeKnob(str(path))
     assert knob.delay_seconds() == pytest.approx(0.03)
     path.unlink()
     assert knob.delay_seconds() == pytest.approx(0.03)  # cached: no read within the interval
-    monkeypatch.setattr(worker, "TEST_SLOW_DECODE_POLL_SECONDS", 0.0)
+    monkeypatch.setattr(testing_knobs, "TEST_SLOW_DECODE_POLL_SECONDS", 0.0)
     assert knob.delay_seconds() == 0.0
 
 

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from pdpair.connector.metrics import serve
+from pdpair.connector.pod_server import serve
 from pdpair.connector.signals import SignalAccounts
 from pdpair.operator.decide.health import ScrapeTarget
 

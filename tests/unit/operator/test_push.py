@@ -19,7 +19,7 @@ from aiohttp import web
 
 from pdpair import contract
 from pdpair.connector.config import PeerAddress
-from pdpair.connector.metrics import PeerPush, serve
+from pdpair.connector.pod_server import PeerPush, serve
 from pdpair.connector.signals import SignalAccounts
 from pdpair.operator.build.pods import owned_labels
 from pdpair.operator.act.push import (

@@ -242,7 +242,7 @@ def test_default_probes_start_on_health_and_ready_through_the_connectors_readyz(
     """Decode: started = the connector's /startupz (vLLM's /health); Ready = the connector's /readyz (the engine serves
     and its warm-up completion is done); both held while they fail (`?wait=`), with a timeout above the hold plus one
     check's own bound."""
-    from pdpair.connector.metrics import ENGINE_HEALTH_TIMEOUT_SECONDS
+    from pdpair.connector.pod_server import ENGINE_HEALTH_TIMEOUT_SECONDS
     from pdpair.operator.build.pods import PROBE_WAIT_SECONDS
 
     engine = container(build(pair()), ENGINE_CONTAINER)

@@ -87,7 +87,7 @@ def _count(value: object, what: str) -> int:
 
 
 def prefill_body(epoch: int, generation: int, decodes: list[PrefillPeer]) -> dict:
-    """The body of a prefill's `PUT /pdpair/v1/peers` (connector/metrics.py PeerPush): `{"epoch", "generation",
+    """The body of a prefill's `PUT /pdpair/v1/peers` (connector/pod_server.py PeerPush): `{"epoch", "generation",
     "decodes": [{"index", "host", "portBase", "tp"}]}`, decodes in index order. A ValueError for what the connector
     would refuse anyway or a planner bug: a negative or non-integer number, an empty host, one index or one
     host:portBase twice."""

@@ -1,0 +1,389 @@
+"""Prefill's worker (`PrefillWorker`): one edge per decode of its peer set (`PrefillEdge`: its own side channel and
+transport; `set_peers` replaces the set at runtime); it serves each Pull on a pool of PUSH_WORKERS threads (put_signal
+per layer and block, then flush) and reports the request's send finished. The shared parts and the whole flow are in
+worker.py."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from pdpair.connector import timeline
+from pdpair.connector.config import PeerAddress, check_peer_set
+from pdpair.connector.deadlines import flush_deadline, parked_pull_deadline
+from pdpair.connector.metadata import (
+    Message,
+    Pull,
+    PullDone,
+    PullFailed,
+    Welcome,
+)
+from pdpair.connector.prefill_side_channel import PrefillSideChannel
+from pdpair.connector.scheduler import PdPairConnectorMetadata
+from pdpair.connector.staging import HostStaging
+from pdpair.connector.transports import (
+    PairComm,
+    PairTransport,
+    TransportError,
+    build_transport,
+)
+from pdpair.connector.worker import IDLE_WAIT_SECONDS, WorkerBase, wall_time
+
+logger = logging.getLogger("pdpair.connector.worker")  # the name the worker's lines had before the split
+
+
+# Prefill: threads that serve Pulls (puts + flush), so concurrent requests' transfers overlap and the side-channel
+# thread only routes messages. The queue in front of them is bounded by decode's signal slots: each Pull in flight
+# holds one until its signals are in.
+PUSH_WORKERS = 4
+
+# Prefill logs a warning when serving one Pull takes longer than this (waiting for the blocks, or putting and
+# flushing them): decode's deadline (PDPAIR_HANG_TIMEOUT_SECONDS) counts from its Pull, so a slow push is the first
+# thing to look for when a load times out.
+SLOW_PUSH_SECONDS = 1.0
+
+
+class PrefillEdge:
+    """Prefill, one TP rank: its edge to one decode of the peer set: the side channel (DEALER thread), its own
+    transport (a handshake's pending state is per edge), the peer's region indices, the Pulls parked on it and its
+    pushes in flight (a removed decode's edge closes once these are done)."""
+
+    def __init__(self, peer: PeerAddress) -> None:
+        self.peer = peer
+        self.side: PrefillSideChannel | None = None
+        self.transport: PairTransport | None = None
+        self.peer_indices: list[int] = []
+        self.local_indices: list[int] = []
+        self.peer_num_blocks = 0
+        self.parked: dict[str, tuple[Pull, float, float]] = {}  # transfer id -> (pull, deadline, received)
+        self.inflight = 0  # pushes submitted and not yet replied (under the worker's lock)
+        self.draining = False  # left the peer set: no new Pull is served, the edge closes when inflight is 0
+
+
+class PrefillWorker(WorkerBase):
+    """Prefill, one TP rank: one edge per decode of its peer set (`set_peers` replaces the set at runtime)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._edges: dict[PeerAddress, PrefillEdge] = {}
+        self._peers_lock = threading.Lock()  # set_peers and register_kv_caches: one change of the set at a time
+        self._desired: tuple[PeerAddress, ...] = check_peer_set(self.config.peer_set(), "the configured peers")
+        self._registered = False
+        self._device_index: int | None = None
+        self._closing: list[threading.Thread] = []
+        self._transport_taken = False
+        self._sends: dict[str, tuple[list[int], float]] = {}  # request id -> (block ids, lease expiry)
+        self._finished_sending: set[str] = set()
+        self._pushers = ThreadPoolExecutor(PUSH_WORKERS, thread_name_prefix=f"pdpair-push-r{self.tp_rank}")
+
+    # --- the peer set --------------------------------------------------------------------------------
+    @property
+    def side(self) -> PrefillSideChannel | None:
+        """The side channel when the peer set has exactly one decode (1P1D), else None."""
+        with self._peers_lock:
+            edges = list(self._edges.values())
+        return edges[0].side if len(edges) == 1 else None
+
+    def edge_side(self, peer: PeerAddress) -> PrefillSideChannel | None:
+        """The side channel of the edge to `peer` (None when `peer` is not in the set)."""
+        with self._peers_lock:
+            edge = self._edges.get(peer)
+        return edge.side if edge is not None else None
+
+    def peer_state(self) -> dict[str, bool]:
+        """Each decode of the current set (its label, host:portBase) -> this rank is paired with it."""
+        with self._peers_lock:
+            edges = list(self._edges.values())
+        return {edge.peer.label: edge.side is not None and edge.side.connected.is_set() for edge in edges}
+
+    def set_peers(self, peers) -> dict[str, bool]:
+        """Replace the whole peer set (level-triggered, what the operator's push will call): start an edge to each
+        new decode, drop each decode that left once its pushes in flight end or fail (a Pull that comes on it
+        meanwhile is refused with a PullFailed), keep the others untouched. Returns `peer_state()`. Before
+        register_kv_caches it only records the set."""
+        wanted = check_peer_set(peers)
+        with self._peers_lock:
+            self._desired = wanted
+            if self._registered:
+                self._apply_peers(wanted)
+        return self.peer_state()
+
+    def _apply_peers(self, wanted: tuple[PeerAddress, ...]) -> None:
+        """Under _peers_lock."""
+        for peer in [p for p in self._edges if p not in wanted]:
+            edge = self._edges.pop(peer)
+            logger.info("rank %d: decode %s left the peer set; its edge closes once its pushes end", self.tp_rank, peer)
+            closer = threading.Thread(target=self._close_edge, args=(edge,), daemon=True,
+                                      name=f"pdpair-edge-close-r{self.tp_rank}-{peer.label}")
+            self._closing.append(closer)
+            closer.start()
+        for peer in wanted:
+            if peer not in self._edges:
+                self._edges[peer] = self._open_edge(peer)
+
+    def _open_edge(self, peer: PeerAddress) -> PrefillEdge:
+        edge = PrefillEdge(peer)
+        # The worker's transport serves the first edge; every other edge builds its own (a prefill handshake's pending
+        # state, e.g. tcp's listener for the uid, belongs to one edge).
+        transport = self.transport if not self._transport_taken else build_transport(self.config)
+        self._transport_taken = True
+        if self._device_index is not None and transport is not self.transport:
+            transport.set_device(self._device_index)
+        edge.transport = transport
+        edge.side = PrefillSideChannel(
+            peer_host=peer.host,
+            peer_port=peer.port(self.tp_rank),
+            tp_rank=self.tp_rank,
+            generation=self.config.generation,
+            pair=self.config.pair,
+            instance=self.config.instance_id,
+            peer_label=peer.label,
+            transport=transport,
+            hang_timeout_seconds=self.config.hang_timeout_seconds,
+            local_hash=self.local_hash,
+            factors=self.factors,
+            key=self.side_channel_key,
+            register_regions=functools.partial(self._register_edge, edge),
+            on_pull=functools.partial(self._on_pull, edge),
+            on_tick=functools.partial(self._on_tick, edge),
+            on_connected=functools.partial(self._on_connected, edge),
+            accounts=self.accounts,
+        )
+        edge.side.start()
+        return edge
+
+    def _close_edge(self, edge: PrefillEdge) -> None:
+        """A decode that left the set: refuse new Pulls, wait (bounded) until the pushes in flight and the Pulls
+        parked on it are settled, then stop its side channel (closing its pair) and forget its series."""
+        bound = time.monotonic() + 2 * self.config.hang_timeout_seconds  # a parked Pull, then a push's flush
+        with self._lock:
+            edge.draining = True
+            while (edge.inflight or edge.parked) and time.monotonic() < bound:
+                self._progress.wait(0.1)
+            left = edge.inflight
+        if edge.side is not None:
+            edge.side.post()  # parked Pulls are answered by its own thread; wake it
+            edge.side.stop()
+        if left:
+            logger.warning("rank %d: decode %s's edge closed with %d push(es) still running (they fail now)",
+                           self.tp_rank, edge.peer, left)
+        if edge.transport is not None and edge.transport is not self.transport:
+            edge.transport.close()
+        if self.edge_side(edge.peer) is None:  # not re-added meanwhile
+            self.accounts.forget_peer(edge.peer.label)
+        logger.info("rank %d: edge to decode %s closed", self.tp_rank, edge.peer)
+
+    # --- start ---------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        self._prepare(kv_caches, num_blocks)
+        first = next(iter(kv_caches.values()))
+        if first.device.type == "cuda":
+            self._device_index = first.device.index if first.device.index is not None else torch.cuda.current_device()
+        with self._peers_lock:
+            self._registered = True
+            self._apply_peers(self._desired)
+
+    def _on_connected(self, edge: PrefillEdge, welcome: Welcome) -> None:
+        assert self.regions is not None
+        if len(welcome.region_indices) != len(self.regions.ptrs):
+            raise ValueError(f"decode has {len(welcome.region_indices)} KV regions, prefill {len(self.regions.ptrs)}")
+        edge.peer_indices = list(welcome.region_indices)
+        edge.peer_num_blocks = welcome.num_blocks
+
+    def _register_edge(self, edge: PrefillEdge, comm: PairComm) -> tuple[bytes, list[int], int]:
+        table, indices, num_blocks = self._register(comm)
+        edge.local_indices = indices
+        return table, indices, num_blocks
+
+    def _edges_now(self) -> list[PrefillEdge]:
+        with self._peers_lock:
+            return list(self._edges.values())
+
+    # --- per step (engine thread) -----------------------------------------------------------------
+    def start_load_kv(self, meta: PdPairConnectorMetadata) -> None:
+        if not meta.reqs_to_send:
+            return
+        with self._lock:
+            for send in meta.reqs_to_send:
+                self._sends[send.request_id] = (send.block_ids, send.expires_at)
+            parked = [edge for edge in self._edges_now() if edge.parked]
+        for edge in parked:
+            edge.side.post()  # its parked pulls may be servable now
+
+    def get_transfer_results(self, idle: bool = False) -> set[str]:
+        """Sends finished (or expired) since the last call. idle: as DecodeWorker's, waits for a held send."""
+        with self._lock:
+            if idle and self._sends and not self._finished_sending:
+                self._progress.wait(IDLE_WAIT_SECONDS)
+        now = time.monotonic()
+        with self._lock:
+            for request_id in [r for r, (_, exp) in self._sends.items() if exp < now]:
+                logger.warning("request %s: decode never pulled its KV within the lease; freeing the blocks", request_id)
+                del self._sends[request_id]
+                self._finished_sending.add(request_id)
+            finished, self._finished_sending = self._finished_sending, set()
+        for edge in self._edges_now():
+            if edge.side is not None:
+                self._publish_transport_counters(edge.side.comm, edge.peer.label)
+        return finished
+
+    # --- side-channel threads (one per edge) ------------------------------------------------------------
+    def _on_pull(self, edge: PrefillEdge, pull: Pull) -> Message | None:
+        with self._lock:
+            if edge.draining:
+                return PullFailed(pull.transfer_id, f"decode {edge.peer} was removed from this prefill's peer set")
+            entry = self._sends.get(pull.remote_request_id)
+            if entry is None:
+                now = time.monotonic()
+                edge.parked[pull.transfer_id] = (pull, parked_pull_deadline(self.config.hang_timeout_seconds, now), now)
+                return None
+        self._submit(edge, pull, entry[0], time.monotonic())
+        return None
+
+    def _on_tick(self, edge: PrefillEdge) -> list[Message]:
+        replies: list[Message] = []
+        if not edge.parked:
+            return replies
+        now = time.monotonic()
+        servable = []
+        with self._lock:
+            for transfer_id, (pull, deadline, received) in list(edge.parked.items()):
+                entry = self._sends.get(pull.remote_request_id)
+                if entry is not None:
+                    del edge.parked[transfer_id]
+                    servable.append((pull, entry[0], received))
+                elif now > deadline:
+                    del edge.parked[transfer_id]
+                    replies.append(PullFailed(transfer_id, f"prefill holds no KV for request {pull.remote_request_id} "
+                                                           "(unknown, expired or already sent)"))
+            self._progress.notify_all()
+        for pull, block_ids, received in servable:
+            self._submit(edge, pull, block_ids, received)
+        return replies
+
+    def _submit(self, edge: PrefillEdge, pull: Pull, block_ids: list[int], received: float) -> None:
+        """Side-channel thread: hand the Pull to a push worker; its reply goes out through the edge's side channel.
+        The pair it came on is captured here: if decode re-pairs meanwhile, the push fails on the old, closed pair
+        instead of writing into the new decode's blocks."""
+        assert edge.side is not None
+        route = (edge.side.comm, list(edge.peer_indices), list(edge.local_indices))
+        with self._lock:
+            edge.inflight += 1
+        try:
+            self._pushers.submit(self._serve_and_reply, edge, pull, block_ids, received, route)
+        except RuntimeError:  # shutting down: the pool takes no more work
+            with self._lock:
+                edge.inflight -= 1
+            edge.side.post(PullFailed(pull.transfer_id, "prefill is shutting down"))
+
+    def _serve_and_reply(self, edge: PrefillEdge, pull: Pull, block_ids: list[int], received: float, route) -> None:
+        try:
+            reply = self._serve(pull, block_ids, received, route)
+        except Exception as exc:  # noqa: BLE001 - decode must hear back, not wait for its deadline
+            logger.exception("transfer %s (prefill request %s) crashed", pull.transfer_id, pull.remote_request_id)
+            reply = PullFailed(pull.transfer_id, f"prefill push crashed: {type(exc).__name__}: {exc}")
+        assert edge.side is not None
+        edge.side.post(reply)
+        with self._lock:
+            edge.inflight -= 1
+            self._progress.notify_all()
+
+    def _serve(self, pull: Pull, block_ids: list[int], received: float, route) -> Message:
+        assert self.regions is not None
+        try:
+            if pull.dst_block_ids:
+                return self._push(pull, block_ids, received, *route)
+            return PullDone(pull.transfer_id, 0)
+        finally:
+            with self._lock:
+                self._sends.pop(pull.remote_request_id, None)
+                self._finished_sending.add(pull.remote_request_id)
+                self._progress.notify_all()
+
+    def _push(self, pull: Pull, block_ids: list[int], received: float, comm: PairComm | None,
+              peer_indices: list[int], local_indices: list[int]) -> Message:
+        assert self.regions is not None
+        layers = len(self.regions.ptrs)
+        count = len(pull.dst_block_ids)
+        if pull.first_block < 0 or pull.first_block + count > len(block_ids):
+            return PullFailed(pull.transfer_id, f"decode asks for blocks [{pull.first_block}, {pull.first_block + count}) "
+                                                f"but prefill request {pull.remote_request_id} has {len(block_ids)}")
+        if pull.expected_signals != layers * count:
+            return PullFailed(pull.transfer_id, f"decode expects {pull.expected_signals} signals, prefill sends "
+                                                f"{layers * count} ({layers} layers x {count} blocks)")
+        if comm is None:
+            return PullFailed(pull.transfer_id, "prefill has no pair communicator")
+        nbytes = 0
+        src_blocks = block_ids[pull.first_block : pull.first_block + count]
+        staging = self.regions.staging
+        try:
+            self._apply_drop_knob(comm)
+            # Staged: every layer's device -> host copy starts now; layer k is put once its copy is done.
+            copies = staging.to_host(self.regions.runs(src_blocks)) if staging is not None else [None] * layers
+            first_put = time.monotonic()
+            for layer in range(layers):
+                HostStaging.wait(copies[layer])
+                chunk = self.regions.chunk_bytes[layer]
+                for src_block, dst_block in zip(src_blocks, pull.dst_block_ids):
+                    comm.put_signal(local_indices[layer], src_block * chunk, peer_indices[layer],
+                                    dst_block * chunk, chunk, pull.signal_slot)
+                    nbytes += chunk
+            last_put = time.monotonic()
+            comm.flush(flush_deadline(self.config.hang_timeout_seconds, last_put))
+        except RuntimeError as exc:  # TransportError, or a CUDA error of the staging copies
+            if not isinstance(exc, TransportError):
+                logger.error("transfer %s: staging the KV to host memory failed: %s", pull.transfer_id, exc)
+                return PullFailed(pull.transfer_id, f"prefill could not stage its KV to host memory: {exc}")
+            logger.error("transfer %s (prefill request %s) failed: %s", pull.transfer_id, pull.remote_request_id, exc)
+            return PullFailed(pull.transfer_id, f"prefill transport error: {exc}")
+        flushed = time.monotonic()
+        if flushed - received > SLOW_PUSH_SECONDS:
+            logger.warning(
+                "transfer %s (prefill request %s): served %.1fs after its Pull came (%.1fs until the first put, "
+                "%.1fs putting and flushing %d bytes); decode's wait ends %.1fs after its Pull",
+                pull.transfer_id, pull.remote_request_id, flushed - received, first_put - received,
+                flushed - first_put, nbytes, self.config.hang_timeout_seconds,
+            )
+        with self._lock:
+            self.stats.record_stage("pull_to_first_put", first_put - received)
+            self.stats.record_stage("push", flushed - first_put)
+        timeline.log("prefill-worker", pull.remote_request_id, pull_received=wall_time(received), first_put=wall_time(first_put),
+                     last_put=wall_time(last_put), flushed=wall_time(flushed))
+        return PullDone(pull.transfer_id, nbytes)
+
+    def _apply_drop_knob(self, comm: PairComm) -> None:
+        """TEST ONLY: while the knob file exists the native sender drops every N-th signal. Content `N` (empty: 1)
+        on every TP rank, `N@R` on TP rank R only."""
+        path = self.config.test_drop_signals_file
+        if not path or not hasattr(comm, "set_signal_drop_fault"):
+            return
+        every = 0
+        if os.path.exists(path):
+            text = open(path).read().strip()
+            count, _, rank = text.partition("@")
+            if not rank or int(rank) == self.tp_rank:
+                every = int(count) if count else 1
+                logger.warning("TEST KNOB %s present: rank %d's transport drops every %d-th signal", path,
+                               self.tp_rank, every)
+        comm.set_signal_drop_fault(every)
+
+    def shutdown(self) -> None:
+        with self._peers_lock:
+            edges, self._edges = list(self._edges.values()), {}
+            self._registered = False
+        for edge in edges:
+            if edge.side is not None:
+                edge.side.stop()  # closes the pair: a push still running fails fast instead of waiting for its flush
+        self._pushers.shutdown(wait=True, cancel_futures=True)
+        for closer in self._closing:
+            closer.join(2 * self.config.hang_timeout_seconds + 5)
+        for edge in edges:
+            if edge.transport is not None and edge.transport is not self.transport:
+                edge.transport.close()
+        super().shutdown()

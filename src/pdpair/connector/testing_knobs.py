@@ -1,0 +1,80 @@
+"""Test-only knobs of the connector, never set by the operator: decode's slow-step knob file (`SlowDecodeKnob`,
+kv_connector_extra_config's test_slow_decode_file, TEST_ONLY_PDPAIR_SLOW_DECODE_FILE) and the byte a test flips to
+corrupt KV (TEST_CORRUPT_KV_BYTE). Kept here, apart from the product's code paths, so a reader sees at once what
+exists only for tests."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+logger = logging.getLogger("pdpair.connector.worker")  # the name the worker's lines had before the split
+
+
+# TEST ONLY (test_corrupt_kv_file): the byte the corruption knob writes over every received KV block.
+TEST_CORRUPT_KV_BYTE = 0x3F
+
+# TEST ONLY (test_slow_decode_file): the knob file is read at most this often, so an engine step costs a file read
+# twice a second at most; a change shows within this long.
+TEST_SLOW_DECODE_POLL_SECONDS = 0.5
+
+# TEST ONLY (test_slow_decode_file): the largest delay the file may ask for. Seconds per step already make a decode
+# useless to the router; a larger number is more likely a unit mistake, and would stall the engine instead.
+TEST_SLOW_DECODE_MAX_MS = 10_000
+
+
+class SlowDecodeKnob:
+    """TEST ONLY (test_slow_decode_file): how long each decode model step sleeps, so a test can make one decode of
+    several measurably slower (the router should then send it fewer requests).
+
+    While the file exists its content is a number of milliseconds, finite, 0..TEST_SLOW_DECODE_MAX_MS; absent: no
+    delay. Read at most every TEST_SLOW_DECODE_POLL_SECONDS (the answer is cached in between). A content that is not
+    such a number means no delay and is logged once, never raised: a typo in a test must not take the engine down."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._read_at: float | None = None
+        self._text: str | None = None  # the content last read; None: the file was absent
+        self._delay_seconds = 0.0
+
+    def delay_seconds(self) -> float:
+        now = time.monotonic()
+        if self._read_at is not None and now - self._read_at < TEST_SLOW_DECODE_POLL_SECONDS:
+            return self._delay_seconds
+        self._read_at = now
+        try:
+            with open(self.path) as knob:
+                text: str | None = knob.read().strip()
+        except FileNotFoundError:
+            text = None
+        except OSError as exc:  # e.g. a directory: a bad content like any other (no delay, said once)
+            text = f"<unreadable: {exc.strerror or exc}>"
+        if text == self._text:
+            return self._delay_seconds
+        self._text = text  # the log lines below come once per change of content, not once per step
+        self._delay_seconds = 0.0
+        if text is None:
+            logger.warning("TEST KNOB %s removed: decode steps are no longer slowed", self.path)
+            return 0.0
+        milliseconds = knob_milliseconds(text)
+        if milliseconds is None:
+            logger.warning("TEST KNOB %s: %r is not a number of milliseconds in 0..%d: ignored (decode steps are "
+                           "not slowed)", self.path, text[:60], TEST_SLOW_DECODE_MAX_MS)
+            return 0.0
+        self._delay_seconds = milliseconds / 1000
+        logger.warning("TEST KNOB %s present: every decode model step sleeps %g ms", self.path, milliseconds)
+        return self._delay_seconds
+
+    def sleep(self) -> None:
+        delay = self.delay_seconds()
+        if delay > 0:
+            time.sleep(delay)
+
+
+def knob_milliseconds(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and 0 <= value <= TEST_SLOW_DECODE_MAX_MS else None
