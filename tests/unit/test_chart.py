@@ -86,7 +86,9 @@ def test_template_renders_labelled_objects(helm, values):
         assert labels["app.kubernetes.io/part-of"] == "pdpair"
         assert len(doc["metadata"]["name"]) <= 63
         if doc["kind"] not in CLUSTER_SCOPED:
-            assert doc["metadata"]["namespace"] == NAMESPACE
+            watched = doc["kind"] in ("Role", "RoleBinding") and doc["metadata"]["namespace"] in (
+                yaml.safe_load(values.read_text()) if values else {}).get("operator", {}).get("watchNamespaces", [])
+            assert doc["metadata"]["namespace"] == NAMESPACE or watched
 
 
 def test_default_render_has_every_operator_object(helm):
@@ -207,7 +209,7 @@ def test_operator_config_env_is_what_the_operator_reads(helm):
 
     read = {v for k, v in vars(config).items() if k.startswith("ENV_")}
     docs = helm.template("-f", str(CHART / "ci" / "01-watch-namespaces-tuning-values.yaml"))
-    env = container_env(by_kind(docs)["Deployment"])
+    env = container_env(next(d for d in docs if d["kind"] == "Deployment"))  # (a Role per watched namespace)
     assert set(env) <= read, set(env) - read
     assert env["PDPAIR_WATCH_NAMESPACES"]["value"] == "team-a,team-b"
     assert env["PDPAIR_API_THREADS"]["value"] == "8"
@@ -253,6 +255,78 @@ def test_long_release_name_is_truncated_to_a_dns_label(helm):
         assert name.endswith("-operator")
 
 
+# --- RBAC: cluster-wide by default, namespaced with operator.watchNamespaces ---------------------------------------
+CLUSTER_READS = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
+                 {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
+                 {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+                  "verbs": ["list", "watch"]}]
+LEASES = [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+           "verbs": ["get", "list", "watch", "create", "delete", "update", "patch"]}]
+
+
+def rbac(docs: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"].get("namespace", "")): d for d in docs
+            if d["kind"] in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")}
+
+
+def granted(rules: list[dict]) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+
+
+def test_without_watch_namespaces_the_cluster_role_holds_every_rule(helm):
+    objects = rbac(helm.template())
+    assert set(objects) == {("ClusterRole", ""), ("ClusterRoleBinding", ""), ("Role", NAMESPACE),
+                            ("RoleBinding", NAMESPACE)}
+    rights = granted(objects[("ClusterRole", "")]["rules"])
+    assert {("", "pods", "create"), ("", "secrets", "create"), ("pdpair.io", "inferencepairs", "patch")} <= rights
+    assert granted(CLUSTER_READS) <= rights
+    assert objects[("Role", NAMESPACE)]["rules"] == LEASES
+    assert not {r for r in rights if r[0] == "networking.k8s.io"}  # only with operator.networkPolicy.enabled
+
+
+def test_with_watch_namespaces_the_rights_are_roles_there_and_the_cluster_role_only_reads(helm):
+    """The same rights as the cluster-wide mode, narrowed: each watched namespace's Role holds what the ClusterRole
+    held but the cluster-scoped reads; those stay in the ClusterRole, alone. The Leases stay in the release
+    namespace."""
+    everything = granted(rbac(helm.template())[("ClusterRole", "")]["rules"])
+    objects = rbac(helm.template("-f", str(CHART / "ci" / "01-watch-namespaces-tuning-values.yaml")))
+    assert set(objects) == {("ClusterRole", ""), ("ClusterRoleBinding", ""), ("Role", NAMESPACE),
+                            ("RoleBinding", NAMESPACE), ("Role", "team-a"), ("RoleBinding", "team-a"),
+                            ("Role", "team-b"), ("RoleBinding", "team-b")}
+    assert objects[("ClusterRole", "")]["rules"] == CLUSTER_READS
+    sa = {"kind": "ServiceAccount", "name": f"{RELEASE}-pdpair-operator", "namespace": NAMESPACE}
+    for ns in ("team-a", "team-b"):
+        role, binding = objects[("Role", ns)], objects[("RoleBinding", ns)]
+        assert granted(role["rules"]) == everything - granted(CLUSTER_READS)
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                      "name": role["metadata"]["name"]}
+        assert binding["subjects"] == [sa]
+    assert objects[("Role", NAMESPACE)]["rules"] == LEASES
+    assert objects[("ClusterRoleBinding", "")]["subjects"] == [sa]
+
+
+def test_a_watched_release_namespace_gets_the_pair_rules_beside_the_leases(helm):
+    objects = rbac(helm.template("--set", f"operator.watchNamespaces={{{NAMESPACE},team-a}}"))
+    assert {k for k in objects if k[0] == "Role"} == {("Role", NAMESPACE), ("Role", "team-a")}  # one Role a namespace
+    assert granted(objects[("Role", NAMESPACE)]["rules"]) == granted(LEASES) | granted(objects[("Role", "team-a")][
+        "rules"])
+
+
+@pytest.mark.parametrize("namespaced", [False, True], ids=["cluster-wide", "namespaced"])
+def test_network_policy_option_sets_the_env_and_grants_networkpolicies(helm, namespaced):
+    args = ["--set", "operator.watchNamespaces={team-a}"] if namespaced else []
+    off = helm.template(*args)
+    on = helm.template(*args, "--set", "operator.networkPolicy.enabled=true")
+    assert container_env(next(d for d in off if d["kind"] == "Deployment"))["PDPAIR_NETWORK_POLICY"]["value"] == "false"
+    assert container_env(next(d for d in on if d["kind"] == "Deployment"))["PDPAIR_NETWORK_POLICY"]["value"] == "true"
+    holder = ("Role", "team-a") if namespaced else ("ClusterRole", "")
+    policies = {r for r in granted(rbac(on)[holder]["rules"]) if r[1] == "networkpolicies"}
+    assert policies == {("networking.k8s.io", "networkpolicies", v) for v in ("get", "create", "patch")}
+    assert not any(r[1] == "networkpolicies" for d in rbac(off).values() for r in granted(d.get("rules") or []))
+    if namespaced:
+        assert rbac(on)[("ClusterRole", "")]["rules"] == CLUSTER_READS
+
+
 # name, --set arguments, a substring of helm's error
 BAD_VALUES = [
     ("unknown operator key", ["--set", "operator.portpool=20000-20010"], "additional properties 'portpool'"),
@@ -294,6 +368,8 @@ BAD_VALUES = [
      "additional properties 'leaseSeconds'"),
     ("extraEnv overrides the election", ["--set", "operator.extraEnv[0].name=PDPAIR_LEADER_ELECT",
                                          "--set", "operator.extraEnv[0].value=false"], "/operator/extraEnv/0/name"),
+    ("network policy not a boolean", ["--set-string", "operator.networkPolicy.enabled=yes"],
+     "/operator/networkPolicy/enabled"),
 ]
 
 

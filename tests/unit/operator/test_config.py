@@ -165,7 +165,8 @@ def test_chart_values_docs_and_template_agree_with_the_settings():
         elif s.chart in CHART_DEFAULT_DIFFERS:
             assert value != s.default
         else:
-            shown = ",".join(value) if isinstance(value, list) else str(value)
+            shown = (",".join(value) if isinstance(value, list) else str(value).lower() if isinstance(value, bool)
+                     else str(value))
             assert shown == (s.shown_default if s.shown_default != "empty" else ""), (s.chart, value)
         assert s.env in comment or s.env in row or path[1] == "tuning", (s.chart, "names its variable")
     assert template_tuning == tuning

@@ -39,7 +39,7 @@ from pdpair.contract import (
 )
 
 from pdpair.operator.decide import recreate as d
-from pdpair.operator.act.kube_api import call_dropped
+from pdpair.operator.act.kube_api import call_dropped, call_json
 from pdpair.operator.model.observed import Finding, NodeView, Observed, PodView, RouterDrainView
 from pdpair.operator.decide import health
 from pdpair.operator.decide import leases
@@ -57,6 +57,7 @@ from pdpair.operator.build.pods import ManifestError, engine_pod, peers_secret_n
 from pdpair.operator.act.port_leaser import PairRef, PortLeaser
 from pdpair.operator.decide.port_blocks import port_of, status_ports, ports_of
 from pdpair.operator.build import disruption
+from pdpair.operator.build import network_policy
 from pdpair.operator.build.service import (
     ACTION_CREATE,
     ACTION_DELETE,
@@ -248,6 +249,9 @@ def _service_port(manifest: Mapping[str, Any]) -> int:
 # every port lease in the namespace (6000 at 1000 pairs). Once per resync interval it was a second LIST for every
 # pair whose start took longer than that (all of them while 1000 pairs started) and 33 LISTs a second at rest.
 LEASE_RECHECK_RESYNCS = 10
+# A pair's NetworkPolicy, once made or found right, is read again after this many resync intervals (5 min by
+# default): it is not watched, so this is how a deleted or edited one comes back.
+NETWORK_POLICY_RECHECK_RESYNCS = 10
 
 
 # Steps that wait for a pod to change: the pod's watch event wakes the pair (handlers.pod_changed), so these wait a
@@ -330,6 +334,10 @@ class PairReconciler:
         self.service: str | None = (self.status.get("service") or None)  # the router Service we own, by name
         self.service_problem = ""  # the last Service error reported as an Event (reported once, not per pass)
         self.budget_problem = ""  # the same for the PodDisruptionBudget
+        self.network_policy_problem = ""  # the same for the NetworkPolicy
+        # (spec digest, time.monotonic()) of the pair's NetworkPolicy as last made or read: not watched, it is read
+        # again when the wanted spec changes or NETWORK_POLICY_RECHECK_RESYNCS resyncs later (a deleted one comes back)
+        self.network_policy_seen: tuple[str, float] | None = None
         # The restart-times annotation as this reconciler last wrote it, until the watch shows it: a cache for the
         # watch's lag, not state (the annotation on the pair is the record; see _restart_times)
         self.restart_times_written: tuple[tuple[float, ...], float] | None = None
@@ -683,6 +691,55 @@ class PairReconciler:
         self.budget_problem = ""
         self.emit("Normal", *done)
 
+    async def ensure_network_policy(self) -> None:
+        """The pair's NetworkPolicy (network_policy.py), with PDPAIR_NETWORK_POLICY and pods off the host network:
+        read, made when missing, patched back to the operator's spec; one of another owner of that name is left
+        alone. Like the budget, a failure is told once (Event NetworkPolicyError) and retried next pass; it never
+        stops the pods' steps. Not watched (no index, no list/watch rights): at most one read per pair every
+        NETWORK_POLICY_RECHECK_RESYNCS resyncs once it is right."""
+        cfg = self.rt.config
+        if not network_policy.wanted(self.body.get("spec") or {}, cfg.network_policy):
+            return
+        manifest = network_policy.pair_network_policy(self.body, cfg.namespace)
+        digest = network_policy.spec_digest(manifest)
+        now = time.monotonic()
+        seen = self.network_policy_seen
+        if seen and seen[0] == digest and now - seen[1] < cfg.resync_interval * NETWORK_POLICY_RECHECK_RESYNCS:
+            return
+        name = manifest["metadata"]["name"]
+        where = (network_policy.GROUP, network_policy.VERSION, self.ref.namespace, network_policy.PLURAL)
+        done: tuple[str, str] | None = None
+        try:
+            try:
+                found = await asyncio.to_thread(call_json, self.rt.custom.get_namespaced_custom_object, *where, name)
+            except Exception as exc:
+                if api_status(exc) != 404:
+                    raise
+                found = None
+            if found is None:
+                await asyncio.to_thread(call_dropped, self.rt.custom.create_namespaced_custom_object, *where, manifest)
+                done = ("NetworkPolicyCreated", f"created NetworkPolicy {name}: only the pair's own pods reach its "
+                        f"engines; namespace {cfg.namespace} their metrics and side-channel ports")
+            elif not network_policy.owned_by(found, self.ref.uid):
+                raise LookupError(f"a NetworkPolicy {name} exists that this pair does not own: left as it is")
+            elif network_policy.spec_digest(found) != digest:
+                await asyncio.to_thread(call_dropped, self.rt.custom.patch_namespaced_custom_object, *where, name,
+                                        {"spec": manifest["spec"]})
+                done = ("NetworkPolicyUpdated", f"NetworkPolicy {name}: back to the operator's spec")
+        except Exception as exc:
+            if api_status(exc) == 409:
+                return  # made since the read (an earlier pass's create): the next pass reads it
+            message = f"NetworkPolicy {name}: {type(exc).__name__}: {str(exc)[:500]}"
+            if message != self.network_policy_problem:
+                self.emit("Warning", "NetworkPolicyError", message)
+                self.log.warning("pair %s/%s: %s", self.ref.namespace, self.ref.name, message)
+            self.network_policy_problem = message
+            return
+        self.network_policy_problem = ""
+        self.network_policy_seen = (digest, now)
+        if done:
+            self.emit("Normal", *done)
+
     # --- one pass -----------------------------------------------------------------------------------
     async def reconcile_once(self, pods: Iterable[PodView], services: Iterable[ServiceView] = (),
                              node_views: Mapping[str, NodeView] | None = None,
@@ -714,6 +771,7 @@ class PairReconciler:
         await self.ensure_service(services)
         if budgets is not None:
             await self.ensure_budget(budgets)
+        await self.ensure_network_policy()
 
         generation = surge.serving_generation(self.status, pods)
         probes = planner.listener_probes(self.status, pods)

@@ -37,6 +37,7 @@ ENV_LEADER_RENEW_DEADLINE = "PDPAIR_LEADER_RENEW_DEADLINE_SECONDS"
 ENV_LEADER_RETRY_PERIOD = "PDPAIR_LEADER_RETRY_PERIOD_SECONDS"
 ENV_POD_NAME = "PDPAIR_POD_NAME"
 ENV_PEERS_KEY = "PDPAIR_PEERS_KEY"
+ENV_NETWORK_POLICY = "PDPAIR_NETWORK_POLICY"
 
 DEFAULT_PORT_POOL = "20000-29999"
 DEFAULT_LEADER_LEASE_NAME = "pdpair-operator-leader"
@@ -200,6 +201,11 @@ SETTINGS: tuple[Setting, ...] = (
             "ports stay fenced to it until it is gone (nodes.py; docs/design.md, \"Lost nodes\"). Long enough to "
             "ride out a kubelet restart, far below the 300 s after which the cluster would evict the pods",
             "operator.tuning.nodeLostSeconds"),
+    Setting(ENV_NETWORK_POLICY, "network_policy", False, BOOL,
+            "give each pair with spec.network.hostNetwork false a NetworkPolicy: only its own pods reach its engines, "
+            "the operator's namespace only their metrics and side-channel ports (build/network_policy.py; "
+            "hostNetwork pairs need host-firewall rules instead: charts/pdpair/README.md, \"Network isolation\")",
+            "operator.networkPolicy.enabled"),
     Setting(ENV_LEADER_ELECT, "leader_elect", False, BOOL,
             "campaign for the leader Lease before acting (docs/design.md, \"Operator high availability\")",
             "operator.leaderElection.enabled"),
@@ -256,6 +262,7 @@ class OperatorConfig:
     busy_port_quarantine: int = _default("busy_port_quarantine")
     node_lost_seconds: float = _default("node_lost_seconds")
     peers_key: str = _default("peers_key")
+    network_policy: bool = _default("network_policy")
 
     def __post_init__(self) -> None:
         if not (self.leader_retry_period < self.leader_renew_deadline < self.leader_lease_duration):
