@@ -5,6 +5,8 @@ one InferencePair with several prefill and decode instances. What is checked aga
   - the operator pushes the changed sets, with the pair's Secret's token: each prefill its decodes and the router
     its Ready instances (the test serves the push endpoints on the pods' leased ports, as the connector and the
     router would);
+  - the pair's side-channel key is a Secret of its own (not the push token), owned by the pair, referenced by every
+    engine pod and never by the router (read back from the API; no extra wait);
   - scale up through the role's scale object (`/scale`, as kubectl scale and an HPA do: decode 3 -> 4) leaves every existing pod alone and keeps the pair Ready; scale down (4 -> 2) drains
     the highest instances first (out of every push), deletes them as soon as the router (the test's stand-in,
     answering `involved` 0 for every instance, to PUT and GET) no longer lists them, well before
@@ -30,8 +32,10 @@ from pdpair.contract import (
     LABEL_INSTANCE,
     LABEL_ROLE,
     LEASE_NAME_PREFIX,
+    SIDE_CHANNEL_SECRET_KEY,
+    ENV_SIDE_CHANNEL_KEY,
 )
-from pdpair.operator.build.pods import peers_secret_name
+from pdpair.operator.build.pods import peers_secret_name, side_channel_secret_name
 from tests.e2e.operator_helpers import Api, PodRecorder, PushReceiver, cleanup_pairs, operator, pool_of_free_ports
 from devcluster.waiting import wait_for
 
@@ -138,6 +142,21 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
             # the pair's own token
             secret = api.core.read_namespaced_secret(peers_secret_name("xp"), ns)
             token = base64.b64decode(secret.data["token"]).decode()
+            # The side-channel key: a Secret of its own, owned by the pair, not the push token; every engine pod
+            # takes it by secretKeyRef, the router never (it must not be able to pair as a prefill)
+            side_secret = api.core.read_namespaced_secret(side_channel_secret_name("xp"), ns)
+            side_key = base64.b64decode(side_secret.data[SIDE_CHANNEL_SECRET_KEY]).decode()
+            assert len(side_key) == 43 and side_key != token
+            assert [o.uid for o in side_secret.metadata.owner_references] == [ready["metadata"]["uid"]]
+            for role, by_instance in pods_by_role(api, ns).items():
+                for instance_pod in by_instance.values():
+                    refs = {e["name"]: (e.get("value_from") or {}).get("secret_key_ref")
+                            for e in instance_pod["spec"]["containers"][0]["env"]}
+                    if role == "router":
+                        assert ENV_SIDE_CHANNEL_KEY not in refs
+                    else:
+                        assert (refs[ENV_SIDE_CHANNEL_KEY]["name"], refs[ENV_SIDE_CHANNEL_KEY]["key"]) == (
+                            side_channel_secret_name("xp"), SIDE_CHANNEL_SECRET_KEY), role
 
             def prefill_sets():
                 out = []

@@ -54,6 +54,8 @@ from pdpair.operator.decide import scale_targets
 from pdpair.operator.model import spec_fields
 from pdpair.operator.decide.scale_targets import ScaleView
 from pdpair.operator.build.pods import ManifestError, engine_pod, peers_secret_name, pod_name, router_pod, url_host
+from pdpair.operator.build import pair_secrets
+from pdpair.operator.build.pods import POD_SECRETS, SECRET_PEERS, SECRET_SIDE_CHANNEL
 from pdpair.operator.act.port_leaser import PairRef, PortLeaser
 from pdpair.operator.decide.port_blocks import port_of, status_ports, ports_of
 from pdpair.operator.build import disruption
@@ -352,6 +354,7 @@ class PairReconciler:
         self.deleted_unseen: dict[str, float] = {}
         self.unreplaceable_reported: set[tuple[str, int]] = set()  # (pod, port) told once as PortInUse
         self.peers_token: str | None = None  # the pair's Secret's token (pods.peers_secret_name), once read or made
+        self.side_channel_made = False  # the pair's side-channel Secret (pods.side_channel_secret_name) made or found
         self.push_failures: dict[str, PushFailure] = {}  # pod uid -> its failing push, until one succeeds
         # pod uid -> the digest this reconciler pushed, until the pod index shows the annotation (the watch's lag)
         self.pushed: dict[str, str] = {}
@@ -973,8 +976,12 @@ class PairReconciler:
         """Creates plan.create's pod, unless it was refused before for this spec (backoff) or an earlier pass
         created it and the watch has not shown it yet."""
         assert plan.create
-        if plan.create in (ROLE_PREFILL, ROLE_ROUTER):
-            await self._peers_token()  # the pod takes it from the Secret: it must exist first
+        # The pod takes its keys from the pair's Secrets (pods.POD_SECRETS says which): they must exist first
+        needs = POD_SECRETS.get(plan.create, ())
+        if SECRET_PEERS in needs:
+            await self._peers_token()
+        if SECRET_SIDE_CHANNEL in needs:
+            await self._side_channel_secret()
         rejection = self._rejection(plan)
         if rejection is not None and time.monotonic() < rejection.not_before:
             return  # refused before for this very spec: wait out the backoff
@@ -1113,6 +1120,21 @@ class PairReconciler:
                 raise
         self.peers_token = token
         return token
+
+    async def _side_channel_secret(self) -> None:
+        """The pair's side-channel Secret (pair_secrets: its key derived from the operator's key and the pair's uid),
+        made once so that its prefill and decode pods can take the key (409: it exists already, e.g. made by this
+        operator before a restart; never read back, the operator has no get on Secrets)."""
+        if self.side_channel_made:
+            return
+        key = pair_secrets.side_channel_key(self.rt.config.peers_key, self.ref.uid)
+        manifest = pair_secrets.side_channel_secret({"metadata": dict(self.body["metadata"])}, key)
+        try:
+            await asyncio.to_thread(self.rt.core.create_namespaced_secret, self.ref.namespace, manifest)
+        except Exception as exc:
+            if api_status(exc) != 409:
+                raise
+        self.side_channel_made = True
 
     def _ports_of_generation(self, generation: int) -> list[dict[str, Any]] | None:
         active = surge.active_rollout(self.status)

@@ -32,6 +32,7 @@ from pdpair.contract import (
     ENV_PEER_PORT_BASE,
     ENV_PEERS,
     ENV_PEERS_TOKEN,
+    ENV_SIDE_CHANNEL_KEY,
     LABEL_INSTANCE,
     ENV_ROLE,
     ENV_TRANSPORT,
@@ -51,6 +52,7 @@ from pdpair.contract import (
     ROLE_DECODE,
     ROLE_PREFILL,
     ROLE_ROUTER,
+    SIDE_CHANNEL_SECRET_KEY,
     STARTUPZ_PATH,
 )
 
@@ -133,6 +135,37 @@ def _peers_token_env(pair_name: str) -> list[dict[str, Any]]:
     prefill its decodes and the router its instances (xPyD, docs/xpyd.md section 3) with it."""
     return [{"name": ENV_PEERS_TOKEN, "valueFrom": {"secretKeyRef": {"name": peers_secret_name(pair_name),
                                                                      "key": PEERS_SECRET_KEY}}}]
+
+
+def side_channel_secret_name(pair_name: str) -> str:
+    """The pair's Secret holding its side-channel key (`PDPAIR_SIDE_CHANNEL_KEY`, key contract.SIDE_CHANNEL_SECRET_KEY):
+    `<pair>-side-channel`, shortened like pod_name for a name near the limit. A Secret of its own, not a second key
+    in `<pair>-peers`: pairs made by older operators have that Secret without it, and the operator may only create
+    Secrets (no get or patch), so it could never add the key there."""
+    name = f"{pair_name}-side-channel"
+    if len(name) <= POD_NAME_MAX:
+        return name
+    suffix = f"-{hashlib.sha256(pair_name.encode()).hexdigest()[:8]}-side-channel"
+    return pair_name[: POD_NAME_MAX - len(suffix)].rstrip("-.") + suffix
+
+
+def _side_channel_key_env(pair_name: str) -> list[dict[str, Any]]:
+    """PDPAIR_SIDE_CHANNEL_KEY from the pair's side-channel Secret, for prefill and decode only: the connector
+    authenticates every Hello with it and refuses to start without it. Never on the router, which holds the push
+    token only, so a router (or whoever reads its environment) cannot pair as a prefill."""
+    return [{"name": ENV_SIDE_CHANNEL_KEY, "valueFrom": {"secretKeyRef": {"name": side_channel_secret_name(pair_name),
+                                                                          "key": SIDE_CHANNEL_SECRET_KEY}}}]
+
+
+# The pair's Secrets each role's pod references (secretKeyRef): the executor makes them before it creates the pod, as
+# a pod whose Secret is missing never starts (CreateContainerConfigError).
+SECRET_PEERS = "peers"
+SECRET_SIDE_CHANNEL = "side-channel"
+POD_SECRETS = {
+    ROLE_DECODE: (SECRET_SIDE_CHANNEL,),
+    ROLE_PREFILL: (SECRET_PEERS, SECRET_SIDE_CHANNEL),
+    ROLE_ROUTER: (SECRET_PEERS,),
+}
 
 
 def owner_reference(pair: Mapping[str, Any]) -> dict[str, Any]:
@@ -428,6 +461,7 @@ def engine_pod(
         elif peers:
             env.append({"name": ENV_PEERS, "value": ",".join(f"{url_host(h)}:{base}" for h, base in peers)})
         env += _peers_token_env(pair["metadata"]["name"])
+    env += _side_channel_key_env(pair["metadata"]["name"])
     container_ports = [
         {"name": HTTP_PORT_NAME, "containerPort": http, "protocol": "TCP"},
         {"name": METRICS_PORT_NAME, "containerPort": metrics, "protocol": "TCP"},

@@ -220,9 +220,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(ENV_LEADER_RETRY_PERIOD, "leader_retry_period", 2.0, SECONDS,
             "seconds between renewals and between a standby's tries", "operator.leaderElection.retryPeriodSeconds"),
     Setting(ENV_PEERS_KEY, "peers_key", "", PEERS_KEY,
-            "the key each pair's push token is derived from (HMAC of the pair's uid, push.pair_token), so the "
-            "operator needs create and never get on Secrets; unset: a random key per process, and pods made before "
-            "an operator restart refuse its pushes (a PeersPushRefused Event) until they are re-created",
+            "the key each pair's push token and side-channel key are derived from (HMACs of the pair's uid, "
+            "push.pair_token, pair_secrets.side_channel_key), so the operator needs create and never get on Secrets; "
+            "unset: a random key per process, and pods made before an operator restart refuse its pushes (a "
+            "PeersPushRefused Event) until they are re-created (the side-channel key is kept: its Secret, once made, "
+            "is not made again)",
             "(the chart's Secret `<fullname>-operator`, made once at install and kept on upgrade)"),
     Setting(ENV_POD_NAME, None, "the host name", TEXT,
             "the candidate's identity in the leader Lease, plus a per-process suffix (read by __main__)",
