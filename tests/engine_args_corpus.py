@@ -22,7 +22,7 @@ KV_EVIL = '{"kv_connector":"EvilConnector","kv_role":"kv_both"}'
 CONFIG_FILE = "pdpair-test-vllm-config.yaml"
 CONFIG_FILE_TEXT = "kv-transfer-config.kv_role: kv_both\nport: 9999\n"
 
-# Issue 8, item 4: each was accepted by the old CRD and changed the engine as vLLM read it.
+# Each was accepted by the old CRD and changed the engine as vLLM read it.
 ISSUE_SPELLINGS: tuple[Spelling, ...] = (
     Spelling("issue-por", ("--por=9999",)),
     Spelling("issue-tensor-parallel", ("--tensor-parallel=4",)),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Apply to first token: an InferencePair (prefill and decode started in parallel) against one engine pod (issue 23).
+"""Apply to first token: an InferencePair (prefill and decode started in parallel) against one engine pod.
 
 The issue's two goals, each measurement alone on the box, median of --repeats, load average printed, one session:
 1. pair `kubectl apply` -> first answer through its Service <= 1.15 x one engine pod's `kubectl apply` -> first

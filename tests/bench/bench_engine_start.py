@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What pdpair's connector adds to one engine's start (issue 23, item 1: where the pair's cold start goes).
+"""What pdpair's connector adds to one engine's start (where the pair's cold start goes).
 
 The real-node cold-start bench (bench_cold_start.py) finds decode's side-channel listener opening 1.7-7.9 s after a
 lone single engine is Ready on the same box, also with one CPU per engine. This separates the connector's own cost

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The operator at scale (issue 12, item 2): N InferencePairs to Ready on kwok nodes, against the real local control
+"""The operator at scale: N InferencePairs to Ready on kwok nodes, against the real local control
 plane (devcluster/localcluster.py), compared with a floor measured in the same run.
 
 One run, in order:

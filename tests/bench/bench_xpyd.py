@@ -1,4 +1,4 @@
-r"""xPyD on one machine: 1P1D, 1P2D, 2P1D and 2P2D beside a single engine, vLLM's own client (issue 21, item 9).
+r"""xPyD on one machine: 1P1D, 1P2D, 2P1D and 2P2D beside a single engine, vLLM's own client.
 
     PYTHONPATH=src:. .venv/bin/python tests/bench/bench_xpyd.py [--concurrency 1,16] [--prompts 64] \
         [--topologies 1P1D,1P2D,2P1D,2P2D] [--bind] [--out results.json]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Autoscaling simulator (issue 22, item 6): a P/D pair's queues under a bursty load, the decode role driven by the
+"""Autoscaling simulator: a P/D pair's queues under a bursty load, the decode role driven by the
 Kubernetes HPA algorithm, the prefill role following a P:D ratio band, so the band and stabilisation defaults are
 chosen by measurement. Pure Python, seeded, no cluster and no engine; one full run is a few seconds of CPU.
 
@@ -49,8 +49,8 @@ The grid runs three HPA metrics: "decode_waiting" (vllm:num_requests_waiting on 
 "pair_waiting" (prefill + decode backlog of the pair as one External metric per decode replica: a router-side gauge).
 
 INPUTS FROM RECORDED REAL-NODE TIMELINES (this repository; the numbers are this 2-core box's, tiny model, CPU vLLM)
-- per-instance service rate 36.76 req/s: docs/benchmarks.md, "P/D latency and concurrency with one core per engine
-  (issue 23, item 3), 2026-12-04", the concurrency table, row "64 | pdpair | 36.76" (1 prefill + 1 decode, one core
+- per-instance service rate 36.76 req/s: docs/benchmarks.md, "P/D latency and concurrency with one core per engine"
+  (2026-12-04), the concurrency table, row "64 | pdpair | 36.76" (1 prefill + 1 decode, one core
   each, saturated: 64 clients). That is the PAIR's rate, i.e. its slower role's; no run measured the roles apart, so
   the mixes below set one role to it and the other to 1x, 2x or 0.5x (labelled assumptions, not measurements);
 - base TTFT 81.3 ms (same section, sequential table, pdpair TTFT p50): below the 1 s tick, left out;
@@ -67,7 +67,7 @@ WHAT IT IS NOT: a queue model, not a measurement of vLLM. It has no batching eff
 depend on its queue), no KV-transfer or HTTP time, no drain on scale-down, no node provisioning (an instance's
 cold start assumes a free node), no operator reaction delay (the operator follows a /scale write within a watch event;
 seconds at most), one shared queue per role (ideal routing). It ranks policies under those assumptions; its absolute
-seconds depend on the synthetic load. docs/benchmarks.md, "Autoscaling simulator (issue 22, item 6)", has the run.
+seconds depend on the synthetic load. docs/benchmarks.md, "Autoscaling simulator", has the run.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "src"))
 from pdpair.operator.decide.ratio_band import follower_replicas  # noqa: E402  (the operator's own rule
 
 # ---- measured inputs (citations in the module docstring) -------------------------------------------------------------
-PAIR_RATE_REQ_S = 36.76          # docs/benchmarks.md, issue 23 item 3, concurrency table, 64 | pdpair
+PAIR_RATE_REQ_S = 36.76          # docs/benchmarks.md, the concurrency table, 64 | pdpair
 DECODE_SECONDS_PER_REQUEST = 32 * 0.0266   # same row: 32 output tokens x TPOT p50 26.6 ms
 COLD_START_S = 61.0              # tests/e2e_realnode/test_realnode_xpyd.py docstring: "scale-up 61 s under load"
 COLD_START_SENSITIVITY_S = (21.0, 61.0, 81.0)   # 21.46 s lone engine pod (benchmarks.md, 2026-12-04); 81 s re-created decode

@@ -117,8 +117,8 @@ def pool_of_free_ports(size):
     return free_port_range(size)
 
 
-# kwok pods run no engine, so nothing serves their /metrics: these tests (issue 2) keep the health watch
-# (issue 5, tests/e2e/test_operator_restart.py) out of the way with a very long interval.
+# kwok pods run no engine, so nothing serves their /metrics: these tests keep the health watch
+# (tests/e2e/test_operator_restart.py) out of the way with a very long interval.
 NO_HEALTH = {ENV_HEALTH_INTERVAL: "3600"}
 
 

@@ -71,7 +71,7 @@ def test_a_drained_node_waits_for_the_pair_to_move_off_it(platform, cluster_name
             wait_for(lambda: _evict(api, ns, old[ROLE_DECODE].metadata.name) == 429, 30,
                      "an eviction refused by the budget (the disruption controller computes it first)")
             # The disruption controller computes the budget without the pods' controller's /scale (an InferencePair
-            # has none): no CalculateExpectedPodCountFailed, as maxUnavailable caused (stop 29's CI).
+            # has none): no CalculateExpectedPodCountFailed, as maxUnavailable caused (seen in CI).
             failed = [e.message for e in api.events(ns) if e.reason == "CalculateExpectedPodCountFailed"]
             assert failed == [], failed
             if strategy == "Recreate":

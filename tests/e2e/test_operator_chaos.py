@@ -1,4 +1,4 @@
-"""Seeded chaos against two operator replicas with leader election (issue 12, item 4), on the real control plane.
+"""Seeded chaos against two operator replicas with leader election, on the real control plane.
 
 Each round applies one to three actions (create a pair, trigger an ordered restart by deleting the decode pod of a
 Ready pair, change a Ready pair's spec) and SIGKILLs the leader at a random moment 0-3 s later, mid-flight. A third

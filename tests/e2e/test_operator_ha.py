@@ -1,4 +1,4 @@
-"""Two operator replicas with leader election (issue 12, item 3) on the real control plane.
+"""Two operator replicas with leader election on the real control plane.
 
 Both run `python -m pdpair.operator` with PDPAIR_LEADER_ELECT=true under the chart's ServiceAccount, as the chart's
 two replicas do. The test SIGKILLs the leader while pairs are being created and while pairs restart, measures the

@@ -1,4 +1,4 @@
-"""The operator on the real control plane (issue 2 "Done when"), under the chart's ServiceAccount and RBAC.
+"""The operator on the real control plane, under the chart's ServiceAccount and RBAC.
 
 Every test starts its own operator subprocess (`python -m pdpair.operator`) that watches only the test's namespace
 and leases from a pool of its own, on kwok nodes whose IP is 127.0.0.1, so the test can open the real decode

@@ -149,7 +149,7 @@ def test_surge_rollout_switches_the_service_then_drains_the_old_generation(platf
                                  for p in api.pods(ns)), 60, "the new decode running")
             # status.rollout.pods is written by a later pass than the one that created the pod: wait for it. The new
             # router may be there too (it starts as soon as the new prefill runs; a loaded box looks later: the cold
-            # CI of stop 31 saw the list only with it).
+            # CI saw the list only with it).
             mid = wait_for(lambda: (lambda p: p if (p["status"].get("rollout") or {}).get("pods", [])[:2]
                                     == ["surge-decode-g2", "surge-prefill-g2"] else None)(api.pair(ns, "surge")), 30,
                            "status.rollout.pods naming the new decode and the new prefill beside it")

@@ -1,4 +1,4 @@
-"""The operator's write discipline at a CI-sized scale (issue 12, item 2; the full-size benchmark is
+"""The operator's write discipline at a CI-sized scale (the full-size benchmark is
 tests/bench/bench_operator_scale.py): pairs reach Ready with exactly the writes they need, none refused, and once
 they are Ready the operator writes nothing, counted by the apiserver itself (`apiserver_request_total`).
 

@@ -1,4 +1,4 @@
-"""The port guarantees on every path (issue 8), on the real control plane under the chart's RBAC.
+"""The port guarantees on every path, on the real control plane under the chart's RBAC.
 
 1. status.ports mirrors the leases exactly, "none" included: a pair that lost its ports to PoolExhausted lists none.
 2. Leases are held until the pods that used them are gone (deleted AND terminated), on pair deletion and on a spec

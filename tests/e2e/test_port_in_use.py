@@ -1,4 +1,4 @@
-"""A leased port that a process outside Kubernetes holds on the node (issue 10, 6d), on the real control plane.
+"""A leased port that a process outside Kubernetes holds on the node, on the real control plane.
 
 kwok runs no containers, so the test does the kubelet's part with the real pieces: a foreign listener holds the
 decode pod's side-channel port on this machine (the kwok nodes are 127.0.0.1, and so is the hostNetwork pod), the

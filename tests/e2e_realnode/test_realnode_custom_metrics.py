@@ -1,4 +1,4 @@
-"""The custom metrics pipeline on real nodes (issue 22 item 1): pod metrics -> the in-cluster Prometheus ->
+"""The custom metrics pipeline on real nodes: pod metrics -> the in-cluster Prometheus ->
 prometheus-adapter (a pod, with the chart's `autoscaling.prometheusAdapterRules`) -> its APIServices
 `v1beta1`/`v1beta2.custom.metrics.k8s.io` -> the kube-apiserver's aggregation layer -> `kubectl get --raw`.
 

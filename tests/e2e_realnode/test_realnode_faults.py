@@ -1,4 +1,4 @@
-"""Faults on the real nodes (issue 10, 6c/6e/6f): what a user's cluster does to a serving pair, with real vLLM pods.
+"""Faults on the real nodes: what a user's cluster does to a serving pair, with real vLLM pods.
 
 - e. the leading operator pod is deleted while a pair starts (decode exists and no pod is Ready yet: prefill is made
   in the pass after decode, and the router as soon as both run (~1 s on a real node with the image there), so which

@@ -1,4 +1,4 @@
-"""The first seed failure on a real node (issue 10, 6d): a process outside Kubernetes holds the ports decode will be
+"""The first seed failure on a real node: a process outside Kubernetes holds the ports decode will be
 leased, on decode's node, before decode starts. The pair must recover by itself, with a clear Event.
 
 The operator leases the lowest free ports of its pool, decode's blocks first (port_blocks.required_blocks: side channel,

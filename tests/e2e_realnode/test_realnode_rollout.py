@@ -1,4 +1,4 @@
-"""A spec rollout under load on real nodes: Surge drops no request, Recreate is an outage (issue 11, item 4).
+"""A spec rollout under load on real nodes: Surge drops no request, Recreate is an outage.
 
 Four clients inside node n1's network namespace send greedy completions through the pair's Service, one after the
 other each, while the spec changes (a harmless engine argument is added to decode and prefill: same greedy

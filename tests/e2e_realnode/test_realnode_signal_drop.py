@@ -1,4 +1,4 @@
-"""Signal drop on real nodes (issue 10, 6b): a pair of real vLLM engines whose prefill drops KV signals hangs,
+"""Signal drop on real nodes: a pair of real vLLM engines whose prefill drops KV signals hangs,
 PdPairSignalDeficit fires in a Prometheus running in the cluster, the operator restarts the pair in order, and the
 pair serves again with the same greedy outputs.
 

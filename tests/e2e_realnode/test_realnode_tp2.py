@@ -1,4 +1,4 @@
-"""One tensor-parallel-2 pair on the real nodes (issue 14): the seed's startup-hang case, with real listeners.
+"""One tensor-parallel-2 pair on the real nodes: the seed's startup-hang case, with real listeners.
 
 `spec.<role>.tensorParallelSize: 2` on both roles: each engine runs vLLM's API server, engine core and two gloo
 worker processes in one container; each worker (TP rank r) runs its own side channel and transport, and decode's
@@ -19,7 +19,7 @@ What is asserted (each could fail):
    carry rank="0" and rank="1" series; decode counted every request's KV transfer on BOTH ranks with equal bytes
    (each rank moves its own KV head), no error or timeout; prefill's rank r paired once with decode's base + r;
 4. status.health Healthy for generation 1, both roles healthy;
-5. one decode TP worker killed (issue 14, "Faults at TP = 2"): SIGKILL of decode's rank 1 worker alone, found in the
+5. one decode TP worker killed ("Faults at TP = 2"): SIGKILL of decode's rank 1 worker alone, found in the
    container by vLLM's process title (`VLLM::Worker_TP1`, a child of `VLLM::EngineCore`; the engine core and rank 0
    are not touched). It fails visibly: a request through the router right after the kill gets an answer within its
    120 s deadline (measured: a 502 naming decode's 500 "EngineCore encountered an issue", in 0.2 s), and decode's

@@ -20,7 +20,7 @@ each choice, and `spec.rollout.drainSeconds` 5. The tests share it, in file orde
   5. a HorizontalPodAutoscaler on the decode role object, fed by vllm:num_requests_waiting through the in-cluster
      Prometheus and prometheus-adapter (the custom metrics API), with the ratio band [1, 1]: idle -> P 1/1 D 1/1,
      a burst of clients on slowed decodes -> P 2/2 D 2/2, the burst stops -> P 1/1 D 1/1, no request failed
-     (issue 22 item 5; the decodes run at most DECODE_MAX_NUM_SEQS requests at once, so a burst queues);
+     (the decodes run at most DECODE_MAX_NUM_SEQS requests at once, so a burst queues);
   6. the pair deleted: its pods, role objects and port leases go.
 
 Cost: 8 vLLM cold starts (4 at the start, loading at once; 1 for the scale-up; 1 for the replaced decode; 2 for the
@@ -68,7 +68,7 @@ SLOW_DECODE_MS = 150
 CHOICE = re.compile(r"request (\S+): prefill (\d+) \S+, decode (\d+) \S+( \(forced by X-Pdpair-Route\))?;")
 # Apply -> Ready with every instance: the four engines load at once (prefills beside the decodes).
 START_TIMEOUT = ENGINE_START_TIMEOUT + 120
-# The HPA test (issue 22 item 5). Each decode runs at most DECODE_MAX_NUM_SEQS requests at once (vLLM's
+# The HPA test. Each decode runs at most DECODE_MAX_NUM_SEQS requests at once (vLLM's
 # --max-num-seqs), so requests beyond that wait in its queue: with the slow-step knob on, HPA_CLIENTS clients keep
 # vllm:num_requests_waiting well above HPA_TARGET_WAITING per decode on one decode and above it on two.
 DECODE_MAX_NUM_SEQS = 2
@@ -266,7 +266,7 @@ def test_2p2d_pair_starts_and_every_prefill_decode_combination_serves_like_a_sin
 
 
 def test_a_slowed_decode_receives_fewer_requests(real_cluster, baseline_outputs, xpair):
-    """Issue 21 item 4/8: the router picks the decode with the fewest requests in flight, so a decode slowed by the
+    """the router picks the decode with the fewest requests in flight, so a decode slowed by the
     test knob (SLOW_DECODE_MS per engine step, written in decode 1's pod only) holds each request longer and is
     chosen measurably less under a steady unforced load. Cost: no cold start, about 40 s."""
     ns = xpair.namespace
@@ -381,7 +381,7 @@ def test_decode_scale_down_and_up_under_load_fails_no_request(real_cluster, base
 
 
 def test_killed_decode_instance_0_is_replaced_alone_while_the_pair_serves(real_cluster, baseline_outputs, xpair):
-    """Issue 21 item 6 ("one decode killed: only its edges fail, the rest keep serving, it is replaced in order"):
+    """("one decode killed: only its edges fail, the rest keep serving, it is replaced in order"):
     decode instance 0's engine core SIGKILLed in its container (its pod fails: restartPolicy Never) under the steady
     load and a client forced to (prefill 0, decode 1), an edge of the prefill that also pushed to the dead decode.
     Cost: 1 vLLM cold start (the replacement), about 1.5 min."""
@@ -522,7 +522,7 @@ class ScaleTimeline:
 
 def test_an_hpa_on_decode_follows_queue_depth_and_the_ratio_band_moves_prefill(
         real_cluster, baseline_outputs, xpair, custom_metrics):
-    """Issue 22 item 5: a HorizontalPodAutoscaler (kube-controller-manager's) on the decode role object, min 1,
+    """a HorizontalPodAutoscaler (kube-controller-manager's) on the decode role object, min 1,
     max 2, Pods metric vllm:num_requests_waiting (average HPA_TARGET_WAITING per decode) read from the engines by the
     in-cluster Prometheus through prometheus-adapter and the aggregation layer; `spec.scaling.ratio {min: 1, max: 1}`
     (prefill follows decode). A trickle client runs throughout, so every scale-down drains instances that serve:

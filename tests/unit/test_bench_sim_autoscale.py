@@ -1,4 +1,4 @@
-"""tests/bench/sim_autoscale.py, the autoscaling simulator (issue 22, item 6): its HPA arithmetic against the
+"""tests/bench/sim_autoscale.py, the autoscaling simulator: its HPA arithmetic against the
 controller's documented behaviour, the ratio-band rule, the queue, and that a seeded run repeats. Well under a second."""
 
 import math

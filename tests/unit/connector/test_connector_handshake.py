@@ -156,7 +156,7 @@ def test_stop_joins_the_listener_and_frees_the_port_for_the_next_one():
 
 
 def test_prefill_notices_a_decode_that_went_away_before_its_serve_loop_started(monkeypatch):
-    """The race CI hit (stop 27): decode restarts right after the Welcome, before prefill's thread reaches its serve
+    """The race CI hit: decode restarts right after the Welcome, before prefill's thread reaches its serve
     loop. Prefill must still see the disconnect (its DEALER would reconnect silently to the next decode, and a
     watch attached only in the serve loop never fired), else it keeps a pair with a decode that no longer exists.
     Made certain here: the serve loop starts only after decode has stopped. Cost: about 1 s."""

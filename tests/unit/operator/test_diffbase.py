@@ -1,4 +1,4 @@
-"""diffbase.NoDiffBaseStorage (issue 23, item 4): kopf keeps no `last-handled-configuration` for this operator. Every
+"""diffbase.NoDiffBaseStorage: kopf keeps no `last-handled-configuration` for this operator. Every
 watch event that is not a deletion is "no change" to kopf (nothing built, copied or patched); a deletion still reaches
 the on.delete handler; a handler that would need a diff-base is found at startup. Cost: milliseconds, no I/O."""
 

@@ -56,7 +56,7 @@ class Failed(NamedTuple):
 
 
 def old_engine_command(spec: Mapping[str, Any], role: str) -> list[str]:
-    """engine_command before issue 8, kept verbatim to show what user args could override: the user's args last."""
+    """engine_command before the operator owned its flags, kept verbatim to show what user args could override: the user's args last."""
     role_spec = spec.get(role) or {}
     kv_config = {
         "kv_connector": "PdPairConnector",

@@ -1,4 +1,4 @@
-"""The pairs' Events go through a bounded poster (issue 23, item 4: kopf's per-object posting workers each opened a
+"""The pairs' Events go through a bounded poster (item 4: kopf's per-object posting workers each opened a
 connection of their own; at 1000 pairs the operator's RSS grew 354 -> 452 MiB while they posted the queued Events).
 Each test runs in well under a second (the blocking post is a fake that sleeps a few milliseconds in a thread)."""
 

@@ -204,7 +204,7 @@ def replace_alone(world: SimWorld, name: str) -> list[d.Plan]:
 
 
 def test_a_failed_decode_instance_is_replaced_alone_while_the_pair_serves():
-    """Issue 21 item 6: decode instance 1 fails in a serving 2P2D pair: it is deleted and re-created under the same
+    """decode instance 1 fails in a serving 2P2D pair: it is deleted and re-created under the same
     name, the pair stays Ready at its generation, no other pod is touched, and an Event says why."""
     world = SimWorld(spec(prefill=2, decode=2))
     simulate_until_ready(world)

@@ -1,5 +1,5 @@
 """The decode gate's probe (listener_probe.py): a listener accepts, a closed port refuses, and a TCP self-connect is
-not mistaken for a listener (issue 8, finding 3)."""
+not mistaken for a listener."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""memory.py (issue 23, item 4): glibc keeps what the operator frees (62 MiB free inside malloc's heap beside 110 MiB in
+"""memory.py: glibc keeps what the operator frees (62 MiB free inside malloc's heap beside 110 MiB in
 use, mid-burst at 300 pairs); the operator caps the arenas, fixes the mmap threshold and trims every 10 s.
 Cost: one subprocess, ~1 s, ~100 MiB touched and given back."""
 

@@ -442,7 +442,7 @@ def test_no_re_home(name, node, pods):
     assert plan.step != r.STEP_ROLLOUT_START and "rollout" not in plan.status_fields, (name, plan.step)
 
 
-# --- xPyD: a Surge rollout of a 2P2D pair (issue 21 item 7) --------------------------------------------------
+# --- xPyD: a Surge rollout of a 2P2D pair --------------------------------------------------
 SURGE_2P2D = make_spec(rolloutStrategy="Surge", rollout={"drainSeconds": 30, "progressDeadlineSeconds": 600},
                        prefill={"replicas": 2}, decode={"replicas": 2})
 SURGE_2P2D_V2 = {**SURGE_2P2D, "decode": {**SURGE_2P2D["decode"], "args": ["--seed", "1"]}}

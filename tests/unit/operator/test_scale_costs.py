@@ -1,4 +1,4 @@
-"""Per-pass costs that grow with the number of pairs (issue 12, 1000 pairs): the pool gauge's free count and the
+"""Per-pass costs that grow with the number of pairs (1000 pairs): the pool gauge's free count and the
 per-pair phase gauges are updated after every reconcile pass, so they must stay right while doing less work."""
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _pool_free(metrics: OperatorMetrics) -> float:
 
 
 def test_the_pool_gauge_is_counted_when_scraped_not_after_every_pass():
-    """issue 23: at 1000 pairs the free count after every reconcile pass was still 4.3% of the event loop (py-spy,
+    """at 1000 pairs the free count after every reconcile pass was still 4.3% of the event loop (py-spy,
     6000 held ports). The gauge now reads the leaser's count at scrape time, and a pass does not count at all.
     Cost: milliseconds, no I/O."""
     from types import SimpleNamespace

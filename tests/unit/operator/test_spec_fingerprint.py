@@ -20,7 +20,7 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 # spec_fingerprint of each example as the operator sees it (CRD defaults filled in), measured on 2207864. A change
 # here means every serving pair of that shape rolls when the new operator starts: only on purpose, and say so in
 # the release notes. flagcx-rdma and gpu-pair were re-pinned when the examples (not the operator) changed their
-# spec.image to the CUDA engine image (images/engine-cuda, issue 25).
+# spec.image to the CUDA engine image (images/engine-cuda).
 PINNED = {
     "cpu-pvc-model.yaml": "60234ea509fa92dd",
     "flagcx-rdma.yaml": "bd5e2d0792cf42bb",

@@ -1,4 +1,4 @@
-"""wake_filter (issue 23, item 4): which watch events wake a pair's pass. The operator's own status writes to the pair
+"""wake_filter: which watch events wake a pair's pass. The operator's own status writes to the pair
 and its role objects, and the disruption controller's status updates of its PodDisruptionBudget, do not; a spec
 change, a deletion, an annotation, a label, an owner change and the health watch's findings do, and so does the first
 event of every object. Cost: milliseconds, no I/O."""
