@@ -38,9 +38,10 @@ def install_crd(cluster: Any) -> None:
         cluster.wait_crd_established(name)
 
 
-def render_rbac(helm: str | os.PathLike, namespace: str, release: str = "pdpair") -> tuple[str, str]:
+def render_rbac(helm: str | os.PathLike, namespace: str, release: str = "pdpair",
+                values: tuple[str, ...] = ()) -> tuple[str, str]:
     """The chart's RBAC and API priority objects (RBAC_KINDS) for `namespace` as YAML, and the operator
-    ServiceAccount's name."""
+    ServiceAccount's name. `values`: more `helm template` arguments (e.g. `--set operator.watchNamespaces={a}`)."""
     env = {
         **os.environ,
         "HELM_CACHE_HOME": "/tmp/pdpair-helm/cache",
@@ -48,7 +49,7 @@ def render_rbac(helm: str | os.PathLike, namespace: str, release: str = "pdpair"
         "HELM_DATA_HOME": "/tmp/pdpair-helm/data",
     }
     proc = subprocess.run(
-        [str(helm), "template", release, str(CHART_DIR), "--namespace", namespace],
+        [str(helm), "template", release, str(CHART_DIR), "--namespace", namespace, *values],
         capture_output=True, text=True, env=env, timeout=120,
     )
     if proc.returncode != 0:
@@ -60,11 +61,12 @@ def render_rbac(helm: str | os.PathLike, namespace: str, release: str = "pdpair"
     return yaml.safe_dump_all(docs), accounts[0]
 
 
-def install_operator_rbac(cluster: Any, helm: str | os.PathLike, namespace: str) -> pathlib.Path:
+def install_operator_rbac(cluster: Any, helm: str | os.PathLike, namespace: str, release: str = "pdpair",
+                          values: tuple[str, ...] = ()) -> pathlib.Path:
     """Creates the namespace, applies the chart's RBAC, returns a kubeconfig of the operator ServiceAccount."""
     if cluster.kubectl("get", "namespace", namespace, check=False).returncode != 0:
         cluster.create_namespace(namespace)
-    manifest, account = render_rbac(helm, namespace)
+    manifest, account = render_rbac(helm, namespace, release, values)
     cluster.kubectl("apply", "--server-side", "-f", "-", input=manifest)
     return cluster.service_account_kubeconfig(namespace, account)
 

@@ -115,6 +115,11 @@ def monitoring_crds(local_cluster) -> list[str]:
                          ids=lambda v: "defaults" if v is None else "monitoring-on" if v is MONITORING_ON else v.name)
 def test_every_scenario_passes_a_server_side_dry_run(local_cluster, release, monitoring_crds, values):
     args = MONITORING_ON if values is MONITORING_ON else ["-f", str(values)] if values else []
+    watched = (yaml.safe_load(values.read_text()) or {}).get("operator", {}).get("watchNamespaces", []) if isinstance(
+        values, Path) else []
+    for namespace in watched:  # the namespaced RBAC's Roles go there, and the chart wants them to exist
+        if local_cluster.kubectl("get", "namespace", namespace, check=False).returncode != 0:
+            local_cluster.create_namespace(namespace)
     rendered = helm_template("dry", release["namespace"], *args)
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     if not docs:
@@ -338,3 +343,92 @@ def test_helm_install_then_uninstall_keeps_the_crd(local_cluster, release):
     local_cluster.kubectl("get", "crd", f"{contract.PLURAL}.{contract.GROUP}")
     local_cluster.kubectl("get", "crd", f"{contract.ROLE_OBJECT_PLURAL}.{contract.GROUP}")
     local_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def test_namespaced_install_runs_the_operator_and_admits_network_policies(platform, tmp_path):
+    """operator.watchNamespaces set (and operator.networkPolicy.enabled): the chart's RBAC applied for real, the
+    operator run under its ServiceAccount against the real apiserver. Its ClusterRole only reads nodes, namespaces
+    and CRDs; the pods it may make are in the watched namespace only; a hostNetwork pair reaches Ready there (its
+    decode listener opened by the test on the kwok node's 127.0.0.1), with no Forbidden in the operator's log; a pair
+    off the host network gets its NetworkPolicy, which the apiserver admits as the operator built it, and the
+    hostNetwork pair gets none. The dev cluster's bridge CNI does not enforce NetworkPolicies: whether packets are
+    dropped is not tested here.
+
+    Cost: one operator process beside the module's cluster (kwok nodes from the e2e `platform` fixture), one pair to
+    Ready; 9 s, plus 4 s for the `platform` fixture when no earlier test made it (measured on the shared 2-core box
+    under a CI run, load average 4-5)."""
+    import socket
+
+    from kubernetes import client
+
+    from devcluster import operator_process
+    from devcluster.build import helm_path
+    from devcluster.waiting import wait_for
+    from pdpair.operator.build import network_policy
+    from pdpair.operator.model.config import ENV_NETWORK_POLICY, ENV_WATCH_NAMESPACES
+    from tests.e2e.operator_helpers import DECODE_SIDECHANNEL_0, NO_HEALTH, Api, cleanup_pairs, pool_of_free_ports
+
+    cluster, _ = platform
+    suffix = uuid.uuid4().hex[:8]
+    watched, elsewhere, operator_ns = f"nsw-{suffix}", f"nso-{suffix}", f"nsop-{suffix}"
+    release_name = f"ns{suffix[:6]}"
+    for namespace in (watched, elsewhere):
+        cluster.create_namespace(namespace)
+    values = ("--set", f"operator.watchNamespaces={{{watched}}}", "--set", "operator.networkPolicy.enabled=true")
+    manifest, account = operator_process.render_rbac(helm_path(), operator_ns, release_name, values)
+    docs = [d for d in yaml.safe_load_all(manifest) if d]
+    api = Api(cluster)
+    proc = None
+    try:
+        kubeconfig = operator_process.install_operator_rbac(cluster, helm_path(), operator_ns, release_name, values)
+        [cluster_role] = [d for d in docs if d["kind"] == "ClusterRole"]
+        assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
+            "nodes", "namespaces", "customresourcedefinitions"}
+        who = f"system:serviceaccount:{operator_ns}:{account}"
+        assert can_i(cluster, who, "create", "pods", watched)
+        assert can_i(cluster, who, "create", "networkpolicies.networking.k8s.io", watched)
+        assert can_i(cluster, who, "create", "leases.coordination.k8s.io", operator_ns)
+        for verb, resource, namespace in (("create", "pods", elsewhere), ("list", "pods", None),
+                                          ("create", "secrets", elsewhere), ("patch", PAIRS, elsewhere),
+                                          ("create", "leases.coordination.k8s.io", watched)):
+            assert not can_i(cluster, who, verb, resource, namespace), (verb, resource, namespace)
+        assert can_i(cluster, who, "list", "nodes", None) and can_i(cluster, who, "watch", "namespaces", None)
+
+        proc = operator_process.OperatorProcess(kubeconfig, operator_ns, pool_of_free_ports(20),
+                                                tmp_path / "operator.log", extra_env={
+                                                    ENV_WATCH_NAMESPACES: watched, ENV_NETWORK_POLICY: "true",
+                                                    **NO_HEALTH}).start()
+        api.create_pair(watched, "served")  # hostNetwork: its pods' IP is the kwok node's, 127.0.0.1
+        api.create_pair(watched, "isolated", network={"hostNetwork": False})
+        pair = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("ports") else None)(
+            api.pair(watched, "served")), 60, "ports leased")
+        side = next(p["port"] for p in pair["status"]["ports"] if p["name"] == DECODE_SIDECHANNEL_0)
+        with socket.socket() as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", side))
+            listener.listen(16)
+            wait_for(lambda: api.pair(watched, "served").get("status", {}).get("phase") == "Ready", 60,
+                     "the hostNetwork pair Ready under the namespaced RBAC")
+
+        networking = client.NetworkingV1Api(cluster.api_client())
+        isolated = api.pair(watched, "isolated")
+        found = wait_for(lambda: next((p for p in networking.list_namespaced_network_policy(watched).items
+                                       if p.metadata.name == "isolated"), None), 60, "the pair's NetworkPolicy")
+        found = networking.api_client.sanitize_for_serialization(found)
+        wanted = network_policy.pair_network_policy(isolated, operator_ns)
+        assert found["spec"] == wanted["spec"], found["spec"]  # admitted as built: no defaulting to patch back
+        assert network_policy.owned_by(found, isolated["metadata"]["uid"])
+        assert [p.metadata.name for p in networking.list_namespaced_network_policy(watched).items] == ["isolated"]
+        reasons = [e.reason for e in api.events(watched)]
+        assert "NetworkPolicyCreated" in reasons and "NetworkPolicyError" not in reasons, reasons
+        cleanup_pairs(api, watched)
+        log = proc.log_tail(200_000)
+        assert "forbidden" not in log.lower(), log[-4000:]
+    finally:
+        if proc is not None:
+            proc.stop()
+        for doc in docs:
+            if doc["kind"] in CLUSTER_SCOPED:
+                cluster.kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"], "--wait=false", check=False)
+        for namespace in (watched, elsewhere, operator_ns):
+            cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
