@@ -1,7 +1,9 @@
 """The decode-before-prefill gate: does decode's side-channel listener ACCEPT a TCP connection on every rank?
 
 The operator probes podIP:port itself (pod Ready is not enough: the engine can be Ready before its KV listener
-binds). Every probe has a short deadline and runs concurrently on the event loop; nothing here blocks it.
+binds). Every probe has a short deadline and runs concurrently on the event loop; nothing here blocks it. The
+reconciler probes until a generation served (`probe_ranks`); after that the health watch probes it on its own tick
+(`refused_ports`: only a refusal counts, so a listener that closes later is a `listener_lost` verdict, health.py).
 """
 
 from __future__ import annotations

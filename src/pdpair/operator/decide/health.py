@@ -418,7 +418,8 @@ def observe(
     now: datetime | None = None,
     refused: Mapping[str, tuple[int, ...] | None] | None = None,
 ) -> tuple[dict[str, Any], PairVerdict]:
-    """One scrape of a Ready pair -> (the new `status.health`, the verdict). `previous` is `status.health` as written
+    """One scrape of a Ready pair (or of one that served and lost Ready: watch_generation) -> (the new
+    `status.health`, the verdict). `previous` is `status.health` as written
     (None or another generation's: nothing carries over). `pods` is pair_verdict's (instance key -> pod object).
     `refused`: per decode pod name, the side-channel ports that refused the watch's TCP probe this tick (() = all
     accepted; None or absent = no definite answer, the streak holds; next_listener_streak).
