@@ -1,5 +1,7 @@
 """The operator's pods on a real control plane (kwok nodes) carry the user's pod templates, the ordered startup still
-holds, and a prefill that never becomes ready leaves the pair PrefillStarting (no Ready, no restart).
+holds, and a prefill that never becomes ready leaves the pair PrefillStarting (no Ready, no restart). The live pods, read
+back from the API, carry the security defaults where no template decided (and the template's values where one did), and
+the engines the side-channel key's secretKeyRef.
 
 The operator runs as `python -m pdpair.operator` under the chart's ServiceAccount (tests/e2e/operator_helpers.py).
 kwok plays no probes: a pod labelled NEVER_READY_LABEL runs but stays not Ready (devcluster/kwok.py).
@@ -15,13 +17,15 @@ import pytest
 from pdpair.contract import (
     COND_PREFILL_READY,
     COND_READY,
+    ENV_SIDE_CHANNEL_KEY,
+    SIDE_CHANNEL_SECRET_KEY,
     LABEL_ROLE,
     PURPOSE_SIDECHANNEL,
     ROLE_DECODE,
     STARTUPZ_PATH,
 )
 from pdpair.operator.model.config import ENV_HEALTH_INTERVAL
-from pdpair.operator.build.pods import held_path, without_preflight
+from pdpair.operator.build.pods import held_path, side_channel_secret_name, without_preflight
 from devcluster.kwok import NEVER_READY_LABEL
 from tests.e2e.operator_helpers import (
     Api,
@@ -39,6 +43,9 @@ GANG_SCHEDULER = "test-gang-scheduler"  # no such scheduler runs: the test binds
 PRIORITY_CLASS = "pdpair-test-high"
 PROBE = {"httpGet": {"path": "/v1/models", "port": "http"}, "periodSeconds": 7, "failureThreshold": 4}
 SIDECAR = {"name": "log-shipper", "image": "busybox:1", "args": ["sleep", "infinity"]}
+# The operator's container security defaults where a template leaves a field unset (pods._locked_down)
+LOCKED = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}, "allowPrivilegeEscalation": False,
+          "capabilities": {"drop": ["ALL"]}}
 
 
 def template(role: str) -> dict:
@@ -119,6 +126,25 @@ def check_template_applied(pod: dict, role: str) -> None:
     assert (sidecar["image"], sidecar["args"]) == (SIDECAR["image"], SIDECAR["args"])
 
 
+def check_locked_down(api: Api, ns: str, pods: dict, pair_name: str) -> None:
+    """The live pods of a pair without security settings in its templates, read back from the API: every operator
+    container locked down, no ServiceAccount token mounted; the engines take the side-channel key from the pair's
+    Secret (which exists), the router never."""
+    api.core.read_namespaced_secret(side_channel_secret_name(pair_name), ns)  # made before the first engine pod
+    for role, listed in pods.items():
+        pod = raw_pod(api, ns, listed["metadata"]["name"])
+        main = container(pod, "router" if role == "router" else "engine")
+        assert main["securityContext"] == LOCKED, role
+        assert pod["spec"]["automountServiceAccountToken"] is False, role
+        assert not [v for v in pod["spec"].get("volumes") or [] if v["name"].startswith("kube-api-access")], role
+        refs = {e["name"]: (e.get("valueFrom") or {}).get("secretKeyRef") for e in main["env"]}
+        if role == "router":
+            assert ENV_SIDE_CHANNEL_KEY not in refs
+        else:
+            assert refs[ENV_SIDE_CHANNEL_KEY] == {"name": side_channel_secret_name(pair_name),
+                                                  "key": SIDE_CHANNEL_SECRET_KEY}, role
+
+
 def test_operator_pods_carry_the_templates_and_start_in_order(platform, cluster_namespace, tmp_path):
     cluster, _ = platform
     api = Api(cluster)
@@ -149,9 +175,12 @@ def test_operator_pods_carry_the_templates_and_start_in_order(platform, cluster_
             assert engine["resources"]["limits"] == {"cpu": "1", "memory": "1Gi"}
             assert engine["volumeMounts"][:2] == [{"name": "models", "mountPath": "/models", "readOnly": True},
                                                   {"name": "shm", "mountPath": "/dev/shm"}]
-            # flagcx: the user's securityContext keeps its fields and gains IPC_LOCK; hetero comm is on
-            assert engine["securityContext"] == {"runAsUser": 1000, "allowPrivilegeEscalation": False,
-                                                 "capabilities": {"add": ["IPC_LOCK"]}}
+            # flagcx: the user's securityContext keeps its fields and gains IPC_LOCK on top of the drop of every
+            # other capability; runAsNonRoot stays the template's pod-level one; hetero comm is on
+            assert engine["securityContext"] == {
+                "runAsUser": 1000, "allowPrivilegeEscalation": False, "seccompProfile": {"type": "RuntimeDefault"},
+                "capabilities": {"add": ["IPC_LOCK"], "drop": ["ALL"]}}
+            assert decode["spec"]["automountServiceAccountToken"] is False
             assert {e["name"]: e.get("value") for e in engine["env"]}["FLAGCX_USE_HETERO_COMM"] == "1"
             assert engine["image"] == "img:1" and without_preflight(engine["command"])[:3] == [
                 "python", "-m", "vllm.entrypoints.openai.api_server"]
@@ -182,6 +211,8 @@ def test_operator_pods_carry_the_templates_and_start_in_order(platform, cluster_
                 check_template_applied(pod, role)
             router = container(raw_pod(api, ns, pod_of(api, ns, "router")["metadata"]["name"]), "router")
             assert router["readinessProbe"]["httpGet"]["path"] == "/v1/models"
+            assert router["securityContext"] == {"runAsUser": 1000, **{k: v for k, v in LOCKED.items()
+                                                                       if k != "runAsNonRoot"}}
             assert without_preflight(router["command"])[:3] == ["python", "-m", "pdpair.router"]
             created = [name.rsplit("-g", 1)[0].rsplit("-", 1)[1] for name in recorder.created()]
             assert created == ["decode", "prefill", "router"], recorder.order()
@@ -191,7 +222,9 @@ def test_operator_pods_carry_the_templates_and_start_in_order(platform, cluster_
 
 
 def test_a_prefill_that_never_becomes_ready_stays_starting(platform, cluster_namespace, tmp_path):
-    """Inside the startup window: no Ready, no restart, the same prefill pod, while the health watch runs (1 s)."""
+    """Inside the startup window: no Ready, no restart, the same prefill pod, while the health watch runs (1 s). The
+    pair's live pods carry the security defaults and the engines the side-channel key's secretKeyRef (three pod reads,
+    well under 1 s added)."""
     cluster, _ = platform
     api = Api(cluster)
     ns = cluster_namespace
@@ -214,6 +247,7 @@ def test_a_prefill_that_never_becomes_ready_stays_starting(platform, cluster_nam
             generation = api.pair(ns, "slow")["status"]["pairGeneration"]
             # The router starts beside the engines once prefill runs; its readiness is theirs, the pair's Ready too.
             router = wait_for(lambda: pod_of(api, ns, "router"), 30, "the router pod beside the loading engines")
+            check_locked_down(api, ns, {"decode": decode, "prefill": prefill, "router": router}, "slow")
             # Watch well past several health intervals and reconcile passes: the pair must not move.
             observed_for = 20.0
             deadline = time.monotonic() + observed_for

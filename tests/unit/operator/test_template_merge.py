@@ -31,6 +31,9 @@ SIDECAR = {"name": "log-shipper", "image": "fluent-bit:3", "args": ["-c", "/etc/
 INIT = {"name": "fetch-model", "image": "hf-cli:1", "command": ["hf", "download", "tiny"],
         "volumeMounts": [{"name": "models", "mountPath": "/models"}]}
 USER_PROBE = {"httpGet": {"path": "/v1/models", "port": "http"}, "periodSeconds": 7, "failureThreshold": 2}
+# The operator's container security defaults, where a template leaves them unset (pods._locked_down)
+LOCKED = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}, "allowPrivilegeEscalation": False,
+          "capabilities": {"drop": ["ALL"]}}
 
 
 def template() -> dict:
@@ -127,7 +130,7 @@ def test_every_user_engine_container_field_survives():
     assert engine["volumeMounts"] == [{"name": "models", "mountPath": "/models", "readOnly": True},
                                       {"name": "shm", "mountPath": "/dev/shm"}]
     assert engine["resources"] == {"limits": {"nvidia.com/gpu": "2"}}  # as a string: see the quantities test
-    assert engine["securityContext"] == {"runAsUser": 1000}  # tcp: no FlagCX capability added
+    assert engine["securityContext"] == {"runAsUser": 1000, **LOCKED}  # tcp: no FlagCX capability added
     assert engine["workingDir"] == "/work"
     assert env(engine)["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
 
@@ -310,20 +313,23 @@ def test_router_gets_a_readiness_probe_and_keeps_its_template():
 def test_flagcx_sets_hetero_comm_and_ipc_lock():
     engine = container(build(pair("flagcx")), ENGINE_CONTAINER)
     assert env(engine)["FLAGCX_USE_HETERO_COMM"]["value"] == "1"
-    assert engine["securityContext"] == {"runAsUser": 1000, "capabilities": {"add": ["IPC_LOCK"]}}
+    assert engine["securityContext"] == {"runAsUser": 1000, **LOCKED,
+                                         "capabilities": {"add": ["IPC_LOCK"], "drop": ["ALL"]}}
 
 
 def test_tcp_sets_neither():
     engine = container(build(pair("tcp")), ENGINE_CONTAINER)
     assert "FLAGCX_USE_HETERO_COMM" not in env(engine)
-    assert "capabilities" not in engine["securityContext"]
+    assert engine["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
 @pytest.mark.parametrize("security, expected", [
-    ({"capabilities": {"drop": ["IPC_LOCK"]}}, {"capabilities": {"drop": ["IPC_LOCK"]}}),
-    ({"capabilities": {"add": ["IPC_LOCK", "NET_RAW"]}}, {"capabilities": {"add": ["IPC_LOCK", "NET_RAW"]}}),
-    ({"privileged": True}, {"privileged": True}),
-    ({"capabilities": {"drop": ["ALL"]}}, {"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}),
+    ({"capabilities": {"drop": ["IPC_LOCK"]}}, {**LOCKED, "capabilities": {"drop": ["IPC_LOCK"]}}),
+    ({"capabilities": {"add": ["IPC_LOCK", "NET_RAW"]}},
+     {**LOCKED, "capabilities": {"add": ["IPC_LOCK", "NET_RAW"], "drop": ["ALL"]}}),
+    # privileged has every capability: no drop, and allowPrivilegeEscalation false would be refused beside it
+    ({"privileged": True}, {"privileged": True, "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}),
+    ({"capabilities": {"drop": ["ALL"]}}, {**LOCKED, "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}),
 ])
 def test_flagcx_capability_respects_the_template(security, expected):
     p = pair("flagcx")
@@ -389,3 +395,76 @@ def test_quantities_become_strings_for_the_client_model():
     assert env(engine)["MEM"]["valueFrom"]["resourceFieldRef"]["divisor"] == "1"
     V1Pod.from_dict(pod)  # raises on a number where the model wants a string
     assert p["spec"]["decode"]["template"]["spec"]["containers"][1]["resources"] == {"limits": {"nvidia.com/gpu": 2}}
+
+
+# --- locked down by default -----------------------------------------------------------------------------------
+def bare_pair(transport: str = "tcp") -> dict:
+    return with_crd_defaults({"metadata": {"name": "demo", "namespace": "ns1", "uid": "uid-1"},
+                              "spec": {"model": "m", "image": "img:1", "connector": {"transport": transport}}})
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill", "router"])
+@pytest.mark.parametrize("transport", ["tcp", "flagcx"])
+def test_pods_are_locked_down_without_a_template(role, transport):
+    pod = build(bare_pair(transport), role)
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert "securityContext" not in pod["spec"]  # the container's, so a template's pod-level context stays its own
+    main = container(pod, ROUTER_CONTAINER if role == "router" else ENGINE_CONTAINER)
+    add = ["IPC_LOCK"] if transport == "flagcx" and role != "router" else []  # only FlagCX engines get one back
+    assert main["securityContext"] == {**LOCKED, "capabilities": {"drop": ["ALL"], **({"add": add} if add else {})}}
+
+
+def _template_with(role: str, pod_security: dict | None = None, security: dict | None = None,
+                   **pod_fields) -> dict:
+    name = ROUTER_CONTAINER if role == "router" else ENGINE_CONTAINER
+    spec: dict = {"containers": [{"name": name, **({"securityContext": security} if security is not None else {})}],
+                  **pod_fields}
+    if pod_security is not None:
+        spec["securityContext"] = pod_security
+    return {"spec": spec}
+
+
+@pytest.mark.parametrize("role", ["decode", "router"])
+@pytest.mark.parametrize("pod_security, security, expected", [
+    # each field the template writes wins, the others keep their default
+    (None, {"runAsNonRoot": False}, {**LOCKED, "runAsNonRoot": False}),
+    ({"runAsNonRoot": False}, None, {k: v for k, v in LOCKED.items() if k != "runAsNonRoot"}),
+    (None, {"runAsUser": 0}, {"runAsUser": 0, **{k: v for k, v in LOCKED.items() if k != "runAsNonRoot"}}),
+    ({"runAsUser": 0}, None, {k: v for k, v in LOCKED.items() if k != "runAsNonRoot"}),
+    (None, {"runAsUser": 1000}, {"runAsUser": 1000, **LOCKED}),
+    ({"seccompProfile": {"type": "Unconfined"}}, None, {k: v for k, v in LOCKED.items() if k != "seccompProfile"}),
+    (None, {"seccompProfile": {"type": "Localhost", "localhostProfile": "vllm.json"}},
+     {**LOCKED, "seccompProfile": {"type": "Localhost", "localhostProfile": "vllm.json"}}),
+    (None, {"allowPrivilegeEscalation": True}, {**LOCKED, "allowPrivilegeEscalation": True}),
+    (None, {"capabilities": {"drop": []}}, {**LOCKED, "capabilities": {"drop": []}}),
+    (None, {"capabilities": {"add": ["NET_RAW"]}}, {**LOCKED, "capabilities": {"add": ["NET_RAW"], "drop": ["ALL"]}}),
+    # the apiserver refuses allowPrivilegeEscalation false beside SYS_ADMIN or privileged: left unset there
+    (None, {"capabilities": {"add": ["SYS_ADMIN"]}},
+     {**{k: v for k, v in LOCKED.items() if k != "allowPrivilegeEscalation"},
+      "capabilities": {"add": ["SYS_ADMIN"], "drop": ["ALL"]}}),
+    (None, {"privileged": True}, {"privileged": True, "runAsNonRoot": True,
+                                  "seccompProfile": {"type": "RuntimeDefault"}}),
+])
+def test_a_templates_security_field_wins_over_the_default(role, pod_security, security, expected):
+    p = bare_pair()
+    p["spec"][role]["template"] = _template_with(role, pod_security, security)
+    pod = build(p, role)
+    main = container(pod, ROUTER_CONTAINER if role == "router" else ENGINE_CONTAINER)
+    assert main["securityContext"] == expected
+    if pod_security is not None:
+        assert pod["spec"]["securityContext"] == pod_security  # the pod's level is never written
+
+
+@pytest.mark.parametrize("role", ["prefill", "router"])
+def test_a_template_may_mount_the_service_account_token(role):
+    p = bare_pair()
+    p["spec"][role]["template"] = _template_with(role, automountServiceAccountToken=True, serviceAccountName="vllm")
+    spec = build(p, role)["spec"]
+    assert spec["automountServiceAccountToken"] is True and spec["serviceAccountName"] == "vllm"
+
+
+def test_sidecars_and_init_containers_keep_their_own_security():
+    """Only the operator's container is locked down: the template's other containers are the user's."""
+    pod = build(pair())
+    assert "securityContext" not in container(pod, "log-shipper")
+    assert pod["spec"]["initContainers"] == [INIT]

@@ -85,8 +85,17 @@ READINESS_PROBE = {"periodSeconds": 1, "timeoutSeconds": 4, "failureThreshold": 
 # The timeouts above leave this plus one check's own bound (the engine's /health 2 s, the router's ask 2.5 s).
 PROBE_WAIT_SECONDS = 1
 # FlagCX defaults for transport flagcx (docs/design.md): a same-vendor pair fails at init without hetero comm,
-# and registering RDMA memory needs IPC_LOCK.
+# and registering RDMA memory needs IPC_LOCK: ibv_reg_mr pins the KV cache's pages, beyond the memlock limit without
+# it. The engine's default drops every capability (LOCKED_DOWN_CONTAINER), so this one is added back by name.
 FLAGCX_CAPABILITY = "IPC_LOCK"
+# The engine and router containers are locked down unless the role's template decides otherwise, field by field
+# (docs/design.md, "Pods locked down by default"): nothing of the pair talks to the Kubernetes API, runs as root, gains
+# privileges or needs a capability but FlagCX's. The images run as uid 10001 with a numeric USER, so runAsNonRoot
+# needs no runAsUser; an image that runs as root fails to start with it (CreateContainerConfigError) until its template
+# sets runAsNonRoot: false or a runAsUser.
+SECCOMP_DEFAULT = {"type": "RuntimeDefault"}
+# allowPrivilegeEscalation false is invalid beside these (the apiserver refuses the pod), so it is left unset there
+ESCALATING_CAPABILITIES = frozenset({"SYS_ADMIN", "CAP_SYS_ADMIN"})
 # The first step of every hostNetwork pod's own container: binds each port the pod will use on its node, and on a
 # busy one fails the container with `pdpair: ports in use on this node: ...` as its termination message
 # (pdpair.connector.preflight), which the operator reads to quarantine the port and lease the pair another
@@ -327,7 +336,8 @@ def _default_probes(container: dict[str, Any], startup_timeout: int) -> None:
 
 
 def _flagcx_defaults(container: dict[str, Any], env: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """FLAGCX_USE_HETERO_COMM=1 and the IPC_LOCK capability, unless the template already decides them."""
+    """FLAGCX_USE_HETERO_COMM=1 and the IPC_LOCK capability (RDMA memory registration pins the KV cache; added back
+    after the default drop of every capability), unless the template already decides them."""
     names = {e.get("name") for e in env}
     env = env + [{"name": k, "value": v} for k, v in FLAGCX_ENV_DEFAULTS.items() if k not in names]
     security = container.setdefault("securityContext", {})
@@ -338,6 +348,41 @@ def _flagcx_defaults(container: dict[str, Any], env: list[dict[str, Any]]) -> li
             capabilities.get("add") or []):
         capabilities["add"] = list(capabilities.get("add") or []) + [FLAGCX_CAPABILITY]
     return env
+
+
+def _locked_down(pod: dict[str, Any], container: dict[str, Any]) -> None:
+    """The security defaults of the operator's container and its pod, each only where the template left that field
+    unset (a value the template wrote wins, at the container's or, for the fields a pod-level securityContext also
+    has, the pod's level):
+    - pod `automountServiceAccountToken: false`: no process of the pair calls the Kubernetes API;
+    - `runAsNonRoot: true`, unless the template runs the container as uid 0 (runAsUser 0, an explicit choice);
+    - `seccompProfile: RuntimeDefault`;
+    - `allowPrivilegeEscalation: false`, unless privileged or adding SYS_ADMIN (the apiserver refuses either beside it);
+    - `capabilities.drop: [ALL]`, unless privileged or the template's capabilities name a drop list; what the template
+      adds stays added (FlagCX's IPC_LOCK included, _flagcx_defaults).
+    """
+    spec = pod["spec"]
+    spec.setdefault("automountServiceAccountToken", False)
+    pod_security = spec.get("securityContext") or {}
+    if container.get("securityContext") is None:
+        container["securityContext"] = {}
+    security = container["securityContext"]
+
+    def decided(field: str) -> bool:  # set at the container's level, or at the pod's where a pod has the field
+        return security.get(field) is not None or pod_security.get(field) is not None
+
+    run_as = security.get("runAsUser") if security.get("runAsUser") is not None else pod_security.get("runAsUser")
+    if not decided("runAsNonRoot") and run_as != 0:
+        security["runAsNonRoot"] = True
+    if not decided("seccompProfile"):
+        security["seccompProfile"] = dict(SECCOMP_DEFAULT)
+    privileged = bool(security.get("privileged"))
+    capabilities = security.get("capabilities") or {}
+    if security.get("allowPrivilegeEscalation") is None and not privileged and not (
+            ESCALATING_CAPABILITIES & set(capabilities.get("add") or [])):
+        security["allowPrivilegeEscalation"] = False
+    if not privileged and capabilities.get("drop") is None:
+        security["capabilities"] = {**capabilities, "drop": ["ALL"]}
 
 
 def _quantities_as_strings(pod: dict[str, Any]) -> dict[str, Any]:
@@ -472,7 +517,7 @@ def engine_pod(
     user_env = list(container.get("env") or []) + list(role_spec.get("env") or [])
     merged_env = _merge_env(user_env, env)
     if spec_fields.transport(spec) == "flagcx":
-        merged_env = _flagcx_defaults(container, merged_env)
+        merged_env = _flagcx_defaults(container, merged_env)  # before _locked_down: it reads the template's own
     container.pop("args", None)
     container.update({
         "image": spec["image"],
@@ -483,6 +528,7 @@ def engine_pod(
     if role_spec.get("resources"):
         container["resources"] = copy.deepcopy(role_spec["resources"])
     _default_probes(container, spec_fields.startup_timeout_seconds(spec))
+    _locked_down(pod, container)
     for key in SCHEDULING_FIELDS:
         if role_spec.get(key):
             pod["spec"][key] = copy.deepcopy(role_spec[key])
@@ -534,6 +580,7 @@ def router_pod(
     })
     container.setdefault("readinessProbe", {
         "httpGet": {"path": held_path(READYZ_PATH), "port": HTTP_PORT_NAME, "scheme": "HTTP"}, **READINESS_PROBE})
+    _locked_down(pod, container)
     # The router runs where decode may run: decode's scheduling constraints (shorthand or template), unless the
     # router's own template sets them.
     decode_spec = spec.get(ROLE_DECODE) or {}
