@@ -67,7 +67,8 @@ def test_operator_runs_as_pods_with_the_charts_service_account_liveness_and_one_
 def test_pair_on_two_nodes_serves_through_its_service_like_a_single_engine(real_cluster, baseline_outputs,
                                                                           serving_pair):
     """The package's shared pair (serving_pair.py) serves from two nodes like the single engine, its KV crossed the
-    nodes, and the health watch judged its current generation Healthy. Cost: no vLLM cold start of its own (the
+    nodes, and the health watch judged its current generation Healthy; its pods run locked down (runAsNonRoot, seccomp
+    RuntimeDefault, no privilege escalation, no capability, no ServiceAccount token: read back from the API). Cost: no vLLM cold start of its own (the
     shared pair is Ready from the fault scenarios before it; alone, this test creates it: 2 cold starts)."""
     name, namespace = serving_pair.name, serving_pair.namespace
     t0 = time.monotonic()
@@ -84,6 +85,16 @@ def test_pair_on_two_nodes_serves_through_its_service_like_a_single_engine(real_
     assert by_role["prefill"]["spec"]["nodeName"] == "n1" and by_role["decode"]["spec"]["nodeName"] == "n2", \
         {r: p["spec"].get("nodeName") for r, p in by_role.items()}
     assert by_role["prefill"]["status"]["podIP"] != by_role["decode"]["status"]["podIP"]
+    # Locked down, and serving so: the live pods carry the operator's security defaults (the devcluster's templates set
+    # none) and no ServiceAccount token; the engines take the side-channel key from the pair's Secret, the router never.
+    locked = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}, "allowPrivilegeEscalation": False,
+              "capabilities": {"drop": ["ALL"]}}
+    for role, pod in by_role.items():
+        main = next(c for c in pod["spec"]["containers"] if c["name"] == ("router" if role == "router" else "engine"))
+        assert main["securityContext"] == locked, (role, main.get("securityContext"))
+        assert pod["spec"]["automountServiceAccountToken"] is False, role
+        refs = {e["name"]: (e.get("valueFrom") or {}).get("secretKeyRef") for e in main.get("env") or []}
+        assert (refs.get("PDPAIR_SIDE_CHANNEL_KEY") is None) == (role == "router"), (role, refs)
     # Decode first: prefill is created in the pass after decode (beside it), so never before it.
     assert by_role["decode"]["metadata"]["creationTimestamp"] <= by_role["prefill"]["metadata"]["creationTimestamp"]
 
