@@ -352,13 +352,22 @@ class DecodeSideChannel(SideChannelThread):
             logger.exception("%s: on_pull_failed(%s) failed", self.name, failed.transfer_id)
 
     def _send(self, sock: zmq.Socket, identity: bytes, message: Message, echo: bytes | None = None) -> str | None:
-        """Send to one peer; None on success, else why it was not sent (logged). Bounded by SNDTIMEO. `echo`: the
-        peer's own hash frame instead of ours (every answer of the handshake before Welcome: see metadata.encode)."""
+        """Send to one peer; None on success, else why it was not sent (logged). `echo`: the peer's own hash frame
+        instead of ours (every answer of the handshake before Welcome: see metadata.encode).
+
+        A paired prefill's messages (Pulls, Welcome) may wait up to SNDTIMEO for room in its queue. A handshake's
+        answers (Challenge, Refused, Accepted: those with `echo`) never wait: they go to peers not yet paired, any
+        stranger among them, and a stranger that sends Hellos and never reads its answers fills its queue (the
+        ROUTER is ROUTER_MANDATORY, so a full queue blocks a send instead of dropping it); each answer would then hold
+        the loop, and every edge's Pulls, for SNDTIMEO. Such an answer is dropped instead: a real prefill reads it."""
+        wait = echo is None
         try:
-            sock.send_multipart([identity, *encode(message, self.local_hash if echo is None else echo)])
+            sock.send_multipart([identity, *encode(message, self.local_hash if echo is None else echo)],
+                                0 if wait else zmq.NOBLOCK)
             return None
         except zmq.Again:
-            reason = f"prefill did not take it within {SEND_TIMEOUT_SECONDS:g}s (its queue is full: not reading)"
+            reason = (f"prefill did not take it within {SEND_TIMEOUT_SECONDS:g}s (its queue is full: not reading)"
+                      if wait else "the peer's queue is full (it does not read its answers); dropped, not waited for")
         except zmq.ZMQError as exc:
             reason = f"prefill is gone ({exc})" if exc.errno == zmq.EHOSTUNREACH else f"send failed: {exc}"
         self._log("send", logging.ERROR, "%s: %s not sent: %s", self.name, type(message).__name__, reason)

@@ -46,6 +46,7 @@ from tests.side_channel_support import (
     SilentListener,
     Stranger,
     answers_hello,
+    hello_frames,
     wait_until,
 )
 
@@ -268,6 +269,46 @@ def test_a_stalled_handshake_does_not_stall_pulls_and_extra_ones_are_refused_bus
         for stranger in strangers:
             stranger.close()
         silent.close()
+
+
+def test_a_stranger_that_never_reads_its_answers_stalls_nothing(paired):
+    """A stranger floods Hellos and never reads a Challenge, with as little receive room as it can ask for: decode's
+    queue for it fills after about a thousand answers, and every further answer is dropped at once instead of holding
+    the loop for SNDTIMEO (5 s each, which stalled every edge's Pulls for as long as the flood went on). Meanwhile a
+    Pull on the paired edge lands and a fresh Hello is answered, each in under a second (with every answer waiting
+    for room, the first Pull waited out its 5 s deadline). About 3 s."""
+    decode, _, _, port, _ = paired
+    deaf = Stranger(port, deaf=True)
+    stop = threading.Event()
+    sent = [0]
+
+    def flood() -> None:
+        import zmq
+
+        frames = hello_frames(b"0123456789abcdef")
+        while not stop.is_set():
+            try:
+                deaf.sock.send_multipart(frames, zmq.NOBLOCK)
+                sent[0] += 1
+            except zmq.Again:
+                time.sleep(0.001)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        assert wait_until(lambda: sent[0] >= 3000, 10), f"only {sent[0]} Hellos sent"
+        slowest = 0.0
+        for slot in range(8):
+            slowest = max(slowest, pull_flows(decode, "prefill-a", slot=slot))
+            started = time.monotonic()
+            assert answers_hello(port, HASH_BYTES, timeout=5)
+            slowest = max(slowest, time.monotonic() - started)
+            time.sleep(0.1)
+        assert slowest < 1.0, f"a Pull or a Hello took {slowest:.2f}s while a stranger flooded ({sent[0]} Hellos)"
+    finally:
+        stop.set()
+        flooder.join(5)
+        deaf.close()
 
 
 @pytest.mark.parametrize("uid", [
