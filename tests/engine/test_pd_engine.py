@@ -295,11 +295,14 @@ def test_side_channel_attack_does_not_slow_the_serving_edge(stack):
     was replaced and the listener answers.
 
     The margin: what the attack may cost the client is CPU on a 2-core box (the attacker's own process, and decode's
-    worker handling about 350 Hellos a second), which shows as a ratio a little above 1; what the test is there to
-    catch, a side channel stalled by the attack (a handshake on the loop thread, a send waiting for a stranger's full
-    queue), costs a Pull its whole deadline, 5 s against a p99 below 1 s here, i.e. a ratio of 5 or more. 1.5 leaves
-    the noise of a shared box room and still fails on one stalled request. About 60 s (2 x 50 completions, the
-    attack starting and its last stalled handshakes ending); vLLM cold starts: 0 (the module's stack)."""
+    worker handling about 350 Hellos a second), a ratio a little above 1. The stalls this test is there for (a
+    handshake on the loop thread, a send waiting SNDTIMEO for a stranger's full queue) hold a Pull for 5 s at a time,
+    back to back while the attack goes on: its request waits out the hang timeout (5 s) and fails, which the
+    no-failure assertion catches whatever the ratio. The ratio catches a lesser slow-down, and 1.5 leaves room for a
+    shared box: measured 1.46, 0.98 and 0.58 in three runs at load average 13-22 (other sessions' control planes and
+    unit tiers beside it), where the p99 itself moved between 2.6 and 4.9 s from one phase to the next with or without
+    the attack. 142-185 s at that load (2 x 50 completions of 2.6-5 s each, the attack's start, its last stalled
+    handshakes ending); vLLM cold starts: 0 (the module's stack)."""
     import subprocess
     import sys
     from pathlib import Path
