@@ -326,8 +326,8 @@ def test_an_operator_restarted_mid_rollout_carries_it_on(platform, cluster_names
 
 
 def test_a_new_pod_the_api_server_refuses_rolls_the_rollout_back(platform, cluster_namespace, tmp_path):
-    """requests above limits passes the CRD but not pod validation (422): the rollout fails at once, and the serving
-    generation keeps Ready=True (the refusal is reported on Progressing)."""
+    """A resource name neither standard nor domain-qualified passes the CRD but not pod validation (422): the rollout
+    fails at once, and the serving generation keeps Ready=True (the refusal is reported on Progressing)."""
     cluster, _ = platform
     api = Api(cluster)
     ns = cluster_namespace
@@ -336,7 +336,7 @@ def test_a_new_pod_the_api_server_refuses_rolls_the_rollout_back(platform, clust
         try:
             g1, listener = start_surge_pair(api, ns, "refused")
             listeners.append(listener)
-            bad = {"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}}
+            bad = {"resources": {"requests": {"widgets": "1"}}}
             api.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "refused", {"spec": {"decode": bad}})
             failed = wait_for(lambda: (lambda p: p if p["status"].get("failedRollout") and "rollout" not in p["status"]
                                        else None)(api.pair(ns, "refused")), 60, "the rollout rolled back")

@@ -250,13 +250,13 @@ def test_spec_change_keeps_old_ports_until_old_pods_are_gone_across_operator_res
 
 
 # --- finding 5: specs the API server refuses as pods -----------------------------------------------------------
+# Specs the CRD admits and pod validation refuses (422). Negative quantities, requests above limits and
+# tolerationSeconds without NoExecute used to be the examples; the CRD refuses those itself now
+# (tests/e2e/test_crd_validation.py), so these are what is left to a pod's own validation: a resource name that is
+# neither standard nor domain-qualified, and an extended resource requested without a limit.
 REFUSED_SPECS = [
-    ("negative-cpu", {"resources": {"requests": {"cpu": "-1"}}}, "requests[cpu]"),
-    ("requests-above-limits", {"resources": {"requests": {"memory": "2Gi"}, "limits": {"memory": "1Gi"}}},
-     "requests"),
-    ("toleration-seconds-noschedule",
-     {"tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30}]},
-     "tolerationSeconds"),
+    ("unqualified-resource-name", {"resources": {"requests": {"widgets": "1"}}}, "widgets"),
+    ("extended-resource-without-limit", {"resources": {"requests": {"example.com/widget": "1"}}}, "limits"),
 ]
 
 
