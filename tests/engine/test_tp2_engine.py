@@ -12,19 +12,26 @@ order (each engine takes a minute or more to start on this box):
 4. each rank's side channel, pair, regions and signal accounts are separate and visible, labelled by rank;
 5. a signal drop on rank 1 only: the request fails at the deadline, rank 1's deficit shows, /healthz and the
    operator's scrape judge the pod hung;
-6. one decode worker killed: the pair fails visibly (errors within bounded time), never a silent hang.
+6. a process that is not one of prefill's ranks sends rank 1 peer sets on the TP rank channel without the key: they
+   are refused, nothing is applied, the pair serves;
+7. one decode worker killed: the pair fails visibly (errors within bounded time), never a silent hang.
 Three TP = 2 engines re-created in one process are in test_engine_lifecycle.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import os
 import re
+import secrets
 import signal
+import socket
 import time
 import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +40,9 @@ import pytest
 from engines import PREFILL_INSTANCE, Process, engine, free_port, http_get, pair_env, router
 from test_pd_engine import completion, metric_in, tokens
 
+from pdpair import contract
+from pdpair.connector.rank_channel import PeerRanks, rank_channel_key, rank_socket_name
+from tests.side_channel_support import OTHER_KEY_BYTES, TEST_SIDE_CHANNEL_KEY
 from pdpair.operator.decide.health import PodState, ScrapeTarget
 from pdpair.operator.act.scrape import scrape_pods
 from pdpair.operator.act.listener_probe import probe_ranks
@@ -63,6 +73,9 @@ MAX_TOKENS = 6
 # taken over 5 minutes (a deadline, not a wait: a healthy engine returns at once).
 TP2_START_TIMEOUT_SECONDS = 900.0
 GENERATION = 3
+# Prefill's PDPAIR_PEERS_TOKEN, as the operator gives every prefill pod: with it, rank 0 serves the peer push and each
+# other rank takes peer sets from rank 0 over the TP rank channel (what the rank-channel test attacks).
+PEERS_TOKEN = "tp2-test-peers-token-0123456789"
 # Each request's stage stamps in the engine logs (kept under the test's tmp dir): a failure here can be read back.
 TIMELINE_ENV = {"PDPAIR_TIMELINE_LOG": "1"}
 # Fresh prompts (decode's prefix cache must not hold them), 1 to 5 blocks of 32 tokens.
@@ -116,7 +129,8 @@ def tp2(tiny_model, tmp_path_factory) -> Tp2Pair:
         "prefill-tp2", tiny_model, logs, kv_role="kv_producer", tensor_parallel_size=TP,
         pdpair_env=pair_env("prefill", generation=GENERATION, peer_base=listen_base, metrics_port=prefill_metrics,
                             hang_timeout=HANG_TIMEOUT_SECONDS),
-        extra_config={"test_drop_signals_file": str(drop)}, extra_env=TIMELINE_ENV,
+        extra_config={"test_drop_signals_file": str(drop)},
+        extra_env={**TIMELINE_ENV, contract.ENV_PEERS_TOKEN: PEERS_TOKEN},
     )
     decode = engine(
         "decode-tp2", tiny_model, logs, kv_role="kv_consumer", tensor_parallel_size=TP,
@@ -322,6 +336,119 @@ def test_each_rank_has_its_own_side_channel_pair_regions_and_accounts(tp2):
                          tp2.decode.log())
     status, health = healthz(tp2.decode_metrics)
     assert status == 200 and set(health["ranks"]) == {"0", "1"}, health
+
+
+def rank_channel_stranger(metrics_port: int, rank: int, request: bytes) -> tuple[bytes, bytes]:
+    """As a process that is not one of the pod's ranks: connect to TP rank `rank`'s abstract socket, read its nonce
+    line, send `request` (the nonce line's hex is put in for `{nonce}`), read until the rank closes. Returns (the nonce
+    line, everything the rank sent after it)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(PROBE_TIMEOUT_SECONDS)
+        sock.connect(rank_socket_name(metrics_port, rank))
+        received = b""
+        while b"\n" not in received:
+            chunk = sock.recv(4096)
+            assert chunk, f"rank {rank} closed before its nonce line: {received!r}"
+            received += chunk
+        nonce_line, _, after = received.partition(b"\n")
+        sock.sendall(request.replace(b"{nonce}", nonce_line.strip()))
+        while chunk := sock.recv(65536):
+            after += chunk
+    return nonce_line, after
+
+
+def peers_state(tp2) -> dict:
+    """Prefill's peer set and pairing per rank, as the operator reads them (GET of the peer push, on rank 0, which
+    asks rank 1 over the rank channel with the key)."""
+    def read() -> tuple[int, dict]:
+        request = urllib.request.Request(tp2.prefill_metrics + contract.PEERS_PATH,
+                                         headers={"Authorization": f"Bearer {PEERS_TOKEN}"})
+        try:
+            with urllib.request.urlopen(request, timeout=METRICS_READ_SECONDS) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    # 502 while rank 0 did not get rank 1's answer in time (a busy box): read again, as the operator does
+    status, state = wait_for(lambda: (lambda r: r if r[0] != 502 else None)(read()), METRICS_READ_SECONDS,
+                             "prefill's peer state from every rank", interval=1.0)
+    assert status == 200, state
+    return state
+
+
+def test_rank_channel_refuses_a_peer_set_without_the_key(tp2):
+    """A process that is not one of prefill's ranks connects to rank 1's abstract socket (`rank_socket_name`, what
+    any hostNetwork pod of the node can reach) and sends peer sets that would repoint rank 1 at a decode that does
+    not exist, or unpair it: with no MAC, with a MAC made with another pair's key, with a random MAC. Each gets the
+    nonce line and then nothing (the connection closes), and nothing is applied: rank 1's peer set and pairing (read
+    with the key as rank 0 reads them, and through prefill's peer push as the operator does) are what they were, no
+    side-channel handshake happens on either side, prefill logs the refusals, and the pair still serves a completion.
+    The same exchange with the pair's key and no peer set is answered (the stranger's requests were well formed but
+    for the MAC). 3.8 s on the module's pair (run alone, at load average 2-8); vLLM cold starts: 0."""
+    # Run alone, this test finds rank 1's listener still held back (the knob of the half-paired test): release it.
+    tp2.hold_listener_knob.unlink(missing_ok=True)
+    tp2.prefill.wait_log("pdpair-sidechannel-prefill-r1: paired with decode", 120)
+    port = int(tp2.prefill_metrics.rsplit(":", 1)[1])
+    wait_for(lambda: http_get(tp2.prefill_metrics + "/readyz")[0] == 200, 120, "prefill's /readyz 200", interval=0.5)
+    key = rank_channel_key(TEST_SIDE_CHANNEL_KEY)
+    decode_peer = f"127.0.0.1:{tp2.listen_base}"
+
+    def rank1_as_rank0() -> dict:
+        snapshot = PeerRanks(port, (1,), key, timeout=PROBE_TIMEOUT_SECONDS).fetch({})[1]
+        assert isinstance(snapshot, dict), snapshot
+        return {"peers": snapshot["peers"], "paired": snapshot["paired"]}
+
+    def handshakes_ok() -> tuple[float, float]:
+        return (ranked(tp2.prefill_metrics, "pdpair_handshakes_total", 1, outcome="ok"),
+                ranked(tp2.decode_metrics, "pdpair_handshakes_total", 1, outcome="ok"))
+
+    before_rank1, before_push, before_ok = rank1_as_rank0(), peers_state(tp2), handshakes_ok()
+    assert before_rank1 == {"peers": {decode_peer: True}, "paired": True}, before_rank1
+    assert before_push["ranks"]["1"] == {decode_peer: True} and before_push["paired"] == {decode_peer: True}, before_push
+    elsewhere = free_port(TP)  # a decode nobody runs: rank 1 would leave its decode for it
+
+    def mac(with_key: bytes, nonce_hex: bytes, body: bytes) -> bytes:
+        # rank_channel's request MAC, made here as a stranger would make it
+        return hmac.new(with_key, b"request\0" + bytes.fromhex(nonce_hex.decode()) + body,
+                        hashlib.sha256).hexdigest().encode()
+
+    other_key = rank_channel_key(OTHER_KEY_BYTES)
+    sent = 0
+    for decodes in ([{"host": "127.0.0.1", "portBase": elsewhere}], []):
+        body = json.dumps({"decodes": decodes, "nonce": secrets.token_hex(16)}).encode()
+        for request in (body + b"\n",  # no MAC at all
+                        b"{nonce} " + body + b"\n",  # a MAC field that is not one
+                        secrets.token_hex(32).encode() + b" " + body + b"\n"):  # a random MAC
+            nonce_line, after = rank_channel_stranger(port, 1, request)
+            assert len(bytes.fromhex(nonce_line.decode())) == 16 and after == b"", (nonce_line, after)
+            sent += 1
+        # another pair's key, on this exchange's own nonce (what a rank of another pair on the node could make)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(PROBE_TIMEOUT_SECONDS)
+            sock.connect(rank_socket_name(port, 1))
+            nonce_hex = sock.recv(64).strip()
+            sock.sendall(mac(other_key, nonce_hex, body) + b" " + body + b"\n")
+            assert sock.recv(65536) == b"", "a refused request must get nothing back"
+            sent += 1
+    # The pair's key on the same exchange, with no peer set: answered (the requests above differ only by their MAC).
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(PROBE_TIMEOUT_SECONDS)
+        sock.connect(rank_socket_name(port, 1))
+        nonce_hex = sock.recv(64).strip()
+        body = json.dumps({"nonce": secrets.token_hex(16)}).encode()
+        sock.sendall(mac(key, nonce_hex, body) + b" " + body + b"\n")
+        assert sock.recv(65536), "the pair's key must be answered"
+    time.sleep(1.0)  # had anything been applied, rank 1's edge would be closing or retrying by now
+    assert rank1_as_rank0() == before_rank1
+    after_push = peers_state(tp2)
+    assert after_push["ranks"] == before_push["ranks"] and after_push["epoch"] == before_push["epoch"], after_push
+    assert handshakes_ok() == before_ok, "no side-channel handshake may follow a refused peer set"
+    wait_for(lambda: f"TP rank channel '{rank_socket_name(port, 1)[1:]}': refused" in tp2.prefill.log(), 30,
+             "prefill's rank 1 logs the refusals", interval=0.5)
+    assert f"decode 127.0.0.1:{elsewhere}" not in tp2.prefill.log()
+    status, payload = ask(tp2.router.url, "A stranger on the rank channel changed nothing.")
+    assert status == 200 and len(tokens(payload)) == MAX_TOKENS, payload
+    print(f"\n{sent} forged peer sets refused on rank 1's channel; its peers {before_rank1['peers']}")
 
 
 def test_signal_drop_on_rank_1_only_fails_at_the_deadline_and_the_pod_is_judged_hung(tp2):
