@@ -58,7 +58,7 @@ def render(*sets: str, monitoring_on: bool = True) -> list[dict]:
         args += ["--set", s]
     proc = helm(*args)
     assert proc.returncode == 0, f"helm template failed:\n{proc.stderr}"
-    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+    return [doc for doc in yaml.load_all(proc.stdout, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) if doc]
 
 
 def render_error(*sets: str) -> str:

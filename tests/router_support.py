@@ -26,6 +26,7 @@ class Engine:
         self.metrics_scrapes = 0
         self.ready = True  # its readiness (/readyz and /health): 200 when True, else 503
         self.ready_delay = 0.0  # seconds before the readiness answer (one that never comes in time)
+        self.release = asyncio.Event()  # set: delayed answers (delay, ready_delay) come now (the test is done)
         self.ready_asked = 0
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -37,7 +38,10 @@ class Engine:
             request.transport.abort()
             return web.Response()
         if self.delay:
-            await asyncio.sleep(self.delay)
+            try:
+                await asyncio.wait_for(self.release.wait(), self.delay)
+            except asyncio.TimeoutError:
+                pass
         if self.status != 200:
             return web.json_response({"error": f"{self.name} failed"}, status=self.status)
         if body.get("stream"):
@@ -55,7 +59,10 @@ class Engine:
     async def readiness(self, request: web.Request) -> web.Response:
         self.ready_asked += 1
         if self.ready_delay:
-            await asyncio.sleep(self.ready_delay)
+            try:
+                await asyncio.wait_for(self.release.wait(), self.ready_delay)
+            except asyncio.TimeoutError:
+                pass
         return web.Response(status=200 if self.ready else 503, text=f"{self.name} ready={self.ready}")
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -15,11 +15,12 @@ from pdpair.operator.build import engine_args
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "charts" / "pdpair" / "crds" / "inferencepairs.pdpair.io.yaml"
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: the CRD is 7,700 lines
 
 
 @pytest.fixture(scope="module")
 def crd() -> dict:
-    return yaml.safe_load(CRD_PATH.read_text())
+    return yaml.load(CRD_PATH.read_text(), Loader=YAML_LOADER)
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +251,7 @@ ROLE_CRD_PATH = REPO / "charts" / "pdpair" / "crds" / f"{contract.ROLE_OBJECT_PL
 
 @pytest.fixture(scope="module")
 def role_crd() -> dict:
-    return yaml.safe_load(ROLE_CRD_PATH.read_text())
+    return yaml.load(ROLE_CRD_PATH.read_text(), Loader=YAML_LOADER)
 
 
 @pytest.fixture(scope="module")

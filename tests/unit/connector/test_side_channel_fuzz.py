@@ -4,7 +4,8 @@ handshakes (Hello, Challenge, Proof with or without the key) whose uids are out 
 
 After every case the listener still answers a Hello with a Challenge; every hundred cases a real PrefillSideChannel
 still pairs (and a Pull on its edge lands). Cost: 2000 cases and 20 real pairings in 11.5-20.7 s (14-28 s with
-pytest's start) on the shared 2-core box at load average 7-10. Derandomized: every run tries the same cases."""
+pytest's start) on the shared 2-core box at load average 7-10. Derandomized: every run tries the same cases. CASES:
+2000 in CI, 10000 (and 100 pairings) with PDPAIR_FULL_PROPERTY_TESTS=1 (tests/property_counts.py)."""
 
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ from pdpair.connector.prefill_side_channel import PrefillSideChannel
 from pdpair.connector.signals import SignalAccounts
 from pdpair.connector.transports.tcp import TcpTransport
 from devcluster.ports import free_port
+from tests.property_counts import cases
 from tests.side_channel_support import OTHER_KEY_BYTES, TEST_KEY_BYTES
 
-CASES = 2000
+CASES = cases(ci=2000, full=10000)
 PAIR_EVERY = 100
 FACTORS = compatibility_factors(KvLayout(["l0"], [4096], 32, "torch.float32", 1), "0.32.0")
 HASH = compatibility_hash(FACTORS)

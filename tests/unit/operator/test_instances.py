@@ -13,6 +13,7 @@ from pdpair.operator.decide import instances
 from pdpair.operator.decide.recreate import spec_fingerprint
 from pdpair.operator.model.observed import PodView
 from pdpair.operator.decide.planner import next_step
+from tests.property_counts import cases
 from tests.unit.operator.sim import SimWorld, simulate_until_ready
 
 DRAIN = 30
@@ -139,11 +140,12 @@ def test_a_deleted_decode_instance_is_recreated_without_a_restart():
 
 
 def test_random_scaling_keeps_the_instance_invariants():
-    """200 random scale sequences: never two pods for one (role, generation, instance); a prefill is only ever
+    """Random scale sequences (50 in CI, 200 with PDPAIR_FULL_PROPERTY_TESTS=1): never two pods for one (role,
+    generation, instance); a prefill is only ever
     created once decode 0 of its generation exists (running or not: the push brings its address); instance 0 is never removed by a scale; no pod is deleted
     before its drain; and after the last change the pods converge on the counts."""
     rng = random.Random(849)
-    for _ in range(200):
+    for _ in range(cases(ci=50, full=200)):
         world = SimWorld(spec(rng.randint(1, 4), rng.randint(1, 4)))
         for _ in range(rng.randint(1, 6)):
             if rng.random() < 0.4:
@@ -315,13 +317,13 @@ def test_a_hung_finding_about_one_instance_replaces_it_alone():
 
 
 def test_random_failures_in_a_serving_2p3d_pair_never_take_it_out_of_ready():
-    """200 random single failures (any engine instance, failed or restarted), each healed before the next: the pair
-    stays Ready at generation 1 throughout and ends with every instance (a generous budget)."""
+    """Random single failures (50 in CI, 200 with PDPAIR_FULL_PROPERTY_TESTS=1; any engine instance, failed or
+    restarted), each healed before the next: the pair stays Ready at generation 1 throughout and ends with every instance (a generous budget)."""
     rng = random.Random(7)
     world = SimWorld({**spec(prefill=2, decode=3), "restartPolicy": {"maxRestarts": 1000, "backoffSeconds": 0,
                                                                      "maxBackoffSeconds": 0}})
     simulate_until_ready(world)
-    for _ in range(200):
+    for _ in range(cases(ci=50, full=200)):
         world.now += 1
         name = rng.choice(sorted(n for n, p in world.pods.items() if p.role != "router"))
         fail(world, name, **rng.choice([{}, {"phase": "Running", "restarts": 2}]))

@@ -52,7 +52,8 @@ def test_the_policy_admits_only_the_pairs_pods_and_the_operators_namespace():
 
 
 def test_max_tp_is_the_crds():
-    crd = yaml.safe_load((REPO / "charts/pdpair/crds/inferencepairs.pdpair.io.yaml").read_text())
+    crd = yaml.load((REPO / "charts/pdpair/crds/inferencepairs.pdpair.io.yaml").read_text(),
+                    Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml: the CRD is 7,700 lines
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     assert {spec[r]["properties"]["tensorParallelSize"]["maximum"] for r in ("prefill", "decode")} == {np.MAX_TP}
 

@@ -381,10 +381,11 @@ def admitted_spec(strategy: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("strategy", ["Recreate", "Surge"])
-@settings(max_examples=400, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(derandomize=True, suppress_health_check=[HealthCheck.too_slow])  # count: the hypothesis profile's
 @given(events=event_sequences())
 def test_invariants_hold_over_random_event_sequences(strategy, events):
+    """The pair's invariants after every event of a random sequence. 100 derandomized sequences per strategy in CI,
+    3000 with PDPAIR_FULL_PROPERTY_TESTS=1 (tests/property_counts.py)."""
     world = World(copy.deepcopy(admitted_spec(strategy)))
     for event in events:
         apply_event(world, event)

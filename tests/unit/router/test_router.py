@@ -99,6 +99,7 @@ async def test_slow_prefill_is_504(stack):
         assert resp.status == 504
         assert "did not answer within" in (await resp.json())["error"]["message"]
     assert decode.received == []
+    prefill.release.set()  # its answer now: the teardown need not wait out the 2 s
 
 
 @pytest.mark.asyncio
@@ -109,6 +110,7 @@ async def test_slow_decode_is_504(stack):
     async with client.post(router + "/v1/completions", json={"prompt": "x"}) as resp:
         assert resp.status == 504
         assert (await resp.json())["error"]["peer"] == "decode"
+    decode.release.set()  # its answer now: the teardown need not wait out the 2 s
 
 
 @pytest.mark.asyncio
