@@ -1,4 +1,4 @@
-"""Hang detection and the ordered pair restart (issue 5) on the real control plane.
+"""Hang detection and the ordered pair restart on the real control plane.
 
 The pods are kwok pods (hostNetwork, node IP 127.0.0.1); their /metrics are real processes on the leased metrics
 ports: `python -m tests.metrics_demo`, the connector's own exporter (SignalAccounts), made hung on
