@@ -159,10 +159,10 @@ def attack_side_channel(port: int, decode_hash: bytes, *, generation: int, key: 
       MAX_CONCURRENT_HANDSHAKES + 1: each handshake stalls a handshake thread until its deadline, the extra one is
       refused busy); each goes again once refused. After `stop` the stalled ones are waited for (their refusal).
     The rates are per second, paced (a flood at line rate is a CPU load on decode's process, not a stall)."""
-    from pdpair.connector.metadata import Accepted, Refused
+    from pdpair.connector.metadata import NOT_ACCEPTED, Accepted, Refused
 
     counts = {"pooled_sent": 0, "challenges_read": 0, "deaf_sent": 0, "wrong_proofs_refused": 0,
-              "keyholder_accepted": 0, "keyholder_busy": 0, "keyholder_stalled_then_refused": 0,
+              "keyholder_accepted": 0, "keyholder_busy": 0, "keyholder_evicted": 0, "keyholder_stalled_then_refused": 0,
               "stall_seconds_min": None, "stall_seconds_max": None, "silent_accepted": 0, "errors": []}
     lock = threading.Lock()
     silent = SilentListener()
@@ -191,6 +191,10 @@ def attack_side_channel(port: int, decode_hash: bytes, *, generation: int, key: 
                         continue
                     if isinstance(answers[-1], Refused) and answers[-1].reason.startswith("busy"):
                         count("keyholder_busy")
+                    elif isinstance(answers[-1], Refused) and answers[-1].reason == NOT_ACCEPTED:
+                        # its Challenge was evicted by the Proof-less Hellos (MAX_PENDING_CHALLENGES of them came
+                        # before its Proof did: a busy box), so its Proof had no Hello to answer
+                        count("keyholder_evicted")
                     else:
                         raise AssertionError(f"a key holder's Hello was answered {answers!r}")
             except Exception as exc:  # noqa: BLE001 - reported in the counts, the attack goes on

@@ -299,10 +299,12 @@ def test_side_channel_attack_does_not_slow_the_serving_edge(stack):
     handshake on the loop thread, a send waiting SNDTIMEO for a stranger's full queue) hold a Pull for 5 s at a time,
     back to back while the attack goes on: its request waits out the hang timeout (5 s) and fails, which the
     no-failure assertion catches whatever the ratio. The ratio catches a lesser slow-down, and 1.5 leaves room for a
-    shared box: measured 1.46, 0.98 and 0.58 in three runs at load average 13-22 (other sessions' control planes and
-    unit tiers beside it), where the p99 itself moved between 2.6 and 4.9 s from one phase to the next with or without
-    the attack. 142-185 s at that load (2 x 50 completions of 2.6-5 s each, the attack's start, its last stalled
-    handshakes ending); vLLM cold starts: 0 (the module's stack)."""
+    shared box, though not for every change of its load: measured 1.46, 0.98, 0.58, 2.39 and 1.01 in five runs at
+    load average 8-22 (other sessions' control planes and unit tiers beside it); the 2.39 run failed with an image
+    build (buildah, 110 % CPU) beside it when it ended (p99 2.2 s before, 5.2 s during; the box stalled on CPU 207 s
+    of its 251 s), and in the others the p99 moved between 1.9 and 4.9 s from one phase to the next with or
+    without the attack. 104-185 s at that load (2 x 50 completions of 0.7-5 s each, the attack's start, its last
+    stalled handshakes ending); vLLM cold starts: 0 (the module's stack)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -333,8 +335,9 @@ def test_side_channel_attack_does_not_slow_the_serving_edge(stack):
             attacker.kill()
         attacker.wait(10)
     ratio = _p99(during) / _p99(before)
-    print(f"\nsteady client p99 before {_p99(before):.3f}s, during {_p99(during):.3f}s, ratio {ratio:.2f}; "
-          f"max {max(before):.3f}s / {max(during):.3f}s; attack {counts}")
+    seen = (f"steady client p99 before {_p99(before):.3f}s, during {_p99(during):.3f}s, ratio {ratio:.2f}; median "
+            f"{statistics.median(before):.3f}s / {statistics.median(during):.3f}s; attack {counts}")
+    print("\n" + seen)
     assert not counts["errors"], counts
     assert counts["keyholder_stalled_then_refused"] >= MAX_CONCURRENT_HANDSHAKES and counts["keyholder_busy"] >= 1
     assert counts["silent_accepted"] >= MAX_CONCURRENT_HANDSHAKES, "decode never dialled the silent listener"
@@ -344,7 +347,7 @@ def test_side_channel_attack_does_not_slow_the_serving_edge(stack):
     assert _handshakes(stack, "busy") > counts_before["busy"]
     assert _handshakes(stack, "ok") == counts_before["ok"], "an attacker's handshake must never pair"
     assert answers_hello(_side_channel_port(stack), decode_hash)
-    assert ratio <= STEADY_P99_RATIO, f"p99 during the attack is {ratio:.2f}x the p99 before it"
+    assert ratio <= STEADY_P99_RATIO, f"p99 during the attack is {ratio:.2f}x the p99 before it: {seen}"
 
 
 def test_dropped_signals_fail_the_request_within_the_deadline(stack):
