@@ -291,8 +291,9 @@ def test_side_channel_attack_does_not_slow_the_serving_edge(stack):
     uids pointing at a listener that accepts and never answers (each stalls its handshake thread until its deadline,
     min(HANDSHAKE_SECONDS, hang timeout) = 5 s here, then is refused; one more is refused busy; each goes again).
     The client sees no failure (every request moves its KV over the one real edge), and its p99 latency during the
-    attack stays within 1.5x its p99 just before it, in the same run (50 requests each phase); afterwards no edge
-    was replaced and the listener answers.
+    attack stays within 1.5x its p99 without the attack in the same run (50 requests just before and 50 just after
+    it; the larger of the two is the baseline, so a change of the box's load between phases is not counted against
+    the attack); afterwards no edge was replaced and the listener answers.
 
     The margin: what the attack may cost the client is CPU on a 2-core box (the attacker's own process, and decode's
     worker handling about 350 Hellos a second), a ratio a little above 1. The stalls this test is there for (a
@@ -303,7 +304,7 @@ def test_side_channel_attack_does_not_slow_the_serving_edge(stack):
     load average 8-22 (other sessions' control planes and unit tiers beside it); the 2.39 run failed with an image
     build (buildah, 110 % CPU) beside it when it ended (p99 2.2 s before, 5.2 s during; the box stalled on CPU 207 s
     of its 251 s), and in the others the p99 moved between 1.9 and 4.9 s from one phase to the next with or
-    without the attack. 104-185 s at that load (2 x 50 completions of 0.7-5 s each, the attack's start, its last
+    without the attack (those runs measured the baseline before the attack only). 150-250 s at that load (3 x 50 completions of 0.7-5 s each, the attack's start, its last
     stalled handshakes ending); vLLM cold starts: 0 (the module's stack)."""
     import subprocess
     import sys
@@ -334,9 +335,15 @@ def test_side_channel_attack_does_not_slow_the_serving_edge(stack):
         if attacker.poll() is None:
             attacker.kill()
         attacker.wait(10)
-    ratio = _p99(during) / _p99(before)
-    seen = (f"steady client p99 before {_p99(before):.3f}s, during {_p99(during):.3f}s, ratio {ratio:.2f}; median "
-            f"{statistics.median(before):.3f}s / {statistics.median(during):.3f}s; attack {counts}")
+    # The baseline is measured on both sides of the attack, and the larger p99 counts: on a shared box the load
+    # beside the test moves between phases (one run's p99 went 2.2 -> 5.2 s as an image build started beside it,
+    # with or without an attack), and a drift that lasts shows in the phase after as much as in the one during.
+    after = _steady_client(stack, "after")
+    baseline = max(_p99(before), _p99(after))
+    ratio = _p99(during) / baseline
+    seen = (f"steady client p99 before {_p99(before):.3f}s, during {_p99(during):.3f}s, after {_p99(after):.3f}s, "
+            f"ratio {ratio:.2f}; median {statistics.median(before):.3f}s / {statistics.median(during):.3f}s / "
+            f"{statistics.median(after):.3f}s; attack {counts}")
     print("\n" + seen)
     assert not counts["errors"], counts
     assert counts["keyholder_stalled_then_refused"] >= MAX_CONCURRENT_HANDSHAKES and counts["keyholder_busy"] >= 1
