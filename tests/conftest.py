@@ -1,8 +1,7 @@
 # Keep this file small: shared fixtures live next to what they set up.
 import pytest
-from hypothesis import settings
 
-from tests import box_pressure, ci_budget, property_counts
+from tests import box_pressure, ci_budget
 
 
 _skipped: list[str] = []
@@ -13,13 +12,6 @@ _skipped: list[str] = []
 # real-node binaries and images in the background meanwhile (only that tier needs them). A tier missing here runs
 # before the real-node tier.
 TIER_ORDER = ("unit", "native", "promtool", "flagcx_abi", "e2e", "engine", "e2e_realnode")
-
-
-# Hypothesis: a CI-sized example count by default, the full count with PDPAIR_FULL_PROPERTY_TESTS=1
-# (tests/property_counts.py).
-for _name, _examples in property_counts.PROFILES.items():
-    settings.register_profile(_name, max_examples=_examples, deadline=None, database=None)
-settings.load_profile(property_counts.PROFILE)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,7 +1,7 @@
 """How many cases the randomized unit tests try: a CI-sized count by default, the full count with
 PDPAIR_FULL_PROPERTY_TESTS=1 (tests/README.md, "Environment knobs").
 
-Hypothesis tests take theirs from the settings profile that tests/conftest.py loads ("ci" or "full", PROFILES
+Hypothesis tests take theirs from the settings profile that tests/unit/conftest.py loads ("ci" or "full", PROFILES
 below) and set no max_examples of their own; the tests that loop over random sequences themselves (random.Random)
 and the side-channel fuzz call cases(ci, full). Each such test's docstring states both counts."""
 
