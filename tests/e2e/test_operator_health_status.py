@@ -1,4 +1,4 @@
-"""KV health in status (issue 11, item 2) on the real control plane: the health watch writes `status.health`, the
+"""KV health in status on the real control plane: the health watch writes `status.health`, the
 reconciler derives SignalsHealthy and the restart from it, and a restarted operator reads the same health back.
 
 The pods are kwok pods (hostNetwork, node IP 127.0.0.1); their /metrics are real exporters on the leased metrics
