@@ -319,8 +319,11 @@ def test_outputs_equal_single_engines_at_tp2_and_tp1(tp2):
 def test_each_rank_has_its_own_side_channel_pair_regions_and_accounts(tp2):
     for rank in range(TP):
         assert ranked(tp2.decode_metrics, "pdpair_listener_ready", rank) == 1
-        assert ranked(tp2.decode_metrics, "pdpair_handshakes_total", rank, outcome="ok") == 1
-        assert ranked(tp2.prefill_metrics, "pdpair_handshakes_total", rank, outcome="ok") == 1
+        # At least one handshake per rank: a prefill that sees its decode's side channel drop pairs again by design,
+        # and in CI at load 35 (this module's engines beside the e2e tier) rank 0 once did (2026-12-06), so the
+        # count is not pinned to 1; what each rank paired with, and over which pair, is checked below.
+        assert ranked(tp2.decode_metrics, "pdpair_handshakes_total", rank, outcome="ok") >= 1
+        assert ranked(tp2.prefill_metrics, "pdpair_handshakes_total", rank, outcome="ok") >= 1
         # Decode's rank r waits only for signals from prefill's rank r, on its own pair communicator (the edge's `peer`
         # label is the prefill's instance; the rank label keeps the ranks apart).
         peer = PREFILL_INSTANCE
