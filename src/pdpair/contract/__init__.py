@@ -436,11 +436,6 @@ OPERATOR_METRICS = (
 ALL_METRICS = POD_METRICS + OPERATOR_METRICS
 
 
-def all_series_names() -> frozenset[str]:
-    """Every series name any pdpair process may export; rules and dashboards may use only these."""
-    return frozenset(s for m in ALL_METRICS for s in m.series_names)
-
-
 # --- alerts (PrometheusRule in the chart) --------------------------------------------------------
 ALERT_SIGNAL_DEFICIT = "PdPairSignalDeficit"
 ALERT_RESTART_LOOP = "PdPairRestartLoop"

@@ -92,11 +92,6 @@ def get_condition(conditions: Iterable[Mapping[str, Any]] | None, type_: str) ->
     return next((c for c in conditions or () if c.get("type") == type_), None)
 
 
-def is_true(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> bool:
-    cond = get_condition(conditions, type_)
-    return bool(cond) and cond.get("status") == TRUE
-
-
 def status_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     """The merge patch (RFC 7386) that turns `old` status into `new`. Lists are replaced whole; a merge patch merges
     maps, so a key gone from a map (e.g. pods.router once the router is disabled) is sent as null."""
