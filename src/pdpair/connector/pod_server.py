@@ -57,16 +57,7 @@ from .signals import SignalAccounts
 from .warmup import Warmup
 from pdpair.connector.rank_channel import PeerRanks, MergedRegistry, merged_health
 
-__all__ = [
-    "MetricsServer",
-    "serve",
-    "accounts_from_env",
-    "export_rank",
-    "PeerRanks",
-    "RankExporter",
-    "PeerPush",
-    "rank_channel_key",
-]
+__all__ = ["MetricsServer", "serve", "accounts_from_env", "PeerPush", "readiness", "startup", "warm_when_serving"]
 logger = logging.getLogger("pdpair.connector.pod_server")
 
 

@@ -26,17 +26,8 @@ from pdpair.httpserver import BoundedThreadingMixIn, DeadlineRequestMixIn, Limit
 
 from .signals import SignalAccounts
 
-__all__ = [
-    "MetricsServer",
-    "serve",
-    "accounts_from_env",
-    "export_rank",
-    "PeerRanks",
-    "RankExporter",
-    "PeerPush",
-    "rank_channel_key",
-]
-logger = logging.getLogger("pdpair.connector.pod_server")
+__all__ = ["export_rank", "PeerRanks", "RankExporter", "rank_channel_key", "rank_socket_name"]
+logger = logging.getLogger("pdpair.connector.rank_channel")
 
 
 # --- TP ranks: one pod, several worker processes, one metrics port -----------------------------------

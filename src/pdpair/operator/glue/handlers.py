@@ -32,7 +32,6 @@ import logging
 import random
 import secrets
 import time
-from datetime import datetime, timezone
 from typing import Any, Callable
 
 import kopf
@@ -57,6 +56,7 @@ from pdpair.operator.decide import scale_targets
 from pdpair.operator.act import scrape
 from pdpair.operator.model import spec_fields
 from pdpair.operator.decide import wake_filter
+from pdpair.operator.decide.surge import epoch  # RFC 3339 (seconds, Z) to epoch seconds, the one parser
 from pdpair.operator.act.kube_api import TimedApi
 from pdpair.operator.model.config import ENV_PEERS_KEY, OperatorConfig
 from pdpair.operator.glue.diffbase import NoDiffBaseStorage, diff_dependent_handlers
@@ -509,7 +509,7 @@ async def _pods_gone(runtime: Runtime, body: kopf.Body, uid: str, logger: loggin
     from kubernetes.client import V1DeleteOptions, V1Preconditions
 
     namespace = body["metadata"]["namespace"]
-    began = _parse_time(body["metadata"].get("deletionTimestamp")) or time.time()
+    began = epoch(body["metadata"].get("deletionTimestamp")) or time.time()
     deadline = began + runtime.config.pod_gone_timeout
     told_slow = False
     while True:
@@ -538,15 +538,6 @@ async def _pods_gone(runtime: Runtime, body: kopf.Body, uid: str, logger: loggin
                                     f"{max(0.0, deadline - now):.0f}s more)")
             logger.info("waiting for pods %s to be gone before releasing the ports", names)
         await asyncio.sleep(POD_GONE_POLL)
-
-
-def _parse_time(text: str | None) -> float | None:
-    if not text:
-        return None
-    try:
-        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
-    except ValueError:
-        return None
 
 
 async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float) -> None:
