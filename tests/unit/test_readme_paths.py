@@ -133,9 +133,24 @@ def cited_paths(md: Path) -> list[tuple[int, str, list[Path]]]:
     return out
 
 
+def _generated(path: Path) -> bool:
+    """A build output git ignores (`native/build/`): cited by its README, absent from a fresh clone until built."""
+    import subprocess
+
+    try:
+        relative = path.resolve().relative_to(ROOT)
+    except ValueError:
+        return False
+    # A folder that is not there yet is only matched by a pattern ending in "/" when asked with that "/".
+    return any(subprocess.run(["git", "check-ignore", "-q", name], cwd=ROOT).returncode == 0
+               for name in (str(relative), f"{relative}/"))
+
+
 def _exists(path: Path) -> bool:
     """The path, or a dotted reference into a module (`devcluster/product.baseline_pod` -> devcluster/product.py)."""
     if path.exists():
+        return True
+    if _generated(path):
         return True
     stem, dot, _ = path.name.partition(".")
     return bool(dot) and (path.parent / f"{stem}.py").is_file()
