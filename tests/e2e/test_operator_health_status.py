@@ -158,9 +158,11 @@ def test_hung_pod_unhealthy_in_status_and_restart_read_back(platform, cluster_na
     listener = None
     try:
         with operator(platform, ns, pool, tmp_path, name="operator-a", env=FAST_HEALTH) as operator_a:
-            # the first restart is immediate; the second waits 60 s, long enough to look at (and restart the
-            # operator in) the backoff
-            ports = start_pair(api, ns, "hung", backoffSeconds=60, maxBackoffSeconds=60)
+            # the first restart is immediate; the second waits 90 s, long enough to look at (and restart the
+            # operator in) the backoff. 60 s was too short once: on a starved box (CI, load 9, 82 s of 93 s stalled
+            # on CPU) generation 2 was judged hung only after the backoff had run out, and the restart to
+            # generation 3 came in the same pass.
+            ports = start_pair(api, ns, "hung", backoffSeconds=90, maxBackoffSeconds=90)
             listener = Listener(ports[DECODE_SIDECHANNEL])
             decode_x = Exporter(ports[DECODE_METRICS], "decode", 1, "--deficit", "3", "--deficit-on-sigusr1")
             exporters += [decode_x, Exporter(ports[PREFILL_METRICS], "prefill", 1)]
@@ -200,7 +202,7 @@ def test_hung_pod_unhealthy_in_status_and_restart_read_back(platform, cluster_na
                 signals = condition(p, COND_SIGNALS_HEALTHY)
                 return p if (signals.get("status"), signals.get("reason")) == ("False", "Hung") else None
 
-            pair = wait_for(judged_hung, 60, "SignalsHealthy False (Hung) for generation 2")
+            pair = wait_for(judged_hung, 80, "SignalsHealthy False (Hung) for generation 2")
             cond = condition(pair, COND_SIGNALS_HEALTHY)
             assert cond["reason"] == "Hung" and "3 signals missing" in cond["message"], cond
             assert pair["status"]["phase"] == "Restarting" and pair["status"]["pairGeneration"] == 2
@@ -211,7 +213,7 @@ def test_hung_pod_unhealthy_in_status_and_restart_read_back(platform, cluster_na
         recorder = PodRecorder(api, ns, only_new=True)
         with operator(platform, ns, pool, tmp_path, name="operator-b", env=NO_HEALTH):
             pair = wait_for(lambda: (lambda p: p if p["status"].get("pairGeneration") == 3 else None)(
-                api.pair(ns, "hung")), 120, "operator B's restart to generation 3, after the backoff")
+                api.pair(ns, "hung")), 150, "operator B's restart to generation 3, after the backoff")
             assert pair["status"]["restarts"] == 2 and "hung" in pair["status"]["lastRestart"]["reason"]
             wait_for(lambda: [o for o in recorder.order() if o.startswith("delete")] ==
                      ["delete hung-prefill-g2", "delete hung-decode-g2"], 30, "both generation 2 pods deleted")
