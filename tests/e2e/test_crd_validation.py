@@ -233,6 +233,26 @@ BAD_SPECS: list[tuple[str, Callable[[dict], None], tuple[str, ...]]] = [
     ("ratio-without-max", at("scaling.ratio", {"min": 1}), ("spec.scaling.ratio.max", "Required value")),
     ("scaling-follower-unknown", both(at("scaling.ratio", {"min": 1, "max": 2}), at("scaling.follower", "router")),
      ("spec.scaling.follower", "Unsupported value")),
+    ("api-key-secret-without-name", at("apiKeySecret", {"key": "token"}), ("spec.apiKeySecret.name", "Required value")),
+    ("api-key-secret-name-not-dns-1123", at("apiKeySecret", {"name": "Pair_Key"}),
+     ("spec.apiKeySecret.name", "should match")),
+    ("api-key-secret-name-empty-label", at("apiKeySecret", {"name": "pair..key"}),
+     ("spec.apiKeySecret.name", "should match")),
+    ("api-key-secret-name-too-long", at("apiKeySecret", {"name": "k" * 254}), ("spec.apiKeySecret.name", "Too long")),
+    ("api-key-secret-key-bad-character", at("apiKeySecret", {"name": "pair-key", "key": "api/key"}),
+     ("spec.apiKeySecret.key", "should match")),
+    ("api-key-secret-key-dot-dot", at("apiKeySecret", {"name": "pair-key", "key": "..data"}),
+     ("spec.apiKeySecret.key", "must not be '.' nor start with '..'")),
+    ("api-key-secret-key-dot", at("apiKeySecret", {"name": "pair-key", "key": "."}),
+     ("spec.apiKeySecret.key", "must not be '.' nor start with '..'")),
+    ("api-key-secret-with-a-value", at("apiKeySecret", {"name": "pair-key", "value": "sk-inline"}),
+     ('unknown field "spec.apiKeySecret.value"',)),
+    ("api-key-flag-beside-the-secret", both(at("apiKeySecret", {"name": "pair-key"}),
+                                            at("decode.args", ["--api-key", "sk-other"])),
+     ("spec.apiKeySecret", "must not pass --api-key")),
+    ("api-key-flag-spelled-with-underscores-beside-the-secret", both(at("apiKeySecret", {"name": "pair-key"}),
+                                                                    at("prefill.args", ["--api_key=sk-other"])),
+     ("spec.apiKeySecret", "must not pass --api-key")),
     ("unknown-field", at("replicas", 2), ('unknown field "spec.replicas"',)),
     ("unknown-nested-field", at("connector.transports", "tcp"), ('unknown field "spec.connector.transports"',)),
     ("name-too-long", rename("p" * 46), ("metadata.name", "Too long", "45")),
@@ -364,6 +384,14 @@ def test_partial_sections_are_defaulted_field_by_field(custom_api, crd_namespace
     assert spec["decode"] == {"args": ["--enforce-eager"], "replicas": 1, "tensorParallelSize": 1}
 
 
+def test_api_key_secret_gets_its_default_key_and_stays_absent_when_unset(custom_api, crd_namespace):
+    """spec.apiKeySecret: the key defaults to api-key; a spec without the field comes back without it (no key)."""
+    obj = minimal("api-key")
+    obj["spec"]["apiKeySecret"] = {"name": "pair-api-key"}
+    assert create(custom_api, crd_namespace, obj)["spec"]["apiKeySecret"] == {"name": "pair-api-key", "key": "api-key"}
+    assert "apiKeySecret" not in create(custom_api, crd_namespace, minimal("no-api-key"))["spec"]
+
+
 GOOD_SPECS: list[tuple[str, Callable[[dict], None]]] = [
     ("lookalike-flags-are-not-owned", at("decode.args", ["--model-impl", "vllm", "--hostname-ignored", "--portable",
                                                          "--max-model-len", "512", "--enable-prefix-caching"])),
@@ -396,6 +424,10 @@ GOOD_SPECS: list[tuple[str, Callable[[dict], None]]] = [
     ("name-at-45", rename("p" * 45)),
     ("window-equals-hang-timeout", both(at("connector.hangTimeoutSeconds", 600), at("restartPolicy.windowSeconds", 600))),
     ("ratio-band", at("scaling.ratio", {"min": 0.5, "max": 2})),
+    ("api-key-secret", at("apiKeySecret", {"name": "pair-api-key.v2", "key": ".token_1"})),
+    ("api-key-secret-beside-a-lookalike-flag", both(at("apiKeySecret", {"name": "pair-key", "key": "api-key"}),
+                                                    at("decode.args", ["--api-server-count", "1"]))),
+    ("api-key-flag-without-the-secret", at("decode.args", ["--api-key", "sk-user-managed"])),
     ("ratio-single-point-decode-follows", both(at("scaling.ratio", {"min": 1, "max": 1}),
                                                at("scaling.follower", "decode"))),
 ]

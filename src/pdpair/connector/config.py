@@ -136,6 +136,9 @@ class PdPairConfig:
     max_edges: int = contract.DEFAULT_MAX_EDGES
     transport_slots: int = DEFAULT_TRANSPORT_SLOTS  # request slots per peer connection (puts in flight)
     http_port: int | None = None  # the engine's own API port (PDPAIR_HTTP_PORT): /readyz checks its /health
+    # The pair's API key (VLLM_API_KEY, from spec.apiKeySecret; None: no key): vLLM itself reads the variable and
+    # refuses a /v1 request without it, so the warm-up's requests to the engine's own API carry it (warmup.py).
+    api_key: str | None = field(default=None, repr=False)
     # The transport's own variables as the pod set them (TransportSpec.env_names, e.g. flagcx's FLAGCX_LIB_PATH):
     # read here so the connector has one env reader; the transport's build reads them from here.
     transport_env: Mapping[str, str] = field(default_factory=dict, hash=False)
@@ -278,6 +281,7 @@ class PdPairConfig:
             hang_timeout_seconds=hang,
             metrics_port=metrics_port,
             http_port=http_port,
+            api_key=env.get(contract.ENV_API_KEY) or None,
             listen_host="0.0.0.0",
             listen_port_base=listen_base,
             peer_host=peer_host,

@@ -9,6 +9,10 @@ completion (no kv_transfer_params: nothing is pushed or pulled, no signal accoun
 It never blocks readiness for good: it runs once, with a deadline (`WARMUP_TIMEOUT_SECONDS`); an answer that is not
 200, or no answer in time, ends it with the reason logged and kept in /readyz's body (`warmup`), and the pod is
 Ready all the same: a warm-up is an optimisation, the engine's /health already said it serves.
+
+With the pair's API key (VLLM_API_KEY, spec.apiKeySecret) vLLM refuses a /v1 request without it: both requests
+carry `Authorization: Bearer <key>`, else every warm-up of a pair with a key would end in a 401, logged and passed
+over, and the first user request would pay the compile again.
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ class Warmup:
     """One warm-up of the engine at `base_url` (http://127.0.0.1:<its API port>), in a daemon thread, started by the
     first `state()` call after the engine serves. Thread-safe."""
 
-    def __init__(self, base_url: str, timeout_seconds: float = WARMUP_TIMEOUT_SECONDS) -> None:
+    def __init__(self, base_url: str, timeout_seconds: float = WARMUP_TIMEOUT_SECONDS,
+                 api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_seconds = timeout_seconds
+        # The engine's API key (PdPairConfig.api_key): sent as a bearer token with both requests; None or "": none.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._started = 0.0
@@ -52,11 +59,12 @@ class Warmup:
     def _run(self) -> None:
         deadline = time.monotonic() + self.timeout_seconds
         try:
-            with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=max(1.0, deadline - time.monotonic())) as r:
+            models = urllib.request.Request(f"{self.base_url}/v1/models", headers=self._headers)
+            with urllib.request.urlopen(models, timeout=max(1.0, deadline - time.monotonic())) as r:
                 model = json.load(r)["data"][0]["id"]
             body = json.dumps({"model": model, "prompt": WARMUP_PROMPT, "max_tokens": 1, "temperature": 0}).encode()
             request = urllib.request.Request(f"{self.base_url}/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
+                                             headers={"Content-Type": "application/json", **self._headers})
             with urllib.request.urlopen(request, timeout=max(1.0, deadline - time.monotonic())) as r:
                 r.read()
             outcome = f"ok ({time.monotonic() - self._started:.1f}s)"

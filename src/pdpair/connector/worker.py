@@ -146,7 +146,8 @@ class WorkerBase:
                                          peers) if push else None
                     self.metrics_server = serve(config.metrics_port, self.accounts, ranks=peers,
                                                 engine_health_url=f"{api}/health" if api else None,
-                                                warmup=Warmup(api) if api else None, peers=peer_push)
+                                                warmup=Warmup(api, api_key=config.api_key) if api else None,
+                                                peers=peer_push)
                 except OSError as exc:  # taken after the pod's preflight: tell the operator, which re-leases
                     report_bind_failure(config.metrics_port, exc, "the connector's metrics server")
                     raise

@@ -216,6 +216,11 @@ ENV_PEERS_TOKEN = "PDPAIR_PEERS_TOKEN"
 # may change an edge; a router, which holds only the push token, cannot pair as a prefill.
 ENV_SIDE_CHANNEL_KEY = "PDPAIR_SIDE_CHANNEL_KEY"
 SIDE_CHANNEL_SECRET_KEY = "side-channel-key"
+# Prefill, decode and router, only with spec.apiKeySecret: the key of the pair's OpenAI API, from the user's Secret
+# (secretKeyRef, never a value or a flag). vLLM's own variable (vllm/envs.py): vLLM answers 401 to a /v1 request
+# without `Authorization: Bearer <key>`; the router requires the same of its clients and sends it on to the engines;
+# the connector's warm-up sends it to its own engine. Empty or unset: no key. Not PDPAIR_*, so not in POD_ENV.
+ENV_API_KEY = "VLLM_API_KEY"
 # Decode: most prefill edges per TP rank (one per paired prefill instance); a Hello from a further prefill is refused
 # until an edge closes. Unset: DEFAULT_MAX_EDGES. The operator may set the prefill role's replica bound.
 ENV_MAX_EDGES = "PDPAIR_MAX_EDGES"

@@ -5,7 +5,10 @@ chosen by load; an instance's index is its place among its role's flags.
 
 With the environment variable PDPAIR_PEERS_TOKEN set, the operator pushes the instance sets to
 `PUT /pdpair/v1/peers` (bearer that token; see app.py), and --prefill/--decode are optional (the set until the first
-push)."""
+push).
+
+With VLLM_API_KEY set (the pair's spec.apiKeySecret), clients must send `Authorization: Bearer <key>` and the router
+sends it to the engines (see app.py); empty or unset: no key."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from pdpair.contract import ENV_PEERS_TOKEN
+from pdpair.contract import ENV_API_KEY, ENV_PEERS_TOKEN
 from pdpair.router.app import RouterConfig, check_body_bytes, check_timeout, make_app
 
 
@@ -103,11 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RouterConfig:
-    """The config of these flags and of the environment (`environ`, default os.environ): PDPAIR_PEERS_TOKEN."""
+    """The config of these flags and of the environment (`environ`, default os.environ): PDPAIR_PEERS_TOKEN and
+    VLLM_API_KEY, read here once."""
     environ = os.environ if environ is None else environ
     return RouterConfig(
         prefill_urls=tuple(args.prefill or ()), decode_urls=tuple(args.decode or ()),
-        peers_token=environ.get(ENV_PEERS_TOKEN) or None,
+        peers_token=environ.get(ENV_PEERS_TOKEN) or None, api_key=environ.get(ENV_API_KEY) or None,
         prefill_ready_urls=tuple(args.prefill_ready or ()), decode_ready_urls=tuple(args.decode_ready or ()),
         prefill_timeout_seconds=args.prefill_timeout, decode_timeout_seconds=args.decode_timeout,
         connect_timeout_seconds=args.connect_timeout, idle_connection_seconds=args.idle_connection_timeout,

@@ -40,6 +40,12 @@ deadline. A prefill that refused the connection never saw the request, so it is 
 is one. A decode request is never sent twice (its KV may already be read).
 X-Request-Id is taken from the client (or made) and sent to both engines and back to the client.
 
+With VLLM_API_KEY set (spec.apiKeySecret, read once at start; empty: no key), every request but /health, /readyz and
+`/pdpair/v1/peers` (its own token) must carry `Authorization: Bearer <key>`, compared as vLLM does (sha256 digests,
+constant time); any other is answered 401 with a fixed OpenAI-style error that echoes nothing of the request, before
+its body is read. The router then sends `Authorization: Bearer <key>` to prefill and decode (vLLM, given the same
+variable, refuses a /v1 request without it), and to decode's /v1/models; never the client's own header.
+
 /health is the router's liveness; /readyz its readiness: at least one prefill and one decode that may be chosen (not
 draining) ready by their own readiness URLs (`readiness`), so a router started beside loading engines gets no traffic
 before they serve.
@@ -50,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import hmac
 import json
 import logging
@@ -64,7 +71,7 @@ import aiohttp
 from aiohttp import web
 
 from pdpair.connector import timeline
-from pdpair.contract import ENV_PEERS_TOKEN, MAX_PEERS_BODY_BYTES, PEERS_PATH
+from pdpair.contract import ENV_API_KEY, ENV_PEERS_TOKEN, MAX_PEERS_BODY_BYTES, PEERS_PATH
 from pdpair.contract import READYZ_PATH  # the router's readiness too: it has a prefill and a decode that are ready
 from pdpair.contract import PROBE_WAIT_PARAM, parse_probe_wait, probe_hold_pause
 
@@ -109,6 +116,9 @@ class RouterConfig:
     # PDPAIR_PEERS_TOKEN: set, the router serves `PUT /pdpair/v1/peers` (the operator's push of its instance sets,
     # bearer this token) and the flags' URLs are only the set until the first push (none may be given); None: 404.
     peers_token: str | None = dataclasses.field(default=None, repr=False)
+    # VLLM_API_KEY (spec.apiKeySecret): set, clients must send it as a bearer token and the router sends it to the
+    # engines (`api_key_guard`, `Router.engine_headers`); None or "": no key. Never logged (repr=False).
+    api_key: str | None = dataclasses.field(default=None, repr=False)
 
 
 class PeerError(Exception):
@@ -267,6 +277,9 @@ class Router:
                             kv_usage_max_age_seconds=config.kv_usage_max_age_seconds,
                             ready_urls=config.decode_ready_urls)
         self.session: aiohttp.ClientSession | None = None
+        # Sent with every request to an engine's API (prefill, decode, decode's /v1/models): the pair's API key, which
+        # vLLM requires under /v1 when it has one; nothing without a key. Not to readiness URLs or /metrics (open).
+        self.engine_headers: dict[str, str] = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         # The last pushed set's epoch and generation (None: the flags' set, nothing pushed yet).
         self.epoch: int | None = None
         self.generation: int | None = None
@@ -342,8 +355,8 @@ async def _prefill(router: Router, first: Instance, body: dict, path: str, heade
         involved.enter_context(pool.involve(instance))
         with pool.hold(instance):
             try:
-                answer = await _post_json(router.session, "prefill", instance.url + path, payload, headers,
-                                          config.prefill_timeout_seconds)
+                answer = await _post_json(router.session, "prefill", instance.url + path, payload,
+                                          {**headers, **router.engine_headers}, config.prefill_timeout_seconds)
                 params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
                 if not isinstance(params, dict):
                     raise PeerError(
@@ -494,7 +507,9 @@ async def _decode(router: Router, decode: Instance, request: web.Request, body: 
     stream = bool(body.get("stream"))
     response: web.StreamResponse | None = None
     try:
-        async with router.session.post(url, json=decode_body, headers=headers, timeout=timeout) as resp:
+        # `headers` go back to the client too: the engines' Authorization only on the request to decode
+        async with router.session.post(url, json=decode_body, headers={**headers, **router.engine_headers},
+                                       timeout=timeout) as resp:
             if resp.status >= 400:
                 text = await resp.text()
                 status = 502 if resp.status >= 500 else resp.status
@@ -640,10 +655,63 @@ async def _models(request: web.Request) -> web.Response:
     cooling = set(router.decodes.cooling())
     decode = next((i for i in router.decodes.instances if i.index not in cooling), router.decodes.instances[0])
     try:
-        async with router.session.get(decode.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        async with router.session.get(decode.url + "/v1/models", headers=router.engine_headers,
+                                      timeout=aiohttp.ClientTimeout(total=10)) as resp:
             return web.Response(body=await resp.read(), status=resp.status, content_type=resp.content_type)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return PeerError(502, "decode", f"decode unreachable: {exc}").response("-")
+
+
+# --- the pair's API key (spec.apiKeySecret, VLLM_API_KEY) -------------------------------------------------------
+# The router's paths that need no API key: its liveness and readiness (the kubelet's probes) and the peer push, which
+# has its own token. Every other path, the OpenAI API under /v1 and any path the router does not serve, needs the key.
+OPEN_PATHS = frozenset({HEALTH_PATH, READYZ_PATH, PEERS_PATH})
+# The answer to a request without the key or with another: fixed, in the OpenAI error shape; nothing of the request.
+API_KEY_REFUSAL = {"error": {"message": "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                             "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+
+
+def check_api_key(key: str) -> str:
+    """VLLM_API_KEY as a client can send it: printable ASCII without leading or trailing whitespace, else a ValueError
+    naming the variable (never the value). An HTTP header carries nothing else intact (a header's surrounding
+    whitespace is stripped, and vLLM reads non-ASCII bytes as Latin-1 but hashes the key as UTF-8), so every
+    request would be refused; the likeliest cause is a Secret made from a file that ends with a newline."""
+    if not key or not key.isascii() or not key.isprintable() or key != key.strip():
+        raise ValueError(f"{ENV_API_KEY} (the Secret of spec.apiKeySecret) is not printable ASCII without leading or "
+                         f"trailing whitespace ({len(key)} characters): no client could send it in an Authorization "
+                         "header, so every request would be refused (a Secret made from a file often ends with a "
+                         "newline: make it with kubectl create secret generic --from-literal)")
+    return key
+
+
+def bearer_matches(header: str | None, digest: bytes) -> bool:
+    """Whether an Authorization header is `Bearer <key>` for the key whose sha256 is `digest`: vLLM's rule
+    (AuthenticationMiddleware: the scheme case-insensitive, the rest of the header after one space is the key),
+    compared as digests in constant time, so neither the key's length nor a prefix leaks through timing."""
+    if not header:
+        return False
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    try:
+        raw = given.encode("utf-8", "surrogateescape")  # the header's bytes as they came (aiohttp's decoding undone)
+    except UnicodeError:
+        return False
+    return hmac.compare_digest(hashlib.sha256(raw).digest(), digest)
+
+
+def api_key_guard(key: str):
+    """The middleware that answers 401 (API_KEY_REFUSAL) to a request outside OPEN_PATHS without the bearer key,
+    before its handler runs: before a byte of its body is read."""
+    digest = hashlib.sha256(check_api_key(key).encode()).digest()
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if request.path not in OPEN_PATHS and not bearer_matches(request.headers.get("Authorization"), digest):
+            return web.json_response(API_KEY_REFUSAL, status=401, headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return guard
 
 
 # --- the operator's push of the instance sets: PUT /pdpair/v1/peers ----------------------------------------------
@@ -834,6 +902,8 @@ def make_app(config: RouterConfig) -> web.Application:
     pushed = config.peers_token is not None
     if pushed:
         check_peers_token(config.peers_token)
+    config = dataclasses.replace(config, api_key=config.api_key or None)  # "": no key, as an empty VLLM_API_KEY
+    middlewares = [api_key_guard(config.api_key)] if config.api_key is not None else []
     config = dataclasses.replace(config, prefill_urls=check_urls("--prefill", config.prefill_urls, allow_empty=pushed),
                                  decode_urls=check_urls("--decode", config.decode_urls, allow_empty=pushed))
     config = dataclasses.replace(
@@ -850,7 +920,7 @@ def make_app(config: RouterConfig) -> web.Application:
     check_body_bytes("--max-body-bytes", config.max_body_bytes)
     # aiohttp's own bound on a body read whole (request.read(): the pushed set, itself bounded lower); completions
     # are read by _read_body up to max_body_bytes.
-    app = web.Application(client_max_size=max(config.max_body_bytes, MAX_PEERS_BODY_BYTES))
+    app = web.Application(client_max_size=max(config.max_body_bytes, MAX_PEERS_BODY_BYTES), middlewares=middlewares)
     router = app[ROUTER] = Router(config)
 
     async def client_ctx(app: web.Application):

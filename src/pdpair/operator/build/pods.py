@@ -21,6 +21,7 @@ from pdpair.contract import (
     FLAGCX_ENV_DEFAULTS,
     ANNOTATION_SPEC_HASH,
     API_VERSION,
+    ENV_API_KEY,
     ENV_GENERATION,
     ENV_HANG_TIMEOUT_SECONDS,
     ENV_HTTP_PORT,
@@ -166,8 +167,22 @@ def _side_channel_key_env(pair_name: str) -> list[dict[str, Any]]:
                                                                           "key": SIDE_CHANNEL_SECRET_KEY}}}]
 
 
+def _api_key_env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """VLLM_API_KEY from the user's Secret (`spec.apiKeySecret`) for prefill, decode and router; none without the
+    field. A secretKeyRef, never the value (it would show in the pod object) nor `--api-key` (a command line shows
+    in `ps` and in the pod spec). vLLM reads the variable itself; the router requires it of its clients and sends it
+    to the engines; the connector's warm-up sends it to its engine. The operator never reads that Secret: a missing
+    one keeps the pod from starting (CreateContainerConfigError), which the planner names in the pair's status."""
+    secret = spec_fields.api_key_secret(spec)
+    if secret is None:
+        return []
+    name, key = secret
+    return [{"name": ENV_API_KEY, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}]
+
+
 # The pair's Secrets each role's pod references (secretKeyRef): the executor makes them before it creates the pod, as
-# a pod whose Secret is missing never starts (CreateContainerConfigError).
+# a pod whose Secret is missing never starts (CreateContainerConfigError). The API key's Secret (spec.apiKeySecret) is
+# not one of them: the user makes it.
 SECRET_PEERS = "peers"
 SECRET_SIDE_CHANNEL = "side-channel"
 POD_SECRETS = {
@@ -507,6 +522,7 @@ def engine_pod(
             env.append({"name": ENV_PEERS, "value": ",".join(f"{url_host(h)}:{base}" for h, base in peers)})
         env += _peers_token_env(pair["metadata"]["name"])
     env += _side_channel_key_env(pair["metadata"]["name"])
+    env += _api_key_env(spec)
     container_ports = [
         {"name": HTTP_PORT_NAME, "containerPort": http, "protocol": "TCP"},
         {"name": METRICS_PORT_NAME, "containerPort": metrics, "protocol": "TCP"},
@@ -570,7 +586,7 @@ def router_pod(
     pod = _base_pod(pair, ROLE_ROUTER, generation, spec_hash)
     container = _main_container(pod, ROUTER_CONTAINER)
     ours = (_identity_env(pair, ROLE_ROUTER, generation) + [{"name": ENV_HTTP_PORT, "value": str(router_port)}]
-            + _peers_token_env(pair["metadata"]["name"]))
+            + _peers_token_env(pair["metadata"]["name"]) + _api_key_env(spec))
     container.pop("args", None)
     container.update({
         "image": spec["image"],

@@ -68,6 +68,8 @@ __all__ = [
     "restart_finding",
     "signals_condition",
     "pod_fact",
+    "container_config_error",
+    "CONFIG_ERROR_REASONS",
     "pair_verdict",
     "REASON_HUNG",
     "REASON_STALE_GENERATION",
@@ -239,6 +241,26 @@ class PodFact:
     pod: str = ""  # the pod's name ("" when no pod object was found: nothing to name)
 
 
+# A container waiting with one of these reasons cannot be created from its configuration: a Secret or ConfigMap, or
+# a key in one, that its env names is missing (spec.apiKeySecret's Secret, a template's secretKeyRef), or its image
+# runs as root under runAsNonRoot. The kubelet retries by itself and the pod stays Pending, started once the object
+# exists; a restart would meet the same error, so it is no restart reason: the planner names it in the pair's status.
+CONFIG_ERROR_REASONS = ("CreateContainerConfigError",)
+
+
+def container_config_error(pod: Mapping[str, Any] | None) -> str:
+    """Why a container of the pod (API JSON; init containers first) cannot be created from its configuration: the
+    kubelet's waiting reason and message (e.g. `secret "pair-api-key" not found`, `couldn't find key api-key in Secret
+    ns/pair-api-key`); "" when none waits so."""
+    status = (pod or {}).get("status") or {}
+    for cs in list(status.get("initContainerStatuses") or []) + list(status.get("containerStatuses") or []):
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in CONFIG_ERROR_REASONS:
+            return (f"container {cs.get('name')} cannot be created ({waiting['reason']}): "
+                    f"{waiting.get('message') or 'no message given'}")
+    return ""
+
+
 def pod_fact(role: str, pod: Mapping[str, Any] | None) -> PodFact:
     """What the pod object (API JSON, camelCase; None = not found) says about itself."""
     if pod is None:
@@ -266,6 +288,8 @@ def pod_fact(role: str, pod: Mapping[str, Any] | None) -> PodFact:
             )
     if pending_for_scheduling(pod):
         return PodFact(role, None, True, f"{role} pod {name} is {PENDING_SCHEDULING}", name)
+    if config_error := container_config_error(pod):  # no restart reason: the kubelet retries, a restart would not help
+        return PodFact(role, None, False, f"{role} pod {name}: {config_error}", name)
     return PodFact(role, None, False, f"{role} pod {name} {status.get('phase', 'Unknown')}", name)
 
 

@@ -27,7 +27,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from pdpair.contract import COND_NODE_LOST, COND_READY, PHASE_FAILED, PHASE_RESTARTING, ROLE_DECODE, ROLE_PREFILL, ROLES
+from pdpair.contract import (COND_NODE_LOST, COND_PROGRESSING, COND_READY, PHASE_FAILED, PHASE_RESTARTING, ROLE_DECODE,
+                             ROLE_PREFILL, ROLES)
 
 from pdpair.operator.decide import recreate as d
 from pdpair.operator.model.observed import Finding, PodView, Observed
@@ -256,7 +257,35 @@ def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Ob
     if lost.recheck_seconds is not None:  # a not-Ready node turns lost then, and nothing else wakes the pair
         wait = lost.recheck_seconds if wait is None else min(wait, lost.recheck_seconds)
     steps = dataclasses.replace(steps, conditions=steps.conditions + (node_condition,), wait_seconds=wait)
-    return PairPlan(OUTCOME_STEP, steps=steps, restart=restart, restart_times=new_times)
+    return PairPlan(OUTCOME_STEP, steps=naming_config_errors(steps, observed.pods), restart=restart,
+                    restart_times=new_times)
+
+
+def config_errors(pods: "tuple[PodView, ...] | list[PodView]") -> str:
+    """The pair's pods (not being deleted) whose container the kubelet cannot create from its configuration
+    (health.container_config_error: a missing Secret, such as spec.apiKeySecret's, or a missing key in one), each
+    with the kubelet's message; "" when none."""
+    return "; ".join(f"{p.role} pod {p.name}: {error}" for p in pods
+                     if not p.deleting and (error := health.container_config_error(p.raw)))
+
+
+def naming_config_errors(steps: d.Plan, pods: "tuple[PodView, ...] | list[PodView]") -> d.Plan:
+    """`steps` with every pod stuck on its configuration named (`config_errors`): in the message, and in the Ready
+    condition while it is False (reason CreateContainerConfigError), else in a Surge rollout's Progressing condition
+    (the serving generation stays Ready). Such a pod waits, and so does the pair's step, until the object is made;
+    without this the pair would only say it waits for the pod to run."""
+    stuck = config_errors(pods)
+    if not stuck:
+        return steps
+    conditions = list(steps.conditions)
+    ready = next((i for i, c in enumerate(conditions) if c.type == COND_READY and c.status == FALSE), None)
+    if ready is not None:
+        conditions[ready] = Condition(COND_READY, FALSE, health.CONFIG_ERROR_REASONS[0], stuck[:32768])
+    else:
+        for i, c in enumerate(conditions):
+            if c.type == COND_PROGRESSING:
+                conditions[i] = dataclasses.replace(c, message=f"{c.message}; {stuck}"[:32768])
+    return dataclasses.replace(steps, message=f"{steps.message}; {stuck}", conditions=tuple(conditions))
 
 
 def node_lost_condition(lost: nodes.LostPods) -> Condition:

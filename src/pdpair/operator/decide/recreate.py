@@ -64,7 +64,11 @@ from pdpair.operator.model.conditions import FALSE, TRUE, Condition
 # new pod-affecting field can not silently never roll out). The fingerprint of every example is pinned there too:
 # changing this list rolls every serving pair on operator upgrade.
 POD_SPEC_FIELDS = ("model", "servedModelName", "image", "prefill", "decode", "connector", "network", "router",
-                   "startupTimeoutSeconds")
+                   "startupTimeoutSeconds", "apiKeySecret")
+# Pod fields that came after pairs were already serving, with no CRD default: absent, a field of these is left out of
+# the fingerprint (not hashed as null), so a pair that does not use it keeps the fingerprint it had and does not roll
+# when the operator is upgraded; setting, changing or removing it rolls the pods like any pod field.
+OMITTED_WHEN_ABSENT = ("apiKeySecret",)
 # How to roll, restart and scale, not what: spec.scaling (the P:D band) moves counts, like replicas.
 SPEC_FIELDS_NOT_IN_PODS = ("rolloutStrategy", "rollout", "restartPolicy", "scaling")
 
@@ -75,7 +79,7 @@ ROLE_FIELDS_NOT_IN_PODS = ("replicas",)
 
 
 def spec_fingerprint(spec: Mapping[str, Any]) -> str:
-    relevant = {k: spec.get(k) for k in POD_SPEC_FIELDS}
+    relevant = {k: spec.get(k) for k in POD_SPEC_FIELDS if k not in OMITTED_WHEN_ABSENT or spec.get(k) is not None}
     for role in (ROLE_PREFILL, ROLE_DECODE):
         if isinstance(relevant.get(role), Mapping):
             relevant[role] = {k: v for k, v in relevant[role].items() if k not in ROLE_FIELDS_NOT_IN_PODS}

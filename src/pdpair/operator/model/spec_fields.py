@@ -54,3 +54,11 @@ def scaling_follower(spec: Mapping[str, Any]) -> str:
     """spec.scaling.follower: which role follows the P:D band (operator/ratio_band.py). Defaulted by the CRD
     wherever spec.scaling is written, and read only then (an absent spec.scaling is no band)."""
     return str(defaulted(spec, "scaling", "follower"))
+
+
+def api_key_secret(spec: Mapping[str, Any]) -> tuple[str, str] | None:
+    """spec.apiKeySecret as (Secret name, key), or None when the pair has no API key (the field is absent). The key
+    is the CRD's default wherever the field is written, so a missing one is a missing default."""
+    if not spec.get("apiKeySecret"):
+        return None
+    return str(spec["apiKeySecret"]["name"]), str(defaulted(spec, "apiKeySecret", "key"))
