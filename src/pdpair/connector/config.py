@@ -148,6 +148,7 @@ class PdPairConfig:
     test_drop_signals_file: str | None = None  # prefill: while it exists, the native sender drops every N-th signal
     test_delay_listener_file: str | None = None  # decode: while it exists, the ranks it names do not listen yet
     test_slow_decode_file: str | None = None  # decode: while it exists, each model step sleeps the ms it holds
+    test_stop_listener_file: str | None = None  # decode: once it exists, the side-channel loop stops (as a bug would)
 
     @property
     def send_lease_seconds(self) -> float:
@@ -270,6 +271,11 @@ class PdPairConfig:
         if slow_decode and role != contract.ROLE_DECODE:
             raise ConfigError(f"the slow-decode test knob ({contract.ENV_TEST_SLOW_DECODE_FILE} or "
                               f"test_slow_decode_file) applies to decode only (its model steps), not to {role}")
+        stop_listener = _test_knob_file(extra, "test_stop_listener_file", env, contract.ENV_TEST_STOP_LISTENER_FILE)
+        if stop_listener and role != contract.ROLE_DECODE:
+            raise ConfigError(f"the stop-listener test knob ({contract.ENV_TEST_STOP_LISTENER_FILE} or "
+                              f"test_stop_listener_file) applies to decode only (its side-channel listener), not to "
+                              f"{role}")
         if extra:
             raise ConfigError(f"unknown kv_connector_extra_config keys for PdPairConnector: {sorted(extra)}")
         return cls(
@@ -297,6 +303,7 @@ class PdPairConfig:
             test_drop_signals_file=drop,
             test_delay_listener_file=str(delay_listener) if delay_listener else None,
             test_slow_decode_file=slow_decode,
+            test_stop_listener_file=stop_listener,
         )
 
 

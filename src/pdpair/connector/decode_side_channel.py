@@ -53,6 +53,7 @@ from pdpair.connector.side_channel import (
     check_key,
     quietly,
 )
+from pdpair.connector.testing_knobs import StopListenerKnob
 from pdpair.connector.transports.base import (
     RANK_DECODE,
     PairComm,
@@ -160,8 +161,11 @@ class DecodeSideChannel(SideChannelThread):
         on_disconnect: Callable[[DecodeEdge, str], None],
         accounts,
         max_edges: int = contract.DEFAULT_MAX_EDGES,
+        test_stop_listener_file: str | None = None,
     ) -> None:
         super().__init__(f"pdpair-sidechannel-decode-r{tp_rank}", local_hash, accounts)
+        # TEST ONLY (testing_knobs.StopListenerKnob): None in production
+        self._stop_knob = StopListenerKnob(test_stop_listener_file) if test_stop_listener_file else None
         self.host, self.port, self.tp_rank = host, port, tp_rank
         self.generation = generation
         self.transport = transport
@@ -256,6 +260,8 @@ class DecodeSideChannel(SideChannelThread):
                 if sock in events:
                     self._receive(sock)
                 self._expire_pending()
+                if self._stop_knob is not None:
+                    self._stop_knob.check()
         except BaseException as exc:  # noqa: BLE001 - the thread must report, not vanish
             # /readyz answers 503 from now on, naming this (metrics.readiness): the operator replaces the pod. Set
             # before `error`, so whoever sees `alive` turn False finds readiness already failing.

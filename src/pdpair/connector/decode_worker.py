@@ -78,6 +78,7 @@ class DecodeWorker(WorkerBase):
             on_pull_failed=self._on_pull_failed,
             on_disconnect=self._on_disconnect,
             accounts=self.accounts,
+            test_stop_listener_file=self.config.test_stop_listener_file,
         )
         if self._listener_held_back():
             logger.warning("TEST KNOB %s present: rank %d's side-channel listener waits until the file is removed",

@@ -1,12 +1,14 @@
 """Test-only knobs of the connector, never set by the operator: decode's slow-step knob file (`SlowDecodeKnob`,
 kv_connector_extra_config's test_slow_decode_file, TEST_ONLY_PDPAIR_SLOW_DECODE_FILE) and the byte a test flips to
-corrupt KV (TEST_CORRUPT_KV_BYTE). Kept here, apart from the product's code paths, so a reader sees at once what
+corrupt KV (TEST_CORRUPT_KV_BYTE), and decode's stop-listener knob file (`StopListenerKnob`,
+TEST_ONLY_PDPAIR_STOP_LISTENER_FILE), which ends the side-channel loop as a bug would. Kept here, apart from the product's code paths, so a reader sees at once what
 exists only for tests."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 
 logger = logging.getLogger("pdpair.connector.worker")  # the name the worker's lines had before the split
@@ -78,3 +80,32 @@ def knob_milliseconds(text: str) -> float | None:
     except ValueError:
         return None
     return value if math.isfinite(value) and 0 <= value <= TEST_SLOW_DECODE_MAX_MS else None
+
+
+# TEST ONLY (test_stop_listener_file): how often decode's side-channel loop looks for the knob file.
+TEST_STOP_LISTENER_POLL_SECONDS = 0.5
+
+
+class ListenerStoppedByTestKnob(RuntimeError):
+    """TEST ONLY: raised in decode's side-channel loop when its stop-listener knob file appears."""
+
+
+class StopListenerKnob:
+    """TEST ONLY (test_stop_listener_file): once the file exists, decode's side-channel loop raises
+    ListenerStoppedByTestKnob, and so leaves the way an unexpected exception would (the listener closes, /readyz
+    answers 503, `pdpair_listener_failed` turns 1). Nothing a peer sends can end the loop any more, so a test on real
+    pods needs this to show what the operator does when the loop stops anyway. The file is looked for at most every
+    TEST_STOP_LISTENER_POLL_SECONDS (one stat a half second, only while the knob is configured)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._checked_at: float | None = None
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if self._checked_at is not None and now - self._checked_at < TEST_STOP_LISTENER_POLL_SECONDS:
+            return
+        self._checked_at = now
+        if os.path.lexists(self.path):
+            logger.warning("TEST KNOB %s present: stopping decode's side-channel loop", self.path)
+            raise ListenerStoppedByTestKnob(f"test knob {self.path} present")

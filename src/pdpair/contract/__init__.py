@@ -237,6 +237,9 @@ ENV_TEST_DROP_SIGNALS_FILE = "TEST_ONLY_PDPAIR_DROP_SIGNALS_FILE"
 # TEST ONLY, never set by the operator, likewise: the path of decode's slow-step knob file (kv_connector_extra_config's
 # test_slow_decode_file), so a test can set it on every decode pod of a pair and slow one of them.
 ENV_TEST_SLOW_DECODE_FILE = "TEST_ONLY_PDPAIR_SLOW_DECODE_FILE"
+# TEST ONLY: decode's side-channel loop stops once this file exists (connector testing_knobs.StopListenerKnob, extra
+# config test_stop_listener_file): how a test on real pods stops a listener nothing a peer sends can stop.
+ENV_TEST_STOP_LISTENER_FILE = "TEST_ONLY_PDPAIR_STOP_LISTENER_FILE"
 POD_ENV = (
     ENV_ROLE,
     ENV_PAIR,

@@ -79,6 +79,19 @@ def test_slow_decode_knob_env_is_not_an_operator_variable():
     assert contract.ENV_TEST_SLOW_DECODE_FILE not in contract.POD_ENV
 
 
+def test_stop_listener_knob_is_decode_only_and_not_an_operator_variable():
+    """Decode's stop-listener knob: the extra config or the TEST_ONLY_ env; on prefill the engine fails at start."""
+    assert PdPairConfig.from_env("kv_consumer", {"test_stop_listener_file": "/tmp/stop"}, DECODE) \
+        .test_stop_listener_file == "/tmp/stop"
+    env = {**DECODE, contract.ENV_TEST_STOP_LISTENER_FILE: "/tmp/stop"}
+    assert PdPairConfig.from_env("kv_consumer", {}, env).test_stop_listener_file == "/tmp/stop"
+    assert PdPairConfig.from_env("kv_consumer", {}, DECODE).test_stop_listener_file is None
+    with pytest.raises(ConfigError, match="decode only"):
+        PdPairConfig.from_env("kv_producer", {"test_stop_listener_file": "/tmp/stop"}, PREFILL)
+    assert not contract.ENV_TEST_STOP_LISTENER_FILE.startswith("PDPAIR_")
+    assert contract.ENV_TEST_STOP_LISTENER_FILE not in contract.POD_ENV
+
+
 @pytest.mark.parametrize(
     ("kv_role", "env", "extra", "message"),
     [

@@ -413,6 +413,43 @@ def test_a_loop_that_stops_is_reported_to_readiness_at_once(monkeypatch):
         decode.stop()
 
 
+def test_the_stop_listener_test_knob_ends_the_loop_as_a_bug_would(tmp_path):
+    """TEST ONLY knob (testing_knobs.StopListenerKnob), the way the real-node tier stops a real decode's listener:
+    absent, the loop serves; once the file appears, within a poll the loop leaves as an escaped exception would:
+    `alive` False, /readyz 503 naming the knob, the port refuses connections. About 1 s."""
+    import socket
+
+    knob = tmp_path / "stop-listener"
+    port = free_port()
+    accounts = SignalAccounts("decode", 5.0, generation=GENERATION)
+    side = Side(0.0)
+    decode = DecodeSideChannel(
+        host="127.0.0.1", port=port, tp_rank=0, generation=GENERATION, transport=TcpTransport(),
+        hang_timeout_seconds=5.0, local_hash=HASH, factors=FACTORS, key=TEST_KEY_BYTES,
+        register_regions=side.register, on_pull_done=side.done.append, on_pull_failed=side.failed.append,
+        on_disconnect=lambda edge, why: None, accounts=accounts, test_stop_listener_file=str(knob),
+    )
+    decode.start_and_wait()
+    try:
+        time.sleep(0.6)  # more than one poll of the knob: absent, nothing happens
+        assert decode.alive and answers_hello(port, HASH_BYTES)
+        knob.write_text("")
+        assert wait_until(lambda: not decode.alive, 5)
+        ready, body = readiness(accounts)
+        assert not ready and "test knob" in body["listener_failure"]["0"]
+
+        def refused() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return False
+            except ConnectionRefusedError:
+                return True
+
+        assert wait_until(refused, 3)
+    finally:
+        decode.stop()
+
+
 def test_a_stopped_listener_is_not_a_failure():
     """stop() (the engine shutting down) is not reported as a failure. About 0.2 s."""
     decode, accounts, _ = make_decode(free_port(), Side(0.0))
