@@ -24,7 +24,7 @@ from devcluster.product import (
 MODULE_ORDER = (
     "test_realnode_cluster",      # the cluster itself; no engine
     "test_realnode_custom_metrics",  # Prometheus -> prometheus-adapter -> the custom metrics API; no engine
-    "test_realnode_faults",       # creates the serving pair (e), helm upgrade (f), engine kill (c)
+    "test_realnode_faults",       # creates the serving pair (e), helm upgrade (f), listener stopped (c)
     "test_realnode_pair",         # the serving pair's outputs, KV across nodes, health
     "test_realnode_signal_drop",  # the serving pair's signal drop -> ordered restart
     "test_realnode_rollout",      # Surge, Recreate, then the serving pair is deleted

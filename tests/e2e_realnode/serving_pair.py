@@ -6,7 +6,7 @@ fault leaves the pair in the state the next one needs (`conftest.MODULE_ORDER`, 
 
     faults e   the leader deleted during the pair's first startup  -> creates it (generation 1, fresh on purpose)
     faults f   helm upgrade of the operator under load             -> same generation
-    faults c   decode's engine SIGKILLed: ordered restart           -> generation + 1
+    faults c   decode's listener stopped: ordered restart          -> generation + 1
     pair       outputs, KV across nodes, health of this generation -> same generation
     signal     prefill drops signals: alert, ordered restart        -> generation + 1
     rollout    Surge under load, then Recreate under load           -> + 1 each
@@ -17,9 +17,9 @@ current generation and no rollout in flight. A pair that a failed scenario left 
 settle; one that never does (or is gone) is deleted and created again, so one failure does not cascade. Scenarios
 assert relative to the generation and restart count they found, never to fixed numbers.
 
-The pair is `pair_manifest` with prefill's signal-drop knob variable set (contract.ENV_TEST_DROP_SIGNALS_FILE): it
-does nothing until the signal scenario creates the file inside the prefill container, and the restart it causes
-recreates prefill with a fresh filesystem.
+The pair is `pair_manifest` with prefill's signal-drop knob variable set (contract.ENV_TEST_DROP_SIGNALS_FILE) and
+decode's stop-listener knob variable (contract.ENV_TEST_STOP_LISTENER_FILE): each does nothing until its scenario
+creates the file inside the container, and the restart it causes recreates the pods with fresh filesystems.
 """
 from __future__ import annotations
 
@@ -28,12 +28,13 @@ import time
 
 import yaml
 
-from pdpair.contract import ENV_TEST_DROP_SIGNALS_FILE, GROUP, LABEL_PAIR, PLURAL
+from pdpair.contract import ENV_TEST_DROP_SIGNALS_FILE, ENV_TEST_STOP_LISTENER_FILE, GROUP, LABEL_PAIR, PLURAL
 from devcluster.product import ENGINE_START_TIMEOUT, describe, operator_logs, pair_manifest
 from devcluster.waiting import wait_for
 
 NAME = "serving"
 DROP_SIGNALS_KNOB = "/tmp/pdpair-drop-signals"  # the file that makes prefill drop every KV signal while it exists
+STOP_LISTENER_KNOB = "/tmp/pdpair-stop-listener"  # the file that stops decode's side-channel loop once it exists
 # Decode and prefill start together (prefill in the pass after decode), each within ENGINE_START_TIMEOUT; before the parallel
 # start, one after the other, a busy 2-core machine took 12.5 min from apply to Ready (decode 8 min, prefill 4,
 # router 0.5). The bound still allows two starts in a row: two engines loading at once on 2 cores slow each other.
@@ -50,7 +51,8 @@ class ServingPair:
     def manifest(self) -> dict:
         return pair_manifest(self.name, self.namespace, self.engine_ref, self.model_dir, prefill_node="n1",
                              decode_node="n2", prefill_env=[{"name": ENV_TEST_DROP_SIGNALS_FILE,
-                                                             "value": DROP_SIGNALS_KNOB}])
+                                                             "value": DROP_SIGNALS_KNOB}],
+                             decode_env=[{"name": ENV_TEST_STOP_LISTENER_FILE, "value": STOP_LISTENER_KNOB}])
 
     def get(self) -> dict | None:
         proc = self.cluster.kubectl("get", f"{PLURAL}.{GROUP}", self.name, "-n", self.namespace, "-o", "json",

@@ -14,11 +14,17 @@ from pathlib import Path
 
 import pytest
 
+from pdpair import contract
+
 from engines import Process, engine, free_port, pair_env, router
 from tiny_model import build_tiny_model
 
 HANG_TIMEOUT_SECONDS = 5.0
 GENERATION = 7
+# The pair's OpenAI API key (spec.apiKeySecret under the operator): prefill, decode and the router hold it, as the
+# operator's pods do (VLLM_API_KEY); the baseline engine has none. Every request of test_pd_engine.py carries it.
+API_KEY = "engine-tier-api-key-0123456789"
+API_KEY_ENV = {contract.ENV_API_KEY: API_KEY}
 
 
 def pytest_collection_modifyitems(items):
@@ -64,14 +70,14 @@ def stack(tiny_model, tmp_path_factory) -> Stack:
     baseline = engine("baseline", tiny_model, logs)
     prefill = engine(
         "prefill", tiny_model, logs, kv_role="kv_producer",
-        pdpair_env=pair_env("prefill", generation=GENERATION, peer_base=listen_base, metrics_port=prefill_metrics,
-                            hang_timeout=HANG_TIMEOUT_SECONDS),
+        pdpair_env={**pair_env("prefill", generation=GENERATION, peer_base=listen_base,
+                               metrics_port=prefill_metrics, hang_timeout=HANG_TIMEOUT_SECONDS), **API_KEY_ENV},
         extra_config={"test_drop_signals_file": str(drop)},
     )
     decode = engine(
         "decode", tiny_model, logs, kv_role="kv_consumer",
-        pdpair_env=pair_env("decode", generation=GENERATION, listen_base=listen_base, metrics_port=decode_metrics,
-                            hang_timeout=HANG_TIMEOUT_SECONDS),
+        pdpair_env={**pair_env("decode", generation=GENERATION, listen_base=listen_base,
+                               metrics_port=decode_metrics, hang_timeout=HANG_TIMEOUT_SECONDS), **API_KEY_ENV},
         extra_config={"test_corrupt_kv_file": str(corrupt)},
     )
     started: list[Process] = []
@@ -90,7 +96,7 @@ def stack(tiny_model, tmp_path_factory) -> Stack:
         decode.wait_healthy()
         baseline.wait_healthy()
         prefill.wait_log("paired with decode", 60)
-        rtr = router(logs, prefill.url, decode.url, decode_timeout=60).start()
+        rtr = router(logs, prefill.url, decode.url, decode_timeout=60, extra_env=API_KEY_ENV).start()
         started.append(rtr)
         rtr.wait_healthy(60)
         yield Stack(baseline, prefill, decode, rtr, decode_metrics, prefill_metrics, corrupt, drop,

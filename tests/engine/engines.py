@@ -208,11 +208,12 @@ def pair_env(role: str, *, generation: int, listen_base: int | None = None, peer
     return env
 
 
-def router(log_dir: Path, prefill_url: str, decode_url: str, decode_timeout: float = 120.0) -> Process:
+def router(log_dir: Path, prefill_url: str, decode_url: str, decode_timeout: float = 120.0,
+           extra_env: dict[str, str] | None = None) -> Process:
     port = free_port()
     argv = [sys.executable, "-m", "pdpair.router", "--host", "127.0.0.1", "--port", str(port),
             "--prefill", prefill_url, "--decode", decode_url, "--decode-timeout", str(decode_timeout)]
-    return Process("router", argv, dict(os.environ), log_dir / "router.log", port)
+    return Process("router", argv, {**os.environ, **(extra_env or {})}, log_dir / "router.log", port)
 
 
 @contextmanager

@@ -13,11 +13,13 @@ import time
 import urllib.request
 
 
-from conftest import GENERATION, HANG_TIMEOUT_SECONDS
+from conftest import API_KEY, GENERATION, HANG_TIMEOUT_SECONDS
 from engines import PREFILL_INSTANCE, http_get, http_post
 from pdpair import contract
 from pdpair.connector.metadata import NOT_ACCEPTED, Refused
 from tests.side_channel_support import TEST_KEY_BYTES, Stranger, answers_hello
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}  # the pair's API key (conftest.API_KEY); the baseline ignores it
 
 # Distinct prompts per test: decode's prefix cache must not serve them locally, so each one is really transferred.
 # Lengths span 1 to 5 blocks of 32 tokens.
@@ -40,10 +42,12 @@ CORRUPT_PROMPTS = [
 ]
 
 
-def completion(url: str, prompt: str, max_tokens: int = 12, *, timeout: float = 120.0, **extra) -> tuple[int, dict]:
+def completion(url: str, prompt: str, max_tokens: int = 12, *, timeout: float = 120.0, auth: dict | None = None,
+               **extra) -> tuple[int, dict]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
             **extra}
-    status, payload, _ = http_post(url + "/v1/completions", body, timeout=timeout)
+    status, payload, _ = http_post(url + "/v1/completions", body, timeout=timeout,
+                                   headers=AUTH if auth is None else auth)
     return status, payload
 
 
@@ -113,21 +117,58 @@ def test_router_outputs_equal_single_engine_token_for_token(stack):
     assert metric(stack.decode.url, "vllm:pdpair_kv_transfer_seconds_count") >= len(PROMPTS)
 
 
+def test_the_api_key_guards_the_pair_and_the_router_passes_it_through(stack):
+    """spec.apiKeySecret's behaviour on real engines (VLLM_API_KEY on prefill, decode and the router, as the
+    operator's pods get it from the Secret): the router refuses a request without the key or with a wrong one (401,
+    a fixed body that echoes nothing of the request) and moves no KV for it; with the key it forwards with its own
+    Bearer header, which vLLM on both engines accepts (every other test of this module goes through it). Each
+    engine's /v1 refuses a caller without the key (vLLM's own check), its /health stays open, and the connector's
+    warm-up, which calls the engine's own /v1 API, got through (its /readyz says "ok", not a 401). Cost: no cold
+    start (the module's stack), about 2 s."""
+    before = ok_transfers(stack)
+    secret_prompt = "a prompt the refusal must not echo"
+    for headers in ({}, {"Authorization": "Bearer not-the-key"}, {"Authorization": API_KEY}):
+        status, payload, _ = http_post(stack.router.url + "/v1/completions",
+                                       {"model": "tiny", "prompt": secret_prompt, "max_tokens": 4}, headers=headers)
+        assert status == 401, (headers, payload)
+        assert secret_prompt not in json.dumps(payload) and "not-the-key" not in json.dumps(payload), payload
+    assert ok_transfers(stack) == before, "a refused request must not reach the engines"
+    for engine in (stack.prefill, stack.decode):
+        status, payload = completion(engine.url, "no key", max_tokens=2, auth={})
+        assert status == 401, (engine.name, payload)
+        assert http_get(engine.url + "/health")[0] == 200
+    status, payload = completion(stack.router.url, "With the key, through the pair.")
+    assert status == 200 and len(tokens(payload)) == 12, payload
+    assert ok_transfers(stack) == before + 1
+    # The first /readyz starts the warm-up (nothing probes these engines); it answers 200 once the warm-up ended.
+    for port in (stack.prefill_metrics_port, stack.decode_metrics_port):
+        deadline = time.monotonic() + 120
+        while True:
+            status, body = http_get(f"http://127.0.0.1:{port}/readyz")
+            readyz = json.loads(body)
+            if status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert status == 200 and str(readyz.get("warmup", "")).startswith("ok"), readyz
+
+
 def test_chat_streaming_and_request_id_through_router(stack):
     messages = [{"role": "user", "content": "Tell me about signals and puts in a pair of engines."}]
     body = {"model": "tiny", "messages": messages, "max_tokens": 10, "temperature": 0}
-    status, single, _ = http_post(stack.baseline.url + "/v1/chat/completions", body)
+    status, single, _ = http_post(stack.baseline.url + "/v1/chat/completions", body, headers=AUTH)
     assert status == 200, single
-    status, plain, headers = http_post(stack.router.url + "/v1/chat/completions", body, headers={"X-Request-Id": "chat-1"})
+    status, plain, headers = http_post(stack.router.url + "/v1/chat/completions", body,
+                                     headers={"X-Request-Id": "chat-1", **AUTH})
     assert status == 200, plain
     assert headers.get("X-Request-Id") == "chat-1"
     assert plain["choices"][0]["message"]["content"] == single["choices"][0]["message"]["content"]
 
     stream_body = {**body, "messages": [{"role": "user", "content": "Streaming: decode sends tokens one by one."}],
                    "stream": True}
-    status, single_stream, _ = http_post(stack.baseline.url + "/v1/chat/completions", {**stream_body, "stream": False})
+    status, single_stream, _ = http_post(stack.baseline.url + "/v1/chat/completions", {**stream_body, "stream": False},
+                                           headers=AUTH)
     request = urllib.request.Request(stack.router.url + "/v1/chat/completions", data=json.dumps(stream_body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **AUTH})
     pieces = []
     with urllib.request.urlopen(request, timeout=120) as resp:
         assert resp.status == 200
