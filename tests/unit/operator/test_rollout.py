@@ -16,6 +16,7 @@ import pytest
 from pdpair.contract import COND_PROGRESSING, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 from pdpair.operator.decide import recreate as d
 from pdpair.operator.decide import surge as r
+from pdpair.operator.model import timestamps
 from pdpair.operator.decide import instances
 from pdpair.operator.decide.recreate import spec_fingerprint
 from pdpair.operator.model.observed import NodeView, Observed, PodView
@@ -270,7 +271,7 @@ def test_start_records_the_rollout_in_status_before_any_pod():
     assert plan.step == r.STEP_ROLLOUT_START and plan.create is None and not plan.delete
     rollout = plan.status_fields["rollout"]
     assert (rollout["fromGeneration"], rollout["toGeneration"], rollout["portSlot"]) == (4, 5, "a")
-    assert rollout["specHash"] == spec_fingerprint(SURGE_V2) and r.epoch(rollout["startedAt"]) == T0
+    assert rollout["specHash"] == spec_fingerprint(SURGE_V2) and timestamps.epoch(rollout["startedAt"]) == T0
     assert condition(plan, COND_PROGRESSING).status == "True"
 
 
@@ -350,7 +351,7 @@ def test_the_state_a_rollback_left_plans_the_release_of_set_b():
 
 
 PROGRESSING_TO_B = {"fromGeneration": 1, "toGeneration": 2, "phase": r.PHASE_PROGRESSING, "portSlot": "b",
-                    "specHash": spec_fingerprint(SURGE_V2), "startedAt": r.rfc3339(T0)}
+                    "specHash": spec_fingerprint(SURGE_V2), "startedAt": timestamps.rfc3339(T0)}
 
 
 @pytest.mark.parametrize("name, spec, status, pods, slots", [
@@ -361,7 +362,7 @@ PROGRESSING_TO_B = {"fromGeneration": 1, "toGeneration": 2, "phase": r.PHASE_PRO
      {"pairGeneration": 1, "phase": "Ready", "rollout": PROGRESSING_TO_B}, serving(1), {"a", "b"}),
     ("the old generation drains on set a", SURGE_V2,
      {"pairGeneration": 2, "phase": "Ready", "portSlot": "b",
-      "rollout": {**PROGRESSING_TO_B, "phase": r.PHASE_DRAINING, "switchedAt": r.rfc3339(T0)}},
+      "rollout": {**PROGRESSING_TO_B, "phase": r.PHASE_DRAINING, "switchedAt": timestamps.rfc3339(T0)}},
      serving(1) + serving(2, SURGE_V2), {"a", "b"}),
     ("an old-generation pod is still terminating", SURGE_V2,
      {"pairGeneration": 2, "phase": "Ready", "portSlot": "b"},

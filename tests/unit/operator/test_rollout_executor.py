@@ -26,6 +26,7 @@ from pdpair.contract import (
     ROLE_ROUTER,
 )
 from pdpair.operator.decide import surge as r
+from pdpair.operator.model import timestamps
 from pdpair.operator.model.config import OperatorConfig, PortPool
 from pdpair.operator.decide.recreate import spec_fingerprint
 from pdpair.operator.model.observed import PodView
@@ -108,7 +109,7 @@ def test_a_pass_that_dies_releasing_a_drained_port_set_is_redone():
     ports = lease_both_slots(leases)
     # generation 2 serves on set b; generation 1 (set a) drained and its pods are gone: this pass ends the rollout
     rollout = {"fromGeneration": 1, "toGeneration": 2, "phase": r.PHASE_DRAINING, "portSlot": "b",
-               "specHash": spec_fingerprint(SPEC), "startedAt": r.rfc3339(0), "switchedAt": r.rfc3339(0),
+               "specHash": spec_fingerprint(SPEC), "startedAt": timestamps.rfc3339(0), "switchedAt": timestamps.rfc3339(0),
                "ports": ports["a"], "pods": []}
     pair = Pair({"metadata": {"name": "p", "namespace": NS, "uid": UID, "generation": 2, "resourceVersion": "1"},
                  "spec": SPEC, "status": {"pairGeneration": 2, "phase": "Ready", "portSlot": "b",

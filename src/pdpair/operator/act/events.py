@@ -25,7 +25,7 @@ from typing import Any, Callable
 from pdpair.contract import GROUP, KIND, VERSION
 
 from pdpair.operator.act.kube_api import call_dropped
-from pdpair.operator.model.conditions import now_rfc3339
+from pdpair.operator.model.timestamps import now_rfc3339
 
 log = logging.getLogger(__name__)
 

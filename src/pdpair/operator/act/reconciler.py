@@ -70,7 +70,8 @@ from pdpair.operator.build.service import (
     router_service,
     service_name,
 )
-from pdpair.operator.model.conditions import FALSE, Condition, apply_conditions, now_rfc3339, status_diff
+from pdpair.operator.model.conditions import FALSE, Condition, apply_conditions, status_diff
+from pdpair.operator.model.timestamps import now_rfc3339
 from pdpair.operator.decide.wake_filter import WakeFilter
 
 log = logging.getLogger(__name__)

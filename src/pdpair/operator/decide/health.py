@@ -41,7 +41,9 @@ from typing import Any, Iterable, Mapping, Sequence
 from pdpair import contract
 from pdpair.contract import PHASE_FAILED, PHASE_READY, PHASE_RESTARTING, ROLES
 from pdpair.operator.model.observed import PENDING_SCHEDULING, Finding, PodView, pending_for_scheduling
-from pdpair.operator.model.conditions import FALSE, TRUE, UNKNOWN, Condition, now_rfc3339
+from pdpair.operator.model import timestamps
+from pdpair.operator.model.conditions import FALSE, TRUE, UNKNOWN, Condition
+from pdpair.operator.model.timestamps import now_rfc3339
 
 __all__ = [
     "instance_key",
@@ -512,11 +514,8 @@ def meaningful(health: Mapping[str, Any] | None) -> tuple:
 
 
 def _age_seconds(stamp: Any, now: datetime) -> float:
-    try:
-        then = datetime.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-    except ValueError:
-        return math.inf
-    return (now - then).total_seconds()
+    then = timestamps.parse(stamp)
+    return (now - then).total_seconds() if then is not None else math.inf
 
 
 def health_patch(

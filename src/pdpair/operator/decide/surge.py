@@ -28,7 +28,6 @@ A spec change of a pair that is not Ready (nothing serves) is a Recreate rollout
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime, timezone
 from typing import Any, Mapping
 
 from pdpair.contract import (
@@ -44,6 +43,7 @@ from pdpair.operator.model.observed import Observed
 from pdpair.operator.decide.port_blocks import DEFAULT_SLOT, other_slot, port_of
 from pdpair.operator.model.spec_fields import defaulted
 from pdpair.operator.model.conditions import FALSE, TRUE, Condition
+from pdpair.operator.model.timestamps import epoch, rfc3339
 
 PHASE_PROGRESSING = "Progressing"
 PHASE_DRAINING = "Draining"
@@ -104,19 +104,6 @@ def serving_generation(status: Mapping[str, Any], pods) -> int:
     if active_rollout(status) is not None and status.get("pairGeneration"):
         return int(status["pairGeneration"])
     return d.current_generation(status, pods)
-
-
-def rfc3339(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def epoch(text: str | None) -> float | None:
-    if not text:
-        return None
-    try:
-        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
-    except ValueError:
-        return None
 
 
 def _progressing(status: str, reason: str, message: str) -> Condition:

@@ -56,7 +56,7 @@ from pdpair.operator.decide import scale_targets
 from pdpair.operator.act import scrape
 from pdpair.operator.model import spec_fields
 from pdpair.operator.decide import wake_filter
-from pdpair.operator.decide.surge import epoch  # RFC 3339 (seconds, Z) to epoch seconds, the one parser
+from pdpair.operator.model.timestamps import epoch
 from pdpair.operator.act.kube_api import TimedApi
 from pdpair.operator.model.config import ENV_PEERS_KEY, OperatorConfig
 from pdpair.operator.glue.diffbase import NoDiffBaseStorage, diff_dependent_handlers

@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping
+
+from pdpair.operator.model.timestamps import now_rfc3339
 
 TRUE = "True"
 FALSE = "False"
 UNKNOWN = "Unknown"
-
-
-def now_rfc3339(now: datetime | None = None) -> str:
-    now = now or datetime.now(timezone.utc)
-    return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any, Mapping
 
 from pdpair.contract import ANNOTATION_DRAINING_SINCE, ANNOTATION_PEERS_DIGEST, ANNOTATION_SPEC_HASH, LABEL_GENERATION, LABEL_INSTANCE, LABEL_ROLE
+from pdpair.operator.model import timestamps
 
 
 def _plain(value: Any) -> Any:
@@ -264,18 +264,8 @@ class NodeView:
         return cls(
             name=str(meta.get("name") or ""),
             ready=str(ready.get("status") or ""),
-            since=_epoch(ready.get("lastTransitionTime")),
+            since=timestamps.epoch(ready.get("lastTransitionTime")),
             unreachable=any(t.get("key") == TAINT_UNREACHABLE for t in spec.get("taints") or []),
             unschedulable=bool(spec.get("unschedulable")),
         )
 
-
-def _epoch(value: Any) -> float | None:
-    if isinstance(value, datetime):
-        return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp()
-    if not value:
-        return None
-    try:
-        return datetime.strptime(str(value), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
-    except ValueError:
-        return None
