@@ -1,4 +1,4 @@
-"""Status helpers: metav1.Condition setter that reports "changed", and timestamps.
+"""Status helpers: the metav1.Condition setter that reports "changed" (timestamps come from model/timestamps.py).
 
 lastTransitionTime moves only when the condition's status really flips; a reason or message change alone keeps
 it. Callers write status only when something changed, so an idle pair causes no API writes.
