@@ -65,7 +65,7 @@ def test_the_cuda_image_builds_a_pinned_flagcx_commit_with_its_api_generation():
     assert images.dockerfile_arg(CUDA_DOCKERFILE, "FLAGCX_COMMIT") == commit
     # the build checks the folder against the ARG and the load against the generation
     text = CUDA_DOCKERFILE.read_text()
-    assert f'"$have" != "$FLAGCX_COMMIT"' in text
+    assert '"$have" != "$FLAGCX_COMMIT"' in text
     assert 'EXPECTED_GENERATION="${FLAGCX_GENERATION}"' in text
 
 

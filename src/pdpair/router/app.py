@@ -74,6 +74,7 @@ from pdpair.connector import timeline
 from pdpair.contract import ENV_API_KEY, ENV_PEERS_TOKEN, MAX_PEERS_BODY_BYTES, PEERS_PATH
 from pdpair.contract import READYZ_PATH  # the router's readiness too: it has a prefill and a decode that are ready
 from pdpair.contract import PROBE_WAIT_PARAM, parse_probe_wait, probe_hold_pause
+from pdpair.contract.router_peers import BODY_ROLES, RouterMember, count
 
 logger = logging.getLogger("pdpair.router")
 
@@ -150,15 +151,6 @@ class Instance:
     draining: bool = False  # pushed as draining, or gone from the pushed set: never chosen again
 
 
-@dataclass(frozen=True)
-class Member:
-    """One instance of a pushed set (`PUT /pdpair/v1/peers`), validated."""
-    index: int
-    url: str
-    ready_url: str
-    draining: bool = False
-
-
 class Pool:
     """The instances of one role, the requests in flight to each through this router, and the choice among them.
 
@@ -210,7 +202,7 @@ class Pool:
         """The instance that may be chosen with this index (X-Pdpair-Route), or None."""
         return next((i for i in self.instances if i.index == index), None)
 
-    def replace(self, members: list[Member]) -> None:
+    def replace(self, members: list[RouterMember]) -> None:
         """Makes `members` the role's set. Synchronous, so no request's choice sees half of it. An instance is kept
         by URL (its requests in flight, cooldown and KV usage stay); a new URL is a new instance; one marked
         draining, or gone from the set, is never chosen again while its requests in flight finish (`hold` and
@@ -284,7 +276,7 @@ class Router:
         self.epoch: int | None = None
         self.generation: int | None = None
 
-    def apply_peers(self, epoch: int, generation: int, prefills: list[Member], decodes: list[Member]) -> None:
+    def apply_peers(self, epoch: int, generation: int, prefills: list[RouterMember], decodes: list[RouterMember]) -> None:
         """Both roles' sets at once: synchronous, so no request sees one role swapped and not the other."""
         self.prefills.replace(prefills)
         self.decodes.replace(decodes)
@@ -724,33 +716,27 @@ def check_peers_token(token: str) -> str:
     return token
 
 
-def _count(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
-    return value
-
-
-def parse_peers_body(doc: object) -> tuple[int, int, list[Member], list[Member]]:
+def parse_peers_body(doc: object) -> tuple[int, int, list[RouterMember], list[RouterMember]]:
     """(epoch, generation, prefills, decodes) of a pushed body `{"epoch": int, "generation": int, "prefills":
     [{"index": int, "url": str, "readyUrl": str, "draining": bool (optional, false)}, ...], "decodes": [...]}`;
     else a ValueError naming the field. An index is unique within its role, a URL (however spelled) within the body;
     other keys are ignored. An empty or all-draining role is accepted (the router is then not ready)."""
     if not isinstance(doc, dict):
         raise ValueError("the body must be a JSON object {epoch, generation, prefills, decodes}")
-    epoch, generation = _count(doc.get("epoch"), "epoch"), _count(doc.get("generation"), "generation")
+    epoch, generation = count(doc.get("epoch"), "epoch"), count(doc.get("generation"), "generation")
     urls: dict[tuple, str] = {}
-    roles: dict[str, list[Member]] = {}
-    for role in ("prefills", "decodes"):
+    roles: dict[str, list[RouterMember]] = {}
+    for member_role, role in BODY_ROLES.items():
         items = doc.get(role)
         if not isinstance(items, list):
             raise ValueError(f"{role} must be a list of {{index, url, readyUrl, draining}}, got {items!r:.100}")
-        members: list[Member] = []
+        members: list[RouterMember] = []
         indexes: dict[int, str] = {}
         for n, item in enumerate(items):
             where = f"{role}[{n}]"
             if not isinstance(item, dict):
                 raise ValueError(f"{where} must be an object {{index, url, readyUrl, draining}}, got {item!r:.100}")
-            index = _count(item.get("index"), f"{where}.index")
+            index = count(item.get("index"), f"{where}.index")
             if index in indexes:
                 raise ValueError(f"{where}.index {index} is {indexes[index]}'s too")
             url, key = check_url(f"{where}.url", item.get("url"))
@@ -761,7 +747,7 @@ def parse_peers_body(doc: object) -> tuple[int, int, list[Member], list[Member]]
             if not isinstance(draining, bool):
                 raise ValueError(f"{where}.draining must be true or false, got {draining!r:.100}")
             indexes[index], urls[key] = where, f"{where}.url"
-            members.append(Member(index, url, ready_url, draining))
+            members.append(RouterMember(member_role, index, url, ready_url, draining))
         roles[role] = members
     return epoch, generation, roles["prefills"], roles["decodes"]
 
@@ -813,12 +799,12 @@ async def _peers(request: web.Request) -> web.Response:
     return web.json_response(state)
 
 
-def _as_members(pool: Pool) -> list[Member]:
-    return [Member(i.index, i.url, i.ready_url, i.draining)
+def _as_members(pool: Pool) -> list[RouterMember]:
+    return [RouterMember(pool.role, i.index, i.url, i.ready_url, i.draining)
             for i in sorted((*pool.instances, *pool.draining), key=lambda i: i.index)]
 
 
-def _by_index(members: list[Member]) -> list[Member]:
+def _by_index(members: list[RouterMember]) -> list[RouterMember]:
     return sorted(members, key=lambda m: m.index)
 
 

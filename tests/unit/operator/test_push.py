@@ -25,14 +25,13 @@ from pdpair.operator.build.pods import owned_labels
 from pdpair.operator.act.push import (
     PrefillPeer,
     PushResult,
-    RouterMember,
     body_digest,
     new_token,
     prefill_body,
     push,
-    router_body,
     token_secret,
 )
+from pdpair.contract.router_peers import RouterMember, router_body
 from pdpair.router.app import RouterConfig, check_peers_token, make_app, parse_peers_body
 from tests.router_support import Engine, engine_server, serve as serve_app
 

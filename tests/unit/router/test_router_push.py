@@ -16,7 +16,8 @@ import pytest_asyncio
 
 from pdpair.contract import ENV_PEERS_TOKEN, PEERS_PATH
 from pdpair.router.__main__ import build_parser, config_from_args
-from pdpair.router.app import ROUTE_HEADER, Member, Pool, RouterConfig, make_app
+from pdpair.contract.router_peers import RouterMember
+from pdpair.router.app import ROUTE_HEADER, Pool, RouterConfig, make_app
 from tests.router_support import Engine, engine_server, serve
 
 TOKEN = "router-unit-test-token-0123456789"
@@ -334,10 +335,11 @@ def test_a_replaced_set_keeps_each_instance_by_url():
     pool.failed(a)
     pool.record_kv_usage(b, 0.25)
     with pool.hold(b):
-        pool.replace([Member(3, "http://a", "http://a/readyz"), Member(4, "http://c", "http://c/readyz")])
+        pool.replace([RouterMember("decode", 3, "http://a", "http://a/readyz"),
+                      RouterMember("decode", 4, "http://c", "http://c/readyz")])
         assert pool.instances[0] is a and a.index == 3 and a.ready_url == "http://a/readyz" and a.cooldown_until == 5
         assert pool.leaving == {"http://b": b} and b.draining and b.outstanding == 1
-        pool.replace([Member(0, "http://b", "http://b/h", draining=True)])  # b back, as draining
+        pool.replace([RouterMember("decode", 0, "http://b", "http://b/h", draining=True)])  # b back, as draining
         assert pool.draining == [b] and pool.leaving == {} and pool.fresh_kv_usage(b) == 0.25 and pool.instances == []
         pool.replace([])
         assert pool.leaving == {"http://b": b}
@@ -402,7 +404,7 @@ def test_a_leaving_instance_is_forgotten_once_neither_count_holds_it():
     a, b = pool.instances
     with pool.involve(a):
         with pool.hold(a):
-            pool.replace([Member(1, "http://b", "http://b/readyz")])
+            pool.replace([RouterMember("prefill", 1, "http://b", "http://b/readyz")])
             assert pool.leaving == {"http://a": a} and a.draining
         assert pool.leaving == {"http://a": a} and a.outstanding == 0 and a.involved == 1  # still pushing its KV
     assert pool.leaving == {} and a.involved == 0 and pool.instances == [b]

@@ -5,7 +5,8 @@ builds the bodies with these functions, sends them with `push`, and records `bod
 - Each prefill's connector: `PUT /pdpair/v1/peers` on its metrics port, `prefill_body` (the whole set of decodes it
   pairs with). Its answer: `{"epoch", "generation", "ranks": {rank: {"host:portBase": paired}}, "paired":
   {"host:portBase": every rank paired}}` (502 with `unreachable_ranks` when a TP rank could not be reached).
-- The router: `PUT /pdpair/v1/peers` on its HTTP port, `router_body` (both roles' instances, `draining` marked). Its
+- The router: `PUT /pdpair/v1/peers` on its HTTP port, `contract.router_peers.router_body` (both roles'
+  instances, `draining` marked; the body's one definition, which the router parses). Its
   answer, also to `GET` (`read_peers`, while an instance drains): `{"epoch", "generation", "prefills": [{"index",
   "url", "outstanding", "involved", "draining"}], "decodes": [...], "leaving": [{"role", "url", "outstanding",
   "involved"}], "warnings": [...]}`: the executor records it as an observed.RouterDrainView, and the planner
@@ -27,11 +28,11 @@ import hmac
 import json
 import math
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdpair.contract import ROLE_DECODE, ROLE_PREFILL
+from pdpair.contract.router_peers import count
 
 from pdpair.operator.act.capped_read import AnswerTooLarge, decode, read_capped
 from pdpair.operator.build.pods import PEERS_SECRET_KEY, owned_metadata
@@ -59,18 +60,6 @@ class PrefillPeer:
 
 
 @dataclass(frozen=True)
-class RouterMember:
-    """An instance as the router is pushed it: role (prefill or decode), index, its engine's base URL, its own
-    readiness URL (the router's /readyz asks it), and whether it is draining (never chosen again; its requests in
-    flight finish)."""
-    role: str
-    index: int
-    url: str
-    ready_url: str
-    draining: bool = False
-
-
-@dataclass(frozen=True)
 class PushResult:
     """ok: the endpoint answered 2xx. status: its HTTP status (None: no answer: refused, reset, timed out). answer:
     its JSON object (None: none, or not a JSON object). error: the cause when not ok ("" when ok)."""
@@ -80,23 +69,17 @@ class PushResult:
     error: str
 
 
-def _count(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
-    return value
-
-
 def prefill_body(epoch: int, generation: int, decodes: list[PrefillPeer]) -> dict:
     """The body of a prefill's `PUT /pdpair/v1/peers` (connector/pod_server.py PeerPush): `{"epoch", "generation",
     "decodes": [{"index", "host", "portBase", "tp"}]}`, decodes in index order. A ValueError for what the connector
     would refuse anyway or a planner bug: a negative or non-integer number, an empty host, one index or one
     host:portBase twice."""
-    _count(epoch, "epoch")
-    _count(generation, "generation")
+    count(epoch, "epoch")
+    count(generation, "generation")
     indexes, addresses, out = set(), set(), []
     for peer in sorted(decodes, key=lambda p: p.index):
-        _count(peer.index, "decode index")
-        _count(peer.port_base, f"decode {peer.index} port_base")
+        count(peer.index, "decode index")
+        count(peer.port_base, f"decode {peer.index} port_base")
         if isinstance(peer.tp, bool) or not isinstance(peer.tp, int) or peer.tp < 1:
             raise ValueError(f"decode {peer.index} tp must be an integer >= 1, got {peer.tp!r}")
         host = peer.host.strip("[]") if isinstance(peer.host, str) else ""
@@ -108,31 +91,6 @@ def prefill_body(epoch: int, generation: int, decodes: list[PrefillPeer]) -> dic
         addresses.add((host, peer.port_base))
         out.append({"index": peer.index, "host": host, "portBase": peer.port_base, "tp": peer.tp})
     return {"epoch": epoch, "generation": generation, "decodes": out}
-
-
-def router_body(epoch: int, generation: int, members: Iterable[RouterMember]) -> dict:
-    """The body of the router's `PUT /pdpair/v1/peers` (router/app.py): `{"epoch", "generation", "prefills":
-    [{"index", "url", "readyUrl", "draining"}], "decodes": [...]}`, each role in index order. A ValueError for a role
-    that is neither prefill nor decode, or one index or one URL twice (the router would refuse them: 400)."""
-    _count(epoch, "epoch")
-    _count(generation, "generation")
-    roles: dict[str, list[RouterMember]] = {ROLE_PREFILL: [], ROLE_DECODE: []}
-    urls: set[str] = set()
-    for member in members:
-        if member.role not in roles:
-            raise ValueError(f"role must be {ROLE_PREFILL!r} or {ROLE_DECODE!r}, got {member.role!r}")
-        _count(member.index, f"{member.role} index")
-        if any(m.index == member.index for m in roles[member.role]) or member.url in urls:
-            raise ValueError(f"{member.role} {member.index} ({member.url}) is named twice")
-        urls.add(member.url)
-        roles[member.role].append(member)
-
-    def role(items: list[RouterMember]) -> list[dict]:
-        return [{"index": m.index, "url": m.url, "readyUrl": m.ready_url, "draining": bool(m.draining)}
-                for m in sorted(items, key=lambda m: m.index)]
-
-    return {"epoch": epoch, "generation": generation, "prefills": role(roles[ROLE_PREFILL]),
-            "decodes": role(roles[ROLE_DECODE])}
 
 
 def body_digest(body: Mapping[str, Any]) -> str:

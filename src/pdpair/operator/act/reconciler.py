@@ -37,6 +37,7 @@ from pdpair.contract import (
     ROLE_ROUTER,
     VERSION,
 )
+from pdpair.contract.router_peers import RouterMember, router_body
 
 from pdpair.operator.decide import recreate as d
 from pdpair.operator.act.kube_api import call_dropped, call_json
@@ -204,7 +205,7 @@ def _prefill_entries(peers: Iterable[tuple[str, int]]) -> list[str]:
     return [f"{host}:{base}" for host, base in peers]
 
 
-def _router_members(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> list[push.RouterMember]:
+def _router_members(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> list[RouterMember]:
     members = []
     for p in pods:
         http = port_of(ports, p.role, PURPOSE_HTTP, instance=p.instance)
@@ -212,7 +213,7 @@ def _router_members(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> lis
         if http is None or metrics is None:
             continue
         host = url_host(p.ip or "")
-        members.append(push.RouterMember(p.role, p.instance, f"http://{host}:{http}",
+        members.append(RouterMember(p.role, p.instance, f"http://{host}:{http}",
                                          f"http://{host}:{metrics}{READYZ_PATH}"))
     return members
 
@@ -234,7 +235,7 @@ def _draining_generations(pods: Iterable[PodView]) -> set[int]:
             and not p.deleting}
 
 
-def _router_digest(members: Iterable[push.RouterMember]) -> str:
+def _router_digest(members: Iterable[RouterMember]) -> str:
     return instances.peers_digest(f"{m.role}/{m.index}/{m.url}" for m in members)
 
 
@@ -1179,7 +1180,7 @@ class PairReconciler:
                         m.role == ROLE_DECODE for m in members):
                     continue  # the router keeps what it has until a prefill and a decode are Ready
                 digest = _router_digest(members)
-                body = push.router_body(epoch, pod.generation, members)
+                body = router_body(epoch, pod.generation, members)
                 url = f"http://{url_host(pod.ip or '')}:{router_port}{PEERS_PATH}"
             if digest != pod.peers_digest and digest != self.pushed.get(pod.uid):
                 sends.append((pod, url, body, digest))
