@@ -22,7 +22,7 @@ from prometheus_client.metrics_core import Metric as MetricFamily
 from prometheus_client.samples import Sample
 
 from pdpair import contract
-from pdpair.httpserver import BoundedThreadingMixIn, DeadlineRequestMixIn, Limits
+from pdpair.httpserver import BoundedThreadingMixIn, DeadlineRequestMixIn, Limits, StoppableServer
 
 from .signals import SignalAccounts
 
@@ -164,12 +164,11 @@ class RankExporter:
                 self.wfile.write(_mac(key, _REPLY_LABEL, nonce, theirs, body) + b" " + body)
 
         self.name = rank_socket_name(metrics_port, int(accounts.rank))
-        self._server = _RankServer(self.name, Handler)
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True,
-            name=f"pdpair-rank-metrics-r{accounts.rank}",
-        )
-        self._thread.start()
+        server = _RankServer(self.name, Handler)
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True,
+                                  name=f"pdpair-rank-metrics-r{accounts.rank}")
+        thread.start()
+        self._serving = StoppableServer(server, thread)
 
     def _refuse(self) -> None:
         with self._refused_lock:
@@ -181,11 +180,7 @@ class RankExporter:
                            "on this node, or a rank with another key); nothing was applied", self.name[1:], refused)
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise RuntimeError(f"rank metrics thread {self._thread.name} did not stop within {timeout}s")
+        self._serving.stop(timeout)
 
 
 def _read_request(rfile: Any, key: bytes, nonce: bytes) -> dict | None:

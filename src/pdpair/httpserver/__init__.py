@@ -22,19 +22,22 @@ __all__ = ["StoppableServer", "Limits", "BoundedThreadingMixIn", "DeadlineReques
 
 
 class StoppableServer:
-    """A running server (socketserver API: shutdown, server_close, server_address) and the thread serving it."""
+    """A running server (socketserver API: shutdown, server_close, server_address) and the thread serving it; a TCP
+    server's `port`, or None for another address family (the TP rank channel's abstract Unix socket)."""
 
     def __init__(self, httpd: Any, thread: threading.Thread) -> None:
         self._httpd = httpd
         self._thread = thread
-        self.port: int = httpd.server_address[1]
+        address = httpd.server_address
+        self.port: int | None = address[1] if isinstance(address, tuple) else None
 
     def stop(self, timeout: float = 5.0) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise RuntimeError(f"HTTP server thread on port {self.port} did not stop within {timeout}s")
+            where = f"on port {self.port}" if self.port is not None else f"{self._thread.name}"
+            raise RuntimeError(f"server thread {where} did not stop within {timeout}s")
 
     def __enter__(self) -> "StoppableServer":
         return self
