@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import logging
 import socket
-import socketserver
 import threading
 import time
 from dataclasses import dataclass
