@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     import kopf
 
     from pdpair.operator.glue import handlers  # noqa: F401  (registers the handlers)
-    from pdpair.operator.glue import lean_watch
+    from pdpair.operator.glue import kopf_internals
 
-    lean_watch.install()  # kopf's watch events without managedFields, before any watch starts (lean_watch.py)
+    kopf_internals.install()  # kopf's watch events without managedFields, before any watch starts
 
     elector = _elect(config) if config.leader_elect else None
     try:

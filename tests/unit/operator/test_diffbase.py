@@ -1,4 +1,4 @@
-"""diffbase.NoDiffBaseStorage: kopf keeps no `last-handled-configuration` for this operator. Every
+"""kopf_internals.NoDiffBaseStorage: kopf keeps no `last-handled-configuration` for this operator. Every
 watch event that is not a deletion is "no change" to kopf (nothing built, copied or patched); a deletion still reaches
 the on.delete handler; a handler that would need a diff-base is found at startup. Cost: milliseconds, no I/O."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import kopf
 from kopf._core.intents import causes
 
-from pdpair.operator.glue.diffbase import NoDiffBaseStorage, diff_dependent_handlers
+from pdpair.operator.glue.kopf_internals import NoDiffBaseStorage, diff_dependent_handlers
 
 FINALIZER = "pdpair.io/finalizer"
 

@@ -1,4 +1,4 @@
-"""lean_watch: kopf's watch events reach kopf's queues and its kept bodies without metadata.managedFields. Runs
+"""kopf_internals, the lean watch: kopf's watch events reach kopf's queues and its kept bodies without metadata.managedFields. Runs
 kopf's own queueing lookup (the name it calls at each stream's start) against the wrapped stream; no cluster,
 milliseconds."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from pdpair.operator.glue import lean_watch
+from pdpair.operator.glue import kopf_internals as lean_watch
 
 
 def event(kind: str = "MODIFIED") -> dict:

@@ -1,13 +1,13 @@
 """kopf logs "Handler '<name>' succeeded." after every watch-event handler; the operator's wake-up handlers run on every
 pod, pair, Service and budget event (17.7k of 24k log lines while 1000 pairs started; 5-7% of the event loop in
-py-spy). handlers.QuietWakeUps drops exactly those lines. Cost: under a second (imports kopf, no I/O)."""
+py-spy). kopf_internals.QuietWakeUps drops exactly those lines. Cost: under a second (imports kopf, no I/O)."""
 
 from __future__ import annotations
 
 import inspect
 import logging
 
-from pdpair.operator.glue import handlers
+from pdpair.operator.glue import handlers, kopf_internals
 
 
 def _record(level: int, msg: str) -> logging.LogRecord:
@@ -15,7 +15,7 @@ def _record(level: int, msg: str) -> logging.LogRecord:
 
 
 def test_only_the_wake_up_handlers_success_lines_are_dropped():
-    quiet = handlers.QuietWakeUps()
+    quiet = kopf_internals.QuietWakeUps(handlers.WAKE_UP_HANDLERS)
     for name in handlers.WAKE_UP_HANDLERS:
         assert not quiet.filter(_record(logging.INFO, f"Handler '{name}' succeeded."))
         assert quiet.filter(_record(logging.ERROR, f"Handler '{name}' failed with an exception and will try again"))
@@ -34,9 +34,9 @@ def test_the_names_are_the_watch_event_handlers_and_the_filter_is_installed_once
     objects = logging.getLogger("kopf.objects")
     before = list(objects.filters)
     try:
-        handlers.quiet_wake_ups()
-        handlers.quiet_wake_ups()
-        assert sum(isinstance(f, handlers.QuietWakeUps) for f in objects.filters) == 1
+        kopf_internals.quiet_wake_ups(handlers.WAKE_UP_HANDLERS)
+        kopf_internals.quiet_wake_ups(handlers.WAKE_UP_HANDLERS)
+        assert sum(isinstance(f, kopf_internals.QuietWakeUps) for f in objects.filters) == 1
         objects.setLevel(logging.INFO)
         seen: list[str] = []
 

@@ -59,7 +59,7 @@ from pdpair.operator.decide import wake_filter
 from pdpair.operator.model.timestamps import epoch
 from pdpair.operator.act.kube_api import TimedApi
 from pdpair.operator.model.config import ENV_PEERS_KEY, OperatorConfig
-from pdpair.operator.glue.diffbase import NoDiffBaseStorage, diff_dependent_handlers
+from pdpair.operator.glue.kopf_internals import NoDiffBaseStorage, diff_dependent_handlers, quiet_wake_ups
 from pdpair.operator.act.events import EventPoster, kubernetes_post
 from pdpair.operator.model.observed import NodeView, PodView
 from pdpair.operator.act.port_leaser import PairRef, PortLeaser
@@ -73,27 +73,11 @@ log = logging.getLogger(__name__)
 DAEMON_STOP_WAIT = 15.0
 # The watch-event handlers below only wake a pair's daemon. kopf logs "Handler '<name>' succeeded." at INFO after each
 # call: at 1000 pairs 17.7k of the log's 24k lines while starting them, and formatting and writing those lines took
-# 5-7% of the event loop (py-spy). QuietWakeUps drops exactly those lines; failures are still logged.
+# 5-7% of the event loop (py-spy). kopf_internals.QuietWakeUps drops exactly those lines; failures are still logged.
 WAKE_UP_HANDLERS = ("pod_changed", "node_changed", "service_changed", "budget_changed", "pair_changed",
                     "scale_target_changed")
 
 
-class QuietWakeUps(logging.Filter):
-    """A filter for kopf's object logger: drops the INFO "succeeded" line of the wake-up handlers, nothing else."""
-
-    def __init__(self, names: tuple[str, ...] = WAKE_UP_HANDLERS) -> None:
-        super().__init__()
-        self.messages = frozenset(f"Handler {name!r} succeeded." for name in names)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno == logging.INFO and record.msg in self.messages)
-
-
-def quiet_wake_ups() -> None:
-    """Installs QuietWakeUps on kopf's object logger, once."""
-    objects = logging.getLogger("kopf.objects")
-    if not any(isinstance(f, QuietWakeUps) for f in objects.filters):
-        objects.addFilter(QuietWakeUps())
 EVENT_DRAIN_TIMEOUT = 5.0
 CONSISTENCY_TIMEOUT = 60.0
 
@@ -120,13 +104,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
         logger.warning("%s is not set: this process derives the pairs' push tokens from a key of its own; pods "
                        "made before a restart of the operator will refuse its pushes until they are re-created "
                        "(the chart sets it from a Secret)", ENV_PEERS_KEY)
-    quiet_wake_ups()
+    quiet_wake_ups(WAKE_UP_HANDLERS)
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     needs_diff = diff_dependent_handlers(kopf.get_default_registry())
-    if needs_diff:  # they would never fire without a diff-base (diffbase.py): refuse rather than ignore them
+    if needs_diff:  # they would never fire without a diff-base (kopf_internals.py): refuse rather than ignore them
         raise kopf.PermanentError(f"handlers {needs_diff} need kopf's diff-base, which this operator does not keep")
-    settings.persistence.diffbase_storage = NoDiffBaseStorage()  # no handler needs one (diffbase.py)
+    settings.persistence.diffbase_storage = NoDiffBaseStorage()  # no handler needs one (kopf_internals.py)
     # The pairs' Events go through events.EventPoster (handlers._emitter), not kopf's queue; kopf posts none of its
     # log lines (posting.loggers is off by default) and, at this level, nothing below a warning.
     settings.posting.level = logging.WARNING
