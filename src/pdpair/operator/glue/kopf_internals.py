@@ -83,7 +83,7 @@ def install() -> None:
 
     watch = getattr(watching, "infinite_watch", None)
     if watch is None:
-        raise RuntimeError("kopf._cogs.clients.watching.infinite_watch is gone (a kopf upgrade?): lean_watch.py "
+        raise RuntimeError("kopf._cogs.clients.watching.infinite_watch is gone (a kopf upgrade?): kopf_internals.py "
                            "cannot drop managedFields from kopf's watch events; update it for this kopf")
     watching.infinite_watch = lean(watch)
 
