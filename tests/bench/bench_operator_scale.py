@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import faulthandler
+import secrets
 import signal
 import collections
 import concurrent.futures
@@ -46,7 +47,7 @@ from pdpair.contract import (  # noqa: E402
     API_VERSION, GROUP, KIND, LABEL_PAIR_UID, PLURAL, ROLE_OBJECT_PLURAL, VERSION,
 )
 from pdpair.operator.build.disruption import pair_budget  # noqa: E402
-from pdpair.operator.act.push import new_token, token_secret  # noqa: E402
+from pdpair.operator.act.push import token_secret  # noqa: E402
 from pdpair.operator.build.role_object import role_object
 from pdpair.operator.decide.scale_targets import role_selector  # noqa: E402
 from pdpair.operator.decide.scale_targets import status_patch as role_status_patch  # noqa: E402
@@ -410,7 +411,7 @@ def run_floor(cluster: LocalCluster, op_writes: collections.Counter, n: int, thr
                 custom.patch_namespaced_custom_object(GROUP, VERSION, FLOOR_NS, PLURAL, name, {
                     "metadata": {"annotations": {"bench.pdpair.io/floor": str(step)}}})
             elif key == ("POST", "", "secrets", ""):
-                core.create_namespaced_secret(FLOOR_NS, token_secret(pair, f"{name}-token-{step}", new_token()))
+                core.create_namespaced_secret(FLOOR_NS, token_secret(pair, f"{name}-token-{step}", secrets.token_urlsafe(32)))
             elif key == ("POST", GROUP, ROLE_OBJECT_PLURAL, ""):
                 role = ("decode", "prefill")[len(roles) % 2]
                 manifest = role_object(pair, role, 1)

@@ -25,7 +25,8 @@ from pdpair.contract import (
     STARTUPZ_PATH,
 )
 from pdpair.operator.model.config import ENV_HEALTH_INTERVAL
-from pdpair.operator.build.pods import held_path, side_channel_secret_name, without_preflight
+from pdpair.operator.build.pods import held_path, side_channel_secret_name
+from tests.pod_commands import without_preflight
 from devcluster.kwok import NEVER_READY_LABEL
 from tests.e2e.operator_helpers import (
     Api,

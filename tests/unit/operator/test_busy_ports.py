@@ -7,6 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from tests.pod_commands import without_preflight
 from pdpair.contract import ports_in_use_message
 from pdpair.operator.decide import busy_ports
 from pdpair.operator.model.config import PortPool
@@ -17,7 +18,6 @@ from pdpair.operator.build.pods import (
     PREFLIGHT_SEPARATOR,
     engine_pod,
     router_pod,
-    without_preflight,
 )
 from pdpair.operator.decide.port_blocks import assign, required_blocks, status_ports
 from tests.crd_defaults import with_crd_defaults

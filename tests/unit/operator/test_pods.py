@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from pdpair import contract as c
-from pdpair.operator.build.pods import ManifestError, engine_pod, pod_name, router_pod, without_preflight
+from pdpair.operator.build.pods import ManifestError, engine_pod, pod_name, router_pod
+from tests.pod_commands import without_preflight
 from pdpair.operator.model.spec_fields import MissingDefaultedField
 from pdpair.operator.decide.port_blocks import assign, required_blocks, status_ports
 

@@ -11,7 +11,6 @@ from pdpair.operator.decide.port_blocks import (
     match_existing,
     missing_blocks,
     port_of,
-    ports_needed,
     ports_of,
     required_blocks,
     status_ports,
@@ -34,6 +33,11 @@ def test_required_blocks(spec, expected_total, decode_side):
     side = next(b for b in blocks if b.role == "decode" and b.purpose == PURPOSE_SIDECHANNEL)
     assert side.count == decode_side and side.contiguous
     assert len({b.key for b in blocks}) == len(blocks)
+
+
+def ports_needed(blocks) -> int:
+    """Ports a pair takes from the pool (a fixed port is not the pool's)."""
+    return sum(b.count for b in blocks if b.fixed is None)
 
 
 def test_required_blocks_rejects_bad_sizes():

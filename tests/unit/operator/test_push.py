@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import socket
 import time
 
@@ -26,7 +27,6 @@ from pdpair.operator.act.push import (
     PrefillPeer,
     PushResult,
     body_digest,
-    new_token,
     prefill_body,
     push,
     token_secret,
@@ -114,8 +114,8 @@ def test_the_digest_is_stable_and_short():
 
 
 def test_the_token_and_its_secret():
-    token = new_token()
-    assert len(token) >= 43 and token != new_token() and check_peers_token(token) == token
+    token = secrets.token_urlsafe(32)
+    assert check_peers_token(token) == token
     secret = token_secret(PAIR, "demo-peers-token", token)
     assert secret["apiVersion"] == "v1" and secret["kind"] == "Secret" and secret["type"] == "Opaque"
     assert secret["stringData"] == {"token": token} and "data" not in secret

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from tests.pod_commands import without_preflight
 from pdpair import contract as c
 from pdpair.operator.build.pods import (
     ENGINE_CONTAINER,
@@ -16,7 +17,6 @@ from pdpair.operator.build.pods import (
     STARTUP_PERIOD_SECONDS,
     engine_pod,
     router_pod,
-    without_preflight,
 )
 from pdpair.operator.decide.port_blocks import assign, port_of, required_blocks, status_ports
 from pdpair.router.app import RouterConfig

@@ -27,7 +27,6 @@ import hashlib
 import hmac
 import json
 import math
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -158,12 +157,6 @@ def pair_token(key: str, pair_uid: str) -> str:
     pair's Secret once and never needs to read a Secret back (its RBAC has create, not get, on Secrets)."""
     digest = hmac.new(key.encode(), pair_uid.encode(), hashlib.sha256).digest()
     return base64.urlsafe_b64encode(digest).decode().rstrip("=")
-
-
-def new_token() -> str:
-    """A new pair's token: 32 random bytes, URL-safe base64 (43 characters; the connector and the router want at least
-    16 printable ASCII characters without spaces)."""
-    return secrets.token_urlsafe(32)
 
 
 def token_secret(pair: Mapping[str, Any], name: str, token: str) -> dict:

@@ -454,13 +454,6 @@ def _add_preflight(pod: dict[str, Any], container: dict[str, Any]) -> None:
     container["command"] = [*PREFLIGHT_COMMAND, *ports, PREFLIGHT_SEPARATOR, *container["command"]]
 
 
-def without_preflight(command: list[str]) -> list[str]:
-    """A pod container's command without the operator's preflight in front: what the container runs after it."""
-    if command[:len(PREFLIGHT_COMMAND)] == PREFLIGHT_COMMAND and PREFLIGHT_SEPARATOR in command:
-        return command[command.index(PREFLIGHT_SEPARATOR) + 1:]
-    return command
-
-
 def _identity_env(pair: Mapping[str, Any], role: str, generation: int) -> list[dict[str, str]]:
     meta = pair["metadata"]
     return [

@@ -129,11 +129,6 @@ def required_blocks(
     return tuple(blocks)
 
 
-def ports_needed(blocks: Iterable[PortBlock]) -> int:
-    """Ports a pair takes from the pool (a fixed port is not the pool's)."""
-    return sum(b.count for b in blocks if b.fixed is None)
-
-
 def choose_run(pool: PortPool, taken: set[int] | frozenset[int], count: int, start_at: int | None = None) -> int | None:
     """Lowest first port of `count` free contiguous ports in the pool (from `start_at`), or None."""
     port = pool.first if start_at is None else max(pool.first, start_at)
