@@ -141,7 +141,7 @@ class PoolListeners:
     # What a request to a pool port gets: the kwok pods' ports are served by nothing of pdpair's, so the operator's push
     # of decode's address to a prefill's metrics port is answered as a server without that endpoint would (a refusal
     # the operator retries on events and resyncs), not left without an answer (a transport failure it retries within
-    # seconds: reconciler.push_retry_delay), which no real pod does.
+    # seconds: peer_sets.push_retry_delay), which no real pod does.
     NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
     def _accept(self):

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from pdpair.contract import LABEL_PAIR_UID, LABEL_ROLE, METRICS_PORT_NAME
-from pdpair.operator.act import reconciler as reconciler_mod
+from pdpair.operator.act import pair_objects
 from pdpair.operator.act.reconciler import PairReconciler, Runtime
 from pdpair.operator.build import network_policy as np
 from pdpair.operator.model.config import OperatorConfig, PortPool
@@ -147,9 +147,9 @@ def test_the_executor_makes_it_once_and_reads_it_again_only_later(monkeypatch):
     assert policies.calls == ["get", "create"]  # nothing while it is known right
     # deleted behind the operator's back: back at the recheck
     del policies.objects[("team-a", "chat")]
-    clock = [reconciler_mod.time.monotonic()]
-    monkeypatch.setattr(reconciler_mod.time, "monotonic", lambda: clock[0])
-    clock[0] += rec.rt.config.resync_interval * reconciler_mod.NETWORK_POLICY_RECHECK_RESYNCS + 1
+    clock = [pair_objects.time.monotonic()]
+    monkeypatch.setattr(pair_objects.time, "monotonic", lambda: clock[0])
+    clock[0] += rec.rt.config.resync_interval * pair_objects.NETWORK_POLICY_RECHECK_RESYNCS + 1
     asyncio.run(rec.ensure_network_policy())
     assert policies.calls == ["get", "create", "get", "create"]
 

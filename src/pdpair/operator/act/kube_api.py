@@ -61,3 +61,8 @@ def _read(reply: Any) -> bytes:
         return reply.read()
     finally:
         reply.release_conn()
+
+
+def api_status(exc: BaseException) -> int | None:
+    """The HTTP status of a kubernetes client ApiException (None for any other exception)."""
+    return getattr(exc, "status", None)

@@ -21,10 +21,6 @@ from pdpair.contract import (
     ANNOTATION_PEERS_DIGEST,
     ANNOTATION_INSTANCE_RESTART_TIMES,
     ANNOTATION_RESTART_TIMES,
-    PEERS_PATH,
-    PURPOSE_HTTP,
-    PURPOSE_METRICS,
-    READYZ_PATH,
     COND_PROGRESSING,
     COND_READY,
     GROUP,
@@ -37,39 +33,37 @@ from pdpair.contract import (
     ROLE_ROUTER,
     VERSION,
 )
-from pdpair.contract.router_peers import RouterMember, router_body
 
 from pdpair.operator.decide import recreate as d
-from pdpair.operator.act.kube_api import call_dropped, call_json
+from pdpair.operator.act.kube_api import api_status, call_dropped
+from pdpair.operator.act.pair_objects import PairObjects
+from pdpair.operator.act.peer_sets import (
+    PeerSets,
+    PushFailure,
+    prefill_entries,
+    router_digest,
+    router_members,
+    side_base,
+    push_retry_delay,
+)
 from pdpair.operator.model.observed import Finding, NodeView, Observed, PodView, RouterDrainView
 from pdpair.operator.decide import health
 from pdpair.operator.decide import leases
 from pdpair.operator.decide import planner
 from pdpair.operator.decide import surge
-from pdpair.operator.model.config import ENV_PEERS_KEY, OperatorConfig
+from pdpair.operator.model.config import OperatorConfig
 from pdpair.operator.act.listener_probe import probe_ranks
 from pdpair.operator.decide import instances
-from pdpair.operator.act import push
 from pdpair.operator.act import scale_sync
 from pdpair.operator.decide import scale_targets
 from pdpair.operator.model import spec_fields
 from pdpair.operator.decide.scale_targets import ScaleView
-from pdpair.operator.build.pods import ManifestError, engine_pod, peers_secret_name, pod_name, router_pod, url_host
-from pdpair.operator.build import pair_secrets
+from pdpair.operator.build.pods import ManifestError, engine_pod, pod_name, router_pod
 from pdpair.operator.build.pods import POD_SECRETS, SECRET_PEERS, SECRET_SIDE_CHANNEL
 from pdpair.operator.act.port_leaser import PairRef, PortLeaser
-from pdpair.operator.decide.port_blocks import port_of, status_ports, ports_of
-from pdpair.operator.build import disruption
-from pdpair.operator.build import network_policy
+from pdpair.operator.decide.port_blocks import status_ports, ports_of
 from pdpair.operator.build.service import (
-    ACTION_CREATE,
-    ACTION_DELETE,
-    ACTION_PATCH,
     ServiceView,
-    kept_service_port,
-    plan_service,
-    router_service,
-    service_name,
 )
 from pdpair.operator.model.conditions import FALSE, Condition, apply_conditions, status_diff
 from pdpair.operator.model.timestamps import now_rfc3339
@@ -127,10 +121,6 @@ class Runtime:
 # Requests to the pods' peer endpoints in flight at once, all pairs together (Runtime.http); each is bounded by the
 # probe timeout, waiting for a connection included, so a burst beyond it fails fast and is retried (push_retry_delay).
 PEER_HTTP_CONNECTIONS = 128
-
-
-def api_status(exc: BaseException) -> int | None:
-    return getattr(exc, "status", None)
 
 
 # The API server's "slow down" (429: API Priority and Fairness queues full, or max-inflight): not an error of the pair.
@@ -197,55 +187,9 @@ def _create_generation(plan: d.Plan) -> int:
     return plan.create_generation if plan.create_generation is not None else plan.pair_generation
 
 
-def _side_base(ports: list[dict[str, Any]], instance: int) -> int:
-    return int(port_of(ports, ROLE_DECODE, PURPOSE_SIDECHANNEL, instance=instance) or 0)
-
-
-def _prefill_entries(peers: Iterable[tuple[str, int]]) -> list[str]:
-    return [f"{host}:{base}" for host, base in peers]
-
-
-def _router_members(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> list[RouterMember]:
-    members = []
-    for p in pods:
-        http = port_of(ports, p.role, PURPOSE_HTTP, instance=p.instance)
-        metrics = port_of(ports, p.role, PURPOSE_METRICS, instance=p.instance)
-        if http is None or metrics is None:
-            continue
-        host = url_host(p.ip or "")
-        members.append(RouterMember(p.role, p.instance, f"http://{host}:{http}",
-                                         f"http://{host}:{metrics}{READYZ_PATH}"))
-    return members
-
-
-def _engine_urls(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
-    """pod name -> (role, the engine URL the router is pushed for it: _router_members' URL), for the engine pods
-    with an address and an HTTP port in `ports`: how a router's answer (by URL) is read back as pods."""
-    out = {}
-    for p in pods:
-        http = port_of(ports, p.role, PURPOSE_HTTP, instance=p.instance) if p.role in instances.ENGINE_ROLES else None
-        if http is not None and p.ip:
-            out[p.name] = (p.role, f"http://{url_host(p.ip)}:{http}")
-    return out
-
-
-def _draining_generations(pods: Iterable[PodView]) -> set[int]:
-    """The generations with an engine instance draining (marked by a scale-down, not yet being deleted)."""
-    return {p.generation for p in pods if p.role in instances.ENGINE_ROLES and p.draining_since is not None
-            and not p.deleting}
-
-
-def _router_digest(members: Iterable[RouterMember]) -> str:
-    return instances.peers_digest(f"{m.role}/{m.index}/{m.url}" for m in members)
-
-
 def _created_name(pair_name: str, plan: d.Plan) -> str:
     assert plan.create
     return pod_name(pair_name, plan.create, _create_generation(plan), plan.create_instance)
-
-
-def _service_port(manifest: Mapping[str, Any]) -> int:
-    return int(manifest["spec"]["ports"][0]["port"])
 
 
 # A pair's leases are re-read from the apiserver (the truth: someone may have deleted one) every this many resync
@@ -253,9 +197,6 @@ def _service_port(manifest: Mapping[str, Any]) -> int:
 # every port lease in the namespace (6000 at 1000 pairs). Once per resync interval it was a second LIST for every
 # pair whose start took longer than that (all of them while 1000 pairs started) and 33 LISTs a second at rest.
 LEASE_RECHECK_RESYNCS = 10
-# A pair's NetworkPolicy, once made or found right, is read again after this many resync intervals (5 min by
-# default): it is not watched, so this is how a deleted or edited one comes back.
-NETWORK_POLICY_RECHECK_RESYNCS = 10
 
 
 # Steps that wait for a pod to change: the pod's watch event wakes the pair (handlers.pod_changed), so these wait a
@@ -278,35 +219,10 @@ def pass_delay(step: str, cfg: OperatorConfig, wait_seconds: float | None = None
     return cfg.probe_interval  # the decode listener probe (nothing wakes us when it starts to accept), creates
 
 
-@dataclass(frozen=True)
-class PushFailure:
-    """A pod's push that has failed `count` times in a row; `answered`: the last failure was the pod's HTTP refusal
-    (401, 404), not a timeout or a reset (push_retry_delay)."""
-
-    cause: str  # the last failure, as logged (each new cause is logged once)
-    count: int
-    answered: bool
-
-
-def push_retry_delay(failing: Iterable[tuple[bool, bool, int]], cfg: OperatorConfig) -> float | None:
-    """When to pass again for the pods whose last push failed, given (ready, answered, consecutive failures) of each;
-    None when none failed or none needs it sooner than events and resyncs. Nothing wakes a pair when a failed push
-    could succeed, so the pass itself must come back. A pod that is not Ready still loads (a prefill created beside
-    its decode learns decode's address this way: its endpoint opens any moment): every probe interval. A Ready pod
-    serves already: a push that got no answer (a timeout on a busy node, a dropped connection) is retried at the
-    probe interval doubled per failure, up to the resync interval; one it answered with a refusal (401: another
-    operator key; 404: no such endpoint) is not retried sooner than the next event or resync, which is soon enough
-    for what does not change by itself."""
-    delays = [cfg.probe_interval if not ready else
-              min(cfg.probe_interval * 2 ** min(max(failures, 1) - 1, 16), cfg.resync_interval)
-              for ready, answered, failures in failing if not (ready and answered)]
-    return min(delays) if delays else None
-
-
 EVENT_SOURCE = "pdpair-operator"
 
 
-class PairReconciler:
+class PairReconciler(PairObjects, PeerSets):
     def __init__(self, rt: Runtime, body: Mapping[str, Any], emit: Emit, logger: logging.Logger | None = None):
         self.rt = rt
         self.body = body  # kopf's live body: spec and metadata follow the watch
@@ -583,167 +499,6 @@ class PairReconciler:
             self.listening_pods.add(decode.uid)
             self.emit("Normal", "DecodeListening", f"decode {decode.name}: {result.describe()}")
         return result.all_accept
-
-    async def ensure_service(self, services: Iterable[ServiceView]) -> None:
-        """The router Service (service.py): created, corrected or deleted to match spec.router.enabled and the
-        router's leased port. A failure here is reported and retried next pass; it never stops the pods' steps."""
-        body = {"metadata": self.body["metadata"], "spec": self.body["spec"]}
-        # During a Surge rollout two routers exist: the Service selects the serving generation's. Its port stays
-        # the one clients know (status.servicePort, kept from before the first Surge switch).
-        name = service_name(self.ref.name)
-        observed = next((s for s in services if s.name == name), None)
-        desired = router_service(body, self.ports, planner.service_generation(self.status),
-                                 kept_service_port(self.body["spec"], self.status, observed, self.ref.uid))
-        if desired is None and d.router_enabled(self.body["spec"]):
-            return  # the router port is not leased yet: leave whatever exists alone
-        action = plan_service(desired, observed, self.ref.uid)
-        try:
-            if action == ACTION_CREATE:
-                await self._create_service(desired)
-            elif action == ACTION_PATCH:
-                await asyncio.to_thread(
-                    self.rt.core.patch_namespaced_service, name, self.ref.namespace,
-                    [{"op": "test", "path": "/metadata/uid", "value": observed.uid},
-                     {"op": "replace", "path": "/spec/selector", "value": desired["spec"]["selector"]},
-                     {"op": "replace", "path": "/spec/ports", "value": desired["spec"]["ports"]}],
-                    _content_type="application/json-patch+json",
-                )
-                self.emit("Normal", "ServiceUpdated", f"service {name}: port {_service_port(desired)}")
-            elif action == ACTION_DELETE:
-                await self._delete_service(name, observed.uid)
-                self.emit("Normal", "ServiceDeleted", f"deleted service {name} (router disabled)")
-        except Exception as exc:  # RBAC, a foreign Service of that name, apiserver down: reported, retried
-            self._service_problem(f"service {name}: {type(exc).__name__}: {str(exc)[:500]}")
-            return
-        if desired is None:
-            self.service = None
-        elif action == ACTION_CREATE or (observed is not None and self.ref.uid in observed.owner_uids):
-            self.service = name
-            self.service_problem = ""
-
-    async def _create_service(self, manifest: dict[str, Any]) -> None:
-        from kubernetes.client import V1Service
-
-        name = manifest["metadata"]["name"]
-        try:
-            await asyncio.to_thread(self.rt.core.create_namespaced_service, self.ref.namespace,
-                                    V1Service.from_dict(manifest))
-        except Exception as exc:
-            if api_status(exc) != 409:
-                raise
-            # Made by an earlier pass (the watch had not caught up), or someone else's Service of that name.
-            existing = await asyncio.to_thread(self.rt.core.read_namespaced_service, name, self.ref.namespace)
-            owners = [o.uid for o in existing.metadata.owner_references or ()]
-            if self.ref.uid not in owners:
-                raise RuntimeError(
-                    f"a Service named {name} exists and is not owned by this pair; the router Service cannot be "
-                    f"created (delete or rename that Service)"
-                ) from None
-            return
-        self.emit("Normal", "ServiceCreated", f"created service {name} (port {_service_port(manifest)})")
-
-    async def _delete_service(self, name: str, uid: str) -> None:
-        from kubernetes.client import V1DeleteOptions, V1Preconditions
-
-        try:
-            await asyncio.to_thread(self.rt.core.delete_namespaced_service, name, self.ref.namespace,
-                                    body=V1DeleteOptions(preconditions=V1Preconditions(uid=uid)))
-        except Exception as exc:
-            if api_status(exc) not in (404, 409):
-                raise
-
-    def _service_problem(self, message: str) -> None:
-        self.service = None
-        if message != self.service_problem:
-            self.emit("Warning", "ServiceError", message)
-            self.log.warning("pair %s/%s: %s", self.ref.namespace, self.ref.name, message)
-        self.service_problem = message
-
-    async def ensure_budget(self, budgets: Iterable[tuple[str, tuple]]) -> None:
-        """The pair's PodDisruptionBudget (disruption.py), made when the watch shows none and patched back to its spec
-        when the watch shows another (one made by an older operator). A failure (RBAC of an older chart, a foreign
-        object of that name) is reported once and retried next pass; it never stops the pods' steps."""
-        if self.rt.policy is None:
-            return
-        existing = list(budgets)
-        manifest = disruption.pair_budget(self.body)
-        name = manifest["metadata"]["name"]
-        try:
-            if existing:
-                patch = disruption.budget_outdated(existing[0][1], self.body)
-                if patch is None:
-                    return
-                await asyncio.to_thread(self.rt.policy.patch_namespaced_pod_disruption_budget, existing[0][0],
-                                        self.ref.namespace, patch)
-                done = ("DisruptionBudgetUpdated", f"PodDisruptionBudget {existing[0][0]}: now {patch['spec']}")
-            else:
-                from kubernetes.client import V1PodDisruptionBudget
-
-                await asyncio.to_thread(call_dropped, self.rt.policy.create_namespaced_pod_disruption_budget,
-                                        self.ref.namespace, V1PodDisruptionBudget.from_dict(manifest))
-                done = ("DisruptionBudgetCreated", f"created PodDisruptionBudget {name} (minAvailable "
-                        f"{disruption.NO_READY_POD_EVICTED}: no Ready pod is evicted; a drain waits until the pair "
-                        "has moved)")
-        except Exception as exc:
-            if api_status(exc) == 409:
-                return  # made by an earlier pass the watch has not shown yet (or someone else's: it stays theirs)
-            message = f"PodDisruptionBudget {name}: {type(exc).__name__}: {str(exc)[:500]}"
-            if message != self.budget_problem:
-                self.emit("Warning", "DisruptionBudgetError", message)
-                self.log.warning("pair %s/%s: %s", self.ref.namespace, self.ref.name, message)
-            self.budget_problem = message
-            return
-        self.budget_problem = ""
-        self.emit("Normal", *done)
-
-    async def ensure_network_policy(self) -> None:
-        """The pair's NetworkPolicy (network_policy.py), with PDPAIR_NETWORK_POLICY and pods off the host network:
-        read, made when missing, patched back to the operator's spec; one of another owner of that name is left
-        alone. Like the budget, a failure is told once (Event NetworkPolicyError) and retried next pass; it never
-        stops the pods' steps. Not watched (no index, no list/watch rights): at most one read per pair every
-        NETWORK_POLICY_RECHECK_RESYNCS resyncs once it is right."""
-        cfg = self.rt.config
-        if not network_policy.wanted(self.body.get("spec") or {}, cfg.network_policy):
-            return
-        manifest = network_policy.pair_network_policy(self.body, cfg.namespace)
-        digest = network_policy.spec_digest(manifest)
-        now = time.monotonic()
-        seen = self.network_policy_seen
-        if seen and seen[0] == digest and now - seen[1] < cfg.resync_interval * NETWORK_POLICY_RECHECK_RESYNCS:
-            return
-        name = manifest["metadata"]["name"]
-        where = (network_policy.GROUP, network_policy.VERSION, self.ref.namespace, network_policy.PLURAL)
-        done: tuple[str, str] | None = None
-        try:
-            try:
-                found = await asyncio.to_thread(call_json, self.rt.custom.get_namespaced_custom_object, *where, name)
-            except Exception as exc:
-                if api_status(exc) != 404:
-                    raise
-                found = None
-            if found is None:
-                await asyncio.to_thread(call_dropped, self.rt.custom.create_namespaced_custom_object, *where, manifest)
-                done = ("NetworkPolicyCreated", f"created NetworkPolicy {name}: only the pair's own pods reach its "
-                        f"engines; namespace {cfg.namespace} their metrics and side-channel ports")
-            elif not network_policy.owned_by(found, self.ref.uid):
-                raise LookupError(f"a NetworkPolicy {name} exists that this pair does not own: left as it is")
-            elif network_policy.spec_digest(found) != digest:
-                await asyncio.to_thread(call_dropped, self.rt.custom.patch_namespaced_custom_object, *where, name,
-                                        {"spec": manifest["spec"]})
-                done = ("NetworkPolicyUpdated", f"NetworkPolicy {name}: back to the operator's spec")
-        except Exception as exc:
-            if api_status(exc) == 409:
-                return  # made since the read (an earlier pass's create): the next pass reads it
-            message = f"NetworkPolicy {name}: {type(exc).__name__}: {str(exc)[:500]}"
-            if message != self.network_policy_problem:
-                self.emit("Warning", "NetworkPolicyError", message)
-                self.log.warning("pair %s/%s: %s", self.ref.namespace, self.ref.name, message)
-            self.network_policy_problem = message
-            return
-        self.network_policy_problem = ""
-        self.network_policy_seen = (digest, now)
-        if done:
-            self.emit("Normal", *done)
 
     # --- one pass -----------------------------------------------------------------------------------
     async def reconcile_once(self, pods: Iterable[PodView], services: Iterable[ServiceView] = (),
@@ -1053,12 +808,12 @@ class PairReconciler:
         if plan.create == ROLE_DECODE:
             return engine_pod(body, ROLE_DECODE, generation, ports, spec_hash, instance=plan.create_instance)
         if plan.create == ROLE_PREFILL:
-            peers = [(p.ip or "", _side_base(ports, p.instance)) for p in instances.prefill_peers(pods, generation)]
+            peers = [(p.ip or "", side_base(ports, p.instance)) for p in instances.prefill_peers(pods, generation)]
             manifest = engine_pod(body, ROLE_PREFILL, generation, ports, spec_hash, instance=plan.create_instance,
                                   peers=peers)
             # What it was told at creation: a push is due only once the set differs (instances.peers_digest)
             manifest["metadata"]["annotations"][ANNOTATION_PEERS_DIGEST] = instances.peers_digest(
-                _prefill_entries(peers))
+                prefill_entries(peers))
             return manifest
         if plan.create == ROLE_ROUTER:
             # Started with instance 0 of each role, as a 1P1D router always was (its /readyz waits for them); the
@@ -1068,8 +823,8 @@ class PairReconciler:
             prefill, decode = first.get(ROLE_PREFILL), first.get(ROLE_DECODE)
             manifest = router_pod(body, generation, ports, spec_hash, prefill.ip if prefill else "",
                                   decode.ip if decode else "")
-            members = _router_members([p for p in (prefill, decode) if p is not None], ports)
-            manifest["metadata"]["annotations"][ANNOTATION_PEERS_DIGEST] = _router_digest(members)
+            members = router_members([p for p in (prefill, decode) if p is not None], ports)
+            manifest["metadata"]["annotations"][ANNOTATION_PEERS_DIGEST] = router_digest(members)
             return manifest
         raise ManifestError(f"unknown role {plan.create!r}")
 
@@ -1105,173 +860,6 @@ class PairReconciler:
             if key not in self.overridden_told:
                 self.overridden_told.add(key)
                 self.emit(*event)
-
-    # --- pushes of peer sets (xPyD: instances.py decides the sets, push.py sends them) ---------------------------
-    async def _peers_token(self) -> str:
-        """The pair's push token (push.pair_token: derived from the operator's key and the pair's uid), with the
-        pair's Secret made once so that its prefill and router pods can take it (409: it exists already)."""
-        if self.peers_token is not None:
-            return self.peers_token
-        token = push.pair_token(self.rt.config.peers_key, self.ref.uid)
-        manifest = push.token_secret({"metadata": dict(self.body["metadata"])}, peers_secret_name(self.ref.name),
-                                     token)
-        try:
-            await asyncio.to_thread(self.rt.core.create_namespaced_secret, self.ref.namespace, manifest)
-        except Exception as exc:
-            if api_status(exc) != 409:
-                raise
-        self.peers_token = token
-        return token
-
-    async def _side_channel_secret(self) -> None:
-        """The pair's side-channel Secret (pair_secrets: its key derived from the operator's key and the pair's uid),
-        made once so that its prefill and decode pods can take the key (409: it exists already, e.g. made by this
-        operator before a restart; never read back, the operator has no get on Secrets)."""
-        if self.side_channel_made:
-            return
-        key = pair_secrets.side_channel_key(self.rt.config.peers_key, self.ref.uid)
-        manifest = pair_secrets.side_channel_secret({"metadata": dict(self.body["metadata"])}, key)
-        try:
-            await asyncio.to_thread(self.rt.core.create_namespaced_secret, self.ref.namespace, manifest)
-        except Exception as exc:
-            if api_status(exc) != 409:
-                raise
-        self.side_channel_made = True
-
-    def _ports_of_generation(self, generation: int) -> list[dict[str, Any]] | None:
-        active = surge.active_rollout(self.status)
-        if active and int(active.get("toGeneration") or 0) == generation and self.rollout_ports is not None:
-            return self.rollout_ports
-        return self.ports
-
-    async def push_sets(self, pods: tuple[PodView, ...]) -> set[str]:
-        """Send each running prefill and router of the pair the set instances.py gives it, when it differs from
-        what the pod was last told (its annotation pdpair.io/peers-digest): the decodes a prefill pairs with, the
-        instances a router sends to. A failed push is retried on the next pass (it is level-triggered), which comes
-        back by push_retry_delay. A router's answer is recorded (`_record_router`) while an instance of its generation
-        drains. Returns the uids of the routers whose answer was recorded."""
-        sends = []
-        answered: set[str] = set()
-        live = {p.uid for p in pods if p.running}
-        self.push_failures = {uid: failure for uid, failure in self.push_failures.items() if uid in live}
-        self.pushed = {uid: digest for uid, digest in self.pushed.items() if uid in live}
-        for pod in pods:
-            if not pod.running or pod.role not in (ROLE_PREFILL, ROLE_ROUTER) or pod.peers_digest is None:
-                continue
-            ports = self._ports_of_generation(pod.generation)
-            if not ports:
-                continue
-            epoch = int(time.time() * 1000)
-            if pod.role == ROLE_PREFILL:
-                metrics = port_of(ports, ROLE_PREFILL, PURPOSE_METRICS, instance=pod.instance)
-                decodes = instances.prefill_peers(pods, pod.generation)
-                peers = [(p.ip or "", _side_base(ports, p.instance)) for p in decodes]
-                if not peers or metrics is None:
-                    continue  # no decode runs: nothing to pair with (recreate.py restarts a pair left without one)
-                digest = instances.peers_digest(_prefill_entries(peers))
-                tp = int((self.body["spec"].get(ROLE_DECODE) or {}).get("tensorParallelSize") or 1)
-                body = push.prefill_body(epoch, pod.generation, [
-                    push.PrefillPeer(p.instance, host, base, tp) for p, (host, base) in zip(decodes, peers)])
-                url = f"http://{url_host(pod.ip or '')}:{metrics}{PEERS_PATH}"
-            else:
-                router_port = port_of(ports, ROLE_ROUTER, PURPOSE_HTTP)
-                members = _router_members(instances.router_members(pods, pod.generation), ports)
-                if router_port is None or not any(m.role == ROLE_PREFILL for m in members) or not any(
-                        m.role == ROLE_DECODE for m in members):
-                    continue  # the router keeps what it has until a prefill and a decode are Ready
-                digest = _router_digest(members)
-                body = router_body(epoch, pod.generation, members)
-                url = f"http://{url_host(pod.ip or '')}:{router_port}{PEERS_PATH}"
-            if digest != pod.peers_digest and digest != self.pushed.get(pod.uid):
-                sends.append((pod, url, body, digest))
-            else:
-                self.push_failures.pop(pod.uid, None)
-        if not sends:
-            return answered
-        token = await self._peers_token()
-        timeout = self.rt.config.probe_timeout
-
-        async def send(pod: PodView, url: str, body: dict[str, Any], digest: str) -> None:
-            result = await push.push(self.rt.http(), url, token, body, timeout)
-            if not result.ok:
-                cause = f"{result.status} {result.error}"
-                last = self.push_failures.get(pod.uid)
-                self.push_failures[pod.uid] = PushFailure(cause, (last.count if last else 0) + 1,
-                                                          answered=result.status is not None)
-                if last is None or last.cause != cause:  # logged once per cause
-                    if result.status == 401:
-                        self.emit("Warning", "PeersPushRefused", f"{pod.role} {pod.name} refused the operator's "
-                                  f"token: it took another operator key's token ({ENV_PEERS_KEY} changed, or unset "
-                                  "across an operator restart); it takes the current one when it is re-created")
-                    self.log.info("pair %s/%s: push to %s %s not taken yet (%s); retrying", self.ref.namespace,
-                                  self.ref.name, pod.role, pod.name, cause)
-                return
-            self.push_failures.pop(pod.uid, None)
-            self.pushed[pod.uid] = digest
-            if pod.role == ROLE_ROUTER and self._record_router(pod, pods, result.answer, time.time()):
-                answered.add(pod.uid)
-            await self._patch_pod_annotations(pod.name, {ANNOTATION_PEERS_DIGEST: digest})
-            self.emit("Normal", "PeersPushed", f"{pod.role} {pod.name}: told its current set ({digest})")
-
-        await asyncio.gather(*(send(*item) for item in sends))
-        return answered
-
-    def _record_router(self, router: PodView, pods: tuple[PodView, ...], answer: Any, read_at: float) -> bool:
-        """Record the answer of `router` (its generation's RouterDrainView) when an instance of that generation
-        drains; an answer the view cannot read (malformed, or a router without `involved`) drops the view, so the
-        planner falls back to the deadline. True when recorded."""
-        if router.generation not in _draining_generations(pods):
-            return False
-        ports = self._ports_of_generation(router.generation) or []
-        urls = _engine_urls((p for p in pods if p.generation == router.generation and p.draining_since is not None),
-                            ports)
-        view = RouterDrainView.from_answer(router.generation, answer, read_at, urls)
-        if view is None:
-            self.router_views.pop(router.generation, None)
-            self._router_read_failed(router, "its peers answer has no per-instance 'involved' counts (a router "
-                                             "image from before them?)")
-            return False
-        self.router_views[router.generation] = view
-        self.router_read_failures.pop(router.uid, None)
-        return True
-
-    def _router_read_failed(self, router: PodView, cause: str) -> None:
-        if self.router_read_failures.get(router.uid) != cause:  # logged once per cause
-            self.router_read_failures[router.uid] = cause
-            self.log.info("pair %s/%s: router %s's counts not read (%s): a draining instance waits for "
-                          "spec.rollout.drainSeconds", self.ref.namespace, self.ref.name, router.name, cause)
-
-    async def read_routers(self, pods: tuple[PodView, ...], answered: "set[str] | frozenset[str]" = frozenset()) -> None:
-        """While an instance of a generation drains, read its running router's current answer (`GET
-        /pdpair/v1/peers`, the push's token and timeout) unless this pass's push just recorded one (`answered`),
-        for the next pass's plan. A read that fails drops the view (the deadline decides), is logged once per
-        cause, and is tried again next pass; views of generations where nothing drains are dropped."""
-        draining = _draining_generations(pods)
-        self.router_views = {g: v for g, v in self.router_views.items() if g in draining}
-        routers = {p.uid for p in pods if p.role == ROLE_ROUTER and p.running and not p.deleting}
-        self.router_read_failures = {u: c for u, c in self.router_read_failures.items() if u in routers}
-        reads = []
-        for pod in pods:
-            if pod.role != ROLE_ROUTER or not pod.running or pod.deleting or pod.generation not in draining or \
-                    pod.uid in answered:
-                continue
-            port = port_of(self._ports_of_generation(pod.generation) or [], ROLE_ROUTER, PURPOSE_HTTP)
-            if port is None or not pod.ip:
-                continue
-            reads.append((pod, f"http://{url_host(pod.ip)}:{port}{PEERS_PATH}"))
-        if not reads:
-            return
-        token = await self._peers_token()
-
-        async def read(pod: PodView, url: str) -> None:
-            result = await push.read_peers(self.rt.http(), url, token, self.rt.config.probe_timeout)
-            if not result.ok:
-                self.router_views.pop(pod.generation, None)
-                self._router_read_failed(pod, f"{result.status} {result.error}")
-                return
-            self._record_router(pod, pods, result.answer, time.time())
-
-        await asyncio.gather(*(read(*item) for item in reads))
 
     async def _patch_pod_annotations(self, name: str, annotations: Mapping[str, str]) -> None:
         try:

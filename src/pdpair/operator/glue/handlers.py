@@ -65,7 +65,8 @@ from pdpair.operator.model.observed import NodeView, PodView
 from pdpair.operator.act.port_leaser import PairRef, PortLeaser
 from pdpair.operator.decide.port_blocks import port_of, ports_of
 from pdpair.operator.act.listener_probe import refused_ports
-from pdpair.operator.act.reconciler import PairReconciler, Runtime, api_status, throttled_retry
+from pdpair.operator.act.kube_api import api_status
+from pdpair.operator.act.reconciler import PairReconciler, Runtime, throttled_retry
 from pdpair.operator.build.service import ServiceView
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,237 @@
+"""The executor's part for the peer push (docs/xpyd.md sections 3, 5, 6): instances.py decides each pod's set,
+push.py builds and sends the bodies, and this sends each running prefill and router the set it was not told yet,
+records a router's answer while an instance drains (`RouterDrainView`, what the planner reads to delete a drained
+instance), and says when a failed push is tried again (`push_retry_delay`). `PeerSets` is a part of
+`reconciler.PairReconciler` (its state lives there) and decides nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from pdpair.contract import (
+    ANNOTATION_PEERS_DIGEST,
+    PEERS_PATH,
+    PURPOSE_HTTP,
+    PURPOSE_METRICS,
+    PURPOSE_SIDECHANNEL,
+    READYZ_PATH,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    ROLE_ROUTER,
+)
+from pdpair.contract.router_peers import RouterMember, router_body
+from pdpair.operator.act import push
+from pdpair.operator.build.pods import url_host
+from pdpair.operator.decide import instances, surge
+from pdpair.operator.decide.port_blocks import port_of
+from pdpair.operator.model.config import ENV_PEERS_KEY, OperatorConfig
+from pdpair.operator.model.observed import PodView, RouterDrainView
+
+
+@dataclass(frozen=True)
+class PushFailure:
+    """A pod's push that has failed `count` times in a row; `answered`: the last failure was the pod's HTTP refusal
+    (401, 404), not a timeout or a reset (push_retry_delay)."""
+
+    cause: str  # the last failure, as logged (each new cause is logged once)
+    count: int
+    answered: bool
+
+
+def push_retry_delay(failing: Iterable[tuple[bool, bool, int]], cfg: OperatorConfig) -> float | None:
+    """When to pass again for the pods whose last push failed, given (ready, answered, consecutive failures) of each;
+    None when none failed or none needs it sooner than events and resyncs. Nothing wakes a pair when a failed push
+    could succeed, so the pass itself must come back. A pod that is not Ready still loads (a prefill created beside
+    its decode learns decode's address this way: its endpoint opens any moment): every probe interval. A Ready pod
+    serves already: a push that got no answer (a timeout on a busy node, a dropped connection) is retried at the
+    probe interval doubled per failure, up to the resync interval; one it answered with a refusal (401: another
+    operator key; 404: no such endpoint) is not retried sooner than the next event or resync, which is soon enough
+    for what does not change by itself."""
+    delays = [cfg.probe_interval if not ready else
+              min(cfg.probe_interval * 2 ** min(max(failures, 1) - 1, 16), cfg.resync_interval)
+              for ready, answered, failures in failing if not (ready and answered)]
+    return min(delays) if delays else None
+
+
+def side_base(ports: list[dict[str, Any]], instance: int) -> int:
+    return int(port_of(ports, ROLE_DECODE, PURPOSE_SIDECHANNEL, instance=instance) or 0)
+
+
+def prefill_entries(peers: Iterable[tuple[str, int]]) -> list[str]:
+    return [f"{host}:{base}" for host, base in peers]
+
+
+def router_members(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> list[RouterMember]:
+    members = []
+    for p in pods:
+        http = port_of(ports, p.role, PURPOSE_HTTP, instance=p.instance)
+        metrics = port_of(ports, p.role, PURPOSE_METRICS, instance=p.instance)
+        if http is None or metrics is None:
+            continue
+        host = url_host(p.ip or "")
+        members.append(RouterMember(p.role, p.instance, f"http://{host}:{http}",
+                                         f"http://{host}:{metrics}{READYZ_PATH}"))
+    return members
+
+
+def engine_urls(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """pod name -> (role, the engine URL the router is pushed for it: router_members' URL), for the engine pods
+    with an address and an HTTP port in `ports`: how a router's answer (by URL) is read back as pods."""
+    out = {}
+    for p in pods:
+        http = port_of(ports, p.role, PURPOSE_HTTP, instance=p.instance) if p.role in instances.ENGINE_ROLES else None
+        if http is not None and p.ip:
+            out[p.name] = (p.role, f"http://{url_host(p.ip)}:{http}")
+    return out
+
+
+def draining_generations(pods: Iterable[PodView]) -> set[int]:
+    """The generations with an engine instance draining (marked by a scale-down, not yet being deleted)."""
+    return {p.generation for p in pods if p.role in instances.ENGINE_ROLES and p.draining_since is not None
+            and not p.deleting}
+
+
+def router_digest(members: Iterable[RouterMember]) -> str:
+    return instances.peers_digest(f"{m.role}/{m.index}/{m.url}" for m in members)
+
+
+class PeerSets:
+    """Mixed into PairReconciler: push_sets, read_routers and what they share."""
+
+    def _ports_of_generation(self, generation: int) -> list[dict[str, Any]] | None:
+        active = surge.active_rollout(self.status)
+        if active and int(active.get("toGeneration") or 0) == generation and self.rollout_ports is not None:
+            return self.rollout_ports
+        return self.ports
+
+    async def push_sets(self, pods: tuple[PodView, ...]) -> set[str]:
+        """Send each running prefill and router of the pair the set instances.py gives it, when it differs from
+        what the pod was last told (its annotation pdpair.io/peers-digest): the decodes a prefill pairs with, the
+        instances a router sends to. A failed push is retried on the next pass (it is level-triggered), which comes
+        back by push_retry_delay. A router's answer is recorded (`_record_router`) while an instance of its generation
+        drains. Returns the uids of the routers whose answer was recorded."""
+        sends = []
+        answered: set[str] = set()
+        live = {p.uid for p in pods if p.running}
+        self.push_failures = {uid: failure for uid, failure in self.push_failures.items() if uid in live}
+        self.pushed = {uid: digest for uid, digest in self.pushed.items() if uid in live}
+        for pod in pods:
+            if not pod.running or pod.role not in (ROLE_PREFILL, ROLE_ROUTER) or pod.peers_digest is None:
+                continue
+            ports = self._ports_of_generation(pod.generation)
+            if not ports:
+                continue
+            epoch = int(time.time() * 1000)
+            if pod.role == ROLE_PREFILL:
+                metrics = port_of(ports, ROLE_PREFILL, PURPOSE_METRICS, instance=pod.instance)
+                decodes = instances.prefill_peers(pods, pod.generation)
+                peers = [(p.ip or "", side_base(ports, p.instance)) for p in decodes]
+                if not peers or metrics is None:
+                    continue  # no decode runs: nothing to pair with (recreate.py restarts a pair left without one)
+                digest = instances.peers_digest(prefill_entries(peers))
+                tp = int((self.body["spec"].get(ROLE_DECODE) or {}).get("tensorParallelSize") or 1)
+                body = push.prefill_body(epoch, pod.generation, [
+                    push.PrefillPeer(p.instance, host, base, tp) for p, (host, base) in zip(decodes, peers)])
+                url = f"http://{url_host(pod.ip or '')}:{metrics}{PEERS_PATH}"
+            else:
+                router_port = port_of(ports, ROLE_ROUTER, PURPOSE_HTTP)
+                members = router_members(instances.router_members(pods, pod.generation), ports)
+                if router_port is None or not any(m.role == ROLE_PREFILL for m in members) or not any(
+                        m.role == ROLE_DECODE for m in members):
+                    continue  # the router keeps what it has until a prefill and a decode are Ready
+                digest = router_digest(members)
+                body = router_body(epoch, pod.generation, members)
+                url = f"http://{url_host(pod.ip or '')}:{router_port}{PEERS_PATH}"
+            if digest != pod.peers_digest and digest != self.pushed.get(pod.uid):
+                sends.append((pod, url, body, digest))
+            else:
+                self.push_failures.pop(pod.uid, None)
+        if not sends:
+            return answered
+        token = await self._peers_token()
+        timeout = self.rt.config.probe_timeout
+
+        async def send(pod: PodView, url: str, body: dict[str, Any], digest: str) -> None:
+            result = await push.push(self.rt.http(), url, token, body, timeout)
+            if not result.ok:
+                cause = f"{result.status} {result.error}"
+                last = self.push_failures.get(pod.uid)
+                self.push_failures[pod.uid] = PushFailure(cause, (last.count if last else 0) + 1,
+                                                          answered=result.status is not None)
+                if last is None or last.cause != cause:  # logged once per cause
+                    if result.status == 401:
+                        self.emit("Warning", "PeersPushRefused", f"{pod.role} {pod.name} refused the operator's "
+                                  f"token: it took another operator key's token ({ENV_PEERS_KEY} changed, or unset "
+                                  "across an operator restart); it takes the current one when it is re-created")
+                    self.log.info("pair %s/%s: push to %s %s not taken yet (%s); retrying", self.ref.namespace,
+                                  self.ref.name, pod.role, pod.name, cause)
+                return
+            self.push_failures.pop(pod.uid, None)
+            self.pushed[pod.uid] = digest
+            if pod.role == ROLE_ROUTER and self._record_router(pod, pods, result.answer, time.time()):
+                answered.add(pod.uid)
+            await self._patch_pod_annotations(pod.name, {ANNOTATION_PEERS_DIGEST: digest})
+            self.emit("Normal", "PeersPushed", f"{pod.role} {pod.name}: told its current set ({digest})")
+
+        await asyncio.gather(*(send(*item) for item in sends))
+        return answered
+
+    def _record_router(self, router: PodView, pods: tuple[PodView, ...], answer: Any, read_at: float) -> bool:
+        """Record the answer of `router` (its generation's RouterDrainView) when an instance of that generation
+        drains; an answer the view cannot read (malformed, or a router without `involved`) drops the view, so the
+        planner falls back to the deadline. True when recorded."""
+        if router.generation not in draining_generations(pods):
+            return False
+        ports = self._ports_of_generation(router.generation) or []
+        urls = engine_urls((p for p in pods if p.generation == router.generation and p.draining_since is not None),
+                            ports)
+        view = RouterDrainView.from_answer(router.generation, answer, read_at, urls)
+        if view is None:
+            self.router_views.pop(router.generation, None)
+            self._router_read_failed(router, "its peers answer has no per-instance 'involved' counts (a router "
+                                             "image from before them?)")
+            return False
+        self.router_views[router.generation] = view
+        self.router_read_failures.pop(router.uid, None)
+        return True
+
+    def _router_read_failed(self, router: PodView, cause: str) -> None:
+        if self.router_read_failures.get(router.uid) != cause:  # logged once per cause
+            self.router_read_failures[router.uid] = cause
+            self.log.info("pair %s/%s: router %s's counts not read (%s): a draining instance waits for "
+                          "spec.rollout.drainSeconds", self.ref.namespace, self.ref.name, router.name, cause)
+
+    async def read_routers(self, pods: tuple[PodView, ...], answered: "set[str] | frozenset[str]" = frozenset()) -> None:
+        """While an instance of a generation drains, read its running router's current answer (`GET
+        /pdpair/v1/peers`, the push's token and timeout) unless this pass's push just recorded one (`answered`),
+        for the next pass's plan. A read that fails drops the view (the deadline decides), is logged once per
+        cause, and is tried again next pass; views of generations where nothing drains are dropped."""
+        draining = draining_generations(pods)
+        self.router_views = {g: v for g, v in self.router_views.items() if g in draining}
+        routers = {p.uid for p in pods if p.role == ROLE_ROUTER and p.running and not p.deleting}
+        self.router_read_failures = {u: c for u, c in self.router_read_failures.items() if u in routers}
+        reads = []
+        for pod in pods:
+            if pod.role != ROLE_ROUTER or not pod.running or pod.deleting or pod.generation not in draining or \
+                    pod.uid in answered:
+                continue
+            port = port_of(self._ports_of_generation(pod.generation) or [], ROLE_ROUTER, PURPOSE_HTTP)
+            if port is None or not pod.ip:
+                continue
+            reads.append((pod, f"http://{url_host(pod.ip)}:{port}{PEERS_PATH}"))
+        if not reads:
+            return
+        token = await self._peers_token()
+
+        async def read(pod: PodView, url: str) -> None:
+            result = await push.read_peers(self.rt.http(), url, token, self.rt.config.probe_timeout)
+            if not result.ok:
+                self.router_views.pop(pod.generation, None)
+                self._router_read_failed(pod, f"{result.status} {result.error}")
+                return
+            self._record_router(pod, pods, result.answer, time.time())
+
+        await asyncio.gather(*(read(*item) for item in reads))
