@@ -187,7 +187,7 @@ class World:
             self.slots.add(active["portSlot"])
         for slot in self.slots:
             self._lease(slot)
-        # then fences the ports of pods on lost nodes, and leases replacements (reconciler.fence_lost)
+        # then fences the ports of pods on lost nodes, and leases replacements (lease_steps.fence_lost)
         lease_plan = planner.lease_plan(self.spec, self.status, pods, self.node_views(), self.now, NODE_LOST_SECONDS)
         held = [{"port": p} for ports in self.held.values() for p in ports]
         for fence in leases.fences(lease_plan.lost, held, POOL):
