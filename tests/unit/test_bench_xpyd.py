@@ -15,7 +15,8 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import bench_xpyd as bx  # noqa: E402
 
-from pdpair.router.app import ROUTE_HEADER, RouterConfig, make_app  # noqa: E402
+from pdpair.router.app import ROUTE_HEADER, make_app  # noqa: E402
+from pdpair.router.config import RouterConfig  # noqa: E402
 from tests.router_support import serve, start_engines  # noqa: E402
 
 TOKEN = "t" * 32

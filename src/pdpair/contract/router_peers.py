@@ -1,6 +1,6 @@
 """The router's instance sets as the operator pushes them (`PUT /pdpair/v1/peers` on the router's HTTP port): the one
 definition of a member and of the body, which the operator writes (operator/act/push.py) and the router reads
-(router/app.py `parse_peers_body`).
+(router/peer_push.py `parse_peers_body`).
 
 The body: `{"epoch": int, "generation": int, "prefills": [{"index": int, "url": str, "readyUrl": str, "draining":
 bool}], "decodes": [...]}`, each role in index order; one index per role, one URL per body."""

@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from aiohttp import web
 
 from pdpair.contract import ENV_API_KEY, ENV_PEERS_TOKEN
-from pdpair.router.app import RouterConfig, check_body_bytes, check_timeout, make_app
+from pdpair.router.app import make_app
+from pdpair.router.config import RouterConfig, check_body_bytes, check_timeout
 
 
 def _port(raw: str) -> int:

@@ -49,6 +49,9 @@ variable, refuses a /v1 request without it), and to decode's /v1/models; never t
 /health is the router's liveness; /readyz its readiness: at least one prefill and one decode that may be chosen (not
 draining) ready by their own readiness URLs (`readiness`), so a router started beside loading engines gets no traffic
 before they serve.
+
+Modules (README.md): the settings in config.py, the instances and the choice in pools.py, the push endpoint in
+peer_push.py, the API key in api_key.py; this module serves the routes.
 """
 
 from __future__ import annotations
@@ -56,25 +59,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
-import hmac
 import json
 import logging
 import math
 import time
-import urllib.parse
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import aiohttp
 from aiohttp import web
 
 from pdpair.connector import timeline
-from pdpair.contract import ENV_API_KEY, ENV_PEERS_TOKEN, MAX_PEERS_BODY_BYTES, PEERS_PATH
+from pdpair.contract import MAX_PEERS_BODY_BYTES, PEERS_PATH
 from pdpair.contract import READYZ_PATH  # the router's readiness too: it has a prefill and a decode that are ready
 from pdpair.contract import PROBE_WAIT_PARAM, parse_probe_wait, probe_hold_pause
-from pdpair.contract.router_peers import BODY_ROLES, RouterMember, count
+from pdpair.router.api_key import api_key_guard
+from pdpair.router.config import (
+    HEALTH_PATH,
+    RouterConfig,
+    check_body_bytes,
+    check_ready_urls,
+    check_timeout,
+    check_urls,
+)
+from pdpair.router.peer_push import no_peers_handler, peers_handler, check_peers_token
+from pdpair.router.pools import ROUTER, Instance, Router, no_instance
 
 logger = logging.getLogger("pdpair.router")
 
@@ -82,44 +91,6 @@ REQUEST_ID_HEADER = "X-Request-Id"
 ROUTE_HEADER = "X-Pdpair-Route"
 KV_USAGE_METRIC = "vllm:kv_cache_usage_perc"
 ROUTES = ("/v1/completions", "/v1/chat/completions")
-HEALTH_PATH = "/health"  # the router's liveness, and an engine's (vLLM's) readiness when no other URL is given
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    prefill_urls: tuple[str, ...]
-    decode_urls: tuple[str, ...]
-    prefill_timeout_seconds: float = 120.0
-    decode_timeout_seconds: float = 600.0
-    connect_timeout_seconds: float = 10.0
-    idle_connection_seconds: float = 2.0
-    failure_cooldown_seconds: float = 5.0
-    debug_routing: bool = False
-    log_choices: bool = False
-    # The largest request body accepted (--max-body-bytes); a larger one is answered 413 before it is read. A
-    # completion needs its prompt and parameters: a 128k-token prompt is about 0.5 MiB as text and under 1 MiB as a
-    # JSON list of token ids, and chat messages with tool definitions stay well below 4 MiB. The bound is what one
-    # client can make the router hold (and parse into objects several times larger) per request; 64 MiB, aiohttp's
-    # setting before, let a few clients take the router's memory. Images sent inline (base64) may need more: raise it.
-    max_body_bytes: int = 4 * 2**20
-    # Each instance's own readiness URL, in the order of its role's URLs (empty: its base URL + /health). The
-    # router's /readyz passes while at least one prefill and one decode pass theirs (`readiness`).
-    prefill_ready_urls: tuple[str, ...] = ()
-    decode_ready_urls: tuple[str, ...] = ()
-    # Not flags: the design's constants (docs/xpyd.md section 5), fields only so that a test can shorten them.
-    kv_scrape_interval_seconds: float = 1.0
-    kv_scrape_timeout_seconds: float = 0.5
-    kv_usage_max_age_seconds: float = 5.0
-    # Above an engine's own /readyz bound on its engine's /health (connector/pod_server.py, 2 s); with the probe's wait
-    # (operator/pods.py PROBE_WAIT_SECONDS) below the kubelet's readiness timeout for the router (ROUTER_READINESS_PROBE):
-    # every instance is asked at once, so one answer that never comes costs this, not the probe.
-    ready_check_timeout_seconds: float = 2.5
-    # PDPAIR_PEERS_TOKEN: set, the router serves `PUT /pdpair/v1/peers` (the operator's push of its instance sets,
-    # bearer this token) and the flags' URLs are only the set until the first push (none may be given); None: 404.
-    peers_token: str | None = dataclasses.field(default=None, repr=False)
-    # VLLM_API_KEY (spec.apiKeySecret): set, clients must send it as a bearer token and the router sends it to the
-    # engines (`api_key_guard`, `Router.engine_headers`); None or "": no key. Never logged (repr=False).
-    api_key: str | None = dataclasses.field(default=None, repr=False)
 
 
 class PeerError(Exception):
@@ -132,183 +103,6 @@ class PeerError(Exception):
     def response(self, request_id: str) -> web.Response:
         body = {"error": {"message": self.message, "type": "peer_error", "peer": self.peer, "code": self.status}}
         return web.json_response(body, status=self.status, headers={REQUEST_ID_HEADER: request_id})
-
-
-@dataclass(eq=False)
-class Instance:
-    role: str
-    index: int
-    url: str
-    outstanding: int = 0  # requests in flight to it now: the choice's load count (`Pool.hold`)
-    # Requests in flight that involve it for their whole life (`Pool.involve`): a prefill's from its choice until the
-    # request's decode answer ended or failed (its KV push to decode may outlive its own answer), a decode's as
-    # `outstanding`. Never the load (a prefill that answered is free for the next prompt): what a drain waits for.
-    involved: int = 0
-    cooldown_until: float = -math.inf  # on the pool's clock
-    kv_usage: float | None = None
-    kv_usage_at: float = -math.inf
-    ready_url: str = ""  # where its own readiness is asked (the router's /readyz); "" = url + /health
-    draining: bool = False  # pushed as draining, or gone from the pushed set: never chosen again
-
-
-class Pool:
-    """The instances of one role, the requests in flight to each through this router, and the choice among them.
-
-    `instances` are the ones that may be chosen (in index order), `draining` the members of the pushed set marked
-    draining, `leaving` (by URL) the instances that left the set with requests still in flight through this router
-    (held or involved);
-    `replace` swaps the set (docs/xpyd.md section 6)."""
-
-    def __init__(self, role: str, urls: tuple[str, ...], cooldown_seconds: float,
-                 kv_usage_max_age_seconds: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 ready_urls: tuple[str, ...] = ()) -> None:
-        self.role = role
-        ready_urls = ready_urls or tuple(url + HEALTH_PATH for url in urls)
-        self.instances = [Instance(role, index, url, ready_url=ready)
-                          for index, (url, ready) in enumerate(zip(urls, ready_urls, strict=True))]
-        self.draining: list[Instance] = []
-        self.leaving: dict[str, Instance] = {}
-        self._cooldown = cooldown_seconds
-        self._kv_max_age = kv_usage_max_age_seconds  # None: this role's choice ignores KV usage
-        self._clock = clock
-        self._cursor = 0  # round-robin: the index that wins the next exact tie
-
-    def choose(self, exclude: Instance | None = None) -> Instance:
-        """The instance with the fewest requests in flight; ties go to the lowest fresh KV-cache usage (when this
-        pool tracks it), then round-robin. `exclude` (the instance a retry leaves) is chosen only if it is the only
-        one."""
-        now = self._clock()
-        candidates = [i for i in self.instances if i is not exclude] or self.instances
-        # Fail open: when every candidate is cooling down, choose among them anyway. Skipping a failed instance only
-        # helps while another can take the request; with one instance per role (what the operator runs today)
-        # refusing would turn one transient error (a reset kept-alive connection, an engine restarting) into
-        # failure_cooldown_seconds of certain 503s for a pair that may already serve again.
-        candidates = [i for i in candidates if i.cooldown_until <= now] or candidates
-        least = min(i.outstanding for i in candidates)
-        tied = [i for i in candidates if i.outstanding == least]
-        if len(tied) > 1 and self._kv_max_age is not None:
-            usages = [self.fresh_kv_usage(i, now) for i in tied]
-            # Only when every tied decode has a fresh value: a missing or stale one says nothing about its load, and
-            # ranking it above or below the known ones would starve it or prefer a decode whose /metrics fails.
-            if None not in usages:
-                low = min(usages)
-                tied = [i for i, usage in zip(tied, usages) if usage == low]
-        n = max(i.index for i in self.instances) + 1  # a pushed set's indexes may have gaps
-        chosen = min(tied, key=lambda i: (i.index - self._cursor) % n)
-        self._cursor = (chosen.index + 1) % n
-        return chosen
-
-    def member(self, index: int) -> Instance | None:
-        """The instance that may be chosen with this index (X-Pdpair-Route), or None."""
-        return next((i for i in self.instances if i.index == index), None)
-
-    def replace(self, members: list[RouterMember]) -> None:
-        """Makes `members` the role's set. Synchronous, so no request's choice sees half of it. An instance is kept
-        by URL (its requests in flight, cooldown and KV usage stay); a new URL is a new instance; one marked
-        draining, or gone from the set, is never chosen again while its requests in flight finish (`hold` and
-        `involve` count them); one gone from the set is forgotten when its last one ends."""
-        known = {i.url: i for i in (*self.instances, *self.draining, *self.leaving.values())}
-        instances, draining = [], []
-        for m in sorted(members, key=lambda m: m.index):
-            instance = known.pop(m.url, None) or Instance(self.role, m.index, m.url)
-            instance.index, instance.ready_url, instance.draining = m.index, m.ready_url, m.draining
-            (draining if m.draining else instances).append(instance)
-        for instance in known.values():
-            instance.draining = True
-        self.instances, self.draining = instances, draining
-        self.leaving = {url: i for url, i in known.items() if i.outstanding > 0 or i.involved > 0}
-
-    def hold(self, instance: Instance) -> contextlib.AbstractContextManager[Instance]:
-        """Counts a request in flight to `instance` while the block runs (cancelled or failed included): its load
-        (`outstanding`, what `choose` compares). Enter it right after `choose`, with no await between, so that
-        concurrent requests see each other's choice."""
-        return self._counting(instance, "outstanding")
-
-    def involve(self, instance: Instance) -> contextlib.AbstractContextManager[Instance]:
-        """Counts a request that involves `instance` while the block runs (cancelled or failed included):
-        `involved`, what a drain waits for. `_proxy` enters it for the decode beside `hold`, and for each prefill a
-        request is sent to from its choice until decode's answer ended (prefill's KV push outlives its answer)."""
-        return self._counting(instance, "involved")
-
-    @contextlib.contextmanager
-    def _counting(self, instance: Instance, count: str) -> Iterator[Instance]:
-        setattr(instance, count, getattr(instance, count) + 1)
-        try:
-            yield instance
-        finally:
-            setattr(instance, count, getattr(instance, count) - 1)
-            if instance.outstanding == 0 and instance.involved == 0 and self.leaving.get(instance.url) is instance:
-                del self.leaving[instance.url]  # it left the set and its last request ended: forgotten
-
-    def failed(self, instance: Instance) -> None:
-        instance.cooldown_until = self._clock() + self._cooldown
-
-    def record_kv_usage(self, instance: Instance, usage: float) -> None:
-        instance.kv_usage, instance.kv_usage_at = usage, self._clock()
-
-    def fresh_kv_usage(self, instance: Instance, now: float | None = None) -> float | None:
-        if self._kv_max_age is None or instance.kv_usage is None:
-            return None
-        now = self._clock() if now is None else now
-        return instance.kv_usage if now - instance.kv_usage_at <= self._kv_max_age else None
-
-    def outstanding(self) -> list[int]:
-        return [i.outstanding for i in self.instances]
-
-    def cooling(self) -> list[int]:
-        now = self._clock()
-        return [i.index for i in self.instances if i.cooldown_until > now]
-
-
-class Router:
-    def __init__(self, config: RouterConfig) -> None:
-        self.config = config
-        self.prefills = Pool("prefill", config.prefill_urls, config.failure_cooldown_seconds,
-                             ready_urls=config.prefill_ready_urls)
-        self.decodes = Pool("decode", config.decode_urls, config.failure_cooldown_seconds,
-                            kv_usage_max_age_seconds=config.kv_usage_max_age_seconds,
-                            ready_urls=config.decode_ready_urls)
-        self.session: aiohttp.ClientSession | None = None
-        # Sent with every request to an engine's API (prefill, decode, decode's /v1/models): the pair's API key, which
-        # vLLM requires under /v1 when it has one; nothing without a key. Not to readiness URLs or /metrics (open).
-        self.engine_headers: dict[str, str] = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        # The last pushed set's epoch and generation (None: the flags' set, nothing pushed yet).
-        self.epoch: int | None = None
-        self.generation: int | None = None
-
-    def apply_peers(self, epoch: int, generation: int, prefills: list[RouterMember], decodes: list[RouterMember]) -> None:
-        """Both roles' sets at once: synchronous, so no request sees one role swapped and not the other."""
-        self.prefills.replace(prefills)
-        self.decodes.replace(decodes)
-        self.epoch, self.generation = epoch, generation
-
-    def peers_state(self) -> dict:
-        """The answer of `PUT`/`GET /pdpair/v1/peers`: each role's members (draining included) with the requests in
-        flight to each through this router (`outstanding`, the load) and those that involve it (`involved`: a
-        prefill's until the request's decode answer ended), the instances that left the set with requests still in
-        flight (`leaving`; one is gone from it when both counts reach 0), and `warnings` (a role with no instance
-        that may be chosen: /readyz fails and requests are answered 503)."""
-        def members(pool: Pool) -> list[dict]:
-            return [{"index": i.index, "url": i.url, "outstanding": i.outstanding, "involved": i.involved,
-                     "draining": i.draining}
-                    for i in sorted((*pool.instances, *pool.draining), key=lambda i: i.index)]
-
-        pools = (self.prefills, self.decodes)
-        return {
-            "epoch": self.epoch, "generation": self.generation,
-            "prefills": members(self.prefills), "decodes": members(self.decodes),
-            "leaving": [{"role": pool.role, "url": i.url, "outstanding": i.outstanding, "involved": i.involved}
-                        for pool in pools for i in pool.leaving.values()],
-            "warnings": [_no_instance(pool.role) for pool in pools if not pool.instances],
-        }
-
-
-def _no_instance(role: str) -> str:
-    return (f"no {role} that may be chosen (the set is empty or every {role} is draining): the router's {READYZ_PATH} "
-            f"fails and requests are answered 503 until one is pushed")
-
-
-ROUTER = web.AppKey("router", Router)
 
 
 def prefill_body(body: dict, chat: bool) -> dict:
@@ -445,7 +239,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         return exc.response(request_id)
     for pool in (router.decodes, router.prefills):  # a pushed set may leave a role without one (no await from here)
         if not pool.instances:
-            return PeerError(503, "router", _no_instance(pool.role)).response(request_id)
+            return PeerError(503, "router", no_instance(pool.role)).response(request_id)
 
     # Decode first: it holds the request for the whole answer, so its load matters most; a prefill is busy only for
     # the prompt.
@@ -619,7 +413,7 @@ async def readiness(router: Router) -> tuple[bool, dict]:
     for instance, (ok, detail) in zip(instances, answers):
         body[instance.role].append({"index": instance.index, "url": instance.ready_url, "ready": ok, "detail": detail})
     ready = all(any(entry["ready"] for entry in body[role]) for role in ("prefill", "decode"))
-    warnings = [_no_instance(role) for role in ("prefill", "decode") if not body[role]]
+    warnings = [no_instance(role) for role in ("prefill", "decode") if not body[role]]
     return ready, {**body, "warnings": warnings} if warnings else body
 
 
@@ -643,7 +437,7 @@ async def _readyz(request: web.Request) -> web.Response:
 async def _models(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     if not router.decodes.instances:
-        return PeerError(503, "router", _no_instance("decode")).response("-")
+        return PeerError(503, "router", no_instance("decode")).response("-")
     cooling = set(router.decodes.cooling())
     decode = next((i for i in router.decodes.instances if i.index not in cooling), router.decodes.instances[0])
     try:
@@ -652,236 +446,6 @@ async def _models(request: web.Request) -> web.Response:
             return web.Response(body=await resp.read(), status=resp.status, content_type=resp.content_type)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return PeerError(502, "decode", f"decode unreachable: {exc}").response("-")
-
-
-# --- the pair's API key (spec.apiKeySecret, VLLM_API_KEY) -------------------------------------------------------
-# The router's paths that need no API key: its liveness and readiness (the kubelet's probes) and the peer push, which
-# has its own token. Every other path, the OpenAI API under /v1 and any path the router does not serve, needs the key.
-OPEN_PATHS = frozenset({HEALTH_PATH, READYZ_PATH, PEERS_PATH})
-# The answer to a request without the key or with another: fixed, in the OpenAI error shape; nothing of the request.
-API_KEY_REFUSAL = {"error": {"message": "a valid API key is required: send the header 'Authorization: Bearer <key>'",
-                             "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
-
-
-def check_api_key(key: str) -> str:
-    """VLLM_API_KEY as a client can send it: printable ASCII without leading or trailing whitespace, else a ValueError
-    naming the variable (never the value). An HTTP header carries nothing else intact (a header's surrounding
-    whitespace is stripped, and vLLM reads non-ASCII bytes as Latin-1 but hashes the key as UTF-8), so every
-    request would be refused; the likeliest cause is a Secret made from a file that ends with a newline."""
-    if not key or not key.isascii() or not key.isprintable() or key != key.strip():
-        raise ValueError(f"{ENV_API_KEY} (the Secret of spec.apiKeySecret) is not printable ASCII without leading or "
-                         f"trailing whitespace ({len(key)} characters): no client could send it in an Authorization "
-                         "header, so every request would be refused (a Secret made from a file often ends with a "
-                         "newline: make it with kubectl create secret generic --from-literal)")
-    return key
-
-
-def bearer_matches(header: str | None, digest: bytes) -> bool:
-    """Whether an Authorization header is `Bearer <key>` for the key whose sha256 is `digest`: vLLM's rule
-    (AuthenticationMiddleware: the scheme case-insensitive, the rest of the header after one space is the key),
-    compared as digests in constant time, so neither the key's length nor a prefix leaks through timing."""
-    if not header:
-        return False
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    try:
-        raw = given.encode("utf-8", "surrogateescape")  # the header's bytes as they came (aiohttp's decoding undone)
-    except UnicodeError:
-        return False
-    return hmac.compare_digest(hashlib.sha256(raw).digest(), digest)
-
-
-def api_key_guard(key: str):
-    """The middleware that answers 401 (API_KEY_REFUSAL) to a request outside OPEN_PATHS without the bearer key,
-    before its handler runs: before a byte of its body is read."""
-    digest = hashlib.sha256(check_api_key(key).encode()).digest()
-
-    @web.middleware
-    async def guard(request: web.Request, handler):
-        if request.path not in OPEN_PATHS and not bearer_matches(request.headers.get("Authorization"), digest):
-            return web.json_response(API_KEY_REFUSAL, status=401, headers={"WWW-Authenticate": "Bearer"})
-        return await handler(request)
-
-    return guard
-
-
-# --- the operator's push of the instance sets: PUT /pdpair/v1/peers ----------------------------------------------
-def check_peers_token(token: str) -> str:
-    """The connector's rule for PDPAIR_PEERS_TOKEN (connector/config.py): at least 16 printable ASCII characters
-    without spaces, else a ValueError."""
-    if not isinstance(token, str) or len(token) < 16 or not token.isascii() or not token.isprintable() or \
-            any(c.isspace() for c in token):
-        raise ValueError(f"{ENV_PEERS_TOKEN} must be at least 16 printable ASCII characters without spaces")
-    return token
-
-
-def parse_peers_body(doc: object) -> tuple[int, int, list[RouterMember], list[RouterMember]]:
-    """(epoch, generation, prefills, decodes) of a pushed body `{"epoch": int, "generation": int, "prefills":
-    [{"index": int, "url": str, "readyUrl": str, "draining": bool (optional, false)}, ...], "decodes": [...]}`;
-    else a ValueError naming the field. An index is unique within its role, a URL (however spelled) within the body;
-    other keys are ignored. An empty or all-draining role is accepted (the router is then not ready)."""
-    if not isinstance(doc, dict):
-        raise ValueError("the body must be a JSON object {epoch, generation, prefills, decodes}")
-    epoch, generation = count(doc.get("epoch"), "epoch"), count(doc.get("generation"), "generation")
-    urls: dict[tuple, str] = {}
-    roles: dict[str, list[RouterMember]] = {}
-    for member_role, role in BODY_ROLES.items():
-        items = doc.get(role)
-        if not isinstance(items, list):
-            raise ValueError(f"{role} must be a list of {{index, url, readyUrl, draining}}, got {items!r:.100}")
-        members: list[RouterMember] = []
-        indexes: dict[int, str] = {}
-        for n, item in enumerate(items):
-            where = f"{role}[{n}]"
-            if not isinstance(item, dict):
-                raise ValueError(f"{where} must be an object {{index, url, readyUrl, draining}}, got {item!r:.100}")
-            index = count(item.get("index"), f"{where}.index")
-            if index in indexes:
-                raise ValueError(f"{where}.index {index} is {indexes[index]}'s too")
-            url, key = check_url(f"{where}.url", item.get("url"))
-            if key in urls:
-                raise ValueError(f"{where}.url {url!r} names the instance of {urls[key]} too")
-            ready_url, _ = check_url(f"{where}.readyUrl", item.get("readyUrl"))
-            draining = item.get("draining", False)
-            if not isinstance(draining, bool):
-                raise ValueError(f"{where}.draining must be true or false, got {draining!r:.100}")
-            indexes[index], urls[key] = where, f"{where}.url"
-            members.append(RouterMember(member_role, index, url, ready_url, draining))
-        roles[role] = members
-    return epoch, generation, roles["prefills"], roles["decodes"]
-
-
-def _authorized(router: Router, request: web.Request) -> bool:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    try:
-        given = token.strip().encode("utf-8", "surrogateescape")
-    except UnicodeError:
-        return False
-    return scheme.lower() == "bearer" and hmac.compare_digest(given, router.config.peers_token.encode())
-
-
-async def _peers(request: web.Request) -> web.Response:
-    """`PUT /pdpair/v1/peers`: the whole desired set of both roles, level-triggered (docs/xpyd.md sections 3, 5, 6);
-    `GET`: the same answer without a change. Bearer PDPAIR_PEERS_TOKEN (constant-time compare) else 401; a malformed
-    body 400 naming the field; an epoch older than the last accepted one 409 (a deposed operator leader cannot undo
-    its successor's push; the same epoch again is applied again, so the same body twice is a no-op). The answer is
-    `Router.peers_state()`."""
-    router = request.app[ROUTER]
-    if not _authorized(router, request):
-        return web.json_response({"error": f"a valid bearer token is required (the pair's {ENV_PEERS_TOKEN})"},
-                                 status=401, headers={"WWW-Authenticate": "Bearer"})
-    if request.method != "PUT":
-        return web.json_response(router.peers_state())
-    if (request.content_length or 0) > MAX_PEERS_BODY_BYTES:
-        return web.json_response({"error": f"the body is over {MAX_PEERS_BODY_BYTES} bytes"}, status=413)
-    raw = await request.read()
-    if len(raw) > MAX_PEERS_BODY_BYTES:
-        return web.json_response({"error": f"the body is over {MAX_PEERS_BODY_BYTES} bytes"}, status=413)
-    try:
-        epoch, generation, prefills, decodes = parse_peers_body(json.loads(raw))
-    except ValueError as exc:  # json.JSONDecodeError included
-        return web.json_response({"error": f"{exc}" if not isinstance(exc, json.JSONDecodeError)
-                                  else f"the body is not JSON: {exc}"}, status=400)
-    # From the epoch check to the swap there is no await: no request's choice runs in between.
-    if router.epoch is not None and epoch < router.epoch:
-        return web.json_response({"error": f"epoch {epoch} is older than the last one accepted ({router.epoch})",
-                                  "epoch": router.epoch}, status=409)
-    changed = (epoch, generation) != (router.epoch, router.generation) or \
-        _as_members(router.prefills) != _by_index(prefills) or _as_members(router.decodes) != _by_index(decodes)
-    router.apply_peers(epoch, generation, prefills, decodes)
-    state = router.peers_state()
-    if changed:
-        logger.info("instance sets pushed: epoch %d, generation %d, prefills %s, decodes %s, leaving %s%s", epoch,
-                    generation, _summary(state["prefills"]), _summary(state["decodes"]),
-                    [f"{e['role']} {e['url']} ({e['involved']} in flight)" for e in state["leaving"]],
-                    "".join(f"; {w}" for w in state["warnings"]))
-    return web.json_response(state)
-
-
-def _as_members(pool: Pool) -> list[RouterMember]:
-    return [RouterMember(pool.role, i.index, i.url, i.ready_url, i.draining)
-            for i in sorted((*pool.instances, *pool.draining), key=lambda i: i.index)]
-
-
-def _by_index(members: list[RouterMember]) -> list[RouterMember]:
-    return sorted(members, key=lambda m: m.index)
-
-
-def _summary(entries: list[dict]) -> list[str]:
-    return [f"{e['index']} {e['url']}{' (draining)' if e['draining'] else ''}" for e in entries]
-
-
-async def _no_peers(request: web.Request) -> web.Response:
-    return web.json_response({"error": f"no peer push on this router ({ENV_PEERS_TOKEN} is not set): its instances "
-                                       "are its flags'"}, status=404)
-
-
-def check_timeout(flag: str, seconds: float) -> float:
-    """`seconds` if it is a finite number > 0, else a ValueError naming `flag`. aiohttp reads 0 or a negative
-    timeout as "no deadline", and nan/inf are no deadline either; the router never waits without one."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise ValueError(f"{flag} must be a number of seconds, got {seconds!r}")
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"{flag} must be a finite number of seconds > 0, got {seconds!r}")
-    return float(seconds)
-
-
-def check_body_bytes(flag: str, value: int) -> int:
-    """`value` if it is an int >= 1, else a ValueError naming `flag`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{flag} must be a number of bytes >= 1, got {value!r}")
-    return value
-
-
-def check_urls(flag: str, urls: tuple[str, ...], allow_empty: bool = False) -> tuple[str, ...]:
-    """`urls` without trailing slashes, else a ValueError naming `flag`: none given (unless `allow_empty`), one that
-    is not an http(s) URL with a host, or one instance given twice (the same scheme, host, port and path, however spelled: the choice by
-    load would count it as two instances and send it twice its share)."""
-    if isinstance(urls, str) or not isinstance(urls, (tuple, list)):
-        raise ValueError(f"{flag} takes a tuple of URLs, got {urls!r}")
-    if not urls and not allow_empty:
-        raise ValueError(f"{flag}: at least one URL is required (or set {ENV_PEERS_TOKEN} and push the set)")
-    seen: dict[tuple, int] = {}
-    out = []
-    for index, url in enumerate(urls):
-        url, key = check_url(flag, url)
-        if key in seen:
-            raise ValueError(f"{flag} names one instance twice: {urls[seen[key]]!r} (#{seen[key] + 1}) and "
-                             f"{urls[index]!r} (#{index + 1})")
-        seen[key] = index
-        out.append(url)
-    return tuple(out)
-
-
-def check_url(what: str, url: object) -> tuple[str, tuple]:
-    """(`url` without trailing slashes, the instance it names: scheme, host, port, path), else a ValueError naming
-    `what`: not an http(s) URL with a host."""
-    bad = f"{what} must be an http(s) URL with a host, e.g. http://10.0.0.5:8000, got {url!r}"
-    if not isinstance(url, str) or any(c.isspace() for c in url):
-        raise ValueError(bad)
-    parts = urllib.parse.urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError(bad) from None
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-        raise ValueError(bad)
-    key = (parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80), parts.path.rstrip("/"))
-    return url.rstrip("/"), key
-
-
-def check_ready_urls(flag: str, ready_urls: tuple[str, ...], urls: tuple[str, ...]) -> tuple[str, ...]:
-    """() (each instance's /health), or one readiness URL per instance of the role, in the same order: a
-    ValueError naming `flag` otherwise (a count that differs would pair a readiness with the wrong instance)."""
-    if isinstance(ready_urls, str) or not isinstance(ready_urls, (tuple, list)):
-        raise ValueError(f"{flag} takes a tuple of URLs, got {ready_urls!r}")
-    if not ready_urls:
-        return ()
-    if len(ready_urls) != len(urls):
-        raise ValueError(f"{flag} is given {len(ready_urls)} time(s) for {len(urls)} instance(s): give it once per "
-                         f"instance, in the same order, or not at all (then each instance's {HEALTH_PATH})")
-    return check_urls(flag, ready_urls)
 
 
 def make_app(config: RouterConfig) -> web.Application:
@@ -930,8 +494,8 @@ def make_app(config: RouterConfig) -> web.Application:
     app.router.add_get(READYZ_PATH, _readyz)
     app.router.add_get("/v1/models", _models)
     if pushed:
-        app.router.add_get(PEERS_PATH, _peers)
-        app.router.add_put(PEERS_PATH, _peers)
+        app.router.add_get(PEERS_PATH, peers_handler)
+        app.router.add_put(PEERS_PATH, peers_handler)
     else:
-        app.router.add_route("*", PEERS_PATH, _no_peers)
+        app.router.add_route("*", PEERS_PATH, no_peers_handler)
     return app

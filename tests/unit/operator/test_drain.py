@@ -25,7 +25,8 @@ from pdpair.operator.model.observed import PodView, RouterDrainView
 from pdpair.operator.decide.planner import next_step
 from pdpair.operator.act.push import pair_token
 from pdpair.operator.act.reconciler import PairReconciler, Runtime
-from pdpair.router.app import ROUTE_HEADER, RouterConfig, make_app
+from pdpair.router.app import ROUTE_HEADER, make_app
+from pdpair.router.config import RouterConfig
 from tests.router_support import engine_server, serve
 from tests.property_counts import cases
 from tests.unit.operator.sim import SimWorld, simulate_until_ready

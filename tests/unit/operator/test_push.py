@@ -32,7 +32,9 @@ from pdpair.operator.act.push import (
     token_secret,
 )
 from pdpair.contract.router_peers import RouterMember, router_body
-from pdpair.router.app import RouterConfig, check_peers_token, make_app, parse_peers_body
+from pdpair.router.app import make_app
+from pdpair.router.config import RouterConfig
+from pdpair.router.peer_push import check_peers_token, parse_peers_body
 from tests.router_support import Engine, engine_server, serve as serve_app
 
 TOKEN = "operator-push-unit-token-0123456789"

@@ -19,7 +19,7 @@ from pdpair.operator.build.pods import (
     router_pod,
 )
 from pdpair.operator.decide.port_blocks import assign, port_of, required_blocks, status_ports
-from pdpair.router.app import RouterConfig
+from pdpair.router.config import RouterConfig
 from tests.crd_defaults import with_crd_defaults
 
 VOLUMES = [

@@ -11,7 +11,8 @@ import pytest_asyncio
 
 from pdpair.router.__main__ import build_parser
 from pdpair.router.__main__ import main as router_main
-from pdpair.router.app import REQUEST_ID_HEADER, RouterConfig, make_app
+from pdpair.router.app import REQUEST_ID_HEADER, make_app
+from pdpair.router.config import RouterConfig
 from tests.router_support import PARAMS, Engine
 from tests.router_support import engine_server as _engine_server
 from tests.router_support import serve as _serve

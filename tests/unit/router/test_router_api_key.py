@@ -16,7 +16,9 @@ from aiohttp import web
 from pdpair import contract
 from pdpair.router.__main__ import build_parser, config_from_args
 from pdpair.router.__main__ import main as router_main
-from pdpair.router.app import API_KEY_REFUSAL, REQUEST_ID_HEADER, RouterConfig, check_api_key, make_app
+from pdpair.router.api_key import API_KEY_REFUSAL, check_api_key
+from pdpair.router.app import REQUEST_ID_HEADER, make_app
+from pdpair.router.config import RouterConfig
 from tests.router_support import Engine, serve
 
 KEY = "sk-pair-0123456789abcdef"

@@ -17,7 +17,9 @@ import pytest_asyncio
 from pdpair.contract import ENV_PEERS_TOKEN, PEERS_PATH
 from pdpair.router.__main__ import build_parser, config_from_args
 from pdpair.contract.router_peers import RouterMember
-from pdpair.router.app import ROUTE_HEADER, Pool, RouterConfig, make_app
+from pdpair.router.app import ROUTE_HEADER, make_app
+from pdpair.router.config import RouterConfig
+from pdpair.router.pools import Pool
 from tests.router_support import Engine, engine_server, serve
 
 TOKEN = "router-unit-test-token-0123456789"

@@ -13,7 +13,8 @@ import pytest
 import pytest_asyncio
 
 from pdpair.router.__main__ import build_parser, config_from_args
-from pdpair.router.app import RouterConfig, make_app
+from pdpair.router.app import make_app
+from pdpair.router.config import RouterConfig
 from tests.router_support import serve, start_engines
 
 

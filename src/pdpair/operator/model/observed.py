@@ -186,7 +186,7 @@ class Observed:
 
 @dataclass(frozen=True)
 class RouterDrainView:
-    """What the router of `generation` answered about its instances (`PUT` or `GET /pdpair/v1/peers`, router/app.py),
+    """What the router of `generation` answered about its instances (`PUT` or `GET /pdpair/v1/peers`, router/peer_push.py),
     as the executor last read it, by pod: the planner's evidence that a draining instance is done
     (instances.router_drained). It records the answer and decides nothing.
 
