@@ -316,6 +316,26 @@ def test_a_hung_finding_about_one_instance_replaces_it_alone():
                         world.now).restart == hung
 
 
+def test_a_watch_finding_that_instance_0_is_gone_does_not_restart_a_serving_xpyd_pair():
+    """Decode 0 deleted by its own replacement: until the new decode 0 exists, the health watch finds no decode 0 and
+    writes pod_vanished naming no pod. In a serving xPyD generation that is the healer's (it re-creates instance 0
+    beside the serving decode), never a restart of the pair; in a 1P1D pair it still is one. Pure, milliseconds."""
+    from pdpair.operator.decide import planner
+    from pdpair.operator.model.observed import Finding
+
+    world = SimWorld(spec(prefill=2, decode=2))
+    simulate_until_ready(world)
+    del world.pods["p-decode-1"]
+    gone = Finding("pod_vanished", "decode pod is gone", 1)
+    decided = planner.plan(world.spec, world.status, dataclasses.replace(world.observe(), health=gone), world.now)
+    assert decided.restart is None and decided.outcome == planner.OUTCOME_STEP, decided
+    assert (decided.steps.create, decided.steps.create_instance) == ("decode", 0)
+    world = SimWorld(spec())
+    simulate_until_ready(world)
+    assert planner.plan(world.spec, world.status, dataclasses.replace(world.observe(), health=gone),
+                        world.now).restart is not None
+
+
 def test_random_failures_in_a_serving_2p3d_pair_never_take_it_out_of_ready():
     """Random single failures (50 in CI, 200 with PDPAIR_FULL_PROPERTY_TESTS=1; any engine instance, failed or
     restarted), each healed before the next: the pair stays Ready at generation 1 throughout and ends with every instance (a generous budget)."""

@@ -223,6 +223,12 @@ def failure(steps: d.Plan, observed: Observed, lost: nodes.LostPods | None = Non
     if found is not None and found.pod and steps.heals_alone:
         return None  # about one instance of a serving xPyD generation: instances.heal replaces it alone (or it is
         # about a pod since replaced), never a restart of the pair
+    if found is not None and found.reason == health.REASON_POD_VANISHED and steps.heals_alone:
+        # A role's instance 0 missing from a serving xPyD generation: the watch names no pod (there is none), but it is
+        # an instance like the others, and instances.heal re-creates it; a role left with no instance at all is
+        # recreate.broken_reason's (STEP_BROKEN above). The real nodes showed the race: decode 0 deleted by its own
+        # replacement, the watch's next tick found no decode 0, and the pair restarted as a whole.
+        return None
     return found if found is not None and found.generation == generation else None
 
 
