@@ -208,12 +208,68 @@ def prometheus_config(scrape_configs: list[dict], *, evaluation_interval: str = 
             "scrape_configs": scrape_configs}
 
 
-def render_chart_monitoring(*sets: str) -> tuple[dict, dict]:
+def render_chart_monitoring(*sets: str, release: str | None = None) -> tuple[dict, dict]:
     """(PodMonitor, PrometheusRule) of `helm template` of the chart with monitoring on, plus `--set` overrides."""
     from tests.monitoring_support import one, render
 
-    docs = render(*sets)
+    docs = render(*sets) if release is None else render(*sets, release=release)
     return one(docs, "PodMonitor"), one(docs, "PrometheusRule")
+
+
+def render_operator_monitor(release: str, *sets: str) -> tuple[dict, dict]:
+    """(ServiceMonitor, the operator's metrics Service) of `helm template` of the chart as release `release` (the
+    Service's selector names the release, so it must be the installed one's)."""
+    from tests.monitoring_support import one, render
+
+    docs = render(*sets, release=release)
+    monitor = one(docs, "ServiceMonitor")
+    wanted = monitor["spec"]["selector"].get("matchLabels") or {}
+    services = [d for d in docs if d.get("kind") == "Service" and all(
+        (d["metadata"].get("labels") or {}).get(k) == v for k, v in wanted.items())]
+    if len(services) != 1:
+        raise UnsupportedMonitorField(f"the ServiceMonitor selects {len(services)} rendered Services, not one")
+    return monitor, services[0]
+
+
+def servicemonitor_scrape_configs(servicemonitor: Mapping[str, Any], service: Mapping[str, Any]) -> list[dict]:
+    """The scrape jobs for a ServiceMonitor, as pod-role jobs the discovery sidecar can fill. prometheus-operator
+    discovers the Service's endpoints; these are exactly the Ready pods its selector matches, on the container port its
+    `targetPort` names, which is what these jobs keep (the sidecar's `__meta_kubernetes_pod_ready` stands for the
+    endpoint's readiness)."""
+    meta, spec = servicemonitor["metadata"], servicemonitor["spec"]
+    unknown = set(spec) - {"selector", "namespaceSelector", "endpoints"}
+    if unknown:
+        raise UnsupportedMonitorField(f"ServiceMonitor spec fields not translated: {sorted(unknown)}")
+    ns, name = meta["namespace"], meta["name"]
+    namespaces = _namespaces(spec.get("namespaceSelector"), ns)
+    sd: dict[str, Any] = {"role": "pod", **({"namespaces": {"names": namespaces}} if namespaces is not None else {})}
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    jobs = []
+    for index, endpoint in enumerate(spec.get("endpoints") or []):
+        unknown = set(endpoint) - {"port", "path", "interval", "scrapeTimeout"}
+        if unknown:
+            raise UnsupportedMonitorField(f"spec.endpoints[{index}]: fields not translated: {sorted(unknown)}")
+        target = ports[endpoint["port"]].get("targetPort")
+        if not isinstance(target, str):
+            raise UnsupportedMonitorField(f"spec.endpoints[{index}]: the Service's targetPort must be a port name")
+        job: dict[str, Any] = {"job_name": f"serviceMonitor/{ns}/{name}/{index}", "kubernetes_sd_configs": [dict(sd)]}
+        for src, dst in (("interval", "scrape_interval"), ("scrapeTimeout", "scrape_timeout"), ("path", "metrics_path")):
+            if endpoint.get(src):
+                job[dst] = endpoint[src]
+        rules = [{"action": "drop", "source_labels": ["__meta_kubernetes_pod_phase"], "regex": "(Failed|Succeeded)"},
+                 {"action": "keep", "source_labels": ["__meta_kubernetes_pod_ready"], "regex": "true"}]
+        rules += _selector_rules({"matchLabels": service["spec"]["selector"]})
+        rules += [
+            {"action": "keep", "source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": target},
+            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+            {"target_label": "service", "replacement": service["metadata"]["name"]},
+            {"target_label": "job", "replacement": service["metadata"]["name"]},
+            {"target_label": "endpoint", "replacement": endpoint["port"]},
+        ]
+        job["relabel_configs"] = rules
+        jobs.append(job)
+    return jobs
 
 
 # --- the image -------------------------------------------------------------------------------------------------
@@ -348,10 +404,15 @@ class InClusterPrometheus:
     values, e.g. a 1 s scrape interval for a test)."""
 
     def __init__(self, cluster, namespace: str, image_ref: str, sidecar_image_ref: str,
-                 helm_sets: tuple[str, ...] = (), node: str | None = None):
+                 helm_sets: tuple[str, ...] = (), node: str | None = None, operator_release: str | None = None):
+        """`operator_release`: the installed operator's helm release, whose metrics the chart's ServiceMonitor
+        scrapes (servicemonitor_scrape_configs); None: the engines' PodMonitor only."""
         self.cluster, self.namespace, self.image_ref = cluster, namespace, image_ref
         self.podmonitor, self.prometheus_rule = render_chart_monitoring(*helm_sets)
         self.scrape_configs = podmonitor_scrape_configs(self.podmonitor)  # what prometheus-operator would generate
+        if operator_release is not None:
+            self.scrape_configs += servicemonitor_scrape_configs(*render_operator_monitor(operator_release,
+                                                                                         *helm_sets))
         jobs, sidecar_jobs = with_file_sd(self.scrape_configs)
         self.config = prometheus_config(jobs)
         self.rules = rules_file(self.prometheus_rule)

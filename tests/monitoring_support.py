@@ -51,9 +51,9 @@ def helm(*args: str) -> subprocess.CompletedProcess:
         shutil.rmtree(home, ignore_errors=True)
 
 
-def render(*sets: str, monitoring_on: bool = True) -> list[dict]:
+def render(*sets: str, monitoring_on: bool = True, release: str = RELEASE) -> list[dict]:
     """`helm template` of the chart with the monitoring pieces on (plus `--set` overrides); the parsed objects."""
-    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    args = ["template", release, str(CHART), "--namespace", NAMESPACE]
     for s in (ALL_MONITORING_ON if monitoring_on else ()) + sets:
         args += ["--set", s]
     proc = helm(*args)

@@ -20,6 +20,10 @@ pair serves again with the same greedy outputs.
   resourceVersion, so the two watches' events are ordered by it.
 - Hang-to-recovery numbers (knob + request -> alert, -> the operator's first deletion, -> prefill recreated, -> Ready,
   -> first token) are printed; docs/benchmarks.md records them.
+- Then the chart's dashboard (charts/pdpair/dashboards/pdpair.json) against the same Prometheus, which also scrapes
+  the operator through the chart's ServiceMonitor: every panel's query, Grafana's variables filled for the serving
+  pair, must return data over the module's time range (the signal drop, the hang, the restart, the traffic before
+  and after) and no error; DASHBOARD_EXEMPT lists the panels that cannot fill here, each with its reason.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import pytest
 from pdpair.contract import ALERT_SIGNAL_DEFICIT, GROUP, PLURAL, VERSION
 from devcluster.incluster_prometheus import InClusterPrometheus, prometheus_image
 from devcluster.product import (
-    _COMPLETION_SNIPPET, ENGINE_START_TIMEOUT, PROMPTS, SERVED_NAME, completion, unique,
+    _COMPLETION_SNIPPET, CHART, ENGINE_START_TIMEOUT, PROMPTS, RELEASE, SERVED_NAME, completion, unique,
 )
 from devcluster.waiting import wait_for
 from devcluster.realnode_watch import Recorder, listening_since, pod_steps
@@ -43,6 +47,7 @@ pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
 
 # The chart's monitoring values for a test: fast scrapes and evaluations, the alert without a `for` delay.
 PROMETHEUS_SETS = ("monitoring.podMonitor.interval=1s", "monitoring.podMonitor.scrapeTimeout=1s",
+                   "monitoring.serviceMonitor.interval=1s", "monitoring.serviceMonitor.scrapeTimeout=1s",
                    "monitoring.prometheusRule.evaluationInterval=1s",
                    "monitoring.prometheusRule.alerts.signalDeficit.for=0s")
 
@@ -53,9 +58,11 @@ def prometheus(real_cluster, images):
     real_cluster.import_image(image.archive, nodes=["n1"])
     namespace = unique("rn-prom")
     real_cluster.create_namespace(namespace)
-    prom = InClusterPrometheus(real_cluster, namespace, image.ref, images["operator"].ref, PROMETHEUS_SETS, node="n1")
+    prom = InClusterPrometheus(real_cluster, namespace, image.ref, images["operator"].ref, PROMETHEUS_SETS, node="n1",
+                               operator_release=RELEASE)
     t0 = time.monotonic()
     prom.deploy()
+    prom.deployed_at = time.time()  # the dashboard test's time range starts here
     print(f"[realnode-e2e] in-cluster Prometheus Ready in {time.monotonic() - t0:.1f}s")
     yield prom
     prom.delete()
@@ -188,4 +195,60 @@ def test_signal_drop_fires_the_alert_and_the_operator_restarts_the_pair_in_order
           f"-> decode g2 listening {listening[0] - t_delete:.1f}s; "
           f"-> Ready again {t_ready - t_knob:.1f}s; -> first token again {t_first_token - t_knob:.1f}s; "
           f"the stuck request: {stuck or 'still open'}")
+
+
+# Panels of the chart's dashboard that cannot show data on this cluster, by title, each with its reason. Every entry
+# must still name a panel (a renamed or removed panel fails the test, so the list cannot rot).
+DASHBOARD_EXEMPT: dict[str, str] = {}
+# Grafana's $__rate_interval for a 1 s scrape is a few seconds; a wider window is as valid a view and steadier here.
+RATE_INTERVAL = "30s"
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, query) of every target of every panel, rows' panels included."""
+    board = json.loads((CHART / "dashboards" / "pdpair.json").read_text())
+
+    def panels(items):
+        for panel in items:
+            yield panel
+            yield from panels(panel.get("panels") or [])
+
+    return [(panel.get("title", ""), target["expr"]) for panel in panels(board["panels"])
+            for target in panel.get("targets") or [] if target.get("expr")]
+
+
+def test_every_dashboard_panel_shows_data_for_the_serving_pair(real_cluster, serving_pair, prometheus):
+    """Each query of the chart's dashboard, its variables filled for the serving pair ($namespace, $pair) and
+    $__rate_interval as RATE_INTERVAL, evaluated as Grafana does (a range query, step 5 s) over this module's time:
+    an error or no sample at all fails, unless the panel is in DASHBOARD_EXEMPT. A few completions first, so the
+    rates have traffic. Cost: no cold start (the serving pair the signal test left Ready), about 10 s."""
+    queries = dashboard_queries()
+    titles = {title for title, _ in queries}
+    assert queries and not set(DASHBOARD_EXEMPT) - titles, f"exempt panels that do not exist: " \
+        f"{sorted(set(DASHBOARD_EXEMPT) - titles)}"
+    serving_pair.ready()
+    ip, port = serving_pair.service()
+    for prompt in PROMPTS:
+        completion(real_cluster, "n1", ip, port, prompt)
+    time.sleep(3)  # three scrapes at 1 s: the completions' counters are in the TSDB
+    start, end = prometheus.deployed_at, time.time()
+    empty, errors, filled = [], [], 0
+    for title, expr in queries:
+        if title in DASHBOARD_EXEMPT:
+            continue
+        query = (expr.replace("$namespace", serving_pair.namespace).replace("$pair", serving_pair.name)
+                 .replace("$__rate_interval", RATE_INTERVAL))
+        try:
+            result = prometheus.api("query_range", query=query, start=f"{start:.3f}", end=f"{end:.3f}",
+                                    step="5")["result"]
+        except AssertionError as exc:  # Prometheus answered an error (a bad query)
+            errors.append(f"{title}: {query}: {exc}")
+            continue
+        if any(series.get("values") for series in result):
+            filled += 1
+        else:
+            empty.append(f"{title}: {query}")
+    print(f"[realnode-e2e] dashboard: {filled} queries with data, {len(empty)} empty, {len(errors)} errors, "
+          f"{len(DASHBOARD_EXEMPT)} panels exempt, over {end - start:.0f}s")
+    assert not errors and not empty, "dashboard queries without data or with errors:\n" + "\n".join(errors + empty)
 

@@ -9,7 +9,7 @@ import pytest
 from pdpair import contract
 from devcluster.incluster_prometheus import (
     SD_DIR, UnsupportedMonitorField, manifests, podmonitor_scrape_configs, prometheus_config,
-    render_chart_monitoring, rules_file, with_file_sd,
+    render_chart_monitoring, render_operator_monitor, rules_file, servicemonitor_scrape_configs, with_file_sd,
 )
 from devcluster.pod_sd_sidecar import parse_jobs, pod_targets, targets_for
 
@@ -45,6 +45,28 @@ def test_podmonitor_becomes_one_role_pod_job_like_prometheus_operator(chart):
         {"source_labels": ["__meta_kubernetes_pod_label_pdpair_io_instance"], "regex": "(.+)",
          "target_label": "pdpair_instance", "action": "replace"},
     ]
+
+
+def test_servicemonitor_becomes_a_pod_job_on_the_services_ready_pods_and_target_port():
+    """The operator's ServiceMonitor (the dashboard's operator panels): its Service's selector and targetPort name,
+    in the release's namespace, Ready pods only (what the Service's endpoints are). Pure, under a second."""
+    monitor, service = render_operator_monitor("pdpair", "monitoring.serviceMonitor.interval=1s",
+                                               "monitoring.serviceMonitor.scrapeTimeout=1s")
+    [job] = servicemonitor_scrape_configs(monitor, service)
+    assert job["kubernetes_sd_configs"] == [{"role": "pod", "namespaces": {"names": ["pdpair-system"]}}]
+    assert job["scrape_interval"] == "1s" and job["metrics_path"] == "/metrics"
+    rules = job["relabel_configs"]
+    assert {"action": "keep", "source_labels": ["__meta_kubernetes_pod_ready"], "regex": "true"} in rules
+    assert {"action": "keep", "source_labels": ["__meta_kubernetes_pod_container_port_name"],
+            "regex": "http-metrics"} in rules
+    for key, value in service["spec"]["selector"].items():
+        name = key.replace(".", "_").replace("/", "_").replace("-", "_")
+        assert {"action": "keep", "source_labels": [f"__meta_kubernetes_pod_label_{name}",
+                                                    f"__meta_kubernetes_pod_labelpresent_{name}"],
+                "regex": f"({value});true"} in rules
+    assert service["spec"]["selector"]["app.kubernetes.io/instance"] == "pdpair"  # the installed release's
+    jobs, sidecar = with_file_sd([job])
+    assert sidecar == ["job0.json=pdpair-system"] and "kubernetes_sd_configs" not in jobs[0]
 
 
 def test_namespace_selector_match_names_and_default():
