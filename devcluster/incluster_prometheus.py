@@ -246,13 +246,15 @@ def servicemonitor_scrape_configs(servicemonitor: Mapping[str, Any], service: Ma
     ports = {p["name"]: p for p in service["spec"]["ports"]}
     jobs = []
     for index, endpoint in enumerate(spec.get("endpoints") or []):
-        unknown = set(endpoint) - {"port", "path", "interval", "scrapeTimeout"}
+        unknown = set(endpoint) - {"port", "path", "interval", "scrapeTimeout", "honorLabels"}
         if unknown:
             raise UnsupportedMonitorField(f"spec.endpoints[{index}]: fields not translated: {sorted(unknown)}")
         target = ports[endpoint["port"]].get("targetPort")
         if not isinstance(target, str):
             raise UnsupportedMonitorField(f"spec.endpoints[{index}]: the Service's targetPort must be a port name")
-        job: dict[str, Any] = {"job_name": f"serviceMonitor/{ns}/{name}/{index}", "kubernetes_sd_configs": [dict(sd)]}
+        job: dict[str, Any] = {"job_name": f"serviceMonitor/{ns}/{name}/{index}",
+                               "honor_labels": bool(endpoint.get("honorLabels", False)),
+                               "kubernetes_sd_configs": [dict(sd)]}
         for src, dst in (("interval", "scrape_interval"), ("scrapeTimeout", "scrape_timeout"), ("path", "metrics_path")):
             if endpoint.get(src):
                 job[dst] = endpoint[src]

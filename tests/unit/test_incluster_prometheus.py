@@ -54,7 +54,7 @@ def test_servicemonitor_becomes_a_pod_job_on_the_services_ready_pods_and_target_
                                                "monitoring.serviceMonitor.scrapeTimeout=1s")
     [job] = servicemonitor_scrape_configs(monitor, service)
     assert job["kubernetes_sd_configs"] == [{"role": "pod", "namespaces": {"names": ["pdpair-system"]}}]
-    assert job["scrape_interval"] == "1s" and job["metrics_path"] == "/metrics"
+    assert job["scrape_interval"] == "1s" and job["metrics_path"] == "/metrics" and job["honor_labels"] is True
     rules = job["relabel_configs"]
     assert {"action": "keep", "source_labels": ["__meta_kubernetes_pod_ready"], "regex": "true"} in rules
     assert {"action": "keep", "source_labels": ["__meta_kubernetes_pod_container_port_name"],

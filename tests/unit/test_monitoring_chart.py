@@ -63,6 +63,8 @@ def test_service_monitor_selects_the_operator_metrics_service():
     assert sm["spec"]["namespaceSelector"] == {"matchNames": [service["metadata"]["namespace"]]}
     [endpoint] = sm["spec"]["endpoints"]
     assert endpoint["port"] in [p["name"] for p in service["spec"]["ports"]]
+    # the operator's per-pair series name the pair's namespace themselves: not overwritten by the target's
+    assert endpoint["honorLabels"] is True
     # the Service points at the operator container's port of that name
     [deployment] = [d for d in docs if d["kind"] == "Deployment"]
     [container] = deployment["spec"]["template"]["spec"]["containers"]
