@@ -559,11 +559,11 @@ def read_health(health: Any) -> Mapping[str, Any] | None:
 def newest(written: Any, listed: Any) -> Mapping[str, Any] | None:
     """The newer of the watch's own last write and the body's `status.health` (the body may lag behind our write;
     by (pairGeneration, observedAt): RFC 3339 UTC strings of one format sort by time). A tie goes to our write."""
-    mine, theirs = read_health(written), read_health(listed)
-    if mine is None or theirs is None:
-        return mine if theirs is None else theirs
+    ours, theirs = read_health(written), read_health(listed)
+    if ours is None or theirs is None:
+        return ours if theirs is None else theirs
     key = lambda h: (h["pairGeneration"], str(h.get("observedAt") or ""))  # noqa: E731
-    return mine if key(mine) >= key(theirs) else theirs
+    return ours if key(ours) >= key(theirs) else theirs
 
 
 def _current(health: Any, generation: int) -> Mapping[str, Any] | None:

@@ -267,16 +267,16 @@ def role_status(spec: Mapping[str, Any], pods: Iterable[PodView], generation: in
     out: dict[str, Any] = {}
     for role in ENGINE_ROLES:
         desired = spec_fields.replicas(spec, role)
-        mine = sorted((p for p in pods if p.role == role and p.generation == generation),
-                      key=lambda p: (p.instance, p.deleting))
-        ready = sum(1 for p in mine if p.ready and p.running and p.draining_since is None)
+        role_pods = sorted((p for p in pods if p.role == role and p.generation == generation),
+                           key=lambda p: (p.instance, p.deleting))
+        ready = sum(1 for p in role_pods if p.ready and p.running and p.draining_since is None)
         entry: dict[str, Any] = {
             "desired": desired,
             "ready": ready,
             "readyOfDesired": f"{ready}/{desired}",
             "instances": [{"index": p.instance, "pod": p.name, "generation": p.generation, "ready": p.ready,
                            **({"draining": True} if p.draining_since is not None or p.deleting else {})}
-                          for p in mine][:64],
+                          for p in role_pods][:64],
         }
         if scale_targets and scale_targets.get(role):
             entry["scaleTarget"] = scale_targets[role]

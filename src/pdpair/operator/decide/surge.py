@@ -214,10 +214,10 @@ def _progress(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Obse
 
     if not observed.rollout_ports_complete:
         return going(STEP_ROLLOUT_LEASE_PORTS, "leasing its ports (the pair's second port set)")
-    mine = Observed(
+    new_only = Observed(
         pods=tuple(p for p in observed.pods if p.generation == new), ports_complete=True,
         decode_listening=observed.rollout_decode_listening, probe_message=observed.rollout_probe_message)
-    bring = d.recreate_state(spec, {"pairGeneration": new}, mine, pin_generation=new)
+    bring = d.recreate_state(spec, {"pairGeneration": new}, new_only, pin_generation=new)
     if bring.step != d.STEP_READY:
         # xPyD: the new generation's other instances too (instances.py), on its port set; its scale-down waits
         return going(bring.step, bring.message, create=bring.create, create_instance=bring.create_instance,
