@@ -85,14 +85,19 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-async def engine_server(engine: Engine) -> tuple[web.AppRunner, str]:
+def engine_app(engine: Engine) -> web.Application:
+    """The stand-in engine's routes: completions, chat, /metrics, /readyz and /health."""
     app = web.Application()
     app.router.add_post("/v1/completions", engine.handle)
     app.router.add_post("/v1/chat/completions", engine.handle)
     app.router.add_get("/metrics", engine.metrics)
     app.router.add_get("/readyz", engine.readiness)
     app.router.add_get("/health", engine.readiness)
-    return await serve(app)
+    return app
+
+
+async def engine_server(engine: Engine) -> tuple[web.AppRunner, str]:
+    return await serve(engine_app(engine))
 
 
 async def start_engines(n_prefill: int, n_decode: int, runners: list) -> tuple[list[Engine], list[Engine], dict]:

@@ -19,7 +19,7 @@ from pdpair.router.__main__ import main as router_main
 from pdpair.router.api_key import API_KEY_REFUSAL, check_api_key
 from pdpair.router.app import REQUEST_ID_HEADER, make_app
 from pdpair.router.config import RouterConfig
-from tests.router_support import Engine, serve
+from tests.router_support import Engine, engine_app, serve
 
 KEY = "sk-pair-0123456789abcdef"
 PEERS_TOKEN = "peers-token-0123456789"
@@ -28,11 +28,7 @@ BODY = {"model": "m", "prompt": "the-secret-prompt", "max_tokens": 3}
 
 async def engine_with_models(engine: Engine) -> tuple[web.AppRunner, str]:
     """tests/router_support.py's stand-in plus vLLM's /v1/models, which records the headers it was asked with."""
-    app = web.Application()
-    app.router.add_post("/v1/completions", engine.handle)
-    app.router.add_post("/v1/chat/completions", engine.handle)
-    app.router.add_get("/readyz", engine.readiness)
-    app.router.add_get("/health", engine.readiness)
+    app = engine_app(engine)
 
     async def models(request: web.Request) -> web.Response:
         engine.received.append((request.path, {}, request.headers.copy()))
