@@ -281,3 +281,12 @@ class PushReceiver:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+def pair_diagnosis(api, ns, name, proc) -> str:
+    """What a failed wait on a pair prints: its status (less the port list), its pods' phases and IPs, and the
+    operator's log tail."""
+    pair = api.pair(ns, name)
+    status = {k: v for k, v in (pair.get("status") or {}).items() if k != "ports"}
+    pods = [(p["metadata"]["name"], p["status"].get("phase"), p["status"].get("pod_ip")) for p in api.pods(ns)]
+    return f"status: {json.dumps(status, default=str)[:3000]}\npods: {pods}\noperator log:\n{proc.log_tail(4000)}"

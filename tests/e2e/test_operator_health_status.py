@@ -24,6 +24,7 @@ from tests.e2e.operator_helpers import (
     cleanup_pairs,
     condition,
     operator,
+    pair_diagnosis,
     pool_of_free_ports,
 )
 from devcluster.waiting import wait_for
@@ -45,6 +46,9 @@ pytestmark = pytest.mark.cluster
 STATUS_PATCH = ("PATCH", GROUP, PLURAL, "status")
 REFRESH_SECONDS = HEALTH_REFRESH_INTERVALS * HEALTH_INTERVAL
 WINDOW = 10.0  # a steady-state observation window, well inside one refresh period
+# A new pair's way to Ready (the operator's first passes, decode first, the kwok pods, the listener probe): seconds
+# alone, but over 60 s once on a starved CI box (load 7.5, 43 s of 79 s stalled on CPU, 2026-12-06).
+READY_TIMEOUT = 120
 
 
 def health_of(api, ns, name):
@@ -83,7 +87,8 @@ def test_health_in_status_column_and_operator_restart(platform, cluster_namespac
             # a busy pair: each pod finishes a transfer every 0.3 s, so its transfer count moves on every scrape
             exporters += [Exporter(ports[DECODE_METRICS], "decode", 1, "--ok-every", "0.3"),
                           Exporter(ports[PREFILL_METRICS], "prefill", 1, "--ok-every", "0.3")]
-            wait_for(phase_is(api, ns, "kv", "Ready", 1), 60, "generation 1 Ready")
+            wait_for(phase_is(api, ns, "kv", "Ready", 1), READY_TIMEOUT, "generation 1 Ready",
+                     diagnose=lambda: pair_diagnosis(api, ns, "kv", operator_a))
             pair = wait_for(healthy(api, ns, "kv", 1), 30, "status.health Healthy and SignalsHealthy True")
             h = pair["status"]["health"]
             for role in ("decode", "prefill"):
@@ -166,7 +171,8 @@ def test_hung_pod_unhealthy_in_status_and_restart_read_back(platform, cluster_na
             listener = Listener(ports[DECODE_SIDECHANNEL])
             decode_x = Exporter(ports[DECODE_METRICS], "decode", 1, "--deficit", "3", "--deficit-on-sigusr1")
             exporters += [decode_x, Exporter(ports[PREFILL_METRICS], "prefill", 1)]
-            wait_for(phase_is(api, ns, "hung", "Ready", 1), 60, "generation 1 Ready")
+            wait_for(phase_is(api, ns, "hung", "Ready", 1), READY_TIMEOUT, "generation 1 Ready",
+                     diagnose=lambda: pair_diagnosis(api, ns, "hung", operator_a))
             wait_for(healthy(api, ns, "hung", 1), 30, "generation 1 healthy")
             recorder = PodRecorder(api, ns, only_new=True)
             decode_x.hang()
@@ -255,12 +261,13 @@ def test_lost_listener_is_unhealthy_with_its_cause_and_replaced_within_the_hang_
     pool = pool_of_free_ports(20)
     listener = None
     try:
-        with operator(platform, ns, pool, tmp_path, name="operator-ll", env=FAST_HEALTH):
+        with operator(platform, ns, pool, tmp_path, name="operator-ll", env=FAST_HEALTH) as operator_ll:
             ports = start_pair(api, ns, "ll")
             listener = Listener(ports[DECODE_SIDECHANNEL])
             exporters += [Exporter(ports[DECODE_METRICS], "decode", 1),
                           Exporter(ports[PREFILL_METRICS], "prefill", 1)]
-            wait_for(phase_is(api, ns, "ll", "Ready", 1), 60, "generation 1 Ready")
+            wait_for(phase_is(api, ns, "ll", "Ready", 1), READY_TIMEOUT, "generation 1 Ready",
+                     diagnose=lambda: pair_diagnosis(api, ns, "ll", operator_ll))
             wait_for(healthy(api, ns, "ll", 1), 30, "generation 1 healthy")
             recorder = PodRecorder(api, ns, only_new=True)
 
@@ -291,7 +298,8 @@ def test_lost_listener_is_unhealthy_with_its_cause_and_replaced_within_the_hang_
             decode_x = Exporter(ports[DECODE_METRICS], "decode", 2, "--listener-failed-on-sigusr2")
             exporters += [decode_x, Exporter(ports[PREFILL_METRICS], "prefill", 2)]
             listener = Listener(ports[DECODE_SIDECHANNEL])
-            wait_for(phase_is(api, ns, "ll", "Ready", 2), 60, "generation 2 Ready")
+            wait_for(phase_is(api, ns, "ll", "Ready", 2), READY_TIMEOUT, "generation 2 Ready",
+                     diagnose=lambda: pair_diagnosis(api, ns, "ll", operator_ll))
             wait_for(healthy(api, ns, "ll", 2), 30, "generation 2 healthy")
 
             # 2. the pod reports its loop stopped (its port still accepts: only the report tells)

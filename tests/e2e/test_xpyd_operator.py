@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import json
 import socket
 import time
 
@@ -36,7 +35,9 @@ from pdpair.contract import (
     ENV_SIDE_CHANNEL_KEY,
 )
 from pdpair.operator.build.pods import peers_secret_name, side_channel_secret_name
-from tests.e2e.operator_helpers import Api, PodRecorder, PushReceiver, cleanup_pairs, operator, pool_of_free_ports
+from tests.e2e.operator_helpers import (
+    Api, PodRecorder, PushReceiver, cleanup_pairs, operator, pair_diagnosis, pool_of_free_ports,
+)
 from devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
@@ -67,13 +68,6 @@ def scale(api, ns, role_object, replicas):
     the pair's inline spec.<role>.replicas once it exists)."""
     api.custom.patch_namespaced_custom_object_scale("pdpair.io", "v1alpha1", ns, "inferencepairroles", role_object,
                                                     {"spec": {"replicas": replicas}})
-
-
-def diagnose(api, ns, proc):
-    pair = api.pair(ns, "xp")
-    status = {k: v for k, v in (pair.get("status") or {}).items() if k != "ports"}
-    pods = [(p["metadata"]["name"], p["status"].get("phase"), p["status"].get("pod_ip")) for p in api.pods(ns)]
-    return f"status: {json.dumps(status, default=str)[:3000]}\npods: {pods}\noperator log:\n{proc.log_tail(4000)}"
 
 
 def check_ports(api, ns, pair):
@@ -120,7 +114,7 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
                                       p["status"].get("decode", {}).get("readyOfDesired") == "3/3" and
                                       p["status"].get("prefill", {}).get("readyOfDesired") == "2/2" else None)(
                 api.pair(ns, "xp")), 90, "Ready with 2/2 prefill and 3/3 decode", interval=0.2,
-                diagnose=lambda: diagnose(api, ns, proc))
+                diagnose=lambda: pair_diagnosis(api, ns, 'xp', proc))
             ports = check_ports(api, ns, ready)
             assert len(ports) == 3 * (2 + 3) + 1  # TP 1: side channel, metrics, http per instance; one router port
             pods = pods_by_role(api, ns)
@@ -212,11 +206,11 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
                              len(p["status"]["ports"]) == 3 * (2 + 2) + 1) else None
 
             down = wait_for(decode_down, 60, "decode 2/2 with the drained instances' ports released", interval=0.2,
-                            diagnose=lambda: diagnose(api, ns, proc))
+                            diagnose=lambda: pair_diagnosis(api, ns, 'xp', proc))
             drained_in = time.monotonic() - scale_down_at
             assert marked <= {2, 3}, marked
             assert drained_in < 20, f"the drain took {drained_in:.1f} s: the router's counts were not used (the " \
-                                    f"deadline is 30 s)\n{diagnose(api, ns, proc)}"
+                                    f"deadline is 30 s)\n{pair_diagnosis(api, ns, 'xp', proc)}"
             two = {f"127.0.0.1:{port_named(scaled, name)}" for name in ("decode-sidechannel-0",
                                                                         "decode-sidechannel-0-i1")}
             wait_for(lambda: prefill_sets() == [two, two] and router_set() == (2, 2), 30,
@@ -286,7 +280,8 @@ def test_an_8p8d_pair_starts_with_every_port_its_own(platform, cluster_namespace
                 ready = wait_for(lambda: (lambda p: p if p["status"].get("decode", {}).get("readyOfDesired") == "8/8"
                                           and p["status"].get("prefill", {}).get("readyOfDesired") == "8/8"
                                           and p["status"].get("phase") == "Ready" else None)(api.pair(ns, "big")),
-                                 120, "8/8 and 8/8, Ready", interval=0.2, diagnose=lambda: diagnose(api, ns, proc))
+                                 120, "8/8 and 8/8, Ready", interval=0.2,
+                                 diagnose=lambda: pair_diagnosis(api, ns, 'xp', proc))
             finally:
                 second.close()
             print(f"\n8P8D (TP 2) on kwok: apply -> 8/8 prefill, 8/8 decode, Ready in {time.monotonic() - started:.1f}s")
