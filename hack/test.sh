@@ -50,11 +50,21 @@ go_build=$!
 (set -e; build_images) >"$images_log" 2>&1 &
 images_build=$!
 
-log "native C tests under ASan, UBSan and TSan"
-phase "native C tests" make -C native check
+# The C core's own tests, beside stage 1 (they build into native/build; the Python binding is built by the venv's
+# install, not from there). Waited for before stage 2.
+native_log=$(mktemp -t pdpair-native.XXXXXX)
+log "native C tests under ASan, UBSan and TSan, in the background (log: $native_log)"
+(set -e; phase "native C tests (background)" make -C native check) >"$native_log" 2>&1 &
+native_tests=$!
+wait_native_tests() {
+  local native_rc=0
+  wait "$native_tests" || native_rc=$?
+  log "native C tests (rc $native_rc)"
+  if [ "$native_rc" != 0 ]; then tail -n 80 "$native_log" >&2; [ "$rc" != 0 ] || rc=$native_rc; fi
+}
 
 # The tiers in three stages (every folder of TIER_ORDER in tests/conftest.py is in exactly one: a unit test checks):
-# 1. the quick tiers, alone: a broken change fails in minutes;
+# 1. the quick tiers, beside the native C tests: a broken change fails in minutes;
 # 2. the control-plane tier (tests/e2e: local apiservers and kwok; it waits on the operator, it hardly computes) on
 #    PDPAIR_E2E_WORKERS pytest-xdist workers, each with a control plane of its own, BESIDE the engine tier (real
 #    vLLM engines: they compute; PDPAIR_ENGINE_WORKERS=0, one process: on 2 cores, two modules' engines beside the
@@ -74,9 +84,11 @@ rc=0
 if [ $# -gt 0 ]; then
   log "pytest $*"
   "$PY" -m pytest -ra --durations=40 "$@" || rc=$?
+  wait_native_tests
 else
   log "pytest, stage 1: ${STAGE_QUICK[*]}"
   pytest_stage "${STAGE_QUICK[@]}" || rc=$?
+  wait_native_tests
   e2e_log=$(mktemp -t pdpair-e2e.XXXXXX)
   log "pytest, stage 2: ${STAGE_BESIDE_ENGINES[*]} on $E2E_WORKERS workers (output: $e2e_log, printed when done) beside ${STAGE_ENGINES[*]} (xdist workers: $ENGINE_WORKERS; 0 = one process)"
   pytest_stage -n "$E2E_WORKERS" --dist loadfile "${STAGE_BESIDE_ENGINES[@]}" >"$e2e_log" 2>&1 &
