@@ -30,7 +30,7 @@ from tests.e2e_realnode.load import Load
 pytestmark = [pytest.mark.realnode, pytest.mark.timeout(2400)]
 
 CLIENTS = 4  # each sends one greedy completion after the other (load.py)
-DRAIN_SECONDS = 20
+DRAIN_SECONDS = 10  # the old generation serves this long after the switch: a request here (16 tokens) takes seconds
 
 def _rollout_under_load(real_cluster, serving_pair, baseline_outputs, strategy, harmless_args):
     name, namespace = serving_pair.name, serving_pair.namespace
