@@ -86,12 +86,16 @@ def namespace(real_cluster):
 
 
 @pytest.fixture(scope="package", autouse=True)
-def _baseline_engine_started_early(request):
-    """The baseline engine's cold start overlaps the first modules (the cluster itself, the custom metrics API: no
-    engine of theirs), instead of holding up the first module that needs the baseline: when any collected test uses
-    `baseline_outputs`, its pod is created before this package's first test."""
-    if any("baseline_outputs" in getattr(item, "fixturenames", ()) for item in request.session.items):
+def _started_early(request):
+    """The baseline engine's cold start and the operator's helm install overlap the first modules (the cluster
+    itself, the custom metrics API: no engine, no pair of theirs), instead of holding up the first module that needs
+    them: when any collected test uses `baseline_outputs` (`operator_release`), the baseline's pod is created (the
+    release installed, the engine loading meanwhile) before this package's first test."""
+    used = set().union(*(getattr(item, "fixturenames", ()) for item in request.session.items))
+    if "baseline_outputs" in used:
         request.getfixturevalue("baseline_engine")
+    if "operator_release" in used:
+        request.getfixturevalue("operator_release")
 
 
 @pytest.fixture(scope="package")
