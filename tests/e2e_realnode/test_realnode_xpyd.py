@@ -10,25 +10,25 @@ each choice, and `spec.rollout.drainSeconds` 5. The tests share it, in file orde
      baseline), and the router's log shows the forced pair was the one used;
   2. decode instance 1 slowed by the connector's test knob (a file in its pod): under a steady unforced load it
      receives at most half the requests decode 0 does (the router's least-outstanding choice);
-  3. `kubectl scale inferencepairrole/<pair>-decode` 2 -> 1 under a steady load that never retries (load.py), the
-     removed decode holding requests when it is marked draining, then 1 -> 2: no request fails, every output is the
-     baseline's;
-  4. decode instance 0's engine core SIGKILLed (its pod fails) under the steady load and a client forced to
+  3. decode instance 0's engine core SIGKILLed (its pod fails) under the steady load and a client forced to
      (0, 1): the pair stays Ready at its generation, decode 0 alone is replaced (instances.heal: a new uid, an
      InstanceReplacing Event, no pair restart), D comes back to 2/2 and the router takes (0, 0) again; requests fail
      only while routed to the killed instance (counted and printed); the forced (0, 1) client fails none;
+  4. `kubectl scale inferencepairrole/<pair>-decode` 2 -> 1 under a steady load that never retries (load.py), the
+     removed decode holding requests when it is marked draining: no request fails, every output is the baseline's,
+     its pod goes, D 1/1 (the scale-up under load is test 5's burst);
   5. a HorizontalPodAutoscaler on the decode role object, fed by vllm:num_requests_waiting through the in-cluster
-     Prometheus and prometheus-adapter (the custom metrics API), with the ratio band [1, 1]: idle -> P 1/1 D 1/1,
-     a burst of clients on slowed decodes -> P 2/2 D 2/2, the burst stops -> P 1/1 D 1/1, no request failed
-     (the decodes run at most DECODE_MAX_NUM_SEQS requests at once, so a burst queues);
+     Prometheus and prometheus-adapter (the custom metrics API), with the ratio band [1, 1], from P 2/2 D 1/1:
+     idle -> P 1/1 D 1/1, a burst of never-retrying clients on slowed decodes -> P 2/2 D 2/2 (both new engines
+     start under load), the burst stops -> P 1/1 D 1/1, no request failed (the decodes run at most
+     DECODE_MAX_NUM_SEQS requests at once, so a burst queues);
   6. the pair deleted: its pods, role objects and port leases go.
 
-Cost: 8 vLLM cold starts (4 at the start, loading at once; 1 for the scale-up; 1 for the replaced decode; 2 for the
-HPA's scale-up, at once), about 7.5 minutes of the real-node stage on a 2-core machine (measured: apply -> P 2/2 D
-2/2 49-78 s, the 16 forced completions 8-18 s, scale-down 7 s and scale-up 61 s under load, delete -> re-created
-decode Ready 81 s; the HPA test about 3 minutes: Prometheus and the adapter 5 s once their images are in n1, HPA ->
-P 1/1 D 1/1 31 s, burst -> HPA desired 2 16 s -> P 2/2 D 2/2 72 s, stop -> 1/1 within the window; the pair's
-deletion 3 s).
+Cost: 7 vLLM cold starts (4 at the start, loading at once; 1 for the replaced decode; 2 for the HPA's scale-up, at
+once), about 6.5 minutes of the real-node stage on a 2-core machine (measured: apply -> P 2/2 D 2/2 49-78 s, the 16
+forced completions 8-18 s, delete -> re-created decode Ready 81 s, scale-down 7 s under load; the HPA test about 3
+minutes: Prometheus and the adapter 5 s once their images are in n1, burst -> HPA desired 2 16 s -> P 2/2 D 2/2
+72 s, stop -> 1/1 within the window; the pair's deletion 3 s).
 """
 from __future__ import annotations
 
@@ -302,84 +302,6 @@ def test_a_slowed_decode_receives_fewer_requests(real_cluster, baseline_outputs,
     assert per_decode[1] * 2 <= per_decode[0], per_decode
 
 
-def test_decode_scale_down_and_up_under_load_fails_no_request(real_cluster, baseline_outputs, xpair):
-    ns, name = xpair.namespace, xpair.name
-    assert xpair.counts() == ("Ready", "2/2", "2/2"), xpair.counts()
-    decode1 = xpair.engine("decode", 1)
-    assert decode1 is not None
-    pod1 = decode1["metadata"]["name"]
-    ip, port = xpair.service()
-    load = Load(real_cluster, ip, port, CLIENTS)
-    phases: set[str] = set()
-    seen: dict = {}
-    try:
-        t_load = time.time()
-        wait_for(lambda: load.ok_since(t_load) >= 2 * CLIENTS, 300, "requests served before the scale-down",
-                 diagnose=lambda: json.dumps(load.records[-5:]), interval=0.5)
-        # Scale down while decode 1 holds requests: the router's outstanding counts balance the clients across both
-        # decodes, so one of the three is almost always on decode 1; wait for a moment when it is.
-        t_down = time.time()
-        real_cluster.kubectl("scale", f"{ROLE_OBJECT_PLURAL}.{GROUP}/{name}-decode", "--replicas=1", "-n", ns)
-
-        def marked() -> float | None:
-            pod = xpair.pods().get(pod1)
-            value = ((pod or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION_DRAINING_SINCE)
-            return float(value) if value else None
-
-        t_marked = wait_for(marked, 60, f"{pod1} marked draining", diagnose=xpair.diagnose, interval=0.2)
-
-        def watched(counts):
-            phases.add(counts[0])
-            return counts
-
-        wait_for(lambda: watched(xpair.watch(t_down, pod1))[2] == "1/1" and pod1 not in xpair.pods(),
-                 120 + DRAIN_SECONDS, f"D 1/1 and {pod1} gone", diagnose=lambda: xpair.evidence(t_down),
-                 interval=0.5)
-        t_gone = time.time()
-        seen = xpair.choices()  # the router's choices so far (a restart would replace the router and its log)
-        for _ in range(10):  # a restart the deletion caused shows within a few passes
-            watched(xpair.watch(t_down, pod1))
-            time.sleep(0.5)
-        real_cluster.kubectl("scale", f"{ROLE_OBJECT_PLURAL}.{GROUP}/{name}-decode", "--replicas=2", "-n", ns)
-        t_up = time.time()
-        wait_for(lambda: watched(xpair.watch(t_down, pod1)) == ("Ready", "2/2", "2/2"), START_TIMEOUT,
-                 "Ready with D 2/2 after the scale-up", diagnose=lambda: xpair.evidence(t_down), interval=1.0)
-        t_scaled_up = time.time()
-        t_route = xpair.wait_routable(0, 1)
-        wait_for(lambda: load.ok_since(t_scaled_up) >= 2 * CLIENTS, 300, "requests served after the scale-up",
-                 diagnose=lambda: json.dumps(load.records[-5:]), interval=0.5)
-        for p in (0, 1):  # the new decode 1 answers like the baseline with either prefill
-            for prompt in PROMPTS:
-                assert xpair.routed(p, 1, prompt) == baseline_outputs[prompt], (p, prompt)
-    finally:
-        records = load.stop()
-    failed, wrong = _summary(records, baseline_outputs)
-    choices = {**seen, **xpair.choices()}
-    on_d1 = [r for r in records if choices.get(r["rid"], (None, None))[1] == 1]
-    in_flight = [r for r in on_d1 if r["t"] < t_marked < r["t"] + r["dur"]]
-    # Chosen after the mark: the router is pushed the set without decode 1 in the pass that marks it or the next
-    # one; a choice after the pod is gone would have failed.
-    after_mark = [r["t"] - t_marked for r in on_d1 if t_marked < r["t"] < t_up]
-    after_gone = [r for r in on_d1 if t_gone < r["t"] < t_up]
-    print(f"[realnode-xpyd] scale-down/up under load: {len(failed)} failed of {len(records)} requests, {len(wrong)} "
-          f"outputs differ; {len(in_flight)} request(s) in flight on {pod1} when it was marked draining, "
-          f"{len(after_mark)} sent to decode 1 after the mark (the last {max(after_mark, default=0):.2f}s after it), "
-          f"{len(after_gone)} after it was gone; kubectl scale "
-          f"-> marked draining {t_marked - t_down:.1f}s, -> D 1/1 and {pod1} gone {t_gone - t_down:.1f}s; "
-          f"scale-up -> D 2/2 {t_scaled_up - t_up:.1f}s (+{t_route:.1f}s until the router takes (0, 1))")
-    if phases != {"Ready"}:
-        print(f"[realnode-xpyd] the pair left Ready during the scale-down/up: {sorted(phases)}\n"
-              f"{xpair.evidence(t_down)}")
-    print(f"[realnode-xpyd] failures (seconds after kubectl scale, error): "
-          f"{[(round(r['t'] - t_down, 1), r['error'][:200]) for r in failed[:8]]}")
-    assert phases == {"Ready"}, sorted(phases)
-    assert failed == [], failed[:5]
-    assert wrong == [], wrong[:5]
-    assert after_gone == [], after_gone[:5]
-    if not in_flight:
-        print("[realnode-xpyd] note: no request was in flight on decode 1 at the mark (timing), the drain held none")
-
-
 def test_killed_decode_instance_0_is_replaced_alone_while_the_pair_serves(real_cluster, baseline_outputs, xpair):
     """("one decode killed: only its edges fail, the rest keep serving, it is replaced in order"):
     decode instance 0's engine core SIGKILLed in its container (its pod fails: restartPolicy Never) under the steady
@@ -454,6 +376,79 @@ def test_killed_decode_instance_0_is_replaced_alone_while_the_pair_serves(real_c
     assert wrong == [] and forced_wrong == [], (wrong[:3], forced_wrong[:3])
 
 
+def test_decode_scale_down_under_load_fails_no_request(real_cluster, baseline_outputs, xpair):
+    """`kubectl scale` of the decode role object 2 -> 1 under the steady load (load.py: a failed request is counted,
+    never retried): decode 1 is marked draining (as a rule while it holds requests: the count is printed), no request
+    fails, every output is the baseline's, its pod goes, D 1/1. The pair stays at D 1/1 for the HPA test; the scale-up under never-retrying
+    clients is that test's burst (2 cold starts, no request failed). Cost: no cold start, under a minute."""
+    ns, name = xpair.namespace, xpair.name
+    wait_for(lambda: xpair.counts() == ("Ready", "2/2", "2/2"), START_TIMEOUT, "the pair Ready 2/2 2/2",
+             diagnose=xpair.diagnose, interval=1.0)
+    decode1 = xpair.engine("decode", 1)
+    assert decode1 is not None
+    pod1 = decode1["metadata"]["name"]
+    ip, port = xpair.service()
+    load = Load(real_cluster, ip, port, CLIENTS)
+    phases: set[str] = set()
+    seen: dict = {}
+    try:
+        t_load = time.time()
+        wait_for(lambda: load.ok_since(t_load) >= 2 * CLIENTS, 300, "requests served before the scale-down",
+                 diagnose=lambda: json.dumps(load.records[-5:]), interval=0.5)
+        # Scale down while decode 1 holds requests: the router's outstanding counts balance the clients across both
+        # decodes, so one of the three is almost always on decode 1; wait for a moment when it is.
+        t_down = time.time()
+        real_cluster.kubectl("scale", f"{ROLE_OBJECT_PLURAL}.{GROUP}/{name}-decode", "--replicas=1", "-n", ns)
+
+        def marked() -> float | None:
+            pod = xpair.pods().get(pod1)
+            value = ((pod or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION_DRAINING_SINCE)
+            return float(value) if value else None
+
+        t_marked = wait_for(marked, 60, f"{pod1} marked draining", diagnose=xpair.diagnose, interval=0.2)
+
+        def watched(counts):
+            phases.add(counts[0])
+            return counts
+
+        wait_for(lambda: watched(xpair.watch(t_down, pod1))[2] == "1/1" and pod1 not in xpair.pods(),
+                 120 + DRAIN_SECONDS, f"D 1/1 and {pod1} gone", diagnose=lambda: xpair.evidence(t_down),
+                 interval=0.5)
+        t_gone = time.time()
+        seen = xpair.choices()  # the router's choices so far (a restart would replace the router and its log)
+        for _ in range(10):  # a restart the deletion caused shows within a few passes
+            watched(xpair.watch(t_down, pod1))
+            time.sleep(0.5)
+        wait_for(lambda: load.ok_since(t_gone) >= 2 * CLIENTS, 300, "requests served after the scale-down",
+                 diagnose=lambda: json.dumps(load.records[-5:]), interval=0.5)
+    finally:
+        records = load.stop()
+    failed, wrong = _summary(records, baseline_outputs)
+    choices = {**seen, **xpair.choices()}
+    on_d1 = [r for r in records if choices.get(r["rid"], (None, None))[1] == 1]
+    in_flight = [r for r in on_d1 if r["t"] < t_marked < r["t"] + r["dur"]]
+    # Chosen after the mark: the router is pushed the set without decode 1 in the pass that marks it or the next
+    # one; a choice after the pod is gone would have failed.
+    after_mark = [r["t"] - t_marked for r in on_d1 if t_marked < r["t"]]
+    after_gone = [r for r in on_d1 if t_gone < r["t"]]
+    print(f"[realnode-xpyd] scale-down under load: {len(failed)} failed of {len(records)} requests, {len(wrong)} "
+          f"outputs differ; {len(in_flight)} request(s) in flight on {pod1} when it was marked draining, "
+          f"{len(after_mark)} sent to decode 1 after the mark (the last {max(after_mark, default=0):.2f}s after it), "
+          f"{len(after_gone)} after it was gone; kubectl scale "
+          f"-> marked draining {t_marked - t_down:.1f}s, -> D 1/1 and {pod1} gone {t_gone - t_down:.1f}s")
+    if phases != {"Ready"}:
+        print(f"[realnode-xpyd] the pair left Ready during the scale-down: {sorted(phases)}\n"
+              f"{xpair.evidence(t_down)}")
+    print(f"[realnode-xpyd] failures (seconds after kubectl scale, error): "
+          f"{[(round(r['t'] - t_down, 1), r['error'][:200]) for r in failed[:8]]}")
+    assert phases == {"Ready"}, sorted(phases)
+    assert failed == [], failed[:5]
+    assert wrong == [], wrong[:5]
+    assert after_gone == [], after_gone[:5]
+    if not in_flight:
+        print("[realnode-xpyd] note: no request was in flight on decode 1 at the mark (timing), the drain held none")
+
+
 def _quantity(value: str) -> float:
     """A resource.Quantity as the custom metrics API writes it ("3", "1500m")."""
     return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
@@ -525,23 +520,32 @@ def test_an_hpa_on_decode_follows_queue_depth_and_the_ratio_band_moves_prefill(
     """a HorizontalPodAutoscaler (kube-controller-manager's) on the decode role object, min 1,
     max 2, Pods metric vllm:num_requests_waiting (average HPA_TARGET_WAITING per decode) read from the engines by the
     in-cluster Prometheus through prometheus-adapter and the aggregation layer; `spec.scaling.ratio {min: 1, max: 1}`
-    (prefill follows decode). A trickle client runs throughout, so every scale-down drains instances that serve:
-      1. idle: the HPA scales decode 2 -> 1 and the band moves prefill 2 -> 1;
+    (prefill follows decode). It starts from what the scale-down test leaves: P 2/2, D 1/1, the decode role object's
+    replicas 1 written by `kubectl scale`. A trickle client runs throughout, so every scale-down drains instances that
+    serve:
+      1. idle: the band moves prefill 2 -> 1, the HPA takes over the decode role object and keeps it at its minimum 1;
       2. HPA_CLIENTS more clients with the decodes slowed (the knob): waiting rises above the target, the HPA scales
-         decode to 2, the band moves prefill to 2, both new engines start;
+         decode to 2, the band moves prefill to 2, both new engines start: the module's scale-up under load, its
+         clients never retrying (load.py: a failed request is counted);
       3. those clients stop: after the stabilization window the HPA scales decode back to 1 and prefill follows.
     No request fails, every output equals the single engine's, the pair stays Ready at its generation, a RatioBand
-    Event for each move. Cost: 2 vLLM cold starts (the new decode and prefill, at once), about 4 minutes."""
+    Event for each move. Cost: 2 vLLM cold starts (the new decode and prefill, at once), about 3.5 minutes."""
     ns, name = xpair.namespace, xpair.name
-    wait_for(lambda: xpair.counts() == ("Ready", "2/2", "2/2"), START_TIMEOUT, "the pair Ready 2/2 2/2",
+
+    def left_by_the_scale_down() -> bool:  # D 1/1 and the drained decode's pod gone
+        engines = [p for p in xpair.pods().values() if p["metadata"]["labels"].get(LABEL_ROLE) in ("prefill", "decode")]
+        return xpair.counts() == ("Ready", "2/2", "1/1") and len(engines) == 3
+
+    wait_for(left_by_the_scale_down, START_TIMEOUT, "the pair Ready P 2/2 D 1/1, 3 engine pods",
              diagnose=xpair.diagnose, interval=1.0)
     before = xpair.status()
-    real_cluster.kubectl("patch", f"{PLURAL}.{GROUP}", name, "-n", ns, "--type=merge",
-                         "-p", json.dumps({"spec": {"scaling": {"ratio": {"min": 1, "max": 1}}}}))
+    ip, port = xpair.service()
+    trickle = Load(real_cluster, ip, port, 1)
+    burst = None
+    slowed: list[str] = []
+    marks: dict[str, float] = {}
     hpa_name = f"{name}-decode"
     timeline = ScaleTimeline(real_cluster, xpair, custom_metrics, hpa_name)
-    wait_for(lambda: len(timeline.waiting()) == 2, 120, f"the custom metrics API to serve {WAITING} of both decodes",
-             diagnose=custom_metrics.diagnose, interval=2.0)
     hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
            "metadata": {"name": hpa_name, "namespace": ns},
            "spec": {"scaleTargetRef": {"apiVersion": API_VERSION, "kind": ROLE_OBJECT_KIND, "name": f"{name}-decode"},
@@ -550,11 +554,6 @@ def test_an_hpa_on_decode_follows_queue_depth_and_the_ratio_band_moves_prefill(
                         "type": "AverageValue", "averageValue": HPA_TARGET_WAITING}}}],
                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": HPA_SCALE_DOWN_WINDOW},
                                  "scaleUp": {"stabilizationWindowSeconds": 0}}}}
-    ip, port = xpair.service()
-    trickle = Load(real_cluster, ip, port, 1)
-    burst = None
-    slowed: list[str] = []
-    marks: dict[str, float] = {}
 
     def knob(pod: str, write: bool) -> None:
         code = (f"open({SLOW_DECODE_KNOB!r}, 'w').write('{SLOW_DECODE_MS}')" if write else
@@ -569,9 +568,17 @@ def test_an_hpa_on_decode_follows_queue_depth_and_the_ratio_band_moves_prefill(
         return check
 
     try:
+        # The band [1, 1] with decode at 1: prefill 2 -> 1, drained under the trickle client (sampled, so the
+        # timeline and the phases seen include it).
+        real_cluster.kubectl("patch", f"{PLURAL}.{GROUP}", name, "-n", ns, "--type=merge",
+                             "-p", json.dumps({"spec": {"scaling": {"ratio": {"min": 1, "max": 1}}}}))
+        wait_for(lambda: len(timeline.sample()["waiting"]) == 1, 120,
+                 f"the custom metrics API to serve {WAITING} of the decode", diagnose=custom_metrics.diagnose,
+                 interval=2.0)
         real_cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(hpa))
         timeline.t0 = t_hpa = time.time()
-        # 1. Idle (one trickle client): the HPA takes decode to its minimum, the band takes prefill with it.
+        # 1. Idle (one trickle client): the HPA keeps decode at its minimum (desired 1: it read the metric), the band
+        # has taken prefill to 1.
         wait_for(at(("Ready", "1/1", "1/1"), 1), 3 * HPA_SYNC + 120, "decode and prefill scaled to 1 by the HPA and "
                  "the band", diagnose=lambda: f"{timeline.text()}\n{xpair.diagnose()}", interval=1.0)
         marks["down1"] = time.time() - t_hpa
