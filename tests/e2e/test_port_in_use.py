@@ -8,7 +8,7 @@ starting an engine), and its termination message goes into the pod's status the 
 operator is the real one under the chart's RBAC. What must follow: the port is quarantined (a node-busy Lease with a
 TTL), the pair gets other ports, a PortInUse Event names port, node and replacement, the pair restarts decode-first
 outside its restart budget and goes Ready, the foreign listener is untouched, and the quarantine ends after its TTL.
-The same scenario with real engines on a real node: tests/e2e_realnode/test_realnode_port_in_use.py.
+The same scenario with real engines on a real node: the first test of tests/e2e_realnode/test_realnode_node_lost.py.
 """
 
 from __future__ import annotations

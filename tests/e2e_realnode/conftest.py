@@ -30,9 +30,9 @@ MODULE_ORDER = (
     "test_realnode_rollout",      # Surge, Recreate, then the serving pair is deleted
     "test_realnode_demo",         # the README demo's pair beside a single engine, on this cluster (3 cold starts)
     "test_realnode_xpyd",         # a 2P2D pair of its own: every (P, D) route, scale under load, a decode deleted
-    "test_realnode_port_in_use",  # a pair of its own: a stranger on its ports before the lease
     "test_realnode_tp2",          # a TP = 2 pair of its own
-    "test_realnode_node_lost",    # a pair of its own; cuts node n2 off the cluster for a while, so last
+    "test_realnode_node_lost",    # a pair of its own: a stranger on its ports before the lease, then node n2 cut
+                                  # off the cluster for a while, so last
 )
 
 # Modules that run only when named on the command line (pytest still collects a path given to it explicitly):
