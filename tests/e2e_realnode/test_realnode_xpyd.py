@@ -379,8 +379,9 @@ def test_killed_decode_instance_0_is_replaced_alone_while_the_pair_serves(real_c
 def test_decode_scale_down_under_load_fails_no_request(real_cluster, baseline_outputs, xpair):
     """`kubectl scale` of the decode role object 2 -> 1 under the steady load (load.py: a failed request is counted,
     never retried): decode 1 is marked draining (as a rule while it holds requests: the count is printed), no request
-    fails, every output is the baseline's, its pod goes, D 1/1. The pair stays at D 1/1 for the HPA test; the scale-up under never-retrying
-    clients is that test's burst (2 cold starts, no request failed). Cost: no cold start, under a minute."""
+    fails, every output is the baseline's, its pod goes, D 1/1. The pair stays at D 1/1 for the HPA test; the
+    scale-up under never-retrying clients is that test's burst (2 cold starts, no request failed). Cost: no cold
+    start, under a minute."""
     ns, name = xpair.namespace, xpair.name
     wait_for(lambda: xpair.counts() == ("Ready", "2/2", "2/2"), START_TIMEOUT, "the pair Ready 2/2 2/2",
              diagnose=xpair.diagnose, interval=1.0)
