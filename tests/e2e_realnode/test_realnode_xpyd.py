@@ -27,8 +27,9 @@ each choice, and `spec.rollout.drainSeconds` 5. The tests share it, in file orde
 Cost: 7 vLLM cold starts (4 at the start, loading at once; 1 for the replaced decode; 2 for the HPA's scale-up, at
 once), about 6.5 minutes of the real-node stage on a 2-core machine (measured: apply -> P 2/2 D 2/2 49-78 s, the 16
 forced completions 8-18 s, delete -> re-created decode Ready 81 s, scale-down 7 s under load; the HPA test about 3
-minutes: Prometheus and the adapter 5 s once their images are in n1, burst -> HPA desired 2 16 s -> P 2/2 D 2/2
-72 s, stop -> 1/1 within the window; the pair's deletion 3 s).
+minutes with the HPA controller's upstream 15 s sync period (5 s in this cluster: realnode.HPA_SYNC_SECONDS):
+Prometheus and the adapter 5 s once their images are in n1, burst -> HPA desired 2 16 s -> P 2/2 D 2/2 72 s, stop ->
+1/1 within the window; the pair's deletion 3 s).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ from devcluster.product import (
     ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, container_processes, describe,
     engine_core_pid, operator_logs, pair_manifest,
 )
-from devcluster.realnode import ClusterError
+from devcluster.realnode import HPA_SYNC_SECONDS, ClusterError
 from devcluster.waiting import wait_for
 from tests.e2e_realnode.load import Load
 
@@ -75,7 +76,7 @@ DECODE_MAX_NUM_SEQS = 2
 HPA_CLIENTS = 8
 HPA_TARGET_WAITING = "1"  # the HPA's Pods metric target: average vllm:num_requests_waiting per decode instance
 HPA_SCALE_DOWN_WINDOW = 15  # behavior.scaleDown.stabilizationWindowSeconds: 300 by default, shortened for the test
-HPA_SYNC = 15  # kube-controller-manager's --horizontal-pod-autoscaler-sync-period, left at its default
+HPA_SYNC = HPA_SYNC_SECONDS  # kube-controller-manager's --horizontal-pod-autoscaler-sync-period in this cluster
 WAITING = "vllm:num_requests_waiting"
 PROMETHEUS_SETS = ("monitoring.podMonitor.interval=1s", "monitoring.podMonitor.scrapeTimeout=1s",
                    "monitoring.podMonitor.engineMetrics=true")
