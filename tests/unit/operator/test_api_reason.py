@@ -1,4 +1,4 @@
-"""api_reason (reconciler.py): the API server's Status reason and message, from a real client exception."""
+"""api_reason (pod_steps.py): the API server's Status reason and message, from a real client exception."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 from kubernetes.client.exceptions import ApiException
 
-from pdpair.operator.act.reconciler import REJECTED_STATUSES, api_reason
+from pdpair.operator.act.pod_steps import REJECTED_STATUSES, api_reason
 
 
 def _api_exception(status, reason, body):

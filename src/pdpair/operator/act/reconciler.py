@@ -17,56 +17,42 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from pdpair.contract import (
-    ANNOTATION_DRAINING_SINCE,
-    ANNOTATION_PEERS_DIGEST,
     ANNOTATION_INSTANCE_RESTART_TIMES,
     ANNOTATION_RESTART_TIMES,
-    COND_PROGRESSING,
-    COND_READY,
     GROUP,
     KIND,
-    PHASE_FAILED,
-    PLURAL,
     PURPOSE_SIDECHANNEL,
     ROLE_DECODE,
     ROLE_PREFILL,
-    ROLE_ROUTER,
     VERSION,
 )
 
 from pdpair.operator.decide import recreate as d
-from pdpair.operator.act.kube_api import api_status, call_dropped
+from pdpair.operator.act.kube_api import api_status
 from pdpair.operator.act.lease_steps import LeaseSteps
 from pdpair.operator.act.pair_objects import PairObjects
+from pdpair.operator.act.pair_status import PairStatus
+from pdpair.operator.act.pod_steps import PodSteps, Rejection, _created_name
 from pdpair.operator.act.peer_sets import (
     PeerSets,
     PushFailure,
-    prefill_entries,
-    router_digest,
-    router_members,
-    side_base,
     push_retry_delay,
 )
-from pdpair.operator.model.observed import Finding, NodeView, Observed, PodView, RouterDrainView
-from pdpair.operator.decide import health
+from pdpair.operator.model.observed import NodeView, Observed, PodView, RouterDrainView
 from pdpair.operator.decide import leases
 from pdpair.operator.decide import planner
 from pdpair.operator.decide import surge
 from pdpair.operator.model.config import OperatorConfig
 from pdpair.operator.act.listener_probe import probe_ranks
-from pdpair.operator.decide import instances
 from pdpair.operator.act import scale_sync
 from pdpair.operator.decide import scale_targets
 from pdpair.operator.model import spec_fields
 from pdpair.operator.decide.scale_targets import ScaleView
-from pdpair.operator.build.pods import ManifestError, engine_pod, pod_name, router_pod
-from pdpair.operator.build.pods import POD_SECRETS, SECRET_PEERS, SECRET_SIDE_CHANNEL
 from pdpair.operator.act.port_leaser import PairRef, PortLeaser
 from pdpair.operator.decide.port_blocks import ports_of
 from pdpair.operator.build.service import (
     ServiceView,
 )
-from pdpair.operator.model.conditions import FALSE, Condition, apply_conditions, status_diff
 from pdpair.operator.model.timestamps import now_rfc3339
 from pdpair.operator.decide.wake_filter import WakeFilter
 
@@ -149,51 +135,6 @@ def throttled_retry(exc: BaseException, jitter: float) -> float | None:
     return min(max(seconds, THROTTLED_RETRY_MIN), THROTTLED_RETRY_MAX) * (1 + min(max(jitter, 0.0), 0.5))
 
 
-# The API server refused the object itself (validation, admission, quota): retrying the same manifest at once
-# cannot succeed, so it is retried with backoff and reported, not hammered.
-REJECTED_STATUSES = (400, 403, 422)
-REJECTION_BACKOFF_FIRST = 2.0
-REJECTION_BACKOFF_MAX = 300.0
-# How long a pod this process created may stay missing from the pod index before a pass creates it again (the
-# apiserver's 409 still guards that create). Normally the watch delivers it within milliseconds; 500 pairs on a
-# loaded 2-core box saw 40 s, and a 30 s bound cost 585 refused creates there.
-CREATED_UNSEEN_WAIT = 120.0
-
-
-def api_reason(exc: BaseException) -> tuple[str, str]:
-    """(reason, message) of an API error, as the API server's Status says them (the message names the field)."""
-    body = getattr(exc, "body", None)
-    try:
-        status = json.loads(body) if body else {}
-    except (TypeError, ValueError):
-        status = {}
-    if not isinstance(status, dict):
-        status = {}
-    reason = str(status.get("reason") or getattr(exc, "reason", "") or type(exc).__name__)
-    message = str(status.get("message") or str(exc))
-    return reason, message
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """The API server refused to create a role's pod for this spec; retried no sooner than `not_before`."""
-
-    spec_hash: str
-    attempts: int
-    not_before: float  # time.monotonic()
-    message: str
-
-
-def _create_generation(plan: d.Plan) -> int:
-    return plan.create_generation if plan.create_generation is not None else plan.pair_generation
-
-
-def _created_name(pair_name: str, plan: d.Plan) -> str:
-    assert plan.create
-    return pod_name(pair_name, plan.create, _create_generation(plan), plan.create_instance)
-
-
-
 
 # Steps that wait for a pod to change: the pod's watch event wakes the pair (handlers.pod_changed), so these wait a
 # resync interval, not the probe interval. Polling them every second was most of the operator's passes while 1000
@@ -218,7 +159,7 @@ def pass_delay(step: str, cfg: OperatorConfig, wait_seconds: float | None = None
 EVENT_SOURCE = "pdpair-operator"
 
 
-class PairReconciler(PairObjects, PeerSets, LeaseSteps):
+class PairReconciler(PairStatus, PodSteps, PairObjects, PeerSets, LeaseSteps):
     def __init__(self, rt: Runtime, body: Mapping[str, Any], emit: Emit, logger: logging.Logger | None = None):
         self.rt = rt
         self.body = body  # kopf's live body: spec and metadata follow the watch
@@ -282,55 +223,6 @@ class PairReconciler(PairObjects, PeerSets, LeaseSteps):
         self.scale_views: Mapping[str, ScaleView] | None = None  # this pass's, for the status write
 
     # --- observation --------------------------------------------------------------------------------
-    def _refresh_status(self) -> None:
-        """Take the live status (kopf's body follows the watch) when its object is newer than our last status
-        write: another writer (the health watch, a user, the replica that led before us) is seen on the next pass,
-        and nothing is remembered that the API does not have. resourceVersions are etcd revisions; one that is not
-        a number keeps the copy."""
-        live = self.body.get("metadata", {}).get("resourceVersion")
-        if self.status_version is not None:
-            try:
-                if live is None or int(live) <= int(self.status_version):
-                    return
-            except (TypeError, ValueError):
-                return
-        self.status = json.loads(json.dumps(dict(self.body.get("status") or {})))
-        self.status_version = live
-
-    def _restart_times(self) -> list[float]:
-        """The pair's restart record (its annotation), or this reconciler's own newer write while the watch has not
-        delivered it yet (for at most CREATED_UNSEEN_WAIT)."""
-        raw = ((self.body.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_RESTART_TIMES, "[]")
-        try:
-            recorded = [float(t) for t in json.loads(raw)]
-        except (ValueError, TypeError):
-            recorded = []
-        if self.restart_times_written is not None:
-            written, at = self.restart_times_written
-            if list(written) == recorded or time.monotonic() - at > CREATED_UNSEEN_WAIT:
-                self.restart_times_written = None
-            else:
-                return list(written)
-        return recorded
-
-    def _instance_restart_times(self) -> tuple[int, dict[str, tuple[float, ...]]]:
-        """The pair's per-instance replacement record (annotation pdpair.io/instance-restart-times: the generation
-        it is about and the times by "<role>-<index>"), or this reconciler's own newer write (as _restart_times)."""
-        raw = ((self.body.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_INSTANCE_RESTART_TIMES)
-        try:
-            doc = json.loads(raw) if raw else {}
-            recorded = (int(doc.get("generation") or 0),
-                        {str(k): tuple(float(t) for t in v) for k, v in (doc.get("times") or {}).items()})
-        except (ValueError, TypeError, AttributeError):
-            recorded = (0, {})
-        if self.instance_restarts_written is not None:
-            written, at = self.instance_restarts_written
-            if written == recorded or time.monotonic() - at > CREATED_UNSEEN_WAIT:
-                self.instance_restarts_written = None
-            else:
-                return written
-        return recorded
-
     async def probe_decode(self, decode: PodView, ports: list[dict[str, Any]] | None = None) -> bool:
         ports = self.ports if ports is None else ports
         if decode.uid in self.listening_pods:
@@ -504,175 +396,6 @@ class PairReconciler(PairObjects, PeerSets, LeaseSteps):
         delay = pass_delay(plan.step, cfg, plan.wait_seconds)
         return delay if retry is None else min(delay, retry)
 
-    def _rollout_fields(self, plan: d.Plan, pods: tuple[PodView, ...]) -> dict[str, Any]:
-        """plan.status_fields, with status.rollout's ports and pods filled in (what the executor holds)."""
-        fields = dict(plan.status_fields)
-        current = fields.get("rollout", self.status.get("rollout"))
-        if isinstance(current, Mapping) and current.get("phase") in surge.ACTIVE_PHASES:
-            generation, _ = surge.other_generation({**self.status, "rollout": current})  # type: ignore[misc]
-            fields["rollout"] = {**current, "ports": self.rollout_ports or [],
-                                 "pods": sorted(p.name for p in pods if p.generation == generation)}
-        return fields
-
-    def _scale_condition(self) -> list[Condition]:
-        """ReplicasFromScaleTarget, while the role objects are watched: True while one's count overrides the inline."""
-        if self.scale_views is None:
-            return []
-        found = scale_targets.inline_overridden(self.body["spec"], self.scale_views)
-        return [Condition(*scale_targets.overridden_condition(found))]
-
-    def _health_finding(self) -> Finding | None:
-        """The health watch's restart finding, as it wrote it to status.health (for the planner)."""
-        return health.restart_finding(self._health())
-
-    def _health(self) -> Any:
-        """`status.health` as the health watch last wrote it (kopf's live body: this reconciler never writes it)."""
-        return (self.body.get("status") or {}).get("health")
-
-    def _signals_condition(self, generation: int) -> list[Condition]:
-        """SignalsHealthy for the current generation, from `status.health` (health.signals_condition)."""
-        return [health.signals_condition(self._health(), generation)]
-
-    def _status_fields(self, plan: d.Plan, pods: tuple[PodView, ...]) -> dict[str, Any]:
-        names = {
-            role: pod_name(self.ref.name, role, plan.pair_generation) for role in (ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER)
-        }
-        present = {p.role for p in pods if p.generation == plan.pair_generation}
-        fields: dict[str, Any] = {
-            "phase": plan.phase,
-            "pairGeneration": plan.pair_generation,
-            "message": plan.message[:32768],
-            "pods": {role: name for role, name in names.items() if role in present},
-            "restarts": int(self.status.get("restarts") or 0),
-            "service": self.service,  # None removes the field (merge patch)
-            "ports": self.ports or [],  # the leases exactly: none held is an empty list, not the last list seen
-        }
-        for role, entry in plan.role_status.items():
-            view = (self.scale_views or {}).get(role)
-            fields[role] = {**entry, "scaleTarget": view.name if view is not None else None}
-        return fields
-
-    # --- actions ------------------------------------------------------------------------------------
-    async def _act(self, plan: d.Plan, pods: tuple[PodView, ...], meta_generation: int = 0) -> None:
-        live = {p.uid for p in pods if not p.deleting}
-        for uid in [u for u, at in self.deleted_unseen.items() if u not in live or time.monotonic() - at > CREATED_UNSEEN_WAIT]:
-            del self.deleted_unseen[uid]
-        for name in plan.delete:
-            pod = next((p for p in pods if p.name == name), None)
-            if pod is not None and pod.uid in self.deleted_unseen:
-                continue  # deleted by an earlier pass; the index has not shown its deletionTimestamp yet
-            await self._delete_pod(name, pod.uid if pod else None)
-            if pod is not None and pod.uid:
-                self.deleted_unseen[pod.uid] = time.monotonic()
-            self.emit("Normal", "PodDeleted", f"deleted {pod.role if pod else 'pod'} {name} ({plan.step})")
-        for name in plan.mark_draining:
-            await self._patch_pod_annotations(name, {ANNOTATION_DRAINING_SINCE: f"{time.time():.3f}"})
-            self.emit("Normal", "InstanceDraining", f"{name}: {plan.message}")
-        seen = {p.name for p in pods}
-        for name in [n for n, at in self.created_unseen.items() if n in seen or time.monotonic() - at > CREATED_UNSEEN_WAIT]:
-            del self.created_unseen[name]
-        if plan.create:
-            await self._create(plan, pods, meta_generation)
-
-    async def _create(self, plan: d.Plan, pods: tuple[PodView, ...], meta_generation: int) -> None:
-        """Creates plan.create's pod, unless it was refused before for this spec (backoff) or an earlier pass
-        created it and the watch has not shown it yet."""
-        assert plan.create
-        # The pod takes its keys from the pair's Secrets (pods.POD_SECRETS says which): they must exist first
-        needs = POD_SECRETS.get(plan.create, ())
-        if SECRET_PEERS in needs:
-            await self._peers_token()
-        if SECRET_SIDE_CHANNEL in needs:
-            await self._side_channel_secret()
-        rejection = self._rejection(plan)
-        if rejection is not None and time.monotonic() < rejection.not_before:
-            return  # refused before for this very spec: wait out the backoff
-        if _created_name(self.ref.name, plan) in self.created_unseen:
-            return  # created by an earlier pass; its watch event (which wakes this pair) has not arrived yet
-        manifest = self._manifest(plan, pods)
-        name = manifest["metadata"]["name"]
-        try:
-            created = await self._create_pod(manifest)
-        except Exception as exc:
-            if api_status(exc) not in REJECTED_STATUSES:
-                raise
-            await self._rejected(plan, name, exc, meta_generation)
-            return
-        self.rejections.pop(plan.create, None)
-        self.created_unseen[name] = time.monotonic()
-        if created:
-            what = plan.create if not plan.create_instance else f"{plan.create} instance {plan.create_instance}"
-            self.emit("Normal", "PodCreated", f"created {what} {name} (generation {_create_generation(plan)})")
-
-    def _rejection(self, plan: d.Plan) -> Rejection | None:
-        """The standing refusal of the pod this plan creates, if the spec is still the one refused."""
-        if not plan.create:
-            return None
-        rejection = self.rejections.get(plan.create)
-        if rejection is None or rejection.spec_hash != d.spec_fingerprint(self.body["spec"]):
-            return None
-        return rejection
-
-    def _rollout_rejection(self, spec: Mapping[str, Any]) -> str:
-        """The API server's refusal of a pod of a Surge rollout's new generation (only those are created while
-        one is Progressing), for the planner to roll the rollout back."""
-        active = surge.active_rollout(self.status)
-        if not active or active.get("phase") != surge.PHASE_PROGRESSING:
-            return ""
-        want = d.spec_fingerprint(spec)
-        return next((r.message for r in self.rejections.values() if r.spec_hash == want), "")
-
-    @staticmethod
-    def _rejected_condition(rejection: Rejection, plan: d.Plan | None = None) -> Condition:
-        if plan is not None and plan.create_slot:  # a Surge rollout's new pod: the serving generation stays Ready
-            return Condition(COND_PROGRESSING, FALSE, "PodRejected", rejection.message[:32768])
-        return Condition(COND_READY, FALSE, "PodRejected", rejection.message[:32768])
-
-    async def _rejected(self, plan: d.Plan, name: str, exc: BaseException, meta_generation: int) -> None:
-        reason, api_message = api_reason(exc)
-        spec_hash = d.spec_fingerprint(self.body["spec"])
-        previous = self._rejection(plan)
-        attempts = previous.attempts + 1 if previous else 1
-        delay = min(REJECTION_BACKOFF_MAX, REJECTION_BACKOFF_FIRST * 2 ** (attempts - 1))
-        message = (f"the API server refused {plan.create} pod {name} ({api_status(exc)} {reason}): {api_message}; "
-                   f"retrying in {delay:.0f}s, at once after a spec change")
-        self.rejections[plan.create] = Rejection(spec_hash, attempts, time.monotonic() + delay, message)
-        if previous is None or previous.message.split("; retrying")[0] != message.split("; retrying")[0]:
-            self.emit("Warning", "PodRejected", message)
-            self.log.warning("pair %s/%s: %s", self.ref.namespace, self.ref.name, message)
-        await self._write_status({"message": message[:32768]},
-                                 [self._rejected_condition(self.rejections[plan.create], plan)],
-                                 meta_generation)
-
-    def _manifest(self, plan: d.Plan, pods: tuple[PodView, ...]) -> dict[str, Any]:
-        body = {"metadata": dict(self.body["metadata"]), "spec": self.body["spec"]}
-        spec_hash = d.spec_fingerprint(self.body["spec"])
-        generation = _create_generation(plan)
-        ports = self.rollout_ports if plan.create_slot else self.ports  # a rollout's new generation: its port set
-        assert ports is not None
-        if plan.create == ROLE_DECODE:
-            return engine_pod(body, ROLE_DECODE, generation, ports, spec_hash, instance=plan.create_instance)
-        if plan.create == ROLE_PREFILL:
-            peers = [(p.ip or "", side_base(ports, p.instance)) for p in instances.prefill_peers(pods, generation)]
-            manifest = engine_pod(body, ROLE_PREFILL, generation, ports, spec_hash, instance=plan.create_instance,
-                                  peers=peers)
-            # What it was told at creation: a push is due only once the set differs (instances.peers_digest)
-            manifest["metadata"]["annotations"][ANNOTATION_PEERS_DIGEST] = instances.peers_digest(
-                prefill_entries(peers))
-            return manifest
-        if plan.create == ROLE_ROUTER:
-            # Started with instance 0 of each role, as a 1P1D router always was (its /readyz waits for them); the
-            # push (push_sets) adds the other instances once they are Ready, and none is due while the Ready set is
-            # still these two (a 1P1D pair is never pushed).
-            first = {p.role: p for p in pods if p.generation == generation and p.instance == 0 and p.running}
-            prefill, decode = first.get(ROLE_PREFILL), first.get(ROLE_DECODE)
-            manifest = router_pod(body, generation, ports, spec_hash, prefill.ip if prefill else "",
-                                  decode.ip if decode else "")
-            members = router_members([p for p in (prefill, decode) if p is not None], ports)
-            manifest["metadata"]["annotations"][ANNOTATION_PEERS_DIGEST] = router_digest(members)
-            return manifest
-        raise ManifestError(f"unknown role {plan.create!r}")
-
     # --- the per-role scale objects (scale_targets.py and ratio_band.py decide, scale_sync.py writes) -------------
     async def settle_counts(self, views: Mapping[str, ScaleView] | None) -> planner.ScalePlan:
         """This pass's counts (planner.scale_plan: the role objects' counts, then spec.scaling.ratio), from the
@@ -706,39 +429,6 @@ class PairReconciler(PairObjects, PeerSets, LeaseSteps):
                 self.overridden_told.add(key)
                 self.emit(*event)
 
-    async def _patch_pod_annotations(self, name: str, annotations: Mapping[str, str]) -> None:
-        try:
-            await asyncio.to_thread(call_dropped, self.rt.core.patch_namespaced_pod, name, self.ref.namespace,
-                                    {"metadata": {"annotations": dict(annotations)}})
-        except Exception as exc:
-            if api_status(exc) != 404:  # gone: nothing to mark
-                raise
-
-    async def _create_pod(self, manifest: dict[str, Any]) -> bool:
-        from kubernetes.client import V1Pod
-
-        try:
-            await asyncio.to_thread(
-                call_dropped, self.rt.core.create_namespaced_pod, manifest["metadata"]["namespace"],
-                V1Pod.from_dict(manifest),
-            )
-            return True
-        except Exception as exc:
-            if api_status(exc) == 409:  # made by an earlier pass; the index had not caught up
-                return False
-            raise
-
-    async def _delete_pod(self, name: str, uid: str | None) -> None:
-        from kubernetes.client import V1DeleteOptions, V1Preconditions
-
-        opts = V1DeleteOptions(preconditions=V1Preconditions(uid=uid) if uid else None)
-        try:
-            await asyncio.to_thread(call_dropped, self.rt.core.delete_namespaced_pod, name, self.ref.namespace,
-                                    body=opts)
-        except Exception as exc:
-            if api_status(exc) not in (404, 409):
-                raise
-
     async def _post_event_now(self, type_: str, reason: str, message: str) -> None:
         """Posts an Event and waits until the apiserver has it, for an Event that must outlive this process.
 
@@ -760,47 +450,6 @@ class PairReconciler(PairObjects, PeerSets, LeaseSteps):
         except Exception as exc:
             self.log.info("posting the %s Event directly failed (%s); queued instead", reason, exc)
             self.emit(type_, reason, message)
-
-    # --- status -------------------------------------------------------------------------------------
-    async def _write_status(
-        self, fields: Mapping[str, Any], conditions: Iterable[Condition], meta_generation: int
-    ) -> bool:
-        new = dict(self.status)
-        new.update(fields)
-        new["observedGeneration"] = meta_generation
-        new["conditions"], cond_changed = apply_conditions(self.status.get("conditions"), conditions)
-        patch = status_diff(self.status, new)
-        if not patch:
-            return False
-        await self._patch_status(patch)
-        self.status = new
-        return True
-
-    async def _patch_status(self, patch: Mapping[str, Any]) -> None:
-        result = await asyncio.to_thread(
-            self.rt.custom.patch_namespaced_custom_object_status,
-            GROUP, VERSION, self.ref.namespace, PLURAL, self.ref.name, {"status": dict(patch)},
-        )
-        self.status.update(patch)
-        version = ((result or {}).get("metadata") or {}).get("resourceVersion") if isinstance(result, dict) else None
-        if version:
-            self.status_version = version
-
-    async def _patch_meta(self, annotations: Mapping[str, str]) -> None:
-        await asyncio.to_thread(
-            self.rt.custom.patch_namespaced_custom_object,
-            GROUP, VERSION, self.ref.namespace, PLURAL, self.ref.name, {"metadata": {"annotations": dict(annotations)}},
-        )
-
-    async def _fail(self, message: str, conditions: Iterable[Condition], meta_generation: int) -> None:
-        changed = await self._write_status(
-            {"phase": PHASE_FAILED, "message": message[:32768]},
-            list(conditions) + self._signals_condition(int(self.status.get("pairGeneration") or 0)),
-            meta_generation,
-        )
-        if changed:
-            self.emit("Warning", "RestartBudgetExhausted", message)
-            self.log.warning("pair %s/%s failed: %s", self.ref.namespace, self.ref.name, message)
 
     # --- metrics -----------------------------------------------------------------------------------
     def _count_restart(self, reason_code: str) -> None:
