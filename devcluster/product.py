@@ -259,10 +259,10 @@ def baseline_pod(name: str, namespace: str, engine_ref: str, model_dir: pathlib.
                             *ENGINE_ARGS],
                 "env": ENGINE_ENV,
                 "volumeMounts": [MODEL_MOUNT_SPEC, SHM_MOUNT],
-                # Every 1 s, as the operator's engine probes (pods.STARTUP_PERIOD_SECONDS, READINESS_PROBE): the
+                # Every 1 s, as the operator's engine probes (pod_defaults.STARTUP_PERIOD_SECONDS, READINESS_PROBE): the
                 # cold-start comparisons (bench_cold_start, the demo) give both sides the same probe cadence. vLLM's
-                # /health cannot be held as pdpair's probes are (pods.PROBE_WAIT_SECONDS): that is what a plain vLLM
-                # pod gets, so the comparison keeps it.
+                # /health cannot be held as pdpair's probes are (pod_defaults.PROBE_WAIT_SECONDS): that is what a
+                # plain vLLM pod gets, so the comparison keeps it.
                 "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
             }],
         },

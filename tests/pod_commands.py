@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdpair.operator.build.pods import PREFLIGHT_COMMAND, PREFLIGHT_SEPARATOR
+from pdpair.operator.build.pod_defaults import PREFLIGHT_COMMAND, PREFLIGHT_SEPARATOR
 
 
 def without_preflight(command: list[str]) -> list[str]:

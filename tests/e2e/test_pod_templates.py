@@ -25,7 +25,8 @@ from pdpair.contract import (
     STARTUPZ_PATH,
 )
 from pdpair.operator.model.config import ENV_HEALTH_INTERVAL
-from pdpair.operator.build.pods import held_path, side_channel_secret_name
+from pdpair.operator.build.pod_defaults import held_path
+from pdpair.operator.build.pods import side_channel_secret_name
 from tests.pod_commands import without_preflight
 from devcluster.kwok import NEVER_READY_LABEL
 from tests.e2e.operator_helpers import (
@@ -44,7 +45,7 @@ GANG_SCHEDULER = "test-gang-scheduler"  # no such scheduler runs: the test binds
 PRIORITY_CLASS = "pdpair-test-high"
 PROBE = {"httpGet": {"path": "/v1/models", "port": "http"}, "periodSeconds": 7, "failureThreshold": 4}
 SIDECAR = {"name": "log-shipper", "image": "busybox:1", "args": ["sleep", "infinity"]}
-# The operator's container security defaults where a template leaves a field unset (pods._locked_down)
+# The operator's container security defaults where a template leaves a field unset (pod_defaults._locked_down)
 LOCKED = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}, "allowPrivilegeEscalation": False,
           "capabilities": {"drop": ["ALL"]}}
 

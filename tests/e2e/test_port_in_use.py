@@ -35,7 +35,8 @@ from pdpair.contract import (
     parse_ports_in_use,
 )
 from pdpair.operator.model.config import ENV_BUSY_PORT_QUARANTINE, ENV_SWEEP_INTERVAL
-from pdpair.operator.build.pods import ENGINE_CONTAINER, PREFLIGHT_COMMAND, PREFLIGHT_SEPARATOR
+from pdpair.operator.build.pod_defaults import PREFLIGHT_COMMAND, PREFLIGHT_SEPARATOR
+from pdpair.operator.build.pods import ENGINE_CONTAINER
 from tests.e2e.operator_helpers import (
     NO_HEALTH,
     OPERATOR_NS,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pdpair import contract
 from pdpair.connector import config as connector_config
 from pdpair.connector.transports import TRANSPORT_SPECS, flagcx
-from pdpair.operator.build import pods
+from pdpair.operator.build import pod_defaults
 from tests.crd_defaults import spec_schema
 
 
@@ -24,7 +24,7 @@ def test_the_connector_and_the_operator_use_the_contract_defaults():
     assert connector_config.DEFAULT_HANG_TIMEOUT_SECONDS is contract.DEFAULT_HANG_TIMEOUT_SECONDS
     assert connector_config.DEFAULT_TRANSPORT_SLOTS is contract.DEFAULT_TRANSPORT_SLOTS
     assert flagcx.DEFAULT_SLOTS == contract.MAX_FLAGCX_TRANSPORT_SLOTS
-    assert pods.FLAGCX_ENV_DEFAULTS is contract.FLAGCX_ENV_DEFAULTS
+    assert pod_defaults.FLAGCX_ENV_DEFAULTS is contract.FLAGCX_ENV_DEFAULTS
     assert TRANSPORT_SPECS[contract.TRANSPORT_FLAGCX].env_defaults is contract.FLAGCX_ENV_DEFAULTS
     assert TRANSPORT_SPECS[contract.TRANSPORT_FLAGCX].max_slots == contract.MAX_FLAGCX_TRANSPORT_SLOTS
 

@@ -89,7 +89,7 @@ def _json(start_response, ok: bool, payload: dict) -> list[bytes]:
 
 
 # A held probe (`held`) starts its last check before its wait ends: wait + this stays below the probes' timeouts
-# (pods.READINESS_PROBE, pods.PROBE_WAIT_SECONDS), and this stays below the router's 2.5 s ask.
+# (pod_defaults.READINESS_PROBE, pod_defaults.PROBE_WAIT_SECONDS), and this stays below the router's 2.5 s ask.
 ENGINE_HEALTH_TIMEOUT_SECONDS = 2.0
 
 # How often the connector asks its engine's /health while it starts, to start the warm-up the moment it serves.

@@ -258,7 +258,7 @@ def test_a_failed_warm_up_is_reported_and_does_not_hold_readiness(engine, failur
 
 
 def test_held_probes_answer_when_the_pod_passes_and_a_bad_wait_is_refused(engine):
-    """The operator's probes ask `?wait=1` (pods.PROBE_WAIT_SECONDS): /readyz and /startupz are held while they fail
+    """The operator's probes ask `?wait=1` (pod_defaults.PROBE_WAIT_SECONDS): /readyz and /startupz are held while they fail
     and answer 200 on the first re-check that passes (every PROBE_WAIT_POLL_SECONDS), not when the hold is over;
     one that keeps failing answers 503 after the hold. /startupz is the engine's /health alone (no pairing, no
     warm-up). Real metrics server and engine stand-in; about 1.5 s; bounds: the 3 s hold, never a re-check's timing."""

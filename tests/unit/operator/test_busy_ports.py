@@ -12,13 +12,8 @@ from pdpair.contract import ports_in_use_message
 from pdpair.operator.decide import busy_ports
 from pdpair.operator.model.config import PortPool
 from pdpair.operator.model.observed import PodView
-from pdpair.operator.build.pods import (
-    LEGACY_PREFLIGHT_CONTAINER,
-    PREFLIGHT_COMMAND,
-    PREFLIGHT_SEPARATOR,
-    engine_pod,
-    router_pod,
-)
+from pdpair.operator.build.pod_defaults import LEGACY_PREFLIGHT_CONTAINER, PREFLIGHT_COMMAND, PREFLIGHT_SEPARATOR
+from pdpair.operator.build.pods import engine_pod, router_pod
 from pdpair.operator.decide.port_blocks import assign, required_blocks, status_ports
 from tests.crd_defaults import with_crd_defaults
 

@@ -11,10 +11,10 @@ import pytest
 
 from tests.pod_commands import without_preflight
 from pdpair import contract as c
+from pdpair.operator.build.pod_defaults import STARTUP_PERIOD_SECONDS
 from pdpair.operator.build.pods import (
     ENGINE_CONTAINER,
     ROUTER_CONTAINER,
-    STARTUP_PERIOD_SECONDS,
     engine_pod,
     router_pod,
 )
@@ -31,7 +31,7 @@ SIDECAR = {"name": "log-shipper", "image": "fluent-bit:3", "args": ["-c", "/etc/
 INIT = {"name": "fetch-model", "image": "hf-cli:1", "command": ["hf", "download", "tiny"],
         "volumeMounts": [{"name": "models", "mountPath": "/models"}]}
 USER_PROBE = {"httpGet": {"path": "/v1/models", "port": "http"}, "periodSeconds": 7, "failureThreshold": 2}
-# The operator's container security defaults, where a template leaves them unset (pods._locked_down)
+# The operator's container security defaults, where a template leaves them unset (pod_defaults._locked_down)
 LOCKED = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}, "allowPrivilegeEscalation": False,
           "capabilities": {"drop": ["ALL"]}}
 
@@ -246,7 +246,7 @@ def test_default_probes_start_on_health_and_ready_through_the_connectors_readyz(
     and its warm-up completion is done); both held while they fail (`?wait=`), with a timeout above the hold plus one
     check's own bound."""
     from pdpair.connector.pod_server import ENGINE_HEALTH_TIMEOUT_SECONDS
-    from pdpair.operator.build.pods import PROBE_WAIT_SECONDS
+    from pdpair.operator.build.pod_defaults import PROBE_WAIT_SECONDS
 
     engine = container(build(pair()), ENGINE_CONTAINER)
     assert engine["startupProbe"]["httpGet"] == {"path": f"{c.STARTUPZ_PATH}?wait={PROBE_WAIT_SECONDS}",

@@ -130,7 +130,7 @@ def test_the_bounds_nest_an_engine_inside_the_router_inside_the_kubelet():
     longer than that for it (else a slow but healthy engine reads as not ready), and less than the kubelet waits for
     the router's own probe (else the probe times out before the router can answer 503 with the reason)."""
     from pdpair.connector.pod_server import ENGINE_HEALTH_TIMEOUT_SECONDS
-    from pdpair.operator.build.pods import PROBE_WAIT_SECONDS, READINESS_PROBE
+    from pdpair.operator.build.pod_defaults import PROBE_WAIT_SECONDS, READINESS_PROBE
 
     # the probe is held up to PROBE_WAIT_SECONDS while it fails; its last ask may start just before that ends
     assert ENGINE_HEALTH_TIMEOUT_SECONDS < RouterConfig.ready_check_timeout_seconds < \
