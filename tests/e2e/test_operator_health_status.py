@@ -15,7 +15,8 @@ import time
 import pytest
 
 from pdpair.contract import COND_SIGNALS_HEALTHY, GROUP, PLURAL
-from pdpair.operator.decide.health import HEALTH_REFRESH_INTERVALS, LISTENER_REFUSED_THRESHOLD, UNREACHABLE_THRESHOLD
+from pdpair.operator.decide.health import LISTENER_REFUSED_THRESHOLD, UNREACHABLE_THRESHOLD
+from pdpair.operator.decide.health_status import HEALTH_REFRESH_INTERVALS
 from devcluster.apiserver_metrics import counts_delta, write_counts
 from tests.e2e.operator_helpers import (
     NO_HEALTH,

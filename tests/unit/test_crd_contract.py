@@ -206,9 +206,10 @@ def test_every_validation_rule_has_a_message_that_names_a_field(version):
 
 def test_health_status_schema_and_column(version, status_schema):
     from pdpair.operator.decide import health
+    from pdpair.operator.decide import health_status
 
     schema = status_schema["properties"]["health"]["properties"]
-    assert tuple(schema["verdict"]["enum"]) == health.VERDICTS
+    assert tuple(schema["verdict"]["enum"]) == health_status.VERDICTS
     assert tuple(schema["reason"]["enum"]) == ("", *health.RESTART_REASONS)
     roles = schema["roles"]["properties"]
     assert set(roles) == {contract.ROLE_DECODE, contract.ROLE_PREFILL} and roles["decode"] == roles["prefill"]
@@ -228,13 +229,14 @@ def test_health_status_schema_and_column(version, status_schema):
 def test_every_key_the_health_watch_writes_is_in_the_schema(status_schema):
     """What observe writes for an unhealthy 1P2D pair (roles, instances, pod) is declared, key by key."""
     from pdpair.operator.decide import health
+    from pdpair.operator.decide import health_status
 
     def scraped(role, instance):
         target = health.ScrapeTarget(role, f"p-{role}-g1-{instance}", "10.0.0.1", 20001, instance)
         metrics = health.PodMetrics({"peer": 2.0}, 40.0, 30.0, 1, 0.0, 3.0)
         return health.PodScrape(target, health.PodState.HUNG, "hung", metrics)
 
-    written, _ = health.observe(None, 1, [scraped("prefill", 0), scraped("decode", 0), scraped("decode", 1)],
+    written, _ = health_status.observe(None, 1, [scraped("prefill", 0), scraped("decode", 0), scraped("decode", 1)],
                                 {"prefill": {"metadata": {"name": "p"}, "status": {"phase": "Running"}},
                                  "decode": {"metadata": {"name": "d"}, "status": {"phase": "Running"}}})
     schema = status_schema["properties"]["health"]

@@ -18,25 +18,28 @@ import pytest
 from pdpair import contract
 from pdpair.contract import LABEL_GENERATION, LABEL_INSTANCE, LABEL_PAIR_UID, LABEL_ROLE, PURPOSE_METRICS
 from pdpair.operator.decide import health
+from pdpair.operator.decide import health_status
 from pdpair.operator.build import pods as pod_manifests
 from pdpair.operator.glue.handlers import _scrape_pair
 from pdpair.operator.decide.health import (
-    HEALTH_REFRESH_INTERVALS,
     REASON_HUNG,
     REASON_POD_FAILED,
     REASON_UNREACHABLE,
     UNREACHABLE_THRESHOLD,
+    instance_key,
+    pair_verdict,
+    scrape_due,
+    watched_pods,
+)
+from pdpair.operator.decide.health_status import (
+    HEALTH_REFRESH_INTERVALS,
     VERDICT_HEALTHY,
     VERDICT_PENDING,
     VERDICT_UNHEALTHY,
     health_patch,
-    instance_key,
     observe,
-    pair_verdict,
     restart_finding,
-    scrape_due,
     signals_condition,
-    watched_pods,
 )
 from pdpair.operator.model.observed import Finding, PodView
 
@@ -281,8 +284,9 @@ def apply(target, patch):
     return result
 
 
-def one_p_one_d_ticks(h):
-    """A 1P1D pair's ticks through module `h` (health.py, now or as it was): healthy, numbers moving, a decode
+def one_p_one_d_ticks(h, hs=None):
+    """A 1P1D pair's ticks through module `h` (health.py, now or as it was) and `hs` (its status.health half,
+    health_status.py; None: `h` has both, as health.py once did): healthy, numbers moving, a decode
     unreachable to the threshold, back, a deficit, hung, a prefill Pending, a Failed decode, a restarted container,
     a stale prefill, the decode gone, a new generation, a refresh. Returns every tick's health, patch and verdict."""
     def target(role, generation=1):
@@ -323,12 +327,13 @@ def one_p_one_d_ticks(h):
         (2, [scraped("decode", generation=2, transfers=1), scraped("prefill", generation=2, transfers=1)],
          {"prefill": obj("prefill", 2), "decode": obj("decode", 2)}),
     ]
+    hs = h if hs is None else hs
     out, written = [], None
     for i, (generation, scrapes, objects) in enumerate(ticks):
         # the last tick comes after the refresh interval: the numbers' own write
         now = T0 + timedelta(seconds=10 * i + (REFRESH if i == len(ticks) - 1 else 0))
-        new, verdict = h.observe(written, generation, scrapes, objects, now=now)
-        patch = h.health_patch(written, new, REFRESH, now=now)
+        new, verdict = hs.observe(written, generation, scrapes, objects, now=now)
+        patch = hs.health_patch(written, new, REFRESH, now=now)
         written = apply(written, patch)
         out.append({"health": new, "patch": patch, "written": written,
                     "verdict": [verdict.restart, verdict.reason, verdict.pending, verdict.message]})
@@ -345,7 +350,7 @@ def test_a_1p1d_pair_writes_what_it_wrote_before_instances():
     the same ticks (no extra write), the same verdicts; the one addition is `pod`, present exactly when Unhealthy and
     naming the pod the verdict is about (the top-level key only: the entries' own `pod` is unchanged)."""
     before = json.loads(FIXTURE.read_text())
-    now = json.loads(json.dumps(one_p_one_d_ticks(health)))
+    now = json.loads(json.dumps(one_p_one_d_ticks(health, health_status)))
     assert len(now) == len(before)
     for i, (was, tick) in enumerate(zip(before, now)):
         assert tick["verdict"] == was["verdict"], i

@@ -1,4 +1,4 @@
-"""status.health: what the health watch writes (health.observe, health_patch) and what the reconciler reads back
+"""status.health: what the health watch writes (health_status.observe, health_patch) and what the reconciler reads back
 from it (restart_finding, signals_condition). Scrapes come from real exporters (the connector's SignalAccounts on
 real local HTTP servers); every round trip goes through the merge patch the watch sends, applied as the apiserver
 applies it (RFC 7386), so what is asserted is what a restarted operator would read."""
@@ -14,18 +14,20 @@ import pytest
 
 from pdpair import contract
 from pdpair.operator.decide.health import (
-    HEALTH_REFRESH_INTERVALS,
     REASON_HUNG,
     REASON_UNREACHABLE,
     UNREACHABLE_THRESHOLD,
+    ScrapeTarget,
+    next_streak,
+)
+from pdpair.operator.decide.health_status import (
+    HEALTH_REFRESH_INTERVALS,
     VERDICT_HEALTHY,
     VERDICT_PENDING,
     VERDICT_UNHEALTHY,
-    ScrapeTarget,
     health_patch,
     merge_patch,
     newest,
-    next_streak,
     observe,
     restart_finding,
     signals_condition,

@@ -1,5 +1,5 @@
 """A pair that served and then lost decode's side-channel listener (reason listener_lost), pure: the health watch's
-verdict (health.observe over real exporters' metrics and the watch's TCP probe results, health.watch_generation for a
+verdict (health_status.observe over real exporters' metrics and the watch's TCP probe results, health_status.watch_generation for a
 generation that lost Ready), status.health as written and read back, and the planner's decision from it (a counted
 restart of a 1P1D pair, from its budget like a hang; the decode instance alone in a serving xPyD pair).
 
@@ -24,6 +24,7 @@ from pdpair.connector.signals import SignalAccounts
 from pdpair.contract import PHASE_PREFILL_STARTING, PHASE_READY, PHASE_RESTARTING
 from pdpair.operator.act import listener_probe, scrape
 from pdpair.operator.decide import health
+from pdpair.operator.decide import health_status
 from pdpair.operator.decide import planner
 from pdpair.operator.decide import recreate as d
 from pdpair.operator.decide.health import PodScrape, PodState, ScrapeTarget
@@ -91,7 +92,7 @@ def lost(target):
 
 
 def tick(previous, scrapes, refused=None):
-    return health.observe(previous, 1, scrapes, PODS, refused=refused)
+    return health_status.observe(previous, 1, scrapes, PODS, refused=refused)
 
 
 def test_reported_stop_is_unhealthy_on_the_first_tick_naming_decode():
@@ -100,10 +101,10 @@ def test_reported_stop_is_unhealthy_on_the_first_tick_naming_decode():
     after, verdict = tick(before, [lost(DECODE), healthy(PREFILL)], {DECODE.pod: ()})
     assert (after["verdict"], after["reason"], after["pod"]) == ("Unhealthy", "listener_lost", DECODE.pod)
     assert after["roles"]["decode"]["state"] == "listener_lost" and verdict.restart
-    assert health.health_patch(before, after, 300) is not None  # written at once
-    finding = health.restart_finding(after, 1)
+    assert health_status.health_patch(before, after, 300) is not None  # written at once
+    finding = health_status.restart_finding(after, 1)
     assert (finding.reason, finding.pod, finding.counted) == ("listener_lost", DECODE.pod, True)
-    cond = health.signals_condition(after, 1)
+    cond = health_status.signals_condition(after, 1)
     assert (cond.status, cond.reason) == ("False", "ListenerLost")
 
 
@@ -121,7 +122,7 @@ def test_probe_refusals_in_a_row(ticks, verdict, streak):
     writes = 0
     for ports in ticks:
         new, _ = tick(h, [healthy(DECODE), healthy(PREFILL)], {DECODE.pod: ports})
-        writes += health.health_patch(h, new, 300) is not None
+        writes += health_status.health_patch(h, new, 300) is not None
         h = new
     assert h["verdict"] == verdict
     assert h["roles"]["decode"].get("listenerStreak", 0) == streak
@@ -138,7 +139,7 @@ def test_the_streak_restarts_for_a_new_pod_and_is_read_back_after_an_operator_re
     two, _ = tick(dict(one), [healthy(DECODE), healthy(PREFILL)], {DECODE.pod: (20001,)})
     assert two["verdict"] == "Unhealthy"
     other = dataclasses.replace(DECODE, pod="kv-decode-g1-new")
-    three, _ = health.observe(one, 1, [healthy(other), healthy(PREFILL)],
+    three, _ = health_status.observe(one, 1, [healthy(other), healthy(PREFILL)],
                               {"decode": raw("kv-decode-g1-new"), "prefill": raw("kv-prefill-g1")},
                               refused={other.pod: (20001,)})
     assert three["verdict"] == "Healthy" and three["roles"]["decode"]["listenerStreak"] == 1
@@ -170,7 +171,7 @@ def test_a_lost_listener_outranks_a_hang_and_keeps_the_scrapes_own_unreachable_s
 ], ids=["ready", "served then regressed", "new generation starting", "never judged", "restarting", "failed",
         "empty"])
 def test_watch_generation(status, judged):
-    assert health.watch_generation(status) == judged
+    assert health_status.watch_generation(status) == judged
 
 
 # --- the watch's probe: refused vs no answer ------------------------------------------------------------------

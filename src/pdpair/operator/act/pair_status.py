@@ -26,7 +26,7 @@ from pdpair.contract import (
 )
 from pdpair.operator.act.pod_steps import CREATED_UNSEEN_WAIT
 from pdpair.operator.build.pods import pod_name
-from pdpair.operator.decide import health
+from pdpair.operator.decide import health_status
 from pdpair.operator.decide import recreate as d
 from pdpair.operator.decide import scale_targets
 from pdpair.operator.decide import surge
@@ -106,15 +106,15 @@ class PairStatus:
 
     def _health_finding(self) -> Finding | None:
         """The health watch's restart finding, as it wrote it to status.health (for the planner)."""
-        return health.restart_finding(self._health())
+        return health_status.restart_finding(self._health())
 
     def _health(self) -> Any:
         """`status.health` as the health watch last wrote it (kopf's live body: this reconciler never writes it)."""
         return (self.body.get("status") or {}).get("health")
 
     def _signals_condition(self, generation: int) -> list[Condition]:
-        """SignalsHealthy for the current generation, from `status.health` (health.signals_condition)."""
-        return [health.signals_condition(self._health(), generation)]
+        """SignalsHealthy for the current generation, from `status.health` (health_status.signals_condition)."""
+        return [health_status.signals_condition(self._health(), generation)]
 
     def _status_fields(self, plan: d.Plan, pods: tuple[PodView, ...]) -> dict[str, Any]:
         names = {

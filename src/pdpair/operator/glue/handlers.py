@@ -50,6 +50,7 @@ from pdpair.contract import (
 
 from pdpair.operator.build import disruption
 from pdpair.operator.decide import health
+from pdpair.operator.decide import health_status
 from pdpair.operator.glue import memory
 from pdpair.operator.decide import planner
 from pdpair.operator.decide import scale_targets
@@ -351,10 +352,10 @@ async def watch_health(
     """Every health interval, scrape the Ready pair's engine pods (every instance of both roles: _scrape_pair), probe
     its decodes' side-channel listeners (_probe_listeners), and write what it saw to `status.health` (only that key;
     the reconciler owns the conditions and reads the verdict back from status). It decides nothing itself. A
-    generation that served keeps being judged after it lost Ready (health.watch_generation)."""
+    generation that served keeps being judged after it lost Ready (health_status.watch_generation)."""
     runtime: Runtime = memo["runtime"]
     interval = runtime.config.health_interval
-    refresh = health.HEALTH_REFRESH_INTERVALS * interval
+    refresh = health_status.HEALTH_REFRESH_INTERVALS * interval
     # The last status.health this watch wrote, as the apiserver returned it: the live body may not show our own
     # write by the next scrape. A cache of status, rebuilt from the body when the daemon starts.
     written: Any = None
@@ -368,17 +369,17 @@ async def watch_health(
         if stopped:
             break
         status = body.get("status") or {}
-        generation = health.watch_generation(status)
+        generation = health_status.watch_generation(status)
         if generation is None:
             continue  # a pair still starting (or restarting) has nothing to judge yet
-        previous = health.newest(written, status.get("health"))
+        previous = health_status.newest(written, status.get("health"))
         try:
             pods = list(pair_pods.get(uid, ()))
             (scrapes, facts), refused = await asyncio.gather(
                 _scrape_pair(body, generation, pods, interval),
                 _probe_listeners(body, generation, pods, runtime.config.probe_timeout))
-            observed, verdict = health.observe(previous, generation, scrapes, facts, refused=refused)
-            patch = health.health_patch(previous, observed, refresh)
+            observed, verdict = health_status.observe(previous, generation, scrapes, facts, refused=refused)
+            patch = health_status.health_patch(previous, observed, refresh)
             if patch is None:
                 continue
             result = await asyncio.to_thread(
@@ -390,7 +391,7 @@ async def watch_health(
             logger.warning("health check failed: %s: %s", type(exc).__name__, exc)
             continue
         runtime.wake(uid)  # the reconciler derives SignalsHealthy and the restart from what was just written
-        told = health.restart_finding(previous, generation)
+        told = health_status.restart_finding(previous, generation)
         # Once per verdict about a pod: an xPyD pair whose hung instance was replaced alone keeps its generation, so
         # a later hang of another instance is news too.
         if verdict.restart and (told is None or told.pod != verdict.pod):
@@ -428,7 +429,7 @@ async def _probe_listeners(
     body: kopf.Body, generation: int, pods: list[PodView], timeout: float
 ) -> dict[str, tuple[int, ...] | None]:
     """TCP-probe the side-channel ports of every decode instance of `generation` the watch scrapes, all at once:
-    pod name -> the ports that refused (() = all accepted, None = no definite answer; health.observe's `refused`).
+    pod name -> the ports that refused (() = all accepted, None = no definite answer; health_status.observe's `refused`).
     The reconciler's own probe stops once a generation served (a Ready prefill proves the pairing, and a serving
     pair's pass runs only on events and resyncs: probing it every second would wake every serving pair every
     second); this one runs on the watch's tick, so a listener that closes later is seen."""

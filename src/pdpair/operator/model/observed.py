@@ -157,7 +157,7 @@ class Observed:
     # "<role>-<index>" (the pair's annotation pdpair.io/instance-restart-times); each instance has its own budget
     instance_restart_times: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     instance_restarts_generation: int = 0
-    health: Finding | None = None  # the health watch's restart finding (health.restart_finding), if any
+    health: Finding | None = None  # the health watch's restart finding (health_status.restart_finding), if any
     ports_replaced: str | None = None  # busy ports the pair no longer holds were re-leased: restart on the new ones
     # A Surge rollout's new generation (surge.py): its port set and its decode's listener
     rollout_ports_complete: bool = False
