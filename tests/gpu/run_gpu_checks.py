@@ -582,11 +582,11 @@ def rdma_flush_check(device: int) -> None:
     try:
         import torch
 
-        from pdpair.connector.transports import flagcx
+        from pdpair.connector.transports import flagcx_calls
 
         torch.cuda.set_device(device)
         torch.zeros(1, device=f"cuda:{device}")
-        flagcx._driver_flush_rdma_writes()
+        flagcx_calls._driver_flush_rdma_writes()
         detail = f"cuFlushGPUDirectRDMAWrites(current ctx, to owner) returned CUDA_SUCCESS on GPU {device}"
         try:
             from cuda.bindings import driver
