@@ -351,7 +351,7 @@ def test_side_channel_attack_does_not_slow_the_serving_edge(stack):
     import sys
     from pathlib import Path
 
-    from pdpair.connector.decode_side_channel import MAX_CONCURRENT_HANDSHAKES
+    from pdpair.connector.decode_pairing import MAX_CONCURRENT_HANDSHAKES
     from tests.side_channel_support import TEST_SIDE_CHANNEL_KEY
 
     decode_hash = _decode_hash(stack)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdpair import contract
-from pdpair.connector import decode_side_channel, side_channel
+from pdpair.connector import decode_pairing, side_channel
 from pdpair.connector.metadata import (
     BUSY,
     NOT_ACCEPTED,
@@ -235,10 +235,10 @@ def test_a_stalled_handshake_does_not_stall_pulls_and_extra_ones_are_refused_bus
     their handshake threads until HANDSHAKE_SECONDS (3 s here), a fifth is refused busy, and meanwhile every Pull on
     the existing edge lands in well under a second; afterwards each stalled one is refused naming why and the
     listener answers. About 4 s."""
-    monkeypatch.setattr(decode_side_channel, "HANDSHAKE_SECONDS", 3.0)
+    monkeypatch.setattr(decode_pairing, "HANDSHAKE_SECONDS", 3.0)
     decode, accounts, transport, port, _ = paired
     silent = SilentListener()
-    strangers = [Stranger(port, timeout=10) for _ in range(decode_side_channel.MAX_CONCURRENT_HANDSHAKES + 1)]
+    strangers = [Stranger(port, timeout=10) for _ in range(decode_pairing.MAX_CONCURRENT_HANDSHAKES + 1)]
     try:
         results: list = [None] * len(strangers)
 
@@ -253,7 +253,7 @@ def test_a_stalled_handshake_does_not_stall_pulls_and_extra_ones_are_refused_bus
             thread.join(5)
         accepted = [r for r in results if isinstance(r[-1], Accepted)]
         busy = [r for r in results if isinstance(r[-1], Refused)]
-        assert len(accepted) == decode_side_channel.MAX_CONCURRENT_HANDSHAKES and len(busy) == 1
+        assert len(accepted) == decode_pairing.MAX_CONCURRENT_HANDSHAKES and len(busy) == 1
         assert busy[0][-1].reason.startswith("busy")
         assert wait_until(lambda: len(silent.accepted) >= 1, 2), "decode never dialled the silent listener"
         slowest = max(pull_flows(decode, "prefill-a", slot=s) for s in range(5))
