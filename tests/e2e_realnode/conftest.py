@@ -5,8 +5,10 @@ real-node cluster, and go with it after the package's last test; every module ge
 The modules run in MODULE_ORDER, not alphabetically: the scenarios that share the serving pair
 (serving_pair.py) come in the order where each leaves the pair as the next one needs it, and the modules with pairs
 of their own come after the shared pair is deleted, so at most one pair's engines run at a time."""
+import concurrent.futures
 import json
 import pathlib
+import threading
 import time
 import uuid
 
@@ -61,15 +63,80 @@ def cluster_ns(real_cluster):
     real_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-@pytest.fixture(scope="package")
-def images(real_cluster):
-    """Operator and engine images (cached by content), imported into both nodes' containerd."""
-    built = {"operator": operator_image(), "engine": engine_image()}
-    t0 = time.monotonic()
-    for image in built.values():
-        real_cluster.import_image(image.archive)
-    print(f"[realnode-e2e] images imported into {len(real_cluster.nodes)} nodes in {time.monotonic() - t0:.1f}s")
-    return built
+class PackageSetup:
+    """What the package's engine modules need first, prepared in one background thread while the first modules (the
+    cluster itself, the custom metrics API: no engine, no pair of theirs) run: the operator and engine images
+    imported into both nodes, the baseline engine's pod created (it loads meanwhile), the operator's helm release
+    installed, in that order. The fixtures below take their part from here, waiting for it with a deadline."""
+
+    def __init__(self, cluster, model_dir: pathlib.Path):
+        self.cluster, self.model_dir = cluster, model_dir
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="realnode-setup")
+        self._lock = threading.Lock()
+        self._jobs: dict[str, concurrent.futures.Future] = {}
+
+    def _job(self, name: str, work):
+        with self._lock:  # one job per name, in submit order (one worker)
+            if name not in self._jobs:
+                self._jobs[name] = self._pool.submit(work)
+            return self._jobs[name]
+
+    def _result(self, name: str, work, deadline: float):
+        return self._job(name, work).result(timeout=deadline)
+
+    def images(self) -> dict:
+        return self._result("images", self._import_images, SETUP_DEADLINE)
+
+    def baseline(self) -> tuple[str, float]:
+        return self._result("baseline", self._create_baseline, SETUP_DEADLINE)
+
+    def release(self):
+        return self._result("release", self._install_operator, SETUP_DEADLINE)
+
+    def start(self, *, baseline: bool, release: bool) -> None:
+        self._job("images", self._import_images)
+        if baseline:
+            self._job("baseline", self._create_baseline)
+        if release:
+            self._job("release", self._install_operator)
+
+    def _import_images(self) -> dict:
+        built = {"operator": operator_image(), "engine": engine_image()}
+        t0 = time.monotonic()
+        for image in built.values():
+            self.cluster.import_image(image.archive)
+        print(f"[realnode-e2e] images imported into {len(self.cluster.nodes)} nodes in {time.monotonic() - t0:.1f}s")
+        return built
+
+    def _create_baseline(self) -> tuple[str, float]:
+        """A single engine (no connector) as a plain Pod of the engine image, the model from a hostPath volume,
+        created and not waited for: (its namespace, the time it was created)."""
+        engine_ref = self.images()["engine"].ref
+        namespace = unique("rn-baseline")
+        self.cluster.create_namespace(namespace)
+        pod = baseline_pod("baseline", namespace, engine_ref, self.model_dir, "n1")
+        self.cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+        return namespace, time.monotonic()
+
+    def _install_operator(self):
+        """`helm install` of charts/pdpair with the image built here; the operator runs as a pod, in-cluster config.
+        Sweeps every 10 s (chart default 60): the partition test waits for the sweep to free its fenced ports."""
+        operator_ref = self.images()["operator"].ref
+        t0 = time.monotonic()
+        helm = install_operator(self.cluster, operator_ref, "operator.tuning.sweepIntervalSeconds=10")
+        print(f"[realnode-e2e] helm install --wait took {time.monotonic() - t0:.1f}s")
+        return helm
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        baseline = self._jobs.get("baseline")
+        if baseline is not None and baseline.done() and baseline.exception() is None:
+            self.cluster.kubectl("delete", "namespace", baseline.result()[0], "--wait=false", check=False)
+
+
+# An import, a pod creation or a helm install --wait: minutes at most, even when the image builds it waits for are
+# still running in the background (a cold run; their own deadlines apply there).
+SETUP_DEADLINE = 3600.0
 
 
 @pytest.fixture(scope="package")
@@ -85,38 +152,35 @@ def namespace(real_cluster):
     real_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
+@pytest.fixture(scope="package")
+def package_setup(real_cluster, model_dir):
+    setup = PackageSetup(real_cluster, model_dir)
+    yield setup
+    setup.close()
+
+
 @pytest.fixture(scope="package", autouse=True)
 def _started_early(request):
-    """The baseline engine's cold start and the operator's helm install overlap the first modules (the cluster
-    itself, the custom metrics API: no engine, no pair of theirs), instead of holding up the first module that needs
-    them: when any collected test uses `baseline_outputs` (`operator_release`), the baseline's pod is created (the
-    release installed, the engine loading meanwhile) before this package's first test."""
+    """Starts the package's setup before its first test when any collected test needs a part of it (a module run
+    alone that needs none starts no cluster here)."""
     used = set().union(*(getattr(item, "fixturenames", ()) for item in request.session.items))
-    if "baseline_outputs" in used:
-        request.getfixturevalue("baseline_engine")
-    if "operator_release" in used:
-        request.getfixturevalue("operator_release")
+    if used & {"images", "baseline_outputs", "operator_release"}:
+        request.getfixturevalue("package_setup").start(baseline="baseline_outputs" in used,
+                                                       release="operator_release" in used)
 
 
 @pytest.fixture(scope="package")
-def baseline_engine(real_cluster, images, model_dir):
-    """A single engine (no connector) as a plain Pod of the engine image, the model from a hostPath volume, created
-    and not waited for: (namespace, the time it was created). Its namespace goes after the package's last test, or
-    once `baseline_outputs` has its answers."""
-    namespace = unique("rn-baseline")
-    real_cluster.create_namespace(namespace)
-    pod = baseline_pod("baseline", namespace, images["engine"].ref, model_dir, "n1")
-    real_cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
-    yield namespace, time.monotonic()
-    real_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+def images(package_setup):
+    """Operator and engine images (cached by content), imported into both nodes' containerd."""
+    return package_setup.images()
 
 
 @pytest.fixture(scope="package")
-def baseline_outputs(real_cluster, baseline_engine):
+def baseline_outputs(real_cluster, package_setup):
     """The single engine's greedy outputs for PROMPTS (and PROMPTS[0] again): the reference the pair's outputs must
     equal. The engine's namespace is deleted once they are read (not waited for: the pod's memory is back within its
     grace period, while the next engines load)."""
-    namespace, t0 = baseline_engine
+    namespace, t0 = package_setup.baseline()
     try:
         real_cluster.kubectl("wait", "-n", namespace, "--for=condition=Ready", "pod/baseline",
                              f"--timeout={int(ENGINE_START_TIMEOUT)}s", timeout=ENGINE_START_TIMEOUT + 30,
@@ -135,13 +199,10 @@ def baseline_outputs(real_cluster, baseline_engine):
 
 
 @pytest.fixture(scope="package")
-def operator_release(real_cluster, images):
-    """`helm install` of charts/pdpair with the image built here; the operator runs as a pod, in-cluster config.
-    One release for the package: modules that change it (helm upgrade) must leave it serving."""
-    t0 = time.monotonic()
-    # Sweeps every 10 s (chart default 60): the partition test waits for the sweep to free its fenced ports.
-    helm = install_operator(real_cluster, images["operator"].ref, "operator.tuning.sweepIntervalSeconds=10")
-    print(f"[realnode-e2e] helm install --wait took {time.monotonic() - t0:.1f}s")
+def operator_release(package_setup):
+    """The operator's helm release (PackageSetup._install_operator). One release for the package: modules that
+    change it (helm upgrade) must leave it serving."""
+    helm = package_setup.release()
     yield helm
     helm("uninstall", "pdpair", "--namespace", OPERATOR_NS, "--wait", "--timeout", "120s")
     helm.close()
