@@ -131,17 +131,6 @@ pdpair_status pdpair_conn_expect(pdpair_conn *c, uint64_t transfer_id, uint32_t 
             c->expect_cap = cap;
         }
     }
-    if (st == PDPAIR_OK) {
-        if (c->n_expect >= ctx->opts.max_transfers) {
-            snprintf(why, sizeof why, "%u transfers outstanding (max_transfers): retire finished ones first",
-                     c->n_expect);
-            st = PDPAIR_EXHAUSTED;
-        } else if (c->expect_windows + n > ctx->opts.max_transfer_windows) {
-            snprintf(why, sizeof why, "%llu + %u windows exceed max_transfer_windows=%u",
-                     (unsigned long long)c->expect_windows, n, ctx->opts.max_transfer_windows);
-            st = PDPAIR_EXHAUSTED;
-        }
-    }
     uint32_t i = 0;
     if (st == PDPAIR_OK) {
         for (i = slot_of(c, transfer_id); c->expect[i].id != 0; i = (i + 1) & (c->expect_cap - 1)) {
@@ -151,6 +140,17 @@ pdpair_status pdpair_conn_expect(pdpair_conn *c, uint64_t transfer_id, uint32_t 
                 st = PDPAIR_INVALID_ARGUMENT;
                 break;
             }
+        }
+    }
+    if (st == PDPAIR_OK) { /* the table has a free entry at i whenever this passes: cap >= 2 x max_transfers */
+        if (c->n_expect >= ctx->opts.max_transfers) {
+            snprintf(why, sizeof why, "%u transfers outstanding (max_transfers): retire finished ones first",
+                     c->n_expect);
+            st = PDPAIR_EXHAUSTED;
+        } else if (c->expect_windows + n > ctx->opts.max_transfer_windows) {
+            snprintf(why, sizeof why, "%llu + %u windows exceed max_transfer_windows=%u",
+                     (unsigned long long)c->expect_windows, n, ctx->opts.max_transfer_windows);
+            st = PDPAIR_EXHAUSTED;
         }
     }
     if (st == PDPAIR_OK) {
