@@ -1,7 +1,10 @@
 /* CRC32C (Castagnoli, the iSCSI/ext4 polynomial 0x1EDC6F41, reflected 0x82F63B78): the checksum every put carries.
- * x86-64 with SSE4.2 uses the crc32 instruction (checked at run time with cpuid, so one binary runs everywhere);
- * AArch64 built with the CRC extension uses its instructions; anything else a slicing-by-8 table (about 1 byte
- * per cycle). Both paths give the same value for every input; the C tests compare them on random buffers. */
+ * x86-64 with SSE4.2 uses the crc32 instruction (checked at run time with cpuid, so one binary runs everywhere) on
+ * three independent streams at once: one stream is bound by the instruction's 3-cycle latency (about 8 GB/s here),
+ * three keep its unit busy every cycle (about 3x that), and the three results are combined with a precomputed
+ * "append N zero bytes" operator. AArch64 built with the CRC extension uses its instructions (one stream); anything
+ * else a slicing-by-8 table (about 1.5 GB/s). Every path gives the same value for every input; the C tests compare
+ * them on random buffers long enough for each block size. */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <string.h>
@@ -59,6 +62,64 @@ uint32_t pdpi_crc32c_sw(uint32_t crc, const void *buf, size_t len)
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <nmmintrin.h>
 
+/* Block sizes of the three streams: LONG_BLOCK for large buffers, SHORT_BLOCK for the rest (a 256-byte stream still
+ * gains, and below 3 x 256 bytes one stream is as fast). */
+#define LONG_BLOCK 8192
+#define SHORT_BLOCK 256
+
+/* zeros_long[k][b]: the CRC register b << 8k after LONG_BLOCK zero bytes (the operator is linear, so four byte tables
+ * apply it to any register); the same for SHORT_BLOCK. */
+static uint32_t zeros_long[4][256], zeros_short[4][256];
+
+static void build_zeros(uint32_t tab[4][256], size_t n)
+{
+    uint32_t basis[32];
+    for (int i = 0; i < 32; i++) {
+        uint32_t c = 1u << i;
+        for (size_t k = 0; k < n; k++) c = (c >> 8) ^ table[0][c & 0xff];
+        basis[i] = c;
+    }
+    for (int k = 0; k < 4; k++)
+        for (uint32_t b = 0; b < 256; b++) {
+            uint32_t v = 0;
+            for (int i = 0; i < 8; i++)
+                if (b & (1u << i)) v ^= basis[8 * k + i];
+            tab[k][b] = v;
+        }
+}
+
+static uint32_t shift(uint32_t tab[4][256], uint32_t c)
+{
+    return tab[0][c & 0xff] ^ tab[1][(c >> 8) & 0xff] ^ tab[2][(c >> 16) & 0xff] ^ tab[3][c >> 24];
+}
+
+static inline uint64_t load64(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* Three streams over consecutive thirds of each 3 x block bytes; crc(A B C) = shift(shift(crc(A)) ^ crc0(B)) ^ crc0(C),
+ * where crc0 starts from 0 (the register without the final inversion is linear). */
+__attribute__((target("sse4.2"))) static const uint8_t *three_streams(uint64_t *c, const uint8_t *p, size_t *len,
+                                                                      size_t block, uint32_t tab[4][256])
+{
+    while (*len >= 3 * block) {
+        uint64_t c0 = *c, c1 = 0, c2 = 0;
+        for (const uint8_t *end = p + block; p < end; p += 8) {
+            c0 = _mm_crc32_u64(c0, load64(p));
+            c1 = _mm_crc32_u64(c1, load64(p + block));
+            c2 = _mm_crc32_u64(c2, load64(p + 2 * block));
+        }
+        c0 = shift(tab, (uint32_t)c0) ^ (uint32_t)c1;
+        *c = shift(tab, (uint32_t)c0) ^ (uint32_t)c2;
+        p += 2 * block;
+        *len -= 3 * block;
+    }
+    return p;
+}
+
 __attribute__((target("sse4.2"))) static uint32_t hw_update(uint32_t crc, const uint8_t *p, size_t len)
 {
     uint64_t c = crc;
@@ -66,6 +127,8 @@ __attribute__((target("sse4.2"))) static uint32_t hw_update(uint32_t crc, const 
         c = _mm_crc32_u8((uint32_t)c, *p++);
         len--;
     }
+    p = three_streams(&c, p, &len, LONG_BLOCK, zeros_long);
+    p = three_streams(&c, p, &len, SHORT_BLOCK, zeros_short);
     while (len >= 8) {
         uint64_t v;
         memcpy(&v, p, 8);
@@ -80,7 +143,11 @@ __attribute__((target("sse4.2"))) static uint32_t hw_update(uint32_t crc, const 
 static int hw_available(void)
 {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("sse4.2");
+    if (!__builtin_cpu_supports("sse4.2")) return 0;
+    pthread_once(&table_once, build_table);
+    build_zeros(zeros_long, LONG_BLOCK);
+    build_zeros(zeros_short, SHORT_BLOCK);
+    return 1;
 }
 #define HAVE_HW 1
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_CRC32)
