@@ -77,6 +77,7 @@ struct window {
 
 struct expectation {
     uint64_t id; /* 0 = free entry of the hash table */
+    uint64_t signals_max, signals_seen; /* complete once seen == max (max 0: no limit) */
     uint32_t generation, slot;
     struct window *windows;
     uint32_t nwindows;

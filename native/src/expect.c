@@ -69,7 +69,7 @@ static void remove_entry(pdpair_conn *c, struct expectation *e)
 }
 
 pdpair_status pdpair_conn_expect(pdpair_conn *c, uint64_t transfer_id, uint32_t generation, uint32_t signal_slot,
-                                 const pdpair_window *windows, size_t nwindows)
+                                 uint64_t expected_signals, const pdpair_window *windows, size_t nwindows)
 {
     if (!c || (nwindows && !windows)) return PDPAIR_INVALID_ARGUMENT;
     pdpair_context *ctx = c->ctx;
@@ -155,7 +155,7 @@ pdpair_status pdpair_conn_expect(pdpair_conn *c, uint64_t transfer_id, uint32_t 
     }
     if (st == PDPAIR_OK) {
         c->expect[i] = (struct expectation){.id = transfer_id, .generation = generation, .slot = signal_slot,
-                                            .windows = ws, .nwindows = n};
+                                            .signals_max = expected_signals, .windows = ws, .nwindows = n};
         ws = NULL;
         c->n_expect++;
         c->expect_windows += n;

@@ -121,6 +121,8 @@ static uint32_t check_put_locked(pdpair_conn *c, const struct wire_frame *f, boo
      * signalling its own slot. Id 0 (untagged) is never declared. */
     *e = f->transfer ? pdpi_expect_find_locked(c, f->transfer, f->generation) : NULL;
     if (!*e) return WIRE_REJECT_TRANSFER;
+    /* complete: every signal it declared came, so anything more of it is a duplicate or a replay */
+    if ((*e)->signals_max && (*e)->signals_seen >= (*e)->signals_max) return WIRE_REJECT_TRANSFER;
     if (has_signal && f->slot != (*e)->slot) return WIRE_REJECT_WINDOW;
     if (!(f->flags & WIRE_FLAG_NODATA) && f->length > 0 && !pdpi_expect_covers(*e, f->region, f->offset, f->length))
         return WIRE_REJECT_WINDOW;
@@ -180,6 +182,11 @@ static void handle_data(pdpair_conn *c, struct reader *r, const struct wire_fram
     c->ack_to_send = f->seq;
     if (!reason) {
         c->stats.bytes_received += f->length;
+        if (has_signal && exp_slot != UINT32_MAX) {
+            /* Looked up again: a zero-length put holds no claim on its transfer, which may be retired meanwhile. */
+            struct expectation *now = pdpi_expect_find_locked(c, f->transfer, f->generation);
+            if (now) now->signals_seen++;
+        }
         if (has_signal) {
             /* release: whoever reads this value with acquire sees the payload */
             uint64_t v = atomic_fetch_add_explicit(&c->signals[f->slot], 1, memory_order_release) + 1;
@@ -212,7 +219,7 @@ static const char *reject_text(uint64_t reason)
 {
     switch (reason) { /* the peer's word: only these fixed texts are shown, never its number echoed raw */
     case WIRE_REJECT_BOUNDS: return "outside its regions or signal slots";
-    case WIRE_REJECT_TRANSFER: return "not a transfer it expects: unknown, retired or another generation";
+    case WIRE_REJECT_TRANSFER: return "not a transfer it expects: unknown, retired, complete or another generation";
     case WIRE_REJECT_WINDOW: return "outside the transfer's windows or signal slot";
     case WIRE_REJECT_CHECKSUM: return "payload checksum mismatch";
     default: return "reason not given";

@@ -978,15 +978,15 @@ static void *wait_slot(void *arg)
     return NULL;
 }
 
-/* Happy path: a declared transfer's puts land and signal; windows merge (a put may span two adjacent ones); after the
- * retire the same tag is refused. */
+/* Happy path: a declared transfer's puts land and signal; windows merge (a put may span two adjacent ones); once its
+ * declared signals are in, a duplicate put is refused before a byte is written; after the retire the tag is refused. */
 static void test_expect_happy_path(void)
 {
     struct xpair p;
     xpair_open(&p, true);
     /* blocks 0, 2 and the adjacent pair 5, 6 of 4 KiB each; listed out of order */
     pdpair_window w[] = {{0, 0, 6 * 4096, 4096}, {0, 0, 0, 4096}, {0, 0, 2 * 4096, 4096}, {0, 0, 5 * 4096, 4096}};
-    CHECK_OK(pdpair_conn_expect(p.a, 42, 1, 5, w, 4), p.a);
+    CHECK_OK(pdpair_conn_expect(p.a, 42, 1, 5, 4, w, 4), p.a); /* 4 signals: 3 put_signals and a bare signal */
     CHECK(stats_of(p.a).transfers_outstanding == 1);
     uint64_t v;
     CHECK_OK(pdpair_put_signal_tagged(p.b, 42, 1, 0, 0, 0, 0, 4096, 5, NULL), p.b);
@@ -1006,16 +1006,25 @@ static void test_expect_happy_path(void)
     CHECK(s.refused_unknown_transfer == 0 && s.refused_out_of_window == 0 && s.refused_checksum == 0);
     CHECK(s.bytes_received == 4096 * 4 + 50 && s.signals_received == 4);
 
+    /* complete: a replay of its first put (other bytes, same tag and block) is refused, block 0 keeps what came */
+    uint64_t r;
+    CHECK_OK(pdpair_put_signal_tagged(p.b, 42, 1, 0, 3 * 4096, 0, 0, 4096, 5, &r), p.b);
+    CHECK_STATUS(pdpair_conn_wait(p.b, r, 5000), PDPAIR_REMOTE_REJECTED, p.b);
+    char err[256];
+    pdpair_conn_last_error(p.b, err, sizeof err);
+    CHECK_MSG(strstr(err, "complete"), "error text: %s", err);
+    CHECK(memcmp(p.region, p.src, 4096) == 0);
+    CHECK(stats_of(p.a).refused_unknown_transfer == 1 && stats_of(p.a).signals_received == 4);
+    CHECK_STATUS(pdpair_conn_wait_signal(p.a, 5, 4, 0, &v), PDPAIR_DATA_REJECTED, p.a);
+
     CHECK_OK(pdpair_conn_retire(p.a, 42, 1, 1000), p.a);
     CHECK(stats_of(p.a).transfers_outstanding == 0);
-    uint64_t r;
     CHECK_OK(pdpair_put_signal_tagged(p.b, 42, 1, 0, 0, 0, 4096, 4096, 5, &r), p.b);
     CHECK_STATUS(pdpair_conn_wait(p.b, r, 5000), PDPAIR_REMOTE_REJECTED, p.b);
     CHECK(region_untouched(&p, 4096, 4096));
-    CHECK(stats_of(p.a).refused_unknown_transfer == 1);
-    CHECK_STATUS(pdpair_conn_wait_signal(p.a, 5, 4, 0, &v), PDPAIR_DATA_REJECTED, p.a);
+    CHECK(stats_of(p.a).refused_unknown_transfer == 2);
     /* a new declaration on the slot starts clean */
-    CHECK_OK(pdpair_conn_expect(p.a, 43, 1, 5, w, 1), p.a);
+    CHECK_OK(pdpair_conn_expect(p.a, 43, 1, 5, 0, w, 1), p.a);
     CHECK_OK(pdpair_conn_wait_signal(p.a, 5, 4, 0, &v), p.a);
     CHECK_OK(pdpair_conn_state(p.a), p.a);
     CHECK_OK(pdpair_conn_state(p.b), p.b);
@@ -1029,7 +1038,7 @@ static void test_expect_refusals(void)
     struct xpair p;
     xpair_open(&p, true);
     pdpair_window w[] = {{0, 0, 8192, 8192}};
-    CHECK_OK(pdpair_conn_expect(p.a, 7, 2, 1, w, 1), p.a);
+    CHECK_OK(pdpair_conn_expect(p.a, 7, 2, 1, 0, w, 1), p.a);
     struct {
         const char *what;
         uint64_t id;
@@ -1073,7 +1082,7 @@ static void test_expect_refusals(void)
         CHECK(region_untouched(&p, 0, XREGION) && guards_untouched(&p));
     }
     /* the declared transfer still works afterwards; the connection never broke */
-    CHECK_OK(pdpair_conn_expect(p.a, 9, 1, 2, w, 1), p.a);
+    CHECK_OK(pdpair_conn_expect(p.a, 9, 1, 2, 0, w, 1), p.a);
     uint64_t v;
     CHECK_OK(pdpair_put_signal_tagged(p.b, 9, 1, 0, 0, 0, 8192, 8192, 2, NULL), p.b);
     CHECK_OK(pdpair_conn_wait_signal(p.a, 2, 1, 5000, &v), p.a);
@@ -1091,7 +1100,7 @@ static void test_checksum_mismatch(void)
         struct xpair p;
         xpair_open(&p, expect);
         pdpair_window w[] = {{0, 0, 0, XREGION}};
-        CHECK_OK(pdpair_conn_expect(p.a, 5, 1, 4, w, 1), p.a);
+        CHECK_OK(pdpair_conn_expect(p.a, 5, 1, 4, 0, w, 1), p.a);
         struct slot_waiter sw = {.conn = p.a, .slot = 4, .expected = 2};
         pthread_t t;
         CHECK(pthread_create(&t, NULL, wait_slot, &sw) == 0);
@@ -1138,23 +1147,23 @@ static void test_expect_bounds(void)
     pdpair_window w[301];
     for (int i = 0; i < 301; i++) w[i] = (pdpair_window){0, 0, (uint64_t)i * 128, 64}; /* never adjacent */
     char err[256];
-    CHECK_STATUS(pdpair_conn_expect(a, 1, 0, 0, w, 301), PDPAIR_EXHAUSTED, a);
-    CHECK_OK(pdpair_conn_expect(a, 1, 0, 0, w, 200), a);
-    CHECK_STATUS(pdpair_conn_expect(a, 2, 0, 0, w, 101), PDPAIR_EXHAUSTED, a);
+    CHECK_STATUS(pdpair_conn_expect(a, 1, 0, 0, 0, w, 301), PDPAIR_EXHAUSTED, a);
+    CHECK_OK(pdpair_conn_expect(a, 1, 0, 0, 0, w, 200), a);
+    CHECK_STATUS(pdpair_conn_expect(a, 2, 0, 0, 0, w, 101), PDPAIR_EXHAUSTED, a);
     pdpair_conn_last_error(a, err, sizeof err);
     CHECK_MSG(strstr(err, "max_transfer_windows"), "error text: %s", err);
-    CHECK_STATUS(pdpair_conn_expect(a, 1, 5, 0, w, 1), PDPAIR_INVALID_ARGUMENT, a); /* declared already */
-    CHECK_STATUS(pdpair_conn_expect(a, 0, 0, 0, w, 1), PDPAIR_INVALID_ARGUMENT, a);
-    CHECK_STATUS(pdpair_conn_expect(a, 3, 0, 4096, w, 1), PDPAIR_INVALID_ARGUMENT, a);
+    CHECK_STATUS(pdpair_conn_expect(a, 1, 5, 0, 0, w, 1), PDPAIR_INVALID_ARGUMENT, a); /* declared already */
+    CHECK_STATUS(pdpair_conn_expect(a, 0, 0, 0, 0, w, 1), PDPAIR_INVALID_ARGUMENT, a);
+    CHECK_STATUS(pdpair_conn_expect(a, 3, 0, 4096, 0, w, 1), PDPAIR_INVALID_ARGUMENT, a);
     pdpair_window bad[] = {{0, 0, XREGION - 10, 11}, {1, 0, 0, 1}, {0, 0, 0, 0}, {0, 1, 0, 1}};
-    for (int i = 0; i < 4; i++) CHECK_STATUS(pdpair_conn_expect(a, 3, 0, 0, &bad[i], 1), PDPAIR_INVALID_ARGUMENT, a);
-    CHECK_STATUS(pdpair_conn_expect(a, 3, 0, 0, NULL, 1), PDPAIR_INVALID_ARGUMENT, a);
+    for (int i = 0; i < 4; i++) CHECK_STATUS(pdpair_conn_expect(a, 3, 0, 0, 0, &bad[i], 1), PDPAIR_INVALID_ARGUMENT, a);
+    CHECK_STATUS(pdpair_conn_expect(a, 3, 0, 0, 0, NULL, 1), PDPAIR_INVALID_ARGUMENT, a);
     CHECK_STATUS(pdpair_conn_retire(a, 1, 1, 0), PDPAIR_INVALID_ARGUMENT, a); /* other generation */
     CHECK_STATUS(pdpair_conn_retire(a, 1, 0, -1), PDPAIR_INVALID_ARGUMENT, a);
     CHECK_OK(pdpair_conn_retire(a, 1, 0, 0), a);
     CHECK_STATUS(pdpair_conn_retire(a, 1, 0, 0), PDPAIR_INVALID_ARGUMENT, a);
-    for (uint64_t id = 1; id <= 64; id++) CHECK_OK(pdpair_conn_expect(a, id, 0, 0, NULL, 0), a);
-    CHECK_STATUS(pdpair_conn_expect(a, 65, 0, 0, NULL, 0), PDPAIR_EXHAUSTED, a);
+    for (uint64_t id = 1; id <= 64; id++) CHECK_OK(pdpair_conn_expect(a, id, 0, 0, 0, NULL, 0), a);
+    CHECK_STATUS(pdpair_conn_expect(a, 65, 0, 0, 0, NULL, 0), PDPAIR_EXHAUSTED, a);
     pdpair_conn_last_error(a, err, sizeof err);
     CHECK_MSG(strstr(err, "max_transfers"), "error text: %s", err);
     /* churn: ids that collide in the table come and go; the set of declared ids stays exact */
@@ -1166,13 +1175,13 @@ static void test_expect_bounds(void)
         x ^= x << 13, x ^= x >> 7, x ^= x << 17;
         uint64_t id = 1 + x % 1023;
         if (live[id]) {
-            CHECK_STATUS(pdpair_conn_expect(a, id, 0, 0, NULL, 0), PDPAIR_INVALID_ARGUMENT, a);
+            CHECK_STATUS(pdpair_conn_expect(a, id, 0, 0, 0, NULL, 0), PDPAIR_INVALID_ARGUMENT, a);
             CHECK_OK(pdpair_conn_retire(a, id, 0, 0), a);
             live[id] = false;
             nlive--;
         } else {
             CHECK_STATUS(pdpair_conn_retire(a, id, 0, 0), PDPAIR_INVALID_ARGUMENT, a);
-            CHECK_STATUS(pdpair_conn_expect(a, id, 0, 0, NULL, 0), nlive < 64 ? PDPAIR_OK : PDPAIR_EXHAUSTED, a);
+            CHECK_STATUS(pdpair_conn_expect(a, id, 0, 0, 0, NULL, 0), nlive < 64 ? PDPAIR_OK : PDPAIR_EXHAUSTED, a);
             if (nlive < 64) live[id] = true, nlive++;
         }
     }
@@ -1248,7 +1257,7 @@ static void test_truncated_put(void)
     struct raw_peer rp;
     raw_peer_open(&rp, ctx, 7);
     pdpair_window w = {0, 0, 0, XREGION};
-    CHECK_OK(pdpair_conn_expect(rp.conn, 11, 1, 6, &w, 1), rp.conn);
+    CHECK_OK(pdpair_conn_expect(rp.conn, 11, 1, 6, 0, &w, 1), rp.conn);
     struct slot_waiter sw = {.conn = rp.conn, .slot = 6, .expected = 1};
     pthread_t t;
     CHECK(pthread_create(&t, NULL, wait_slot, &sw) == 0);
@@ -1315,7 +1324,7 @@ static void test_retire_waits_for_payload(void)
     uint64_t v;
 
     /* the rest of the payload comes 100 ms into a 5 s retire: it lands, then retire returns OK */
-    CHECK_OK(pdpair_conn_expect(rp.conn, 21, 1, 2, &w, 1), rp.conn);
+    CHECK_OK(pdpair_conn_expect(rp.conn, 21, 1, 2, 0, &w, 1), rp.conn);
     send_put_header(rp.fd, 1, 21, 1, 0, payload, XREGION, 2);
     send_all(rp.fd, payload, XREGION / 2);
     CHECK(receiving_into(rp.conn, 21)); /* a retire before the receiver took the header would refuse the put */
@@ -1330,7 +1339,7 @@ static void test_retire_waits_for_payload(void)
 
     /* the payload stalls: retire gives up at its deadline by breaking the connection */
     memset(mem, 0, XREGION);
-    CHECK_OK(pdpair_conn_expect(rp.conn, 22, 1, 3, &w, 1), rp.conn);
+    CHECK_OK(pdpair_conn_expect(rp.conn, 22, 1, 3, 0, &w, 1), rp.conn);
     send_put_header(rp.fd, 2, 22, 1, 0, payload, XREGION, 3);
     send_all(rp.fd, payload, XREGION / 2);
     CHECK(receiving_into(rp.conn, 22));

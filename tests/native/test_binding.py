@@ -185,7 +185,7 @@ def expecting_pair():
 def test_expectation_mode_accepts_only_declared_transfers(expecting_pair: Pair):
     p = expecting_pair
     p.mem_b[:] = bytes(range(256)) * 256
-    p.a.expect(77, 3, 6, [(0, 4096, 4096), (p.ctx_a.regions[0], 8192, 4096)])  # merged into [4096, 12288)
+    p.a.expect(77, 3, 6, [(0, 4096, 4096), (p.ctx_a.regions[0], 8192, 4096)], expected_signals=3)  # [4096, 12288)
     assert p.a.stats().transfers_outstanding == 1
     p.b.put_signal(0, 0, 0, 4096, 8192, 6, transfer_id=77, generation=3)
     p.b.signal(6, transfer_id=77, generation=3)

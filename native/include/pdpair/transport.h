@@ -125,7 +125,7 @@ typedef struct pdpair_conn_stats {
     uint64_t signals_dropped_by_fault; /* TEST ONLY fault injection: signals deliberately not sent */
     uint64_t remote_regions;     /* regions of the peer known here */
     /* Puts this side refused (each also counted in the peer's `rejected`): */
-    uint64_t refused_unknown_transfer; /* expectation mode: tag not declared, already retired, or another generation */
+    uint64_t refused_unknown_transfer; /* expectation mode: tag not declared, retired, complete, or another generation */
     uint64_t refused_out_of_window;    /* expectation mode: outside the transfer's windows or another signal slot */
     uint64_t refused_checksum;         /* the payload's CRC32C did not match */
     uint64_t transfers_outstanding;    /* transfers declared (pdpair_conn_expect) and not retired */
@@ -212,13 +212,14 @@ pdpair_status pdpair_signal_tagged(pdpair_conn *c, uint64_t transfer_id, uint32_
 
 /* Expectation mode (context option expect_transfers), on the receiving side. Declare a transfer before asking the
  * peer for it: puts tagged (transfer_id, generation) are then accepted into these windows of local regions (a put
- * must lie inside one window; adjacent or overlapping windows are merged) and may signal only `signal_slot`.
- * Clears the slot's failed mark. transfer_id 0 is reserved for untagged puts. INVALID_ARGUMENT: id 0, a window outside
+ * must lie inside one window; adjacent or overlapping windows are merged) and may signal only `signal_slot`. With
+ * expected_signals > 0 the transfer is complete once that many of its signals were added: any later put of it (a
+ * duplicate, a replay) is refused before a byte is written. Clears the slot's failed mark. transfer_id 0 is reserved for untagged puts. INVALID_ARGUMENT: id 0, a window outside
  * the local regions or of length 0, a slot out of range, the id already declared (retire it first). EXHAUSTED: the
  * connection's max_transfers or max_transfer_windows would be exceeded. Also allowed without expectation mode (the
  * declaration is then unused). */
 pdpair_status pdpair_conn_expect(pdpair_conn *c, uint64_t transfer_id, uint32_t generation, uint32_t signal_slot,
-                                 const pdpair_window *windows, size_t nwindows);
+                                 uint64_t expected_signals, const pdpair_window *windows, size_t nwindows);
 /* Retire a declared transfer (done, failed or timed out): later puts with its tag are refused. On OK, no byte of it
  * is written any more, so its windows can be given to another transfer. If one of its puts is being received at that
  * moment, retire waits up to timeout_ms for it to land; if it is still arriving then, retire breaks the connection

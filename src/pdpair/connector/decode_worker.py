@@ -193,7 +193,7 @@ class DecodeWorker(WorkerBase):
         if comm.supports_transfer_checks:
             tag, generation = transfer_tag(recv.request_id), next(self._generations) & 0xFFFFFFFF
             try:
-                self._declare(comm, recv, tag, generation, slot)
+                self._declare(comm, recv, tag, generation, slot, expected)
             except TransportError as exc:
                 logger.error("request %s: cannot load KV: declaring its transfer failed: %s", recv.request_id, exc)
                 with self._lock:
@@ -213,9 +213,10 @@ class DecodeWorker(WorkerBase):
                        tag, generation), edge)
         self._waiters.submit(self._wait_for_signals, wait)
 
-    def _declare(self, comm: PairComm, recv: RecvRequest, tag: int, generation: int, slot: int) -> None:
+    def _declare(self, comm: PairComm, recv: RecvRequest, tag: int, generation: int, slot: int, expected: int) -> None:
         """Declare the load's transfer: its blocks' bytes in every layer's region (adjacent blocks as one window), the
-        only place its puts may land, and its slot, the only one they may signal."""
+        only place its puts may land, its slot, the only one they may signal, and its signal count, after which
+        nothing more of it is accepted."""
         assert self.regions is not None
         with self._lock:
             local = self._local_indices.get(comm)
@@ -223,7 +224,7 @@ class DecodeWorker(WorkerBase):
             raise TransportError("the pair has no registered regions (it closed meanwhile)")
         windows = [(local[layer], offset, length)
                    for layer, runs in enumerate(self.regions.runs(recv.block_ids)) for offset, length in runs]
-        comm.expect_transfer(tag, generation, slot, windows)
+        comm.expect_transfer(tag, generation, slot, windows, expected)
 
     def _retire(self, wait: SignalWait) -> None:
         """End the load's transfer before its blocks go back to the engine (loaded, failed or timed out): from then on

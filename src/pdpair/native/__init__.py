@@ -514,13 +514,16 @@ class Connection(_Handle):
 
     # --- declared transfers (the receiving side of a context with expect_transfers) ---
     def expect(self, transfer_id: int, generation: int, signal_slot: int,
-               windows: list[tuple[Region | int, int, int]] | tuple[tuple[Region | int, int, int], ...]) -> None:
+               windows: list[tuple[Region | int, int, int]] | tuple[tuple[Region | int, int, int], ...], *,
+               expected_signals: int = 0) -> None:
         """Declare a transfer before asking the peer for it: its puts (tagged transfer_id, generation) are accepted
-        only inside these (local region, offset, length) windows and may signal only `signal_slot`. Clears the slot's
-        failed mark. TransportError(INVALID_ARGUMENT) for id 0, a window outside the local regions, an id declared
+        only inside these (local region, offset, length) windows and may signal only `signal_slot`; with
+        `expected_signals` > 0, none after that many of its signals came (a duplicate is refused unwritten). Clears
+        the slot's failed mark. TransportError(INVALID_ARGUMENT) for id 0, a window outside the local regions, an id declared
         already; TransportError(EXHAUSTED) when the connection's max_transfers / max_transfer_windows would be
         exceeded."""
-        tag = (_u64("transfer_id", transfer_id), _u32("generation", generation), _u32("signal_slot", signal_slot))
+        tag = (_u64("transfer_id", transfer_id), _u32("generation", generation), _u32("signal_slot", signal_slot),
+               _u64("expected_signals", expected_signals))
         items = list(windows)
         cw = ffi.new("pdpair_window[]", max(len(items), 1))
         for i, window in enumerate(items):

@@ -120,9 +120,9 @@ class PairComm(ABC):
         (a `time.monotonic()` value)."""
 
     def expect_transfer(self, transfer_id: int, generation: int, signal_slot: int,
-                        windows: list[tuple[int, int, int]]) -> None:
+                        windows: list[tuple[int, int, int]], expected_signals: int) -> None:
         """Receiving side: accept puts tagged (transfer_id, generation) only into these (local region, offset, length)
-        windows and only signalling `signal_slot`, until retire_transfer. Call before asking the peer for the
+        windows, only signalling `signal_slot` and none after `expected_signals` signals, until retire_transfer. Call before asking the peer for the
         transfer. Raises TransportError when the transfer cannot be declared (table full, bad window). The default
         (no transfer checks) does nothing."""
 

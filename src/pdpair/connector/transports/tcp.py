@@ -95,9 +95,9 @@ class TcpPairComm(PairComm):
             raise TransportError(str(exc)) from exc
 
     def expect_transfer(self, transfer_id: int, generation: int, signal_slot: int,
-                        windows: list[tuple[int, int, int]]) -> None:
+                        windows: list[tuple[int, int, int]], expected_signals: int) -> None:
         try:
-            self._conn.expect(transfer_id, generation, signal_slot, windows)
+            self._conn.expect(transfer_id, generation, signal_slot, windows, expected_signals=expected_signals)
         except native.TransportError as exc:
             raise TransportError(str(exc)) from exc
 
