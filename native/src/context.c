@@ -12,9 +12,9 @@
 #define DEFAULT_MAX_REGIONS 4096
 /* One outstanding transfer per signal slot by default (the connector holds one slot per Pull in flight). */
 #define DEFAULT_MAX_TRANSFERS 4096
-/* 6 MiB of windows at most per connection, allocated as transfers are declared: e.g. 64 transfers of 32 layers x
- * 128 blocks each, before adjacent blocks merge. */
-#define DEFAULT_MAX_TRANSFER_WINDOWS (1u << 18)
+/* 24 MiB of windows at most per connection, allocated only as transfers are declared: e.g. 64 loads of 512 scattered
+ * blocks (no two adjacent) in 32 layers each. */
+#define DEFAULT_MAX_TRANSFER_WINDOWS (1u << 20)
 #define LIMIT_MAX_TRANSFERS (1u << 20)
 
 void pdpair_context_options_init(pdpair_context_options *opts)

@@ -97,7 +97,7 @@ typedef struct pdpair_context_options {
     uint32_t expect_transfers;     /* 1: connections accept puts only into transfers declared with
                                       pdpair_conn_expect (0 = accept any put inside the regions) */
     uint32_t max_transfers;        /* outstanding transfers per connection; 0 = default 4096 */
-    uint32_t max_transfer_windows; /* windows of all outstanding transfers of a connection; 0 = default 262144 */
+    uint32_t max_transfer_windows; /* windows of all outstanding transfers of a connection; 0 = default 1048576 */
     uint32_t reserved2;            /* must be 0 */
 } pdpair_context_options;
 
