@@ -19,12 +19,15 @@ static void conn_free(pdpair_conn *c)
     pthread_cond_destroy(&c->done_cv);
     pthread_cond_destroy(&c->sig_cv);
     pthread_cond_destroy(&c->idle_cv);
+    pthread_cond_destroy(&c->retire_cv);
+    pdpi_expect_free(c);
     free(c->queue);
     free(c->rejected);
     free(c->rejects_out);
     free(c->remote_sizes);
     free((void *)c->signals);
     free(c->signal_used);
+    free(c->signal_failed);
     free(c);
 }
 
@@ -164,18 +167,20 @@ pdpair_status pdpi_conn_establish(pdpair_context *ctx, int fd, int wake_fd, uint
     pdpi_cond_init_monotonic(&c->done_cv);
     pdpi_cond_init_monotonic(&c->sig_cv);
     pthread_cond_init(&c->idle_cv, NULL);
+    pdpi_cond_init_monotonic(&c->retire_cv);
     c->slots = ctx->opts.request_slots;
     c->signal_slots = ctx->opts.signal_slots;
     c->stats.slots = c->slots;
     c->signals = calloc(c->signal_slots, sizeof *c->signals);
     c->signal_used = calloc(c->signal_slots, 1);
+    c->signal_failed = calloc(c->signal_slots, 1);
     pdpi_fault_init_from_env(c);
 
     pdpair_status st = PDPAIR_OK;
     uint8_t *hello = NULL, *peer = NULL;
     size_t peer_len = 0;
     bool listed = false;
-    if (!c->signals || !c->signal_used) {
+    if (!c->signals || !c->signal_used || !c->signal_failed) {
         st = PDPAIR_NO_MEMORY;
         goto fail;
     }

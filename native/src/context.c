@@ -10,6 +10,12 @@
 #define DEFAULT_REQUEST_SLOTS 256
 #define DEFAULT_SIGNAL_SLOTS 4096
 #define DEFAULT_MAX_REGIONS 4096
+/* One outstanding transfer per signal slot by default (the connector holds one slot per Pull in flight). */
+#define DEFAULT_MAX_TRANSFERS 4096
+/* 24 MiB of windows at most per connection, allocated only as transfers are declared: e.g. 64 loads of 512 scattered
+ * blocks (no two adjacent) in 32 layers each. */
+#define DEFAULT_MAX_TRANSFER_WINDOWS (1u << 20)
+#define LIMIT_MAX_TRANSFERS (1u << 20)
 
 void pdpair_context_options_init(pdpair_context_options *opts)
 {
@@ -18,6 +24,8 @@ void pdpair_context_options_init(pdpair_context_options *opts)
     opts->request_slots = DEFAULT_REQUEST_SLOTS;
     opts->signal_slots = DEFAULT_SIGNAL_SLOTS;
     opts->max_regions = DEFAULT_MAX_REGIONS;
+    opts->max_transfers = DEFAULT_MAX_TRANSFERS;
+    opts->max_transfer_windows = DEFAULT_MAX_TRANSFER_WINDOWS;
 }
 
 pdpair_status pdpair_context_create(const pdpair_context_options *opts, pdpair_context **out)
@@ -27,13 +35,18 @@ pdpair_status pdpair_context_create(const pdpair_context_options *opts, pdpair_c
     pdpair_context_options o;
     pdpair_context_options_init(&o);
     if (opts) {
-        if (opts->reserved != 0) return PDPAIR_INVALID_ARGUMENT;
+        if (opts->reserved != 0 || opts->reserved2 != 0 || opts->expect_transfers > 1)
+            return PDPAIR_INVALID_ARGUMENT;
         if (opts->request_slots) o.request_slots = opts->request_slots;
         if (opts->signal_slots) o.signal_slots = opts->signal_slots;
         if (opts->max_regions) o.max_regions = opts->max_regions;
         o.token = opts->token;
+        o.expect_transfers = opts->expect_transfers;
+        if (opts->max_transfers) o.max_transfers = opts->max_transfers;
+        if (opts->max_transfer_windows) o.max_transfer_windows = opts->max_transfer_windows;
     }
-    if (o.max_regions > WIRE_MAX_REGIONS || o.signal_slots > (1u << 24) || o.request_slots > (1u << 20))
+    if (o.max_regions > WIRE_MAX_REGIONS || o.signal_slots > (1u << 24) || o.request_slots > (1u << 20) ||
+        o.max_transfers > LIMIT_MAX_TRANSFERS)
         return PDPAIR_INVALID_ARGUMENT;
     pdpair_context *ctx = calloc(1, sizeof *ctx);
     if (!ctx) return PDPAIR_NO_MEMORY;

@@ -1,10 +1,11 @@
 /* The transport's objects, shared by its sources (context.c, listener.c, connection.c, conn_state.c, sender.c,
- * receiver.c, requests.c, signals.c, faults.c). Not installed, not part of the API.
+ * receiver.c, requests.c, signals.c, expect.c, faults.c). Not installed, not part of the API.
  *
  * Locking: ctx->mu (regions, connection list) may be taken before conn->mu, never after it.
  * Each connection has one mutex for its state; the signal counters are C11 atomics that the receiver
  * increments with release order after the payload bytes are in place, so an acquire read of a counter
- * guarantees the data is visible. */
+ * guarantees the data is visible. The expectation table (expect.c) and the slots' failed marks are under conn->mu;
+ * the receiver takes it to check a put's tag before it writes and again to count the put after its checksum. */
 #ifndef PDPAIR_CORE_H
 #define PDPAIR_CORE_H
 
@@ -54,11 +55,32 @@ static inline void waiter_remove(struct waiter **list, struct waiter *w)
     }
 }
 
+struct reject_out {
+    uint64_t seq;
+    uint32_t reason; /* enum wire_reject */
+};
+
 struct op {
     const uint8_t *src;
-    uint64_t seq, remote_offset, length;
-    uint32_t remote_region, slot;
+    uint64_t seq, remote_offset, length, transfer;
+    uint32_t remote_region, slot, crc, generation;
     uint8_t flags;
+    bool corrupt; /* TEST ONLY (PDPAIR_FAULT_CORRUPT_PUTS): the sender flips one payload byte on the wire */
+};
+
+/* A transfer declared with pdpair_conn_expect: its tag, its signal slot, its windows sorted by (region, offset) with
+ * adjacent and overlapping ones merged, so a put's range is checked with one binary search. */
+struct window {
+    uint32_t region;
+    uint64_t start, end; /* [start, end) */
+};
+
+struct expectation {
+    uint64_t id; /* 0 = free entry of the hash table */
+    uint64_t signals_max, signals_seen; /* complete once seen == max (max 0: no limit) */
+    uint32_t generation, slot;
+    struct window *windows;
+    uint32_t nwindows;
 };
 
 struct pdpair_conn {
@@ -88,7 +110,7 @@ struct pdpair_conn {
 
     /* things the sender owes the peer */
     uint64_t ack_to_send, ack_sent;
-    uint64_t *rejects_out;
+    struct reject_out *rejects_out;
     size_t n_rejects_out, rejects_out_cap;
     uint32_t regions_announced;
 
@@ -100,12 +122,22 @@ struct pdpair_conn {
     uint32_t signal_slots;
     _Atomic uint64_t *signals;
     uint8_t *signal_used;
+    uint8_t *signal_failed;   /* a put meant for the slot was refused: wait_signal answers DATA_REJECTED */
+
+    /* declared transfers (expect.c): open addressing, linear probing, capacity a power of two >= 2 x max_transfers */
+    struct expectation *expect;
+    uint32_t expect_cap, n_expect, max_expect;
+    uint64_t expect_windows, max_expect_windows;
+    /* the transfer a put is being received into right now (0 = none): retire waits until the receiver lets go */
+    uint64_t recv_active_id;
+    uint32_t recv_active_gen;
+    pthread_cond_t retire_cv;
 
     /* receiver-thread only */
     uint64_t recv_seq;
 
     /* fault injection (TEST ONLY): set in faults.c, read by requests.c and sender.c */
-    uint64_t fault_drop_every, fault_signal_count;
+    uint64_t fault_drop_every, fault_signal_count, fault_corrupt_puts;
     bool fault_skip_bounds, fault_hold_sends;
 
     pdpair_conn_stats stats;
@@ -136,10 +168,24 @@ pdpair_status pdpi_conn_establish(pdpair_context *ctx, int fd, int wake_fd, uint
 void *pdpi_sender_main(void *arg);
 void *pdpi_receiver_main(void *arg);
 
+/* --- declared transfers (expect.c) -------------------------------------------------------------------------- */
+/* Under conn->mu: the declared transfer with this id and generation, or NULL. */
+struct expectation *pdpi_expect_find_locked(pdpair_conn *c, uint64_t id, uint32_t generation);
+/* Under conn->mu: is [offset, offset + length) of `region` inside one of e's windows? */
+bool pdpi_expect_covers(const struct expectation *e, uint32_t region, uint64_t offset, uint64_t length);
+/* Frees the table (connection teardown, no other thread left). */
+void pdpi_expect_free(pdpair_conn *c);
+
+/* --- signal slots (signals.c) ------------------------------------------------------------------------------- */
+/* Under conn->mu: mark a slot failed and wake its waiters (no-op for a slot out of range). */
+void pdpi_signal_fail_locked(pdpair_conn *c, uint32_t slot);
+
 /* --- fault injection, TEST ONLY (faults.c) ------------------------------------------------------------------ */
 /* PDPAIR_TEST_DROP_SIGNAL_EVERY=N sets the drop fault on every new connection. */
 void pdpi_fault_init_from_env(pdpair_conn *c);
 /* Under conn->mu, for each post that carries a signal: true when the drop fault omits this one (counted). */
 bool pdpi_fault_drops_signal_locked(pdpair_conn *c);
+/* Under conn->mu, for each post with data: true when the corrupt fault flips a byte of this one. */
+bool pdpi_fault_corrupts_put_locked(pdpair_conn *c);
 
 #endif

@@ -15,6 +15,7 @@ pdpair_status pdpair_conn_set_fault(pdpair_conn *c, int fault, uint64_t n)
         c->fault_drop_every = 0;
         c->fault_skip_bounds = false;
         c->fault_hold_sends = false;
+        c->fault_corrupt_puts = 0;
         pthread_cond_signal(&c->send_cv);
         break;
     case PDPAIR_FAULT_DROP_EVERY_NTH_SIGNAL:
@@ -27,6 +28,9 @@ pdpair_status pdpair_conn_set_fault(pdpair_conn *c, int fault, uint64_t n)
     case PDPAIR_FAULT_HOLD_SENDS:
         c->fault_hold_sends = n != 0;
         pthread_cond_signal(&c->send_cv);
+        break;
+    case PDPAIR_FAULT_CORRUPT_PUTS:
+        c->fault_corrupt_puts = n;
         break;
     default:
         snprintf(c->err, sizeof c->err, "unknown fault kind %d", fault);
@@ -46,5 +50,12 @@ bool pdpi_fault_drops_signal_locked(pdpair_conn *c)
 {
     if (!c->fault_drop_every || ++c->fault_signal_count % c->fault_drop_every != 0) return false;
     c->stats.signals_dropped_by_fault++;
+    return true;
+}
+
+bool pdpi_fault_corrupts_put_locked(pdpair_conn *c)
+{
+    if (!c->fault_corrupt_puts) return false;
+    c->fault_corrupt_puts--;
     return true;
 }

@@ -1,5 +1,5 @@
 /* Helpers shared by the native sources that hold no transport state: time (clock.c), last-error texts
- * (status.c), sockets (net.c). Not installed, not part of the API. Public functions are pdpair_* and declared in
+ * (status.c), checksums (crc32c.c), sockets (net.c). Not installed, not part of the API. Public functions are pdpair_* and declared in
  * include/pdpair/transport.h; internal ones shared between sources are pdpi_* ("pdpair internal"). */
 #ifndef PDPAIR_INTERNAL_H
 #define PDPAIR_INTERNAL_H
@@ -27,6 +27,15 @@ int pdpi_cond_init_monotonic(pthread_cond_t *cv);
 /* --- errors (status.c) -------------------------------------------------------------------------------------- */
 void pdpi_format_error(char *buf, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 size_t pdpi_copy_error(const char *src, char *buf, size_t len);
+
+/* --- checksums (crc32c.c) ----------------------------------------------------------------------------------- */
+/* CRC32C of buf, continuing from crc (0 to start; pass the previous result to checksum a buffer in pieces). The
+ * fastest path this CPU has (SSE4.2 / ARMv8 CRC, chosen at run time), else a slicing-by-8 table. */
+uint32_t pdpi_crc32c(uint32_t crc, const void *buf, size_t len);
+/* The table path alone (tests compare both paths). */
+uint32_t pdpi_crc32c_sw(uint32_t crc, const void *buf, size_t len);
+/* True when pdpi_crc32c uses CPU instructions. */
+bool pdpi_crc32c_hardware(void);
 
 /* --- sockets (net.c) ---------------------------------------------------------------------------------------- */
 pdpair_status pdpi_net_listen(const char *host, uint16_t port, int *fd_out, uint16_t *port_out, char *err);

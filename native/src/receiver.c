@@ -1,5 +1,6 @@
-/* The receiver thread: reads frames, places payloads straight into the regions, adds signals after the bytes,
- * and queues acks and rejects for the sender (it never writes to the socket itself). */
+/* The receiver thread: reads frames, checks each put (regions, declared transfer and windows), places payloads
+ * straight into the regions while checksumming them, adds signals only after the bytes are in place and their
+ * checksum matched, and queues acks and rejects for the sender (it never writes to the socket itself). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdatomic.h>
@@ -30,12 +31,26 @@ static bool push_u64(uint64_t **arr, size_t *n, size_t *cap, uint64_t v)
     return true;
 }
 
+static bool push_reject(pdpair_conn *c, uint64_t seq, uint32_t reason)
+{
+    if (c->n_rejects_out == c->rejects_out_cap) {
+        size_t nc = c->rejects_out_cap ? c->rejects_out_cap * 2 : 16;
+        struct reject_out *p = realloc(c->rejects_out, nc * sizeof *p);
+        if (!p) return false;
+        c->rejects_out = p;
+        c->rejects_out_cap = nc;
+    }
+    c->rejects_out[c->n_rejects_out++] = (struct reject_out){seq, reason};
+    return true;
+}
+
 struct reader {
     pdpair_conn *c;
     uint8_t *buf;
     size_t pos, end;
     pdpair_status st;
     int err;
+    uint32_t crc; /* CRC32C of the bytes read_exact placed since it was reset */
 };
 
 static bool recv_some(struct reader *r, void *dst, size_t len, size_t *got)
@@ -53,8 +68,9 @@ static bool recv_some(struct reader *r, void *dst, size_t len, size_t *got)
     }
 }
 
-/* Read exactly len bytes into dst (dst NULL = discard). Large remainders bypass the staging buffer. */
-static bool read_exact(struct reader *r, uint8_t *dst, uint64_t len)
+/* Read exactly len bytes into dst (dst NULL = discard). Large remainders bypass the staging buffer. With `crc`, the
+ * bytes placed are checksummed into r->crc piece by piece as they land, while they are still in the cache. */
+static bool read_exact(struct reader *r, uint8_t *dst, uint64_t len, bool crc)
 {
     while (len > 0) {
         if (r->pos < r->end) {
@@ -62,6 +78,7 @@ static bool read_exact(struct reader *r, uint8_t *dst, uint64_t len)
             if (k > len) k = (size_t)len;
             if (dst) {
                 memcpy(dst, r->buf + r->pos, k);
+                if (crc) r->crc = pdpi_crc32c(r->crc, dst, k);
                 dst += k;
             }
             r->pos += k;
@@ -72,6 +89,7 @@ static bool read_exact(struct reader *r, uint8_t *dst, uint64_t len)
         if (dst && len >= RECV_DIRECT_BYTES) {
             size_t want = len > (1u << 30) ? (1u << 30) : (size_t)len;
             if (!recv_some(r, dst, want, &got)) return false;
+            if (crc) r->crc = pdpi_crc32c(r->crc, dst, got);
             dst += got;
             len -= got;
         } else {
@@ -83,9 +101,36 @@ static bool read_exact(struct reader *r, uint8_t *dst, uint64_t len)
     return true;
 }
 
-static void handle_data(pdpair_conn *c, struct reader *r, const struct wire_frame *f, bool *fatal)
+/* Which check refuses this put (0 = none), under conn->mu. On acceptance in expectation mode, *e is its transfer. */
+static uint32_t check_put_locked(pdpair_conn *c, const struct wire_frame *f, bool has_signal, uint8_t **dst,
+                                 struct expectation **e)
 {
     pdpair_context *ctx = c->ctx;
+    *e = NULL;
+    if (!(f->flags & WIRE_FLAG_NODATA)) {
+        /* The receiver's own bounds check: nothing is written outside a registered region. */
+        uint32_t n = atomic_load_explicit(&ctx->region_count, memory_order_acquire);
+        if (f->region >= n || f->offset > ctx->regions[f->region].size ||
+            f->length > ctx->regions[f->region].size - f->offset)
+            return WIRE_REJECT_BOUNDS;
+        *dst = ctx->regions[f->region].addr + f->offset;
+    }
+    if (has_signal && f->slot >= c->signal_slots) return WIRE_REJECT_BOUNDS;
+    if (!ctx->opts.expect_transfers) return 0;
+    /* Writes only where this side asked: a declared, unretired transfer of this generation, inside its windows,
+     * signalling its own slot. Id 0 (untagged) is never declared. */
+    *e = f->transfer ? pdpi_expect_find_locked(c, f->transfer, f->generation) : NULL;
+    if (!*e) return WIRE_REJECT_TRANSFER;
+    /* complete: every signal it declared came, so anything more of it is a duplicate or a replay */
+    if ((*e)->signals_max && (*e)->signals_seen >= (*e)->signals_max) return WIRE_REJECT_TRANSFER;
+    if (has_signal && f->slot != (*e)->slot) return WIRE_REJECT_WINDOW;
+    if (!(f->flags & WIRE_FLAG_NODATA) && f->length > 0 && !pdpi_expect_covers(*e, f->region, f->offset, f->length))
+        return WIRE_REJECT_WINDOW;
+    return 0;
+}
+
+static void handle_data(pdpair_conn *c, struct reader *r, const struct wire_frame *f, bool *fatal)
+{
     if (f->seq != c->recv_seq + 1) {
         pthread_mutex_lock(&c->mu);
         pdpi_conn_break_locked(c, PDPAIR_PROTOCOL_ERROR, "request id %llu out of order (expected %llu)",
@@ -96,43 +141,56 @@ static void handle_data(pdpair_conn *c, struct reader *r, const struct wire_fram
     }
     c->recv_seq = f->seq;
     bool has_signal = (f->flags & WIRE_FLAG_SIGNAL) != 0;
-    bool ok = true;
-    uint8_t *dst = NULL;
-    if (f->flags & WIRE_FLAG_NODATA) {
-        if (f->length != 0) {
-            pthread_mutex_lock(&c->mu);
-            pdpi_conn_break_locked(c, PDPAIR_PROTOCOL_ERROR, "payload on a no-data frame");
-            pthread_mutex_unlock(&c->mu);
-            *fatal = true;
-            return;
-        }
-    } else {
-        /* The receiver's own bounds check: nothing is written outside a registered region. */
-        uint32_t n = atomic_load_explicit(&ctx->region_count, memory_order_acquire);
-        if (f->region >= n || f->offset > ctx->regions[f->region].size ||
-            f->length > ctx->regions[f->region].size - f->offset)
-            ok = false;
-        else
-            dst = ctx->regions[f->region].addr + f->offset;
-    }
-    if (has_signal && f->slot >= c->signal_slots) ok = false;
-    if (!read_exact(r, ok ? dst : NULL, f->length)) {
+    if ((f->flags & WIRE_FLAG_NODATA) && f->length != 0) {
+        pthread_mutex_lock(&c->mu);
+        pdpi_conn_break_locked(c, PDPAIR_PROTOCOL_ERROR, "payload on a no-data frame");
+        pthread_mutex_unlock(&c->mu);
         *fatal = true;
         return;
     }
-    if (ok && has_signal) atomic_fetch_add_explicit(&c->signals[f->slot], 1, memory_order_release);
+    uint8_t *dst = NULL;
+    struct expectation *e = NULL;
+    pthread_mutex_lock(&c->mu);
+    uint32_t reason = check_put_locked(c, f, has_signal, &dst, &e);
+    /* e's slot, read now: e may be retired (and freed) once the receiver lets go of it below */
+    uint32_t exp_slot = e ? e->slot : UINT32_MAX;
+    if (!reason && e && f->length > 0) {
+        /* Retire waits while this is set, so the transfer's windows stay ours until the payload is in. */
+        c->recv_active_id = f->transfer;
+        c->recv_active_gen = f->generation;
+    }
+    pthread_mutex_unlock(&c->mu);
+
+    r->crc = 0;
+    if (!read_exact(r, reason ? NULL : dst, f->length, !reason)) {
+        /* A payload cut short (peer gone): never signalled. recv_active stays set only on a broken connection,
+         * which retire also accepts as the end of the write. */
+        pthread_mutex_lock(&c->mu);
+        c->recv_active_id = 0;
+        pthread_cond_broadcast(&c->retire_cv);
+        pthread_mutex_unlock(&c->mu);
+        *fatal = true;
+        return;
+    }
+    if (!reason && r->crc != f->crc) reason = WIRE_REJECT_CHECKSUM;
 
     pthread_mutex_lock(&c->mu);
-    if (!ok && !push_u64(&c->rejects_out, &c->n_rejects_out, &c->rejects_out_cap, f->seq)) {
-        pdpi_conn_break_locked(c, PDPAIR_NO_MEMORY, "out of memory recording a rejected put");
-        *fatal = true;
+    if (c->recv_active_id) {
+        c->recv_active_id = 0;
+        pthread_cond_broadcast(&c->retire_cv);
     }
     c->ack_to_send = f->seq;
-    if (ok) {
+    if (!reason) {
         c->stats.bytes_received += f->length;
+        if (has_signal && exp_slot != UINT32_MAX) {
+            /* Looked up again: a zero-length put holds no claim on its transfer, which may be retired meanwhile. */
+            struct expectation *now = pdpi_expect_find_locked(c, f->transfer, f->generation);
+            if (now) now->signals_seen++;
+        }
         if (has_signal) {
+            /* release: whoever reads this value with acquire sees the payload */
+            uint64_t v = atomic_fetch_add_explicit(&c->signals[f->slot], 1, memory_order_release) + 1;
             c->stats.signals_received++;
-            uint64_t v = atomic_load_explicit(&c->signals[f->slot], memory_order_relaxed);
             for (struct waiter *w = c->sig_waiting; w; w = w->next) {
                 if (w->slot == f->slot && v >= w->target) {
                     pthread_cond_broadcast(&c->sig_cv);
@@ -140,9 +198,32 @@ static void handle_data(pdpair_conn *c, struct reader *r, const struct wire_fram
                 }
             }
         }
+    } else {
+        if (reason == WIRE_REJECT_TRANSFER) c->stats.refused_unknown_transfer++;
+        else if (reason == WIRE_REJECT_WINDOW) c->stats.refused_out_of_window++;
+        else if (reason == WIRE_REJECT_CHECKSUM) c->stats.refused_checksum++;
+        /* The waiter of the slot this put named, and of the transfer it claimed, learns now, not at its deadline:
+         * the signal it waits for will never come, and a corrupt payload may sit in its windows. */
+        if (has_signal) pdpi_signal_fail_locked(c, f->slot);
+        if (exp_slot != UINT32_MAX) pdpi_signal_fail_locked(c, exp_slot);
+        if (!push_reject(c, f->seq, reason)) {
+            pdpi_conn_break_locked(c, PDPAIR_NO_MEMORY, "out of memory recording a rejected put");
+            *fatal = true;
+        }
     }
     pthread_cond_signal(&c->send_cv);
     pthread_mutex_unlock(&c->mu);
+}
+
+static const char *reject_text(uint64_t reason)
+{
+    switch (reason) { /* the peer's word: only these fixed texts are shown, never its number echoed raw */
+    case WIRE_REJECT_BOUNDS: return "outside its regions or signal slots";
+    case WIRE_REJECT_TRANSFER: return "not a transfer it expects: unknown, retired, complete or another generation";
+    case WIRE_REJECT_WINDOW: return "outside the transfer's windows or signal slot";
+    case WIRE_REJECT_CHECKSUM: return "payload checksum mismatch";
+    default: return "reason not given";
+    }
 }
 
 void *pdpi_receiver_main(void *arg)
@@ -159,7 +240,7 @@ void *pdpi_receiver_main(void *arg)
         uint8_t h[WIRE_FRAME_SIZE];
         struct wire_frame f;
         bool fatal = false;
-        if (!read_exact(&r, h, WIRE_FRAME_SIZE)) break;
+        if (!read_exact(&r, h, WIRE_FRAME_SIZE, false)) break;
         wire_decode(h, &f);
         if (f.type == WIRE_DATA) {
             handle_data(c, &r, &f, &fatal);
@@ -200,8 +281,8 @@ void *pdpi_receiver_main(void *arg)
                 break;
             }
             c->stats.rejected++;
-            snprintf(c->err, sizeof c->err, "peer rejected request %llu (outside its regions or signal slots)",
-                     (unsigned long long)f.seq);
+            snprintf(c->err, sizeof c->err, "peer rejected request %llu (%s)", (unsigned long long)f.seq,
+                     reject_text(f.offset));
             break;
         case WIRE_REGION:
             if (f.region != c->n_remote || c->n_remote >= WIRE_MAX_REGIONS) {

@@ -1,5 +1,5 @@
-/* Requests: posting put / put_signal / signal (never blocks, never drops: the queue grows), and their
- * completion (test, wait, flush). */
+/* Requests: posting put / put_signal / signal, tagged or not (never blocks, never drops: the queue grows), and
+ * their completion (test, wait, flush). */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,15 +10,20 @@
 static pdpair_status post(pdpair_conn *c, const struct op *proto, bool has_data, uint32_t local_region,
                           uint64_t local_offset, uint64_t *request_out)
 {
+    struct op o = *proto;
+    /* The checksum is taken here, in the posting thread and outside the connection's lock: posts from several
+     * threads checksum in parallel, and the sender thread only sends. Regions never change once registered, so the
+     * range check needs no lock either. */
+    bool local_ok = !has_data || pdpi_local_range_ok(c->ctx, local_region, local_offset, o.length, &o.src);
+    if (has_data && local_ok) o.crc = pdpi_crc32c(0, o.src, o.length);
     pdpair_status st = pdpi_conn_enter(c);
     if (st != PDPAIR_OK) return st;
-    struct op o = *proto;
     if (c->state != PDPAIR_OK) {
         st = c->state;
         goto out;
     }
     if (has_data) {
-        if (!pdpi_local_range_ok(c->ctx, local_region, local_offset, o.length, &o.src)) {
+        if (!local_ok) {
             snprintf(c->err, sizeof c->err, "put: local range region %u [%llu, +%llu) is not registered",
                      local_region, (unsigned long long)local_offset, (unsigned long long)o.length);
             st = PDPAIR_INVALID_ARGUMENT;
@@ -42,6 +47,7 @@ static pdpair_status post(pdpair_conn *c, const struct op *proto, bool has_data,
     }
     if ((o.flags & WIRE_FLAG_SIGNAL) && pdpi_fault_drops_signal_locked(c))
         o.flags &= (uint8_t)~WIRE_FLAG_SIGNAL; /* TEST ONLY: the data still goes, the signal does not */
+    if (has_data && o.length > 0 && pdpi_fault_corrupts_put_locked(c)) o.corrupt = true; /* TEST ONLY */
     if (c->q_len == c->q_cap) {
         size_t ncap = c->q_cap ? c->q_cap * 2 : 1024;
         struct op *q = malloc(ncap * sizeof *q);
@@ -69,29 +75,54 @@ out:
     return st;
 }
 
+pdpair_status pdpair_put_tagged(pdpair_conn *c, uint64_t transfer_id, uint32_t generation, uint32_t local_region,
+                                uint64_t local_offset, uint32_t remote_region, uint64_t remote_offset, uint64_t nbytes,
+                                uint64_t *request_out)
+{
+    if (!c) return PDPAIR_INVALID_ARGUMENT;
+    struct op o = {.remote_region = remote_region, .remote_offset = remote_offset, .length = nbytes,
+                   .transfer = transfer_id, .generation = generation};
+    return post(c, &o, true, local_region, local_offset, request_out);
+}
+
+pdpair_status pdpair_put_signal_tagged(pdpair_conn *c, uint64_t transfer_id, uint32_t generation,
+                                       uint32_t local_region, uint64_t local_offset, uint32_t remote_region,
+                                       uint64_t remote_offset, uint64_t nbytes, uint32_t remote_signal_slot,
+                                       uint64_t *request_out)
+{
+    if (!c) return PDPAIR_INVALID_ARGUMENT;
+    struct op o = {.remote_region = remote_region, .remote_offset = remote_offset, .length = nbytes,
+                   .slot = remote_signal_slot, .flags = WIRE_FLAG_SIGNAL, .transfer = transfer_id,
+                   .generation = generation};
+    return post(c, &o, true, local_region, local_offset, request_out);
+}
+
+pdpair_status pdpair_signal_tagged(pdpair_conn *c, uint64_t transfer_id, uint32_t generation,
+                                   uint32_t remote_signal_slot, uint64_t *request_out)
+{
+    if (!c) return PDPAIR_INVALID_ARGUMENT;
+    struct op o = {.slot = remote_signal_slot, .flags = WIRE_FLAG_SIGNAL | WIRE_FLAG_NODATA,
+                   .transfer = transfer_id, .generation = generation};
+    return post(c, &o, false, 0, 0, request_out);
+}
+
 pdpair_status pdpair_put(pdpair_conn *c, uint32_t local_region, uint64_t local_offset, uint32_t remote_region,
                          uint64_t remote_offset, uint64_t nbytes, uint64_t *request_out)
 {
-    if (!c) return PDPAIR_INVALID_ARGUMENT;
-    struct op o = {.remote_region = remote_region, .remote_offset = remote_offset, .length = nbytes};
-    return post(c, &o, true, local_region, local_offset, request_out);
+    return pdpair_put_tagged(c, 0, 0, local_region, local_offset, remote_region, remote_offset, nbytes, request_out);
 }
 
 pdpair_status pdpair_put_signal(pdpair_conn *c, uint32_t local_region, uint64_t local_offset,
                                 uint32_t remote_region, uint64_t remote_offset, uint64_t nbytes,
                                 uint32_t remote_signal_slot, uint64_t *request_out)
 {
-    if (!c) return PDPAIR_INVALID_ARGUMENT;
-    struct op o = {.remote_region = remote_region, .remote_offset = remote_offset, .length = nbytes,
-                   .slot = remote_signal_slot, .flags = WIRE_FLAG_SIGNAL};
-    return post(c, &o, true, local_region, local_offset, request_out);
+    return pdpair_put_signal_tagged(c, 0, 0, local_region, local_offset, remote_region, remote_offset, nbytes,
+                                    remote_signal_slot, request_out);
 }
 
 pdpair_status pdpair_signal(pdpair_conn *c, uint32_t remote_signal_slot, uint64_t *request_out)
 {
-    if (!c) return PDPAIR_INVALID_ARGUMENT;
-    struct op o = {.slot = remote_signal_slot, .flags = WIRE_FLAG_SIGNAL | WIRE_FLAG_NODATA};
-    return post(c, &o, false, 0, 0, request_out);
+    return pdpair_signal_tagged(c, 0, 0, remote_signal_slot, request_out);
 }
 
 /* --- completion ----------------------------------------------------------------------------------------------- */

@@ -40,7 +40,9 @@ void *pdpi_sender_main(void *arg)
 {
     pdpair_conn *c = arg;
     uint8_t headers[SEND_BATCH_FRAMES][WIRE_FRAME_SIZE];
-    struct iovec iov[2 * SEND_BATCH_FRAMES];
+    /* a frame is a header and at most 3 payload pieces (TEST ONLY corruption: before, the flipped byte, after) */
+    struct iovec iov[4 * SEND_BATCH_FRAMES];
+    uint8_t flipped[SEND_BATCH_FRAMES]; /* here, not in the queue: a post may move the queue during sendmsg */
     pdpair_context *ctx = c->ctx;
 
     pthread_mutex_lock(&c->mu);
@@ -52,7 +54,8 @@ void *pdpi_sender_main(void *arg)
         size_t nrej = 0;
         while (nrej < c->n_rejects_out && nf < SEND_BATCH_FRAMES) {
             f = (struct wire_frame){.type = WIRE_REJECT, .region = PDPAIR_REMOTE_REJECTED,
-                                    .seq = c->rejects_out[nrej++]};
+                                    .seq = c->rejects_out[nrej].seq, .offset = c->rejects_out[nrej].reason};
+            nrej++;
             wire_encode(headers[nf], &f);
             iov[niov++] = (struct iovec){headers[nf++], WIRE_FRAME_SIZE};
         }
@@ -81,10 +84,20 @@ void *pdpi_sender_main(void *arg)
             c->sent_seq = o->seq;
             f = (struct wire_frame){.type = WIRE_DATA, .flags = o->flags, .region = o->remote_region,
                                     .slot = o->slot, .seq = o->seq, .offset = o->remote_offset,
-                                    .length = o->length};
+                                    .length = o->length, .crc = o->crc, .transfer = o->transfer,
+                                    .generation = o->generation};
             wire_encode(headers[nf], &f);
-            iov[niov++] = (struct iovec){headers[nf++], WIRE_FRAME_SIZE};
-            if (o->length) iov[niov++] = (struct iovec){(void *)o->src, o->length};
+            iov[niov++] = (struct iovec){headers[nf], WIRE_FRAME_SIZE};
+            if (o->length && o->corrupt) { /* TEST ONLY: the checksum was taken from the true bytes */
+                uint64_t k = o->length / 2;
+                flipped[nf] = (uint8_t)(o->src[k] ^ 0x01);
+                if (k) iov[niov++] = (struct iovec){(void *)o->src, k};
+                iov[niov++] = (struct iovec){&flipped[nf], 1};
+                if (o->length - k - 1) iov[niov++] = (struct iovec){(void *)(o->src + k + 1), o->length - k - 1};
+            } else if (o->length) {
+                iov[niov++] = (struct iovec){(void *)o->src, o->length};
+            }
+            nf++;
             payload += o->length;
             signals += (o->flags & WIRE_FLAG_SIGNAL) != 0;
         }

@@ -18,8 +18,24 @@ pdpair_status pdpair_conn_read_signal(pdpair_conn *c, uint32_t slot, uint64_t *v
 pdpair_status pdpair_conn_reset_signal(pdpair_conn *c, uint32_t slot)
 {
     if (!c || slot >= c->signal_slots) return PDPAIR_INVALID_ARGUMENT;
+    pdpair_status st = pdpi_conn_enter(c);
+    if (st != PDPAIR_OK) return st;
     atomic_store_explicit(&c->signals[slot], 0, memory_order_release);
+    c->signal_failed[slot] = 0;
+    pdpi_conn_leave(c);
     return PDPAIR_OK;
+}
+
+void pdpi_signal_fail_locked(pdpair_conn *c, uint32_t slot)
+{
+    if (slot >= c->signal_slots || c->signal_failed[slot]) return;
+    c->signal_failed[slot] = 1;
+    for (struct waiter *w = c->sig_waiting; w; w = w->next) {
+        if (w->slot == slot) {
+            pthread_cond_broadcast(&c->sig_cv);
+            break;
+        }
+    }
 }
 
 pdpair_status pdpair_conn_alloc_signal(pdpair_conn *c, uint32_t *slot_out)
@@ -31,6 +47,7 @@ pdpair_status pdpair_conn_alloc_signal(pdpair_conn *c, uint32_t *slot_out)
     for (uint32_t i = 0; i < c->signal_slots; i++) {
         if (!c->signal_used[i]) {
             c->signal_used[i] = 1;
+            c->signal_failed[i] = 0;
             atomic_store_explicit(&c->signals[i], 0, memory_order_release);
             *slot_out = i;
             st = PDPAIR_OK;
@@ -68,6 +85,13 @@ pdpair_status pdpair_conn_wait_signal(pdpair_conn *c, uint32_t slot, uint64_t ex
         /* The receiver adds under release and then takes mu to wake us; we hold mu from this load until
          * we sleep, so no increment can slip between the check and the wait. */
         v = atomic_load_explicit(&c->signals[slot], memory_order_acquire);
+        if (c->signal_failed[slot]) {
+            /* before the value: a refused put's bytes may be in place even if other puts reached the count */
+            st = PDPAIR_DATA_REJECTED;
+            snprintf(c->err, sizeof c->err, "signal slot %u: a put meant for it was refused here (see the "
+                     "connection's refused_* counters)", slot);
+            break;
+        }
         if (v >= expected) {
             st = PDPAIR_OK;
             break;

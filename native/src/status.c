@@ -26,13 +26,14 @@ const char *pdpair_strerror(int status)
     case PDPAIR_PEER_CLOSED: return "the peer closed the connection or died";
     case PDPAIR_CONNECTION_ERROR: return "the TCP connection failed";
     case PDPAIR_CLOSED: return "the handle was closed locally";
-    case PDPAIR_REMOTE_REJECTED: return "the peer rejected the request (its bounds check failed)";
+    case PDPAIR_REMOTE_REJECTED: return "the peer rejected the request (outside its regions or the transfer it expects, or a checksum mismatch)";
     case PDPAIR_PROTOCOL_ERROR: return "protocol error (not a pdpair peer, version or token mismatch, bad frame)";
     case PDPAIR_CONNECTION_REFUSED: return "connection refused (nobody listens at that address yet)";
     case PDPAIR_ADDRESS_IN_USE: return "the address is already in use";
     case PDPAIR_EXHAUSTED: return "no free signal slot or region entry";
     case PDPAIR_NO_MEMORY: return "out of memory";
     case PDPAIR_SYSTEM: return "an operating system call failed";
+    case PDPAIR_DATA_REJECTED: return "a put meant for this signal slot was refused here (checksum, transfer or window check): do not use its data";
     default: return "unknown pdpair status";
     }
 }
@@ -54,6 +55,7 @@ const char *pdpair_status_name(int status)
     case PDPAIR_EXHAUSTED: return "PDPAIR_EXHAUSTED";
     case PDPAIR_NO_MEMORY: return "PDPAIR_NO_MEMORY";
     case PDPAIR_SYSTEM: return "PDPAIR_SYSTEM";
+    case PDPAIR_DATA_REJECTED: return "PDPAIR_DATA_REJECTED";
     default: return "PDPAIR_UNKNOWN";
     }
 }

@@ -16,7 +16,8 @@
 #include <unistd.h>
 
 #include "harness.h"
-#include "wire.h" /* the wire format, for a hand-made peer */
+#include "core.h" /* pdpi_crc32c (a hand-made peer's checksums, the checksum tests); the receiver's state, read once */
+#include "wire.h"     /* the wire format, for a hand-made peer */
 
 /* How late a thread may run on a loaded machine before a time bound calls it a bug. Time bounds only catch what no
  * status shows: a deadline not honoured (or in the wrong unit), a wake-up missed until the waiter's own deadline.
@@ -82,14 +83,14 @@ static void test_status_strings(void)
     int codes[] = {PDPAIR_OK, PDPAIR_TIMEOUT, PDPAIR_IN_PROGRESS, PDPAIR_INVALID_ARGUMENT, PDPAIR_PEER_CLOSED,
                    PDPAIR_CONNECTION_ERROR, PDPAIR_CLOSED, PDPAIR_REMOTE_REJECTED, PDPAIR_PROTOCOL_ERROR,
                    PDPAIR_CONNECTION_REFUSED, PDPAIR_ADDRESS_IN_USE, PDPAIR_EXHAUSTED, PDPAIR_NO_MEMORY,
-                   PDPAIR_SYSTEM};
+                   PDPAIR_SYSTEM, PDPAIR_DATA_REJECTED};
     for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++) {
         const char *s = pdpair_strerror(codes[i]);
         CHECK(s && *s && strcmp(s, "unknown pdpair status") != 0);
         const char *n = pdpair_status_name(codes[i]);
         CHECK(n && strncmp(n, "PDPAIR_", 7) == 0 && strcmp(n, "PDPAIR_UNKNOWN") != 0);
     }
-    int unknown[] = {-1, 14, 999, INT_MIN, INT_MAX};
+    int unknown[] = {-1, 15, 999, INT_MIN, INT_MAX};
     for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++) {
         CHECK(strcmp(pdpair_strerror(unknown[i]), "unknown pdpair status") == 0);
         CHECK(strcmp(pdpair_status_name(unknown[i]), "PDPAIR_UNKNOWN") == 0);
@@ -232,8 +233,8 @@ static void test_receiver_bounds_check(void)
     marry(ctx_a, ctx_b, &port, &a, &b);
     CHECK_OK(pdpair_conn_set_fault(b, PDPAIR_FAULT_SKIP_SENDER_BOUNDS_CHECK, 1), b);
     uint64_t r1, r2, r3, r4, v;
-    CHECK_OK(pdpair_put_signal(b, 0, 0, 0, 4000, 200, 0, &r1), b);   /* runs past the end */
-    CHECK_OK(pdpair_put_signal(b, 0, 0, 5, 0, 10, 0, &r2), b);       /* unknown region */
+    CHECK_OK(pdpair_put_signal(b, 0, 0, 0, 4000, 200, 1, &r1), b);   /* runs past the end */
+    CHECK_OK(pdpair_put_signal(b, 0, 0, 5, 0, 10, 2, &r2), b);       /* unknown region */
     CHECK_OK(pdpair_put_signal(b, 0, 0, 0, 0, 10, 999999, &r3), b);  /* unknown signal slot */
     CHECK_OK(pdpair_put_signal(b, 0, 0, 0, 0, 4096, 0, &r4), b);     /* fine */
     CHECK_STATUS(pdpair_conn_wait(b, r1, 5000), PDPAIR_REMOTE_REJECTED, b);
@@ -244,6 +245,15 @@ static void test_receiver_bounds_check(void)
     CHECK_OK(pdpair_conn_flush(b, 5000), b); /* rejections are reported once */
     CHECK_OK(pdpair_conn_wait_signal(a, 0, 1, 5000, &v), a);
     CHECK(v == 1); /* only the good put signalled */
+    /* the slots the refused puts named are failed: their waiters learn at once, whatever the count */
+    CHECK_STATUS(pdpair_conn_wait_signal(a, 1, 0, 5000, &v), PDPAIR_DATA_REJECTED, a);
+    CHECK_STATUS(pdpair_conn_wait_signal(a, 2, 1, 5000, &v), PDPAIR_DATA_REJECTED, a);
+    CHECK(v == 0);
+    CHECK_OK(pdpair_conn_reset_signal(a, 1), a); /* until the slot is reset */
+    CHECK_OK(pdpair_conn_wait_signal(a, 1, 0, 0, &v), a);
+    char err[256];
+    pdpair_conn_last_error(b, err, sizeof err);
+    CHECK_MSG(strstr(err, "outside its regions"), "error text: %s", err);
     for (int i = 0; i < 4096; i++) CHECK(arena[i] == 0xee && arena[8192 + i] == 0xee);
     for (int i = 0; i < 4096; i++) CHECK(arena[4096 + i] == 0x11);
     pdpair_conn_stats s = stats_of(b);
@@ -396,7 +406,8 @@ static void test_signal_waits_for_payload(void)
 
     uint8_t header[WIRE_FRAME_SIZE];
     wire_encode(header, &(struct wire_frame){.type = WIRE_DATA, .flags = WIRE_FLAG_SIGNAL, .region = 0, .seq = 1,
-                                             .offset = 0, .length = size, .slot = 3});
+                                             .offset = 0, .length = size, .slot = 3,
+                                             .crc = pdpi_crc32c(0, payload, size)});
     send_all(fd, header, sizeof header);
     send_all(fd, payload, size / 2);
     uint64_t v = 99;
@@ -515,7 +526,7 @@ static int run_peer_sender(uint16_t port)
     return 2; /* only reached if the parent went away first */
 }
 
-struct waiter {
+struct test_waiter {
     pdpair_conn *conn;
     pdpair_status st;
     uint64_t value, returned_ms;
@@ -523,7 +534,7 @@ struct waiter {
 
 static void *wait_forever_ish(void *arg)
 {
-    struct waiter *w = arg;
+    struct test_waiter *w = arg;
     w->st = pdpair_conn_wait_signal(w->conn, 0, UINT64_MAX, 20000, &w->value);
     w->returned_ms = now_ms();
     return NULL;
@@ -549,7 +560,7 @@ static void test_peer_killed(void)
     CHECK_OK(pdpair_accept(lis, 10000, &c), NULL);
     uint64_t v;
     CHECK_OK(pdpair_conn_wait_signal(c, 0, 5, 10000, &v), c); /* the transfer is running */
-    struct waiter w = {.conn = c};
+    struct test_waiter w = {.conn = c};
     pthread_t t;
     CHECK(pthread_create(&t, NULL, wait_forever_ish, &w) == 0);
     sleep_ms(100); /* makes a blocked waiter the usual case; one that starts after the kill gets the same status */
@@ -587,7 +598,7 @@ static void test_close_wakes_waiters(void)
 {
     struct pair p;
     pair_open(&p, 4096, 0);
-    struct waiter remote = {.conn = p.a}, local = {.conn = p.b};
+    struct test_waiter remote = {.conn = p.a}, local = {.conn = p.b};
     pthread_t t1, t2;
     CHECK(pthread_create(&t1, NULL, wait_forever_ish, &remote) == 0);
     CHECK(pthread_create(&t2, NULL, wait_forever_ish, &local) == 0);
@@ -857,6 +868,530 @@ static void test_concurrent_posters(void)
     pair_close(&p);
 }
 
+/* --- checksums and declared transfers ---------------------------------------------------------------------------- */
+/* CRC32C: the published check values, the hardware and table paths agree on random buffers (every alignment and
+ * length, so the unaligned head and the tail are covered), and checksumming in pieces equals checksumming at once. */
+static void test_crc32c(void)
+{
+    CHECK(pdpi_crc32c(0, "123456789", 9) == 0xE3069283u);
+    CHECK(pdpi_crc32c_sw(0, "123456789", 9) == 0xE3069283u);
+    static uint8_t buf[3 * 8192 * 2 + 64]; /* long enough for two rounds of the 3 x 8 KiB streams */
+    memset(buf, 0, 32);
+    CHECK(pdpi_crc32c(0, buf, 32) == 0x8A9136AAu && pdpi_crc32c_sw(0, buf, 32) == 0x8A9136AAu);
+    memset(buf, 0xff, 32);
+    CHECK(pdpi_crc32c(0, buf, 32) == 0x62A8AB43u && pdpi_crc32c_sw(0, buf, 32) == 0x62A8AB43u);
+    CHECK(pdpi_crc32c(0, buf, 0) == 0);
+    uint64_t x = 0x9E3779B97F4A7C15ull;
+    for (size_t i = 0; i < sizeof buf; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        buf[i] = (uint8_t)x;
+    }
+    for (int round = 0; round < 2000; round++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        /* lengths up to 4 KiB (one stream, 3 x 256-byte blocks) in most rounds, up to 48 KiB (3 x 8 KiB) in some */
+        size_t max = round % 8 ? 4097 : sizeof buf - 63;
+        size_t off = x % 64, len = (x >> 8) % max, cut = len ? (x >> 24) % len : 0;
+        uint32_t whole = pdpi_crc32c(0, buf + off, len);
+        CHECK_MSG(whole == pdpi_crc32c_sw(0, buf + off, len), "hardware and table differ at offset %zu length %zu",
+                  off, len);
+        CHECK(pdpi_crc32c(pdpi_crc32c(0, buf + off, cut), buf + off + cut, len - cut) == whole);
+    }
+    printf("    crc32c: %s path\n", pdpi_crc32c_hardware() ? "hardware" : "table");
+}
+
+static pdpair_context *expecting_context(uint32_t max_transfers, uint32_t max_windows)
+{
+    pdpair_context_options o;
+    pdpair_context_options_init(&o);
+    o.token = 7;
+    o.expect_transfers = 1;
+    if (max_transfers) o.max_transfers = max_transfers;
+    if (max_windows) o.max_transfer_windows = max_windows;
+    pdpair_context *ctx = NULL;
+    CHECK_OK(pdpair_context_create(&o, &ctx), NULL);
+    return ctx;
+}
+
+/* a: the receiving side in expectation mode (region [guard 4096][region 64 KiB][guard 4096]); b: the sender. */
+struct xpair {
+    pdpair_context *ctx_a, *ctx_b;
+    pdpair_conn *a, *b;
+    uint8_t *arena, *region, *src;
+};
+
+#define XREGION (64u * 1024)
+
+static void xpair_open(struct xpair *p, bool expect)
+{
+    memset(p, 0, sizeof *p);
+    p->ctx_a = expect ? expecting_context(0, 0) : new_context(0, 7);
+    p->ctx_b = new_context(0, 7);
+    p->arena = malloc(XREGION + 8192);
+    p->src = malloc(XREGION);
+    CHECK(p->arena && p->src);
+    memset(p->arena, 0xee, XREGION + 8192);
+    p->region = p->arena + 4096;
+    for (uint32_t i = 0; i < XREGION; i++) p->src[i] = (uint8_t)(i * 29 + 3);
+    CHECK_OK(pdpair_context_register(p->ctx_a, p->region, XREGION, NULL), NULL);
+    CHECK_OK(pdpair_context_register(p->ctx_b, p->src, XREGION, NULL), NULL);
+    uint16_t port = 0;
+    marry(p->ctx_a, p->ctx_b, &port, &p->a, &p->b);
+}
+
+static void xpair_close(struct xpair *p)
+{
+    CHECK_OK(pdpair_conn_close(p->a), NULL);
+    CHECK_OK(pdpair_conn_close(p->b), NULL);
+    pdpair_context_destroy(p->ctx_a);
+    pdpair_context_destroy(p->ctx_b);
+    free(p->arena);
+    free(p->src);
+}
+
+static bool region_untouched(const struct xpair *p, uint64_t off, uint64_t len)
+{
+    for (uint64_t i = 0; i < len; i++)
+        if (p->region[off + i] != 0xee) return false;
+    return true;
+}
+
+static bool guards_untouched(const struct xpair *p)
+{
+    for (uint32_t i = 0; i < 4096; i++)
+        if (p->arena[i] != 0xee || p->arena[4096 + XREGION + i] != 0xee) return false;
+    return true;
+}
+
+/* A waiter blocked on a slot (20 s deadline), to show that a refused put wakes it at once. */
+struct slot_waiter {
+    pdpair_conn *conn;
+    uint32_t slot;
+    uint64_t expected, value, returned_ms;
+    pdpair_status st;
+};
+
+static void *wait_slot(void *arg)
+{
+    struct slot_waiter *w = arg;
+    w->st = pdpair_conn_wait_signal(w->conn, w->slot, w->expected, 20000, &w->value);
+    w->returned_ms = now_ms();
+    return NULL;
+}
+
+/* Happy path: a declared transfer's puts land and signal; windows merge (a put may span two adjacent ones); once its
+ * declared signals are in, a duplicate put is refused before a byte is written; after the retire the tag is refused. */
+static void test_expect_happy_path(void)
+{
+    struct xpair p;
+    xpair_open(&p, true);
+    /* blocks 0, 2 and the adjacent pair 5, 6 of 4 KiB each; listed out of order */
+    pdpair_window w[] = {{0, 0, 6 * 4096, 4096}, {0, 0, 0, 4096}, {0, 0, 2 * 4096, 4096}, {0, 0, 5 * 4096, 4096}};
+    CHECK_OK(pdpair_conn_expect(p.a, 42, 1, 5, 4, w, 4), p.a); /* 4 signals: 3 put_signals and a bare signal */
+    CHECK(stats_of(p.a).transfers_outstanding == 1);
+    uint64_t v;
+    CHECK_OK(pdpair_put_signal_tagged(p.b, 42, 1, 0, 0, 0, 0, 4096, 5, NULL), p.b);
+    CHECK_OK(pdpair_put_signal_tagged(p.b, 42, 1, 0, 4096, 0, 2 * 4096, 4096, 5, NULL), p.b);
+    CHECK_OK(pdpair_put_signal_tagged(p.b, 42, 1, 0, 8192, 0, 5 * 4096, 8192, 5, NULL), p.b); /* spans 5 and 6 */
+    CHECK_OK(pdpair_put_tagged(p.b, 42, 1, 0, 100, 0, 100, 50, NULL), p.b);                 /* no signal */
+    CHECK_OK(pdpair_signal_tagged(p.b, 42, 1, 5, NULL), p.b);
+    CHECK_OK(pdpair_conn_flush(p.b, 5000), p.b);
+    CHECK_OK(pdpair_conn_wait_signal(p.a, 5, 4, 5000, &v), p.a);
+    CHECK(v == 4);
+    CHECK(memcmp(p.region, p.src, 100) == 0 && memcmp(p.region + 100, p.src + 100, 50) == 0);
+    CHECK(memcmp(p.region + 150, p.src + 150, 4096 - 150) == 0);
+    CHECK(memcmp(p.region + 2 * 4096, p.src + 4096, 4096) == 0);
+    CHECK(memcmp(p.region + 5 * 4096, p.src + 8192, 8192) == 0);
+    CHECK(region_untouched(&p, 4096, 4096) && region_untouched(&p, 3 * 4096, 2 * 4096) && guards_untouched(&p));
+    pdpair_conn_stats s = stats_of(p.a);
+    CHECK(s.refused_unknown_transfer == 0 && s.refused_out_of_window == 0 && s.refused_checksum == 0);
+    CHECK(s.bytes_received == 4096 * 4 + 50 && s.signals_received == 4);
+
+    /* complete: a replay of its first put (other bytes, same tag and block) is refused, block 0 keeps what came */
+    uint64_t r;
+    CHECK_OK(pdpair_put_signal_tagged(p.b, 42, 1, 0, 3 * 4096, 0, 0, 4096, 5, &r), p.b);
+    CHECK_STATUS(pdpair_conn_wait(p.b, r, 5000), PDPAIR_REMOTE_REJECTED, p.b);
+    char err[256];
+    pdpair_conn_last_error(p.b, err, sizeof err);
+    CHECK_MSG(strstr(err, "complete"), "error text: %s", err);
+    CHECK(memcmp(p.region, p.src, 4096) == 0);
+    CHECK(stats_of(p.a).refused_unknown_transfer == 1 && stats_of(p.a).signals_received == 4);
+    CHECK_STATUS(pdpair_conn_wait_signal(p.a, 5, 4, 0, &v), PDPAIR_DATA_REJECTED, p.a);
+
+    CHECK_OK(pdpair_conn_retire(p.a, 42, 1, 1000), p.a);
+    CHECK(stats_of(p.a).transfers_outstanding == 0);
+    CHECK_OK(pdpair_put_signal_tagged(p.b, 42, 1, 0, 0, 0, 4096, 4096, 5, &r), p.b);
+    CHECK_STATUS(pdpair_conn_wait(p.b, r, 5000), PDPAIR_REMOTE_REJECTED, p.b);
+    CHECK(region_untouched(&p, 4096, 4096));
+    CHECK(stats_of(p.a).refused_unknown_transfer == 2);
+    /* a new declaration on the slot starts clean */
+    CHECK_OK(pdpair_conn_expect(p.a, 43, 1, 5, 0, w, 1), p.a);
+    CHECK_OK(pdpair_conn_wait_signal(p.a, 5, 4, 0, &v), p.a);
+    CHECK_OK(pdpair_conn_state(p.a), p.a);
+    CHECK_OK(pdpair_conn_state(p.b), p.b);
+    xpair_close(&p);
+}
+
+/* Every put a declared transfer did not ask for is refused, counted by reason, writes nothing, adds no signal, and
+ * fails the slot it named at once (a waiter with a 20 s deadline wakes within LATE_MS). */
+static void test_expect_refusals(void)
+{
+    struct xpair p;
+    xpair_open(&p, true);
+    pdpair_window w[] = {{0, 0, 8192, 8192}};
+    CHECK_OK(pdpair_conn_expect(p.a, 7, 2, 1, 0, w, 1), p.a);
+    struct {
+        const char *what;
+        uint64_t id;
+        uint32_t gen, slot;
+        uint64_t off, len;
+        bool window; /* refused for the window (else for the tag) */
+        const char *text;
+    } cases[] = {
+        {"stale generation", 7, 1, 1, 8192, 4096, false, "another generation"},
+        {"untagged", 0, 0, 1, 8192, 4096, false, "not a transfer it expects"},
+        {"unknown transfer", 8, 2, 1, 8192, 4096, false, "not a transfer it expects"},
+        {"before the window", 7, 2, 1, 4096, 4096, true, "windows"},
+        {"past the window", 7, 2, 1, 12288, 8192, true, "windows"},
+        {"another slot", 7, 2, 3, 8192, 4096, true, "windows"},
+    };
+    uint64_t unknown = 0, window = 0;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        CHECK_OK(pdpair_conn_reset_signal(p.a, cases[i].slot), p.a);
+        struct slot_waiter sw = {.conn = p.a, .slot = cases[i].slot, .expected = 1};
+        pthread_t t;
+        CHECK(pthread_create(&t, NULL, wait_slot, &sw) == 0);
+        sleep_ms(20); /* makes a blocked waiter the usual case; one that starts later sees the mark at once */
+        uint64_t r, t0 = now_ms();
+        CHECK_OK(pdpair_put_signal_tagged(p.b, cases[i].id, cases[i].gen, 0, 0, 0, cases[i].off, cases[i].len,
+                                          cases[i].slot, &r), p.b);
+        CHECK_STATUS(pdpair_conn_wait(p.b, r, 5000), PDPAIR_REMOTE_REJECTED, p.b);
+        char err[256];
+        pdpair_conn_last_error(p.b, err, sizeof err);
+        CHECK_MSG(strstr(err, cases[i].text), "%s: error text: %s", cases[i].what, err);
+        pthread_join(t, NULL);
+        CHECK_MSG(sw.st == PDPAIR_DATA_REJECTED && sw.value == 0, "%s: waiter got %s, value %llu", cases[i].what,
+                  pdpair_status_name(sw.st), (unsigned long long)sw.value);
+        CHECK_MSG(sw.returned_ms - t0 < LATE_MS, "%s: waiter returned after %llu ms", cases[i].what,
+                  (unsigned long long)(sw.returned_ms - t0));
+        *(cases[i].window ? &window : &unknown) += 1;
+        pdpair_conn_stats s = stats_of(p.a);
+        CHECK_MSG(s.refused_unknown_transfer == unknown && s.refused_out_of_window == window,
+                  "%s: counted unknown %llu window %llu", cases[i].what,
+                  (unsigned long long)s.refused_unknown_transfer, (unsigned long long)s.refused_out_of_window);
+        CHECK(s.bytes_received == 0 && s.signals_received == 0);
+        CHECK(region_untouched(&p, 0, XREGION) && guards_untouched(&p));
+    }
+    /* the declared transfer still works afterwards; the connection never broke */
+    CHECK_OK(pdpair_conn_expect(p.a, 9, 1, 2, 0, w, 1), p.a);
+    uint64_t v;
+    CHECK_OK(pdpair_put_signal_tagged(p.b, 9, 1, 0, 0, 0, 8192, 8192, 2, NULL), p.b);
+    CHECK_OK(pdpair_conn_wait_signal(p.a, 2, 1, 5000, &v), p.a);
+    CHECK(memcmp(p.region + 8192, p.src, 8192) == 0);
+    CHECK(stats_of(p.b).rejected == sizeof cases / sizeof cases[0]);
+    CHECK_OK(pdpair_conn_state(p.a), p.a);
+    xpair_close(&p);
+}
+
+/* A byte flipped on the way, after the sender took the checksum (TEST ONLY fault): refused and counted, the signal
+ * never added, the waiter fails at once; the next, intact put goes through. With and without expectation mode. */
+static void test_checksum_mismatch(void)
+{
+    for (int expect = 0; expect < 2; expect++) {
+        struct xpair p;
+        xpair_open(&p, expect);
+        pdpair_window w[] = {{0, 0, 0, XREGION}};
+        CHECK_OK(pdpair_conn_expect(p.a, 5, 1, 4, 0, w, 1), p.a);
+        struct slot_waiter sw = {.conn = p.a, .slot = 4, .expected = 2};
+        pthread_t t;
+        CHECK(pthread_create(&t, NULL, wait_slot, &sw) == 0);
+        sleep_ms(20);
+        CHECK_OK(pdpair_conn_set_fault(p.b, PDPAIR_FAULT_CORRUPT_PUTS, 1), p.b);
+        uint64_t r1, r2, t0 = now_ms();
+        CHECK_OK(pdpair_put_signal_tagged(p.b, 5, 1, 0, 0, 0, 0, 32768, 4, &r1), p.b);    /* corrupted */
+        CHECK_OK(pdpair_put_signal_tagged(p.b, 5, 1, 0, 0, 0, 32768, 32768, 4, &r2), p.b); /* intact */
+        CHECK_STATUS(pdpair_conn_wait(p.b, r1, 5000), PDPAIR_REMOTE_REJECTED, p.b);
+        char err[256];
+        pdpair_conn_last_error(p.b, err, sizeof err);
+        CHECK_MSG(strstr(err, "checksum"), "error text: %s", err);
+        CHECK_OK(pdpair_conn_wait(p.b, r2, 5000), p.b);
+        pthread_join(t, NULL);
+        CHECK_MSG(sw.st == PDPAIR_DATA_REJECTED, "waiter got %s", pdpair_status_name(sw.st));
+        CHECK_MSG(sw.returned_ms - t0 < LATE_MS, "waiter returned after %llu ms", (unsigned long long)(sw.returned_ms - t0));
+        uint64_t v;
+        CHECK_OK(pdpair_conn_read_signal(p.a, 4, &v), p.a);
+        CHECK_MSG(v == 1, "signal %llu: only the intact put may count", (unsigned long long)v);
+        /* received in place, then found bad: the bytes may be there, but they were never counted */
+        CHECK(memcmp(p.region + 32768, p.src + 32768, 32768) == 0);
+        pdpair_conn_stats s = stats_of(p.a);
+        CHECK(s.refused_checksum == 1 && s.bytes_received == 32768 && s.signals_received == 1);
+        CHECK(s.refused_unknown_transfer == 0 && s.refused_out_of_window == 0);
+        CHECK(stats_of(p.b).rejected == 1);
+        CHECK_OK(pdpair_conn_state(p.a), p.a);
+        printf("    checksum mismatch (expectation mode %s): waiter failed %llu ms after the post\n",
+               expect ? "on" : "off", (unsigned long long)(sw.returned_ms - t0));
+        xpair_close(&p);
+    }
+}
+
+/* Bounds: table full and too many windows are EXHAUSTED (never growth), bad declarations INVALID_ARGUMENT; and many
+ * declare/retire cycles keep the hash table exact (a live tag is found, a retired one is not). */
+static void test_expect_bounds(void)
+{
+    pdpair_context *ctx_a = expecting_context(64, 300), *ctx_b = new_context(0, 7);
+    uint8_t *mem = calloc(1, XREGION), *src = calloc(1, XREGION);
+    CHECK_OK(pdpair_context_register(ctx_a, mem, XREGION, NULL), NULL);
+    CHECK_OK(pdpair_context_register(ctx_b, src, XREGION, NULL), NULL);
+    pdpair_conn *a, *b;
+    uint16_t port = 0;
+    marry(ctx_a, ctx_b, &port, &a, &b);
+    pdpair_window w[301];
+    for (int i = 0; i < 301; i++) w[i] = (pdpair_window){0, 0, (uint64_t)i * 128, 64}; /* never adjacent */
+    char err[256];
+    CHECK_STATUS(pdpair_conn_expect(a, 1, 0, 0, 0, w, 301), PDPAIR_EXHAUSTED, a);
+    CHECK_OK(pdpair_conn_expect(a, 1, 0, 0, 0, w, 200), a);
+    CHECK_STATUS(pdpair_conn_expect(a, 2, 0, 0, 0, w, 101), PDPAIR_EXHAUSTED, a);
+    pdpair_conn_last_error(a, err, sizeof err);
+    CHECK_MSG(strstr(err, "max_transfer_windows"), "error text: %s", err);
+    CHECK_STATUS(pdpair_conn_expect(a, 1, 5, 0, 0, w, 1), PDPAIR_INVALID_ARGUMENT, a); /* declared already */
+    CHECK_STATUS(pdpair_conn_expect(a, 0, 0, 0, 0, w, 1), PDPAIR_INVALID_ARGUMENT, a);
+    CHECK_STATUS(pdpair_conn_expect(a, 3, 0, 4096, 0, w, 1), PDPAIR_INVALID_ARGUMENT, a);
+    pdpair_window bad[] = {{0, 0, XREGION - 10, 11}, {1, 0, 0, 1}, {0, 0, 0, 0}, {0, 1, 0, 1}};
+    for (int i = 0; i < 4; i++) CHECK_STATUS(pdpair_conn_expect(a, 3, 0, 0, 0, &bad[i], 1), PDPAIR_INVALID_ARGUMENT, a);
+    CHECK_STATUS(pdpair_conn_expect(a, 3, 0, 0, 0, NULL, 1), PDPAIR_INVALID_ARGUMENT, a);
+    CHECK_STATUS(pdpair_conn_retire(a, 1, 1, 0), PDPAIR_INVALID_ARGUMENT, a); /* other generation */
+    CHECK_STATUS(pdpair_conn_retire(a, 1, 0, -1), PDPAIR_INVALID_ARGUMENT, a);
+    CHECK_OK(pdpair_conn_retire(a, 1, 0, 0), a);
+    CHECK_STATUS(pdpair_conn_retire(a, 1, 0, 0), PDPAIR_INVALID_ARGUMENT, a);
+    for (uint64_t id = 1; id <= 64; id++) CHECK_OK(pdpair_conn_expect(a, id, 0, 0, 0, NULL, 0), a);
+    CHECK_STATUS(pdpair_conn_expect(a, 65, 0, 0, 0, NULL, 0), PDPAIR_EXHAUSTED, a);
+    pdpair_conn_last_error(a, err, sizeof err);
+    CHECK_MSG(strstr(err, "max_transfers"), "error text: %s", err);
+    /* churn: ids that collide in the table come and go; the set of declared ids stays exact */
+    bool live[1024] = {false};
+    for (uint64_t id = 1; id <= 64; id++) live[id] = true;
+    uint64_t x = 88172645463325252ull;
+    int nlive = 64;
+    for (int step = 0; step < 20000; step++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        uint64_t id = 1 + x % 1023;
+        if (live[id]) {
+            CHECK_STATUS(pdpair_conn_expect(a, id, 0, 0, 0, NULL, 0), PDPAIR_INVALID_ARGUMENT, a);
+            CHECK_OK(pdpair_conn_retire(a, id, 0, 0), a);
+            live[id] = false;
+            nlive--;
+        } else {
+            CHECK_STATUS(pdpair_conn_retire(a, id, 0, 0), PDPAIR_INVALID_ARGUMENT, a);
+            CHECK_STATUS(pdpair_conn_expect(a, id, 0, 0, 0, NULL, 0), nlive < 64 ? PDPAIR_OK : PDPAIR_EXHAUSTED, a);
+            if (nlive < 64) live[id] = true, nlive++;
+        }
+    }
+    CHECK(stats_of(a).transfers_outstanding == (uint64_t)nlive);
+    CHECK_OK(pdpair_conn_close(a), NULL); /* outstanding declarations are freed with the connection (ASan: no leak) */
+    CHECK_OK(pdpair_conn_close(b), NULL);
+    pdpair_context_destroy(ctx_a);
+    pdpair_context_destroy(ctx_b);
+    pdpair_context_options o;
+    pdpair_context_options_init(&o);
+    o.expect_transfers = 2;
+    pdpair_context *ctx = NULL;
+    CHECK_STATUS(pdpair_context_create(&o, &ctx), PDPAIR_INVALID_ARGUMENT, NULL);
+    o.expect_transfers = 1;
+    o.reserved2 = 1;
+    CHECK_STATUS(pdpair_context_create(&o, &ctx), PDPAIR_INVALID_ARGUMENT, NULL);
+    free(mem);
+    free(src);
+}
+
+/* A hand-made peer that has finished its hello with the listener of ctx (its one region `size` bytes). */
+struct raw_peer {
+    pdpair_listener *lis;
+    pdpair_conn *conn;
+    int fd;
+};
+
+static void send_hello(int fd, uint32_t version, uint64_t token, uint64_t size)
+{
+    uint8_t hello[WIRE_HELLO_SIZE + 8] = {0};
+    wire_put_u32(hello, WIRE_MAGIC);
+    wire_put_u32(hello + 4, version);
+    wire_put_u64(hello + 8, token);
+    wire_put_u32(hello + 16, 4096);
+    wire_put_u32(hello + 20, 256);
+    wire_put_u32(hello + 24, 1);
+    wire_put_u64(hello + WIRE_HELLO_SIZE, size);
+    send_all(fd, hello, sizeof hello);
+}
+
+static void raw_peer_open(struct raw_peer *rp, pdpair_context *ctx, uint64_t token)
+{
+    struct accept_job job = {0};
+    CHECK_OK(pdpair_listen(ctx, "127.0.0.1", 0, &job.lis), NULL);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, accept_once, &job) == 0);
+    rp->fd = raw_connect(pdpair_listener_port(job.lis));
+    send_hello(rp->fd, PDPAIR_PROTOCOL_VERSION, token, 1 << 20);
+    pthread_join(t, NULL);
+    CHECK_STATUS(job.st, PDPAIR_OK, NULL);
+    rp->lis = job.lis;
+    rp->conn = job.conn;
+}
+
+static void send_put_header(int fd, uint64_t seq, uint64_t transfer, uint32_t gen, uint64_t off, const uint8_t *payload,
+                            uint64_t len, uint32_t slot)
+{
+    uint8_t header[WIRE_FRAME_SIZE];
+    wire_encode(header, &(struct wire_frame){.type = WIRE_DATA, .flags = WIRE_FLAG_SIGNAL, .seq = seq, .offset = off,
+                                             .length = len, .slot = slot, .crc = pdpi_crc32c(0, payload, len),
+                                             .transfer = transfer, .generation = gen});
+    send_all(fd, header, sizeof header);
+}
+
+/* A put cut short (the peer dies in its payload): the bytes that came may be in place, the signal never counts, and
+ * the waiter ends with PEER_CLOSED within LATE_MS of the hang-up instead of its 20 s deadline. */
+static void test_truncated_put(void)
+{
+    pdpair_context *ctx = expecting_context(0, 0);
+    uint8_t *mem = calloc(1, XREGION), *payload = malloc(XREGION);
+    for (uint32_t i = 0; i < XREGION; i++) payload[i] = (uint8_t)(i * 7 + 1);
+    CHECK_OK(pdpair_context_register(ctx, mem, XREGION, NULL), NULL);
+    struct raw_peer rp;
+    raw_peer_open(&rp, ctx, 7);
+    pdpair_window w = {0, 0, 0, XREGION};
+    CHECK_OK(pdpair_conn_expect(rp.conn, 11, 1, 6, 0, &w, 1), rp.conn);
+    struct slot_waiter sw = {.conn = rp.conn, .slot = 6, .expected = 1};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, wait_slot, &sw) == 0);
+    send_put_header(rp.fd, 1, 11, 1, 0, payload, XREGION, 6);
+    send_all(rp.fd, payload, XREGION / 2);
+    sleep_ms(50);
+    uint64_t t0 = now_ms();
+    close(rp.fd);
+    pthread_join(t, NULL);
+    CHECK_MSG(sw.st == PDPAIR_PEER_CLOSED && sw.value == 0, "waiter got %s, value %llu", pdpair_status_name(sw.st),
+              (unsigned long long)sw.value);
+    CHECK_MSG(sw.returned_ms - t0 < LATE_MS, "waiter returned %llu ms after the hang-up",
+              (unsigned long long)(sw.returned_ms - t0));
+    pdpair_conn_stats s = stats_of(rp.conn);
+    CHECK(s.bytes_received == 0 && s.signals_received == 0);
+    CHECK_OK(pdpair_conn_retire(rp.conn, 11, 1, 1000), rp.conn); /* the receiver let go when the stream ended */
+    CHECK_OK(pdpair_conn_close(rp.conn), NULL);
+    CHECK_OK(pdpair_listener_close(rp.lis), NULL);
+    pdpair_context_destroy(ctx);
+    free(mem);
+    free(payload);
+}
+
+struct delayed_send {
+    int fd;
+    const uint8_t *buf;
+    size_t len;
+    unsigned after_ms;
+};
+
+static void *send_later(void *arg)
+{
+    struct delayed_send *d = arg;
+    sleep_ms(d->after_ms);
+    send_all(d->fd, d->buf, d->len);
+    return NULL;
+}
+
+/* Whether the receiver is inside a payload of transfer `id` (white-box: the one place a test must know it is). Waits up
+ * to 60 s for it, so the check does not depend on how fast the receiver thread gets to run. */
+static bool receiving_into(pdpair_conn *c, uint64_t id)
+{
+    uint64_t deadline = now_ms() + 60000;
+    for (;;) {
+        pthread_mutex_lock(&c->mu);
+        bool in = c->recv_active_id == id;
+        pthread_mutex_unlock(&c->mu);
+        if (in || now_ms() >= deadline) return in;
+        sleep_ms(1);
+    }
+}
+
+/* Retire while one of the transfer's puts is half received: it waits for the payload (OK, the put counts), and when
+ * the payload stalls past its deadline it breaks the connection so nothing of it lands after retire returns. */
+static void test_retire_waits_for_payload(void)
+{
+    pdpair_context *ctx = expecting_context(0, 0);
+    uint8_t *mem = calloc(1, XREGION), *payload = malloc(XREGION);
+    for (uint32_t i = 0; i < XREGION; i++) payload[i] = (uint8_t)(i * 11 + 5);
+    CHECK_OK(pdpair_context_register(ctx, mem, XREGION, NULL), NULL);
+    struct raw_peer rp;
+    raw_peer_open(&rp, ctx, 7);
+    pdpair_window w = {0, 0, 0, XREGION};
+    uint64_t v;
+
+    /* the rest of the payload comes 100 ms into a 5 s retire: it lands, then retire returns OK */
+    CHECK_OK(pdpair_conn_expect(rp.conn, 21, 1, 2, 0, &w, 1), rp.conn);
+    send_put_header(rp.fd, 1, 21, 1, 0, payload, XREGION, 2);
+    send_all(rp.fd, payload, XREGION / 2);
+    CHECK(receiving_into(rp.conn, 21)); /* a retire before the receiver took the header would refuse the put */
+    struct delayed_send d = {rp.fd, payload + XREGION / 2, XREGION / 2, 100};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, send_later, &d) == 0);
+    CHECK_OK(pdpair_conn_retire(rp.conn, 21, 1, 5000), rp.conn);
+    CHECK(memcmp(mem, payload, XREGION) == 0);
+    pthread_join(t, NULL);
+    CHECK_OK(pdpair_conn_read_signal(rp.conn, 2, &v), rp.conn);
+    CHECK(v == 1);
+
+    /* the payload stalls: retire gives up at its deadline by breaking the connection */
+    memset(mem, 0, XREGION);
+    CHECK_OK(pdpair_conn_expect(rp.conn, 22, 1, 3, 0, &w, 1), rp.conn);
+    send_put_header(rp.fd, 2, 22, 1, 0, payload, XREGION, 3);
+    send_all(rp.fd, payload, XREGION / 2);
+    CHECK(receiving_into(rp.conn, 22));
+    uint64_t t0 = now_ms();
+    CHECK_STATUS(pdpair_conn_retire(rp.conn, 22, 1, 200), PDPAIR_TIMEOUT, rp.conn);
+    uint64_t took = now_ms() - t0;
+    CHECK_MSG(took >= 199 && took < 200 + LATE_MS, "retire returned after %llu ms (deadline 200 ms)",
+              (unsigned long long)took);
+    CHECK_STATUS(pdpair_conn_state(rp.conn), PDPAIR_CONNECTION_ERROR, rp.conn);
+    char err[256];
+    pdpair_conn_last_error(rp.conn, err, sizeof err);
+    CHECK_MSG(strstr(err, "still arriving"), "error text: %s", err);
+    uint8_t snapshot[XREGION / 2];
+    memcpy(snapshot, mem + XREGION / 2, sizeof snapshot);
+    (void)!send(rp.fd, payload + XREGION / 2, XREGION / 2, MSG_NOSIGNAL); /* too late: the socket is shut */
+    sleep_ms(50);
+    CHECK(memcmp(snapshot, mem + XREGION / 2, sizeof snapshot) == 0);
+    CHECK_OK(pdpair_conn_read_signal(rp.conn, 3, &v), rp.conn);
+    CHECK(v == 0);
+    printf("    retire: a stalled put ended by breaking the connection after %llu ms (deadline 200 ms)\n",
+           (unsigned long long)took);
+    close(rp.fd);
+    CHECK_OK(pdpair_conn_close(rp.conn), NULL);
+    CHECK_OK(pdpair_listener_close(rp.lis), NULL);
+    pdpair_context_destroy(ctx);
+    free(mem);
+    free(payload);
+}
+
+/* A peer of the previous protocol (2: 40-byte frames, no checksums) is refused in the handshake: closed without a byte
+ * of the listener's hello, and accept's error text names both versions. */
+static void test_protocol_version_mismatch(void)
+{
+    pdpair_context *ctx = new_context(0, 7);
+    struct accept_job job = {0};
+    CHECK_OK(pdpair_listen(ctx, "127.0.0.1", 0, &job.lis), NULL);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, accept_short, &job) == 0);
+    int fd = raw_connect(pdpair_listener_port(job.lis));
+    send_hello(fd, PDPAIR_PROTOCOL_VERSION - 1, 7, 4096);
+    uint8_t buf[WIRE_HELLO_SIZE];
+    CHECK_MSG(read_for(fd, buf, sizeof buf, 1000) == -1, "a peer of another protocol was answered instead of closed");
+    pthread_join(t, NULL);
+    CHECK_STATUS(job.st, PDPAIR_TIMEOUT, NULL);
+    char err[512];
+    pdpair_listener_last_error(job.lis, err, sizeof err);
+    CHECK_MSG(strstr(err, "protocol version mismatch: peer 2, here 3"), "error text: %s", err);
+    close(fd);
+    CHECK_OK(pdpair_listener_close(job.lis), NULL);
+    pdpair_context_destroy(ctx);
+}
+
 /* --- runner ----------------------------------------------------------------------------------------------------- */
 struct test {
     const char *name;
@@ -881,6 +1416,14 @@ static const struct test TESTS[] = {
     {"accept_skips_probes", test_accept_skips_probes},
     {"listener_answers_only_its_token", test_listener_answers_only_its_token},
     {"concurrent_posters", test_concurrent_posters},
+    {"crc32c", test_crc32c},
+    {"expect_happy_path", test_expect_happy_path},
+    {"expect_refusals", test_expect_refusals},
+    {"checksum_mismatch", test_checksum_mismatch},
+    {"expect_bounds", test_expect_bounds},
+    {"truncated_put", test_truncated_put},
+    {"retire_waits_for_payload", test_retire_waits_for_payload},
+    {"protocol_version_mismatch", test_protocol_version_mismatch},
 };
 
 static const char *current_test = "";

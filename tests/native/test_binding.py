@@ -15,7 +15,17 @@ from dataclasses import dataclass
 import pytest
 
 from pdpair import native
-from pdpair.native import Closed, Context, Fault, PeerClosed, RemoteRejected, Status, TransportError, WaitTimeout
+from pdpair.native import (
+    Closed,
+    Context,
+    DataRejected,
+    Fault,
+    PeerClosed,
+    RemoteRejected,
+    Status,
+    TransportError,
+    WaitTimeout,
+)
 
 TIMEOUT = 10.0
 
@@ -118,14 +128,130 @@ def test_bad_arguments_fail_early(pair: Pair):
 def test_receiver_rejects_out_of_bounds_put(pair: Pair):
     pair.b.set_fault(Fault.SKIP_SENDER_BOUNDS_CHECK, 1)  # TEST ONLY: let the peer's own check decide
     bad = pair.b.put_signal(0, 0, 0, (1 << 20) - 10, 100, signal_slot=1)
-    good = pair.b.put_signal(0, 0, 0, 0, 100, signal_slot=1)
-    with pytest.raises(RemoteRejected):
+    good = pair.b.put_signal(0, 0, 0, 0, 100, signal_slot=2)
+    with pytest.raises(RemoteRejected) as info:
         pair.b.wait(bad, timeout=TIMEOUT)
+    assert "outside its regions" in info.value.detail
     pair.b.wait(good, timeout=TIMEOUT)
-    assert pair.a.wait_signal(1, 1, timeout=TIMEOUT) == 1
+    assert pair.a.wait_signal(2, 1, timeout=TIMEOUT) == 1
+    with pytest.raises(DataRejected):  # the slot the refused put named fails at once
+        pair.a.wait_signal(1, 1, timeout=TIMEOUT)
+    pair.a.reset_signal(1)
+    assert pair.a.wait_signal(1, 0, timeout=0) == 0
     with pytest.raises(RemoteRejected):
         pair.b.flush(timeout=TIMEOUT)
     assert pair.b.stats().rejected == 1 and pair.b.state == Status.OK
+
+
+def test_corrupted_put_is_refused_and_fails_the_waiter_at_once(pair: Pair):
+    """A byte flipped on the way after the checksum (TEST ONLY fault): refused, counted, never signalled; the waiter
+    raises DataRejected within a second instead of at its 10 s deadline."""
+    pair.mem_b[:8192] = bytes(range(256)) * 32
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(pair.a.wait_signal, 4, 2, timeout=TIMEOUT)
+        pair.b.set_fault(Fault.CORRUPT_PUTS, 1)
+        start = time.monotonic()
+        bad = pair.b.put_signal(0, 0, 0, 0, 4096, signal_slot=4)
+        good = pair.b.put_signal(0, 4096, 0, 4096, 4096, signal_slot=4)
+        with pytest.raises(DataRejected):
+            waiting.result()
+        assert time.monotonic() - start < 3.0
+    with pytest.raises(RemoteRejected) as info:
+        pair.b.wait(bad, timeout=TIMEOUT)
+    assert "checksum" in info.value.detail
+    pair.b.wait(good, timeout=TIMEOUT)
+    assert pair.a.read_signal(4) == 1 and pair.mem_a[4096:8192] == pair.mem_b[4096:8192]
+    stats = pair.a.stats()
+    assert (stats.refused_checksum, stats.refused_unknown_transfer, stats.refused_out_of_window) == (1, 0, 0)
+    assert stats.signals_received == 1 and stats.bytes_received == 4096
+    assert pair.a.state == Status.OK and pair.b.state == Status.OK
+
+
+@pytest.fixture
+def expecting_pair():
+    """a: the receiving side, in expectation mode; b: the sender."""
+    ctx_a, ctx_b = Context(token=5, expect_transfers=True, max_transfers=4, max_transfer_windows=8), Context(token=5)
+    mem_a, mem_b = bytearray(1 << 16), bytearray(1 << 16)
+    ctx_a.register(mem_a)
+    ctx_b.register(mem_b)
+    a, b, port = marry(ctx_a, ctx_b)
+    yield Pair(ctx_a, ctx_b, a, b, mem_a, mem_b, port)
+    a.close()
+    b.close()
+    ctx_a.close()
+    ctx_b.close()
+
+
+def test_expectation_mode_accepts_only_declared_transfers(expecting_pair: Pair):
+    p = expecting_pair
+    p.mem_b[:] = bytes(range(256)) * 256
+    p.a.expect(77, 3, 6, [(0, 4096, 4096), (p.ctx_a.regions[0], 8192, 4096)], expected_signals=3)  # [4096, 12288)
+    assert p.a.stats().transfers_outstanding == 1
+    p.b.put_signal(0, 0, 0, 4096, 8192, 6, transfer_id=77, generation=3)
+    p.b.signal(6, transfer_id=77, generation=3)
+    assert p.a.wait_signal(6, 2, timeout=TIMEOUT) == 2
+    assert p.mem_a[4096:12288] == p.mem_b[:8192]
+    refused = [
+        dict(transfer_id=77, generation=2),   # stale generation
+        dict(transfer_id=0, generation=0),    # untagged
+        dict(transfer_id=78, generation=3),   # never declared
+    ]
+    for tag in refused:
+        with pytest.raises(RemoteRejected) as info:
+            p.b.wait(p.b.put_signal(0, 0, 0, 4096, 64, 6, **tag), timeout=TIMEOUT)
+        assert "not a transfer it expects" in info.value.detail
+    for dst, slot in ((0, 6), (12288 - 32, 6), (4096, 7)):  # before, across the end of the windows, another slot
+        with pytest.raises(RemoteRejected) as info:
+            p.b.wait(p.b.put_signal(0, 0, 0, dst, 64, slot, transfer_id=77, generation=3), timeout=TIMEOUT)
+        assert "windows" in info.value.detail
+    with pytest.raises(DataRejected):
+        p.a.wait_signal(6, 2, timeout=TIMEOUT)  # reached 2, but refused puts named the slot
+    stats = p.a.stats()
+    assert (stats.refused_unknown_transfer, stats.refused_out_of_window, stats.refused_checksum) == (3, 3, 0)
+    assert stats.bytes_received == 8192 and p.mem_a[:4096] == bytes(4096) and p.mem_a[12288:] == bytes(len(p.mem_a) - 12288)
+    p.a.retire(77, 3, timeout=TIMEOUT)
+    assert p.a.stats().transfers_outstanding == 0
+    with pytest.raises(RemoteRejected):
+        p.b.wait(p.b.put(0, 0, 0, 4096, 64, transfer_id=77, generation=3), timeout=TIMEOUT)
+    p.a.expect(77, 4, 6, [(0, 0, 64)])  # the next generation of the id starts clean on the slot
+    p.a.reset_signal(6)
+    p.b.put_signal(0, 0, 0, 0, 64, 6, transfer_id=77, generation=4)
+    assert p.a.wait_signal(6, 1, timeout=TIMEOUT) == 1
+    assert p.a.state == Status.OK and p.b.state == Status.OK
+
+
+def test_expectation_table_is_bounded(expecting_pair: Pair):
+    p = expecting_pair
+    with pytest.raises(TransportError) as info:
+        p.a.expect(1, 0, 0, [(0, i * 128, 64) for i in range(9)])
+    assert info.value.status == Status.EXHAUSTED
+    for transfer in range(1, 5):
+        p.a.expect(transfer, 0, transfer, [(0, transfer * 128, 64)])
+    with pytest.raises(TransportError) as info:
+        p.a.expect(5, 0, 5, [])
+    assert info.value.status == Status.EXHAUSTED and "max_transfers" in info.value.detail
+    with pytest.raises(TransportError) as info:
+        p.a.expect(1, 1, 0, [])
+    assert info.value.status == Status.INVALID_ARGUMENT and "already declared" in info.value.detail
+    with pytest.raises(TransportError) as info:
+        p.a.expect(9, 0, 0, [(0, (1 << 16) - 8, 16)])
+    assert info.value.status == Status.INVALID_ARGUMENT
+    with pytest.raises(TransportError) as info:
+        p.a.retire(1, 7, timeout=1)
+    assert info.value.status == Status.INVALID_ARGUMENT
+    with pytest.raises(TypeError):
+        p.a.expect(9, 0, 0, [(0, 1)])
+    with pytest.raises(ValueError):
+        p.a.expect(9, -1, 0, [])
+    with pytest.raises(ValueError):
+        p.a.retire(1, 0, timeout=-1)
+    for transfer in range(1, 5):
+        p.a.retire(transfer, 0, timeout=1)
+    p.a.expect(5, 0, 5, [])
+    with pytest.raises(TypeError):
+        Context(expect_transfers=1)
+    with pytest.raises(ValueError):
+        Context(max_transfers=0)
 
 
 def test_fault_injection_wait_times_out_at_deadline(pair: Pair):

@@ -85,6 +85,7 @@ def test_every_contract_pod_metric_is_exported_with_its_type_and_labels(served):
     accounts.on_handshake("ok")
     accounts.set_listener_ready(0, True)
     accounts.set_transport_counters("peer-a", inflight=1, slots=256, requeues=2)
+    accounts.count_rejected_transfer("checksum")
 
     families = scrape(port)
     for metric in contract.POD_METRICS:

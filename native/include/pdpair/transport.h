@@ -8,7 +8,10 @@
  *   region     host memory registered on a context; addressed by (region index, offset). A connection
  *              learns the peer's regions in the handshake and whenever the peer registers more.
  *   signal     each connection owns `signal_slots` 64-bit counters. The peer's put_signal/signal adds
- *              exactly 1 to one of them, after the put's data bytes are in place.
+ *              exactly 1 to one of them, after the put's data bytes are in place and their checksum matched.
+ *   transfer   (optional) a tag on each put: a 64-bit transfer id and a 32-bit generation. A context with
+ *              `expect_transfers` accepts a put only when its tag was declared with pdpair_conn_expect and is not
+ *              retired yet, and only into that transfer's windows (writes only where the reader asked).
  *
  * Rules
  *   - Every call returns a pdpair_status. Nothing blocks without a deadline: every waiting call takes
@@ -21,6 +24,11 @@
  *     Test with pdpair_conn_test, wait with pdpair_conn_wait, or wait for everything with pdpair_conn_flush.
  *     Do not change a put's source bytes until it completes.
  *   - Registered memory must stay valid until the context and every connection made from it are closed.
+ *   - Every put carries the CRC32C of its payload, computed when it is posted. The receiver checks it as the
+ *     bytes arrive; a put that fails the check (or any other check of the receiver) is refused: the sender gets
+ *     REMOTE_REJECTED, no signal is added, and the signal slot it named is marked failed, so a waiter on that slot
+ *     gets DATA_REJECTED at once instead of waiting for its deadline. A refused put's bytes may already be in the
+ *     destination (payloads are received in place), but they are never counted as delivered.
  *   - All functions are thread-safe. Closing a handle wakes every thread blocked on it (they get CLOSED)
  *     and waits for them to leave before freeing it.
  */
@@ -41,8 +49,9 @@ extern "C" {
 #define PDPAIR_VERSION (PDPAIR_VERSION_MAJOR * 10000 + PDPAIR_VERSION_MINOR * 100 + PDPAIR_VERSION_PATCH)
 /* Wire protocol version, exchanged in the handshake; peers with a different one are refused.
  * 1: both sides sent their hello at once. 2: the connecting side speaks first; the listener answers only a hello
- * with its token (so the token is never sent to a peer that does not already hold it). */
-#define PDPAIR_PROTOCOL_VERSION 2
+ * with its token (so the token is never sent to a peer that does not already hold it). 3: every data frame carries
+ * the CRC32C of its payload and a transfer tag (56-byte frames instead of 40). */
+#define PDPAIR_PROTOCOL_VERSION 3
 /* How long accept waits for one connection's hello before closing it and accepting the next (within its own
  * deadline): a peer's hello is sent the moment it connects, so this only bounds what a connection that stays silent
  * (or trickles) costs the real peer queued behind it. */
@@ -60,13 +69,19 @@ typedef enum pdpair_status {
     PDPAIR_PEER_CLOSED = 4,        /* peer: the connection ended (EOF/reset: peer closed or died) */
     PDPAIR_CONNECTION_ERROR = 5,   /* system: the TCP connection failed (I/O error, keepalive/user timeout) */
     PDPAIR_CLOSED = 6,             /* caller: the handle was closed locally (also returned to blocked waiters) */
-    PDPAIR_REMOTE_REJECTED = 7,    /* peer: the peer refused this put (its bounds check failed); nothing written */
+    PDPAIR_REMOTE_REJECTED = 7,    /* peer: the peer refused this put (outside its regions, not a transfer it
+                                      expects, outside the transfer's windows, or a checksum mismatch); it added no
+                                      signal and counts none of its bytes */
     PDPAIR_PROTOCOL_ERROR = 8,     /* peer: not a pdpair peer, wrong protocol version, token mismatch, bad frame */
     PDPAIR_CONNECTION_REFUSED = 9, /* peer/system: nobody listens at host:port (yet); retrying may succeed */
     PDPAIR_ADDRESS_IN_USE = 10,    /* system: the port to listen on is taken */
     PDPAIR_EXHAUSTED = 11,         /* caller: no free signal slot, or the region table is full */
     PDPAIR_NO_MEMORY = 12,         /* system: allocation failed */
-    PDPAIR_SYSTEM = 13             /* system: another OS call failed; the last-error string has errno's text */
+    PDPAIR_SYSTEM = 13,            /* system: another OS call failed; the last-error string has errno's text */
+    PDPAIR_DATA_REJECTED = 14      /* peer: pdpair_conn_wait_signal: a put meant for this slot was refused here
+                                      (checksum mismatch, unknown or stale transfer, outside its windows): the data
+                                      behind this slot must not be used. Sticky until the slot is reset, allocated
+                                      again or declared by a new pdpair_conn_expect. */
 } pdpair_status;
 
 typedef struct pdpair_context pdpair_context;
@@ -79,7 +94,20 @@ typedef struct pdpair_context_options {
     uint32_t max_regions;   /* local region table size; 0 = default 4096 */
     uint32_t reserved;      /* must be 0 */
     uint64_t token;         /* handshake token: both sides must use the same value (e.g. the pair generation) */
+    uint32_t expect_transfers;     /* 1: connections accept puts only into transfers declared with
+                                      pdpair_conn_expect (0 = accept any put inside the regions) */
+    uint32_t max_transfers;        /* outstanding transfers per connection; 0 = default 4096 */
+    uint32_t max_transfer_windows; /* windows of all outstanding transfers of a connection; 0 = default 1048576 */
+    uint32_t reserved2;            /* must be 0 */
 } pdpair_context_options;
+
+/* One destination window of a transfer: [offset, offset + length) of a local region. */
+typedef struct pdpair_window {
+    uint32_t region;
+    uint32_t reserved; /* must be 0 */
+    uint64_t offset;
+    uint64_t length;
+} pdpair_window;
 
 /* Counters of one connection (pdpair_conn_get_stats). */
 typedef struct pdpair_conn_stats {
@@ -96,6 +124,11 @@ typedef struct pdpair_conn_stats {
     uint64_t signals_received;   /* signal increments applied to local slots */
     uint64_t signals_dropped_by_fault; /* TEST ONLY fault injection: signals deliberately not sent */
     uint64_t remote_regions;     /* regions of the peer known here */
+    /* Puts this side refused (each also counted in the peer's `rejected`): */
+    uint64_t refused_unknown_transfer; /* expectation mode: tag not declared, retired, complete, or another generation */
+    uint64_t refused_out_of_window;    /* expectation mode: outside the transfer's windows or another signal slot */
+    uint64_t refused_checksum;         /* the payload's CRC32C did not match */
+    uint64_t transfers_outstanding;    /* transfers declared (pdpair_conn_expect) and not retired */
 } pdpair_conn_stats;
 
 /* TEST ONLY fault injection kinds (pdpair_conn_set_fault). Never enable in production. */
@@ -103,7 +136,9 @@ typedef enum pdpair_fault {
     PDPAIR_FAULT_NONE = 0,
     PDPAIR_FAULT_DROP_EVERY_NTH_SIGNAL = 1, /* the sender omits the signal of every n-th put_signal/signal */
     PDPAIR_FAULT_SKIP_SENDER_BOUNDS_CHECK = 2, /* n != 0: posts skip the local check, so the peer's check runs */
-    PDPAIR_FAULT_HOLD_SENDS = 3 /* n != 0: the sender sends no new request (a stalled link); n = 0 resumes */
+    PDPAIR_FAULT_HOLD_SENDS = 3, /* n != 0: the sender sends no new request (a stalled link); n = 0 resumes */
+    PDPAIR_FAULT_CORRUPT_PUTS = 4 /* the next n puts with data each go out with one payload byte flipped, after
+                                     their checksum was computed (corruption on the way) */
 } pdpair_fault;
 
 /* Library version (PDPAIR_VERSION of the build) and a static version string. */
@@ -163,6 +198,34 @@ pdpair_status pdpair_put_signal(pdpair_conn *c, uint32_t local_region, uint64_t 
                                 uint32_t remote_signal_slot, uint64_t *request_out);
 /* Add exactly 1 to the peer's signal slot, after every earlier put on this connection is in place. */
 pdpair_status pdpair_signal(pdpair_conn *c, uint32_t remote_signal_slot, uint64_t *request_out);
+/* The same posts carrying a transfer tag (the untagged ones send transfer id 0, which no transfer may use). A peer in
+ * expectation mode accepts them only while (transfer_id, generation) is declared there and only into its windows. */
+pdpair_status pdpair_put_tagged(pdpair_conn *c, uint64_t transfer_id, uint32_t generation, uint32_t local_region,
+                                uint64_t local_offset, uint32_t remote_region, uint64_t remote_offset, uint64_t nbytes,
+                                uint64_t *request_out);
+pdpair_status pdpair_put_signal_tagged(pdpair_conn *c, uint64_t transfer_id, uint32_t generation,
+                                       uint32_t local_region, uint64_t local_offset, uint32_t remote_region,
+                                       uint64_t remote_offset, uint64_t nbytes, uint32_t remote_signal_slot,
+                                       uint64_t *request_out);
+pdpair_status pdpair_signal_tagged(pdpair_conn *c, uint64_t transfer_id, uint32_t generation,
+                                   uint32_t remote_signal_slot, uint64_t *request_out);
+
+/* Expectation mode (context option expect_transfers), on the receiving side. Declare a transfer before asking the
+ * peer for it: puts tagged (transfer_id, generation) are then accepted into these windows of local regions (a put
+ * must lie inside one window; adjacent or overlapping windows are merged) and may signal only `signal_slot`. With
+ * expected_signals > 0 the transfer is complete once that many of its signals were added: any later put of it (a
+ * duplicate, a replay) is refused before a byte is written. Clears the slot's failed mark. transfer_id 0 is reserved for untagged puts. INVALID_ARGUMENT: id 0, a window outside
+ * the local regions or of length 0, a slot out of range, the id already declared (retire it first). EXHAUSTED: the
+ * connection's max_transfers or max_transfer_windows would be exceeded. Also allowed without expectation mode (the
+ * declaration is then unused). */
+pdpair_status pdpair_conn_expect(pdpair_conn *c, uint64_t transfer_id, uint32_t generation, uint32_t signal_slot,
+                                 uint64_t expected_signals, const pdpair_window *windows, size_t nwindows);
+/* Retire a declared transfer (done, failed or timed out): later puts with its tag are refused. On OK, no byte of it
+ * is written any more, so its windows can be given to another transfer. If one of its puts is being received at that
+ * moment, retire waits up to timeout_ms for it to land; if it is still arriving then, retire breaks the connection
+ * (CONNECTION_ERROR, the peer sees PEER_CLOSED) so the write stops, and returns TIMEOUT once the receiver has let
+ * go of the windows. INVALID_ARGUMENT if (transfer_id, generation) is not declared. */
+pdpair_status pdpair_conn_retire(pdpair_conn *c, uint64_t transfer_id, uint32_t generation, int64_t timeout_ms);
 
 /* OK if request `request` is complete, IN_PROGRESS if not, REMOTE_REJECTED if the peer refused it,
  * otherwise the connection's error. */
@@ -176,12 +239,15 @@ pdpair_status pdpair_conn_flush(pdpair_conn *c, int64_t timeout_ms);
 /* Local signal slots (the ones the peer adds to). */
 uint32_t pdpair_conn_signal_slots(pdpair_conn *c);
 pdpair_status pdpair_conn_read_signal(pdpair_conn *c, uint32_t slot, uint64_t *value_out);
+/* Set the slot to 0 and clear its failed mark (DATA_REJECTED). */
 pdpair_status pdpair_conn_reset_signal(pdpair_conn *c, uint32_t slot);
-/* Hand out a free slot (reset to 0) / give it back. EXHAUSTED when none is free. */
+/* Hand out a free slot (reset to 0, failed mark cleared) / give it back. EXHAUSTED when none is free. */
 pdpair_status pdpair_conn_alloc_signal(pdpair_conn *c, uint32_t *slot_out);
 pdpair_status pdpair_conn_free_signal(pdpair_conn *c, uint32_t slot);
-/* Wait until slot's value >= expected. OK (value_out set), TIMEOUT at the deadline, or the connection's error
- * once the connection is broken and the value is still short (value_out set in every case). */
+/* Wait until slot's value >= expected. OK (value_out set), TIMEOUT at the deadline, DATA_REJECTED at once when a put
+ * meant for this slot was refused here (even if the value reached `expected`: the refused put's bytes may be in
+ * place), or the connection's error once the connection is broken and the value is still short (value_out set in
+ * every case). */
 pdpair_status pdpair_conn_wait_signal(pdpair_conn *c, uint32_t slot, uint64_t expected, int64_t timeout_ms,
                                       uint64_t *value_out);
 

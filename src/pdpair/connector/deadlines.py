@@ -31,6 +31,17 @@ def flush_deadline(hang_timeout_seconds: float, last_put: float) -> float:
     return last_put + hang_timeout_seconds
 
 
+# Decode retires a load's transfer before its blocks go back to the engine. Retiring is immediate unless a put of it is
+# arriving at that moment (one block of one layer: microseconds to milliseconds); one still arriving after this long
+# comes from a stalled peer, and the transport then breaks the connection rather than let its bytes land later.
+RETIRE_SECONDS_MAX = 1.0
+
+
+def retire_deadline(hang_timeout_seconds: float, start: float) -> float:
+    """Decode: retiring a settled load's transfer (waiting for a put of it that is arriving right now)."""
+    return start + min(RETIRE_SECONDS_MAX, hang_timeout_seconds)
+
+
 def send_lease_seconds(hang_timeout_seconds: float) -> float:
     """Prefill: how long a finished request's blocks stay held for decode's Pull."""
     return SEND_LEASE_FACTOR * hang_timeout_seconds

@@ -1,11 +1,16 @@
 """Decode's worker (`DecodeWorker`): one per vLLM worker process (TP rank). It starts the side-channel listener from
 register_kv_caches, and for each request to load takes a signal slot, opens a wait for exactly layers x blocks
 signals with deadline PDPAIR_HANG_TIMEOUT_SECONDS, sends the Pull on the edge of the prefill named in the
-request's kv_transfer_params and lets a waiter thread wait on the host. The shared parts (regions, waits, the
-base class) and the whole flow are in worker.py."""
+request's kv_transfer_params and lets a waiter thread wait on the host. With a transport that checks transfers
+(tcp), each load's transfer is declared before its Pull (its blocks' byte windows, a tag prefill puts on every put)
+and retired before its blocks go back to the engine, so a put of another request, a stale attempt or a corrupted
+payload is refused on arrival and fails that load at once. The shared parts (regions, waits, the base class) and the
+whole flow are in worker.py."""
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
 import os
 import threading
@@ -16,7 +21,7 @@ import torch
 
 from pdpair import contract
 from pdpair.connector import timeline
-from pdpair.connector.deadlines import signal_wait_deadline
+from pdpair.connector.deadlines import retire_deadline, signal_wait_deadline
 from pdpair.connector.decode_side_channel import DecodeSideChannel
 from pdpair.connector.metadata import (
     Pull,
@@ -25,7 +30,7 @@ from pdpair.connector.metadata import (
 )
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
 from pdpair.connector.testing_knobs import TEST_CORRUPT_KV_BYTE, SlowDecodeKnob
-from pdpair.connector.transports import PairComm, SignalWaitTimeout, TransportError
+from pdpair.connector.transports import PairComm, SignalWaitTimeout, TransferRejected, TransportError
 from pdpair.connector.worker import (
     IDLE_WAIT_SECONDS,
     SignalWait,
@@ -42,6 +47,13 @@ WAIT_SLICE_SECONDS = 0.05  # a waiter re-checks cancellation and reports progres
 MAX_WAITERS = 64
 
 
+def transfer_tag(request_id: str) -> int:
+    """The transfer id a load's puts carry: 63 bits of a hash of decode's request id (a Pull field is at most 2^63-1),
+    never 0 (untagged). Two live loads sharing one by chance cannot both be declared: the second load fails cleanly."""
+    tag = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big") & ((1 << 63) - 1)
+    return tag or 1
+
+
 class DecodeWorker(WorkerBase):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -51,6 +63,10 @@ class DecodeWorker(WorkerBase):
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._free_slots: dict[PairComm, list[int]] = {}  # per edge's pair communicator
+        self._local_indices: dict[PairComm, list[int]] = {}  # per edge: the local region index of each layer
+        # The generation of each declared transfer: every Pull of this worker gets a new one, so a late put of an
+        # earlier attempt with the same request id is refused as stale.
+        self._generations = itertools.count(1)
         self._abandoned: dict[str, SignalWait] = {}  # timed out, still open in the metrics
         self._waiters = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix=f"pdpair-signal-wait-r{self.tp_rank}")
         self._done_waits: list[SignalWait] = []  # finished since the last get_transfer_results, for the timeline
@@ -120,6 +136,7 @@ class DecodeWorker(WorkerBase):
         result = super()._register(comm)
         with self._lock:  # a new edge (or a prefill that re-paired): its own signal slots
             self._free_slots[comm] = list(range(comm.num_signal_slots - 1, -1, -1))
+            self._local_indices[comm] = list(result[1])
         return result
 
     # --- per step --------------------------------------------------------------------------------
@@ -172,14 +189,55 @@ class DecodeWorker(WorkerBase):
             self.accounts.count_failed_transfer()
             self._fail(recv.request_id, timed_out=False)
             return
+        tag, generation = 0, 0
+        if comm.supports_transfer_checks:
+            tag, generation = transfer_tag(recv.request_id), next(self._generations) & 0xFFFFFFFF
+            try:
+                self._declare(comm, recv, tag, generation, slot, expected)
+            except TransportError as exc:
+                logger.error("request %s: cannot load KV: declaring its transfer failed: %s", recv.request_id, exc)
+                with self._lock:
+                    free = self._free_slots.get(comm)
+                    if free is not None:
+                        free.append(slot)  # nothing was asked for on it
+                self.accounts.count_failed_transfer()
+                self._fail(recv.request_id, timed_out=False)
+                return
         now = time.monotonic()
         deadline = signal_wait_deadline(self.config.hang_timeout_seconds, now)
-        wait = SignalWait(recv, slot, base, expected, nbytes, now, deadline, comm)
+        wait = SignalWait(recv, slot, base, expected, nbytes, now, deadline, comm, tag, generation)
         with self._lock:
             self._waits[recv.request_id] = wait
         self.accounts.open_wait(recv.request_id, edge.label, expected, wait.deadline)
-        side.post(Pull(recv.request_id, recv.remote_request_id, recv.first_block, recv.block_ids, slot, expected), edge)
+        side.post(Pull(recv.request_id, recv.remote_request_id, recv.first_block, recv.block_ids, slot, expected,
+                       tag, generation), edge)
         self._waiters.submit(self._wait_for_signals, wait)
+
+    def _declare(self, comm: PairComm, recv: RecvRequest, tag: int, generation: int, slot: int, expected: int) -> None:
+        """Declare the load's transfer: its blocks' bytes in every layer's region (adjacent blocks as one window), the
+        only place its puts may land, its slot, the only one they may signal, and its signal count, after which
+        nothing more of it is accepted."""
+        assert self.regions is not None
+        with self._lock:
+            local = self._local_indices.get(comm)
+        if local is None:
+            raise TransportError("the pair has no registered regions (it closed meanwhile)")
+        windows = [(local[layer], offset, length)
+                   for layer, runs in enumerate(self.regions.runs(recv.block_ids)) for offset, length in runs]
+        comm.expect_transfer(tag, generation, slot, windows, expected)
+
+    def _retire(self, wait: SignalWait) -> None:
+        """End the load's transfer before its blocks go back to the engine (loaded, failed or timed out): from then on
+        its puts are refused, so none lands in blocks that another request may get. Once per wait."""
+        tag, wait.transfer_tag = wait.transfer_tag, 0
+        if not tag:
+            return
+        try:
+            wait.comm.retire_transfer(tag, wait.transfer_generation,
+                                      retire_deadline(self.config.hang_timeout_seconds, time.monotonic()))
+        except TransportError as exc:
+            # A closed pair writes nothing more; one broken by the retire itself fails its other loads at once.
+            logger.warning("request %s: retiring its transfer: %s", wait.recv.request_id, exc)
 
     def _wait_for_signals(self, wait: SignalWait) -> None:
         request_id = wait.recv.request_id
@@ -193,6 +251,16 @@ class DecodeWorker(WorkerBase):
                 if wait.first_signal is None:
                     wait.first_signal = time.monotonic()
             wait.last_signal = time.monotonic()
+        except TransferRejected as exc:
+            logger.error(
+                "request %s: KV load from prefill request %s failed: a put of it was refused on arrival (%s); its "
+                "bytes are never used (vLLM kv_load_failure_policy decides: error or recompute): %s",
+                request_id, wait.recv.remote_request_id, exc.reason, exc,
+            )
+            self.accounts.count_rejected_transfer(exc.reason)
+            self._close(wait, contract.OUTCOME_ERROR, received)
+            self._fail(request_id, timed_out=False)
+            return
         except TransportError as exc:
             logger.error("request %s: KV load failed: %s", request_id, exc)
             self._close(wait, contract.OUTCOME_ERROR, received)
@@ -203,6 +271,8 @@ class DecodeWorker(WorkerBase):
             self._close(wait, contract.OUTCOME_ERROR, received)
             self._fail(request_id, timed_out=False)
             return
+        # Every signal is in: nothing more of this transfer may land (before the host mirror goes to the device).
+        self._retire(wait)
         self.accounts.on_signals(request_id, wait.expected)
         if self.regions is not None and self.regions.staging is not None:
             try:  # the bytes are in the host mirror; the load is done once they are on the device
@@ -254,6 +324,9 @@ class DecodeWorker(WorkerBase):
             received, wait.expected - received,
         )
         self.accounts.health()  # counts the timeout now, without waiting for a scrape
+        # Before the blocks go back: a put of it arriving later is refused, not written into another request's blocks
+        # (so on tcp the late signals never close this wait; the deficit stays visible until the pair restarts).
+        self._retire(wait)
         with self._lock:
             self._waits.pop(request_id, None)
             self._abandoned[request_id] = wait
@@ -261,6 +334,7 @@ class DecodeWorker(WorkerBase):
 
     def _close(self, wait: SignalWait, outcome: str, received: int, seconds: float | None = None, release_slot: bool = False) -> None:
         request_id = wait.recv.request_id
+        self._retire(wait)
         with self._lock:
             self._waits.pop(request_id, None)
             free = self._free_slots.get(wait.comm)  # None: that edge closed, its slots went with it
@@ -311,6 +385,7 @@ class DecodeWorker(WorkerBase):
         waiters notice within WAIT_SLICE_SECONDS); other edges' waits are untouched."""
         with self._lock:
             self._free_slots.pop(edge.comm, None)
+            self._local_indices.pop(edge.comm, None)
             waits = [w for w in self._waits.values() if w.comm is edge.comm]
         for wait in waits:
             wait.failed_reason = f"pair with prefill {edge.instance} closed: {reason}"

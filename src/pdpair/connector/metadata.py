@@ -41,7 +41,10 @@ import msgspec
 #      Challenge (its nonce), prefill answers Proof (HMAC-SHA256 with the pair's side-channel key over both nonces
 #      and the Hello as sent), decode answers Accepted with its own proof, or a Refused that names nothing of decode
 #      until the peer is authenticated. Every field is bounded at decode time.
-PDPAIR_CONNECTOR_VERSION = 3
+#   4: verified transfers. Pull carries a transfer tag (`transfer_tag`, `transfer_generation`) that prefill puts on
+#      every put of it; decode's transport accepts only puts of transfers it declared, inside their blocks, with a
+#      matching checksum (tcp: native protocol 3), and fails the load at once when one is refused.
+PDPAIR_CONNECTOR_VERSION = 4
 
 # Keys of kv_transfer_params. do_remote_* are vLLM's (the router and vLLM's own proxy use them); the rest are ours.
 PARAM_DO_REMOTE_DECODE = "do_remote_decode"
@@ -184,6 +187,10 @@ class Pull(msgspec.Struct, tag="pull", frozen=True):
     dst_block_ids: Annotated[list[_U32], msgspec.Meta(max_length=MAX_PULL_BLOCKS)]
     signal_slot: _U32
     expected_signals: _U63
+    # The tag prefill puts on every put of this Pull (decode declared it before sending the Pull); 0 = untagged, which
+    # a decode with transfer checks refuses (a release-only Pull sends nothing).
+    transfer_tag: _U63 = 0
+    transfer_generation: _U32 = 0
 
 
 class PullDone(msgspec.Struct, tag="pull_done", frozen=True):

@@ -332,7 +332,8 @@ class PrefillWorker(WorkerBase):
                 chunk = self.regions.chunk_bytes[layer]
                 for src_block, dst_block in zip(src_blocks, pull.dst_block_ids):
                     comm.put_signal(local_indices[layer], src_block * chunk, peer_indices[layer],
-                                    dst_block * chunk, chunk, pull.signal_slot)
+                                    dst_block * chunk, chunk, pull.signal_slot, transfer_id=pull.transfer_tag,
+                                    generation=pull.transfer_generation)
                     nbytes += chunk
             last_put = time.monotonic()
             comm.flush(flush_deadline(self.config.hang_timeout_seconds, last_put))

@@ -171,6 +171,7 @@ class SignalAccounts:
         self._received = m[contract.SIGNALS_RECEIVED.name]
         self._timeouts = m[contract.SIGNAL_WAIT_TIMEOUTS.name].labels(role=role, rank=self.rank)
         self._transfers = m[contract.KV_TRANSFERS.name]
+        self._rejected = m[contract.KV_TRANSFERS_REJECTED.name]
         self._bytes = m[contract.KV_TRANSFER_BYTES.name].labels(role=role, rank=self.rank)
         self._seconds = m[contract.KV_TRANSFER_SECONDS.name].labels(role=role, rank=self.rank)
         self._listener = m[contract.LISTENER_READY.name]
@@ -188,6 +189,8 @@ class SignalAccounts:
             self._transfers.labels(role=role, rank=self.rank, outcome=outcome)
             self._handshakes.labels(role=role, rank=self.rank, outcome=outcome)
         if role == contract.ROLE_DECODE:
+            for reason in contract.REJECTED_REASONS:
+                self._rejected.labels(role=role, rank=self.rank, reason=reason)
             self._listener.labels(role=role, rank=self.rank).set(0)  # 0 until this rank's listener binds
             self._listener_failed.labels(role=role, rank=self.rank).set(0)
         # Prefill: each decode's pdpair_peer_paired{peer} is 0 from the moment the worker takes it into its peer set
@@ -239,6 +242,12 @@ class SignalAccounts:
             self._transfers.labels(role=self.role, rank=self.rank, outcome=outcome).inc()
             self._bytes.inc(nbytes)
             self._seconds.observe(seconds)
+
+    def count_rejected_transfer(self, reason: str) -> None:
+        """A load that failed because its data was refused on arrival (close_wait counts it as an error too)."""
+        if reason not in contract.REJECTED_REASONS:
+            raise ValueError(f"reason must be one of {contract.REJECTED_REASONS}, got {reason!r}")
+        self._rejected.labels(role=self.role, rank=self.rank, reason=reason).inc()
 
     def count_failed_transfer(self) -> None:
         """A transfer that failed before any wait was opened (no paired prefill, no free slot, broken pair)."""

@@ -105,6 +105,8 @@ class SignalWait:
     started: float
     deadline: float
     comm: PairComm
+    transfer_tag: int = 0  # the tag declared with comm.expect_transfer (0: none declared, nothing to retire)
+    transfer_generation: int = 0
     failed_reason: str | None = None  # set by PullFailed
     first_signal: float | None = None  # time.monotonic() stamps, for the timeline
     last_signal: float | None = None

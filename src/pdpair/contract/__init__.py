@@ -345,6 +345,15 @@ KV_TRANSFERS = Metric(
     ("role", "rank", "outcome"),
     "Finished KV transfers by outcome (ok, timeout, error).",
 )
+# Counted on decode, beside pdpair_kv_transfers_total{outcome="error"} for the same load: its data was refused by the
+# receiver's checks, so the load failed instead of handing vLLM the bytes.
+KV_TRANSFERS_REJECTED = Metric(
+    "pdpair_kv_transfers_rejected_total",
+    "counter",
+    ("role", "rank", "reason"),
+    "KV loads failed because a put of theirs was refused on arrival (reason: checksum, unexpected_transfer, "
+    "outside_window, other).",
+)
 KV_TRANSFER_BYTES = Metric("pdpair_kv_transfer_bytes_total", "counter", ("role", "rank"), "KV bytes moved.")
 KV_TRANSFER_SECONDS = Metric(
     "pdpair_kv_transfer_seconds", "histogram", ("role", "rank"), "KV transfer duration in seconds."
@@ -391,6 +400,7 @@ POD_METRICS = (
     SIGNAL_WAIT_TIMEOUTS,
     HANG_TIMEOUT_SECONDS,
     KV_TRANSFERS,
+    KV_TRANSFERS_REJECTED,
     KV_TRANSFER_BYTES,
     KV_TRANSFER_SECONDS,
     LISTENER_READY,
@@ -406,6 +416,12 @@ POD_METRICS = (
 OUTCOME_OK = "ok"
 OUTCOME_TIMEOUT = "timeout"
 OUTCOME_ERROR = "error"
+# Why a KV load's data was refused (the reason label of pdpair_kv_transfers_rejected_total).
+REJECTED_CHECKSUM = "checksum"
+REJECTED_UNEXPECTED_TRANSFER = "unexpected_transfer"
+REJECTED_OUTSIDE_WINDOW = "outside_window"
+REJECTED_OTHER = "other"
+REJECTED_REASONS = (REJECTED_CHECKSUM, REJECTED_UNEXPECTED_TRANSFER, REJECTED_OUTSIDE_WINDOW, REJECTED_OTHER)
 
 OPERATOR_PAIRS = Metric("pdpair_operator_pairs", "gauge", ("phase",), "InferencePairs by phase.")
 OPERATOR_PAIR_PHASE = Metric(

@@ -8,6 +8,11 @@
     conn.put_signal(kv, 0, remote_region=0, remote_offset=0, nbytes=n, signal_slot=s)
     conn.wait_signal(s, expected=k, timeout=60)                 # raises WaitTimeout at the deadline
 
+    ctx = Context(expect_transfers=True)                        # receiving side: writes only where it asked
+    conn.expect(transfer_id, generation, s, [(region, offset, length), ...])   # before asking for the transfer
+    conn.put_signal(..., transfer_id=transfer_id, generation=generation)       # the sending side tags its puts
+    conn.retire(transfer_id, generation, timeout=1)             # done/failed: no byte of it lands afterwards
+
 Every blocking call takes a timeout in seconds and releases the GIL. Errors raise TransportError (or a subclass)
 carrying the C status name and the handle's last error text.
 """
@@ -27,6 +32,9 @@ __all__ = [
     "Closed",
     "Connection",
     "Context",
+    "DataRejected",
+    "DEFAULT_MAX_TRANSFERS",
+    "DEFAULT_MAX_TRANSFER_WINDOWS",
     "DEFAULT_REQUEST_SLOTS",
     "DEFAULT_SIGNAL_SLOTS",
     "Fault",
@@ -44,6 +52,8 @@ __all__ = [
 DEFAULT_REQUEST_SLOTS = 256
 DEFAULT_SIGNAL_SLOTS = 4096
 DEFAULT_MAX_REGIONS = 4096
+DEFAULT_MAX_TRANSFERS = 4096
+DEFAULT_MAX_TRANSFER_WINDOWS = 1 << 20
 
 # Names and values come from the C enum itself (no retyped numbers).
 Status = enum.IntEnum(
@@ -88,7 +98,14 @@ class PeerClosed(TransportError, ConnectionError):
 
 
 class RemoteRejected(TransportError):
-    """The peer refused a put (its bounds check failed); nothing was written there."""
+    """The peer refused a put (outside its regions, not a transfer it declared, outside the transfer's windows, or a
+    checksum mismatch): it added no signal and counted none of the bytes. `detail` names the peer's reason."""
+
+
+class DataRejected(TransportError):
+    """wait_signal: a put meant for this slot was refused on this side (checksum mismatch, unknown or stale transfer,
+    outside its windows). Its data must not be used. Raised at once, not at the deadline; the slot stays failed until
+    reset_signal, alloc_signal or a new expect on it."""
 
 
 class Closed(TransportError):
@@ -100,6 +117,7 @@ _ERROR_CLASSES: dict[int, type[TransportError]] = {
     Status.PEER_CLOSED: PeerClosed,
     Status.REMOTE_REJECTED: RemoteRejected,
     Status.CLOSED: Closed,
+    Status.DATA_REJECTED: DataRejected,
 }
 
 
@@ -207,6 +225,10 @@ class Stats:
     signals_received: int
     signals_dropped_by_fault: int
     remote_regions: int
+    refused_unknown_transfer: int
+    refused_out_of_window: int
+    refused_checksum: int
+    transfers_outstanding: int
 
     @property
     def outstanding(self) -> int:
@@ -223,7 +245,9 @@ class Context(_Handle):
 
     request_slots: per-connection request slots (posts beyond them queue, never drop; counted as requeues).
     signal_slots: 64-bit signal counters per connection. token: both peers must use the same value (e.g. the
-    pair generation), so a stale peer is refused in the handshake.
+    pair generation), so a stale peer is refused in the handshake. expect_transfers: connections accept puts only into
+    transfers declared with Connection.expect (at most max_transfers of them per connection, max_transfer_windows
+    windows in all).
     """
 
     def __init__(
@@ -233,19 +257,28 @@ class Context(_Handle):
         signal_slots: int = DEFAULT_SIGNAL_SLOTS,
         max_regions: int = DEFAULT_MAX_REGIONS,
         token: int = 0,
+        expect_transfers: bool = False,
+        max_transfers: int = DEFAULT_MAX_TRANSFERS,
+        max_transfer_windows: int = DEFAULT_MAX_TRANSFER_WINDOWS,
     ):
         for name, value in (("request_slots", request_slots), ("signal_slots", signal_slots),
-                            ("max_regions", max_regions)):
+                            ("max_regions", max_regions), ("max_transfers", max_transfers),
+                            ("max_transfer_windows", max_transfer_windows)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(token, int) or not 0 <= token < 2**64:
             raise ValueError(f"token must be an int in [0, 2**64), got {token!r}")
+        if not isinstance(expect_transfers, bool):
+            raise TypeError(f"expect_transfers must be a bool, got {expect_transfers!r}")
         opts = ffi.new("pdpair_context_options *")
         lib.pdpair_context_options_init(opts)
         opts.request_slots = request_slots
         opts.signal_slots = signal_slots
         opts.max_regions = max_regions
         opts.token = token
+        opts.expect_transfers = int(expect_transfers)
+        opts.max_transfers = max_transfers
+        opts.max_transfer_windows = max_transfer_windows
         out = ffi.new("pdpair_context **")
         st = lib.pdpair_context_create(opts, out)
         if st != lib.PDPAIR_OK:
@@ -254,6 +287,7 @@ class Context(_Handle):
         self.request_slots = request_slots
         self.signal_slots = signal_slots
         self.token = token
+        self.expect_transfers = expect_transfers
         self._regions: list[Region] = []
         # Objects whose memory is registered: kept alive as long as this context or any connection made from it.
         self._keepalive: list[Any] = []
@@ -429,17 +463,19 @@ class Connection(_Handle):
 
     # --- posts (never block; full slots queue the post and count a requeue) ---
     def put(self, local: Region | int, local_offset: int, remote_region: int, remote_offset: int,
-            nbytes: int) -> int:
+            nbytes: int, *, transfer_id: int = 0, generation: int = 0) -> int:
         """Write local[local_offset:+nbytes] to the peer's region at remote_offset. Returns the request id.
-        Do not change the source bytes until the request completes."""
-        args = (_region_index(local), _u64("local_offset", local_offset), _region_index(remote_region),
+        Do not change the source bytes until the request completes. transfer_id/generation tag the put for a peer
+        in expectation mode (0 = untagged, which such a peer refuses)."""
+        args = (_u64("transfer_id", transfer_id), _u32("generation", generation), _region_index(local),
+                _u64("local_offset", local_offset), _region_index(remote_region),
                 _u64("remote_offset", remote_offset), _u64("nbytes", nbytes))
         # The hot path (one call per layer and block of a transfer): the bracket spelled out, not `_in_use()`, which
         # costs an object and two calls more (0.4 us a call measured; thousands of calls a request).
         ptr = self._enter()
         try:
             req = ffi.new("uint64_t *")
-            st = lib.pdpair_put(ptr, *args, req)
+            st = lib.pdpair_put_tagged(ptr, *args, req)
             if st != lib.PDPAIR_OK:
                 self._error(st, "put", ptr)
             return req[0]
@@ -447,31 +483,73 @@ class Connection(_Handle):
             self._leave()
 
     def put_signal(self, local: Region | int, local_offset: int, remote_region: int, remote_offset: int,
-                   nbytes: int, signal_slot: int) -> int:
-        """put, then add exactly 1 to the peer's `signal_slot`, visible only after the bytes are in place."""
-        args = (_region_index(local), _u64("local_offset", local_offset), _region_index(remote_region),
+                   nbytes: int, signal_slot: int, *, transfer_id: int = 0, generation: int = 0) -> int:
+        """put, then add exactly 1 to the peer's `signal_slot`, visible only after the bytes are in place and their
+        checksum matched. transfer_id/generation: as for put."""
+        args = (_u64("transfer_id", transfer_id), _u32("generation", generation), _region_index(local),
+                _u64("local_offset", local_offset), _region_index(remote_region),
                 _u64("remote_offset", remote_offset), _u64("nbytes", nbytes), _u32("signal_slot", signal_slot))
         # The hot path (one call per layer and block of a transfer): the bracket spelled out, not `_in_use()`, which
         # costs an object and two calls more (0.4 us a call measured; thousands of calls a request).
         ptr = self._enter()
         try:
             req = ffi.new("uint64_t *")
-            st = lib.pdpair_put_signal(ptr, *args, req)
+            st = lib.pdpair_put_signal_tagged(ptr, *args, req)
             if st != lib.PDPAIR_OK:
                 self._error(st, "put_signal", ptr)
             return req[0]
         finally:
             self._leave()
 
-    def signal(self, signal_slot: int) -> int:
+    def signal(self, signal_slot: int, *, transfer_id: int = 0, generation: int = 0) -> int:
         """Add exactly 1 to the peer's `signal_slot`, after every earlier put is in place."""
         slot = _u32("signal_slot", signal_slot)
+        tag = (_u64("transfer_id", transfer_id), _u32("generation", generation))
         with self._in_use() as ptr:
             req = ffi.new("uint64_t *")
-            st = lib.pdpair_signal(ptr, slot, req)
+            st = lib.pdpair_signal_tagged(ptr, *tag, slot, req)
             if st != lib.PDPAIR_OK:
                 self._error(st, "signal", ptr)
             return req[0]
+
+    # --- declared transfers (the receiving side of a context with expect_transfers) ---
+    def expect(self, transfer_id: int, generation: int, signal_slot: int,
+               windows: list[tuple[Region | int, int, int]] | tuple[tuple[Region | int, int, int], ...], *,
+               expected_signals: int = 0) -> None:
+        """Declare a transfer before asking the peer for it: its puts (tagged transfer_id, generation) are accepted
+        only inside these (local region, offset, length) windows and may signal only `signal_slot`; with
+        `expected_signals` > 0, none after that many of its signals came (a duplicate is refused unwritten). Clears
+        the slot's failed mark. TransportError(INVALID_ARGUMENT) for id 0, a window outside the local regions, an id declared
+        already; TransportError(EXHAUSTED) when the connection's max_transfers / max_transfer_windows would be
+        exceeded."""
+        tag = (_u64("transfer_id", transfer_id), _u32("generation", generation), _u32("signal_slot", signal_slot),
+               _u64("expected_signals", expected_signals))
+        items = list(windows)
+        cw = ffi.new("pdpair_window[]", max(len(items), 1))
+        for i, window in enumerate(items):
+            try:
+                region, offset, length = window
+            except (TypeError, ValueError):
+                raise TypeError(f"a window is (region, offset, length), got {window!r}") from None
+            cw[i].region = _region_index(region)
+            cw[i].offset = _u64("window offset", offset)
+            cw[i].length = _u64("window length", length)
+        with self._in_use() as ptr:
+            st = lib.pdpair_conn_expect(ptr, *tag, cw, len(items))
+            if st != lib.PDPAIR_OK:
+                self._error(st, f"expect transfer {transfer_id}", ptr)
+
+    def retire(self, transfer_id: int, generation: int, *, timeout: float) -> None:
+        """End a declared transfer (done, failed or timed out): later puts with its tag are refused, and once this
+        returns no byte of it lands any more, so its windows may go to another transfer. A put of it that is
+        arriving is waited for up to `timeout`; past that the connection is broken (so the write stops) and
+        WaitTimeout is raised. TransportError(INVALID_ARGUMENT) if the tag is not declared."""
+        tag = (_u64("transfer_id", transfer_id), _u32("generation", generation))
+        ms = _timeout_ms(timeout)
+        with self._in_use() as ptr:
+            st = lib.pdpair_conn_retire(ptr, *tag, ms)
+            if st != lib.PDPAIR_OK:
+                self._error(st, f"retire transfer {transfer_id}", ptr)
 
     # --- completion ---
     def test(self, request: int) -> bool:
@@ -507,7 +585,8 @@ class Connection(_Handle):
     # --- local signal slots ---
     def wait_signal(self, slot: int, expected: int, *, timeout: float) -> int:
         """Wait until signal `slot` >= expected and return its value. WaitTimeout at the deadline (the value
-        reached is in the exception's `value`); PeerClosed/TransportError once the connection is broken."""
+        reached is in the exception's `value`); DataRejected at once when a put meant for the slot was refused here;
+        PeerClosed/TransportError once the connection is broken."""
         slot = _u32("slot", slot)
         expected = _u64("expected", expected)
         ms = _timeout_ms(timeout)
@@ -532,11 +611,14 @@ class Connection(_Handle):
             return value[0]
 
     def reset_signal(self, slot: int) -> None:
+        """Set the slot to 0 and clear its failed mark."""
         slot = _u32("slot", slot)
         with self._in_use() as ptr:
             st = lib.pdpair_conn_reset_signal(ptr, slot)
-            if st != lib.PDPAIR_OK:
+            if st == lib.PDPAIR_INVALID_ARGUMENT:
                 _raise(st, f"slot {slot} is not below signal_slots={self.signal_slots}", "reset_signal")
+            if st != lib.PDPAIR_OK:
+                self._error(st, "reset_signal", ptr)
 
     def alloc_signal(self) -> int:
         """A free signal slot, reset to 0 (TransportError EXHAUSTED when all are taken)."""
@@ -598,8 +680,8 @@ class Connection(_Handle):
             return _last_error(lib.pdpair_conn_last_error, ptr)
 
     def set_fault(self, fault: Fault | int, n: int) -> None:
-        """TEST ONLY: inject a fault (Fault.DROP_EVERY_NTH_SIGNAL with n, ...; n=0 disables). Never in
-        production."""
+        """TEST ONLY: inject a fault (Fault.DROP_EVERY_NTH_SIGNAL with n, Fault.CORRUPT_PUTS for the next n puts,
+        ...; n=0 disables). Never in production."""
         n = _u64("n", n)
         with self._in_use() as ptr:
             st = lib.pdpair_conn_set_fault(ptr, int(fault), n)

@@ -17,7 +17,8 @@ from pdpair import contract, native
 from pdpair.connector.config import PdPairConfig
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest, SendRequest
 from pdpair.connector.prefill_worker import SLOW_PUSH_SECONDS, PrefillWorker
-from pdpair.connector.decode_worker import DecodeWorker
+from pdpair.connector.decode_worker import DecodeWorker, transfer_tag
+from pdpair.connector.transports import TransportError
 from devcluster.ports import free_port
 from tests.side_channel_support import TEST_SIDE_CHANNEL_KEY
 
@@ -143,3 +144,96 @@ def test_a_stalled_push_does_not_block_the_side_channel(pair, caplog):
     slow = [r.getMessage() for r in caplog.records if "transfer d1 (prefill request p1): served" in r.getMessage()]
     assert len(slow) == 1, caplog.text
     assert "putting and flushing 65536 bytes" in slow[0], slow[0]
+
+
+def rejected(decode: DecodeWorker, reason: str) -> float:
+    return decode.accounts.registry.get_sample_value(
+        "pdpair_kv_transfers_rejected_total", {"role": "decode", "rank": "0", "reason": reason}
+    )
+
+
+def decode_conn(decode: DecodeWorker) -> native.Connection:
+    (edge,) = decode.side.edges()
+    assert edge.comm.supports_transfer_checks  # the connector's tcp transport checks transfers on decode
+    return edge.comm._conn
+
+
+def test_a_load_declares_its_transfer_and_retires_it(pair):
+    """Decode declares each Pull's blocks before sending it, prefill tags its puts, and the declaration is gone once
+    the load settled: a put of the same tag afterwards is refused and writes nothing."""
+    decode, prefill, decode_kv, prefill_kv = pair
+    send(prefill, "p1", [2, 3])
+    recv(decode, "d1", "p1", 0, [5, 6])
+    finished, failed = settle(decode, {"d1"}, idle=True)
+    assert failed == set()
+    for name in LAYERS:
+        assert torch.equal(decode_kv[name][5], prefill_kv[name][2]) and torch.equal(decode_kv[name][6], prefill_kv[name][3])
+    stats = decode_conn(decode).stats()
+    assert stats.transfers_outstanding == 0
+    assert (stats.refused_unknown_transfer, stats.refused_out_of_window, stats.refused_checksum) == (0, 0, 0)
+    # a late put with d1's tag (its blocks may belong to another request by now) is refused
+    comm, (edge,) = prefill.side.comm, prefill._edges.values()
+    chunk = prefill.regions.chunk_bytes[0]
+    comm.put_signal(edge.local_indices[0], 0, edge.peer_indices[0], 5 * chunk, chunk, 0,
+                    transfer_id=transfer_tag("d1"), generation=1)  # the first Pull of a decode worker: generation 1
+    with pytest.raises(TransportError) as info:
+        comm.flush(time.monotonic() + DEADLINE)
+    assert "REMOTE_REJECTED" in str(info.value) and "not a transfer it expects" in str(info.value)
+    assert decode_conn(decode).stats().refused_unknown_transfer == 1
+    for name in LAYERS:
+        assert torch.equal(decode_kv[name][5], prefill_kv[name][2]), "a refused put was written"
+
+
+def test_a_put_outside_every_pull_is_refused_and_writes_nothing(pair):
+    """A put into decode's blocks that no Pull asked for (untagged, or tagged for a transfer never declared) is
+    refused by decode's transport: nothing written, counted, the pair keeps serving."""
+    decode, prefill, decode_kv, prefill_kv = pair
+    comm, (edge,) = prefill.side.comm, prefill._edges.values()
+    chunk, src, dst = prefill.regions.chunk_bytes[0], edge.local_indices[0], edge.peer_indices[0]
+    comm.put_signal(src, 0, dst, 0, chunk, 1)  # untagged
+    comm.put_signal(src, 0, dst, chunk, chunk, 1, transfer_id=12345, generation=7)  # never declared
+    with pytest.raises(TransportError):
+        comm.flush(time.monotonic() + DEADLINE)
+    assert decode_conn(decode).stats().refused_unknown_transfer == 2
+    for name in LAYERS:
+        assert bool((decode_kv[name] == -1).all()), "a put no Pull asked for was written"
+    send(prefill, "p1", [1])
+    recv(decode, "d1", "p1", 0, [0])
+    finished, failed = settle(decode, {"d1"})
+    assert failed == set() and all(torch.equal(decode_kv[n][0], prefill_kv[n][1]) for n in LAYERS)
+
+
+@pytest.fixture
+def error_logs(caplog):
+    """The worker's errors, also once connector.py (imported by another test) stopped `pdpair` propagating."""
+    pdpair_logger = logging.getLogger("pdpair")
+    attach = not pdpair_logger.propagate
+    if attach:
+        pdpair_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.ERROR, logger="pdpair"):
+            yield caplog
+    finally:
+        if attach:
+            pdpair_logger.removeHandler(caplog.handler)
+
+
+def test_a_corrupted_put_fails_its_load_at_once_with_a_metric(pair, error_logs):
+    """A byte flipped on the way (TEST ONLY native fault on prefill's connection): decode refuses the put, the load
+    fails within seconds (not at the 30 s hang timeout) with a clear error and pdpair_kv_transfers_rejected_total
+    {reason="checksum"}; its bytes are never handed to the engine as loaded, and the next load on the pair works."""
+    decode, prefill, decode_kv, prefill_kv = pair
+    prefill.side.comm._conn.set_fault(native.Fault.CORRUPT_PUTS, 1)
+    send(prefill, "p1", [2, 3])
+    started = time.monotonic()
+    recv(decode, "d1", "p1", 0, [4, 5])
+    finished, failed = settle(decode, {"d1"})
+    assert "d1" in failed
+    assert time.monotonic() - started < HANG_TIMEOUT / 3, "the load failed at its deadline, not at the refusal"
+    assert rejected(decode, "checksum") == 1 and rejected(decode, "unexpected_transfer") == 0
+    assert "refused on arrival (checksum)" in error_logs.text, error_logs.text
+    assert decode.stats.data.get("transfers_ok", 0) == 0
+    send(prefill, "p2", [1])
+    recv(decode, "d2", "p2", 0, [6])
+    finished, failed = settle(decode, {"d2"})
+    assert "d2" not in failed and all(torch.equal(decode_kv[n][6], prefill_kv[n][1]) for n in LAYERS)

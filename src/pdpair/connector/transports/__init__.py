@@ -22,6 +22,7 @@ from pdpair.connector.transports.base import (
     PairComm,
     PairTransport,
     SignalWaitTimeout,
+    TransferRejected,
     TransportCounters,
     TransportError,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "PairComm",
     "PairTransport",
     "SignalWaitTimeout",
+    "TransferRejected",
     "TransportCounters",
     "TransportError",
     "TransportSpec",

@@ -10,6 +10,12 @@ Signal semantics every implementation must keep (the seed's bugs are exactly the
   before the bytes.
 - When the transport is out of request slots it defers (backpressure, counted in `requeues`); it never drops.
 - `wait_signal` waits on the host with a deadline and raises `SignalWaitTimeout` when it passes; never unbounded.
+
+Transfer checks (`supports_transfer_checks`; tcp has them, FlagCX's put carries no tag or checksum the receiver could
+check, so it keeps the defaults, which check nothing): decode declares each transfer before its Pull
+(`expect_transfer`: tag, signal slot, the byte windows of its blocks), prefill tags its puts with it, and the receiving
+side refuses any put that is not inside a declared transfer's windows or whose checksum does not match; the waiter
+then gets `TransferRejected` at once. `retire_transfer` ends a transfer before its blocks go back to the engine.
 """
 
 from __future__ import annotations
@@ -28,6 +34,15 @@ DEFAULT_SIGNAL_SLOTS = 4096
 
 class TransportError(RuntimeError):
     """A transport call failed; the message names the call and the transport's own error text."""
+
+
+class TransferRejected(TransportError):
+    """`wait_signal`: a put meant for this slot was refused on arrival (the transfer's data must not be used).
+    `reason` is one of pdpair.contract.REJECTED_REASONS."""
+
+    def __init__(self, message: str, reason: str):
+        self.reason = reason
+        super().__init__(message)
 
 
 class SignalWaitTimeout(TransportError):
@@ -59,6 +74,8 @@ class PairComm(ABC):
 
     rank: int
     num_signal_slots: int
+    # Whether expect_transfer/retire_transfer are enforced by the receiving side (see the module docstring).
+    supports_transfer_checks: bool = False
 
     @abstractmethod
     def register_region(self, ptr: int, size: int) -> int:
@@ -81,11 +98,16 @@ class PairComm(ABC):
         dst_offset: int,
         size: int,
         signal_slot: int,
+        *,
+        transfer_id: int = 0,
+        generation: int = 0,
     ) -> None:
         """Write `size` bytes from a local region into a peer region, then add exactly 1 to the peer's `signal_slot`.
 
         Asynchronous: may return before the bytes arrive. Blocks (bounded by the transport's own timeouts) only
         while every request slot is busy. Raises TransportError on a bad argument or a broken connection.
+        `transfer_id`/`generation`: the tag of the transfer the put belongs to (the peer's `expect_transfer`); a
+        transport without transfer checks ignores it.
         """
 
     @abstractmethod
@@ -96,6 +118,18 @@ class PairComm(ABC):
     def wait_signal(self, signal_slot: int, expected: int, deadline: float) -> None:
         """Block until the local `signal_slot` is >= `expected`; raise SignalWaitTimeout at `deadline`
         (a `time.monotonic()` value)."""
+
+    def expect_transfer(self, transfer_id: int, generation: int, signal_slot: int,
+                        windows: list[tuple[int, int, int]], expected_signals: int) -> None:
+        """Receiving side: accept puts tagged (transfer_id, generation) only into these (local region, offset, length)
+        windows, only signalling `signal_slot` and none after `expected_signals` signals, until retire_transfer. Call before asking the peer for the
+        transfer. Raises TransportError when the transfer cannot be declared (table full, bad window). The default
+        (no transfer checks) does nothing."""
+
+    def retire_transfer(self, transfer_id: int, generation: int, deadline: float) -> None:
+        """Receiving side: end a declared transfer (done, failed, timed out). Once this returns no byte of it lands
+        any more, so its blocks may go back to the engine. A put of it still arriving at `deadline` breaks the
+        connection (TransportError). The default does nothing."""
 
     @abstractmethod
     def read_signal(self, signal_slot: int) -> int:

@@ -414,7 +414,13 @@ class FlagcxPairComm(PairComm):
         dst_offset: int,
         size: int,
         signal_slot: int,
+        *,
+        transfer_id: int = 0,
+        generation: int = 0,
     ) -> None:
+        # The tag is not sent: flagcxPutSignal has no field for it and the receiving library checks nothing, so this
+        # transport keeps supports_transfer_checks False (no expectations, no checksums; see transports/base.py).
+        del transfer_id, generation
         with self._lock:
             comm = self._live_comm()
             self._check_put(src_region, src_offset, dst_region, dst_offset, size, signal_slot)

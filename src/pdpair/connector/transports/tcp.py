@@ -13,6 +13,10 @@ Mapping onto the FlagCX-shaped interface:
 - Region tables: the native core announces registered regions to its peer itself, so the table carries only the
   region count and `set_peer_region_table` waits (bounded) until that many peer regions are known.
 - Every native call takes a timeout derived from the caller's deadline; native errors become TransportError.
+- Transfer checks (`transfer_checks`, on for the connector): decode's context (rank 1, the side puts arrive at) runs in
+  the native expectation mode, so it
+  accepts a put only inside a transfer it declared (`expect_transfer`) and with a matching CRC32C; a refused put fails
+  its slot, and `wait_signal` raises TransferRejected at once, with the reason taken from the connection's counters.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from pdpair import contract
 from pdpair.connector.transports.base import (
     DEFAULT_SIGNAL_SLOTS,
     RANK_DECODE,
@@ -31,6 +36,7 @@ from pdpair.connector.transports.base import (
     PairComm,
     PairTransport,
     SignalWaitTimeout,
+    TransferRejected,
     TransportCounters,
     TransportError,
     seconds_left,
@@ -53,8 +59,11 @@ class TcpPairComm(PairComm):
         self._conn = conn
         self.rank = rank
         self.num_signal_slots = context.signal_slots
+        self.supports_transfer_checks = context.expect_transfers
         self._close_lock = threading.Lock()
         self._closed = False
+        self._refused_seen = (0, 0, 0)  # the connection's refused_* counters when a rejection was last reported
+        self._refused_lock = threading.Lock()
 
     def register_region(self, ptr: int, size: int) -> int:
         try:
@@ -77,11 +86,42 @@ class TcpPairComm(PairComm):
         except native.TransportError as exc:
             raise TransportError(f"the peer's {count} region(s) were not announced: {exc}") from exc
 
-    def put_signal(self, src_region: int, src_offset: int, dst_region: int, dst_offset: int, size: int, signal_slot: int) -> None:
+    def put_signal(self, src_region: int, src_offset: int, dst_region: int, dst_offset: int, size: int, signal_slot: int,
+                   *, transfer_id: int = 0, generation: int = 0) -> None:
         try:
-            self._conn.put_signal(src_region, src_offset, dst_region, dst_offset, size, signal_slot)
+            self._conn.put_signal(src_region, src_offset, dst_region, dst_offset, size, signal_slot,
+                                  transfer_id=transfer_id, generation=generation)
         except native.TransportError as exc:
             raise TransportError(str(exc)) from exc
+
+    def expect_transfer(self, transfer_id: int, generation: int, signal_slot: int,
+                        windows: list[tuple[int, int, int]], expected_signals: int) -> None:
+        try:
+            self._conn.expect(transfer_id, generation, signal_slot, windows, expected_signals=expected_signals)
+        except native.TransportError as exc:
+            raise TransportError(str(exc)) from exc
+
+    def retire_transfer(self, transfer_id: int, generation: int, deadline: float) -> None:
+        try:
+            self._conn.retire(transfer_id, generation, timeout=seconds_left(deadline))
+        except native.TransportError as exc:
+            raise TransportError(str(exc)) from exc
+
+    def _rejection_reason(self) -> str:
+        """Which refusal failed the slot: the refused_* counter that moved since the last report (the most serious
+        first). Concurrent rejections on one connection may be attributed to each other; each still fails its load."""
+        try:
+            stats = self._conn.stats()
+        except native.TransportError:
+            return contract.REJECTED_OTHER
+        now = (stats.refused_checksum, stats.refused_out_of_window, stats.refused_unknown_transfer)
+        with self._refused_lock:
+            before, self._refused_seen = self._refused_seen, now
+        for reason, was, is_ in zip((contract.REJECTED_CHECKSUM, contract.REJECTED_OUTSIDE_WINDOW,
+                                     contract.REJECTED_UNEXPECTED_TRANSFER), before, now):
+            if is_ > was:
+                return reason
+        return contract.REJECTED_OTHER
 
     def flush(self, deadline: float) -> None:
         try:
@@ -95,6 +135,10 @@ class TcpPairComm(PairComm):
             self._conn.wait_signal(signal_slot, expected, timeout=seconds_left(deadline))
         except native.WaitTimeout as exc:
             raise SignalWaitTimeout(signal_slot, expected, int(getattr(exc, "value", 0)), time.monotonic() - started) from None
+        except native.DataRejected as exc:
+            reason = self._rejection_reason()
+            raise TransferRejected(f"a put for signal slot {signal_slot} was refused on arrival ({reason}): {exc}",
+                                   reason) from exc
         except native.TransportError as exc:
             raise TransportError(str(exc)) from exc
 
@@ -127,12 +171,15 @@ class TcpPairComm(PairComm):
 class TcpTransport(PairTransport):
     name = "tcp"
 
-    def __init__(self, signal_slots: int = DEFAULT_SIGNAL_SLOTS, request_slots: int = native.DEFAULT_REQUEST_SLOTS) -> None:
+    def __init__(self, signal_slots: int = DEFAULT_SIGNAL_SLOTS, request_slots: int = native.DEFAULT_REQUEST_SLOTS,
+                 transfer_checks: bool = False) -> None:
         for what, value in (("signal_slots", signal_slots), ("request_slots", request_slots)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"tcp transport {what} must be an int >= 1, got {value!r}")
         self._signal_slots = signal_slots
         self._request_slots = request_slots
+        # Decode's side accepts only puts of transfers it declared (PairComm.expect_transfer); the connector sets it.
+        self._transfer_checks = transfer_checks
         self._local_host = "127.0.0.1"
         self._pending: dict[bytes, tuple[native.Context, native.Listener]] = {}
         self._lock = threading.Lock()
@@ -145,8 +192,9 @@ class TcpTransport(PairTransport):
     def set_local_address(self, host: str) -> None:
         self._local_host = host
 
-    def _make_context(self, token: int) -> native.Context:
-        return native.Context(request_slots=self._request_slots, signal_slots=self._signal_slots, token=token)
+    def _make_context(self, token: int, expect_transfers: bool = False) -> native.Context:
+        return native.Context(request_slots=self._request_slots, signal_slots=self._signal_slots, token=token,
+                              expect_transfers=expect_transfers)
 
     def create_unique_id(self) -> bytes:
         self.close()  # one handshake at a time: an id from a failed attempt is never used again
@@ -187,7 +235,7 @@ class TcpTransport(PairTransport):
             return TcpPairComm(context, conn, rank)
         if rank == RANK_DECODE:
             try:
-                context = self._make_context(token)
+                context = self._make_context(token, expect_transfers=self._transfer_checks)  # decode: puts arrive here
             except (native.TransportError, ValueError) as exc:
                 raise TransportError(f"cannot make a context for prefill's pair: {exc}") from exc
             try:
@@ -226,5 +274,6 @@ def _parse_unique_id(unique_id: bytes) -> tuple[str, int, int]:
 
 
 def build(config: PdPairConfig) -> TcpTransport:
-    """The connector's tcp transport (transports.build_transport): it reads no environment of its own."""
-    return TcpTransport(request_slots=config.transport_slots)
+    """The connector's tcp transport (transports.build_transport): it reads no environment of its own. Transfer checks
+    are on: the decode worker declares every transfer before its Pull."""
+    return TcpTransport(request_slots=config.transport_slots, transfer_checks=True)
