@@ -34,7 +34,7 @@ PROMPTS = [
     "The lazy dog sleeps while the fox jumps over it again and again, " * 4,
     "operator pods signals engines decode prefill " * 6,
 ]
-# test_corrupted_puts_fail_the_request_never_change_its_text: each spans at least one full block, so its load has puts.
+# test_corrupted_puts_fail_the_request_never_change_its_text: about 150 tokens each (5 blocks), so every load has puts.
 REJECTED_PROMPTS = [
     "Checksums guard every put; a flipped byte is refused on arrival. " * 3,
     "Decode verifies each block before the engine may read it. " * 4,
@@ -268,8 +268,9 @@ def test_decode_computes_from_the_transferred_kv(stack):
     moved (so the equality test above is not passing because decode recomputes the prompt, and the corrupted-puts
     test's errors come from the checks). Decode's TEST ONLY corrupt-KV knob overwrites every received block with one
     fixed byte (deterministic, finite values) AFTER the load passed every check, in decode's own memory, where no
-    transfer check can see it: each prompt spans several full blocks, so every prompt's first decoded token is
-    computed over the overwritten KV, and all outputs change, and so does the first token's log-probability. A
+    transfer check can see it: a load pulls every block of its prompt (the partial last one too), so every prompt's
+    first decoded token is computed over the overwritten KV, and all outputs change, and so does the first token's
+    log-probability. A
     corruption on the way is refused instead (test_corrupted_puts_fail_the_request_never_change_its_text). Its prompts
     are its own: the overwritten blocks stay in decode's prefix cache. Cost: 8 completions on the existing stack."""
     expected = {}
