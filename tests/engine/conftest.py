@@ -50,8 +50,9 @@ class Stack:
     router: Process
     decode_metrics_port: int
     prefill_metrics_port: int
-    corrupt_knob: Path
+    corrupt_knob: Path  # decode's test_corrupt_kv_file: its received KV is overwritten after the load
     drop_knob: Path
+    corrupt_puts_knob: Path  # prefill's test_corrupt_puts_file: every put goes out with a byte flipped on the way
     prefill_healthy_before_decode_started: bool
     retries_before_decode_started: int
 
@@ -64,7 +65,7 @@ class Stack:
 def stack(tiny_model, tmp_path_factory) -> Stack:
     logs = tmp_path_factory.mktemp("engine-logs")
     knobs = tmp_path_factory.mktemp("knobs")
-    corrupt, drop = knobs / "corrupt-kv", knobs / "drop-signals"
+    corrupt, drop, corrupt_puts = knobs / "corrupt-kv", knobs / "drop-signals", knobs / "corrupt-puts"
     listen_base = free_port()
     decode_metrics, prefill_metrics = free_port(), free_port()
     baseline = engine("baseline", tiny_model, logs)
@@ -72,7 +73,7 @@ def stack(tiny_model, tmp_path_factory) -> Stack:
         "prefill", tiny_model, logs, kv_role="kv_producer",
         pdpair_env={**pair_env("prefill", generation=GENERATION, peer_base=listen_base,
                                metrics_port=prefill_metrics, hang_timeout=HANG_TIMEOUT_SECONDS), **API_KEY_ENV},
-        extra_config={"test_drop_signals_file": str(drop)},
+        extra_config={"test_drop_signals_file": str(drop), "test_corrupt_puts_file": str(corrupt_puts)},
     )
     decode = engine(
         "decode", tiny_model, logs, kv_role="kv_consumer",
@@ -99,12 +100,12 @@ def stack(tiny_model, tmp_path_factory) -> Stack:
         rtr = router(logs, prefill.url, decode.url, decode_timeout=60, extra_env=API_KEY_ENV).start()
         started.append(rtr)
         rtr.wait_healthy(60)
-        yield Stack(baseline, prefill, decode, rtr, decode_metrics, prefill_metrics, corrupt, drop,
+        yield Stack(baseline, prefill, decode, rtr, decode_metrics, prefill_metrics, corrupt, drop, corrupt_puts,
                     healthy_before, retries)
     finally:
         for proc in reversed(started):
             proc.stop()
-        for knob in (corrupt, drop):
+        for knob in (corrupt, drop, corrupt_puts):
             if knob.exists():
                 knob.unlink()
         if os.environ.get("PDPAIR_KEEP_ENGINE_LOGS"):

@@ -34,6 +34,12 @@ PROMPTS = [
     "The lazy dog sleeps while the fox jumps over it again and again, " * 4,
     "operator pods signals engines decode prefill " * 6,
 ]
+# test_corrupted_puts_fail_the_request_never_change_its_text: about 150 tokens each (5 blocks), so every load has puts.
+REJECTED_PROMPTS = [
+    "Checksums guard every put; a flipped byte is refused on arrival. " * 3,
+    "Decode verifies each block before the engine may read it. " * 4,
+    "9876543210 zyxwvutsrq " * 8,
+]
 CORRUPT_PROMPTS = [
     "Signals and puts, puts and signals: " * 4,
     "Zebra yak xylophone walrus " * 6,
@@ -187,10 +193,86 @@ def first_token_logprob(payload: dict) -> float:
     return float(values[0])
 
 
-def test_corrupted_kv_changes_the_output(stack):
-    """The decode worker overwrites every received KV block with one fixed byte (deterministic, finite values). Each
-    prompt spans several full blocks, so every prompt's first decoded token is computed over corrupted KV: all
-    outputs must change, and so must the first token's log-probability (the corrupted KV is used at once)."""
+def failed_with_an_error(status: int, payload: dict) -> bool:
+    """The request ended with an error: a 5xx (vLLM's kv_load_failure_policy=fail answers 500, the router 502), or a
+    200 whose choice finished with "error"."""
+    return status >= 500 or payload.get("choices", [{}])[0].get("finish_reason") == "error"
+
+
+def rejected_checksums(stack) -> float:
+    return metric(stack.decode_metrics, "pdpair_kv_transfers_rejected_total", {"reason": "checksum"})
+
+
+def test_corrupted_puts_fail_the_request_never_change_its_text(stack):
+    """A byte flipped on the way: prefill's TEST ONLY corrupt-puts knob (test_corrupt_puts_file) makes its tcp
+    connection flip one payload byte of every put after the put's CRC32C was taken. Decode must refuse those puts and
+    never serve their bytes: through the router no request may answer 200 with text other than the single engine's
+    greedy output. The stack runs vLLM's default kv_load_failure_policy (`fail`), so every such request must end with
+    an error (a `recompute` decode would answer the single engine's text instead; both pass the first check), at the
+    refusal rather than at the 5 s hang timeout (each answer comes sooner than HANG_TIMEOUT_SECONDS, and no signal
+    wait timed out), each counted in decode's pdpair_kv_transfers_rejected_total{reason="checksum"}. With the file
+    gone the same prompts are answered with the single engine's output again, each moving its KV over the same edge
+    (no new handshake), and decode's /healthz stays 200 (a refused transfer leaves no open wait).
+    Cost: 9 completions on the module's existing stack (no new engine start), a few seconds on 2 cores."""
+    expected = {}
+    for prompt in REJECTED_PROMPTS:
+        status, single = completion(stack.baseline.url, prompt)
+        assert status == 200, single
+        expected[prompt] = (tokens(single), single["choices"][0]["text"])
+    ok_before, rejected_before = ok_transfers(stack), rejected_checksums(stack)
+    timeouts_before = metric(stack.decode_metrics, "pdpair_signal_wait_timeouts_total")
+    handshakes_before = _handshakes(stack, "ok")
+    refusals_logged = stack.decode.log().count("failed: a put of it was refused on arrival (checksum)")
+
+    stack.corrupt_puts_knob.write_text("")
+    try:
+        answers = {}
+        for prompt in REJECTED_PROMPTS:
+            started = time.monotonic()
+            status, via_pair = completion(stack.router.url, prompt, timeout=60)
+            answers[prompt] = (status, via_pair, time.monotonic() - started)
+    finally:
+        stack.corrupt_puts_knob.unlink()
+
+    # Never silently wrong, whatever the policy: an answer that is not an error is the single engine's.
+    for prompt, (status, via_pair, _) in answers.items():
+        if status == 200 and not failed_with_an_error(status, via_pair):
+            assert (tokens(via_pair), via_pair["choices"][0]["text"]) == expected[prompt], \
+                f"a 200 with other text than the single engine's for {prompt[:40]!r}: {json.dumps(via_pair)[:300]}"
+    # kv_load_failure_policy=fail: each ends with an error, at the refusal, not at the deadline.
+    for prompt, (status, via_pair, elapsed) in answers.items():
+        assert failed_with_an_error(status, via_pair), \
+            f"{prompt[:40]!r}: status {status} after {elapsed:.1f}s: {json.dumps(via_pair)[:500]}"
+        assert elapsed < HANG_TIMEOUT_SECONDS, f"{prompt[:40]!r} failed after {elapsed:.1f}s, not at the refusal"
+    assert metric(stack.decode_metrics, "pdpair_signal_wait_timeouts_total") == timeouts_before
+    assert ok_transfers(stack) == ok_before, "a load with corrupted puts was counted ok"
+    assert rejected_checksums(stack) == rejected_before + len(REJECTED_PROMPTS)
+    assert stack.decode.log().count("failed: a put of it was refused on arrival (checksum)") \
+        == refusals_logged + len(REJECTED_PROMPTS), stack.decode.log()[-3000:]
+    assert "corrupts every put on the way" in stack.prefill.log()
+
+    # The knob is off: the same prompts (decode never cached their refused blocks) come back right, over the same edge.
+    for prompt in REJECTED_PROMPTS:
+        status, via_pair = completion(stack.router.url, prompt)
+        assert status == 200, via_pair
+        assert (tokens(via_pair), via_pair["choices"][0]["text"]) == expected[prompt], f"prompt {prompt[:40]!r}"
+    assert ok_transfers(stack) == ok_before + len(REJECTED_PROMPTS), "every answer must have moved its KV again"
+    assert rejected_checksums(stack) == rejected_before + len(REJECTED_PROMPTS)
+    assert _handshakes(stack, "ok") == handshakes_before, "the edge was replaced instead of serving on"
+    status, body = http_get(stack.decode_metrics + "/healthz")
+    assert status == 200, body[:500]
+
+
+def test_decode_computes_from_the_transferred_kv(stack):
+    """Not a transfer fault, and not a guarantee: a control that the pair's answers are computed from the KV that
+    moved (so the equality test above is not passing because decode recomputes the prompt, and the corrupted-puts
+    test's errors come from the checks). Decode's TEST ONLY corrupt-KV knob overwrites every received block with one
+    fixed byte (deterministic, finite values) AFTER the load passed every check, in decode's own memory, where no
+    transfer check can see it: a load pulls every block of its prompt (the partial last one too), so every prompt's
+    first decoded token is computed over the overwritten KV, and all outputs change, and so does the first token's
+    log-probability. A
+    corruption on the way is refused instead (test_corrupted_puts_fail_the_request_never_change_its_text). Its prompts
+    are its own: the overwritten blocks stay in decode's prefix cache. Cost: 8 completions on the existing stack."""
     expected = {}
     for prompt in CORRUPT_PROMPTS:
         status, single = completion(stack.baseline.url, prompt, logprobs=1)

@@ -142,10 +142,11 @@ class PdPairConfig:
     # The transport's own variables as the pod set them (TransportSpec.env_names, e.g. flagcx's FLAGCX_LIB_PATH):
     # read here so the connector has one env reader; the transport's build reads them from here.
     transport_env: Mapping[str, str] = field(default_factory=dict, hash=False)
-    # Test-only knobs, from kv_connector_extra_config (the drop and slow-decode knobs also from their
+    # Test-only knobs, from kv_connector_extra_config (all but the corrupt-KV and delay-listener knobs also from their
     # contract.ENV_TEST_* variable); never set by the operator.
     test_corrupt_kv_file: str | None = None  # decode: while this file exists, received KV is overwritten
     test_drop_signals_file: str | None = None  # prefill: while it exists, the native sender drops every N-th signal
+    test_corrupt_puts_file: str | None = None  # prefill (tcp): while it exists, every put has a byte flipped on the way
     test_delay_listener_file: str | None = None  # decode: while it exists, the ranks it names do not listen yet
     test_slow_decode_file: str | None = None  # decode: while it exists, each model step sleeps the ms it holds
     test_stop_listener_file: str | None = None  # decode: once it exists, the side-channel loop stops (as a bug would)
@@ -266,6 +267,13 @@ class PdPairConfig:
         if drop and role != contract.ROLE_PREFILL:
             raise ConfigError(f"the signal-drop test knob ({contract.ENV_TEST_DROP_SIGNALS_FILE} or "
                               f"test_drop_signals_file) applies to prefill only (the sender), not to {role}")
+        corrupt_puts = _test_knob_file(extra, "test_corrupt_puts_file", env, contract.ENV_TEST_CORRUPT_PUTS_FILE)
+        if corrupt_puts and role != contract.ROLE_PREFILL:
+            raise ConfigError(f"the corrupt-puts test knob ({contract.ENV_TEST_CORRUPT_PUTS_FILE} or "
+                              f"test_corrupt_puts_file) applies to prefill only (the sender), not to {role}")
+        if corrupt_puts and transport != contract.TRANSPORT_TCP:
+            raise ConfigError(f"the corrupt-puts test knob ({contract.ENV_TEST_CORRUPT_PUTS_FILE} or "
+                              f"test_corrupt_puts_file) needs the tcp transport (its native fault), not {transport}")
         delay_listener = extra.pop("test_delay_listener_file", None)
         slow_decode = _test_knob_file(extra, "test_slow_decode_file", env, contract.ENV_TEST_SLOW_DECODE_FILE)
         if slow_decode and role != contract.ROLE_DECODE:
@@ -301,6 +309,7 @@ class PdPairConfig:
             transport_env={name: env[name] for name in transport_spec(transport).env_names if name in env},
             test_corrupt_kv_file=str(corrupt) if corrupt else None,
             test_drop_signals_file=drop,
+            test_corrupt_puts_file=corrupt_puts,
             test_delay_listener_file=str(delay_listener) if delay_listener else None,
             test_slow_decode_file=slow_decode,
             test_stop_listener_file=stop_listener,

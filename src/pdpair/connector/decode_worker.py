@@ -299,6 +299,7 @@ class DecodeWorker(WorkerBase):
         (set by the side-channel thread) is noticed."""
         while True:
             if wait.failed_reason is not None:
+                self._raise_if_rejected(wait, target)
                 raise TransportError(f"prefill could not serve the pull: {wait.failed_reason}")
             now = time.monotonic()
             try:
@@ -312,6 +313,21 @@ class DecodeWorker(WorkerBase):
                 if time.monotonic() >= wait.deadline:
                     self._on_timeout(wait, received)
                     return -1
+
+    @staticmethod
+    def _raise_if_rejected(wait: SignalWait, target: int) -> None:
+        """Raise TransferRejected if a put of this load was refused here. Prefill answers PullFailed when decode
+        refused one of its puts (its flush reports the refusal), and that answer can reach the waiter between two
+        wait slices: the slot was failed before the refusal was sent, so a wait that returns at once still names the
+        refusal and its reason instead of "prefill could not serve"."""
+        if not wait.comm.supports_transfer_checks:
+            return
+        try:
+            wait.comm.wait_signal(wait.slot, target, time.monotonic())  # deadline now: the slot's state, no wait
+        except TransferRejected:
+            raise
+        except TransportError:
+            pass  # short of its count with nothing refused (SignalWaitTimeout), or a closed or broken pair
 
     def _on_timeout(self, wait: SignalWait, received: int) -> None:
         request_id = wait.recv.request_id

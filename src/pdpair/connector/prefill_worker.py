@@ -27,6 +27,7 @@ from pdpair.connector.metadata import (
 from pdpair.connector.prefill_side_channel import PrefillSideChannel
 from pdpair.connector.scheduler import PdPairConnectorMetadata
 from pdpair.connector.staging import HostStaging
+from pdpair.connector.testing_knobs import corrupt_puts_count
 from pdpair.connector.transports import (
     PairComm,
     PairTransport,
@@ -324,6 +325,7 @@ class PrefillWorker(WorkerBase):
         staging = self.regions.staging
         try:
             self._apply_drop_knob(comm)
+            self._apply_corrupt_puts_knob(comm)
             # Staged: every layer's device -> host copy starts now; layer k is put once its copy is done.
             copies = staging.to_host(self.regions.runs(src_blocks)) if staging is not None else [None] * layers
             first_put = time.monotonic()
@@ -373,6 +375,19 @@ class PrefillWorker(WorkerBase):
                 logger.warning("TEST KNOB %s present: rank %d's transport drops every %d-th signal", path,
                                self.tp_rank, every)
         comm.set_signal_drop_fault(every)
+
+    def _apply_corrupt_puts_knob(self, comm: PairComm) -> None:
+        """TEST ONLY: while the knob file exists every put of this push (and of any push on the connection until the
+        next one finds the file gone) goes out with one payload byte flipped after its checksum was taken, so decode
+        refuses it and fails the load (`TransferRejected`, reason checksum). The config allows the knob on tcp only."""
+        path = self.config.test_corrupt_puts_file
+        if not path or not hasattr(comm, "set_put_corruption_fault"):
+            return
+        puts = corrupt_puts_count(path)
+        if puts:
+            logger.warning("TEST KNOB %s present: rank %d's transport corrupts every put on the way", path,
+                           self.tp_rank)
+        comm.set_put_corruption_fault(puts)
 
     def shutdown(self) -> None:
         with self._peers_lock:

@@ -1,8 +1,10 @@
 """Test-only knobs of the connector, never set by the operator: decode's slow-step knob file (`SlowDecodeKnob`,
 kv_connector_extra_config's test_slow_decode_file, TEST_ONLY_PDPAIR_SLOW_DECODE_FILE) and the byte a test flips to
-corrupt KV (TEST_CORRUPT_KV_BYTE), and decode's stop-listener knob file (`StopListenerKnob`,
-TEST_ONLY_PDPAIR_STOP_LISTENER_FILE), which ends the side-channel loop as a bug would. Kept here, apart from the product's code paths, so a reader sees at once what
-exists only for tests."""
+corrupt KV (TEST_CORRUPT_KV_BYTE), decode's stop-listener knob file (`StopListenerKnob`,
+TEST_ONLY_PDPAIR_STOP_LISTENER_FILE), which ends the side-channel loop as a bug would, and prefill's corrupt-puts knob
+file (`corrupt_puts_count`, test_corrupt_puts_file, TEST_ONLY_PDPAIR_CORRUPT_PUTS_FILE), which flips a byte of every
+put on the way. Kept here, apart from the product's code paths, so a reader sees at once what exists only for
+tests."""
 
 from __future__ import annotations
 
@@ -109,3 +111,17 @@ class StopListenerKnob:
         if os.path.lexists(self.path):
             logger.warning("TEST KNOB %s present: stopping decode's side-channel loop", self.path)
             raise ListenerStoppedByTestKnob(f"test knob {self.path} present")
+
+
+# TEST ONLY (test_corrupt_puts_file): the count given to the native PDPAIR_FAULT_CORRUPT_PUTS ("the next n puts")
+# while the knob file exists: 2**64 - 1, more puts than a connection ever posts, so every put is corrupted until the
+# file is gone and the next push sets the count back to 0.
+TEST_CORRUPT_ALL_PUTS = 2**64 - 1
+
+
+def corrupt_puts_count(path: str | None) -> int:
+    """TEST ONLY (test_corrupt_puts_file): how many of a connection's next puts go out with one payload byte flipped
+    after their checksum was taken (the native fault): TEST_CORRUPT_ALL_PUTS while the file at `path` exists (its
+    content is ignored), else 0 (also without a path). Prefill asks before each push, so the knob takes effect on
+    the next Pull served and ends likewise."""
+    return TEST_CORRUPT_ALL_PUTS if path and os.path.lexists(path) else 0

@@ -240,6 +240,10 @@ ENV_TEST_SLOW_DECODE_FILE = "TEST_ONLY_PDPAIR_SLOW_DECODE_FILE"
 # TEST ONLY: decode's side-channel loop stops once this file exists (connector testing_knobs.StopListenerKnob, extra
 # config test_stop_listener_file): how a test on real pods stops a listener nothing a peer sends can stop.
 ENV_TEST_STOP_LISTENER_FILE = "TEST_ONLY_PDPAIR_STOP_LISTENER_FILE"
+# TEST ONLY, never set by the operator: while this file exists, every put of prefill's tcp connections goes out with
+# one payload byte flipped after its checksum was taken (kv_connector_extra_config's test_corrupt_puts_file; the
+# native PDPAIR_FAULT_CORRUPT_PUTS), so a test can show that decode refuses corrupted KV instead of serving it.
+ENV_TEST_CORRUPT_PUTS_FILE = "TEST_ONLY_PDPAIR_CORRUPT_PUTS_FILE"
 POD_ENV = (
     ENV_ROLE,
     ENV_PAIR,

@@ -92,6 +92,23 @@ def test_stop_listener_knob_is_decode_only_and_not_an_operator_variable():
     assert contract.ENV_TEST_STOP_LISTENER_FILE not in contract.POD_ENV
 
 
+def test_corrupt_puts_knob_is_prefill_and_tcp_only_and_not_an_operator_variable():
+    """Prefill's corrupt-puts knob: the extra config in a bare engine, the TEST_ONLY_ env under the operator; on
+    decode or with flagcx (no native fault to turn on) the engine fails at start, never runs without the fault."""
+    assert PdPairConfig.from_env("kv_producer", {"test_corrupt_puts_file": "/tmp/bad"}, PREFILL) \
+        .test_corrupt_puts_file == "/tmp/bad"
+    env = {**PREFILL, contract.ENV_TEST_CORRUPT_PUTS_FILE: "/tmp/bad"}
+    assert PdPairConfig.from_env("kv_producer", {}, env).test_corrupt_puts_file == "/tmp/bad"
+    assert PdPairConfig.from_env("kv_producer", {"test_corrupt_puts_file": "/tmp/bad"}, env) \
+        .test_corrupt_puts_file == "/tmp/bad"  # the same path both ways is one setting
+    assert PdPairConfig.from_env("kv_producer", {}, {**PREFILL, contract.ENV_TEST_CORRUPT_PUTS_FILE: ""}) \
+        .test_corrupt_puts_file is None
+    assert PdPairConfig.from_env("kv_producer", {}, PREFILL).test_corrupt_puts_file is None
+    assert contract.ENV_TEST_CORRUPT_PUTS_FILE == "TEST_ONLY_PDPAIR_CORRUPT_PUTS_FILE"
+    assert not contract.ENV_TEST_CORRUPT_PUTS_FILE.startswith("PDPAIR_")
+    assert contract.ENV_TEST_CORRUPT_PUTS_FILE not in contract.POD_ENV
+
+
 @pytest.mark.parametrize(
     ("kv_role", "env", "extra", "message"),
     [
@@ -121,6 +138,13 @@ def test_stop_listener_knob_is_decode_only_and_not_an_operator_variable():
         ("kv_producer", {**PREFILL, contract.ENV_TEST_SLOW_DECODE_FILE: "/a"}, {},
          "the slow-decode test knob (TEST_ONLY_PDPAIR_SLOW_DECODE_FILE or test_slow_decode_file"),
         ("kv_producer", PREFILL, {"test_slow_decode_file": "/a"}, "applies to decode only"),
+        ("kv_producer", {**PREFILL, contract.ENV_TEST_CORRUPT_PUTS_FILE: "/a"}, {"test_corrupt_puts_file": "/b"},
+         "TEST_ONLY_PDPAIR_CORRUPT_PUTS_FILE='/a' contradicts kv_connector_extra_config test_corrupt_puts_file='/b'"),
+        ("kv_consumer", {**DECODE, contract.ENV_TEST_CORRUPT_PUTS_FILE: "/a"}, {},
+         "the corrupt-puts test knob (TEST_ONLY_PDPAIR_CORRUPT_PUTS_FILE or test_corrupt_puts_file"),
+        ("kv_consumer", DECODE, {"test_corrupt_puts_file": "/a"}, "applies to prefill only"),
+        ("kv_producer", {**PREFILL, contract.ENV_TRANSPORT: "flagcx"}, {"test_corrupt_puts_file": "/a"},
+         "test_corrupt_puts_file. needs the tcp transport"),
         ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT_SLOTS: "many"}, {}, "PDPAIR_TRANSPORT_SLOTS='many' is not an"),
         ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT_SLOTS: "0"}, {}, "PDPAIR_TRANSPORT_SLOTS=0 must be in 1..4096"),
         ("kv_consumer", {**DECODE, contract.ENV_TRANSPORT_SLOTS: "-3"}, {}, "PDPAIR_TRANSPORT_SLOTS=-3 must be in"),

@@ -7,6 +7,7 @@ The stalled-push test proves that prefill serves Pulls off its side-channel thre
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -18,7 +19,8 @@ from pdpair.connector.config import PdPairConfig
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest, SendRequest
 from pdpair.connector.prefill_worker import SLOW_PUSH_SECONDS, PrefillWorker
 from pdpair.connector.decode_worker import DecodeWorker, transfer_tag
-from pdpair.connector.transports import TransportError
+from pdpair.connector.transports import SignalWaitTimeout, TransferRejected, TransportError
+from pdpair.connector.worker import SignalWait
 from devcluster.ports import free_port
 from tests.side_channel_support import TEST_SIDE_CHANNEL_KEY
 
@@ -52,9 +54,15 @@ def kv_caches(fill: float) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def pair():
+    yield from _pair()
+
+
+def _pair(**prefill_settings):
+    """A paired decode and prefill worker (prefill's config with `prefill_settings`); both shut down after."""
     port = free_port()
     decode = DecodeWorker(config(contract.ROLE_DECODE, port), 0, 1, 32, "0.32.0")
-    prefill = PrefillWorker(config(contract.ROLE_PREFILL, port), 0, 1, 32, "0.32.0")
+    prefill = PrefillWorker(dataclasses.replace(config(contract.ROLE_PREFILL, port), **prefill_settings), 0, 1, 32,
+                            "0.32.0")
     decode_kv = {name: torch.full((NUM_BLOCKS, *BLOCK_SHAPE), -1.0) for name in LAYERS}
     prefill_kv = kv_caches(0.0)
     try:
@@ -237,3 +245,82 @@ def test_a_corrupted_put_fails_its_load_at_once_with_a_metric(pair, error_logs):
     recv(decode, "d2", "p2", 0, [6])
     finished, failed = settle(decode, {"d2"})
     assert "d2" not in failed and all(torch.equal(decode_kv[n][6], prefill_kv[n][1]) for n in LAYERS)
+
+
+@pytest.fixture
+def knob_pair(tmp_path):
+    """A pair whose prefill has the corrupt-puts knob configured (TEST ONLY test_corrupt_puts_file); the file is
+    absent at first."""
+    knob = tmp_path / "corrupt-puts"
+    for decode, prefill, decode_kv, prefill_kv in _pair(test_corrupt_puts_file=str(knob)):
+        yield decode, prefill, decode_kv, prefill_kv, knob
+
+
+def test_the_corrupt_puts_knob_fails_loads_while_its_file_exists(knob_pair, error_logs):
+    """TEST ONLY knob test_corrupt_puts_file: absent, loads work; while the file exists, every put of prefill's
+    connection has a byte flipped on the way, so each load fails at once with pdpair_kv_transfers_rejected_total
+    {reason="checksum"} and nothing it carried is handed over as loaded; once the file is gone, the next push turns
+    the fault off and loads work again on the same pair."""
+    decode, prefill, decode_kv, prefill_kv, knob = knob_pair
+    send(prefill, "p1", [1])
+    recv(decode, "d1", "p1", 0, [0])
+    finished, failed = settle(decode, {"d1"})
+    assert failed == set() and all(torch.equal(decode_kv[n][0], prefill_kv[n][1]) for n in LAYERS)
+
+    knob.write_text("")
+    for i, (src, dst) in enumerate(((2, 4), (3, 5)), start=2):
+        send(prefill, f"p{i}", [src])
+        started = time.monotonic()
+        recv(decode, f"d{i}", f"p{i}", 0, [dst])
+        finished, failed = settle(decode, {f"d{i}"})
+        assert f"d{i}" in failed, f"load d{i} was not failed while the knob file existed"
+        assert time.monotonic() - started < HANG_TIMEOUT / 3, "the load failed at its deadline, not at the refusal"
+    assert rejected(decode, "checksum") == 2
+    assert decode.stats.data.get("transfers_ok", 0) == 1
+    assert error_logs.text.count("failed: a put of it was refused on arrival (checksum)") == 2, error_logs.text
+    assert decode_conn(decode).stats().refused_checksum >= 2
+
+    knob.unlink()
+    edges = list(prefill._edges.values())
+    send(prefill, "p4", [6])
+    recv(decode, "d4", "p4", 0, [7])
+    finished, failed = settle(decode, {"d4"})
+    assert "d4" not in failed and all(torch.equal(decode_kv[n][7], prefill_kv[n][6]) for n in LAYERS)
+    assert rejected(decode, "checksum") == 2
+    assert list(prefill._edges.values()) == edges, "the pair was replaced instead of serving on"
+
+
+class _SlotComm:
+    """A pair communicator whose slot is either failed by a refused put (`refused`) or merely short of its count."""
+
+    supports_transfer_checks = True
+
+    def __init__(self, refused: bool) -> None:
+        self.refused = refused
+
+    def wait_signal(self, signal_slot: int, expected: int, deadline: float) -> None:
+        if self.refused:
+            raise TransferRejected(f"a put for signal slot {signal_slot} was refused on arrival (checksum)", "checksum")
+        raise SignalWaitTimeout(signal_slot, expected, 0, 0.0)
+
+
+@pytest.mark.parametrize("refused", [True, False])
+def test_a_pull_failed_that_follows_a_refusal_still_names_the_refusal(refused):
+    """Prefill answers PullFailed when decode refused one of its puts, and that answer may reach the waiter between
+    two wait slices, before it saw its failed slot: the load must still fail as TransferRejected (counted by reason),
+    not as "prefill could not serve". A PullFailed with nothing refused keeps its own reason."""
+    decode = DecodeWorker(config(contract.ROLE_DECODE, free_port()), 0, 1, 32, "0.32.0")
+    try:
+        now = time.monotonic()
+        wait = SignalWait(recv=RecvRequest("d1", "p1", 0, [1], "prefill-0"), slot=3, base=0, expected=2, nbytes=0,
+                          started=now, deadline=now + DEADLINE, comm=_SlotComm(refused),
+                          failed_reason="prefill transport error: flush: PDPAIR_REMOTE_REJECTED")
+        with pytest.raises(TransportError) as info:
+            decode._wait_until(wait, 1, 0)
+        if refused:
+            assert isinstance(info.value, TransferRejected) and info.value.reason == "checksum"
+        else:
+            assert not isinstance(info.value, TransferRejected)
+            assert "prefill could not serve the pull: prefill transport error" in str(info.value)
+    finally:
+        decode.shutdown()

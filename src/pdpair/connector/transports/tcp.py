@@ -159,6 +159,14 @@ class TcpPairComm(PairComm):
         """TEST ONLY: the native sender omits the signal of every n-th put_signal (0 disables)."""
         self._conn.set_fault(native.Fault.DROP_EVERY_NTH_SIGNAL, every_nth)
 
+    def set_put_corruption_fault(self, puts: int) -> None:
+        """TEST ONLY: the next `puts` puts with data each go out with one payload byte flipped after their checksum
+        was taken (native Fault.CORRUPT_PUTS), so decode's transport refuses them; 0 stops it."""
+        try:
+            self._conn.set_fault(native.Fault.CORRUPT_PUTS, puts)
+        except native.TransportError as exc:
+            raise TransportError(str(exc)) from exc
+
     def close(self) -> None:
         with self._close_lock:
             if self._closed:
