@@ -226,18 +226,21 @@ class DecodeWorker(WorkerBase):
                    for layer, runs in enumerate(self.regions.runs(recv.block_ids)) for offset, length in runs]
         comm.expect_transfer(tag, generation, slot, windows, expected)
 
-    def _retire(self, wait: SignalWait) -> None:
+    def _retire(self, wait: SignalWait) -> bool:
         """End the load's transfer before its blocks go back to the engine (loaded, failed or timed out): from then on
-        its puts are refused, so none lands in blocks that another request may get. Once per wait."""
+        its puts are refused, so none lands in blocks that another request may get. Once per wait. True when this
+        call retired a declared transfer: nothing of it can land or signal any more, so its slot may serve again."""
         tag, wait.transfer_tag = wait.transfer_tag, 0
         if not tag:
-            return
+            return False
         try:
             wait.comm.retire_transfer(tag, wait.transfer_generation,
                                       retire_deadline(self.config.hang_timeout_seconds, time.monotonic()))
+            return True
         except TransportError as exc:
             # A closed pair writes nothing more; one broken by the retire itself fails its other loads at once.
             logger.warning("request %s: retiring its transfer: %s", wait.recv.request_id, exc)
+            return False
 
     def _wait_for_signals(self, wait: SignalWait) -> None:
         request_id = wait.recv.request_id
@@ -348,13 +351,18 @@ class DecodeWorker(WorkerBase):
             self._abandoned[request_id] = wait
         self._fail(request_id, timed_out=True)
 
-    def _close(self, wait: SignalWait, outcome: str, received: int, seconds: float | None = None, release_slot: bool = False) -> None:
+    def _close(self, wait: SignalWait, outcome: str, received: int, seconds: float | None = None,
+               release_slot: bool = False) -> None:
+        """Settle the wait's accounts and retire its transfer. Its slot goes back to the edge when the caller says so
+        (every signal arrived), or when the retire closed a declared transfer: a failed load's late puts and signals
+        are then refused, so the slot cannot be signalled by them (without transfer checks it stays out of use, as a
+        late signal could still land on it)."""
         request_id = wait.recv.request_id
-        self._retire(wait)
+        retired = self._retire(wait)
         with self._lock:
             self._waits.pop(request_id, None)
             free = self._free_slots.get(wait.comm)  # None: that edge closed, its slots went with it
-            if release_slot and free is not None:
+            if (release_slot or retired) and free is not None:
                 free.append(wait.slot)
         took = time.monotonic() - wait.started if seconds is None else seconds
         self.accounts.close_wait(request_id, outcome, wait.nbytes if outcome == contract.OUTCOME_OK else 0, took)

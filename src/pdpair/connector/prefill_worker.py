@@ -81,6 +81,9 @@ class PrefillWorker(WorkerBase):
         self._transport_taken = False
         self._sends: dict[str, tuple[list[int], float]] = {}  # request id -> (block ids, lease expiry)
         self._finished_sending: set[str] = set()
+        # request id -> serves (pushes or releases) submitted and not yet ended: the blocks are reported sent once,
+        # when the last of them ends (a release can come while a failed load's push still reads them).
+        self._serving: dict[str, int] = {}
         self._pushers = ThreadPoolExecutor(PUSH_WORKERS, thread_name_prefix=f"pdpair-push-r{self.tp_rank}")
 
     # --- the peer set --------------------------------------------------------------------------------
@@ -224,7 +227,7 @@ class PrefillWorker(WorkerBase):
                 self._progress.wait(IDLE_WAIT_SECONDS)
         now = time.monotonic()
         with self._lock:
-            for request_id in [r for r, (_, exp) in self._sends.items() if exp < now]:
+            for request_id in [r for r, (_, exp) in self._sends.items() if exp < now and r not in self._serving]:
                 logger.warning("request %s: decode never pulled its KV within the lease; freeing the blocks", request_id)
                 del self._sends[request_id]
                 self._finished_sending.add(request_id)
@@ -274,14 +277,32 @@ class PrefillWorker(WorkerBase):
         instead of writing into the new decode's blocks."""
         assert edge.side is not None
         route = (edge.side.comm, list(edge.peer_indices), list(edge.local_indices))
+        request_id = pull.remote_request_id
         with self._lock:
+            if request_id not in self._sends:  # another serve of it ended (and reported its blocks) meanwhile
+                edge.side.post(PullFailed(pull.transfer_id, f"prefill holds no KV for request {request_id} "
+                                                            "(unknown, expired or already sent)"))
+                return
             edge.inflight += 1
+            self._serving[request_id] = self._serving.get(request_id, 0) + 1
         try:
             self._pushers.submit(self._serve_and_reply, edge, pull, block_ids, received, route)
         except RuntimeError:  # shutting down: the pool takes no more work
             with self._lock:
                 edge.inflight -= 1
+                self._end_serving(request_id)
             edge.side.post(PullFailed(pull.transfer_id, "prefill is shutting down"))
+
+    def _end_serving(self, request_id: str) -> None:
+        """Under the lock: one serve of `request_id` ended. The last one to end reports its blocks sent, exactly
+        once (vLLM's scheduler asserts a request it frees is still its own: a second report kills the engine)."""
+        left = self._serving.get(request_id, 1) - 1
+        if left > 0:
+            self._serving[request_id] = left
+            return
+        self._serving.pop(request_id, None)
+        if self._sends.pop(request_id, None) is not None:
+            self._finished_sending.add(request_id)
 
     def _serve_and_reply(self, edge: PrefillEdge, pull: Pull, block_ids: list[int], received: float, route) -> None:
         try:
@@ -303,8 +324,7 @@ class PrefillWorker(WorkerBase):
             return PullDone(pull.transfer_id, 0)
         finally:
             with self._lock:
-                self._sends.pop(pull.remote_request_id, None)
-                self._finished_sending.add(pull.remote_request_id)
+                self._end_serving(pull.remote_request_id)
                 self._progress.notify_all()
 
     def _push(self, pull: Pull, block_ids: list[int], received: float, comm: PairComm | None,

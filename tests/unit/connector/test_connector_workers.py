@@ -160,6 +160,11 @@ def rejected(decode: DecodeWorker, reason: str) -> float:
     )
 
 
+def decode_conn_comm(decode: DecodeWorker):
+    (edge,) = decode.side.edges()
+    return edge.comm
+
+
 def decode_conn(decode: DecodeWorker) -> native.Connection:
     (edge,) = decode.side.edges()
     assert edge.comm.supports_transfer_checks  # the connector's tcp transport checks transfers on decode
@@ -224,6 +229,29 @@ def error_logs(caplog):
     finally:
         if attach:
             pdpair_logger.removeHandler(caplog.handler)
+
+
+def test_a_refused_load_gives_its_signal_slot_back(pair):
+    """A load whose put was refused is retired before it fails, so nothing of it can land or signal any more and its
+    signal slot serves the next load: a run of refused loads never drains the edge's slots (a timed-out load keeps
+    its slot out of use instead: its deficit stays visible until the pair restarts)."""
+    decode, prefill, decode_kv, prefill_kv = pair
+    send(prefill, "p0", [1])
+    recv(decode, "d0", "p0", 0, [6])
+    settle(decode, {"d0"})
+    comm = decode_conn_comm(decode)
+    free_before = len(decode._free_slots[comm])
+    for i in range(3):
+        prefill.side.comm._conn.set_fault(native.Fault.CORRUPT_PUTS, 1)  # the next put goes out with a byte flipped
+        send(prefill, f"p{i + 1}", [2, 3])
+        recv(decode, f"d{i + 1}", f"p{i + 1}", 0, [4, 5])
+        _, failed = settle(decode, {f"d{i + 1}"})
+        assert f"d{i + 1}" in failed
+    assert len(decode._free_slots[comm]) == free_before, "a refused load kept its signal slot"
+    send(prefill, "p9", [1])
+    recv(decode, "d9", "p9", 0, [6])
+    _, failed = settle(decode, {"d9"})
+    assert "d9" not in failed and all(torch.equal(decode_kv[n][6], prefill_kv[n][1]) for n in LAYERS)
 
 
 def test_a_corrupted_put_fails_its_load_at_once_with_a_metric(pair, error_logs):
@@ -324,3 +352,45 @@ def test_a_pull_failed_that_follows_a_refusal_still_names_the_refusal(refused):
             assert "prefill could not serve the pull: prefill transport error" in str(info.value)
     finally:
         decode.shutdown()
+
+
+def test_a_release_during_a_push_reports_the_blocks_sent_once_after_both(pair):
+    """Decode releases a request whose load failed (its scheduler's reqs_to_release) while prefill's push of it may
+    still be reading its blocks: prefill reports the blocks sent exactly once, when the last of the two serves ends.
+    Reported at the release, the blocks would go back to the engine under the push; reported twice, vLLM's scheduler
+    asserts the request is still its own and the prefill engine dies (seen with decode refusing corrupted puts)."""
+    import threading
+
+    from pdpair.connector.metadata import Pull
+
+    decode, prefill, _, _ = pair
+    pushing, go_on = threading.Event(), threading.Event()
+    real_push = prefill._push
+
+    def held_push(*args, **kwargs):
+        pushing.set()
+        assert go_on.wait(DEADLINE), "the test never let the push go on"
+        return real_push(*args, **kwargs)
+
+    prefill._push = held_push
+    send(prefill, "p1", [2, 3])
+    recv(decode, "d1", "p1", 0, [4, 5])
+    assert pushing.wait(DEADLINE), "the Pull never reached prefill's push"
+    (edge,) = prefill._edges_now()
+    prefill._on_pull(edge, Pull("release-p1", "p1", 0, [], 0, 0))
+    reported: list[str] = []
+    deadline = time.monotonic() + 1.0  # the release's serve is quick: it reports nothing while the push holds
+    while time.monotonic() < deadline:
+        reported += prefill.get_transfer_results()
+        time.sleep(0.01)
+    assert reported == [], "the blocks were reported sent while the push still read them"
+    go_on.set()
+    settle(decode, {"d1"})
+    deadline = time.monotonic() + DEADLINE
+    while "p1" not in reported and time.monotonic() < deadline:
+        reported += prefill.get_transfer_results()
+        time.sleep(0.01)
+    for _ in range(20):  # and never again
+        reported += prefill.get_transfer_results()
+        time.sleep(0.01)
+    assert reported == ["p1"], reported
