@@ -216,19 +216,6 @@ def test_a_put_outside_every_pull_is_refused_and_writes_nothing(pair):
     assert failed == set() and all(torch.equal(decode_kv[n][0], prefill_kv[n][1]) for n in LAYERS)
 
 
-@pytest.fixture
-def error_logs(caplog):
-    """The worker's errors, also once connector.py (imported by another test) stopped `pdpair` propagating."""
-    pdpair_logger = logging.getLogger("pdpair")
-    attach = not pdpair_logger.propagate
-    if attach:
-        pdpair_logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.ERROR, logger="pdpair"):
-            yield caplog
-    finally:
-        if attach:
-            pdpair_logger.removeHandler(caplog.handler)
 
 
 def test_a_refused_load_gives_its_signal_slot_back(pair):

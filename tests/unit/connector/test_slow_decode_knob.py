@@ -8,7 +8,6 @@ sleep, the file asks for seconds and the bound is half of that, so only a sleep 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 
 import pytest
@@ -35,19 +34,6 @@ def read_every_time(monkeypatch):
     monkeypatch.setattr(testing_knobs, "TEST_SLOW_DECODE_POLL_SECONDS", 0.0)
 
 
-@pytest.fixture
-def knob_logs(caplog):
-    """The worker's warnings, also once connector.py (imported by another test) stopped `pdpair` propagating."""
-    pdpair_logger = logging.getLogger("pdpair")
-    attach = not pdpair_logger.propagate
-    if attach:
-        pdpair_logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.WARNING, logger="pdpair"):
-            yield caplog
-    finally:
-        if attach:
-            pdpair_logger.removeHandler(caplog.handler)
 
 
 def timed(call) -> float:
