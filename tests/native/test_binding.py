@@ -48,10 +48,9 @@ def marry(ctx_a: Context, ctx_b: Context, port: int = 0) -> tuple[native.Connect
         return accepted.result(), b, listener.port
 
 
-@pytest.fixture
-def pair():
-    ctx_a, ctx_b = Context(token=5), Context(token=5)
-    mem_a, mem_b = bytearray(1 << 20), bytearray(1 << 20)
+def _married(ctx_a: Context, ctx_b: Context, size: int):
+    """Both contexts with one region of `size` bytes each, connected; everything closed afterwards."""
+    mem_a, mem_b = bytearray(size), bytearray(size)
     ctx_a.register(mem_a)
     ctx_b.register(mem_b)
     a, b, port = marry(ctx_a, ctx_b)
@@ -60,6 +59,11 @@ def pair():
     b.close()
     ctx_a.close()
     ctx_b.close()
+
+
+@pytest.fixture
+def pair():
+    yield from _married(Context(token=5), Context(token=5), 1 << 20)
 
 
 def test_version_and_status_names():
@@ -170,16 +174,8 @@ def test_corrupted_put_is_refused_and_fails_the_waiter_at_once(pair: Pair):
 @pytest.fixture
 def expecting_pair():
     """a: the receiving side, in expectation mode; b: the sender."""
-    ctx_a, ctx_b = Context(token=5, expect_transfers=True, max_transfers=4, max_transfer_windows=8), Context(token=5)
-    mem_a, mem_b = bytearray(1 << 16), bytearray(1 << 16)
-    ctx_a.register(mem_a)
-    ctx_b.register(mem_b)
-    a, b, port = marry(ctx_a, ctx_b)
-    yield Pair(ctx_a, ctx_b, a, b, mem_a, mem_b, port)
-    a.close()
-    b.close()
-    ctx_a.close()
-    ctx_b.close()
+    yield from _married(Context(token=5, expect_transfers=True, max_transfers=4, max_transfer_windows=8),
+                        Context(token=5), 1 << 16)
 
 
 def test_expectation_mode_accepts_only_declared_transfers(expecting_pair: Pair):
