@@ -232,8 +232,8 @@ def test_newest_of_own_write_and_body():
     def h(generation, at):
         return {"pairGeneration": generation, "observedAt": at, "verdict": VERDICT_HEALTHY}
 
-    mine, body = h(1, "2026-12-01T08:00:10Z"), h(1, "2026-12-01T08:00:00Z")
-    assert newest(mine, body) is mine and newest(body, mine) is mine  # the body lags our own write
-    assert newest(None, body) is body and newest(mine, None) is mine and newest(None, None) is None
+    ours, body = h(1, "2026-12-01T08:00:10Z"), h(1, "2026-12-01T08:00:00Z")
+    assert newest(ours, body) is ours and newest(body, ours) is ours  # the body lags our own write
+    assert newest(None, body) is body and newest(ours, None) is ours and newest(None, None) is None
     assert newest(h(1, "2026-12-01T09:00:00Z"), h(2, "2026-12-01T08:00:00Z"))["pairGeneration"] == 2
     assert newest({"verdict": "junk"}, body) is body
