@@ -35,13 +35,14 @@ pdpair_status pdpair_context_create(const pdpair_context_options *opts, pdpair_c
     pdpair_context_options o;
     pdpair_context_options_init(&o);
     if (opts) {
-        if (opts->reserved != 0 || opts->reserved2 != 0 || opts->expect_transfers > 1)
+        if (opts->reserved != 0 || opts->expect_transfers > 1 || opts->skip_checksums > 1)
             return PDPAIR_INVALID_ARGUMENT;
         if (opts->request_slots) o.request_slots = opts->request_slots;
         if (opts->signal_slots) o.signal_slots = opts->signal_slots;
         if (opts->max_regions) o.max_regions = opts->max_regions;
         o.token = opts->token;
         o.expect_transfers = opts->expect_transfers;
+        o.skip_checksums = opts->skip_checksums;
         if (opts->max_transfers) o.max_transfers = opts->max_transfers;
         if (opts->max_transfer_windows) o.max_transfer_windows = opts->max_transfer_windows;
     }

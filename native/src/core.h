@@ -68,16 +68,19 @@ struct op {
     bool corrupt; /* TEST ONLY (PDPAIR_FAULT_CORRUPT_PUTS): the sender flips one payload byte on the wire */
 };
 
-/* A transfer declared with pdpair_conn_expect: its tag, its signal slot, its windows sorted by (region, offset) with
- * adjacent and overlapping ones merged, so a put's range is checked with one binary search. */
+/* A transfer declared with pdpair_conn_expect: its tag, its signal slot, its windows sorted by (region, offset)
+ * (never overlapping), so a put's window is found with one binary search. Each window is written once, front to
+ * back: `filled` is where its next put must start, so a put written twice or into another put's place is refused. */
 struct window {
     uint32_t region;
     uint64_t start, end; /* [start, end) */
+    uint64_t filled;     /* bytes accepted so far, from start */
 };
 
 struct expectation {
     uint64_t id; /* 0 = free entry of the hash table */
     uint64_t signals_max, signals_seen; /* complete once seen == max (max 0: no limit) */
+    uint64_t bytes_max, bytes_seen;     /* the windows' size; the bytes of its accepted puts (never above max) */
     uint32_t generation, slot;
     struct window *windows;
     uint32_t nwindows;
@@ -137,8 +140,12 @@ struct pdpair_conn {
     uint64_t recv_seq;
 
     /* fault injection (TEST ONLY): set in faults.c, read by requests.c and sender.c */
-    uint64_t fault_drop_every, fault_signal_count, fault_corrupt_puts;
+    uint64_t fault_drop_every, fault_signal_count, fault_corrupt_puts, fault_misaddress_puts, fault_stale_tag_puts,
+        fault_truncate_puts;
     bool fault_skip_bounds, fault_hold_sends;
+    /* the tags of the last two transfers posted (for PDPAIR_FAULT_STALE_TAG_PUTS; two words a post, under mu) */
+    uint64_t tag_last_id, tag_prev_id;
+    uint32_t tag_last_gen, tag_prev_gen;
 
     pdpair_conn_stats stats;
 };
@@ -171,8 +178,9 @@ void *pdpi_receiver_main(void *arg);
 /* --- declared transfers (expect.c) -------------------------------------------------------------------------- */
 /* Under conn->mu: the declared transfer with this id and generation, or NULL. */
 struct expectation *pdpi_expect_find_locked(pdpair_conn *c, uint64_t id, uint32_t generation);
-/* Under conn->mu: is [offset, offset + length) of `region` inside one of e's windows? */
-bool pdpi_expect_covers(const struct expectation *e, uint32_t region, uint64_t offset, uint64_t length);
+/* Under conn->mu: the index of e's window that [offset, offset + length) of `region` continues (it starts where the
+ * window's accepted bytes end and fits in it), or UINT32_MAX. */
+uint32_t pdpi_expect_window(const struct expectation *e, uint32_t region, uint64_t offset, uint64_t length);
 /* Frees the table (connection teardown, no other thread left). */
 void pdpi_expect_free(pdpair_conn *c);
 
@@ -187,5 +195,8 @@ void pdpi_fault_init_from_env(pdpair_conn *c);
 bool pdpi_fault_drops_signal_locked(pdpair_conn *c);
 /* Under conn->mu, for each post with data: true when the corrupt fault flips a byte of this one. */
 bool pdpi_fault_corrupts_put_locked(pdpair_conn *c);
+/* Under conn->mu, for each post: records its tag, then applies the misaddress, stale-tag and truncate faults to it
+ * (a truncated put's checksum is taken again over what is left). */
+void pdpi_fault_apply_locked(pdpair_conn *c, struct op *o, bool has_data);
 
 #endif

@@ -27,7 +27,7 @@ struct expectation *pdpi_expect_find_locked(pdpair_conn *c, uint64_t id, uint32_
     }
 }
 
-bool pdpi_expect_covers(const struct expectation *e, uint32_t region, uint64_t offset, uint64_t length)
+uint32_t pdpi_expect_window(const struct expectation *e, uint32_t region, uint64_t offset, uint64_t length)
 {
     /* the last window starting at or before (region, offset) */
     uint32_t a = 0, b = e->nwindows;
@@ -37,9 +37,10 @@ bool pdpi_expect_covers(const struct expectation *e, uint32_t region, uint64_t o
         if (w->region < region || (w->region == region && w->start <= offset)) a = m + 1;
         else b = m;
     }
-    if (a == 0) return false;
+    if (a == 0) return UINT32_MAX;
     const struct window *w = &e->windows[a - 1];
-    return w->region == region && offset >= w->start && offset <= w->end && length <= w->end - offset;
+    bool continues = w->region == region && offset == w->start + w->filled && length <= w->end - offset;
+    return continues ? a - 1 : UINT32_MAX;
 }
 
 static int window_cmp(const void *pa, const void *pb)
@@ -101,18 +102,23 @@ pdpair_status pdpair_conn_expect(pdpair_conn *c, uint64_t transfer_id, uint32_t 
             st = PDPAIR_INVALID_ARGUMENT;
             break;
         }
-        ws[i] = (struct window){w->region, w->offset, w->offset + w->length};
+        ws[i] = (struct window){w->region, w->offset, w->offset + w->length, 0};
     }
     uint32_t n = 0;
+    uint64_t bytes = 0;
     if (st == PDPAIR_OK && nwindows) {
+        /* Sorted for the lookup; never overlapping, so every byte belongs to one window and is written once. */
         qsort(ws, nwindows, sizeof *ws, window_cmp);
-        for (size_t i = 0; i < nwindows; i++) { /* merge adjacent and overlapping windows */
-            if (n && ws[n - 1].region == ws[i].region && ws[i].start <= ws[n - 1].end) {
-                if (ws[i].end > ws[n - 1].end) ws[n - 1].end = ws[i].end;
-            } else {
-                ws[n++] = ws[i];
+        for (size_t i = 1; i < nwindows; i++) {
+            if (ws[i].region == ws[i - 1].region && ws[i].start < ws[i - 1].end) {
+                snprintf(why, sizeof why, "windows overlap in region %u at offset %llu", ws[i].region,
+                         (unsigned long long)ws[i].start);
+                st = PDPAIR_INVALID_ARGUMENT;
+                break;
             }
         }
+        n = (uint32_t)nwindows;
+        for (uint32_t i = 0; i < n; i++) bytes += ws[i].end - ws[i].start;
     }
 
     pdpair_status entered = pdpi_conn_enter(c);
@@ -155,7 +161,8 @@ pdpair_status pdpair_conn_expect(pdpair_conn *c, uint64_t transfer_id, uint32_t 
     }
     if (st == PDPAIR_OK) {
         c->expect[i] = (struct expectation){.id = transfer_id, .generation = generation, .slot = signal_slot,
-                                            .signals_max = expected_signals, .windows = ws, .nwindows = n};
+                                            .signals_max = expected_signals, .bytes_max = bytes, .windows = ws,
+                                            .nwindows = n};
         ws = NULL;
         c->n_expect++;
         c->expect_windows += n;

@@ -16,6 +16,9 @@ pdpair_status pdpair_conn_set_fault(pdpair_conn *c, int fault, uint64_t n)
         c->fault_skip_bounds = false;
         c->fault_hold_sends = false;
         c->fault_corrupt_puts = 0;
+        c->fault_misaddress_puts = 0;
+        c->fault_stale_tag_puts = 0;
+        c->fault_truncate_puts = 0;
         pthread_cond_signal(&c->send_cv);
         break;
     case PDPAIR_FAULT_DROP_EVERY_NTH_SIGNAL:
@@ -31,6 +34,15 @@ pdpair_status pdpair_conn_set_fault(pdpair_conn *c, int fault, uint64_t n)
         break;
     case PDPAIR_FAULT_CORRUPT_PUTS:
         c->fault_corrupt_puts = n;
+        break;
+    case PDPAIR_FAULT_MISADDRESS_PUTS:
+        c->fault_misaddress_puts = n;
+        break;
+    case PDPAIR_FAULT_STALE_TAG_PUTS:
+        c->fault_stale_tag_puts = n;
+        break;
+    case PDPAIR_FAULT_TRUNCATE_PUTS:
+        c->fault_truncate_puts = n;
         break;
     default:
         snprintf(c->err, sizeof c->err, "unknown fault kind %d", fault);
@@ -58,4 +70,33 @@ bool pdpi_fault_corrupts_put_locked(pdpair_conn *c)
     if (!c->fault_corrupt_puts) return false;
     c->fault_corrupt_puts--;
     return true;
+}
+
+void pdpi_fault_apply_locked(pdpair_conn *c, struct op *o, bool has_data)
+{
+    if (o->transfer && (o->transfer != c->tag_last_id || o->generation != c->tag_last_gen)) {
+        c->tag_prev_id = c->tag_last_id;
+        c->tag_prev_gen = c->tag_last_gen;
+        c->tag_last_id = o->transfer;
+        c->tag_last_gen = o->generation;
+    }
+    if (o->transfer && c->fault_stale_tag_puts) {
+        c->fault_stale_tag_puts--;
+        if (c->tag_prev_id) { /* the previous transfer's tag: retired by now, its blocks maybe reused */
+            o->transfer = c->tag_prev_id;
+            o->generation = c->tag_prev_gen;
+        } else { /* no previous transfer on this connection: another generation of this one */
+            o->generation++;
+        }
+    }
+    if (!has_data || o->length == 0) return;
+    if (c->fault_misaddress_puts) {
+        c->fault_misaddress_puts--;
+        o->remote_offset = 0; /* in bounds: the length already fit the region at a higher offset */
+    }
+    if (c->fault_truncate_puts) {
+        c->fault_truncate_puts--;
+        o->length /= 2;
+        o->crc = c->ctx->opts.skip_checksums ? 0 : pdpi_crc32c(0, o->src, o->length);
+    }
 }

@@ -103,10 +103,11 @@ static bool read_exact(struct reader *r, uint8_t *dst, uint64_t len, bool crc)
 
 /* Which check refuses this put (0 = none), under conn->mu. On acceptance in expectation mode, *e is its transfer. */
 static uint32_t check_put_locked(pdpair_conn *c, const struct wire_frame *f, bool has_signal, uint8_t **dst,
-                                 struct expectation **e)
+                                 struct expectation **e, uint32_t *win)
 {
     pdpair_context *ctx = c->ctx;
     *e = NULL;
+    *win = UINT32_MAX;
     if (!(f->flags & WIRE_FLAG_NODATA)) {
         /* The receiver's own bounds check: nothing is written outside a registered region. */
         uint32_t n = atomic_load_explicit(&ctx->region_count, memory_order_acquire);
@@ -124,8 +125,16 @@ static uint32_t check_put_locked(pdpair_conn *c, const struct wire_frame *f, boo
     /* complete: every signal it declared came, so anything more of it is a duplicate or a replay */
     if ((*e)->signals_max && (*e)->signals_seen >= (*e)->signals_max) return WIRE_REJECT_TRANSFER;
     if (has_signal && f->slot != (*e)->slot) return WIRE_REJECT_WINDOW;
-    if (!(f->flags & WIRE_FLAG_NODATA) && f->length > 0 && !pdpi_expect_covers(*e, f->region, f->offset, f->length))
+    /* Each window written once, front to back: a put must continue one (a second write of a block, or a put into
+     * another put's place, is refused) */
+    if (!(f->flags & WIRE_FLAG_NODATA) && f->length > 0 &&
+        (*win = pdpi_expect_window(*e, f->region, f->offset, f->length)) == UINT32_MAX)
         return WIRE_REJECT_WINDOW;
+    /* The signal that completes the transfer, before every byte came (a put cut short, or one that never came):
+     * signals alone would call it complete. */
+    if (has_signal && (*e)->signals_max && (*e)->signals_seen + 1 == (*e)->signals_max &&
+        (*e)->bytes_seen + f->length < (*e)->bytes_max)
+        return WIRE_REJECT_INCOMPLETE;
     return 0;
 }
 
@@ -150,8 +159,9 @@ static void handle_data(pdpair_conn *c, struct reader *r, const struct wire_fram
     }
     uint8_t *dst = NULL;
     struct expectation *e = NULL;
+    uint32_t win = UINT32_MAX; /* the window of e this put continues (a put with data) */
     pthread_mutex_lock(&c->mu);
-    uint32_t reason = check_put_locked(c, f, has_signal, &dst, &e);
+    uint32_t reason = check_put_locked(c, f, has_signal, &dst, &e, &win);
     /* e's slot, read now: e may be retired (and freed) once the receiver lets go of it below */
     uint32_t exp_slot = e ? e->slot : UINT32_MAX;
     if (!reason && e && f->length > 0) {
@@ -161,8 +171,9 @@ static void handle_data(pdpair_conn *c, struct reader *r, const struct wire_fram
     }
     pthread_mutex_unlock(&c->mu);
 
+    bool check_crc = !reason && !c->ctx->opts.skip_checksums;
     r->crc = 0;
-    if (!read_exact(r, reason ? NULL : dst, f->length, !reason)) {
+    if (!read_exact(r, reason ? NULL : dst, f->length, check_crc)) {
         /* A payload cut short (peer gone): never signalled. recv_active stays set only on a broken connection,
          * which retire also accepts as the end of the write. */
         pthread_mutex_lock(&c->mu);
@@ -172,7 +183,7 @@ static void handle_data(pdpair_conn *c, struct reader *r, const struct wire_fram
         *fatal = true;
         return;
     }
-    if (!reason && r->crc != f->crc) reason = WIRE_REJECT_CHECKSUM;
+    if (check_crc && r->crc != f->crc) reason = WIRE_REJECT_CHECKSUM;
 
     pthread_mutex_lock(&c->mu);
     if (c->recv_active_id) {
@@ -182,10 +193,14 @@ static void handle_data(pdpair_conn *c, struct reader *r, const struct wire_fram
     c->ack_to_send = f->seq;
     if (!reason) {
         c->stats.bytes_received += f->length;
-        if (has_signal && exp_slot != UINT32_MAX) {
+        if (exp_slot != UINT32_MAX) {
             /* Looked up again: a zero-length put holds no claim on its transfer, which may be retired meanwhile. */
             struct expectation *now = pdpi_expect_find_locked(c, f->transfer, f->generation);
-            if (now) now->signals_seen++;
+            if (now) { /* `win` indexes the same table: a transfer with a put in flight is never retired */
+                if (win != UINT32_MAX) now->windows[win].filled += f->length;
+                now->bytes_seen += f->length;
+                if (has_signal) now->signals_seen++;
+            }
         }
         if (has_signal) {
             /* release: whoever reads this value with acquire sees the payload */
@@ -202,6 +217,7 @@ static void handle_data(pdpair_conn *c, struct reader *r, const struct wire_fram
         if (reason == WIRE_REJECT_TRANSFER) c->stats.refused_unknown_transfer++;
         else if (reason == WIRE_REJECT_WINDOW) c->stats.refused_out_of_window++;
         else if (reason == WIRE_REJECT_CHECKSUM) c->stats.refused_checksum++;
+        else if (reason == WIRE_REJECT_INCOMPLETE) c->stats.refused_incomplete++;
         /* The waiter of the slot this put named, and of the transfer it claimed, learns now, not at its deadline:
          * the signal it waits for will never come, and a corrupt payload may sit in its windows. */
         if (has_signal) pdpi_signal_fail_locked(c, f->slot);
@@ -220,8 +236,9 @@ static const char *reject_text(uint64_t reason)
     switch (reason) { /* the peer's word: only these fixed texts are shown, never its number echoed raw */
     case WIRE_REJECT_BOUNDS: return "outside its regions or signal slots";
     case WIRE_REJECT_TRANSFER: return "not a transfer it expects: unknown, retired, complete or another generation";
-    case WIRE_REJECT_WINDOW: return "outside the transfer's windows or signal slot";
+    case WIRE_REJECT_WINDOW: return "outside the transfer's windows or signal slot, or not where its window goes on";
     case WIRE_REJECT_CHECKSUM: return "payload checksum mismatch";
+    case WIRE_REJECT_INCOMPLETE: return "the transfer's last signal came before all of its bytes";
     default: return "reason not given";
     }
 }

@@ -15,7 +15,7 @@ static pdpair_status post(pdpair_conn *c, const struct op *proto, bool has_data,
      * threads checksum in parallel, and the sender thread only sends. Regions never change once registered, so the
      * range check needs no lock either. */
     bool local_ok = !has_data || pdpi_local_range_ok(c->ctx, local_region, local_offset, o.length, &o.src);
-    if (has_data && local_ok) o.crc = pdpi_crc32c(0, o.src, o.length);
+    if (has_data && local_ok && !c->ctx->opts.skip_checksums) o.crc = pdpi_crc32c(0, o.src, o.length);
     pdpair_status st = pdpi_conn_enter(c);
     if (st != PDPAIR_OK) return st;
     if (c->state != PDPAIR_OK) {
@@ -48,6 +48,7 @@ static pdpair_status post(pdpair_conn *c, const struct op *proto, bool has_data,
     if ((o.flags & WIRE_FLAG_SIGNAL) && pdpi_fault_drops_signal_locked(c))
         o.flags &= (uint8_t)~WIRE_FLAG_SIGNAL; /* TEST ONLY: the data still goes, the signal does not */
     if (has_data && o.length > 0 && pdpi_fault_corrupts_put_locked(c)) o.corrupt = true; /* TEST ONLY */
+    pdpi_fault_apply_locked(c, &o, has_data);                                            /* TEST ONLY */
     if (c->q_len == c->q_cap) {
         size_t ncap = c->q_cap ? c->q_cap * 2 : 1024;
         struct op *q = malloc(ncap * sizeof *q);

@@ -33,8 +33,10 @@ enum wire_flags {
 enum wire_reject {
     WIRE_REJECT_BOUNDS = 1,   /* outside the receiver's regions or signal slots */
     WIRE_REJECT_TRANSFER = 2, /* expectation mode: no outstanding transfer with that id and generation */
-    WIRE_REJECT_WINDOW = 3,   /* expectation mode: outside the transfer's windows, or another signal slot */
-    WIRE_REJECT_CHECKSUM = 4  /* the payload's CRC32C differs from the one sent */
+    WIRE_REJECT_WINDOW = 3,   /* expectation mode: outside the transfer's windows (or not where one goes on: a
+                                 window is written once, front to back), or another signal slot */
+    WIRE_REJECT_CHECKSUM = 4, /* the payload's CRC32C differs from the one sent */
+    WIRE_REJECT_INCOMPLETE = 5 /* expectation mode: the transfer's last signal came before all of its bytes */
 };
 
 struct wire_frame {

@@ -3,6 +3,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <limits.h>
+#include <stddef.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -978,33 +979,36 @@ static void *wait_slot(void *arg)
     return NULL;
 }
 
-/* Happy path: a declared transfer's puts land and signal; windows merge (a put may span two adjacent ones); once its
- * declared signals are in, a duplicate put is refused before a byte is written; after the retire the tag is refused. */
+/* Happy path: a declared transfer's puts land and signal; a window may be filled by several puts, front to back;
+ * once its declared signals are in, a duplicate put is refused before a byte is written; after the retire the tag is
+ * refused. */
 static void test_expect_happy_path(void)
 {
     struct xpair p;
     xpair_open(&p, true);
-    /* blocks 0, 2 and the adjacent pair 5, 6 of 4 KiB each; listed out of order */
-    pdpair_window w[] = {{0, 0, 6 * 4096, 4096}, {0, 0, 0, 4096}, {0, 0, 2 * 4096, 4096}, {0, 0, 5 * 4096, 4096}};
-    CHECK_OK(pdpair_conn_expect(p.a, 42, 1, 5, 4, w, 4), p.a); /* 4 signals: 3 put_signals and a bare signal */
+    /* blocks 0, 2 and 5-6 (one 8 KiB window), and block 7 (adjacent, a window of its own); listed out of order */
+    pdpair_window w[] = {{0, 0, 7 * 4096, 4096}, {0, 0, 0, 4096}, {0, 0, 2 * 4096, 4096}, {0, 0, 5 * 4096, 8192}};
+    CHECK_OK(pdpair_conn_expect(p.a, 42, 1, 5, 5, w, 4), p.a); /* 5 signals: 4 put_signals and a bare signal */
     CHECK(stats_of(p.a).transfers_outstanding == 1);
     uint64_t v;
-    CHECK_OK(pdpair_put_signal_tagged(p.b, 42, 1, 0, 0, 0, 0, 4096, 5, NULL), p.b);
+    CHECK_OK(pdpair_put_tagged(p.b, 42, 1, 0, 0, 0, 0, 50, NULL), p.b); /* no signal: block 0's first 50 bytes */
+    CHECK_OK(pdpair_put_signal_tagged(p.b, 42, 1, 0, 50, 0, 50, 4096 - 50, 5, NULL), p.b);
     CHECK_OK(pdpair_put_signal_tagged(p.b, 42, 1, 0, 4096, 0, 2 * 4096, 4096, 5, NULL), p.b);
-    CHECK_OK(pdpair_put_signal_tagged(p.b, 42, 1, 0, 8192, 0, 5 * 4096, 8192, 5, NULL), p.b); /* spans 5 and 6 */
-    CHECK_OK(pdpair_put_tagged(p.b, 42, 1, 0, 100, 0, 100, 50, NULL), p.b);                 /* no signal */
+    CHECK_OK(pdpair_put_signal_tagged(p.b, 42, 1, 0, 8192, 0, 5 * 4096, 8192, 5, NULL), p.b); /* fills 5-6 */
+    CHECK_OK(pdpair_put_signal_tagged(p.b, 42, 1, 0, 16384, 0, 7 * 4096, 4096, 5, NULL), p.b);
     CHECK_OK(pdpair_signal_tagged(p.b, 42, 1, 5, NULL), p.b);
     CHECK_OK(pdpair_conn_flush(p.b, 5000), p.b);
-    CHECK_OK(pdpair_conn_wait_signal(p.a, 5, 4, 5000, &v), p.a);
-    CHECK(v == 4);
-    CHECK(memcmp(p.region, p.src, 100) == 0 && memcmp(p.region + 100, p.src + 100, 50) == 0);
-    CHECK(memcmp(p.region + 150, p.src + 150, 4096 - 150) == 0);
+    CHECK_OK(pdpair_conn_wait_signal(p.a, 5, 5, 5000, &v), p.a);
+    CHECK(v == 5);
+    CHECK(memcmp(p.region, p.src, 4096) == 0);
     CHECK(memcmp(p.region + 2 * 4096, p.src + 4096, 4096) == 0);
     CHECK(memcmp(p.region + 5 * 4096, p.src + 8192, 8192) == 0);
+    CHECK(memcmp(p.region + 7 * 4096, p.src + 16384, 4096) == 0);
     CHECK(region_untouched(&p, 4096, 4096) && region_untouched(&p, 3 * 4096, 2 * 4096) && guards_untouched(&p));
     pdpair_conn_stats s = stats_of(p.a);
-    CHECK(s.refused_unknown_transfer == 0 && s.refused_out_of_window == 0 && s.refused_checksum == 0);
-    CHECK(s.bytes_received == 4096 * 4 + 50 && s.signals_received == 4);
+    CHECK(s.refused_unknown_transfer == 0 && s.refused_out_of_window == 0 && s.refused_checksum == 0 &&
+          s.refused_incomplete == 0);
+    CHECK(s.bytes_received == 4096 * 5 && s.signals_received == 5);
 
     /* complete: a replay of its first put (other bytes, same tag and block) is refused, block 0 keeps what came */
     uint64_t r;
@@ -1014,8 +1018,8 @@ static void test_expect_happy_path(void)
     pdpair_conn_last_error(p.b, err, sizeof err);
     CHECK_MSG(strstr(err, "complete"), "error text: %s", err);
     CHECK(memcmp(p.region, p.src, 4096) == 0);
-    CHECK(stats_of(p.a).refused_unknown_transfer == 1 && stats_of(p.a).signals_received == 4);
-    CHECK_STATUS(pdpair_conn_wait_signal(p.a, 5, 4, 0, &v), PDPAIR_DATA_REJECTED, p.a);
+    CHECK(stats_of(p.a).refused_unknown_transfer == 1 && stats_of(p.a).signals_received == 5);
+    CHECK_STATUS(pdpair_conn_wait_signal(p.a, 5, 5, 0, &v), PDPAIR_DATA_REJECTED, p.a);
 
     CHECK_OK(pdpair_conn_retire(p.a, 42, 1, 1000), p.a);
     CHECK(stats_of(p.a).transfers_outstanding == 0);
@@ -1099,8 +1103,8 @@ static void test_checksum_mismatch(void)
     for (int expect = 0; expect < 2; expect++) {
         struct xpair p;
         xpair_open(&p, expect);
-        pdpair_window w[] = {{0, 0, 0, XREGION}};
-        CHECK_OK(pdpair_conn_expect(p.a, 5, 1, 4, 0, w, 1), p.a);
+        pdpair_window w[] = {{0, 0, 0, 32768}, {0, 0, 32768, 32768}};
+        CHECK_OK(pdpair_conn_expect(p.a, 5, 1, 4, 0, w, 2), p.a);
         struct slot_waiter sw = {.conn = p.a, .slot = 4, .expected = 2};
         pthread_t t;
         CHECK(pthread_create(&t, NULL, wait_slot, &sw) == 0);
@@ -1196,7 +1200,7 @@ static void test_expect_bounds(void)
     pdpair_context *ctx = NULL;
     CHECK_STATUS(pdpair_context_create(&o, &ctx), PDPAIR_INVALID_ARGUMENT, NULL);
     o.expect_transfers = 1;
-    o.reserved2 = 1;
+    o.skip_checksums = 2;
     CHECK_STATUS(pdpair_context_create(&o, &ctx), PDPAIR_INVALID_ARGUMENT, NULL);
     free(mem);
     free(src);
@@ -1279,6 +1283,132 @@ static void test_truncated_put(void)
     pdpair_context_destroy(ctx);
     free(mem);
     free(payload);
+}
+
+/* The sender-side TEST ONLY faults a KV pair's tests replay (misaddressed, stale-tagged, truncated puts), and the
+ * write-once rule behind them: each is refused on arrival with its own counter, fails the transfer's slot at once,
+ * writes nothing where it was not asked (block 0 stays untouched), and the connection serves the next transfer. A
+ * transfer is 4 blocks of 4 KiB at blocks 1..4, one put_signal each (4 signals), slot 3. */
+static void test_put_faults(void)
+{
+    struct xpair p;
+    xpair_open(&p, true);
+    pdpair_window w[] = {{0, 0, 1 * 4096, 4096}, {0, 0, 2 * 4096, 4096}, {0, 0, 3 * 4096, 4096},
+                         {0, 0, 4 * 4096, 4096}};
+    uint64_t v, id = 100;
+    struct {
+        const char *what;
+        int fault;
+        size_t counter; /* offsetof the pdpair_conn_stats field that must move */
+    } cases[] = {
+        {"none (control)", PDPAIR_FAULT_NONE, 0},
+        {"misaddressed", PDPAIR_FAULT_MISADDRESS_PUTS, offsetof(pdpair_conn_stats, refused_out_of_window)},
+        {"stale tag", PDPAIR_FAULT_STALE_TAG_PUTS, offsetof(pdpair_conn_stats, refused_unknown_transfer)},
+        {"truncated", PDPAIR_FAULT_TRUNCATE_PUTS, offsetof(pdpair_conn_stats, refused_incomplete)},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++, id++) {
+        pdpair_conn_stats before = stats_of(p.a);
+        CHECK_OK(pdpair_conn_expect(p.a, id, 1, 3, 4, w, 4), p.a);
+        /* The fault hits the transfer's second put; the third and fourth follow it intact. */
+        CHECK_OK(pdpair_put_signal_tagged(p.b, id, 1, 0, 0, 0, 1 * 4096, 4096, 3, NULL), p.b);
+        CHECK_OK(pdpair_conn_set_fault(p.b, cases[i].fault, 1), p.b);
+        for (uint64_t block = 2; block <= 4; block++)
+            CHECK_OK(pdpair_put_signal_tagged(p.b, id, 1, 0, block * 4096, 0, block * 4096, 4096, 3, NULL), p.b);
+        pdpair_status flushed = pdpair_conn_flush(p.b, 5000);
+        pdpair_status waited = pdpair_conn_wait_signal(p.a, 3, 4, 5000, &v);
+        pdpair_conn_stats after = stats_of(p.a);
+        CHECK_OK(pdpair_conn_retire(p.a, id, 1, 1000), p.a);
+        CHECK_OK(pdpair_conn_reset_signal(p.a, 3), p.a);
+        if (cases[i].fault == PDPAIR_FAULT_NONE) {
+            CHECK_OK(flushed, p.b);
+            CHECK_OK(waited, p.a);
+            CHECK(memcmp(p.region + 4096, p.src + 4096, 4 * 4096) == 0);
+            continue;
+        }
+        CHECK_MSG(flushed == PDPAIR_REMOTE_REJECTED, "%s: flush %s", cases[i].what, pdpair_status_name(flushed));
+        CHECK_MSG(waited == PDPAIR_DATA_REJECTED, "%s: waiter got %s", cases[i].what, pdpair_status_name(waited));
+        uint64_t was, is;
+        memcpy(&was, (char *)&before + cases[i].counter, sizeof was);
+        memcpy(&is, (char *)&after + cases[i].counter, sizeof is);
+        CHECK_MSG(is == was + 1, "%s: its refusal counter went %llu -> %llu", cases[i].what,
+                  (unsigned long long)was, (unsigned long long)is);
+        CHECK_MSG(after.refused_checksum == before.refused_checksum, "%s: not a checksum refusal", cases[i].what);
+        CHECK_MSG(region_untouched(&p, 0, 4096) && guards_untouched(&p), "%s wrote outside its blocks", cases[i].what);
+        CHECK_OK(pdpair_conn_state(p.a), p.a);
+    }
+    /* the stale-tag fault with no earlier transfer on the connection: its own id, the next generation */
+    struct xpair q;
+    xpair_open(&q, true);
+    CHECK_OK(pdpair_conn_expect(q.a, 5, 1, 3, 1, w, 1), q.a);
+    CHECK_OK(pdpair_conn_set_fault(q.b, PDPAIR_FAULT_STALE_TAG_PUTS, 1), q.b);
+    CHECK_OK(pdpair_put_signal_tagged(q.b, 5, 1, 0, 0, 0, 4096, 4096, 3, NULL), q.b);
+    CHECK_STATUS(pdpair_conn_wait_signal(q.a, 3, 1, 5000, &v), PDPAIR_DATA_REJECTED, q.a);
+    CHECK(stats_of(q.a).refused_unknown_transfer == 1);
+    xpair_close(&q);
+
+    /* write-once, front to back: a block written twice, or a put into another put's place, is refused */
+    CHECK_OK(pdpair_conn_expect(p.a, 200, 1, 3, 4, w, 4), p.a);
+    uint64_t r;
+    uint64_t refused = stats_of(p.a).refused_out_of_window;
+    CHECK_OK(pdpair_put_signal_tagged(p.b, 200, 1, 0, 0, 0, 1 * 4096, 4096, 3, NULL), p.b);
+    CHECK_OK(pdpair_put_signal_tagged(p.b, 200, 1, 0, 0, 0, 1 * 4096, 4096, 3, &r), p.b); /* block 1 again */
+    CHECK_STATUS(pdpair_conn_wait(p.b, r, 5000), PDPAIR_REMOTE_REJECTED, p.b);
+    CHECK_OK(pdpair_put_signal_tagged(p.b, 200, 1, 0, 0, 0, 2 * 4096 + 512, 1024, 3, &r), p.b); /* mid-block 2 */
+    CHECK_STATUS(pdpair_conn_wait(p.b, r, 5000), PDPAIR_REMOTE_REJECTED, p.b);
+    CHECK(stats_of(p.a).refused_out_of_window == refused + 2);
+    CHECK(region_untouched(&p, 2 * 4096, 4096) || memcmp(p.region + 2 * 4096, p.src + 2 * 4096, 4096) == 0);
+    CHECK_OK(pdpair_conn_retire(p.a, 200, 1, 1000), p.a);
+    CHECK_OK(pdpair_conn_reset_signal(p.a, 3), p.a);
+    /* overlapping windows are the caller's mistake, refused at the declaration */
+    pdpair_window overlap[] = {{0, 0, 4096, 8192}, {0, 0, 8192, 4096}};
+    CHECK_STATUS(pdpair_conn_expect(p.a, 201, 1, 3, 0, overlap, 2), PDPAIR_INVALID_ARGUMENT, p.a);
+    char err[256];
+    pdpair_conn_last_error(p.a, err, sizeof err);
+    CHECK_MSG(strstr(err, "overlap"), "error text: %s", err);
+    xpair_close(&p);
+}
+
+/* BENCH ONLY skip_checksums: with both ends set, a put flipped on the way is accepted (the switch really removes the
+ * check, so the bench compares what it says); a checking receiver refuses an unchecksummed put. */
+static void test_skip_checksums(void)
+{
+    for (int receiver_skips = 0; receiver_skips < 2; receiver_skips++) {
+        pdpair_context_options o;
+        pdpair_context_options_init(&o);
+        o.token = 7;
+        o.skip_checksums = 1;
+        pdpair_context *ctx_b = NULL, *ctx_a = NULL;
+        CHECK_OK(pdpair_context_create(&o, &ctx_b), NULL);
+        o.skip_checksums = (uint32_t)receiver_skips;
+        CHECK_OK(pdpair_context_create(&o, &ctx_a), NULL);
+        uint8_t *dst = calloc(1, 65536), *src = malloc(65536);
+        for (uint32_t i = 0; i < 65536; i++) src[i] = (uint8_t)(i * 13 + 5);
+        CHECK_OK(pdpair_context_register(ctx_a, dst, 65536, NULL), NULL);
+        CHECK_OK(pdpair_context_register(ctx_b, src, 65536, NULL), NULL);
+        uint16_t port = 0;
+        pdpair_conn *a, *b;
+        marry(ctx_a, ctx_b, &port, &a, &b);
+        uint64_t v;
+        CHECK_OK(pdpair_put_signal(b, 0, 0, 0, 0, 65536, 1, NULL), b);
+        pdpair_status st = pdpair_conn_wait_signal(a, 1, 1, 5000, &v);
+        if (receiver_skips) {
+            CHECK_OK(st, a);
+            CHECK(memcmp(dst, src, 65536) == 0);
+            CHECK_OK(pdpair_conn_set_fault(b, PDPAIR_FAULT_CORRUPT_PUTS, 1), b);
+            CHECK_OK(pdpair_put_signal(b, 0, 0, 0, 0, 65536, 1, NULL), b);
+            CHECK_OK(pdpair_conn_wait_signal(a, 1, 2, 5000, &v), a);
+            CHECK_MSG(memcmp(dst, src, 65536) != 0, "the flipped byte should have landed unchecked");
+        } else {
+            CHECK_STATUS(st, PDPAIR_DATA_REJECTED, a);
+            CHECK(stats_of(a).refused_checksum == 1);
+        }
+        CHECK_OK(pdpair_conn_close(a), NULL);
+        CHECK_OK(pdpair_conn_close(b), NULL);
+        pdpair_context_destroy(ctx_a);
+        pdpair_context_destroy(ctx_b);
+        free(dst);
+        free(src);
+    }
 }
 
 struct delayed_send {
@@ -1422,6 +1552,8 @@ static const struct test TESTS[] = {
     {"checksum_mismatch", test_checksum_mismatch},
     {"expect_bounds", test_expect_bounds},
     {"truncated_put", test_truncated_put},
+    {"put_faults", test_put_faults},
+    {"skip_checksums", test_skip_checksums},
     {"retire_waits_for_payload", test_retire_waits_for_payload},
     {"protocol_version_mismatch", test_protocol_version_mismatch},
 };

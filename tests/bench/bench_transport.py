@@ -8,6 +8,10 @@
    interleaved trial by trial; the median of the trials is reported.
 2. small put_signal latency: post on one connection until wait_signal returns on the other, p50/p99.
 3. oversubscription: 10x more outstanding puts than request slots, 100k puts; requeues and lost signals.
+4. the checksums' cost: the same put+signal stream with every put's CRC32C taken and checked, as a RATIO to one with
+   both ends' BENCH ONLY `skip_checksums`, interleaved trial by trial in the same run (goal: >= 0.95 at 1 MiB and up).
+
+    .venv/bin/python tests/bench/bench_transport.py --sections checksums   # only (4), about 30 s on 2 cores
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ def marry(ctx_a: Context, ctx_b: Context) -> tuple[Connection, Connection]:
 class PdpairStream:
     """b puts into a's region; a waits on one signal slot."""
 
-    def __init__(self, slots: int = 256):
-        self.recv_ctx, self.send_ctx = Context(request_slots=slots), Context(request_slots=slots)
+    def __init__(self, slots: int = 256, skip_checksums: bool = False):
+        self.recv_ctx = Context(request_slots=slots, skip_checksums=skip_checksums)
+        self.send_ctx = Context(request_slots=slots, skip_checksums=skip_checksums)
         self.dest = bytearray(DEST_BYTES)
         self.src = bytearray(os.urandom(4 * MIB))
         self.recv_ctx.register(self.dest)
@@ -129,6 +134,30 @@ def throughput(total_bytes: int, trials: int) -> list[dict]:
     return rows
 
 
+def checksum_cost(total_bytes: int, trials: int) -> list[dict]:
+    """Put+signal streams with checksums (the product) and without (both ends skip_checksums), interleaved."""
+    checked, unchecked = PdpairStream(), PdpairStream(skip_checksums=True)
+    rows = []
+    try:
+        for size in SIZES:
+            count = max(8, total_bytes // size)
+            checked.run(size, max(4, count // 8))  # warm-up both
+            unchecked.run(size, max(4, count // 8))
+            with_times, without_times = [], []
+            for _ in range(trials):
+                without_times.append(unchecked.run(size, count))
+                with_times.append(checked.run(size, count))
+            gb = size * count / 1e9
+            with_rate, without_rate = gb / statistics.median(with_times), gb / statistics.median(without_times)
+            rows.append({"size": size, "count": count, "with_gbps": with_rate, "without_gbps": without_rate,
+                         "ratio": with_rate / without_rate,
+                         "ratios": [wo / w for w, wo in zip(with_times, without_times)]})
+    finally:
+        checked.close()
+        unchecked.close()
+    return rows
+
+
 def latency(samples: int) -> dict:
     pd = PdpairStream()
     try:
@@ -181,7 +210,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller volumes (smoke run)")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--bytes", type=int, default=512 * MIB, help="bytes per throughput trial")
+    parser.add_argument("--sections", default="throughput,checksums,latency,oversubscription",
+                        help="which measurements, comma-separated (default: all)")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    unknown = sections - {"throughput", "checksums", "latency", "oversubscription"}
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}")
     quiet.require_quiet("bench_transport")  # exits when the box is too busy to measure
     total_bytes, trials, samples, puts = args.bytes, args.trials, 5000, 100_000
     if args.quick:
@@ -189,19 +224,38 @@ def main() -> int:
 
     print(f"# pdpair native transport benchmark (cores: {os.cpu_count()}, python {sys.version.split()[0]})")
     print(f"# command: {' '.join([os.path.basename(sys.executable), *sys.argv])}\n")
-    print("## put+signal throughput vs plain TCP (loopback, same run, median of "
-          f"{trials} interleaved trials, {total_bytes // MIB} MiB per trial)\n")
-    print("| put size | puts/trial | pdpair GB/s | TCP GB/s | ratio | per-trial ratios |")
-    print("|---|---|---|---|---|---|")
-    rows = throughput(total_bytes, trials)
-    for r in rows:
-        print(f"| {r['size'] // KIB} KiB | {r['count']} | {r['pdpair_gbps']:.2f} | {r['tcp_gbps']:.2f} | "
-              f"**{r['ratio']:.2f}** | {', '.join(f'{x:.2f}' for x in r['ratios'])} |")
-    lat = latency(samples)
+    if "throughput" in sections:
+        print("## put+signal throughput vs plain TCP (loopback, same run, median of "
+              f"{trials} interleaved trials, {total_bytes // MIB} MiB per trial)\n")
+        print("| put size | puts/trial | pdpair GB/s | TCP GB/s | ratio | per-trial ratios |")
+        print("|---|---|---|---|---|---|")
+        for r in throughput(total_bytes, trials):
+            print(f"| {r['size'] // KIB} KiB | {r['count']} | {r['pdpair_gbps']:.2f} | {r['tcp_gbps']:.2f} | "
+                  f"**{r['ratio']:.2f}** | {', '.join(f'{x:.2f}' for x in r['ratios'])} |")
+    if "checksums" in sections:
+        print("\n## the checksums' cost: put+signal with CRC32C vs without (skip_checksums on both ends), median of "
+              f"{trials} interleaved trials, {total_bytes // MIB} MiB per trial\n")
+        print("| put size | puts/trial | with GB/s | without GB/s | ratio with / without | per-trial ratios |")
+        print("|---|---|---|---|---|---|")
+        for r in checksum_cost(total_bytes, trials):
+            print(f"| {r['size'] // KIB} KiB | {r['count']} | {r['with_gbps']:.2f} | {r['without_gbps']:.2f} | "
+                  f"**{r['ratio']:.2f}** | {', '.join(f'{x:.2f}' for x in r['ratios'])} |")
+    ok = True
+    if "latency" in sections:
+        _print_latency(latency(samples))
+    if "oversubscription" in sections:
+        ok = _print_oversubscription(oversubscription(puts, 32 * KIB))
+    quiet.report_after("bench_transport")
+    return 0 if ok else 1
+
+
+def _print_latency(lat: dict) -> None:
     print(f"\n## small put_signal latency (64 B, post -> wait_signal returns, {lat['samples']} samples)\n")
     print("| p50 | p99 | max |\n|---|---|---|")
     print(f"| {lat['p50_us']:.1f} us | {lat['p99_us']:.1f} us | {lat['max_us']:.1f} us |")
-    ov = oversubscription(puts, 32 * KIB)
+
+
+def _print_oversubscription(ov: dict) -> bool:
     print(f"\n## oversubscription ({ov['puts']} puts of {ov['size'] // KIB} KiB, {ov['slots']} slots, "
           f"up to {ov['window']} outstanding)\n")
     print("| max outstanding | max inflight | requeues | signals sent | signals received | wait returned at | lost |"
@@ -212,8 +266,7 @@ def main() -> int:
     ok = ov["lost"] == 0 and ov["wait_value"] == ov["puts"]
     if not ok:
         print("\nERROR: signals were lost", file=sys.stderr)
-    quiet.report_after("bench_transport")
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":

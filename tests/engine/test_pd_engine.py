@@ -12,6 +12,8 @@ import statistics
 import time
 import urllib.request
 
+import pytest
+
 
 from conftest import API_KEY, GENERATION, HANG_TIMEOUT_SECONDS
 from engines import PREFILL_INSTANCE, http_get, http_post
@@ -199,35 +201,45 @@ def failed_with_an_error(status: int, payload: dict) -> bool:
     return status >= 500 or payload.get("choices", [{}])[0].get("finish_reason") == "error"
 
 
-def rejected_checksums(stack) -> float:
-    return metric(stack.decode_metrics, "pdpair_kv_transfers_rejected_total", {"reason": "checksum"})
+def rejected(stack, reason: str) -> float:
+    return metric(stack.decode_metrics, "pdpair_kv_transfers_rejected_total", {"reason": reason})
 
 
-def test_corrupted_puts_fail_the_request_never_change_its_text(stack):
-    """A byte flipped on the way: prefill's TEST ONLY corrupt-puts knob (test_corrupt_puts_file) makes its tcp
-    connection flip one payload byte of every put after the put's CRC32C was taken. Decode must refuse those puts and
-    never serve their bytes: through the router no request may answer 200 with text other than the single engine's
-    greedy output. The stack runs vLLM's default kv_load_failure_policy (`fail`), so every such request must end with
-    an error (a `recompute` decode would answer the single engine's text instead; both pass the first check), at the
-    refusal rather than at the 5 s hang timeout (each answer comes sooner than HANG_TIMEOUT_SECONDS, and no signal
-    wait timed out), each counted in decode's pdpair_kv_transfers_rejected_total{reason="checksum"}. With the file
-    gone the same prompts are answered with the single engine's output again, each moving its KV over the same edge
-    (no new handshake), and decode's /healthz stays 200 (a refused transfer leaves no open wait).
-    Cost: 9 completions on the module's existing stack (no new engine start), a few seconds on 2 cores."""
+@pytest.mark.parametrize("reason", [contract.REJECTED_CHECKSUM, contract.REJECTED_OUTSIDE_WINDOW,
+                                    contract.REJECTED_UNEXPECTED_TRANSFER, contract.REJECTED_INCOMPLETE])
+def test_corrupted_puts_fail_the_request_never_change_its_text(stack, reason):
+    """Puts damaged on the way, one fault per case: prefill's TEST ONLY corrupt-puts knob (test_corrupt_puts_file)
+    makes its tcp connection damage every put as the file's content names, by the refusal it must cause:
+    `checksum` flips one payload byte after the put's CRC32C was taken; `outside_window` sends every put into block 0
+    (a block id outside the Pull: vLLM's null block); `unexpected_transfer` tags every put with the previous
+    transfer's tag (a stale or reused transfer reference, whose blocks may be another request's by now);
+    `incomplete` sends half of every block with that half's checksum (a put cut short, otherwise well formed).
+    Decode must refuse those puts and never serve their bytes: through the router no request may answer 200 with
+    text other than the single engine's greedy output. The stack runs vLLM's default kv_load_failure_policy (`fail`),
+    so every such request must end with an error (a `recompute` decode would answer the single engine's text instead;
+    both pass the first check), at the refusal rather than at the 5 s hang timeout (each answer comes sooner than
+    HANG_TIMEOUT_SECONDS, and no signal wait timed out), each counted in decode's
+    pdpair_kv_transfers_rejected_total under its reason. With the file gone the same prompts are answered with the
+    single engine's output again, each moving its KV over the same edge (no new handshake), and decode's /healthz
+    stays 200 (a refused transfer leaves no open wait). Prompts are the case's own (decode's prefix cache would
+    otherwise serve a prompt an earlier case loaded).
+    Cost: 9 completions per case on the module's existing stack (no new engine start), a few seconds on 2 cores."""
+    prompts = [f"[{reason}] {prompt}" for prompt in REJECTED_PROMPTS]
     expected = {}
-    for prompt in REJECTED_PROMPTS:
+    for prompt in prompts:
         status, single = completion(stack.baseline.url, prompt)
         assert status == 200, single
         expected[prompt] = (tokens(single), single["choices"][0]["text"])
-    ok_before, rejected_before = ok_transfers(stack), rejected_checksums(stack)
+    ok_before, rejected_before = ok_transfers(stack), rejected(stack, reason)
     timeouts_before = metric(stack.decode_metrics, "pdpair_signal_wait_timeouts_total")
     handshakes_before = _handshakes(stack, "ok")
-    refusals_logged = stack.decode.log().count("failed: a put of it was refused on arrival (checksum)")
+    refusal_line = f"failed: a put of it was refused on arrival ({reason})"
+    refusals_logged = stack.decode.log().count(refusal_line)
 
-    stack.corrupt_puts_knob.write_text("")
+    stack.corrupt_puts_knob.write_text(reason)
     try:
         answers = {}
-        for prompt in REJECTED_PROMPTS:
+        for prompt in prompts:
             started = time.monotonic()
             status, via_pair = completion(stack.router.url, prompt, timeout=60)
             answers[prompt] = (status, via_pair, time.monotonic() - started)
@@ -245,19 +257,18 @@ def test_corrupted_puts_fail_the_request_never_change_its_text(stack):
             f"{prompt[:40]!r}: status {status} after {elapsed:.1f}s: {json.dumps(via_pair)[:500]}"
         assert elapsed < HANG_TIMEOUT_SECONDS, f"{prompt[:40]!r} failed after {elapsed:.1f}s, not at the refusal"
     assert metric(stack.decode_metrics, "pdpair_signal_wait_timeouts_total") == timeouts_before
-    assert ok_transfers(stack) == ok_before, "a load with corrupted puts was counted ok"
-    assert rejected_checksums(stack) == rejected_before + len(REJECTED_PROMPTS)
-    assert stack.decode.log().count("failed: a put of it was refused on arrival (checksum)") \
-        == refusals_logged + len(REJECTED_PROMPTS), stack.decode.log()[-3000:]
+    assert ok_transfers(stack) == ok_before, "a load with damaged puts was counted ok"
+    assert rejected(stack, reason) == rejected_before + len(prompts)
+    assert stack.decode.log().count(refusal_line) == refusals_logged + len(prompts), stack.decode.log()[-3000:]
     assert "corrupts every put on the way" in stack.prefill.log()
 
     # The knob is off: the same prompts (decode never cached their refused blocks) come back right, over the same edge.
-    for prompt in REJECTED_PROMPTS:
+    for prompt in prompts:
         status, via_pair = completion(stack.router.url, prompt)
         assert status == 200, via_pair
         assert (tokens(via_pair), via_pair["choices"][0]["text"]) == expected[prompt], f"prompt {prompt[:40]!r}"
-    assert ok_transfers(stack) == ok_before + len(REJECTED_PROMPTS), "every answer must have moved its KV again"
-    assert rejected_checksums(stack) == rejected_before + len(REJECTED_PROMPTS)
+    assert ok_transfers(stack) == ok_before + len(prompts), "every answer must have moved its KV again"
+    assert rejected(stack, reason) == rejected_before + len(prompts)
     assert _handshakes(stack, "ok") == handshakes_before, "the edge was replaced instead of serving on"
     status, body = http_get(stack.decode_metrics + "/healthz")
     assert status == 200, body[:500]

@@ -181,11 +181,12 @@ def expecting_pair():
 def test_expectation_mode_accepts_only_declared_transfers(expecting_pair: Pair):
     p = expecting_pair
     p.mem_b[:] = bytes(range(256)) * 256
-    p.a.expect(77, 3, 6, [(0, 4096, 4096), (p.ctx_a.regions[0], 8192, 4096)], expected_signals=3)  # [4096, 12288)
+    p.a.expect(77, 3, 6, [(0, 4096, 4096), (p.ctx_a.regions[0], 8192, 4096)], expected_signals=4)  # [4096, 12288)
     assert p.a.stats().transfers_outstanding == 1
-    p.b.put_signal(0, 0, 0, 4096, 8192, 6, transfer_id=77, generation=3)
+    p.b.put_signal(0, 0, 0, 4096, 4096, 6, transfer_id=77, generation=3)  # one put per window, each written once
+    p.b.put_signal(0, 4096, 0, 8192, 4096, 6, transfer_id=77, generation=3)
     p.b.signal(6, transfer_id=77, generation=3)
-    assert p.a.wait_signal(6, 2, timeout=TIMEOUT) == 2
+    assert p.a.wait_signal(6, 3, timeout=TIMEOUT) == 3
     assert p.mem_a[4096:12288] == p.mem_b[:8192]
     refused = [
         dict(transfer_id=77, generation=2),   # stale generation
@@ -201,7 +202,7 @@ def test_expectation_mode_accepts_only_declared_transfers(expecting_pair: Pair):
             p.b.wait(p.b.put_signal(0, 0, 0, dst, 64, slot, transfer_id=77, generation=3), timeout=TIMEOUT)
         assert "windows" in info.value.detail
     with pytest.raises(DataRejected):
-        p.a.wait_signal(6, 2, timeout=TIMEOUT)  # reached 2, but refused puts named the slot
+        p.a.wait_signal(6, 3, timeout=TIMEOUT)  # reached 3, but refused puts named the slot
     stats = p.a.stats()
     assert (stats.refused_unknown_transfer, stats.refused_out_of_window, stats.refused_checksum) == (3, 3, 0)
     assert stats.bytes_received == 8192 and p.mem_a[:4096] == bytes(4096) and p.mem_a[12288:] == bytes(len(p.mem_a) - 12288)

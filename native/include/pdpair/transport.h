@@ -11,7 +11,9 @@
  *              exactly 1 to one of them, after the put's data bytes are in place and their checksum matched.
  *   transfer   (optional) a tag on each put: a 64-bit transfer id and a 32-bit generation. A context with
  *              `expect_transfers` accepts a put only when its tag was declared with pdpair_conn_expect and is not
- *              retired yet, and only into that transfer's windows (writes only where the reader asked).
+ *              retired yet, and only into that transfer's windows (writes only where the reader asked). The bytes
+ *              of a transfer's puts may not exceed its windows' size, and the put that brings its last declared
+ *              signal is refused unless every byte of its windows has arrived (a short put fails the transfer).
  *
  * Rules
  *   - Every call returns a pdpair_status. Nothing blocks without a deadline: every waiting call takes
@@ -79,7 +81,8 @@ typedef enum pdpair_status {
     PDPAIR_NO_MEMORY = 12,         /* system: allocation failed */
     PDPAIR_SYSTEM = 13,            /* system: another OS call failed; the last-error string has errno's text */
     PDPAIR_DATA_REJECTED = 14      /* peer: pdpair_conn_wait_signal: a put meant for this slot was refused here
-                                      (checksum mismatch, unknown or stale transfer, outside its windows): the data
+                                      (checksum mismatch, unknown or stale transfer, outside its windows, or its
+                                      transfer's last signal came before all its bytes): the data
                                       behind this slot must not be used. Sticky until the slot is reset, allocated
                                       again or declared by a new pdpair_conn_expect. */
 } pdpair_status;
@@ -98,7 +101,9 @@ typedef struct pdpair_context_options {
                                       pdpair_conn_expect (0 = accept any put inside the regions) */
     uint32_t max_transfers;        /* outstanding transfers per connection; 0 = default 4096 */
     uint32_t max_transfer_windows; /* windows of all outstanding transfers of a connection; 0 = default 1048576 */
-    uint32_t reserved2;            /* must be 0 */
+    uint32_t skip_checksums;       /* BENCH ONLY, never in production: 1 = posts carry no CRC32C and receivers check
+                                      none (tests/bench/bench_transport.py measures the checksums' cost with it).
+                                      Both ends must agree: a checking receiver refuses an unchecksummed put. */
 } pdpair_context_options;
 
 /* One destination window of a transfer: [offset, offset + length) of a local region. */
@@ -129,6 +134,8 @@ typedef struct pdpair_conn_stats {
     uint64_t refused_out_of_window;    /* expectation mode: outside the transfer's windows or another signal slot */
     uint64_t refused_checksum;         /* the payload's CRC32C did not match */
     uint64_t transfers_outstanding;    /* transfers declared (pdpair_conn_expect) and not retired */
+    uint64_t refused_incomplete;       /* expectation mode: the put carrying a transfer's last declared signal
+                                          arrived while fewer bytes than its windows hold had been written */
 } pdpair_conn_stats;
 
 /* TEST ONLY fault injection kinds (pdpair_conn_set_fault). Never enable in production. */
@@ -137,8 +144,15 @@ typedef enum pdpair_fault {
     PDPAIR_FAULT_DROP_EVERY_NTH_SIGNAL = 1, /* the sender omits the signal of every n-th put_signal/signal */
     PDPAIR_FAULT_SKIP_SENDER_BOUNDS_CHECK = 2, /* n != 0: posts skip the local check, so the peer's check runs */
     PDPAIR_FAULT_HOLD_SENDS = 3, /* n != 0: the sender sends no new request (a stalled link); n = 0 resumes */
-    PDPAIR_FAULT_CORRUPT_PUTS = 4 /* the next n puts with data each go out with one payload byte flipped, after
-                                     their checksum was computed (corruption on the way) */
+    PDPAIR_FAULT_CORRUPT_PUTS = 4, /* the next n puts with data each go out with one payload byte flipped, after
+                                      their checksum was computed (corruption on the way) */
+    PDPAIR_FAULT_MISADDRESS_PUTS = 5, /* the next n puts with data go to offset 0 of their remote region (a block no
+                                         transfer asked for: vLLM's block 0 is its null block) */
+    PDPAIR_FAULT_STALE_TAG_PUTS = 6,  /* the next n tagged puts carry the tag of the previous transfer posted on this
+                                         connection (a stale or reused transfer reference; with none yet, their own
+                                         id with the next generation) */
+    PDPAIR_FAULT_TRUNCATE_PUTS = 7    /* the next n puts with data send only the first half of their bytes, with
+                                         that half's checksum (a put cut short that is otherwise well formed) */
 } pdpair_fault;
 
 /* Library version (PDPAIR_VERSION of the build) and a static version string. */
@@ -211,11 +225,13 @@ pdpair_status pdpair_signal_tagged(pdpair_conn *c, uint64_t transfer_id, uint32_
                                    uint32_t remote_signal_slot, uint64_t *request_out);
 
 /* Expectation mode (context option expect_transfers), on the receiving side. Declare a transfer before asking the
- * peer for it: puts tagged (transfer_id, generation) are then accepted into these windows of local regions (a put
- * must lie inside one window; adjacent or overlapping windows are merged) and may signal only `signal_slot`. With
- * expected_signals > 0 the transfer is complete once that many of its signals were added: any later put of it (a
- * duplicate, a replay) is refused before a byte is written. Clears the slot's failed mark. transfer_id 0 is reserved for untagged puts. INVALID_ARGUMENT: id 0, a window outside
- * the local regions or of length 0, a slot out of range, the id already declared (retire it first). EXHAUSTED: the
+ * peer for it: puts tagged (transfer_id, generation) are then accepted into these windows of local regions and may
+ * signal only `signal_slot`. Windows may not overlap; each is written once, front to back: a put must start where
+ * the window's accepted bytes end and fit in it (so no byte is written twice, and a put into another's place is
+ * refused). With expected_signals > 0 the transfer is complete once that many of its signals were added: any later
+ * put of it (a duplicate, a replay) is refused before a byte is written, and the put that brings the last signal is
+ * refused unless every byte of the windows has arrived. Clears the slot's failed mark. transfer_id 0 is reserved for untagged puts. INVALID_ARGUMENT: id 0, a window outside
+ * the local regions or of length 0, overlapping windows, a slot out of range, the id already declared (retire it first). EXHAUSTED: the
  * connection's max_transfers or max_transfer_windows would be exceeded. Also allowed without expectation mode (the
  * declaration is then unused). */
 pdpair_status pdpair_conn_expect(pdpair_conn *c, uint64_t transfer_id, uint32_t generation, uint32_t signal_slot,

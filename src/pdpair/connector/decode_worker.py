@@ -214,16 +214,17 @@ class DecodeWorker(WorkerBase):
         self._waiters.submit(self._wait_for_signals, wait)
 
     def _declare(self, comm: PairComm, recv: RecvRequest, tag: int, generation: int, slot: int, expected: int) -> None:
-        """Declare the load's transfer: its blocks' bytes in every layer's region (adjacent blocks as one window), the
-        only place its puts may land, its slot, the only one they may signal, and its signal count, after which
-        nothing more of it is accepted."""
+        """Declare the load's transfer: each of its blocks in every layer's region as one window (the transport has
+        each window written once, front to back, so one put per block and nothing written twice), the only place its
+        puts may land, its slot, the only one they may signal, and its signal count, after which nothing more of it
+        is accepted and before which every byte must have come."""
         assert self.regions is not None
         with self._lock:
             local = self._local_indices.get(comm)
         if local is None:
             raise TransportError("the pair has no registered regions (it closed meanwhile)")
-        windows = [(local[layer], offset, length)
-                   for layer, runs in enumerate(self.regions.runs(recv.block_ids)) for offset, length in runs]
+        windows = [(local[layer], block * chunk, chunk)
+                   for layer, chunk in enumerate(self.regions.chunk_bytes) for block in recv.block_ids]
         comm.expect_transfer(tag, generation, slot, windows, expected)
 
     def _retire(self, wait: SignalWait) -> bool:

@@ -27,7 +27,7 @@ from pdpair.connector.metadata import (
 from pdpair.connector.prefill_side_channel import PrefillSideChannel
 from pdpair.connector.scheduler import PdPairConnectorMetadata
 from pdpair.connector.staging import HostStaging
-from pdpair.connector.testing_knobs import corrupt_puts_count
+from pdpair.connector.testing_knobs import TEST_CORRUPT_ALL_PUTS, put_fault_from_knob
 from pdpair.connector.transports import (
     PairComm,
     PairTransport,
@@ -398,16 +398,17 @@ class PrefillWorker(WorkerBase):
 
     def _apply_corrupt_puts_knob(self, comm: PairComm) -> None:
         """TEST ONLY: while the knob file exists every put of this push (and of any push on the connection until the
-        next one finds the file gone) goes out with one payload byte flipped after its checksum was taken, so decode
-        refuses it and fails the load (`TransferRejected`, reason checksum). The config allows the knob on tcp only."""
+        next one finds the file gone) goes out damaged as the file's content names (`put_fault_from_knob`: a byte
+        flipped after the checksum was taken, misaddressed, stale-tagged or cut short), so decode refuses it and fails
+        the load (`TransferRejected` with that reason). The config allows the knob on tcp only."""
         path = self.config.test_corrupt_puts_file
-        if not path or not hasattr(comm, "set_put_corruption_fault"):
+        if not path or not hasattr(comm, "set_put_fault"):
             return
-        puts = corrupt_puts_count(path)
-        if puts:
-            logger.warning("TEST KNOB %s present: rank %d's transport corrupts every put on the way", path,
-                           self.tp_rank)
-        comm.set_put_corruption_fault(puts)
+        fault = put_fault_from_knob(path)
+        if fault:
+            logger.warning("TEST KNOB %s present: rank %d's transport corrupts every put on the way (%s)", path,
+                           self.tp_rank, fault)
+        comm.set_put_fault(fault, TEST_CORRUPT_ALL_PUTS if fault else 0)
 
     def shutdown(self) -> None:
         with self._peers_lock:

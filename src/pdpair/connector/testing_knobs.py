@@ -2,8 +2,8 @@
 kv_connector_extra_config's test_slow_decode_file, TEST_ONLY_PDPAIR_SLOW_DECODE_FILE) and the byte a test flips to
 corrupt KV (TEST_CORRUPT_KV_BYTE), decode's stop-listener knob file (`StopListenerKnob`,
 TEST_ONLY_PDPAIR_STOP_LISTENER_FILE), which ends the side-channel loop as a bug would, and prefill's corrupt-puts knob
-file (`corrupt_puts_count`, test_corrupt_puts_file, TEST_ONLY_PDPAIR_CORRUPT_PUTS_FILE), which flips a byte of every
-put on the way. Kept here, apart from the product's code paths, so a reader sees at once what exists only for
+file (`put_fault_from_knob`, test_corrupt_puts_file, TEST_ONLY_PDPAIR_CORRUPT_PUTS_FILE), which damages every put on the
+way: a byte flipped, misaddressed, stale-tagged or cut short, as its content says. Kept here, apart from the product's code paths, so a reader sees at once what exists only for
 tests."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import logging
 import math
 import os
 import time
+
+from pdpair import contract
 
 logger = logging.getLogger("pdpair.connector.worker")  # the name the worker's lines had before the split
 
@@ -113,15 +115,38 @@ class StopListenerKnob:
             raise ListenerStoppedByTestKnob(f"test knob {self.path} present")
 
 
-# TEST ONLY (test_corrupt_puts_file): the count given to the native PDPAIR_FAULT_CORRUPT_PUTS ("the next n puts")
-# while the knob file exists: 2**64 - 1, more puts than a connection ever posts, so every put is corrupted until the
-# file is gone and the next push sets the count back to 0.
+# TEST ONLY (test_corrupt_puts_file): the count given to the native put faults ("the next n puts") while the knob file
+# exists: 2**64 - 1, more puts than a connection ever posts, so every put is damaged until the file is gone and the
+# next push sets the count back to 0.
 TEST_CORRUPT_ALL_PUTS = 2**64 - 1
 
+# TEST ONLY (test_corrupt_puts_file): the knob file's content (stripped) -> the native fault it sets, named by the
+# refusal reason decode must count for it (pdpair_kv_transfers_rejected_total{reason}); empty means a flipped byte.
+PUT_FAULT_BY_CONTENT = {
+    "": "CORRUPT_PUTS",
+    contract.REJECTED_CHECKSUM: "CORRUPT_PUTS",                 # a byte flipped after the checksum was taken
+    contract.REJECTED_OUTSIDE_WINDOW: "MISADDRESS_PUTS",        # put into block 0, which no Pull asks for
+    contract.REJECTED_UNEXPECTED_TRANSFER: "STALE_TAG_PUTS",    # the previous transfer's tag (retired, blocks reused)
+    contract.REJECTED_INCOMPLETE: "TRUNCATE_PUTS",              # half of the block, with that half's checksum
+}
 
-def corrupt_puts_count(path: str | None) -> int:
-    """TEST ONLY (test_corrupt_puts_file): how many of a connection's next puts go out with one payload byte flipped
-    after their checksum was taken (the native fault): TEST_CORRUPT_ALL_PUTS while the file at `path` exists (its
-    content is ignored), else 0 (also without a path). Prefill asks before each push, so the knob takes effect on
-    the next Pull served and ends likewise."""
-    return TEST_CORRUPT_ALL_PUTS if path and os.path.lexists(path) else 0
+
+def put_fault_from_knob(path: str | None) -> str | None:
+    """TEST ONLY (test_corrupt_puts_file): the native put fault (a `pdpair.native.Fault` name) every put of the next
+    push goes out with, while the file at `path` exists: its content names the refusal reason to cause (see
+    PUT_FAULT_BY_CONTENT; empty: a flipped byte). None without a path, with the file absent, or with a content that
+    names no fault (logged, never raised: a typo in a test must not take the engine down). Prefill asks before each
+    push, so the knob takes effect on the next Pull served and ends likewise."""
+    if not path or not os.path.lexists(path):
+        return None
+    try:
+        with open(path) as knob:
+            content = knob.read().strip()
+    except OSError as exc:
+        logger.warning("TEST KNOB %s unreadable (%s): no put fault", path, exc.strerror or exc)
+        return None
+    fault = PUT_FAULT_BY_CONTENT.get(content)
+    if fault is None:
+        logger.warning("TEST KNOB %s: %r names no put fault (one of %s): none set", path, content[:60],
+                       sorted(k for k in PUT_FAULT_BY_CONTENT if k))
+    return fault

@@ -241,8 +241,9 @@ ENV_TEST_SLOW_DECODE_FILE = "TEST_ONLY_PDPAIR_SLOW_DECODE_FILE"
 # config test_stop_listener_file): how a test on real pods stops a listener nothing a peer sends can stop.
 ENV_TEST_STOP_LISTENER_FILE = "TEST_ONLY_PDPAIR_STOP_LISTENER_FILE"
 # TEST ONLY, never set by the operator: while this file exists, every put of prefill's tcp connections goes out with
-# one payload byte flipped after its checksum was taken (kv_connector_extra_config's test_corrupt_puts_file; the
-# native PDPAIR_FAULT_CORRUPT_PUTS), so a test can show that decode refuses corrupted KV instead of serving it.
+# one payload byte flipped after its checksum was taken, or, as the file's content names, misaddressed, stale-tagged
+# or cut short (kv_connector_extra_config's test_corrupt_puts_file; the native PDPAIR_FAULT_*_PUTS), so a test can
+# show that decode refuses corrupted KV instead of serving it.
 ENV_TEST_CORRUPT_PUTS_FILE = "TEST_ONLY_PDPAIR_CORRUPT_PUTS_FILE"
 POD_ENV = (
     ENV_ROLE,
@@ -356,7 +357,7 @@ KV_TRANSFERS_REJECTED = Metric(
     "counter",
     ("role", "rank", "reason"),
     "KV loads failed because a put of theirs was refused on arrival (reason: checksum, unexpected_transfer, "
-    "outside_window, other).",
+    "outside_window, incomplete, other).",
 )
 KV_TRANSFER_BYTES = Metric("pdpair_kv_transfer_bytes_total", "counter", ("role", "rank"), "KV bytes moved.")
 KV_TRANSFER_SECONDS = Metric(
@@ -424,8 +425,10 @@ OUTCOME_ERROR = "error"
 REJECTED_CHECKSUM = "checksum"
 REJECTED_UNEXPECTED_TRANSFER = "unexpected_transfer"
 REJECTED_OUTSIDE_WINDOW = "outside_window"
+REJECTED_INCOMPLETE = "incomplete"  # the transfer's last signal came before all of its bytes (a put cut short)
 REJECTED_OTHER = "other"
-REJECTED_REASONS = (REJECTED_CHECKSUM, REJECTED_UNEXPECTED_TRANSFER, REJECTED_OUTSIDE_WINDOW, REJECTED_OTHER)
+REJECTED_REASONS = (REJECTED_CHECKSUM, REJECTED_UNEXPECTED_TRANSFER, REJECTED_OUTSIDE_WINDOW, REJECTED_INCOMPLETE,
+                    REJECTED_OTHER)
 
 OPERATOR_PAIRS = Metric("pdpair_operator_pairs", "gauge", ("phase",), "InferencePairs by phase.")
 OPERATOR_PAIR_PHASE = Metric(

@@ -36,6 +36,7 @@ class Stats:
     refused_out_of_window: int
     refused_checksum: int
     transfers_outstanding: int
+    refused_incomplete: int
 
     @property
     def outstanding(self) -> int:
@@ -284,8 +285,9 @@ class Connection(_Handle):
             return _last_error(lib.pdpair_conn_last_error, ptr)
 
     def set_fault(self, fault: Fault | int, n: int) -> None:
-        """TEST ONLY: inject a fault (Fault.DROP_EVERY_NTH_SIGNAL with n, Fault.CORRUPT_PUTS for the next n puts,
-        ...; n=0 disables). Never in production."""
+        """TEST ONLY: inject a fault (Fault.DROP_EVERY_NTH_SIGNAL with n; Fault.CORRUPT_PUTS, MISADDRESS_PUTS,
+        STALE_TAG_PUTS or TRUNCATE_PUTS for the next n puts; n=0 disables that one, Fault.NONE all). Never in
+        production."""
         n = _u64("n", n)
         with self._in_use() as ptr:
             st = lib.pdpair_conn_set_fault(ptr, int(fault), n)

@@ -24,7 +24,8 @@ class Context(_Handle):
     signal_slots: 64-bit signal counters per connection. token: both peers must use the same value (e.g. the
     pair generation), so a stale peer is refused in the handshake. expect_transfers: connections accept puts only into
     transfers declared with Connection.expect (at most max_transfers of them per connection, max_transfer_windows
-    windows in all).
+    windows in all). skip_checksums: BENCH ONLY, never in production: posts carry no CRC32C and this side checks none
+    (tests/bench/bench_transport.py measures the checksums' cost with it; a checking peer refuses such puts).
     """
 
     def __init__(
@@ -37,6 +38,7 @@ class Context(_Handle):
         expect_transfers: bool = False,
         max_transfers: int = DEFAULT_MAX_TRANSFERS,
         max_transfer_windows: int = DEFAULT_MAX_TRANSFER_WINDOWS,
+        skip_checksums: bool = False,
     ):
         for name, value in (("request_slots", request_slots), ("signal_slots", signal_slots),
                             ("max_regions", max_regions), ("max_transfers", max_transfers),
@@ -45,8 +47,9 @@ class Context(_Handle):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(token, int) or not 0 <= token < 2**64:
             raise ValueError(f"token must be an int in [0, 2**64), got {token!r}")
-        if not isinstance(expect_transfers, bool):
-            raise TypeError(f"expect_transfers must be a bool, got {expect_transfers!r}")
+        for name, flag in (("expect_transfers", expect_transfers), ("skip_checksums", skip_checksums)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         opts = ffi.new("pdpair_context_options *")
         lib.pdpair_context_options_init(opts)
         opts.request_slots = request_slots
@@ -56,6 +59,7 @@ class Context(_Handle):
         opts.expect_transfers = int(expect_transfers)
         opts.max_transfers = max_transfers
         opts.max_transfer_windows = max_transfer_windows
+        opts.skip_checksums = int(skip_checksums)
         out = ffi.new("pdpair_context **")
         st = lib.pdpair_context_create(opts, out)
         if st != lib.PDPAIR_OK:

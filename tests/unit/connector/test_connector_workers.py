@@ -305,6 +305,45 @@ def test_the_corrupt_puts_knob_fails_loads_while_its_file_exists(knob_pair, erro
     assert list(prefill._edges.values()) == edges, "the pair was replaced instead of serving on"
 
 
+@pytest.mark.parametrize("reason", [contract.REJECTED_OUTSIDE_WINDOW, contract.REJECTED_UNEXPECTED_TRANSFER,
+                                    contract.REJECTED_INCOMPLETE])
+def test_the_corrupt_puts_knob_content_names_the_refusal(knob_pair, knob_logs, reason):
+    """The knob file's content picks the damage (testing_knobs.PUT_FAULT_BY_CONTENT), named by the refusal decode must
+    count: `outside_window` puts every block into block 0 (no Pull asks for it), `unexpected_transfer` tags every put
+    with the previous transfer's tag (retired, its blocks free for reuse), `incomplete` sends half of every block with
+    that half's checksum. Each load fails at the refusal, counted under that reason and no other, decode's block 0
+    keeps its bytes, and once the file is gone the same pair loads again. A content naming no fault is ignored (a
+    warning), never raised. Cost: 4 loads on an in-process pair, well under a second."""
+    decode, prefill, decode_kv, prefill_kv, knob = knob_pair
+    send(prefill, "p1", [1])  # a finished transfer first: the stale tag is its tag
+    recv(decode, "d1", "p1", 0, [6])
+    assert settle(decode, {"d1"})[1] == set()
+    block0 = [decode_kv[n][0].clone() for n in LAYERS]
+
+    knob.write_text(reason + "\n")
+    send(prefill, "p2", [2, 3])
+    started = time.monotonic()
+    recv(decode, "d2", "p2", 0, [4, 5])
+    _, failed = settle(decode, {"d2"})
+    assert "d2" in failed, f"a load with {reason} puts was not failed"
+    assert time.monotonic() - started < HANG_TIMEOUT / 3, "the load failed at its deadline, not at the refusal"
+    assert {r: rejected(decode, r) for r in contract.REJECTED_REASONS} == \
+        {r: int(r == reason) for r in contract.REJECTED_REASONS}
+    assert f"refused on arrival ({reason})" in knob_logs.text, knob_logs.text
+    assert all(torch.equal(decode_kv[n][0], block0[i]) for i, n in enumerate(LAYERS)), "block 0 was written"
+
+    knob.write_text("no-such-fault")
+    send(prefill, "p3", [2])
+    recv(decode, "d3", "p3", 0, [4])
+    assert settle(decode, {"d3"})[1] == set(), "an unknown knob content must set no fault"
+    assert "names no put fault" in knob_logs.text
+    knob.unlink()
+    send(prefill, "p4", [3])
+    recv(decode, "d4", "p4", 0, [7])
+    assert settle(decode, {"d4"})[1] == set()
+    assert all(torch.equal(decode_kv[n][7], prefill_kv[n][3]) for n in LAYERS)
+
+
 class _SlotComm:
     """A pair communicator whose slot is either failed by a refused put (`refused`) or merely short of its count."""
 

@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 
 REGION_TABLE_TIMEOUT_SECONDS = 30.0
 
+# TEST ONLY: the native faults that damage puts (set_put_fault), each reset by naming another.
+PUT_FAULTS = ("CORRUPT_PUTS", "MISADDRESS_PUTS", "STALE_TAG_PUTS", "TRUNCATE_PUTS")
+
 
 class TcpPairComm(PairComm):
     def __init__(self, context: native.Context, conn: native.Connection, rank: int) -> None:
@@ -62,7 +65,7 @@ class TcpPairComm(PairComm):
         self.supports_transfer_checks = context.expect_transfers
         self._close_lock = threading.Lock()
         self._closed = False
-        self._refused_seen = (0, 0, 0)  # the connection's refused_* counters when a rejection was last reported
+        self._refused_seen = (0, 0, 0, 0)  # the connection's refused_* counters when a rejection was last reported
         self._refused_lock = threading.Lock()
 
     def register_region(self, ptr: int, size: int) -> int:
@@ -114,11 +117,12 @@ class TcpPairComm(PairComm):
             stats = self._conn.stats()
         except native.TransportError:
             return contract.REJECTED_OTHER
-        now = (stats.refused_checksum, stats.refused_out_of_window, stats.refused_unknown_transfer)
+        now = (stats.refused_checksum, stats.refused_out_of_window, stats.refused_unknown_transfer,
+               stats.refused_incomplete)
         with self._refused_lock:
             before, self._refused_seen = self._refused_seen, now
         for reason, was, is_ in zip((contract.REJECTED_CHECKSUM, contract.REJECTED_OUTSIDE_WINDOW,
-                                     contract.REJECTED_UNEXPECTED_TRANSFER), before, now):
+                                     contract.REJECTED_UNEXPECTED_TRANSFER, contract.REJECTED_INCOMPLETE), before, now):
             if is_ > was:
                 return reason
         return contract.REJECTED_OTHER
@@ -159,11 +163,13 @@ class TcpPairComm(PairComm):
         """TEST ONLY: the native sender omits the signal of every n-th put_signal (0 disables)."""
         self._conn.set_fault(native.Fault.DROP_EVERY_NTH_SIGNAL, every_nth)
 
-    def set_put_corruption_fault(self, puts: int) -> None:
-        """TEST ONLY: the next `puts` puts with data each go out with one payload byte flipped after their checksum
-        was taken (native Fault.CORRUPT_PUTS), so decode's transport refuses them; 0 stops it."""
+    def set_put_fault(self, fault: str | None, puts: int) -> None:
+        """TEST ONLY: the next `puts` puts with data each go out damaged as the native fault named `fault` does
+        (CORRUPT_PUTS: a byte flipped after the checksum was taken; MISADDRESS_PUTS, STALE_TAG_PUTS, TRUNCATE_PUTS),
+        so decode's transport refuses them; None stops every put fault (the signal-drop fault is left as it is)."""
         try:
-            self._conn.set_fault(native.Fault.CORRUPT_PUTS, puts)
+            for kind in PUT_FAULTS:
+                self._conn.set_fault(native.Fault[kind], puts if kind == fault else 0)
         except native.TransportError as exc:
             raise TransportError(str(exc)) from exc
 
