@@ -1,6 +1,6 @@
-"""Decode's side of pairing with one prefill: a Hello answered with a Challenge (`_Pending` until its Proof), the Proof
+"""Decode's side of pairing with one prefill: a Hello answered with a Challenge (`ChallengedHello` until its Proof), the Proof
 checked, an authenticated Hello checked against this rank (compatibility hash, generation, transport, rank, unique
-id, busy, the edge cap) and its pair set up on a handshake thread of its own (`_Handshake`: init_pair, registering
+id, busy, the edge cap) and its pair set up on a handshake thread of its own (`PairingHandshake`: init_pair, registering
 the regions, prefill's Regions), then Welcome and the new `DecodeEdge`. The protocol, its authentication and its
 bounds are described in side_channel.py. Separate from decode_side_channel.py, whose loop owns the socket and routes
 Pulls on the edges this module installs; `DecodePairing` is a part of `DecodeSideChannel` (its state lives there)."""
@@ -78,7 +78,7 @@ class DecodeEdge:
 
 
 @dataclass(eq=False)
-class _Pending:
+class ChallengedHello:
     """A Hello answered with a Challenge, waiting for its Proof (decode's loop thread only)."""
 
     hello: Hello
@@ -90,7 +90,7 @@ class _Pending:
 
 
 @dataclass(eq=False)
-class _Handshake:
+class PairingHandshake:
     """An authenticated Hello whose pair a handshake thread is setting up. The loop thread hands it prefill's Regions
     (`regions`, at most one); the thread hands its result back through `DecodeSideChannel._call_on_loop`."""
 
@@ -127,7 +127,7 @@ class DecodePairing:
                       MAX_PENDING_CHALLENGES)
         nonce = secrets.token_bytes(NONCE_BYTES)
         peer_factors = body[2].decode("utf-8", "replace")[:4096] if len(body) > 2 else "(not sent)"
-        self._pending[identity] = _Pending(
+        self._pending[identity] = ChallengedHello(
             hello, peer_hash, body[0][:64], peer_factors, transcript(body[0], body[1], nonce),
             time.monotonic() + HELLO_REPLY_TIMEOUT_SECONDS,
         )
@@ -157,7 +157,7 @@ class DecodePairing:
         self.accounts.on_handshake(outcome)
         self._send(sock, identity, Refused(reason), echo)
 
-    def _authenticated(self, sock: zmq.Socket, identity: bytes, pending: _Pending) -> None:
+    def _authenticated(self, sock: zmq.Socket, identity: bytes, pending: ChallengedHello) -> None:
         """A Hello whose sender proved the key: check it, then set the pair up on a handshake thread."""
         hello = pending.hello
         if pending.peer_hash != self.local_hash:
@@ -204,7 +204,7 @@ class DecodePairing:
             self.accounts.on_handshake(contract.OUTCOME_ERROR)
             return
         deadline = time.monotonic() + min(HANDSHAKE_SECONDS, self.hang_timeout_seconds)
-        job = _Handshake(identity, hello, pending.hash_frame, pending.transcript, deadline)
+        job = PairingHandshake(identity, hello, pending.hash_frame, pending.transcript, deadline)
         self._handshakes[identity] = job
         thread = threading.Thread(target=self._set_up_pair, args=(job,), daemon=True,
                                   name=f"pdpair-handshake-decode-r{self.tp_rank}")
@@ -215,7 +215,7 @@ class DecodePairing:
             self._refuse(sock, identity, pending.hash_frame, f"cannot start a handshake thread: {exc}", outcome="error")
 
     # --- a handshake thread ----------------------------------------------------------------------------
-    def _set_up_pair(self, job: _Handshake) -> None:
+    def _set_up_pair(self, job: PairingHandshake) -> None:
         """init_pair, register, wait for prefill's Regions; the loop thread sends Welcome and installs the edge."""
         comm: PairComm | None = None
         try:
@@ -237,7 +237,7 @@ class DecodePairing:
             return
         self._call_on_loop(lambda sock: self._handshake_done(sock, job, comm, table, indices, num_blocks), comm.close)
 
-    def _await_regions(self, job: _Handshake) -> Regions:
+    def _await_regions(self, job: PairingHandshake) -> Regions:
         while not self.stopped.is_set():
             left = job.deadline - time.monotonic()
             if left <= 0:
@@ -249,11 +249,11 @@ class DecodePairing:
         raise HandshakeError("stopping")
 
     # --- a handshake's end (loop thread) ---------------------------------------------------------------
-    def _handshake_failed(self, sock: zmq.Socket, job: _Handshake, why: str) -> None:
+    def _handshake_failed(self, sock: zmq.Socket, job: PairingHandshake, why: str) -> None:
         self._handshakes.pop(job.identity, None)
         self._refuse(sock, job.identity, job.hash_frame, why, outcome=contract.OUTCOME_ERROR)
 
-    def _handshake_done(self, sock: zmq.Socket, job: _Handshake, comm: PairComm, table: bytes, indices: list[int],
+    def _handshake_done(self, sock: zmq.Socket, job: PairingHandshake, comm: PairComm, table: bytes, indices: list[int],
                         num_blocks: int) -> None:
         self._handshakes.pop(job.identity, None)
         hello = job.hello

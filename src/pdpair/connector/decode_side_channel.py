@@ -13,7 +13,7 @@ from collections.abc import Callable
 import zmq
 
 from pdpair import contract
-from pdpair.connector.decode_pairing import DecodeEdge, DecodePairing, _Handshake, _Pending
+from pdpair.connector.decode_pairing import DecodeEdge, DecodePairing, PairingHandshake, ChallengedHello
 from pdpair.connector.metadata import (
     NOT_ACCEPTED,
     CompatibilityError,
@@ -110,8 +110,8 @@ class DecodeSideChannel(DecodePairing, SideChannelThread):
         self.on_disconnect = on_disconnect
         self._edges: dict[str, DecodeEdge] = {}  # prefill instance -> its edge; written by this thread only
         self._edges_lock = threading.Lock()
-        self._pending: dict[bytes, _Pending] = {}  # routing id -> Hello awaiting its Proof; loop thread only
-        self._handshakes: dict[bytes, _Handshake] = {}  # routing id -> pair being set up; loop thread only
+        self._pending: dict[bytes, ChallengedHello] = {}  # routing id -> Hello awaiting its Proof; loop thread only
+        self._handshakes: dict[bytes, PairingHandshake] = {}  # routing id -> pair being set up; loop thread only
         self._outbox: queue.SimpleQueue[tuple[DecodeEdge | None, Message]] = queue.SimpleQueue()
         # (on the loop, if the loop is gone): results of handshake threads, run by the loop thread
         self._control: queue.SimpleQueue[tuple[Callable[[zmq.Socket], None], Callable[[], None]]] = queue.SimpleQueue()

@@ -62,7 +62,7 @@ from pdpair.connector.transports.flagcx_abi import (
     load_library,
     result_name,
 )
-from pdpair.connector.transports.flagcx_calls import DeviceBinding, _Backoff, _call_with_deadline
+from pdpair.connector.transports.flagcx_calls import DeviceBinding, Backoff, call_with_deadline
 from pdpair.contract import ENV_TRANSPORT_SLOTS, MAX_FLAGCX_TRANSPORT_SLOTS, TRANSPORT_FLAGCX
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ class FlagcxTransport(PairTransport):
                 detail.append(self.lib.last_error(None))
             return code
 
-        code = _call_with_deadline(what, deadline, call, self.device)
+        code = call_with_deadline(what, deadline, call, self.device)
         if code != SUCCESS:
             raise FlagcxError(what, code, detail[0] if detail else "")
         if not comm.value:
@@ -325,7 +325,7 @@ class FlagcxPairComm(PairComm):
     def _collective(self, what: str, fn: Callable[[], int]) -> None:
         deadline = time.monotonic() + self._blocking_seconds
         try:
-            code = _call_with_deadline(what, deadline, fn, self._device)
+            code = call_with_deadline(what, deadline, fn, self._device)
         except TransportError as exc:
             self._stuck = True
             self._broken = f"{what} overran {self._blocking_seconds:g}s (is the peer registering the same regions?)"
@@ -467,7 +467,7 @@ class FlagcxPairComm(PairComm):
             raise ValueError(f"signal_slot {signal_slot} outside the peer's {self._peer.signal_slots} slots")
 
     def _wait_for_slot(self, deadline: float) -> None:
-        backoff = _Backoff(deadline)
+        backoff = Backoff(deadline)
         while self._inflight() >= self.slots:
             self._check_async_error()
             if not backoff.sleep():
@@ -480,7 +480,7 @@ class FlagcxPairComm(PairComm):
 
     def flush(self, deadline: float) -> None:
         with self._lock:
-            backoff = _Backoff(deadline)
+            backoff = Backoff(deadline)
             while self._inflight() > 0:
                 self._check_async_error()
                 if not backoff.sleep():
@@ -495,7 +495,7 @@ class FlagcxPairComm(PairComm):
         if expected < 0:
             raise ValueError(f"expected must be >= 0, got {expected}")
         started = time.monotonic()
-        backoff = _Backoff(deadline)
+        backoff = Backoff(deadline)
         polls = 0
         while True:
             observed = self.read_signal(signal_slot)

@@ -2,7 +2,7 @@
 FlagCX binds a communicator to the calling thread's current device, and a fresh thread's is device 0:
 `DeviceBinding` makes the worker's device current in each thread before a call and flushes GPUDirect RDMA writes
 after a completed wait), C calls that take no timeout run in a helper thread under the caller's deadline
-(`_call_with_deadline`), and host-side waits poll with a growing sleep that never passes the deadline (`_Backoff`).
+(`call_with_deadline`), and host-side waits poll with a growing sleep that never passes the deadline (`Backoff`).
 Separate from flagcx.py, which keeps the transport's semantics (pair setup, regions, puts, waits)."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class DeviceBinding:
 # --- blocking calls with a deadline ------------------------------------------------------------------------------
 
 
-def _call_with_deadline(
+def call_with_deadline(
     what: str, deadline: float, fn: Callable[[], int], device: DeviceBinding | None = None
 ) -> int:
     """Run a C call that has no timeout of its own in a helper thread, on `device`; TransportError if it overruns
@@ -109,7 +109,7 @@ def _call_with_deadline(
     return result[0]
 
 
-class _Backoff:
+class Backoff:
     """Sleep that grows from `first` to `cap` seconds, never past the deadline."""
 
     def __init__(self, deadline: float, first: float = 20e-6, cap: float = 2e-3):

@@ -72,7 +72,7 @@ def _create_generation(plan: d.Plan) -> int:
     return plan.create_generation if plan.create_generation is not None else plan.pair_generation
 
 
-def _created_name(pair_name: str, plan: d.Plan) -> str:
+def created_name(pair_name: str, plan: d.Plan) -> str:
     assert plan.create
     return pod_name(pair_name, plan.create, _create_generation(plan), plan.create_instance)
 
@@ -114,7 +114,7 @@ class PodSteps:
         rejection = self._rejection(plan)
         if rejection is not None and time.monotonic() < rejection.not_before:
             return  # refused before for this very spec: wait out the backoff
-        if _created_name(self.ref.name, plan) in self.created_unseen:
+        if created_name(self.ref.name, plan) in self.created_unseen:
             return  # created by an earlier pass; its watch event (which wakes this pair) has not arrived yet
         manifest = self._manifest(plan, pods)
         name = manifest["metadata"]["name"]

@@ -32,7 +32,7 @@ from pdpair.operator.act.kube_api import api_status
 from pdpair.operator.act.lease_steps import LeaseSteps
 from pdpair.operator.act.pair_objects import PairObjects
 from pdpair.operator.act.pair_status import PairStatus
-from pdpair.operator.act.pod_steps import PodSteps, Rejection, _created_name
+from pdpair.operator.act.pod_steps import PodSteps, Rejection, created_name
 from pdpair.operator.act.peer_sets import (
     PeerSets,
     PushFailure,
@@ -389,7 +389,7 @@ class PairReconciler(PairStatus, PodSteps, PairObjects, PeerSets, LeaseSteps):
         rejection = self._rejection(plan)
         if rejection is not None:
             return max(0.2, min(rejection.not_before - time.monotonic(), cfg.resync_interval))
-        if plan.create and _created_name(self.ref.name, plan) in self.created_unseen:
+        if plan.create and created_name(self.ref.name, plan) in self.created_unseen:
             return pass_delay(plan.step, cfg, plan.wait_seconds) if plan.wait_seconds is not None else cfg.resync_interval
         retry = push_retry_delay([(p.ready, failure.answered, failure.count)
                                   for p in pods if (failure := self.push_failures.get(p.uid)) is not None], cfg)
