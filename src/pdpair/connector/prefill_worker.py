@@ -232,6 +232,8 @@ class PrefillWorker(WorkerBase):
                 del self._sends[request_id]
                 self._finished_sending.add(request_id)
             finished, self._finished_sending = self._finished_sending, set()
+            held = sum(len(blocks) for blocks, _ in self._sends.values())
+        self.accounts.set_blocks_held(held)
         for edge in self._edges_now():
             if edge.side is not None:
                 self._publish_transport_counters(edge.side.comm, edge.peer.label)

@@ -174,6 +174,7 @@ class SignalAccounts:
         self._rejected = m[contract.KV_TRANSFERS_REJECTED.name]
         self._bytes = m[contract.KV_TRANSFER_BYTES.name].labels(role=role, rank=self.rank)
         self._seconds = m[contract.KV_TRANSFER_SECONDS.name].labels(role=role, rank=self.rank)
+        self._blocks_held = m[contract.KV_BLOCKS_HELD.name].labels(role=role, rank=self.rank)  # 0 from the start
         self._listener = m[contract.LISTENER_READY.name]
         self._listener_failed = m[contract.LISTENER_FAILED.name]
         self._handshakes = m[contract.HANDSHAKES.name]
@@ -315,6 +316,10 @@ class SignalAccounts:
         """Why this rank's side-channel loop stopped, None while it serves (or never started)."""
         with self._lock:
             return self._listener_failure
+
+    def set_blocks_held(self, blocks: int) -> None:
+        """Prefill: the KV blocks of finished requests it holds for a decode's Pull right now."""
+        self._blocks_held.set(_check_count("blocks", blocks))
 
     def set_transport_counters(self, peer: str, inflight: int, slots: int, requeues: int) -> None:
         """Copy the transport's per-peer counters; `requeues` is the transport's cumulative count.

@@ -360,6 +360,14 @@ KV_TRANSFERS_REJECTED = Metric(
     "outside_window, incomplete, other).",
 )
 KV_TRANSFER_BYTES = Metric("pdpair_kv_transfer_bytes_total", "counter", ("role", "rank"), "KV bytes moved.")
+# Prefill: what a decode that never pulls (dead, or its request aborted) costs until the send lease frees it.
+KV_BLOCKS_HELD = Metric(
+    "pdpair_kv_blocks_held",
+    "gauge",
+    ("role", "rank"),
+    "Prefill: KV blocks of finished requests held for a decode's Pull (freed when pulled or at the send lease; "
+    "always 0 on decode).",
+)
 KV_TRANSFER_SECONDS = Metric(
     "pdpair_kv_transfer_seconds", "histogram", ("role", "rank"), "KV transfer duration in seconds."
 )
@@ -408,6 +416,7 @@ POD_METRICS = (
     KV_TRANSFERS_REJECTED,
     KV_TRANSFER_BYTES,
     KV_TRANSFER_SECONDS,
+    KV_BLOCKS_HELD,
     LISTENER_READY,
     LISTENER_FAILED,
     HANDSHAKES,

@@ -262,6 +262,31 @@ def test_a_corrupted_put_fails_its_load_at_once_with_a_metric(pair, error_logs):
     assert "d2" not in failed and all(torch.equal(decode_kv[n][6], prefill_kv[n][1]) for n in LAYERS)
 
 
+def blocks_held(prefill: PrefillWorker) -> float:
+    return prefill.accounts.registry.get_sample_value("pdpair_kv_blocks_held", {"role": "prefill", "rank": "0"})
+
+
+def test_prefill_exports_the_blocks_it_holds_until_pulled_or_leased_out(pair):
+    """pdpair_kv_blocks_held: 0 from the start; the blocks of finished requests waiting for a Pull while they wait;
+    back down as each is pulled, and when a request's send lease runs out without a Pull (a decode that died or
+    never asks), so a leak of held blocks is visible before the lease ends it. Cost: 2 loads, under a second."""
+    decode, prefill, decode_kv, prefill_kv = pair
+    assert blocks_held(prefill) == 0
+    send(prefill, "p1", [1, 2])
+    prefill.start_load_kv(PdPairConnectorMetadata(reqs_to_send=[SendRequest("p2", [3], time.monotonic() + 0.5)]))
+    prefill.get_transfer_results()
+    assert blocks_held(prefill) == 3
+    recv(decode, "d1", "p1", 0, [4, 5])
+    assert settle(decode, {"d1"})[1] == set()
+    deadline = time.monotonic() + DEADLINE
+    finished: set[str] = set()
+    while finished != {"p1", "p2"} and time.monotonic() < deadline:  # p2's lease ends without a Pull
+        finished |= prefill.get_transfer_results()
+        time.sleep(0.05)
+    assert finished == {"p1", "p2"}
+    assert blocks_held(prefill) == 0
+
+
 @pytest.fixture
 def knob_pair(tmp_path):
     """A pair whose prefill has the corrupt-puts knob configured (TEST ONLY test_corrupt_puts_file); the file is
