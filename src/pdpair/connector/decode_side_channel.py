@@ -86,7 +86,7 @@ class DecodeSideChannel(DecodePairing, SideChannelThread):
         key: bytes,
         register_regions: RegisterRegions,
         on_pull_done: Callable[[PullDone], None],
-        on_pull_failed: Callable[[PullFailed], None],
+        on_pull_failed: Callable[[PullFailed, DecodeEdge | None], None],
         on_disconnect: Callable[[DecodeEdge, str], None],
         accounts,
         max_edges: int = contract.DEFAULT_MAX_EDGES,
@@ -268,21 +268,23 @@ class DecodeSideChannel(DecodePairing, SideChannelThread):
                     why = "no prefill connected" if not edges else f"{len(edges)} prefills paired and none named"
                     logger.error("%s: dropping %s: %s", self.name, type(message).__name__, why)
                     if isinstance(message, Pull):
-                        self._pull_failed(PullFailed(message.transfer_id, f"{why} to the side channel"))
+                        self._pull_failed(PullFailed(message.transfer_id, f"{why} to the side channel"), None)
                     continue
             elif not self.is_current(edge):
                 why = f"prefill {edge.instance}'s edge closed (it left or re-paired) before the message was sent"
                 logger.error("%s: dropping %s: %s", self.name, type(message).__name__, why)
                 if isinstance(message, Pull):
-                    self._pull_failed(PullFailed(message.transfer_id, why))
+                    self._pull_failed(PullFailed(message.transfer_id, why), None)
                 continue
             failure = self._send(sock, edge.identity, message)
             if failure is not None and isinstance(message, Pull):
-                self._pull_failed(PullFailed(message.transfer_id, f"Pull not delivered to prefill: {failure}"))
+                self._pull_failed(PullFailed(message.transfer_id, f"Pull not delivered to prefill: {failure}"), None)
 
-    def _pull_failed(self, failed: PullFailed) -> None:
+    def _pull_failed(self, failed: PullFailed, sender: DecodeEdge | None) -> None:
+        """`sender`: the paired prefill's edge the PullFailed came from; None when this side made it (a Pull that
+        could not be sent)."""
         try:
-            self.on_pull_failed(failed)
+            self.on_pull_failed(failed, sender)
         except Exception:  # noqa: BLE001 - the worker's callback must not take the loop down
             logger.exception("%s: on_pull_failed(%s) failed", self.name, failed.transfer_id)
 
@@ -370,7 +372,7 @@ class DecodeSideChannel(DecodePairing, SideChannelThread):
         elif isinstance(message, PullDone):
             self.on_pull_done(message)
         elif isinstance(message, PullFailed):
-            self._pull_failed(message)
+            self._pull_failed(message, edge)
         else:
             self._log("unexpected", logging.WARNING, "%s: unexpected %s from prefill %s; ignored", self.name,
                       type(message).__name__, edge.instance)

@@ -395,15 +395,21 @@ class DecodeWorker(WorkerBase):
     def _on_pull_done(self, done: PullDone) -> None:
         pass  # completion is the signal count, not this message
 
-    def _on_pull_failed(self, failed: PullFailed) -> None:
+    def _on_pull_failed(self, failed: PullFailed, sender=None) -> None:
+        """A Pull failed: sent back by the paired prefill of edge `sender`, or made here (`sender` None: the Pull
+        could not be sent). A prefill's PullFailed fails only a wait on its own edge: transfer ids are not secret,
+        and one paired prefill must not fail another's loads by naming their ids."""
         if failed.transfer_id.startswith("release-"):
             return
         with self._lock:
             wait = self._waits.get(failed.transfer_id)
-        if wait is not None:
-            wait.failed_reason = failed.reason
+        if wait is None:
+            logger.warning("PullFailed for unknown transfer %s: %s", failed.transfer_id, failed.reason[:200])
+        elif sender is not None and wait.comm is not sender.comm:
+            logger.warning("prefill %s sent a PullFailed for transfer %s, which is another edge's: ignored",
+                           sender.instance, failed.transfer_id)
         else:
-            logger.warning("PullFailed for unknown transfer %s: %s", failed.transfer_id, failed.reason)
+            wait.failed_reason = failed.reason
 
     def _on_disconnect(self, edge, reason: str) -> None:
         """Side-channel thread: `edge` closed (its prefill re-paired, or decode stops). Its waits fail now (the

@@ -49,7 +49,7 @@ def make_decode(port: int, side: Side, generation: int = 4, host: str = "127.0.0
         host=host, port=port, tp_rank=0, generation=generation, transport=TcpTransport(), hang_timeout_seconds=5.0,
         local_hash=HASH, factors=FACTORS, key=TEST_KEY_BYTES, register_regions=side.register,
         on_pull_done=lambda d: (side.done.append(d), side.got_done.set()),
-        on_pull_failed=side.failed.append, on_disconnect=lambda edge, reason: None, accounts=accounts,
+        on_pull_failed=lambda failed, sender: side.failed.append(failed), on_disconnect=lambda edge, reason: None, accounts=accounts,
     )
     return channel, accounts
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import types
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from pdpair.connector.config import PdPairConfig
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest, SendRequest
 from pdpair.connector.prefill_worker import SLOW_PUSH_SECONDS, PrefillWorker
 from pdpair.connector.decode_worker import DecodeWorker, transfer_tag
+from pdpair.connector.metadata import PullFailed
 from pdpair.connector.transports import SignalWaitTimeout, TransferRejected, TransportError
 from pdpair.connector.worker import SignalWait
 from devcluster.ports import free_port
@@ -260,6 +262,27 @@ def test_a_corrupted_put_fails_its_load_at_once_with_a_metric(pair, error_logs):
     recv(decode, "d2", "p2", 0, [6])
     finished, failed = settle(decode, {"d2"})
     assert "d2" not in failed and all(torch.equal(decode_kv[n][6], prefill_kv[n][1]) for n in LAYERS)
+
+
+def test_a_pull_failed_fails_only_a_wait_on_the_edge_it_came_from(pair, knob_logs):
+    """Transfer ids are not secret: a paired prefill's PullFailed naming another edge's transfer is ignored (logged),
+    so one prefill cannot fail another's loads; the same message from the wait's own edge fails it at once. Cost: one
+    load that never gets its KV (its Pull is answered by the failure), well under a second."""
+    decode, prefill, decode_kv, prefill_kv = pair
+    recv(decode, "d1", "p-never-sent", 0, [4])  # prefill parks the Pull: the wait stays open
+    deadline = time.monotonic() + DEADLINE
+    while "d1" not in decode._waits and time.monotonic() < deadline:
+        time.sleep(0.01)
+    wait = decode._waits["d1"]
+    (edge,) = decode.side.edges()
+    stranger = types.SimpleNamespace(comm=object(), instance="prefill-other")
+    decode._on_pull_failed(PullFailed("d1", "forged"), stranger)
+    assert wait.failed_reason is None
+    assert "which is another edge's: ignored" in knob_logs.text
+    decode._on_pull_failed(PullFailed("d1", "prefill holds no KV"), edge)
+    started = time.monotonic()
+    _, failed = settle(decode, {"d1"})
+    assert "d1" in failed and time.monotonic() - started < HANG_TIMEOUT / 3
 
 
 def blocks_held(prefill: PrefillWorker) -> float:

@@ -201,7 +201,7 @@ def test_fuzzed_peers_never_stop_the_listener():
         host="127.0.0.1", port=port, tp_rank=0, generation=GENERATION, transport=TcpTransport(),
         hang_timeout_seconds=5.0, local_hash=HASH, factors=FACTORS, key=TEST_KEY_BYTES,
         register_regions=register,
-        on_pull_done=lambda done: None, on_pull_failed=lambda failed: None, on_disconnect=lambda edge, why: None,
+        on_pull_done=lambda done: None, on_pull_failed=lambda failed, sender: None, on_disconnect=lambda edge, why: None,
         accounts=accounts,
     )
     decode.start_and_wait()

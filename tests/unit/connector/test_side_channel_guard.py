@@ -87,7 +87,7 @@ def make_decode(port: int, side: Side, *, max_edges: int = 64, hang: float = 5.0
     channel = DecodeSideChannel(
         host="127.0.0.1", port=port, tp_rank=0, generation=GENERATION, transport=transport, hang_timeout_seconds=hang,
         local_hash=HASH, factors=FACTORS, key=TEST_KEY_BYTES, register_regions=side.register,
-        on_pull_done=side.done.append, on_pull_failed=side.failed.append, on_disconnect=lambda edge, why: None,
+        on_pull_done=side.done.append, on_pull_failed=lambda failed, sender: side.failed.append(failed), on_disconnect=lambda edge, why: None,
         accounts=accounts, max_edges=max_edges,
     )
     return channel, accounts, transport
@@ -426,7 +426,7 @@ def test_the_stop_listener_test_knob_ends_the_loop_as_a_bug_would(tmp_path):
     decode = DecodeSideChannel(
         host="127.0.0.1", port=port, tp_rank=0, generation=GENERATION, transport=TcpTransport(),
         hang_timeout_seconds=5.0, local_hash=HASH, factors=FACTORS, key=TEST_KEY_BYTES,
-        register_regions=side.register, on_pull_done=side.done.append, on_pull_failed=side.failed.append,
+        register_regions=side.register, on_pull_done=side.done.append, on_pull_failed=lambda failed, sender: side.failed.append(failed),
         on_disconnect=lambda edge, why: None, accounts=accounts, test_stop_listener_file=str(knob),
     )
     decode.start_and_wait()
