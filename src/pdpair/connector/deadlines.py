@@ -51,3 +51,11 @@ def transport_blocking_seconds(hang_timeout_seconds: float) -> float:
     """A transport's bound on a blocking call without a caller's deadline (flagcx: a put waiting for a slot, a
     collective registration)."""
     return hang_timeout_seconds
+
+
+# Peer death, counted from the fault (the SIGKILL, the hang-up), not from its detection: a load whose prefill died
+# mid-transfer fails within this long. The kernel closes a killed process's sockets at once (FIN or RST), the native
+# waiter wakes on the broken connection (the C test measures 0-86 ms under load) and the worker's waiter looks every
+# WAIT_SLICE_SECONDS; 2 s is that with a busy 2-core box's margin. A host that goes silent instead (a partition) sends
+# nothing: it is noticed by the side channel's heartbeats, within DISCONNECT_GRACE_SECONDS + this.
+PEER_DEATH_SECONDS = 2.0

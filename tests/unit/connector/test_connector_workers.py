@@ -20,6 +20,7 @@ from pdpair.connector.config import PdPairConfig
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest, SendRequest
 from pdpair.connector.prefill_worker import SLOW_PUSH_SECONDS, PrefillWorker
 from pdpair.connector.decode_worker import DecodeWorker, transfer_tag
+from pdpair.connector.deadlines import PEER_DEATH_SECONDS
 from pdpair.connector.metadata import PullFailed
 from pdpair.connector.transports import SignalWaitTimeout, TransferRejected, TransportError
 from pdpair.connector.worker import SignalWait
@@ -262,6 +263,28 @@ def test_a_corrupted_put_fails_its_load_at_once_with_a_metric(pair, error_logs):
     recv(decode, "d2", "p2", 0, [6])
     finished, failed = settle(decode, {"d2"})
     assert "d2" not in failed and all(torch.equal(decode_kv[n][6], prefill_kv[n][1]) for n in LAYERS)
+
+
+def test_a_prefill_gone_mid_transfer_fails_the_load_within_the_peer_death_bound(pair):
+    """Prefill's data connection ends in the middle of a load (as the kernel ends a SIGKILLed prefill's): its puts
+    are held back on the way (native HOLD_SENDS), so the load is mid-transfer; the connection is then closed, and
+    the load fails within deadlines.PEER_DEATH_SECONDS counted from the close, not at the 30 s hang timeout, and
+    nothing it carried is handed over as loaded. Cost: one load, under a second."""
+    decode, prefill, decode_kv, prefill_kv = pair
+    send(prefill, "p1", [1, 2])
+    conn = prefill.side.comm._conn
+    conn.set_fault(native.Fault.HOLD_SENDS, 1)
+    recv(decode, "d1", "p1", 0, [4, 5])
+    deadline = time.monotonic() + DEADLINE
+    while conn.stats().queued == 0 and time.monotonic() < deadline:  # the push has begun: its puts wait in the queue
+        time.sleep(0.01)
+    assert conn.stats().queued > 0, "the push never started"
+    closed_at = time.monotonic()
+    conn.close()
+    _, failed = settle(decode, {"d1"})
+    assert "d1" in failed
+    assert time.monotonic() - closed_at < PEER_DEATH_SECONDS, "the load outlived its prefill's connection"
+    assert decode.stats.data.get("transfers_ok", 0) == 0
 
 
 def test_a_pull_failed_fails_only_a_wait_on_the_edge_it_came_from(pair, knob_logs):
