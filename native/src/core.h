@@ -125,7 +125,7 @@ struct pdpair_conn {
     uint32_t signal_slots;
     _Atomic uint64_t *signals;
     uint8_t *signal_used;
-    uint8_t *signal_failed;   /* a put meant for the slot was refused: wait_signal answers DATA_REJECTED */
+    uint8_t *signal_failed;   /* a put meant for the slot was refused (its pdpair_refusal; 0 = not failed) */
 
     /* declared transfers (expect.c): open addressing, linear probing, capacity a power of two >= 2 x max_transfers */
     struct expectation *expect;
@@ -185,8 +185,9 @@ uint32_t pdpi_expect_window(const struct expectation *e, uint32_t region, uint64
 void pdpi_expect_free(pdpair_conn *c);
 
 /* --- signal slots (signals.c) ------------------------------------------------------------------------------- */
-/* Under conn->mu: mark a slot failed and wake its waiters (no-op for a slot out of range). */
-void pdpi_signal_fail_locked(pdpair_conn *c, uint32_t slot);
+/* Under conn->mu: mark a slot failed for `reason` (a pdpair_refusal; a slot keeps its first) and wake its waiters
+ * (no-op for a slot out of range). */
+void pdpi_signal_fail_locked(pdpair_conn *c, uint32_t slot, uint32_t reason);
 
 /* --- fault injection, TEST ONLY (faults.c) ------------------------------------------------------------------ */
 /* PDPAIR_TEST_DROP_SIGNAL_EVERY=N sets the drop fault on every new connection. */

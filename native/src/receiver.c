@@ -101,6 +101,13 @@ static bool read_exact(struct reader *r, uint8_t *dst, uint64_t len, bool crc)
     return true;
 }
 
+_Static_assert((int)WIRE_REJECT_BOUNDS == (int)PDPAIR_REFUSAL_BOUNDS &&
+                   (int)WIRE_REJECT_TRANSFER == (int)PDPAIR_REFUSAL_TRANSFER &&
+                   (int)WIRE_REJECT_WINDOW == (int)PDPAIR_REFUSAL_WINDOW &&
+                   (int)WIRE_REJECT_CHECKSUM == (int)PDPAIR_REFUSAL_CHECKSUM &&
+                   (int)WIRE_REJECT_INCOMPLETE == (int)PDPAIR_REFUSAL_INCOMPLETE,
+               "a slot's refusal is the wire reason: the two enums must agree");
+
 /* Which check refuses this put (0 = none), under conn->mu. On acceptance in expectation mode, *e is its transfer. */
 static uint32_t check_put_locked(pdpair_conn *c, const struct wire_frame *f, bool has_signal, uint8_t **dst,
                                  struct expectation **e, uint32_t *win)
@@ -220,8 +227,8 @@ static void handle_data(pdpair_conn *c, struct reader *r, const struct wire_fram
         else if (reason == WIRE_REJECT_INCOMPLETE) c->stats.refused_incomplete++;
         /* The waiter of the slot this put named, and of the transfer it claimed, learns now, not at its deadline:
          * the signal it waits for will never come, and a corrupt payload may sit in its windows. */
-        if (has_signal) pdpi_signal_fail_locked(c, f->slot);
-        if (exp_slot != UINT32_MAX) pdpi_signal_fail_locked(c, exp_slot);
+        if (has_signal) pdpi_signal_fail_locked(c, f->slot, reason);
+        if (exp_slot != UINT32_MAX) pdpi_signal_fail_locked(c, exp_slot, reason);
         if (!push_reject(c, f->seq, reason)) {
             pdpi_conn_break_locked(c, PDPAIR_NO_MEMORY, "out of memory recording a rejected put");
             *fatal = true;

@@ -26,16 +26,26 @@ pdpair_status pdpair_conn_reset_signal(pdpair_conn *c, uint32_t slot)
     return PDPAIR_OK;
 }
 
-void pdpi_signal_fail_locked(pdpair_conn *c, uint32_t slot)
+void pdpi_signal_fail_locked(pdpair_conn *c, uint32_t slot, uint32_t reason)
 {
     if (slot >= c->signal_slots || c->signal_failed[slot]) return;
-    c->signal_failed[slot] = 1;
+    c->signal_failed[slot] = (uint8_t)(reason ? reason : PDPAIR_REFUSAL_BOUNDS); /* the first refusal's reason */
     for (struct waiter *w = c->sig_waiting; w; w = w->next) {
         if (w->slot == slot) {
             pthread_cond_broadcast(&c->sig_cv);
             break;
         }
     }
+}
+
+pdpair_status pdpair_conn_slot_refusal(pdpair_conn *c, uint32_t slot, int *refusal_out)
+{
+    if (!c || !refusal_out || slot >= c->signal_slots) return PDPAIR_INVALID_ARGUMENT;
+    pdpair_status st = pdpi_conn_enter(c);
+    if (st != PDPAIR_OK) return st;
+    *refusal_out = c->signal_failed[slot];
+    pdpi_conn_leave(c);
+    return PDPAIR_OK;
 }
 
 pdpair_status pdpair_conn_alloc_signal(pdpair_conn *c, uint32_t *slot_out)

@@ -29,7 +29,8 @@ enum wire_flags {
     WIRE_FLAG_NODATA = 2  /* no payload, no region: a bare signal (or a no-op when the signal was fault-dropped) */
 };
 
-/* Why a DATA frame was refused (REJECT's offset field; the sender only names it in its error text). */
+/* Why a DATA frame was refused (REJECT's offset field; the sender only names it in its error text). The same numbers
+ * as pdpair_refusal (transport.h), which reports them per slot on the receiving side. */
 enum wire_reject {
     WIRE_REJECT_BOUNDS = 1,   /* outside the receiver's regions or signal slots */
     WIRE_REJECT_TRANSFER = 2, /* expectation mode: no outstanding transfer with that id and generation */

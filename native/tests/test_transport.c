@@ -1300,11 +1300,15 @@ static void test_put_faults(void)
         const char *what;
         int fault;
         size_t counter; /* offsetof the pdpair_conn_stats field that must move */
+        int refusal;    /* what the slot reports */
     } cases[] = {
-        {"none (control)", PDPAIR_FAULT_NONE, 0},
-        {"misaddressed", PDPAIR_FAULT_MISADDRESS_PUTS, offsetof(pdpair_conn_stats, refused_out_of_window)},
-        {"stale tag", PDPAIR_FAULT_STALE_TAG_PUTS, offsetof(pdpair_conn_stats, refused_unknown_transfer)},
-        {"truncated", PDPAIR_FAULT_TRUNCATE_PUTS, offsetof(pdpair_conn_stats, refused_incomplete)},
+        {"none (control)", PDPAIR_FAULT_NONE, 0, PDPAIR_REFUSAL_NONE},
+        {"misaddressed", PDPAIR_FAULT_MISADDRESS_PUTS, offsetof(pdpair_conn_stats, refused_out_of_window),
+         PDPAIR_REFUSAL_WINDOW},
+        {"stale tag", PDPAIR_FAULT_STALE_TAG_PUTS, offsetof(pdpair_conn_stats, refused_unknown_transfer),
+         PDPAIR_REFUSAL_TRANSFER},
+        {"truncated", PDPAIR_FAULT_TRUNCATE_PUTS, offsetof(pdpair_conn_stats, refused_incomplete),
+         PDPAIR_REFUSAL_INCOMPLETE},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++, id++) {
         pdpair_conn_stats before = stats_of(p.a);
@@ -1317,8 +1321,14 @@ static void test_put_faults(void)
         pdpair_status flushed = pdpair_conn_flush(p.b, 5000);
         pdpair_status waited = pdpair_conn_wait_signal(p.a, 3, 4, 5000, &v);
         pdpair_conn_stats after = stats_of(p.a);
+        int refusal = -1;
+        CHECK_OK(pdpair_conn_slot_refusal(p.a, 3, &refusal), p.a);
+        CHECK_MSG(refusal == cases[i].refusal, "%s: the slot reports refusal %d, want %d", cases[i].what, refusal,
+                  cases[i].refusal);
         CHECK_OK(pdpair_conn_retire(p.a, id, 1, 1000), p.a);
         CHECK_OK(pdpair_conn_reset_signal(p.a, 3), p.a);
+        CHECK_OK(pdpair_conn_slot_refusal(p.a, 3, &refusal), p.a);
+        CHECK(refusal == PDPAIR_REFUSAL_NONE); /* cleared with the slot */
         if (cases[i].fault == PDPAIR_FAULT_NONE) {
             CHECK_OK(flushed, p.b);
             CHECK_OK(waited, p.a);

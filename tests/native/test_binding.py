@@ -21,6 +21,7 @@ from pdpair.native import (
     DataRejected,
     Fault,
     PeerClosed,
+    Refusal,
     RemoteRejected,
     Status,
     TransportError,
@@ -168,6 +169,9 @@ def test_corrupted_put_is_refused_and_fails_the_waiter_at_once(pair: Pair):
     stats = pair.a.stats()
     assert (stats.refused_checksum, stats.refused_unknown_transfer, stats.refused_out_of_window) == (1, 0, 0)
     assert stats.signals_received == 1 and stats.bytes_received == 4096
+    assert pair.a.slot_refusal(4) == Refusal.CHECKSUM and pair.a.slot_refusal(5) == Refusal.NONE
+    pair.a.reset_signal(4)
+    assert pair.a.slot_refusal(4) == Refusal.NONE
     assert pair.a.state == Status.OK and pair.b.state == Status.OK
 
 

@@ -138,6 +138,18 @@ typedef struct pdpair_conn_stats {
                                           arrived while fewer bytes than its windows hold had been written */
 } pdpair_conn_stats;
 
+/* Why a put was refused on arrival: the reason pdpair_conn_slot_refusal reports for a failed slot. */
+typedef enum pdpair_refusal {
+    PDPAIR_REFUSAL_NONE = 0,       /* the slot is not failed */
+    PDPAIR_REFUSAL_BOUNDS = 1,     /* outside the receiver's regions or signal slots */
+    PDPAIR_REFUSAL_TRANSFER = 2,   /* expectation mode: not an outstanding transfer (unknown, retired, complete, or
+                                      another generation) */
+    PDPAIR_REFUSAL_WINDOW = 3,     /* expectation mode: outside the transfer's windows, not where one goes on, or
+                                      another signal slot */
+    PDPAIR_REFUSAL_CHECKSUM = 4,   /* the payload's CRC32C did not match */
+    PDPAIR_REFUSAL_INCOMPLETE = 5  /* expectation mode: the transfer's last signal came before all of its bytes */
+} pdpair_refusal;
+
 /* TEST ONLY fault injection kinds (pdpair_conn_set_fault). Never enable in production. */
 typedef enum pdpair_fault {
     PDPAIR_FAULT_NONE = 0,
@@ -257,6 +269,10 @@ uint32_t pdpair_conn_signal_slots(pdpair_conn *c);
 pdpair_status pdpair_conn_read_signal(pdpair_conn *c, uint32_t slot, uint64_t *value_out);
 /* Set the slot to 0 and clear its failed mark (DATA_REJECTED). */
 pdpair_status pdpair_conn_reset_signal(pdpair_conn *c, uint32_t slot);
+/* Why `slot` is failed: the pdpair_refusal of the first put refused for it since the slot was last cleared (reset,
+ * allocated, or declared by pdpair_conn_expect); PDPAIR_REFUSAL_NONE when it is not failed. Per slot, so a load's
+ * reason is its own even while refusals of other loads are counted on the same connection. */
+pdpair_status pdpair_conn_slot_refusal(pdpair_conn *c, uint32_t slot, int *refusal_out);
 /* Hand out a free slot (reset to 0, failed mark cleared) / give it back. EXHAUSTED when none is free. */
 pdpair_status pdpair_conn_alloc_signal(pdpair_conn *c, uint32_t *slot_out);
 pdpair_status pdpair_conn_free_signal(pdpair_conn *c, uint32_t slot);

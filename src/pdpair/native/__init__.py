@@ -34,6 +34,7 @@ from ._errors import (
     DataRejected,
     Fault,
     PeerClosed,
+    Refusal,
     RemoteRejected,
     Status,
     TransportError,
@@ -55,6 +56,7 @@ __all__ = [
     "Fault",
     "Listener",
     "PeerClosed",
+    "Refusal",
     "Region",
     "RemoteRejected",
     "Stats",
@@ -66,8 +68,8 @@ __all__ = [
 
 # The public classes are defined in the modules beside this one; they keep this package as their home, so reprs,
 # tracebacks and pickles name them pdpair.native.X, the name callers import.
-for _public in (Closed, Connection, Context, DataRejected, Fault, Listener, PeerClosed, Region, RemoteRejected, Stats,
-                Status, TransportError, WaitTimeout):
+for _public in (Closed, Connection, Context, DataRejected, Fault, Listener, PeerClosed, Refusal, Region, RemoteRejected,
+                Stats, Status, TransportError, WaitTimeout):
     _public.__module__ = __name__
 del _public
 

@@ -7,7 +7,7 @@ import weakref
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from ._errors import Fault, Status, TransportError, _last_error, _raise
+from ._errors import Fault, Refusal, Status, TransportError, _last_error, _raise
 from ._handle import Region, _Handle, _region_index, _timeout_ms, _u32, _u64
 from ._pdpair_native import ffi, lib
 
@@ -214,6 +214,18 @@ class Connection(_Handle):
             if st != lib.PDPAIR_OK:
                 _raise(st, f"slot {slot} is not below signal_slots={self.signal_slots}", "read_signal")
             return value[0]
+
+    def slot_refusal(self, slot: int) -> Refusal:
+        """Why `slot` is failed: the Refusal of the first put refused for it since it was last cleared (reset,
+        allocated, or declared by expect); Refusal.NONE when it is not failed. Per slot, so one load's reason is its
+        own while refusals of other loads are counted on the same connection."""
+        slot = _u32("slot", slot)
+        with self._in_use() as ptr:
+            value = ffi.new("int *")
+            st = lib.pdpair_conn_slot_refusal(ptr, slot, value)
+            if st != lib.PDPAIR_OK:
+                self._error(st, "slot_refusal", ptr)
+            return Refusal(value[0])
 
     def reset_signal(self, slot: int) -> None:
         """Set the slot to 0 and clear its failed mark."""

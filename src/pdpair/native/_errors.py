@@ -17,8 +17,14 @@ Fault = enum.IntEnum(
     "Fault",
     {name.removeprefix("PDPAIR_FAULT_"): value for value, name in sorted(ffi.typeof("pdpair_fault").elements.items())},
 )
+Refusal = enum.IntEnum(
+    "Refusal",
+    {name.removeprefix("PDPAIR_REFUSAL_"): value
+     for value, name in sorted(ffi.typeof("pdpair_refusal").elements.items())},
+)
 Status.__doc__ = "pdpair_status codes; see native/include/pdpair/transport.h for each one's meaning."
 Fault.__doc__ = "TEST ONLY fault injection kinds for Connection.set_fault."
+Refusal.__doc__ = "Why a put was refused on arrival (Connection.slot_refusal; NONE: the slot is not failed)."
 
 
 class TransportError(Exception):

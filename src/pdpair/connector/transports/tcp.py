@@ -16,7 +16,7 @@ Mapping onto the FlagCX-shaped interface:
 - Transfer checks (`transfer_checks`, on for the connector): decode's context (rank 1, the side puts arrive at) runs in
   the native expectation mode, so it
   accepts a put only inside a transfer it declared (`expect_transfer`) and with a matching CRC32C; a refused put fails
-  its slot, and `wait_signal` raises TransferRejected at once, with the reason taken from the connection's counters.
+  its slot, and `wait_signal` raises TransferRejected at once, with the reason the native core kept for that slot.
 """
 
 from __future__ import annotations
@@ -52,6 +52,14 @@ if TYPE_CHECKING:
 
 REGION_TABLE_TIMEOUT_SECONDS = 30.0
 
+# A refused put's native reason -> the reason label of pdpair_kv_transfers_rejected_total.
+_REASON_OF_REFUSAL = {
+    native.Refusal.CHECKSUM: contract.REJECTED_CHECKSUM,
+    native.Refusal.WINDOW: contract.REJECTED_OUTSIDE_WINDOW,
+    native.Refusal.TRANSFER: contract.REJECTED_UNEXPECTED_TRANSFER,
+    native.Refusal.INCOMPLETE: contract.REJECTED_INCOMPLETE,
+}
+
 # TEST ONLY: the native faults that damage puts (set_put_fault), each reset by naming another.
 PUT_FAULTS = ("CORRUPT_PUTS", "MISADDRESS_PUTS", "STALE_TAG_PUTS", "TRUNCATE_PUTS")
 
@@ -65,8 +73,6 @@ class TcpPairComm(PairComm):
         self.supports_transfer_checks = context.expect_transfers
         self._close_lock = threading.Lock()
         self._closed = False
-        self._refused_seen = (0, 0, 0, 0)  # the connection's refused_* counters when a rejection was last reported
-        self._refused_lock = threading.Lock()
 
     def register_region(self, ptr: int, size: int) -> int:
         try:
@@ -110,22 +116,14 @@ class TcpPairComm(PairComm):
         except native.TransportError as exc:
             raise TransportError(str(exc)) from exc
 
-    def _rejection_reason(self) -> str:
-        """Which refusal failed the slot: the refused_* counter that moved since the last report (the most serious
-        first). Concurrent rejections on one connection may be attributed to each other; each still fails its load."""
+    def _rejection_reason(self, signal_slot: int) -> str:
+        """Which refusal failed the slot: the first put refused for it (the native core keeps it per slot, so a
+        load's reason is its own, whatever else the connection refused meanwhile)."""
         try:
-            stats = self._conn.stats()
+            refusal = self._conn.slot_refusal(signal_slot)
         except native.TransportError:
             return contract.REJECTED_OTHER
-        now = (stats.refused_checksum, stats.refused_out_of_window, stats.refused_unknown_transfer,
-               stats.refused_incomplete)
-        with self._refused_lock:
-            before, self._refused_seen = self._refused_seen, now
-        for reason, was, is_ in zip((contract.REJECTED_CHECKSUM, contract.REJECTED_OUTSIDE_WINDOW,
-                                     contract.REJECTED_UNEXPECTED_TRANSFER, contract.REJECTED_INCOMPLETE), before, now):
-            if is_ > was:
-                return reason
-        return contract.REJECTED_OTHER
+        return _REASON_OF_REFUSAL.get(refusal, contract.REJECTED_OTHER)
 
     def flush(self, deadline: float) -> None:
         try:
@@ -140,7 +138,7 @@ class TcpPairComm(PairComm):
         except native.WaitTimeout as exc:
             raise SignalWaitTimeout(signal_slot, expected, int(getattr(exc, "value", 0)), time.monotonic() - started) from None
         except native.DataRejected as exc:
-            reason = self._rejection_reason()
+            reason = self._rejection_reason(signal_slot)
             raise TransferRejected(f"a put for signal slot {signal_slot} was refused on arrival ({reason}): {exc}",
                                    reason) from exc
         except native.TransportError as exc:
