@@ -110,52 +110,39 @@ class TcpStream:
         self.rx.close()
 
 
-def throughput(total_bytes: int, trials: int) -> list[dict]:
-    pd, tcp = PdpairStream(), TcpStream()
+def interleaved(measured, baseline, total_bytes: int, trials: int) -> list[dict]:
+    """`measured` against `baseline` (each with run(size, count) -> seconds and close()) at every put size: a warm-up
+    of each, then `trials` alternating trials (baseline first); rates from the medians. Both are closed after."""
     rows = []
     try:
         for size in SIZES:
             count = max(8, total_bytes // size)
-            pd.run(size, max(4, count // 8))  # warm-up both paths
-            tcp.run(size, max(4, count // 8))
-            pd_times, tcp_times = [], []
+            measured.run(size, max(4, count // 8))
+            baseline.run(size, max(4, count // 8))
+            measured_times, baseline_times = [], []
             for _ in range(trials):
-                tcp_times.append(tcp.run(size, count))
-                pd_times.append(pd.run(size, count))
+                baseline_times.append(baseline.run(size, count))
+                measured_times.append(measured.run(size, count))
             gb = size * count / 1e9
-            pd_rate = gb / statistics.median(pd_times)
-            tcp_rate = gb / statistics.median(tcp_times)
-            rows.append({"size": size, "count": count, "pdpair_gbps": pd_rate, "tcp_gbps": tcp_rate,
-                         "ratio": pd_rate / tcp_rate,
-                         "ratios": [(size * count / p) / (size * count / t) for p, t in zip(pd_times, tcp_times)]})
+            measured_rate = gb / statistics.median(measured_times)
+            baseline_rate = gb / statistics.median(baseline_times)
+            rows.append({"size": size, "count": count, "measured_gbps": measured_rate, "baseline_gbps": baseline_rate,
+                         "ratio": measured_rate / baseline_rate,
+                         "ratios": [b / m for m, b in zip(measured_times, baseline_times)]})
     finally:
-        pd.close()
-        tcp.close()
+        measured.close()
+        baseline.close()
     return rows
+
+
+def throughput(total_bytes: int, trials: int) -> list[dict]:
+    """The transport against a plain TCP stream of the same bytes."""
+    return interleaved(PdpairStream(), TcpStream(), total_bytes, trials)
 
 
 def checksum_cost(total_bytes: int, trials: int) -> list[dict]:
-    """Put+signal streams with checksums (the product) and without (both ends skip_checksums), interleaved."""
-    checked, unchecked = PdpairStream(), PdpairStream(skip_checksums=True)
-    rows = []
-    try:
-        for size in SIZES:
-            count = max(8, total_bytes // size)
-            checked.run(size, max(4, count // 8))  # warm-up both
-            unchecked.run(size, max(4, count // 8))
-            with_times, without_times = [], []
-            for _ in range(trials):
-                without_times.append(unchecked.run(size, count))
-                with_times.append(checked.run(size, count))
-            gb = size * count / 1e9
-            with_rate, without_rate = gb / statistics.median(with_times), gb / statistics.median(without_times)
-            rows.append({"size": size, "count": count, "with_gbps": with_rate, "without_gbps": without_rate,
-                         "ratio": with_rate / without_rate,
-                         "ratios": [wo / w for w, wo in zip(with_times, without_times)]})
-    finally:
-        checked.close()
-        unchecked.close()
-    return rows
+    """Put+signal streams with checksums (the product) against none (both ends skip_checksums)."""
+    return interleaved(PdpairStream(), PdpairStream(skip_checksums=True), total_bytes, trials)
 
 
 def latency(samples: int) -> dict:
@@ -230,7 +217,7 @@ def main() -> int:
         print("| put size | puts/trial | pdpair GB/s | TCP GB/s | ratio | per-trial ratios |")
         print("|---|---|---|---|---|---|")
         for r in throughput(total_bytes, trials):
-            print(f"| {r['size'] // KIB} KiB | {r['count']} | {r['pdpair_gbps']:.2f} | {r['tcp_gbps']:.2f} | "
+            print(f"| {r['size'] // KIB} KiB | {r['count']} | {r['measured_gbps']:.2f} | {r['baseline_gbps']:.2f} | "
                   f"**{r['ratio']:.2f}** | {', '.join(f'{x:.2f}' for x in r['ratios'])} |")
     if "checksums" in sections:
         print("\n## the checksums' cost: put+signal with CRC32C vs without (skip_checksums on both ends), median of "
@@ -238,7 +225,7 @@ def main() -> int:
         print("| put size | puts/trial | with GB/s | without GB/s | ratio with / without | per-trial ratios |")
         print("|---|---|---|---|---|---|")
         for r in checksum_cost(total_bytes, trials):
-            print(f"| {r['size'] // KIB} KiB | {r['count']} | {r['with_gbps']:.2f} | {r['without_gbps']:.2f} | "
+            print(f"| {r['size'] // KIB} KiB | {r['count']} | {r['measured_gbps']:.2f} | {r['baseline_gbps']:.2f} | "
                   f"**{r['ratio']:.2f}** | {', '.join(f'{x:.2f}' for x in r['ratios'])} |")
     ok = True
     if "latency" in sections:

@@ -141,7 +141,7 @@ def put_fault_from_knob(path: str | None) -> str | None:
         return None
     try:
         with open(path) as knob:
-            content = knob.read().strip()
+            content = knob.read(256).strip()  # a name is a few bytes; a huge file is not read whole
     except OSError as exc:
         logger.warning("TEST KNOB %s unreadable (%s): no put fault", path, exc.strerror or exc)
         return None
