@@ -110,6 +110,30 @@ class TcpStream:
         self.rx.close()
 
 
+def box_busy_seconds() -> float:
+    """CPU seconds all cores of the box spent busy since boot (/proc/stat: everything but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuCounted:
+    """A stream whose runs also count the box's busy CPU seconds (the bench runs alone: they are the stream's)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.busy: list[float] = []
+
+    def run(self, size: int, count: int) -> float:
+        before = box_busy_seconds()
+        elapsed = self.stream.run(size, count)
+        self.busy.append(box_busy_seconds() - before)
+        return elapsed
+
+    def close(self) -> None:
+        self.stream.close()
+
+
 def interleaved(measured, baseline, total_bytes: int, trials: int) -> list[dict]:
     """`measured` against `baseline` (each with run(size, count) -> seconds and close()) at every put size: a warm-up
     of each, then `trials` alternating trials (baseline first); rates from the medians. Both are closed after."""
@@ -126,9 +150,14 @@ def interleaved(measured, baseline, total_bytes: int, trials: int) -> list[dict]
             gb = size * count / 1e9
             measured_rate = gb / statistics.median(measured_times)
             baseline_rate = gb / statistics.median(baseline_times)
-            rows.append({"size": size, "count": count, "measured_gbps": measured_rate, "baseline_gbps": baseline_rate,
-                         "ratio": measured_rate / baseline_rate,
-                         "ratios": [b / m for m, b in zip(measured_times, baseline_times)]})
+            row = {"size": size, "count": count, "measured_gbps": measured_rate, "baseline_gbps": baseline_rate,
+                   "ratio": measured_rate / baseline_rate,
+                   "ratios": [b / m for m, b in zip(measured_times, baseline_times)]}
+            if isinstance(measured, CpuCounted) and isinstance(baseline, CpuCounted):
+                # core-seconds per GB of the trials (the warm-ups' counts are the first of each list)
+                row["measured_cpu"] = statistics.median(measured.busy[-trials:]) / gb
+                row["baseline_cpu"] = statistics.median(baseline.busy[-trials:]) / gb
+            rows.append(row)
     finally:
         measured.close()
         baseline.close()
@@ -142,7 +171,7 @@ def throughput(total_bytes: int, trials: int) -> list[dict]:
 
 def checksum_cost(total_bytes: int, trials: int) -> list[dict]:
     """Put+signal streams with checksums (the product) against none (both ends skip_checksums)."""
-    return interleaved(PdpairStream(), PdpairStream(skip_checksums=True), total_bytes, trials)
+    return interleaved(CpuCounted(PdpairStream()), CpuCounted(PdpairStream(skip_checksums=True)), total_bytes, trials)
 
 
 def latency(samples: int) -> dict:
@@ -222,11 +251,17 @@ def main() -> int:
     if "checksums" in sections:
         print("\n## the checksums' cost: put+signal with CRC32C vs without (skip_checksums on both ends), median of "
               f"{trials} interleaved trials, {total_bytes // MIB} MiB per trial\n")
-        print("| put size | puts/trial | with GB/s | without GB/s | ratio with / without | per-trial ratios |")
-        print("|---|---|---|---|---|---|")
+        print("CPU: the box's busy core-seconds per GB moved (median of the trials). Ceiling: the ratio the stream with\n"
+              f"checksums would reach if it kept all {os.cpu_count()} cores busy at its CPU cost per GB, against the "
+              "rate measured without.\n")
+        print("| put size | puts/trial | with GB/s | without GB/s | ratio with / without | per-trial ratios | "
+              "CPU s/GB with | CPU s/GB without | ceiling |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in checksum_cost(total_bytes, trials):
+            ceiling = min(1.0, os.cpu_count() / r["measured_cpu"] / r["baseline_gbps"])
             print(f"| {r['size'] // KIB} KiB | {r['count']} | {r['measured_gbps']:.2f} | {r['baseline_gbps']:.2f} | "
-                  f"**{r['ratio']:.2f}** | {', '.join(f'{x:.2f}' for x in r['ratios'])} |")
+                  f"**{r['ratio']:.2f}** | {', '.join(f'{x:.2f}' for x in r['ratios'])} | "
+                  f"{r['measured_cpu']:.3f} | {r['baseline_cpu']:.3f} | {ceiling:.2f} |")
     ok = True
     if "latency" in sections:
         _print_latency(latency(samples))
