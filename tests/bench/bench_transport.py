@@ -154,9 +154,10 @@ def interleaved(measured, baseline, total_bytes: int, trials: int) -> list[dict]
                    "ratio": measured_rate / baseline_rate,
                    "ratios": [b / m for m, b in zip(measured_times, baseline_times)]}
             if isinstance(measured, CpuCounted) and isinstance(baseline, CpuCounted):
-                # core-seconds per GB of the trials (the warm-ups' counts are the first of each list)
-                row["measured_cpu"] = statistics.median(measured.busy[-trials:]) / gb
-                row["baseline_cpu"] = statistics.median(baseline.busy[-trials:]) / gb
+                # core-seconds per GB over all the trials (the warm-ups' counts are the first of each list): /proc/stat
+                # counts in clock ticks (10 ms), so one trial of about 0.1 s would read +-10 %
+                row["measured_cpu"] = sum(measured.busy[-trials:]) / (gb * trials)
+                row["baseline_cpu"] = sum(baseline.busy[-trials:]) / (gb * trials)
             rows.append(row)
     finally:
         measured.close()
@@ -251,7 +252,7 @@ def main() -> int:
     if "checksums" in sections:
         print("\n## the checksums' cost: put+signal with CRC32C vs without (skip_checksums on both ends), median of "
               f"{trials} interleaved trials, {total_bytes // MIB} MiB per trial\n")
-        print("CPU: the box's busy core-seconds per GB moved (median of the trials). Ceiling: the ratio the stream with\n"
+        print("CPU: the box's busy core-seconds per GB moved (all the trials together). Ceiling: the ratio the stream with\n"
               f"checksums would reach if it kept all {os.cpu_count()} cores busy at its CPU cost per GB, against the "
               "rate measured without.\n")
         print("| put size | puts/trial | with GB/s | without GB/s | ratio with / without | per-trial ratios | "
