@@ -57,5 +57,7 @@ def transport_blocking_seconds(hang_timeout_seconds: float) -> float:
 # mid-transfer fails within this long. The kernel closes a killed process's sockets at once (FIN or RST), the native
 # waiter wakes on the broken connection (the C test measures 0-86 ms under load) and the worker's waiter looks every
 # WAIT_SLICE_SECONDS; 2 s is that with a busy 2-core box's margin. A host that goes silent instead (a partition) sends
-# nothing: it is noticed by the side channel's heartbeats, within DISCONNECT_GRACE_SECONDS + this.
+# nothing: it is noticed by the side channel's heartbeats, within DISCONNECT_GRACE_SECONDS + this. The same bound
+# holds the other way: a decode that dies has prefill free the blocks it held for it (PrefillWorker._on_edge_lost)
+# within this long, as prefill's side channel sees the hang-up at once.
 PEER_DEATH_SECONDS = 2.0

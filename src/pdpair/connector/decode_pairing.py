@@ -257,7 +257,7 @@ class DecodePairing:
                         num_blocks: int) -> None:
         self._handshakes.pop(job.identity, None)
         hello = job.hello
-        if self.stopped.is_set() or self._send(sock, job.identity, Welcome(table, indices, num_blocks)) is not None:
+        if self.stopped.is_set() or self._send(sock, job.identity, Welcome(table, indices, num_blocks, self.api_port)) is not None:
             quietly(comm.close)
             self.accounts.on_handshake(contract.OUTCOME_ERROR)
             return

@@ -91,8 +91,10 @@ class DecodeSideChannel(DecodePairing, SideChannelThread):
         accounts,
         max_edges: int = contract.DEFAULT_MAX_EDGES,
         test_stop_listener_file: str | None = None,
+        api_port: int = 0,
     ) -> None:
         super().__init__(f"pdpair-sidechannel-decode-r{tp_rank}", local_hash, accounts)
+        self.api_port = api_port  # sent in Welcome: how prefill matches the router's `remote_decode_url` to this edge
         # TEST ONLY (testing_knobs.StopListenerKnob): None in production
         self._stop_knob = StopListenerKnob(test_stop_listener_file) if test_stop_listener_file else None
         self.host, self.port, self.tp_rank = host, port, tp_rank

@@ -95,6 +95,7 @@ class DecodeWorker(WorkerBase):
             on_disconnect=self._on_disconnect,
             accounts=self.accounts,
             test_stop_listener_file=self.config.test_stop_listener_file,
+            api_port=self.config.http_port or 0,
         )
         if self._listener_held_back():
             logger.warning("TEST KNOB %s present: rank %d's side-channel listener waits until the file is removed",

@@ -29,6 +29,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from pdpair import contract
 # Version history:
 #   1: first version. Handshake: Hello -> Accepted or Refused; both init the pair and register;
 #      Regions -> Welcome (prefill connects, decode answers OK);
@@ -44,6 +45,8 @@ import msgspec
 #   4: verified transfers. Pull carries a transfer tag (`transfer_tag`, `transfer_generation`) that prefill puts on
 #      every put of it; decode's transport accepts only puts of transfers it declared, inside their blocks, with a
 #      matching checksum (tcp: native protocol 3), and fails the load at once when one is refused.
+#      Since 2026-12-06 Welcome may carry decode's `api_port` (absent reads 0: a decode of before then pairs as ever,
+#      and prefill frees its held requests at their lease's end only).
 PDPAIR_CONNECTOR_VERSION = 4
 
 # Keys of kv_transfer_params. do_remote_* are vLLM's (the router and vLLM's own proxy use them); the rest are ours.
@@ -56,6 +59,27 @@ PARAM_REMOTE_GENERATION = "remote_generation"
 PARAM_REMOTE_NUM_TOKENS = "remote_num_tokens"
 PARAM_REMOTE_NUM_BLOCKS = "remote_num_blocks"
 PARAM_CONNECTOR_VERSION = "pdpair_connector_version"
+# Router -> prefill: the base URL of the decode the router chose for the request (`http://host:port`). Prefill frees
+# the request's held blocks at once when its edge to that decode is lost, instead of holding them for the lease.
+PARAM_REMOTE_DECODE_URL = contract.KV_PARAM_REMOTE_DECODE_URL
+MAX_DECODE_URL_CHARS = 300  # a URL longer than this is ignored (the param comes with the client's request)
+
+
+def decode_api_address(url: object) -> tuple[str, int] | None:
+    """(host, port) of a `remote_decode_url`, lower-case and without an IPv6 literal's brackets (how the peer set
+    writes decode's host), or None for anything else: it arrives with the request, so it is only ever compared."""
+    if not isinstance(url, str) or len(url) > MAX_DECODE_URL_CHARS:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port:
+        return None
+    return parts.hostname.lower(), port
 
 
 class CompatibilityError(RuntimeError):
@@ -162,11 +186,14 @@ class Regions(msgspec.Struct, tag="regions", frozen=True):
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
-    """decode -> prefill: OK, with decode's region table; transfers may start."""
+    """decode -> prefill: OK, with decode's region table; transfers may start. `api_port`: decode's own API port
+    (PDPAIR_HTTP_PORT, 0 when not set): with the side channel's host it is the address the router names decode by
+    (`remote_decode_url`), so prefill knows which of its held requests were for a decode whose edge is lost."""
 
     table: _Table
     region_indices: _Indices
     num_blocks: _U63
+    api_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
 
 
 class Refused(msgspec.Struct, tag="refused", frozen=True):

@@ -105,6 +105,7 @@ class PrefillSideChannel(SideChannelThread):
         on_tick: Callable[[], list[Message]],
         on_connected: Callable[[Welcome], None],
         accounts,
+        on_lost: Callable[[], None] | None = None,
     ) -> None:
         label = peer_label or (f"[{peer_host}]:{peer_port}" if ":" in peer_host else f"{peer_host}:{peer_port}")
         super().__init__(f"pdpair-sidechannel-prefill-r{tp_rank}-{label}", local_hash, accounts)
@@ -123,6 +124,7 @@ class PrefillSideChannel(SideChannelThread):
         self.on_pull = on_pull
         self.on_tick = on_tick
         self.on_connected = on_connected
+        self.on_lost = on_lost  # the pair ended without a stop (decode went away or stopped reading)
         self.attempts = 0
         self.peer_label = label  # the `peer` label of this edge's series (pdpair_peer_paired, transport gauges)
         self.accounts.set_paired(False, label)  # 0 until this edge pairs
@@ -152,6 +154,12 @@ class PrefillSideChannel(SideChannelThread):
                     self.accounts.set_paired(False, self.peer_label)
                 if self.stopped.is_set():
                     break
+                if self.on_lost is not None:
+                    try:
+                        self.on_lost()
+                    except Exception:  # noqa: BLE001 - the edge must go on handshaking
+                        logger.exception("%s: handling the lost pair with decode %s failed", self.log_name,
+                                         self.peer_label)
                 backoff = RETRY_INITIAL_SECONDS
                 continue
             if self.attempts & (self.attempts - 1) == 0:  # 1, 2, 4, 8, ...: a cold start is ~100-400 attempts

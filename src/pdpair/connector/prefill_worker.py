@@ -62,6 +62,9 @@ class PrefillEdge:
         self.peer_indices: list[int] = []
         self.local_indices: list[int] = []
         self.peer_num_blocks = 0
+        # (host, api port) of the decode on the other end, from its Welcome: the router's `remote_decode_url` of the
+        # requests meant for it (None until paired, or when decode sends no API port)
+        self.decode_api: tuple[str, int] | None = None
         self.parked: dict[str, tuple[Pull, float, float]] = {}  # transfer id -> (pull, deadline, received)
         self.inflight = 0  # pushes submitted and not yet replied (under the worker's lock)
         self.draining = False  # left the peer set: no new Pull is served, the edge closes when inflight is 0
@@ -79,7 +82,8 @@ class PrefillWorker(WorkerBase):
         self._device_index: int | None = None
         self._closing: list[threading.Thread] = []
         self._transport_taken = False
-        self._sends: dict[str, tuple[list[int], float]] = {}  # request id -> (block ids, lease expiry)
+        # request id -> (block ids, lease expiry, the decode the router chose for it or None)
+        self._sends: dict[str, tuple[list[int], float, tuple[str, int] | None]] = {}
         self._finished_sending: set[str] = set()
         # request id -> serves (pushes or releases) submitted and not yet ended: the blocks are reported sent once,
         # when the last of them ends (a release can come while a failed load's push still reads them).
@@ -158,6 +162,7 @@ class PrefillWorker(WorkerBase):
             on_tick=functools.partial(self._on_tick, edge),
             on_connected=functools.partial(self._on_connected, edge),
             accounts=self.accounts,
+            on_lost=functools.partial(self._on_edge_lost, edge),
         )
         edge.side.start()
         return edge
@@ -198,12 +203,36 @@ class PrefillWorker(WorkerBase):
         if len(welcome.region_indices) != len(self.regions.ptrs):
             raise ValueError(f"decode has {len(welcome.region_indices)} KV regions, prefill {len(self.regions.ptrs)}")
         edge.peer_indices = list(welcome.region_indices)
+        edge.decode_api = (edge.peer.host.lower(), welcome.api_port) if welcome.api_port else None
         edge.peer_num_blocks = welcome.num_blocks
 
     def _register_edge(self, edge: PrefillEdge, comm: PairComm) -> tuple[bytes, list[int], int]:
         table, indices, num_blocks = self._register(comm)
         edge.local_indices = indices
         return table, indices, num_blocks
+
+    def _on_edge_lost(self, edge: PrefillEdge) -> None:
+        """Side-channel thread: the pair with this edge's decode ended without a stop (its process died, its host
+        went silent past the grace, or it stopped reading). Decode's loads on that pair have failed, so the requests
+        held for it will never be pulled: their blocks are reported sent now instead of at their lease's end. Held
+        for it: the requests the router named it for (`remote_decode_url`), and, when it was this prefill's only
+        decode, the requests no decode was named for. Requests being served are left to their serve, which ends
+        with the closed pair; the Pulls parked on the edge are dropped (decode's waits for them failed with it)."""
+        with self._peers_lock:
+            only = len(self._edges) == 1 and self._edges.get(edge.peer) is edge
+        with self._lock:
+            parked = len(edge.parked)
+            edge.parked.clear()
+            freed = [r for r, (_, _, decode) in self._sends.items() if r not in self._serving and
+                     ((decode is not None and decode == edge.decode_api) or (decode is None and only))]
+            blocks = 0
+            for request_id in freed:
+                blocks += len(self._sends.pop(request_id)[0])
+                self._finished_sending.add(request_id)
+            self._progress.notify_all()
+        if freed or parked:
+            logger.warning("rank %d: the pair with decode %s was lost: freeing %d block(s) of %d request(s) held for "
+                           "it, %d parked Pull(s) dropped", self.tp_rank, edge.peer, blocks, len(freed), parked)
 
     def _edges_now(self) -> list[PrefillEdge]:
         with self._peers_lock:
@@ -215,7 +244,7 @@ class PrefillWorker(WorkerBase):
             return
         with self._lock:
             for send in meta.reqs_to_send:
-                self._sends[send.request_id] = (send.block_ids, send.expires_at)
+                self._sends[send.request_id] = (send.block_ids, send.expires_at, send.decode)
             parked = [edge for edge in self._edges_now() if edge.parked]
         for edge in parked:
             edge.side.post()  # its parked pulls may be servable now
@@ -227,12 +256,12 @@ class PrefillWorker(WorkerBase):
                 self._progress.wait(IDLE_WAIT_SECONDS)
         now = time.monotonic()
         with self._lock:
-            for request_id in [r for r, (_, exp) in self._sends.items() if exp < now and r not in self._serving]:
+            for request_id in [r for r, (_, exp, _) in self._sends.items() if exp < now and r not in self._serving]:
                 logger.warning("request %s: decode never pulled its KV within the lease; freeing the blocks", request_id)
                 del self._sends[request_id]
                 self._finished_sending.add(request_id)
             finished, self._finished_sending = self._finished_sending, set()
-            held = sum(len(blocks) for blocks, _ in self._sends.values())
+            held = sum(len(blocks) for blocks, _, _ in self._sends.values())
         self.accounts.set_blocks_held(held)
         for edge in self._edges_now():
             if edge.side is not None:

@@ -27,6 +27,7 @@ from pdpair.connector.metadata import (
     PARAM_CONNECTOR_VERSION,
     PARAM_DO_REMOTE_DECODE,
     PARAM_DO_REMOTE_PREFILL,
+    PARAM_REMOTE_DECODE_URL,
     PARAM_REMOTE_GENERATION,
     PARAM_REMOTE_INSTANCE,
     PARAM_REMOTE_NUM_BLOCKS,
@@ -34,6 +35,7 @@ from pdpair.connector.metadata import (
     PARAM_REMOTE_PAIR,
     PARAM_REMOTE_REQUEST_ID,
     PDPAIR_CONNECTOR_VERSION,
+    decode_api_address,
 )
 
 if TYPE_CHECKING:
@@ -64,6 +66,9 @@ class SendRequest:
     request_id: str
     block_ids: list[int]
     expires_at: float
+    # The decode the router chose for it (metadata.decode_api_address of `remote_decode_url`), None when not named:
+    # its blocks are freed as soon as prefill's edge to that decode is lost.
+    decode: tuple[str, int] | None = None
 
 
 @dataclass
@@ -154,7 +159,8 @@ class PdPairScheduler:
         timeline.log("prefill-scheduler", request.request_id, finished=timeline.now())
         expires = time.monotonic() + self.config.send_lease_seconds
         self._pending_sends[request.request_id] = expires
-        self._new_sends.append(SendRequest(request.request_id, list(block_ids), expires))
+        self._new_sends.append(SendRequest(request.request_id, list(block_ids), expires,
+                                           decode_api_address(params.get(PARAM_REMOTE_DECODE_URL))))
         return True, {
             PARAM_DO_REMOTE_PREFILL: True,
             PARAM_DO_REMOTE_DECODE: False,

@@ -37,6 +37,10 @@ TRANSPORTS = (TRANSPORT_FLAGCX, TRANSPORT_TCP)
 # Defaults the operator and the connector share, declared once. The CRD states the same default and bounds for
 # spec.connector.hangTimeoutSeconds and spec.connector.slots (tests/unit/test_contract_defaults.py checks); the
 # connector applies them when a pod runs without the operator's env.
+# kv_transfer_params key, router -> prefill: the base URL of the decode the router chose for the request. Prefill
+# frees the request's held blocks as soon as its pair with that decode is lost (connector/prefill_worker.py).
+KV_PARAM_REMOTE_DECODE_URL = "remote_decode_url"
+
 DEFAULT_HANG_TIMEOUT_SECONDS = 60.0  # deadline of one signal wait; a wait older than this is a hang
 DEFAULT_TRANSPORT_SLOTS = 256  # request slots per peer connection (puts in flight); a full pool defers posts
 MAX_TRANSPORT_SLOTS = 4096

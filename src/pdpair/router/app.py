@@ -70,7 +70,7 @@ import aiohttp
 from aiohttp import web
 
 from pdpair.connector import timeline
-from pdpair.contract import MAX_PEERS_BODY_BYTES, PEERS_PATH
+from pdpair.contract import KV_PARAM_REMOTE_DECODE_URL, MAX_PEERS_BODY_BYTES, PEERS_PATH
 from pdpair.contract import READYZ_PATH  # the router's readiness too: it has a prefill and a decode that are ready
 from pdpair.contract import PROBE_WAIT_PARAM, parse_probe_wait, probe_hold_pause
 from pdpair.router.api_key import api_key_guard
@@ -105,15 +105,17 @@ class PeerError(Exception):
         return web.json_response(body, status=self.status, headers={REQUEST_ID_HEADER: request_id})
 
 
-def prefill_body(body: dict, chat: bool) -> dict:
-    """The request prefill sees: one token, no streaming, and the request to keep the KV for decode."""
+def prefill_body(body: dict, chat: bool, decode_url: str) -> dict:
+    """The request prefill sees: one token, no streaming, and the request to keep the KV for decode, naming the
+    decode chosen for it (prefill frees the KV it holds for a decode whose pair is lost)."""
     out = dict(body)  # shallow: only top-level keys change, and a deep copy of a large prompt costs its size again
     out["max_tokens"] = 1
     if chat and "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
     out.pop("stream_options", None)
-    out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
+                                 KV_PARAM_REMOTE_DECODE_URL: decode_url}
     return out
 
 
@@ -128,14 +130,14 @@ def _refused(exc: BaseException | None) -> bool:
     return isinstance(exc, aiohttp.ClientConnectorError)
 
 
-async def _prefill(router: Router, first: Instance, body: dict, path: str, headers: dict, forced: bool,
-                   involved: contextlib.ExitStack) -> dict:
+async def _prefill(router: Router, first: Instance, decode: Instance, body: dict, path: str, headers: dict,
+                   forced: bool, involved: contextlib.ExitStack) -> dict:
     """Prefill's kv_transfer_params, from `first` or from the one prefill the request is sent to once more. Each
     prefill it is sent to is entered into `involved` (`Pool.involve`): the caller's stack, left when decode's answer
     ended, since a prefill that answered may still be pushing the KV to decode (one that failed may have computed
     it too)."""
     pool, config = router.prefills, router.config
-    payload = prefill_body(body, path.endswith("/chat/completions"))
+    payload = prefill_body(body, path.endswith("/chat/completions"), decode.url)
     instance = first
     for attempt in range(2):
         involved.enter_context(pool.involve(instance))
@@ -252,7 +254,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         if router.config.log_choices:
             _log_choice(router, request_id, prefill, decode, prefills_seen, decodes_seen, forced is not None)
         try:
-            params = await _prefill(router, prefill, body, request.path, headers, forced is not None, involved)
+            params = await _prefill(router, prefill, decode, body, request.path, headers, forced is not None, involved)
         except PeerError as exc:
             logger.error("request %s: %s", request_id, exc.message)
             return exc.response(request_id)

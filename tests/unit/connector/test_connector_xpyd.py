@@ -23,6 +23,8 @@ from pdpair.connector import prefill_side_channel
 from pdpair.connector.prefill_side_channel import DISCONNECT_GRACE_SECONDS
 from pdpair.connector.decode_worker import DecodeWorker
 from pdpair.connector.prefill_worker import PrefillWorker
+from pdpair.connector.deadlines import PEER_DEATH_SECONDS
+from pdpair.connector.metadata import decode_api_address
 from devcluster.ports import free_port
 from tests.side_channel_support import TEST_SIDE_CHANNEL_KEY
 
@@ -37,11 +39,11 @@ DEADLINE = 20.0
 DISCONNECT_BOUND = DISCONNECT_GRACE_SECONDS + 5.0
 
 
-def decode_config(port: int) -> PdPairConfig:
+def decode_config(port: int, api_port: int | None = None) -> PdPairConfig:
     return PdPairConfig(
         role=contract.ROLE_DECODE, generation=3, pair="unit", namespace="default", transport=contract.TRANSPORT_TCP,
         hang_timeout_seconds=HANG_TIMEOUT, metrics_port=None, listen_host="127.0.0.1", listen_port_base=port,
-        peer_host=None, peer_port_base=None, side_channel_key=TEST_SIDE_CHANNEL_KEY,
+        peer_host=None, peer_port_base=None, side_channel_key=TEST_SIDE_CHANNEL_KEY, http_port=api_port,
     )
 
 
@@ -80,9 +82,10 @@ class Cluster:
         self.prefills: list[PrefillWorker] = []
         self.decodes: list[DecodeWorker] = []
 
-    def decode(self, port: int | None = None) -> tuple[DecodeWorker, dict[str, torch.Tensor], int]:
+    def decode(self, port: int | None = None, api_port: int | None = None
+               ) -> tuple[DecodeWorker, dict[str, torch.Tensor], int]:
         port = free_port() if port is None else port
-        worker = DecodeWorker(decode_config(port), 0, 1, 32, "0.32.0")
+        worker = DecodeWorker(decode_config(port, api_port), 0, 1, 32, "0.32.0")
         kv = decode_kv()
         self.decodes.append(worker)
         worker.register_kv_caches(kv, NUM_BLOCKS)
@@ -123,8 +126,10 @@ def paired(prefill: PrefillWorker, decode: DecodeWorker, port: int, instance: st
     return side is not None and side.connected.is_set() and decode.side.edge(instance) is not None
 
 
-def send(prefill: PrefillWorker, request_id: str, blocks: list[int]) -> None:
-    prefill.start_load_kv(PdPairConnectorMetadata(reqs_to_send=[SendRequest(request_id, blocks, time.monotonic() + 60)]))
+def send(prefill: PrefillWorker, request_id: str, blocks: list[int], decode_url: str | None = None) -> None:
+    """As the scheduler hands a finished request to the workers; `decode_url`: the router's `remote_decode_url`."""
+    prefill.start_load_kv(PdPairConnectorMetadata(reqs_to_send=[
+        SendRequest(request_id, blocks, time.monotonic() + 60, decode_api_address(decode_url))]))
 
 
 def recv(decode: DecodeWorker, request_id: str, remote_id: str, instance: str, blocks: list[int]) -> None:
@@ -305,6 +310,58 @@ def test_a_decode_that_stops_fails_only_its_edges_pushes(cluster):
     assert settle(d1, {"d1-2"}) == set()
     assert_moved(kv1, [6, 1, 2], pkv, [3, 0, 7])
     assert signals(d1, "prefill-a") == (2 * 3, 2 * 3)
+
+
+def test_a_decode_that_dies_has_the_blocks_held_for_it_freed_within_the_peer_death_bound(cluster):
+    """One prefill, two decodes (each with its API port, sent in its Welcome). Prefill holds three finished requests
+    nobody has pulled yet: one the router named decode 0 for (`remote_decode_url`), one named decode 1, one named
+    none. Decode 0 dies (its sockets close): within deadlines.PEER_DEATH_SECONDS of that, prefill reports decode 0's
+    request sent (its blocks freed; `pdpair_kv_blocks_held` drops by its blocks), not at its lease's end (60 s here);
+    decode 1's request and the unnamed one stay held (prefill still has another decode that could pull them), and
+    decode 1 still pulls its own. Cost: under 1 s."""
+    api0, api1 = free_port(), free_port()
+    d0, _, port0 = cluster.decode(api_port=api0)
+    d1, kv1, port1 = cluster.decode(api_port=api1)
+    p, pkv = cluster.prefill("prefill-a", [port0, port1], seed=1)
+    wait_for("both edges paired", lambda: paired(p, d0, port0, "prefill-a") and paired(p, d1, port1, "prefill-a"))
+    send(p, "p-for-d0", [1, 2], f"http://127.0.0.1:{api0}")
+    send(p, "p-for-d1", [3], f"http://127.0.0.1:{api1}")
+    send(p, "p-unnamed", [4])
+    assert sent_now(p) == set()
+
+    def held() -> float:
+        sent_now(p)  # get_transfer_results publishes the gauge, as every engine step does
+        return p.accounts.registry.get_sample_value("pdpair_kv_blocks_held", {"role": "prefill", "rank": "0"})
+
+    assert held() == 4
+    died = time.monotonic()
+    d0.shutdown()
+    cluster.decodes.remove(d0)
+    took = sent(p, "p-for-d0", DEADLINE)
+    print(f"\nblocks held for the dead decode freed {took:.2f}s after it died")
+    assert time.monotonic() - died < PEER_DEATH_SECONDS, f"freed {took:.2f}s after the decode died"
+    assert held() == 2
+    assert {"p-for-d1", "p-unnamed"} & sent_now(p) == set()
+
+    recv(d1, "d1-1", "p-for-d1", "prefill-a", [6])
+    assert settle(d1, {"d1-1"}) == set()
+    sent(p, "p-for-d1")
+    assert_moved(kv1, [6], pkv, [3])
+    assert "p-unnamed" not in sent_now(p) and held() == 1
+
+
+def test_the_only_decode_dying_frees_the_requests_named_for_no_decode(cluster):
+    """1P1D with a router (or proxy) that names no decode: when prefill's only decode dies, every request held for
+    a Pull is freed within deadlines.PEER_DEATH_SECONDS, since no other decode could pull it. Cost: under 1 s."""
+    d0, _, port0 = cluster.decode()
+    p, _ = cluster.prefill("prefill-a", [port0], seed=1)
+    wait_for("paired", lambda: paired(p, d0, port0, "prefill-a"))
+    send(p, "p-unnamed", [1, 2])
+    died = time.monotonic()
+    d0.shutdown()
+    cluster.decodes.remove(d0)
+    took = sent(p, "p-unnamed", DEADLINE)
+    assert time.monotonic() - died < PEER_DEATH_SECONDS, f"freed {took:.2f}s after the decode died"
 
 
 def test_the_peer_set_is_replaced_at_runtime(cluster):

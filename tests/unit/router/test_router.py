@@ -24,6 +24,7 @@ async def stack():
     runners = []
     p_runner, p_url = await _engine_server(prefill)
     d_runner, d_url = await _engine_server(decode)
+    decode.url = d_url
     runners += [p_runner, d_runner]
 
     async def start_router(**overrides):
@@ -50,7 +51,9 @@ async def test_completion_goes_prefill_then_decode_with_returned_params(stack):
     (p_path, p_body, p_headers), = prefill.received
     assert p_path == "/v1/completions"
     assert p_body["max_tokens"] == 1 and p_body["stream"] is False
-    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    # the decode chosen for it is named: prefill frees what it holds for a decode whose pair is lost
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                            "remote_decode_url": decode.url}
     assert p_headers[REQUEST_ID_HEADER] == "req-42"
     (d_path, d_body, d_headers), = decode.received
     assert d_body["max_tokens"] == 7 and d_body["prompt"] == "hi"
