@@ -307,6 +307,75 @@ def test_decode_computes_from_the_transferred_kv(stack):
     assert not same_logprob, f"the first decoded token's logprob did not change: {same_logprob}"
 
 
+# test_kv_transfer_params_that_are_not_this_prompts_are_computed_locally: one prompt per case (decode's prefix cache
+# would otherwise serve a prompt an earlier case computed).
+TAGGED_PROMPT = "Prefill tags the reference to the KV it computed for exactly this prompt. " * 3
+FOREIGN_PARAMS_PROMPTS = {
+    "another_prompt": "A different prompt carrying the first prompt's reference must not get its KV. " * 3,
+    "edited_reference": "Counts edited in the reference do not make its KV this prompt's own. " * 3,
+    "unknown_request": "An unknown request id on decode is recomputed, never pulled. " * 3,
+    "untagged": "Params without a tag are a client's own, not prefill's. " * 3,
+    "forged_tag": "A forged tag is as good as none at all, here or anywhere. " * 3,
+}
+
+
+def test_kv_transfer_params_that_are_not_this_prompts_are_computed_locally(stack):
+    """vLLM's NIXL path answered HTTP 200 with wrong text when decode was sent kv_transfer_params that did not belong
+    to the prompt (vllm-project/vllm#52234: out-of-range block ids, a consumed reference reused, a stale reference
+    after prefill reused its blocks). Here decode is driven directly, with the pair's API key as the router does,
+    with the real params of a prompt prefill still holds (prefill's own answer to the router's prefill request): on
+    another prompt; with the reference edited (its token and block counts grown); with an unknown
+    request id; without the tag; with a forged tag. The tag (`remote_kv_tag`, metadata.kv_tag) does not verify
+    against any of those prompts, so decode computes each itself: every answer is the single engine's text, no Pull
+    is sent (no transfer counted, ok or error), and decode logs each. Then the same params on their own prompt load
+    the held KV (one ok transfer, the single engine's text). Reused once more on that prompt (the reference is
+    consumed, its blocks freed and maybe another request's by now), decode's Pull finds nothing held: an error
+    within the parked Pull's deadline (the hang timeout, 5 s), or the single engine's text; never other text.
+    Cost: 14 completions on the module's existing stack (no new engine start), about 10 s on 2 cores."""
+    expected = {}
+    for prompt in [TAGGED_PROMPT, *FOREIGN_PARAMS_PROMPTS.values()]:
+        status, single = completion(stack.baseline.url, prompt)
+        assert status == 200, single
+        expected[prompt] = (tokens(single), single["choices"][0]["text"])
+    status, answer = completion(stack.prefill.url, TAGGED_PROMPT, max_tokens=1,
+                                kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+    assert status == 200, answer
+    params = answer["kv_transfer_params"]
+    assert isinstance(params.get("remote_kv_tag"), str), params
+    forged = {
+        "another_prompt": params,
+        "edited_reference": {**params, "remote_num_tokens": params["remote_num_tokens"] + 5,
+                             "remote_num_blocks": params["remote_num_blocks"] + 1},
+        "unknown_request": {**params, "remote_request_id": "cmpl-unknown-0-0"},
+        "untagged": {k: v for k, v in params.items() if k != "remote_kv_tag"},
+        "forged_tag": {**params, "remote_kv_tag": "0" * 64},
+    }
+    transfers = lambda: (ok_transfers(stack),  # noqa: E731
+                         metric(stack.decode_metrics, "pdpair_kv_transfers_total", {"outcome": "error"}))
+    before = transfers()
+    warned = stack.decode.log().count("do not verify against its own prompt")
+    for case, prompt in FOREIGN_PARAMS_PROMPTS.items():
+        status, direct = completion(stack.decode.url, prompt, kv_transfer_params=dict(forged[case]))
+        assert status == 200, (case, direct)
+        assert (tokens(direct), direct["choices"][0]["text"]) == expected[prompt], \
+            f"{case}: decode answered other text than the single engine's: {json.dumps(direct)[:300]}"
+    assert transfers() == before, "decode pulled KV for params that were not its prompt's"
+    assert stack.decode.log().count("do not verify against its own prompt") == warned + len(FOREIGN_PARAMS_PROMPTS)
+
+    status, direct = completion(stack.decode.url, TAGGED_PROMPT, kv_transfer_params=dict(params))
+    assert status == 200, direct
+    assert (tokens(direct), direct["choices"][0]["text"]) == expected[TAGGED_PROMPT]
+    assert transfers() == (before[0] + 1, before[1]), "the prompt's own params must load its KV"
+
+    started = time.monotonic()
+    status, again = completion(stack.decode.url, TAGGED_PROMPT, kv_transfer_params=dict(params), timeout=60)
+    elapsed = time.monotonic() - started
+    if not failed_with_an_error(status, again):
+        assert status == 200 and (tokens(again), again["choices"][0]["text"]) == expected[TAGGED_PROMPT], \
+            f"a consumed reference answered other text: status {status}: {json.dumps(again)[:300]}"
+    assert elapsed < HANG_TIMEOUT_SECONDS + 5, f"the consumed reference took {elapsed:.1f}s"
+
+
 def _side_channel_port(stack) -> int:
     return int(stack.decode.env[contract.ENV_LISTEN_PORT_BASE])
 

@@ -63,6 +63,52 @@ PARAM_CONNECTOR_VERSION = "pdpair_connector_version"
 # the request's held blocks at once when its edge to that decode is lost, instead of holding them for the lease.
 PARAM_REMOTE_DECODE_URL = contract.KV_PARAM_REMOTE_DECODE_URL
 MAX_DECODE_URL_CHARS = 300  # a URL longer than this is ignored (the param comes with the client's request)
+# Prefill -> decode: HMAC-SHA256, with a key derived from the pair's side-channel key, over the request's reference
+# (`remote_request_id`, pair, instance, generation, token count) and a digest of the prompt tokens prefill computed.
+# Decode loads a prompt's KV only when the tag verifies against its OWN request's tokens: params copied onto another
+# prompt, a reference edited (block or token counts), forged or missing, make decode compute the prompt itself, so
+# the KV it loads is always the one prefill computed for this very prompt, whoever sent the params.
+PARAM_REMOTE_KV_TAG = "remote_kv_tag"
+_KV_TAG_FIELDS = (PARAM_REMOTE_REQUEST_ID, PARAM_REMOTE_PAIR, PARAM_REMOTE_INSTANCE, PARAM_REMOTE_GENERATION,
+                  PARAM_REMOTE_NUM_TOKENS)
+
+
+def kv_tag_key(side_channel_key: str) -> bytes:
+    """The key of `remote_kv_tag`, derived from the pair's side-channel key (never the key itself)."""
+    return derive_secret(side_channel_key.encode(), b"", "kv-transfer-params", 32)
+
+
+def prompt_digest(token_ids, count: int) -> bytes:
+    """SHA-256 of the first `count` prompt token ids (as little-endian int64): what prefill computed the KV of."""
+    import array
+
+    return hashlib.sha256(array.array("q", list(token_ids[:count])).tobytes()).digest()
+
+
+def kv_tag(key: bytes, params: dict[str, Any], token_ids) -> str | None:
+    """The tag of `params` (its _KV_TAG_FIELDS) for a prompt of `token_ids`; None when a field is missing or not of
+    its type (such params cannot verify)."""
+    try:
+        fields = [str(params[PARAM_REMOTE_REQUEST_ID]), str(params[PARAM_REMOTE_PAIR]),
+                  str(params[PARAM_REMOTE_INSTANCE]), int(params[PARAM_REMOTE_GENERATION]),
+                  int(params[PARAM_REMOTE_NUM_TOKENS])]
+    except (KeyError, TypeError, ValueError, OverflowError):  # e.g. a float('inf') generation
+        return None
+    count = fields[-1]
+    if count < 0 or count > len(token_ids):
+        return None
+    body = json.dumps(fields, separators=(",", ":")).encode() + b"\0" + prompt_digest(token_ids, count)
+    return hmac.new(key, body, hashlib.sha256).hexdigest()
+
+
+def kv_tag_verifies(key: bytes, params: dict[str, Any], token_ids) -> bool:
+    """Whether `params` carry the tag prefill made for a prompt of exactly these tokens, all of them (a longer
+    prompt with the same beginning needs KV prefill never computed): constant time."""
+    claimed = params.get(PARAM_REMOTE_KV_TAG)
+    if not isinstance(claimed, str) or params.get(PARAM_REMOTE_NUM_TOKENS) != len(token_ids):
+        return False
+    expected = kv_tag(key, params, token_ids)
+    return expected is not None and hmac.compare_digest(claimed, expected)
 
 
 def decode_api_address(url: object) -> tuple[str, int] | None:

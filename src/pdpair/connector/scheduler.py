@@ -34,8 +34,12 @@ from pdpair.connector.metadata import (
     PARAM_REMOTE_NUM_TOKENS,
     PARAM_REMOTE_PAIR,
     PARAM_REMOTE_REQUEST_ID,
+    PARAM_REMOTE_KV_TAG,
     PDPAIR_CONNECTOR_VERSION,
     decode_api_address,
+    kv_tag,
+    kv_tag_key,
+    kv_tag_verifies,
 )
 
 if TYPE_CHECKING:
@@ -91,6 +95,9 @@ class PdPairScheduler:
         self._pending_sends: dict[str, float] = {}  # prefill request id -> expiry
         # decode, timeline log only: request id -> [allocated, load reported finished] wall-clock stamps
         self._loads: dict[str, list[float | None]] = {}
+        # The key of `remote_kv_tag` (metadata.kv_tag): every engine has the pair's side-channel key (the workers
+        # refuse to start without one); without it prefill tags nothing and decode loads nothing.
+        self._kv_key = kv_tag_key(config.side_channel_key) if config.side_channel_key else None
 
     @property
     def is_decode(self) -> bool:
@@ -113,7 +120,17 @@ class PdPairScheduler:
         return True
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        if not self.is_decode or not self._loadable(request.kv_transfer_params):
+        params = request.kv_transfer_params
+        if not self.is_decode or not self._loadable(params):
+            return 0, False
+        assert params is not None
+        if self._kv_key is None or not kv_tag_verifies(self._kv_key, params, request.prompt_token_ids or ()):
+            # Not the KV prefill computed for this prompt (params of another request or prompt, edited, forged or
+            # untagged): computed here instead, and nothing is pulled or released (the reference may be another
+            # request's, whose blocks must stay held for it).
+            params[PARAM_DO_REMOTE_PREFILL] = False
+            logger.warning("request %s: its kv_transfer_params do not verify against its own prompt (remote_kv_tag); "
+                           "computing the prompt locally", request.request_id)
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -145,8 +162,10 @@ class PdPairScheduler:
             return False, None
         if self.is_decode:
             self._loads.pop(request.request_id, None)
-            if params.get(PARAM_DO_REMOTE_PREFILL) and self._loadable(params):
-                # Finished (aborted) before its blocks were allocated: let prefill free its copy now.
+            if params.get(PARAM_DO_REMOTE_PREFILL) and self._loadable(params) and self._kv_key is not None \
+                    and kv_tag_verifies(self._kv_key, params, request.prompt_token_ids or ()):
+                # Finished (aborted) before its blocks were allocated: let prefill free its copy now (only for
+                # params that verify: a reference copied from another request must not free that request's KV).
                 params[PARAM_DO_REMOTE_PREFILL] = False
                 self._release.append((str(params[PARAM_REMOTE_INSTANCE]), params[PARAM_REMOTE_REQUEST_ID]))
             return False, None
@@ -161,7 +180,7 @@ class PdPairScheduler:
         self._pending_sends[request.request_id] = expires
         self._new_sends.append(SendRequest(request.request_id, list(block_ids), expires,
                                            decode_api_address(params.get(PARAM_REMOTE_DECODE_URL))))
-        return True, {
+        answer = {
             PARAM_DO_REMOTE_PREFILL: True,
             PARAM_DO_REMOTE_DECODE: False,
             PARAM_REMOTE_REQUEST_ID: request.request_id,
@@ -172,6 +191,9 @@ class PdPairScheduler:
             PARAM_REMOTE_NUM_BLOCKS: len(block_ids),
             PARAM_CONNECTOR_VERSION: PDPAIR_CONNECTOR_VERSION,
         }
+        if self._kv_key is not None:
+            answer[PARAM_REMOTE_KV_TAG] = kv_tag(self._kv_key, answer, request.prompt_token_ids or ())
+        return True, answer
 
     # --- both ------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdPairConnectorMetadata:
