@@ -330,7 +330,9 @@ def test_kv_transfer_params_that_are_not_this_prompts_are_computed_locally(stack
     is sent (no transfer counted, ok or error), and decode logs each. Then the same params on their own prompt load
     the held KV (one ok transfer, the single engine's text). Reused once more on that prompt (the reference is
     consumed, its blocks freed and maybe another request's by now), decode's Pull finds nothing held: an error
-    within the parked Pull's deadline (the hang timeout, 5 s), or the single engine's text; never other text.
+    within the parked Pull's deadline (half the hang timeout: 2.5 s), or the single engine's text; never other text;
+    and no signal wait timed out, so decode's /healthz stays 200 (a replayed reference must not get the pair judged
+    hung and restarted).
     Cost: 14 completions on the module's existing stack (no new engine start), about 10 s on 2 cores."""
     expected = {}
     for prompt in [TAGGED_PROMPT, *FOREIGN_PARAMS_PROMPTS.values()]:
@@ -367,13 +369,18 @@ def test_kv_transfer_params_that_are_not_this_prompts_are_computed_locally(stack
     assert (tokens(direct), direct["choices"][0]["text"]) == expected[TAGGED_PROMPT]
     assert transfers() == (before[0] + 1, before[1]), "the prompt's own params must load its KV"
 
+    timeouts = metric(stack.decode_metrics, "pdpair_signal_wait_timeouts_total")
     started = time.monotonic()
     status, again = completion(stack.decode.url, TAGGED_PROMPT, kv_transfer_params=dict(params), timeout=60)
     elapsed = time.monotonic() - started
     if not failed_with_an_error(status, again):
         assert status == 200 and (tokens(again), again["choices"][0]["text"]) == expected[TAGGED_PROMPT], \
             f"a consumed reference answered other text: status {status}: {json.dumps(again)[:300]}"
+    # Prefill answers the Pull it holds nothing for (PullFailed at deadlines.PARKED_PULL_SHARE of the hang timeout)
+    # before decode's own wait ends: a clean failure, not a timeout that would leave decode's pod judged hung.
     assert elapsed < HANG_TIMEOUT_SECONDS + 5, f"the consumed reference took {elapsed:.1f}s"
+    assert metric(stack.decode_metrics, "pdpair_signal_wait_timeouts_total") == timeouts
+    assert http_get(stack.decode_metrics + "/healthz")[0] == 200, "a replayed reference left decode judged hung"
 
 
 def _side_channel_port(stack) -> int:

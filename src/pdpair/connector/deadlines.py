@@ -21,9 +21,16 @@ def signal_wait_deadline(hang_timeout_seconds: float, pulled_at: float) -> float
     return pulled_at + hang_timeout_seconds
 
 
+# A parked Pull is answered within this share of the hang timeout: its PullFailed must reach decode BEFORE decode's
+# own wait for that load ends (signal_wait_deadline, a full hang timeout from the Pull). A wait that times out stays
+# open as a deficit and makes decode's pod hung until the pair restarts, so a Pull for KV prefill does not hold (a
+# consumed or expired reference replayed) must end as a clean failure, never as a timeout.
+PARKED_PULL_SHARE = 0.5
+
+
 def parked_pull_deadline(hang_timeout_seconds: float, received_at: float) -> float:
     """Prefill: a Pull that came before its request's blocks (scheduler metadata) waits until then, then PullFailed."""
-    return received_at + hang_timeout_seconds
+    return received_at + PARKED_PULL_SHARE * hang_timeout_seconds
 
 
 def flush_deadline(hang_timeout_seconds: float, last_put: float) -> float:
