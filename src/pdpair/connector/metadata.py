@@ -69,8 +69,6 @@ MAX_DECODE_URL_CHARS = 300  # a URL longer than this is ignored (the param comes
 # prompt, a reference edited (block or token counts), forged or missing, make decode compute the prompt itself, so
 # the KV it loads is always the one prefill computed for this very prompt, whoever sent the params.
 PARAM_REMOTE_KV_TAG = "remote_kv_tag"
-_KV_TAG_FIELDS = (PARAM_REMOTE_REQUEST_ID, PARAM_REMOTE_PAIR, PARAM_REMOTE_INSTANCE, PARAM_REMOTE_GENERATION,
-                  PARAM_REMOTE_NUM_TOKENS)
 
 
 def kv_tag_key(side_channel_key: str) -> bytes:
@@ -86,8 +84,8 @@ def prompt_digest(token_ids, count: int) -> bytes:
 
 
 def kv_tag(key: bytes, params: dict[str, Any], token_ids) -> str | None:
-    """The tag of `params` (its _KV_TAG_FIELDS) for a prompt of `token_ids`; None when a field is missing or not of
-    its type (such params cannot verify)."""
+    """The tag of `params` (request id, pair, instance, generation, token count) for a prompt of `token_ids`; None
+    when a field is missing or not of its type (such params cannot verify)."""
     try:
         fields = [str(params[PARAM_REMOTE_REQUEST_ID]), str(params[PARAM_REMOTE_PAIR]),
                   str(params[PARAM_REMOTE_INSTANCE]), int(params[PARAM_REMOTE_GENERATION]),

@@ -119,12 +119,17 @@ class PdPairScheduler:
             return False
         return True
 
+    def _verified(self, request: Request) -> bool:
+        """Whether the request's kv_transfer_params carry prefill's tag for this very prompt (metadata.kv_tag)."""
+        return self._kv_key is not None and kv_tag_verifies(self._kv_key, request.kv_transfer_params or {},
+                                                             request.prompt_token_ids or ())
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not self.is_decode or not self._loadable(params):
             return 0, False
         assert params is not None
-        if self._kv_key is None or not kv_tag_verifies(self._kv_key, params, request.prompt_token_ids or ()):
+        if not self._verified(request):
             # Not the KV prefill computed for this prompt (params of another request or prompt, edited, forged or
             # untagged): computed here instead, and nothing is pulled or released (the reference may be another
             # request's, whose blocks must stay held for it).
@@ -162,8 +167,7 @@ class PdPairScheduler:
             return False, None
         if self.is_decode:
             self._loads.pop(request.request_id, None)
-            if params.get(PARAM_DO_REMOTE_PREFILL) and self._loadable(params) and self._kv_key is not None \
-                    and kv_tag_verifies(self._kv_key, params, request.prompt_token_ids or ()):
+            if params.get(PARAM_DO_REMOTE_PREFILL) and self._loadable(params) and self._verified(request):
                 # Finished (aborted) before its blocks were allocated: let prefill free its copy now (only for
                 # params that verify: a reference copied from another request must not free that request's KV).
                 params[PARAM_DO_REMOTE_PREFILL] = False
