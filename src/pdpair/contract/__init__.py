@@ -477,7 +477,20 @@ OPERATOR_METRICS = (
     OPERATOR_RECONCILE_SECONDS,
 )
 
-ALL_METRICS = POD_METRICS + OPERATOR_METRICS
+# The router's own, on its HTTP port at /metrics (router/metrics.py); `mode` is split (prefill, then decode) or local
+# (decode alone: selective disaggregation, router/split.py).
+ROUTER_MODES = ("split", "local")
+ROUTER_REQUESTS = Metric(
+    "pdpair_router_requests_total", "counter", ("mode",),
+    "Requests the router sent on, by mode: split (prefill, then decode with the KV) or local (decode alone).",
+)
+ROUTER_LOCAL_PROMPT_TOKENS = Metric(
+    "pdpair_router_local_prompt_tokens", "gauge", (),
+    "The current threshold of selective disaggregation: prompts estimated shorter go to decode alone (0: off).",
+)
+ROUTER_METRICS = (ROUTER_REQUESTS, ROUTER_LOCAL_PROMPT_TOKENS)
+
+ALL_METRICS = POD_METRICS + OPERATOR_METRICS + ROUTER_METRICS
 
 
 # --- alerts (PrometheusRule in the chart) --------------------------------------------------------

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from pdpair.contract import ENV_API_KEY, ENV_PEERS_TOKEN
 from pdpair.router.app import make_app
-from pdpair.router.config import RouterConfig, check_body_bytes, check_timeout
+from pdpair.router.config import RouterConfig, check_body_bytes, check_count, check_timeout
 
 
 def _port(raw: str) -> int:
@@ -40,6 +40,13 @@ def _bytes(raw: str) -> int:
         return check_body_bytes("the limit", int(raw))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a number of bytes >= 1") from None
+
+
+def _count(raw: str) -> int:
+    try:
+        return check_count("the count", int(raw))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not an integer >= 0") from None
 
 
 def _seconds(raw: str) -> float:
@@ -100,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="log one INFO line per request: its id, the chosen prefill and decode, the outstanding counts seen "
              "(default off)")
     parser.add_argument(
+        "--local-prompt-tokens", type=_count, default=_DEFAULTS["local_prompt_tokens"], metavar="N",
+        help="selective disaggregation: a prompt estimated shorter than N tokens goes to a decode instance alone "
+             "(decode computes it, as a single engine would), and N then follows the router's measurements of both "
+             "ways (pdpair.router.split); 0 splits every request and learns nothing (default "
+             f"{_DEFAULTS['local_prompt_tokens']})")
+    parser.add_argument(
         "--max-body-bytes", type=_bytes, default=_DEFAULTS["max_body_bytes"],
         help="the largest request body accepted; a larger one is answered 413 before it is read (default "
              f"{_DEFAULTS['max_body_bytes']}, 4 MiB: a 128k-token prompt is under 1 MiB; raise it for inline images)")
@@ -117,7 +130,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         prefill_timeout_seconds=args.prefill_timeout, decode_timeout_seconds=args.decode_timeout,
         connect_timeout_seconds=args.connect_timeout, idle_connection_seconds=args.idle_connection_timeout,
         failure_cooldown_seconds=args.failure_cooldown, debug_routing=args.debug_routing, log_choices=args.log_choices,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes, local_prompt_tokens=args.local_prompt_tokens,
     )
 
 

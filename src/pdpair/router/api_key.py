@@ -8,12 +8,12 @@ import hmac
 
 from aiohttp import web
 
-from pdpair.contract import ENV_API_KEY, PEERS_PATH, READYZ_PATH
+from pdpair.contract import ENV_API_KEY, METRICS_PATH, PEERS_PATH, READYZ_PATH
 from pdpair.router.config import HEALTH_PATH
 
 # The router's paths that need no API key: its liveness and readiness (the kubelet's probes) and the peer push, which
 # has its own token. Every other path, the OpenAI API under /v1 and any path the router does not serve, needs the key.
-OPEN_PATHS = frozenset({HEALTH_PATH, READYZ_PATH, PEERS_PATH})
+OPEN_PATHS = frozenset({HEALTH_PATH, READYZ_PATH, PEERS_PATH, METRICS_PATH})  # /metrics: as vLLM's, open
 # The answer to a request without the key or with another: fixed, in the OpenAI error shape; nothing of the request.
 API_KEY_REFUSAL = {"error": {"message": "a valid API key is required: send the header 'Authorization: Bearer <key>'",
                              "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}

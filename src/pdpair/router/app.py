@@ -64,13 +64,13 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import aiohttp
 from aiohttp import web
 
 from pdpair.connector import timeline
-from pdpair.contract import KV_PARAM_REMOTE_DECODE_URL, MAX_PEERS_BODY_BYTES, PEERS_PATH
+from pdpair.contract import KV_PARAM_REMOTE_DECODE_URL, MAX_PEERS_BODY_BYTES, METRICS_PATH, PEERS_PATH
 from pdpair.contract import READYZ_PATH  # the router's readiness too: it has a prefill and a decode that are ready
 from pdpair.contract import PROBE_WAIT_PARAM, parse_probe_wait, probe_hold_pause
 from pdpair.router.api_key import api_key_guard
@@ -78,11 +78,14 @@ from pdpair.router.config import (
     HEALTH_PATH,
     RouterConfig,
     check_body_bytes,
+    check_count,
     check_ready_urls,
     check_timeout,
     check_urls,
 )
+from pdpair.router.metrics import METRICS_REGISTRY, metrics_handler, registry_for
 from pdpair.router.peer_push import no_peers_handler, peers_handler, check_peers_token
+from pdpair.router.split import LOCAL, prompt_tokens
 from pdpair.router.pools import ROUTER, Instance, Router, no_instance
 
 logger = logging.getLogger("pdpair.router")
@@ -243,10 +246,28 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         if not pool.instances:
             return PeerError(503, "router", no_instance(pool.role)).response(request_id)
 
+    # Split or local (split.py): a forced route names a prefill, so it is split; only a streamed answer is measured.
+    streamed = bool(body.get("stream"))
+    tokens = prompt_tokens(body, request.path.endswith("/chat/completions")) \
+        if router.split.enabled and forced is None else None
+    mode = router.split.decide(tokens, measured=streamed)
+
     # Decode first: it holds the request for the whole answer, so its load matters most; a prefill is busy only for
     # the prompt.
     decodes_seen = router.decodes.outstanding()
     decode = router.decodes.member(forced[1]) if forced else router.decodes.choose()
+
+    def first_chunk(at: float) -> None:
+        if tokens is not None:
+            router.split.observe(tokens, mode, at - received)
+
+    if mode == LOCAL:
+        with router.decodes.hold(decode), router.decodes.involve(decode):
+            if router.config.log_choices:
+                logger.info("request %s: decode %d %s alone (about %d prompt tokens, below %d); outstanding seen: "
+                            "decode %s", request_id, decode.index, decode.url, tokens, router.split.threshold,
+                            decodes_seen)
+            return await _decode(router, decode, request, body, None, headers, received, None, first_chunk)
     # `involved` (Pool.involve): the decode and every prefill the request is sent to, until decode's answer ended.
     with router.decodes.hold(decode), router.decodes.involve(decode), contextlib.ExitStack() as involved:
         prefills_seen = router.prefills.outstanding()
@@ -259,7 +280,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
             logger.error("request %s: %s", request_id, exc.message)
             return exc.response(request_id)
         prefill_answered = timeline.now()
-        return await _decode(router, decode, request, body, params, headers, received, prefill_answered)
+        return await _decode(router, decode, request, body, params, headers, received, prefill_answered, first_chunk)
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes | None:
@@ -285,11 +306,18 @@ def _to_client() -> Iterator[None]:
         raise _ClientGone() from exc
 
 
-async def _decode(router: Router, decode: Instance, request: web.Request, body: dict, params: dict, headers: dict,
-                  received: float, prefill_answered: float) -> web.StreamResponse:
+async def _decode(router: Router, decode: Instance, request: web.Request, body: dict, params: dict | None,
+                  headers: dict, received: float, prefill_answered: float | None,
+                  on_first_chunk: Callable[[float], None]) -> web.StreamResponse:
+    """Decode's answer to the client. `params`: prefill's kv_transfer_params, None for a request decode computes
+    alone (a client's own kv_transfer_params never reach decode). `on_first_chunk`: called with the time of a
+    streamed answer's first chunk."""
     config = router.config
     request_id = headers[REQUEST_ID_HEADER]
-    decode_body = {**body, "kv_transfer_params": params}  # shallow, as prefill_body
+    if params is not None:
+        decode_body = {**body, "kv_transfer_params": params}  # shallow, as prefill_body
+    else:
+        decode_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     url = decode.url + request.path
     timeout = aiohttp.ClientTimeout(total=config.decode_timeout_seconds, connect=config.connect_timeout_seconds)
     stream = bool(body.get("stream"))
@@ -314,6 +342,7 @@ async def _decode(router: Router, decode: Instance, request: web.Request, body: 
             async for chunk in resp.content.iter_any():
                 if first_chunk is None:
                     first_chunk = timeline.now()
+                    on_first_chunk(first_chunk)
                 with _to_client():
                     await response.write(chunk)
             with _to_client():
@@ -470,10 +499,12 @@ def make_app(config: RouterConfig) -> web.Application:
                   "ready_check_timeout_seconds"):
         check_timeout(field, getattr(config, field))
     check_body_bytes("--max-body-bytes", config.max_body_bytes)
+    check_count("--local-prompt-tokens", config.local_prompt_tokens)
     # aiohttp's own bound on a body read whole (request.read(): the pushed set, itself bounded lower); completions
     # are read by _read_body up to max_body_bytes.
     app = web.Application(client_max_size=max(config.max_body_bytes, MAX_PEERS_BODY_BYTES), middlewares=middlewares)
     router = app[ROUTER] = Router(config)
+    app[METRICS_REGISTRY] = registry_for(router)
 
     async def client_ctx(app: web.Application):
         router.session = aiohttp.ClientSession(
@@ -495,6 +526,7 @@ def make_app(config: RouterConfig) -> web.Application:
     app.router.add_get(HEALTH_PATH, _health)
     app.router.add_get(READYZ_PATH, _readyz)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get(METRICS_PATH, metrics_handler)
     if pushed:
         app.router.add_get(PEERS_PATH, peers_handler)
         app.router.add_put(PEERS_PATH, peers_handler)

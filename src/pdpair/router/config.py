@@ -30,6 +30,10 @@ class RouterConfig:
     # client can make the router hold (and parse into objects several times larger) per request; 64 MiB, aiohttp's
     # setting before, let a few clients take the router's memory. Images sent inline (base64) may need more: raise it.
     max_body_bytes: int = 4 * 2**20
+    # Selective disaggregation (split.py): a prompt estimated shorter than this many tokens goes to a decode instance
+    # alone, and the threshold then follows the router's measurements. 0: every request is split (prefill, then
+    # decode), nothing is learned.
+    local_prompt_tokens: int = 0
     # Each instance's own readiness URL, in the order of its role's URLs (empty: its base URL + /health). The
     # router's /readyz passes while at least one prefill and one decode pass theirs (`readiness`).
     prefill_ready_urls: tuple[str, ...] = ()
@@ -64,6 +68,13 @@ def check_body_bytes(flag: str, value: int) -> int:
     """`value` if it is an int >= 1, else a ValueError naming `flag`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{flag} must be a number of bytes >= 1, got {value!r}")
+    return value
+
+
+def check_count(flag: str, value: int) -> int:
+    """`value` if it is an int >= 0, else a ValueError naming `flag`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{flag} must be an integer >= 0, got {value!r}")
     return value
 
 

@@ -16,6 +16,7 @@ from aiohttp import web
 from pdpair.contract import READYZ_PATH
 from pdpair.contract.router_peers import RouterMember
 from pdpair.router.config import HEALTH_PATH, RouterConfig
+from pdpair.router.split import SplitPolicy
 
 @dataclass(eq=False)
 class Instance:
@@ -152,6 +153,7 @@ class Router:
                             kv_usage_max_age_seconds=config.kv_usage_max_age_seconds,
                             ready_urls=config.decode_ready_urls)
         self.session: aiohttp.ClientSession | None = None
+        self.split = SplitPolicy(config.local_prompt_tokens)  # split or local, per request (split.py)
         # Sent with every request to an engine's API (prefill, decode, decode's /v1/models): the pair's API key, which
         # vLLM requires under /v1 when it has one; nothing without a key. Not to readiness URLs or /metrics (open).
         self.engine_headers: dict[str, str] = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
