@@ -112,6 +112,13 @@ def test_router_pod():
     assert cmd[:3] == ["python", "-m", "pdpair.router"]
     assert cmd[cmd.index("--prefill") + 1].startswith("http://10.0.0.2:")
     assert cmd[cmd.index("--decode") + 1].startswith("http://10.0.0.1:")
+    assert "--local-prompt-tokens" not in cmd  # unset: the router's own default
+
+
+def test_router_pod_passes_the_selective_disaggregation_threshold():
+    pair = {**PAIR, "spec": {**PAIR["spec"], "router": {"localPromptTokens": 256}}}
+    cmd = router_pod(pair, 1, leased(), "h", "10.0.0.2", "10.0.0.1")["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--local-prompt-tokens") + 1] == "256"
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])

@@ -396,8 +396,11 @@ def router_pod(
             what = role if not instance else f"{role} instance {instance}"
             metrics = _require(port_of(ports, role, PURPOSE_METRICS, instance=instance), f"{what} metrics")
             command += [f"--{role}-ready", f"http://{url_host(host)}:{metrics}{READYZ_PATH}"]
-    if (spec.get("router") or {}).get("debugRouting"):
+    router_spec = spec.get("router") or {}
+    if router_spec.get("debugRouting"):
         command += ["--debug-routing", "--log-choices"]  # tests force each (prefill, decode) combination
+    if router_spec.get("localPromptTokens") is not None:  # unset: the router's own default (RouterConfig)
+        command += ["--local-prompt-tokens", str(int(router_spec["localPromptTokens"]))]
     pod = _base_pod(pair, ROLE_ROUTER, generation, spec_hash)
     container = _main_container(pod, ROUTER_CONTAINER)
     ours = (_identity_env(pair, ROLE_ROUTER, generation) + [{"name": ENV_HTTP_PORT, "value": str(router_port)}]
