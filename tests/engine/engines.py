@@ -209,11 +209,11 @@ def pair_env(role: str, *, generation: int, listen_base: int | None = None, peer
 
 
 def router(log_dir: Path, prefill_url: str, decode_url: str, decode_timeout: float = 120.0,
-           extra_env: dict[str, str] | None = None) -> Process:
+           extra_env: dict[str, str] | None = None, extra_args: tuple[str, ...] = (), name: str = "router") -> Process:
     port = free_port()
     argv = [sys.executable, "-m", "pdpair.router", "--host", "127.0.0.1", "--port", str(port),
-            "--prefill", prefill_url, "--decode", decode_url, "--decode-timeout", str(decode_timeout)]
-    return Process("router", argv, {**os.environ, **(extra_env or {})}, log_dir / "router.log", port)
+            "--prefill", prefill_url, "--decode", decode_url, "--decode-timeout", str(decode_timeout), *extra_args]
+    return Process(name, argv, {**os.environ, **(extra_env or {})}, log_dir / f"{name}.log", port)
 
 
 @contextmanager

@@ -15,8 +15,8 @@ import urllib.request
 import pytest
 
 
-from conftest import API_KEY, GENERATION, HANG_TIMEOUT_SECONDS
-from engines import PREFILL_INSTANCE, http_get, http_post
+from conftest import API_KEY, API_KEY_ENV, GENERATION, HANG_TIMEOUT_SECONDS
+from engines import PREFILL_INSTANCE, http_get, http_post, router
 from pdpair import contract
 from pdpair.connector.metadata import NOT_ACCEPTED, Refused
 from tests.side_channel_support import TEST_KEY_BYTES, Stranger, answers_hello
@@ -123,6 +123,53 @@ def test_router_outputs_equal_single_engine_token_for_token(stack):
         assert time.monotonic() < deadline, "vllm:pdpair_kv_transfers_total did not reach the transfer count"
         time.sleep(1)
     assert metric(stack.decode.url, "vllm:pdpair_kv_transfer_seconds_count") >= len(PROMPTS)
+
+
+def streamed_text(url: str, prompt: str, max_tokens: int = 12) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **AUTH})
+    pieces = []
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        assert resp.status == 200
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(pieces)
+
+
+def test_selective_routing_sends_a_short_prompt_to_decode_alone_with_an_equal_output(stack, tmp_path):
+    """A second router on the module's engines with --local-prompt-tokens 64: short prompts (streamed and not) go
+    to decode alone (its choice log says so, no KV moves, prefill sees nothing) and answer exactly as the single
+    engine; a prompt estimated at 64 tokens or more is split as before (one transfer each); the router's /metrics
+    counts both. Cost: no cold start (a router process, about 1 s), about 5 s."""
+    selective = router(tmp_path, stack.prefill.url, stack.decode.url, decode_timeout=60, extra_env=API_KEY_ENV,
+                       extra_args=("--local-prompt-tokens", "64", "--log-choices"), name="selective-router").start()
+    try:
+        selective.wait_healthy(60)
+        before = ok_transfers(stack)
+        short = ["Short and local.", "Decode computes this one itself."]
+        for prompt in short:
+            status, via_decode = completion(selective.url, prompt)
+            assert status == 200, via_decode
+            status, single = completion(stack.baseline.url, prompt)
+            assert status == 200, single
+            assert tokens(via_decode) == tokens(single), prompt
+            assert streamed_text(selective.url, prompt) == single["choices"][0]["text"]
+        assert ok_transfers(stack) == before, "a local request must move no KV"
+        assert selective.log().count("alone (about") == 2 * len(short), selective.log()[-2000:]
+        long_prompt = "A prompt long enough to be worth a prefill of its own. " * 5  # 280 bytes: about 70 tokens
+        status, split_answer = completion(selective.url, long_prompt)
+        assert status == 200, split_answer
+        status, single = completion(stack.baseline.url, long_prompt)
+        assert tokens(split_answer) == tokens(single)
+        assert ok_transfers(stack) == before + 1
+        assert metric(selective.url, "pdpair_router_requests_total", {"mode": "local"}) == 2 * len(short)
+        assert metric(selective.url, "pdpair_router_requests_total", {"mode": "split"}) == 1
+        assert metric(selective.url, "pdpair_router_local_prompt_tokens") == 64  # only local samples: nothing to learn from
+    finally:
+        selective.stop()
 
 
 def test_the_api_key_guards_the_pair_and_the_router_passes_it_through(stack):
