@@ -148,13 +148,13 @@ class DecodeWorker(WorkerBase):
             self._slow_decode.sleep()
         side = self.side
         assert side is not None
-        for instance, remote_id in meta.reqs_to_release:
+        for instance, remote_id, digest in meta.reqs_to_release:
             edge = side.edge(instance)
             if edge is None:  # that prefill is gone or never paired: its lease frees the blocks
                 logger.info("prefill %s is not paired with rank %d: its request %s is not released (its lease frees "
                             "the blocks)", instance, self.tp_rank, remote_id)
                 continue
-            side.post(Pull(f"release-{remote_id}", remote_id, 0, [], 0, 0), edge)
+            side.post(Pull(f"release-{remote_id}", remote_id, 0, [], 0, 0, prompt_digest=digest), edge)
         for recv in meta.reqs_to_recv:
             self._start_recv(side, recv)
 
@@ -211,7 +211,7 @@ class DecodeWorker(WorkerBase):
             self._waits[recv.request_id] = wait
         self.accounts.open_wait(recv.request_id, edge.label, expected, wait.deadline)
         side.post(Pull(recv.request_id, recv.remote_request_id, recv.first_block, recv.block_ids, slot, expected,
-                       tag, generation), edge)
+                       tag, generation, recv.prompt_digest), edge)
         self._waiters.submit(self._wait_for_signals, wait)
 
     def _declare(self, comm: PairComm, recv: RecvRequest, tag: int, generation: int, slot: int, expected: int) -> None:

@@ -47,6 +47,9 @@ from pdpair import contract
 #      matching checksum (tcp: native protocol 3), and fails the load at once when one is refused.
 #      Since 2026-12-06 Welcome may carry decode's `api_port` (absent reads 0: a decode of before then pairs as ever,
 #      and prefill frees its held requests at their lease's end only).
+#      Since 2026-12-07 a Pull may carry `prompt_digest` (absent reads empty: not checked) and its `remote_request_id`
+#      may be the router's transfer key (`pdpair_transfer_key`) instead of prefill's own request id (both legs at
+#      once, below).
 PDPAIR_CONNECTOR_VERSION = 4
 
 # Keys of kv_transfer_params. do_remote_* are vLLM's (the router and vLLM's own proxy use them); the rest are ours.
@@ -69,6 +72,15 @@ MAX_DECODE_URL_CHARS = 300  # a URL longer than this is ignored (the param comes
 # prompt, a reference edited (block or token counts), forged or missing, make decode compute the prompt itself, so
 # the KV it loads is always the one prefill computed for this very prompt, whoever sent the params.
 PARAM_REMOTE_KV_TAG = "remote_kv_tag"
+# Router -> both engines, when it sends both legs at once (the router's --concurrent-legs): a fresh random key that
+# names the transfer before prefill has computed anything. Prefill holds the request's blocks under it as well as
+# under its own request id; decode's params name it as `remote_request_id`, with the prefill's instance, pair and
+# generation (the router learned them from that prefill's earlier answers), so decode allocates and sends its Pull at
+# once, and prefill parks the Pull until the prompt is computed. No `remote_kv_tag` can exist yet: instead the Pull
+# carries the SHA-256 of decode's prompt (`Pull.prompt_digest`) and prefill serves it only when that is the digest of
+# the prompt it computed, so decode still loads only KV computed for its own prompt.
+PARAM_TRANSFER_KEY = contract.KV_PARAM_TRANSFER_KEY
+TRANSFER_KEY_PATTERN = r"^t-[0-9a-f]{32}$"  # what the router makes (uuid4 hex); any other value is ignored
 
 
 def kv_tag_key(side_channel_key: str) -> bytes:
@@ -262,6 +274,10 @@ class Pull(msgspec.Struct, tag="pull", frozen=True):
     # a decode with transfer checks refuses (a release-only Pull sends nothing).
     transfer_tag: _U63 = 0
     transfer_generation: _U32 = 0
+    # SHA-256 of decode's prompt tokens (prompt_digest(tokens, len(tokens))); empty: not checked. Prefill serves a
+    # Pull that carries one only for a request whose prompt has that digest, and a Pull naming a transfer key only
+    # with one.
+    prompt_digest: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
 
 class PullDone(msgspec.Struct, tag="pull_done", frozen=True):

@@ -6,6 +6,7 @@ worker.py."""
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import os
 import threading
@@ -25,7 +26,7 @@ from pdpair.connector.metadata import (
     Welcome,
 )
 from pdpair.connector.prefill_side_channel import PrefillSideChannel
-from pdpair.connector.scheduler import PdPairConnectorMetadata
+from pdpair.connector.scheduler import PdPairConnectorMetadata, SendRequest
 from pdpair.connector.staging import HostStaging
 from pdpair.connector.testing_knobs import TEST_CORRUPT_ALL_PUTS, put_fault_from_knob
 from pdpair.connector.transports import (
@@ -82,8 +83,10 @@ class PrefillWorker(WorkerBase):
         self._device_index: int | None = None
         self._closing: list[threading.Thread] = []
         self._transport_taken = False
-        # request id -> (block ids, lease expiry, the decode the router chose for it or None)
-        self._sends: dict[str, tuple[list[int], float, tuple[str, int] | None]] = {}
+        # request id -> the finished request's blocks held for decode (until a serve ends or the lease expires)
+        self._sends: dict[str, SendRequest] = {}
+        # the router's transfer key -> request id, for the sends of both legs at once (a Pull names the key)
+        self._keys: dict[str, str] = {}
         self._finished_sending: set[str] = set()
         # request id -> serves (pushes or releases) submitted and not yet ended: the blocks are reported sent once,
         # when the last of them ends (a release can come while a failed load's push still reads them).
@@ -223,12 +226,12 @@ class PrefillWorker(WorkerBase):
         with self._lock:
             parked = len(edge.parked)
             edge.parked.clear()
-            freed = [r for r, (_, _, decode) in self._sends.items() if r not in self._serving and
-                     ((decode is not None and decode == edge.decode_api) or (decode is None and only))]
+            freed = [r for r, send in self._sends.items() if r not in self._serving and
+                     ((send.decode is not None and send.decode == edge.decode_api) or (send.decode is None and only))]
             blocks = 0
             for request_id in freed:
-                blocks += len(self._sends.pop(request_id)[0])
-                self._finished_sending.add(request_id)
+                blocks += len(self._sends[request_id].block_ids)
+                self._forget_send(request_id)
             self._progress.notify_all()
         if freed or parked:
             logger.warning("rank %d: the pair with decode %s was lost: freeing %d block(s) of %d request(s) held for "
@@ -244,7 +247,9 @@ class PrefillWorker(WorkerBase):
             return
         with self._lock:
             for send in meta.reqs_to_send:
-                self._sends[send.request_id] = (send.block_ids, send.expires_at, send.decode)
+                self._sends[send.request_id] = send
+                if send.transfer_key is not None:
+                    self._keys.setdefault(send.transfer_key, send.request_id)  # a key given twice keeps the first
             parked = [edge for edge in self._edges_now() if edge.parked]
         for edge in parked:
             edge.side.post()  # its parked pulls may be servable now
@@ -256,12 +261,11 @@ class PrefillWorker(WorkerBase):
                 self._progress.wait(IDLE_WAIT_SECONDS)
         now = time.monotonic()
         with self._lock:
-            for request_id in [r for r, (_, exp, _) in self._sends.items() if exp < now and r not in self._serving]:
+            for request_id in [r for r, send in self._sends.items() if send.expires_at < now and r not in self._serving]:
                 logger.warning("request %s: decode never pulled its KV within the lease; freeing the blocks", request_id)
-                del self._sends[request_id]
-                self._finished_sending.add(request_id)
+                self._forget_send(request_id)
             finished, self._finished_sending = self._finished_sending, set()
-            held = sum(len(blocks) for blocks, _, _ in self._sends.values())
+            held = sum(len(send.block_ids) for send in self._sends.values())
         self.accounts.set_blocks_held(held)
         for edge in self._edges_now():
             if edge.side is not None:
@@ -273,13 +277,26 @@ class PrefillWorker(WorkerBase):
         with self._lock:
             if edge.draining:
                 return PullFailed(pull.transfer_id, f"decode {edge.peer} was removed from this prefill's peer set")
-            entry = self._sends.get(pull.remote_request_id)
-            if entry is None:
+            send = self._send_of(pull)
+            if send is None:
                 now = time.monotonic()
                 edge.parked[pull.transfer_id] = (pull, parked_pull_deadline(self.config.hang_timeout_seconds, now), now)
                 return None
-        self._submit(edge, pull, entry[0], time.monotonic())
+        self._submit(edge, pull, send, time.monotonic())
         return None
+
+    def _send_of(self, pull: Pull) -> SendRequest | None:
+        """Under the lock: the held request a Pull names, by the router's transfer key or by prefill's request id."""
+        return self._sends.get(self._keys.get(pull.remote_request_id, pull.remote_request_id))
+
+    def _forget_send(self, request_id: str) -> None:
+        """Under the lock: the request's blocks are reported sent (freed), once."""
+        send = self._sends.pop(request_id, None)
+        if send is None:
+            return
+        if send.transfer_key is not None and self._keys.get(send.transfer_key) == request_id:
+            del self._keys[send.transfer_key]
+        self._finished_sending.add(request_id)
 
     def _on_tick(self, edge: PrefillEdge) -> list[Message]:
         replies: list[Message] = []
@@ -289,35 +306,42 @@ class PrefillWorker(WorkerBase):
         servable = []
         with self._lock:
             for transfer_id, (pull, deadline, received) in list(edge.parked.items()):
-                entry = self._sends.get(pull.remote_request_id)
-                if entry is not None:
+                send = self._send_of(pull)
+                if send is not None:
                     del edge.parked[transfer_id]
-                    servable.append((pull, entry[0], received))
+                    servable.append((pull, send, received))
                 elif now > deadline:
                     del edge.parked[transfer_id]
                     replies.append(PullFailed(transfer_id, f"prefill holds no KV for request {pull.remote_request_id} "
                                                            "(unknown, expired or already sent)"))
             self._progress.notify_all()
-        for pull, block_ids, received in servable:
-            self._submit(edge, pull, block_ids, received)
+        for pull, send, received in servable:
+            self._submit(edge, pull, send, received)
         return replies
 
-    def _submit(self, edge: PrefillEdge, pull: Pull, block_ids: list[int], received: float) -> None:
+    def _submit(self, edge: PrefillEdge, pull: Pull, send: SendRequest, received: float) -> None:
         """Side-channel thread: hand the Pull to a push worker; its reply goes out through the edge's side channel.
         The pair it came on is captured here: if decode re-pairs meanwhile, the push fails on the old, closed pair
-        instead of writing into the new decode's blocks."""
+        instead of writing into the new decode's blocks. A Pull whose prompt digest is not the request's (or that
+        names a transfer key without one) is refused: the KV is served only for the prompt it was computed for."""
         assert edge.side is not None
         route = (edge.side.comm, list(edge.peer_indices), list(edge.local_indices))
-        request_id = pull.remote_request_id
+        request_id = send.request_id
+        by_key = pull.remote_request_id != request_id
+        if (pull.prompt_digest or by_key) and not (send.prompt_digest and pull.prompt_digest and
+                                                   hmac.compare_digest(pull.prompt_digest, send.prompt_digest)):
+            edge.side.post(PullFailed(pull.transfer_id, "the Pull's prompt is not the one prefill computed for "
+                                                        f"{pull.remote_request_id}"))
+            return
         with self._lock:
-            if request_id not in self._sends:  # another serve of it ended (and reported its blocks) meanwhile
-                edge.side.post(PullFailed(pull.transfer_id, f"prefill holds no KV for request {request_id} "
+            if self._sends.get(request_id) is not send:  # another serve of it ended (and reported its blocks)
+                edge.side.post(PullFailed(pull.transfer_id, f"prefill holds no KV for request {pull.remote_request_id} "
                                                             "(unknown, expired or already sent)"))
                 return
             edge.inflight += 1
             self._serving[request_id] = self._serving.get(request_id, 0) + 1
         try:
-            self._pushers.submit(self._serve_and_reply, edge, pull, block_ids, received, route)
+            self._pushers.submit(self._serve_and_reply, edge, pull, send, received, route)
         except RuntimeError:  # shutting down: the pool takes no more work
             with self._lock:
                 edge.inflight -= 1
@@ -332,12 +356,11 @@ class PrefillWorker(WorkerBase):
             self._serving[request_id] = left
             return
         self._serving.pop(request_id, None)
-        if self._sends.pop(request_id, None) is not None:
-            self._finished_sending.add(request_id)
+        self._forget_send(request_id)
 
-    def _serve_and_reply(self, edge: PrefillEdge, pull: Pull, block_ids: list[int], received: float, route) -> None:
+    def _serve_and_reply(self, edge: PrefillEdge, pull: Pull, send: SendRequest, received: float, route) -> None:
         try:
-            reply = self._serve(pull, block_ids, received, route)
+            reply = self._serve(pull, send, received, route)
         except Exception as exc:  # noqa: BLE001 - decode must hear back, not wait for its deadline
             logger.exception("transfer %s (prefill request %s) crashed", pull.transfer_id, pull.remote_request_id)
             reply = PullFailed(pull.transfer_id, f"prefill push crashed: {type(exc).__name__}: {exc}")
@@ -347,15 +370,15 @@ class PrefillWorker(WorkerBase):
             edge.inflight -= 1
             self._progress.notify_all()
 
-    def _serve(self, pull: Pull, block_ids: list[int], received: float, route) -> Message:
+    def _serve(self, pull: Pull, send: SendRequest, received: float, route) -> Message:
         assert self.regions is not None
         try:
             if pull.dst_block_ids:
-                return self._push(pull, block_ids, received, *route)
+                return self._push(pull, send.block_ids, received, *route)
             return PullDone(pull.transfer_id, 0)
         finally:
             with self._lock:
-                self._end_serving(pull.remote_request_id)
+                self._end_serving(send.request_id)
                 self._progress.notify_all()
 
     def _push(self, pull: Pull, block_ids: list[int], received: float, comm: PairComm | None,

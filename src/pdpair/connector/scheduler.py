@@ -14,6 +14,7 @@ prefill block, local block ids) and do the Pull. A stale or foreign generation i
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,11 +36,14 @@ from pdpair.connector.metadata import (
     PARAM_REMOTE_PAIR,
     PARAM_REMOTE_REQUEST_ID,
     PARAM_REMOTE_KV_TAG,
+    PARAM_TRANSFER_KEY,
     PDPAIR_CONNECTOR_VERSION,
+    TRANSFER_KEY_PATTERN,
     decode_api_address,
     kv_tag,
     kv_tag_key,
     kv_tag_verifies,
+    prompt_digest,
 )
 
 if TYPE_CHECKING:
@@ -61,6 +65,8 @@ class RecvRequest:
     first_block: int
     block_ids: list[int]
     remote_instance: str
+    # SHA-256 of this request's prompt tokens: the Pull carries it, prefill serves only the KV of that prompt
+    prompt_digest: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -73,16 +79,40 @@ class SendRequest:
     # The decode the router chose for it (metadata.decode_api_address of `remote_decode_url`), None when not named:
     # its blocks are freed as soon as prefill's edge to that decode is lost.
     decode: tuple[str, int] | None = None
+    # The router's transfer key when it sent both legs at once (metadata.PARAM_TRANSFER_KEY): decode's Pull names
+    # it before this request is computed. None: Pulls name `request_id` only.
+    transfer_key: str | None = None
+    # SHA-256 of the prompt tokens: a Pull that carries a digest is served only when it is this one.
+    prompt_digest: bytes = b""
 
 
 @dataclass
 class PdPairConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: list[RecvRequest] = field(default_factory=list)
-    # decode: (prefill instance, prefill request id) whose blocks decode will never pull (full local hit, abort)
-    reqs_to_release: list[tuple[str, str]] = field(default_factory=list)
+    # decode: (prefill instance, prefill request id or transfer key, prompt digest) whose blocks decode will never
+    # pull (full local hit, abort)
+    reqs_to_release: list[tuple[str, str, bytes]] = field(default_factory=list)
     reqs_to_send: list[SendRequest] = field(default_factory=list)
     # the step runs no model (nothing scheduled): the workers may wait briefly for a transfer (worker.IDLE_WAIT_SECONDS)
     idle_step: bool = False
+
+
+def transfer_key(params: dict[str, Any]) -> str | None:
+    """The router's transfer key in `params` (PARAM_TRANSFER_KEY), or None when absent or not of the router's shape
+    (it arrives with the request: never trusted beyond naming a transfer)."""
+    key = params.get(PARAM_TRANSFER_KEY)
+    return key if isinstance(key, str) and re.fullmatch(TRANSFER_KEY_PATTERN, key) else None
+
+
+def concurrent_key(params: dict[str, Any]) -> str | None:
+    """Decode: the transfer key when `params` name a transfer of both legs at once (its key is the request id)."""
+    key = transfer_key(params)
+    return key if key is not None and params.get(PARAM_REMOTE_REQUEST_ID) == key else None
+
+
+def _digest(request: Request) -> bytes:
+    tokens = request.prompt_token_ids or ()
+    return prompt_digest(tokens, len(tokens))
 
 
 class PdPairScheduler:
@@ -90,7 +120,7 @@ class PdPairScheduler:
         self.config = config
         self.block_size = block_size
         self._recv: list[RecvRequest] = []
-        self._release: list[tuple[str, str]] = []
+        self._release: list[tuple[str, str, bytes]] = []
         self._new_sends: list[SendRequest] = []
         self._pending_sends: dict[str, float] = {}  # prefill request id -> expiry
         # decode, timeline log only: request id -> [allocated, load reported finished] wall-clock stamps
@@ -120,9 +150,12 @@ class PdPairScheduler:
         return True
 
     def _verified(self, request: Request) -> bool:
-        """Whether the request's kv_transfer_params carry prefill's tag for this very prompt (metadata.kv_tag)."""
-        return self._kv_key is not None and kv_tag_verifies(self._kv_key, request.kv_transfer_params or {},
-                                                             request.prompt_token_ids or ())
+        """Whether the request's kv_transfer_params carry prefill's tag for this very prompt (metadata.kv_tag), or
+        name a transfer of both legs at once (no tag exists yet: prefill checks the Pull's prompt digest instead)."""
+        params = request.kv_transfer_params or {}
+        if self._kv_key is None:
+            return False
+        return concurrent_key(params) is not None or kv_tag_verifies(self._kv_key, params, request.prompt_token_ids or ())
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -148,13 +181,14 @@ class PdPairScheduler:
         params[PARAM_DO_REMOTE_PREFILL] = False  # a re-entry after the load must not load again
         remote_id = params[PARAM_REMOTE_REQUEST_ID]
         instance = str(params[PARAM_REMOTE_INSTANCE])
+        digest = _digest(request)
         if num_external_tokens <= 0:
-            self._release.append((instance, remote_id))
+            self._release.append((instance, remote_id, digest))
             return
         (group,) = blocks.blocks  # one KV cache group (no hybrid allocator with this connector)
         cached = sum(1 for b in group if b.block_hash is not None and not b.is_null)
         new_ids = [b.block_id for b in group if b.block_hash is None and not b.is_null]
-        self._recv.append(RecvRequest(request.request_id, remote_id, cached, new_ids, instance))
+        self._recv.append(RecvRequest(request.request_id, remote_id, cached, new_ids, instance, digest))
         if timeline.enabled():
             self._loads[request.request_id] = [timeline.now(), None]
 
@@ -171,7 +205,8 @@ class PdPairScheduler:
                 # Finished (aborted) before its blocks were allocated: let prefill free its copy now (only for
                 # params that verify: a reference copied from another request must not free that request's KV).
                 params[PARAM_DO_REMOTE_PREFILL] = False
-                self._release.append((str(params[PARAM_REMOTE_INSTANCE]), params[PARAM_REMOTE_REQUEST_ID]))
+                self._release.append((str(params[PARAM_REMOTE_INSTANCE]), params[PARAM_REMOTE_REQUEST_ID],
+                                      _digest(request)))
             return False, None
         if not params.get(PARAM_DO_REMOTE_DECODE):
             return False, None
@@ -183,7 +218,8 @@ class PdPairScheduler:
         expires = time.monotonic() + self.config.send_lease_seconds
         self._pending_sends[request.request_id] = expires
         self._new_sends.append(SendRequest(request.request_id, list(block_ids), expires,
-                                           decode_api_address(params.get(PARAM_REMOTE_DECODE_URL))))
+                                           decode_api_address(params.get(PARAM_REMOTE_DECODE_URL)),
+                                           transfer_key(params), _digest(request)))
         answer = {
             PARAM_DO_REMOTE_PREFILL: True,
             PARAM_DO_REMOTE_DECODE: False,

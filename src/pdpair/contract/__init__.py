@@ -40,6 +40,9 @@ TRANSPORTS = (TRANSPORT_FLAGCX, TRANSPORT_TCP)
 # kv_transfer_params key, router -> prefill: the base URL of the decode the router chose for the request. Prefill
 # frees the request's held blocks as soon as its pair with that decode is lost (connector/prefill_worker.py).
 KV_PARAM_REMOTE_DECODE_URL = "remote_decode_url"
+# kv_transfer_params key, router -> both engines when it sends both legs at once: the transfer's key, made by the router
+# before prefill computed anything (connector/metadata.py PARAM_TRANSFER_KEY).
+KV_PARAM_TRANSFER_KEY = "pdpair_transfer_key"
 
 DEFAULT_HANG_TIMEOUT_SECONDS = 60.0  # deadline of one signal wait; a wait older than this is a hang
 DEFAULT_TRANSPORT_SLOTS = 256  # request slots per peer connection (puts in flight); a full pool defers posts

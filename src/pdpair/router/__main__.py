@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
              "ways (pdpair.router.split); 0 splits every request and learns nothing (default "
              f"{_DEFAULTS['local_prompt_tokens']})")
     parser.add_argument(
+        "--concurrent-legs", action="store_true", default=_DEFAULTS["concurrent_legs"],
+        help="send decode its request together with prefill's (decode allocates and pulls while prefill computes) "
+             "instead of once prefill answered; a prefill is sent both legs at once after its first answer "
+             "(default off)")
+    parser.add_argument(
         "--max-body-bytes", type=_bytes, default=_DEFAULTS["max_body_bytes"],
         help="the largest request body accepted; a larger one is answered 413 before it is read (default "
              f"{_DEFAULTS['max_body_bytes']}, 4 MiB: a 128k-token prompt is under 1 MiB; raise it for inline images)")
@@ -131,6 +136,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         connect_timeout_seconds=args.connect_timeout, idle_connection_seconds=args.idle_connection_timeout,
         failure_cooldown_seconds=args.failure_cooldown, debug_routing=args.debug_routing, log_choices=args.log_choices,
         max_body_bytes=args.max_body_bytes, local_prompt_tokens=args.local_prompt_tokens,
+        concurrent_legs=args.concurrent_legs,
     )
 
 

@@ -70,7 +70,7 @@ import aiohttp
 from aiohttp import web
 
 from pdpair.connector import timeline
-from pdpair.contract import KV_PARAM_REMOTE_DECODE_URL, MAX_PEERS_BODY_BYTES, METRICS_PATH, PEERS_PATH
+from pdpair.contract import KV_PARAM_REMOTE_DECODE_URL, KV_PARAM_TRANSFER_KEY, MAX_PEERS_BODY_BYTES, METRICS_PATH, PEERS_PATH
 from pdpair.contract import READYZ_PATH  # the router's readiness too: it has a prefill and a decode that are ready
 from pdpair.contract import PROBE_WAIT_PARAM, parse_probe_wait, probe_hold_pause
 from pdpair.router.api_key import api_key_guard
@@ -86,6 +86,10 @@ from pdpair.router.config import (
 from pdpair.router.metrics import METRICS_REGISTRY, metrics_handler, registry_for
 from pdpair.router.peer_push import no_peers_handler, peers_handler, check_peers_token
 from pdpair.router.split import LOCAL, prompt_tokens
+
+# kv_transfer_params keys of decode's request when both legs go at once (the connector's names; vLLM's do_remote_*)
+PARAM_DO_REMOTE_DECODE, PARAM_DO_REMOTE_PREFILL, PARAM_REMOTE_REQUEST_ID = \
+    "do_remote_decode", "do_remote_prefill", "remote_request_id"
 from pdpair.router.pools import ROUTER, Instance, Router, no_instance
 
 logger = logging.getLogger("pdpair.router")
@@ -108,9 +112,10 @@ class PeerError(Exception):
         return web.json_response(body, status=self.status, headers={REQUEST_ID_HEADER: request_id})
 
 
-def prefill_body(body: dict, chat: bool, decode_url: str) -> dict:
+def prefill_body(body: dict, chat: bool, decode_url: str, transfer_key: str | None = None) -> dict:
     """The request prefill sees: one token, no streaming, and the request to keep the KV for decode, naming the
-    decode chosen for it (prefill frees the KV it holds for a decode whose pair is lost)."""
+    decode chosen for it (prefill frees the KV it holds for a decode whose pair is lost) and, when both legs go at
+    once, the transfer's key (decode's Pull names it)."""
     out = dict(body)  # shallow: only top-level keys change, and a deep copy of a large prompt costs its size again
     out["max_tokens"] = 1
     if chat and "max_completion_tokens" in out:
@@ -119,6 +124,8 @@ def prefill_body(body: dict, chat: bool, decode_url: str) -> dict:
     out.pop("stream_options", None)
     out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
                                  KV_PARAM_REMOTE_DECODE_URL: decode_url}
+    if transfer_key is not None:
+        out["kv_transfer_params"][KV_PARAM_TRANSFER_KEY] = transfer_key
     return out
 
 
@@ -134,13 +141,14 @@ def _refused(exc: BaseException | None) -> bool:
 
 
 async def _prefill(router: Router, first: Instance, decode: Instance, body: dict, path: str, headers: dict,
-                   forced: bool, involved: contextlib.ExitStack) -> dict:
+                   forced: bool, involved: contextlib.ExitStack, transfer_key: str | None = None) -> dict:
     """Prefill's kv_transfer_params, from `first` or from the one prefill the request is sent to once more. Each
     prefill it is sent to is entered into `involved` (`Pool.involve`): the caller's stack, left when decode's answer
     ended, since a prefill that answered may still be pushing the KV to decode (one that failed may have computed
-    it too)."""
+    it too). Each answer teaches the router that prefill's identity (`Router.learn_prefill`). `forced`: sent once
+    more only to `first` (a forced route, or both legs at once: decode already names that prefill)."""
     pool, config = router.prefills, router.config
-    payload = prefill_body(body, path.endswith("/chat/completions"), decode.url)
+    payload = prefill_body(body, path.endswith("/chat/completions"), decode.url, transfer_key)
     instance = first
     for attempt in range(2):
         involved.enter_context(pool.involve(instance))
@@ -155,6 +163,7 @@ async def _prefill(router: Router, first: Instance, decode: Instance, body: dict
                         f"prefill {instance.url} answered without kv_transfer_params (is it running the pdpair "
                         "connector as kv_producer?)",
                     )
+                router.learn_prefill(instance.url, params)
                 return params
             except PeerError as exc:
                 if exc.status >= 500:
@@ -274,6 +283,10 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         prefill = router.prefills.member(forced[0]) if forced else router.prefills.choose()
         if router.config.log_choices:
             _log_choice(router, request_id, prefill, decode, prefills_seen, decodes_seen, forced is not None)
+        identity = router.prefill_identity.get(prefill.url) if router.config.concurrent_legs else None
+        if identity is not None:
+            return await _both_legs(router, prefill, decode, request, body, headers, received, involved, identity,
+                                    first_chunk)
         try:
             params = await _prefill(router, prefill, decode, body, request.path, headers, forced is not None, involved)
         except PeerError as exc:
@@ -281,6 +294,47 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
             return exc.response(request_id)
         prefill_answered = timeline.now()
         return await _decode(router, decode, request, body, params, headers, received, prefill_answered, first_chunk)
+
+
+async def _both_legs(router: Router, prefill: Instance, decode: Instance, request: web.Request, body: dict,
+                     headers: dict, received: float, involved: contextlib.ExitStack, identity: dict,
+                     on_first_chunk: Callable[[float], None]) -> web.StreamResponse:
+    """Both legs at once (--concurrent-legs): decode gets its request with kv_transfer_params that name the transfer
+    by a fresh key and the prefill by the identity it answered with before, so decode allocates its blocks and sends
+    its Pull while prefill computes; prefill, given the same key, serves that Pull once its prompt is computed
+    (connector/metadata.py PARAM_TRANSFER_KEY). Decode's answer is the client's. A prefill leg that fails before
+    decode's answer began cancels decode's request and is answered as in sequential mode (the prefill's error); one
+    that fails later leaves decode's load to fail at its own deadline (the parked Pull's, half the hang timeout)."""
+    request_id = headers[REQUEST_ID_HEADER]
+    key = f"t-{uuid.uuid4().hex}"
+    params = {**identity, PARAM_DO_REMOTE_PREFILL: True, PARAM_DO_REMOTE_DECODE: False,
+              PARAM_REMOTE_REQUEST_ID: key, KV_PARAM_TRANSFER_KEY: key}
+    progress: dict[str, bool] = {"started": False}
+    prefill_leg = asyncio.ensure_future(_prefill(router, prefill, decode, body, request.path, headers, True, involved,
+                                                 transfer_key=key))
+    decode_leg = asyncio.ensure_future(_decode(router, decode, request, body, params, headers, received, None,
+                                               on_first_chunk, progress))
+    try:
+        await asyncio.wait({prefill_leg, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
+        failure = prefill_leg.exception() if prefill_leg.done() and not prefill_leg.cancelled() else None
+        if failure is not None and not decode_leg.done() and not progress["started"]:
+            decode_leg.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await decode_leg
+            error = failure if isinstance(failure, PeerError) else PeerError(502, "prefill", f"prefill failed: {failure!r}")
+            logger.error("request %s: %s (decode's request cancelled)", request_id, error.message)
+            return error.response(request_id)
+        if failure is not None:
+            logger.error("request %s: prefill failed while decode answered: %s", request_id, failure)
+        return await decode_leg
+    finally:
+        for leg in (decode_leg, prefill_leg):
+            if not leg.done():  # decode ended first (or the client left): prefill's KV is not wanted any more
+                leg.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await leg
+            elif not leg.cancelled():
+                leg.exception()  # retrieved: logged above
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes | None:
@@ -308,10 +362,11 @@ def _to_client() -> Iterator[None]:
 
 async def _decode(router: Router, decode: Instance, request: web.Request, body: dict, params: dict | None,
                   headers: dict, received: float, prefill_answered: float | None,
-                  on_first_chunk: Callable[[float], None]) -> web.StreamResponse:
+                  on_first_chunk: Callable[[float], None], progress: dict[str, bool] | None = None
+                  ) -> web.StreamResponse:
     """Decode's answer to the client. `params`: prefill's kv_transfer_params, None for a request decode computes
     alone (a client's own kv_transfer_params never reach decode). `on_first_chunk`: called with the time of a
-    streamed answer's first chunk."""
+    streamed answer's first chunk. `progress["started"]` turns True once the answer began reaching the client."""
     config = router.config
     request_id = headers[REQUEST_ID_HEADER]
     if params is not None:
@@ -336,6 +391,8 @@ async def _decode(router: Router, decode: Instance, request: web.Request, body: 
                              done=timeline.now())
                 return web.Response(body=answer, status=resp.status, content_type=resp.content_type, headers=headers)
             response = web.StreamResponse(status=resp.status, headers={**headers, "Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
+            if progress is not None:
+                progress["started"] = True
             with _to_client():
                 await response.prepare(request)
             first_chunk = None

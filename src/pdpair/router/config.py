@@ -34,6 +34,10 @@ class RouterConfig:
     # alone, and the threshold then follows the router's measurements. 0: every request is split (prefill, then
     # decode), nothing is learned.
     local_prompt_tokens: int = 0
+    # Both legs at once (app._both_legs): decode gets its request together with prefill's, naming the transfer by a
+    # key the router makes, so decode allocates and pulls while prefill computes. Off: decode's request goes once
+    # prefill answered (sequential).
+    concurrent_legs: bool = False
     # Each instance's own readiness URL, in the order of its role's URLs (empty: its base URL + /health). The
     # router's /readyz passes while at least one prefill and one decode pass theirs (`readiness`).
     prefill_ready_urls: tuple[str, ...] = ()

@@ -9,6 +9,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -144,6 +145,9 @@ class Pool:
         return [i.index for i in self.instances if i.cooldown_until > now]
 
 
+IDENTITY_PARAMS = ("remote_instance", "remote_pair", "remote_generation")  # the connector's kv_transfer_params keys
+
+
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
@@ -154,12 +158,26 @@ class Router:
                             ready_urls=config.decode_ready_urls)
         self.session: aiohttp.ClientSession | None = None
         self.split = SplitPolicy(config.local_prompt_tokens)  # split or local, per request (split.py)
+        # prefill URL -> what decode's kv_transfer_params must name of it (instance, pair, generation), from its last
+        # answer: both legs go at once (--concurrent-legs) only to a prefill that answered before
+        self.prefill_identity: dict[str, dict[str, Any]] = {}
         # Sent with every request to an engine's API (prefill, decode, decode's /v1/models): the pair's API key, which
         # vLLM requires under /v1 when it has one; nothing without a key. Not to readiness URLs or /metrics (open).
         self.engine_headers: dict[str, str] = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         # The last pushed set's epoch and generation (None: the flags' set, nothing pushed yet).
         self.epoch: int | None = None
         self.generation: int | None = None
+
+    def learn_prefill(self, url: str, params: dict[str, Any]) -> None:
+        """Record the identity a prefill's answer carries (remote_instance, remote_pair, remote_generation); an
+        answer without a usable one forgets it (that prefill is asked in sequence until it answers with one)."""
+        identity = {k: params.get(k) for k in IDENTITY_PARAMS}
+        if isinstance(identity["remote_instance"], str) and len(identity["remote_instance"]) <= 128 and \
+                isinstance(identity["remote_pair"], str) and len(identity["remote_pair"]) <= 253 and \
+                isinstance(identity["remote_generation"], int) and not isinstance(identity["remote_generation"], bool):
+            self.prefill_identity[url] = identity
+        else:
+            self.prefill_identity.pop(url, None)
 
     def apply_peers(self, epoch: int, generation: int, prefills: list[RouterMember], decodes: list[RouterMember]) -> None:
         """Both roles' sets at once: synchronous, so no request sees one role swapped and not the other."""

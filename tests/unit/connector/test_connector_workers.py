@@ -491,3 +491,44 @@ def test_a_release_during_a_push_reports_the_blocks_sent_once_after_both(pair):
         reported += prefill.get_transfer_results()
         time.sleep(0.01)
     assert reported == ["p1"], reported
+
+
+def test_a_pull_named_by_the_routers_key_waits_for_the_prompt_and_is_served_only_for_its_digest(pair):
+    """Both legs at once: decode's Pull names the router's transfer key before prefill has computed the request; it
+    is parked, then served as soon as the send with that key comes, only when the Pull's prompt digest is the
+    send's (a Pull for another prompt, or one naming the key without a digest, fails at once). Cost: under 2 s."""
+    decode, prefill, decode_kv, prefill_kv = pair
+    key, other_key = "t-" + "a" * 32, "t-" + "b" * 32
+    digest, wrong = bytes(range(32)), bytes(32)
+    decode.start_load_kv(PdPairConnectorMetadata(reqs_to_recv=[
+        RecvRequest("d1", key, 0, [6, 7], "prefill-0", digest),  # parked: prefill has nothing yet
+        RecvRequest("d2", other_key, 0, [4], "prefill-0", wrong),
+        RecvRequest("d3", other_key, 0, [5], "prefill-0")]))  # names a key without a digest
+    time.sleep(0.2)
+    assert not decode.get_transfer_results()[0], "nothing may settle before prefill holds the request"
+    prefill.start_load_kv(PdPairConnectorMetadata(reqs_to_send=[
+        SendRequest("prefill-internal-1", [2, 3], time.monotonic() + 60, transfer_key=key, prompt_digest=digest),
+        SendRequest("prefill-internal-2", [1], time.monotonic() + 60, transfer_key=other_key, prompt_digest=digest)]))
+    finished, failed = settle(decode, {"d1", "d2", "d3"}, idle=True)
+    assert failed == {"d2", "d3"}
+    for name in LAYERS:
+        assert torch.equal(decode_kv[name][6], prefill_kv[name][2]) and torch.equal(decode_kv[name][7], prefill_kv[name][3])
+        assert bool((decode_kv[name][4:6] == -1).all()), "a refused Pull wrote KV"
+    deadline = time.monotonic() + DEADLINE
+    sent: set[str] = set()
+    while "prefill-internal-1" not in sent:  # reported by prefill's own request id, which vLLM knows
+        assert time.monotonic() < deadline, "prefill never reported the keyed send finished"
+        sent |= prefill.get_transfer_results(idle=True)
+    assert key not in prefill._keys and other_key in prefill._keys  # the refused one is still held for its decode
+
+
+def test_a_pull_with_another_prompts_digest_is_refused_by_request_id_too(pair):
+    """The digest is checked on every Pull that carries one, by request id as well (sequential mode). Cost: < 1 s."""
+    decode, prefill, decode_kv, _ = pair
+    prefill.start_load_kv(PdPairConnectorMetadata(reqs_to_send=[
+        SendRequest("p1", [1], time.monotonic() + 60, prompt_digest=bytes(range(32)))]))
+    decode.start_load_kv(PdPairConnectorMetadata(reqs_to_recv=[RecvRequest("d1", "p1", 0, [2], "prefill-0",
+                                                                            bytes(32))]))
+    _, failed = settle(decode, {"d1"}, idle=True)
+    assert failed == {"d1"}
+    assert all(bool((decode_kv[name][2] == -1).all()) for name in LAYERS)
