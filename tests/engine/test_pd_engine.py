@@ -172,6 +172,48 @@ def test_selective_routing_sends_a_short_prompt_to_decode_alone_with_an_equal_ou
         selective.stop()
 
 
+def test_both_legs_at_once_serve_like_the_single_engine_and_a_prefill_that_never_computes_fails_in_bound(stack,
+                                                                                                        tmp_path):
+    """A router with --concurrent-legs on the module's engines: after the prefill's first answer (which teaches the
+    router its identity) decode gets each request together with prefill's, names the transfer by the router's key,
+    pulls at once, and every output equals the single engine's (streamed too), one KV transfer each. Then decode's
+    request for a key prefill never computes (a prefill leg that never arrives, no engine killed) fails within half
+    the hang timeout plus margin: the parked Pull is refused, no signal wait times out, decode stays healthy.
+    Cost: no cold start (a router process), about 12 s."""
+    concurrent = router(tmp_path, stack.prefill.url, stack.decode.url, decode_timeout=60, extra_env=API_KEY_ENV,
+                        extra_args=("--concurrent-legs", "--log-choices"), name="concurrent-router").start()
+    try:
+        concurrent.wait_healthy(60)
+        before = ok_transfers(stack)
+        for prompt in PROMPTS:
+            status, via_pair = completion(concurrent.url, prompt)
+            assert status == 200, via_pair
+            status, single = completion(stack.baseline.url, prompt)
+            assert status == 200, single
+            assert tokens(via_pair) == tokens(single), f"prompt {prompt[:40]!r}"
+        streamed = "Streamed with both legs at once, token by token."
+        status, single = completion(stack.baseline.url, streamed)
+        assert streamed_text(concurrent.url, streamed) == single["choices"][0]["text"]
+        assert ok_transfers(stack) == before + len(PROMPTS) + 1
+        assert concurrent.log().count("both legs at once") == len(PROMPTS), concurrent.log()[-3000:]
+    finally:
+        concurrent.stop()
+
+    timeouts_before = metric(stack.decode_metrics, "pdpair_signal_wait_timeouts_total")
+    key = "t-" + "0123456789abcdef" * 2
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": key,
+              "pdpair_transfer_key": key, "remote_instance": PREFILL_INSTANCE, "remote_pair": "test-pair",
+              "remote_generation": GENERATION}
+    started = time.monotonic()
+    status, payload = completion(stack.decode.url, "No prefill ever computes this one.", kv_transfer_params=params)
+    elapsed = time.monotonic() - started
+    failed = status >= 500 or payload.get("choices", [{}])[0].get("finish_reason") == "error"
+    assert failed, f"status {status}: {json.dumps(payload)[:500]}"
+    assert HANG_TIMEOUT_SECONDS * 0.4 <= elapsed <= HANG_TIMEOUT_SECONDS * 0.5 + 15, elapsed
+    assert metric(stack.decode_metrics, "pdpair_signal_wait_timeouts_total") == timeouts_before
+    assert http_get(stack.decode_metrics + "/healthz")[0] == 200
+
+
 def test_the_api_key_guards_the_pair_and_the_router_passes_it_through(stack):
     """spec.apiKeySecret's behaviour on real engines (VLLM_API_KEY on prefill, decode and the router, as the
     operator's pods get it from the Secret): the router refuses a request without the key or with a wrong one (401,

@@ -310,6 +310,9 @@ async def _both_legs(router: Router, prefill: Instance, decode: Instance, reques
     params = {**identity, PARAM_DO_REMOTE_PREFILL: True, PARAM_DO_REMOTE_DECODE: False,
               PARAM_REMOTE_REQUEST_ID: key, KV_PARAM_TRANSFER_KEY: key}
     progress: dict[str, bool] = {"started": False}
+    if router.config.log_choices:
+        logger.info("request %s: both legs at once to prefill %d and decode %d, transfer key %s", request_id,
+                    prefill.index, decode.index, key)
     prefill_leg = asyncio.ensure_future(_prefill(router, prefill, decode, body, request.path, headers, True, involved,
                                                  transfer_key=key))
     decode_leg = asyncio.ensure_future(_decode(router, decode, request, body, params, headers, received, None,
