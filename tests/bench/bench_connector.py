@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "engine"))
 sys.path.insert(0, str(HERE.parents[1]))  # engines.py imports devcluster.ports
 
-from engines import ENGINE_ENV, Process, engine, free_port, http_get, http_post, pair_env, router  # noqa: E402
+from engines import Process, engine, free_port, http_get, pair_env, router  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 import quiet  # noqa: E402  (tests/bench/quiet.py: the load guard)
 

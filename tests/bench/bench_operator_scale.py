@@ -640,9 +640,9 @@ def main() -> int:
 
     listeners.close()
     print()
-    print(f"| pairs | operator to Ready | floor (writes + pods Running) | ratio | floor writes only | ratio | "
-          f"operator writes/pair | RSS Ready / idle start / idle end / restarted | settle | idle writes/s, operator's "
-          f"(all; baseline) | idle CPU | restart converge |")
+    print("| pairs | operator to Ready | floor (writes + pods Running) | ratio | floor writes only | ratio | "
+          "operator writes/pair | RSS Ready / idle start / idle end / restarted | settle | idle writes/s, operator's "
+          "(all; baseline) | idle CPU | restart converge |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print(f"| {n} | {op_seconds:.1f} s | {floor['seconds']:.1f} s | **{result['ratio_to_floor']:.2f}** | "
           f"{floor['writes_seconds']:.1f} s | {result['ratio_to_floor_writes_only']:.2f} | "

@@ -5,9 +5,13 @@
 
 Starts a single engine, a pdpair prefill+decode pair, (when `nixl` imports, from --nixl-site or the venv) a vLLM
 NixlConnector pair and "dp": two single engines behind a round-robin proxy (rr_proxy.py: the pair's two cores used
-as data parallelism), same tiny model; both P/D pairs sit behind the same `pdpair.router`. `--bind` pins each
+as data parallelism), same tiny model; both P/D pairs sit behind the same `pdpair.router`. The pdpair pair serves up
+to three setups, each its own router in front of the same two engines: `pdpair` (sequential legs: decode's request
+once prefill answered), `pdpair-concurrent` (`--concurrent-legs`: both legs at once) and `pdpair-selective`
+(`--concurrent-legs --local-prompt-tokens N`: prompts estimated shorter than N tokens go to decode alone, and N is
+learned from then on). `--bind` pins each
 engine's whole process tree (API server, engine core, worker) to one core with `taskset` and OMP_NUM_THREADS=1:
-the single engine core 0; each pair's prefill core 0 and decode core 1; dp's engines cores 0 and 1. So a pair is
+the single engine core 0 (`single-core1`, the same engine, core 1: decode's core, the baseline of a request decode computes alone); each pair's prefill core 0 and decode core 1; dp's engines cores 0 and 1. So a pair is
 compared with a one-core engine on one core per engine, no engine oversubscribes the cores, and only one setup is
 measured at a time (idle engines sleep). The router, the proxy and the client float. Then:
 1. Sequential, round robin over the setups (one request in flight on the machine): streamed TTFT and time per output
@@ -142,6 +146,28 @@ def timeline_report(log_dir: Path) -> dict:
     return {"requests_joined": len(complete), "requests_seen": len(lines), "median_step_ms": steps, "spans": summary}
 
 
+def router_modes(setups: list[Setup]) -> dict:
+    """Per pdpair setup, its router's split and local decisions so far (warm-up included) and the current threshold
+    of selective disaggregation (the router's /metrics)."""
+    from engines import http_get
+
+    out = {}
+    for setup in setups:
+        if not setup.name.startswith("pdpair"):
+            continue
+        status, body = http_get(setup.url + "/metrics")
+        if status != 200:
+            out[setup.name] = f"/metrics answered {status}"
+            continue
+        values = {}
+        for line in body.decode().splitlines():
+            m = re.match(r'^pdpair_router_(requests_total\{mode="(\w+)"\}|local_prompt_tokens) (\S+)$', line)
+            if m:
+                values[m.group(2) or "threshold"] = float(m.group(3))
+        out[setup.name] = values
+    return out
+
+
 def vllm_bench(url: str, model_dir: Path, concurrency: int, prompts: int, input_len: int, output_len: int,
                result_dir: Path, label: str) -> dict:
     filename = f"{label}-c{concurrency}.json"
@@ -169,7 +195,7 @@ def vllm_bench(url: str, model_dir: Path, concurrency: int, prompts: int, input_
 
 
 # --bind: the core of each engine process tree (by Process name); see the module docstring.
-CORES = {"single": "0", "pdpair-prefill": "0", "pdpair-decode": "1", "pdpair-before-prefill": "0",
+CORES = {"single": "0", "single-core1": "1", "pdpair-prefill": "0", "pdpair-decode": "1", "pdpair-before-prefill": "0",
          "pdpair-before-decode": "1", "nixl-prefill": "0", "nixl-decode": "1", "dp-0": "0", "dp-1": "1"}
 BIND = False  # set from --bind in main()
 
@@ -202,7 +228,9 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--prompts-per-client", type=int, default=4, help="vllm bench prompts = max(16, this x concurrency)")
-    parser.add_argument("--setups", default="single,pdpair,nixl,dp")
+    parser.add_argument("--setups", default="single,single-core1,pdpair,pdpair-concurrent,pdpair-selective,nixl,dp")
+    parser.add_argument("--local-prompt-tokens", type=int, default=128,
+                        help="pdpair-selective's starting threshold (the router's --local-prompt-tokens)")
     parser.add_argument("--bind", action="store_true", help="one core per engine process tree (module docstring)")
     parser.add_argument("--nixl-site", type=Path, help="a pip --target dir holding nixl (kept off the shared venv)")
     parser.add_argument("--before", type=Path,
@@ -237,7 +265,10 @@ def main() -> int:
     try:
         if "single" in wanted:
             single = start(procs, engine("single", model, logs))
-        if "pdpair" in wanted:
+        if "single-core1" in wanted:  # the same engine on decode's core: the baseline of a request decode computes alone
+            single1 = start(procs, engine("single-core1", model, logs))
+        pd_routers = [name for name in ("pdpair", "pdpair-concurrent", "pdpair-selective") if name in wanted]
+        if pd_routers:
             listen = free_port()
             pd_decode = start(procs, engine("pdpair-decode", model, logs, kv_role="kv_consumer", pdpair_env={
                 **pair_env("decode", generation=1, listen_base=listen, hang_timeout=30), **TIMELINE_ENV}))
@@ -267,15 +298,25 @@ def main() -> int:
         if "single" in wanted:
             single.wait_healthy()
             setups.append(Setup("single", single.url))
-        if "pdpair" in wanted:
+        if "single-core1" in wanted:
+            single1.wait_healthy()
+            setups.append(Setup("single-core1", single1.url))
+        if pd_routers:
             pd_decode.wait_healthy()
             pd_prefill.wait_healthy()
             pd_prefill.wait_log("paired with decode", 60)
-            rtr = router(logs, pd_prefill.url, pd_decode.url)
-            rtr.name, rtr.log_path = "pdpair-router", logs / "pdpair-router.log"
-            rtr.env = {**rtr.env, **TIMELINE_ENV}
-            start(procs, rtr).wait_healthy(60)
-            setups.append(Setup("pdpair", rtr.url, lambda: histogram(pd_decode.url + "/metrics", "vllm:pdpair_kv_transfer_seconds")))
+            flags = {"pdpair": (), "pdpair-concurrent": ("--concurrent-legs",),
+                     "pdpair-selective": ("--concurrent-legs", "--local-prompt-tokens", str(args.local_prompt_tokens))}
+            for name in pd_routers:
+                rtr = router(logs, pd_prefill.url, pd_decode.url, extra_args=flags[name], name=f"{name}-router")
+                if name == "pdpair":  # the timeline report joins this router's lines only (sequential legs)
+                    rtr.env = {**rtr.env, **TIMELINE_ENV}
+                start(procs, rtr).wait_healthy(60)
+                # one decode serves every pdpair setup: its transfer histogram (the mean over all of their
+                # transfers in the round) is reported once, on `pdpair`
+                setups.append(Setup(name, rtr.url, (lambda: histogram(pd_decode.url + "/metrics",
+                                                                      "vllm:pdpair_kv_transfer_seconds"))
+                                    if name == "pdpair" else None))
         if "pdpair-before" in wanted:
             old_decode.wait_healthy()
             old_prefill.wait_healthy()
@@ -317,8 +358,11 @@ def main() -> int:
         before = {s.name: s.transfer() for s in setups if s.transfer}
         report["load_average_sequential_start"] = os.getloadavg()
         for i in range(args.sequential):
-            prompt = text_prompt(i, args.prompt_words)
-            for setup in setups:
+            for number, setup in enumerate(setups):
+                # a prompt of its own per setup (a different first word, the same rest): the pdpair setups share
+                # their engines, and a prompt one of them sent would be a prefix-cache hit for the next (vLLM's
+                # block hashes chain from the first block, so one different token makes every block differ)
+                prompt = f"{WORDS[number % len(WORDS)]}{number} {text_prompt(i, args.prompt_words)}"
                 try:
                     times = stream_chunks(setup.url, prompt, args.max_tokens, f"seq-{setup.name}-{i}-{uuid.uuid4().hex[:8]}")
                 except Exception as exc:  # noqa: BLE001
@@ -346,10 +390,15 @@ def main() -> int:
             if base is not None and setup is not base:
                 row["ttft_ratio_to_single"] = round(statistics.median(setup.ttft) / statistics.median(base.ttft), 2)
                 row["tpot_ratio_to_single"] = round(statistics.median(setup.tpot) / statistics.median(base.tpot), 2)
+            other_core = next((s for s in setups if s.name == "single-core1"), None)
+            if other_core is not None and setup.name.startswith(("pdpair", "nixl")):
+                row["ttft_ratio_to_single_core1"] = round(statistics.median(setup.ttft) / statistics.median(other_core.ttft), 2)
+                row["tpot_ratio_to_single_core1"] = round(statistics.median(setup.tpot) / statistics.median(other_core.tpot), 2)
             if setup.name in transfer_ms:
                 row["kv_transfer_ms_mean"] = transfer_ms[setup.name]
             seq[setup.name] = row
         report["sequential"] = {"prompt_words": args.prompt_words, "max_tokens": args.max_tokens, "setups": seq}
+        report["router_modes_sequential"] = router_modes(setups)
         print(json.dumps({"sequential": report["sequential"]}), file=sys.stderr, flush=True)  # kept if stopped later
         if "pdpair" in wanted:
             time.sleep(1)  # log lines are flushed per line; give the last ones a moment
@@ -400,15 +449,16 @@ def main() -> int:
                     if name != "single":
                         r["throughput_ratio_to_single"] = round(r["requests_per_s"] / row["single"]["requests_per_s"], 3)
             if "dp" in row:
-                for name in ("pdpair", "nixl"):
-                    if name in row:
+                for name in row:
+                    if name.startswith(("pdpair", "nixl")):
                         row[name]["throughput_ratio_to_dp"] = round(row[name]["requests_per_s"] / row["dp"]["requests_per_s"], 3)
             if "nixl" in row:
-                for name in ("pdpair", "pdpair-before"):
-                    if name in row:
+                for name in row:
+                    if name.startswith("pdpair"):
                         row[name]["throughput_ratio_to_nixl"] = round(row[name]["requests_per_s"] / row["nixl"]["requests_per_s"], 3)
             conc[f"c{level}"] = row
         report["concurrency"] = {"input_len": args.input_len, "output_len": args.output_len, "levels": conc}
+        report["router_modes_end"] = router_modes(setups)
     finally:
         for proc in reversed(procs):
             proc.stop()

@@ -113,10 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
              "ways (pdpair.router.split); 0 splits every request and learns nothing (default "
              f"{_DEFAULTS['local_prompt_tokens']})")
     parser.add_argument(
-        "--concurrent-legs", action="store_true", default=_DEFAULTS["concurrent_legs"],
+        "--concurrent-legs", action=argparse.BooleanOptionalAction, default=_DEFAULTS["concurrent_legs"],
         help="send decode its request together with prefill's (decode allocates and pulls while prefill computes) "
              "instead of once prefill answered; a prefill is sent both legs at once after its first answer "
-             "(default off)")
+             f"(default {'on' if _DEFAULTS['concurrent_legs'] else 'off'}; --no-concurrent-legs: in sequence)")
     parser.add_argument(
         "--max-body-bytes", type=_bytes, default=_DEFAULTS["max_body_bytes"],
         help="the largest request body accepted; a larger one is answered 413 before it is read (default "
