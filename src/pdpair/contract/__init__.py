@@ -491,7 +491,12 @@ ROUTER_LOCAL_PROMPT_TOKENS = Metric(
     "pdpair_router_local_prompt_tokens", "gauge", (),
     "The current threshold of selective disaggregation: prompts estimated shorter go to decode alone (0: off).",
 )
-ROUTER_METRICS = (ROUTER_REQUESTS, ROUTER_LOCAL_PROMPT_TOKENS)
+ROUTER_PREFIX_CHUNKS = Metric(
+    "pdpair_router_prefix_chunks_total", "counter", ("outcome",),
+    "Prompt chunks (128 bytes) of requests routed with prefix affinity: routed, and matched (sent before to the "
+    "prefill chosen); matched / routed is the router's estimate of the prefix hit rate.",
+)
+ROUTER_METRICS = (ROUTER_REQUESTS, ROUTER_LOCAL_PROMPT_TOKENS, ROUTER_PREFIX_CHUNKS)
 
 ALL_METRICS = POD_METRICS + OPERATOR_METRICS + ROUTER_METRICS
 

@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
              "instead of once prefill answered; a prefill is sent both legs at once after its first answer "
              f"(default {'on' if _DEFAULTS['concurrent_legs'] else 'off'}; --no-concurrent-legs: in sequence)")
     parser.add_argument(
+        "--prefix-affinity", action=argparse.BooleanOptionalAction, default=_DEFAULTS["prefix_affinity"],
+        help="send a prompt to the prefill this router sent its longest prefix to (so it pays only the uncached "
+             "part), among the prefills within one request of the least loaded "
+             f"(default {'on' if _DEFAULTS['prefix_affinity'] else 'off'})")
+    parser.add_argument(
         "--max-body-bytes", type=_bytes, default=_DEFAULTS["max_body_bytes"],
         help="the largest request body accepted; a larger one is answered 413 before it is read (default "
              f"{_DEFAULTS['max_body_bytes']}, 4 MiB: a 128k-token prompt is under 1 MiB; raise it for inline images)")
@@ -136,7 +141,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         connect_timeout_seconds=args.connect_timeout, idle_connection_seconds=args.idle_connection_timeout,
         failure_cooldown_seconds=args.failure_cooldown, debug_routing=args.debug_routing, log_choices=args.log_choices,
         max_body_bytes=args.max_body_bytes, local_prompt_tokens=args.local_prompt_tokens,
-        concurrent_legs=args.concurrent_legs,
+        concurrent_legs=args.concurrent_legs, prefix_affinity=args.prefix_affinity,
     )
 
 

@@ -85,6 +85,7 @@ from pdpair.router.config import (
 )
 from pdpair.router.metrics import METRICS_REGISTRY, metrics_handler, registry_for
 from pdpair.router.peer_push import no_peers_handler, peers_handler, check_peers_token
+from pdpair.router.prefix_index import prompt_hashes
 from pdpair.router.split import LOCAL, prompt_tokens
 
 # kv_transfer_params keys of decode's request when both legs go at once (the connector's names; vLLM's do_remote_*)
@@ -280,7 +281,17 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     # `involved` (Pool.involve): the decode and every prefill the request is sent to, until decode's answer ended.
     with router.decodes.hold(decode), router.decodes.involve(decode), contextlib.ExitStack() as involved:
         prefills_seen = router.prefills.outstanding()
-        prefill = router.prefills.member(forced[0]) if forced else router.prefills.choose()
+        hashes = prompt_hashes(body, request.path.endswith("/chat/completions")) \
+            if router.config.prefix_affinity and not forced else []
+        if forced:
+            prefill = router.prefills.member(forced[0])
+        elif hashes:
+            prefill = router.prefills.choose(affinity=lambda i: router.prefix.matched(i.url, hashes))
+            router.prefix_chunks["routed"] += len(hashes)
+            router.prefix_chunks["matched"] += router.prefix.matched(prefill.url, hashes)
+            router.prefix.record(prefill.url, hashes)
+        else:
+            prefill = router.prefills.choose()
         if router.config.log_choices:
             _log_choice(router, request_id, prefill, decode, prefills_seen, decodes_seen, forced is not None)
         identity = router.prefill_identity.get(prefill.url) if router.config.concurrent_legs else None

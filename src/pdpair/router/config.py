@@ -38,6 +38,9 @@ class RouterConfig:
     # key the router makes, so decode allocates and pulls while prefill computes. Off: decode's request goes once
     # prefill answered (sequential).
     concurrent_legs: bool = False
+    # Prefix affinity (prefix_index.py): a prompt goes to the prefill this router sent its longest prefix to, among
+    # those within PREFIX_LOAD_SLACK requests of the least loaded. Off: by load alone.
+    prefix_affinity: bool = False
     # Each instance's own readiness URL, in the order of its role's URLs (empty: its base URL + /health). The
     # router's /readyz passes while at least one prefill and one decode pass theirs (`readiness`).
     prefill_ready_urls: tuple[str, ...] = ()

@@ -17,6 +17,7 @@ from aiohttp import web
 from pdpair.contract import READYZ_PATH
 from pdpair.contract.router_peers import RouterMember
 from pdpair.router.config import HEALTH_PATH, RouterConfig
+from pdpair.router.prefix_index import PREFIX_LOAD_SLACK, PrefixIndex
 from pdpair.router.split import SplitPolicy
 
 @dataclass(eq=False)
@@ -58,10 +59,11 @@ class Pool:
         self._clock = clock
         self._cursor = 0  # round-robin: the index that wins the next exact tie
 
-    def choose(self, exclude: Instance | None = None) -> Instance:
+    def choose(self, exclude: Instance | None = None, affinity: Callable[[Instance], int] | None = None) -> Instance:
         """The instance with the fewest requests in flight; ties go to the lowest fresh KV-cache usage (when this
         pool tracks it), then round-robin. `exclude` (the instance a retry leaves) is chosen only if it is the only
-        one."""
+        one. `affinity` (prefix_index.py: the prompt's chunks an instance was sent before): among the instances within
+        PREFIX_LOAD_SLACK requests of the least loaded, those with the longest match > 0 are the candidates instead."""
         now = self._clock()
         candidates = [i for i in self.instances if i is not exclude] or self.instances
         # Fail open: when every candidate is cooling down, choose among them anyway. Skipping a failed instance only
@@ -70,6 +72,12 @@ class Pool:
         # failure_cooldown_seconds of certain 503s for a pair that may already serve again.
         candidates = [i for i in candidates if i.cooldown_until <= now] or candidates
         least = min(i.outstanding for i in candidates)
+        if affinity is not None:
+            near = [i for i in candidates if i.outstanding <= least + PREFIX_LOAD_SLACK]
+            matched = [affinity(i) for i in near]
+            if max(matched) > 0:
+                candidates = [i for i, m in zip(near, matched) if m == max(matched)]
+                least = min(i.outstanding for i in candidates)
         tied = [i for i in candidates if i.outstanding == least]
         if len(tied) > 1 and self._kv_max_age is not None:
             usages = [self.fresh_kv_usage(i, now) for i in tied]
@@ -161,6 +169,9 @@ class Router:
         # prefill URL -> what decode's kv_transfer_params must name of it (instance, pair, generation), from its last
         # answer: both legs go at once (--concurrent-legs) only to a prefill that answered before
         self.prefill_identity: dict[str, dict[str, Any]] = {}
+        # what this router sent to each prefill (--prefix-affinity), and its chunks routed and matched (/metrics)
+        self.prefix = PrefixIndex()
+        self.prefix_chunks = {"routed": 0, "matched": 0}
         # Sent with every request to an engine's API (prefill, decode, decode's /v1/models): the pair's API key, which
         # vLLM requires under /v1 when it has one; nothing without a key. Not to readiness URLs or /metrics (open).
         self.engine_headers: dict[str, str] = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -183,6 +194,8 @@ class Router:
         """Both roles' sets at once: synchronous, so no request sees one role swapped and not the other."""
         self.prefills.replace(prefills)
         self.decodes.replace(decodes)
+        self.prefix.forget({m.url for m in prefills})
+        self.prefill_identity = {url: v for url, v in self.prefill_identity.items() if url in {m.url for m in prefills}}
         self.epoch, self.generation = epoch, generation
 
     def peers_state(self) -> dict:

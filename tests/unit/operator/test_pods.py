@@ -120,8 +120,11 @@ def test_router_pod_passes_the_selective_disaggregation_threshold():
     cmd = router_pod(pair, 1, leased(), "h", "10.0.0.2", "10.0.0.1")["spec"]["containers"][0]["command"]
     assert cmd[cmd.index("--local-prompt-tokens") + 1] == "256"
     assert "--concurrent-legs" not in cmd and "--no-concurrent-legs" not in cmd  # unset: the router's default
-    for value, flag in ((True, "--concurrent-legs"), (False, "--no-concurrent-legs")):
-        pair = {**PAIR, "spec": {**PAIR["spec"], "router": {"concurrentLegs": value}}}
+    for field, value, flag in (("concurrentLegs", True, "--concurrent-legs"),
+                               ("concurrentLegs", False, "--no-concurrent-legs"),
+                               ("prefixAffinity", True, "--prefix-affinity"),
+                               ("prefixAffinity", False, "--no-prefix-affinity")):
+        pair = {**PAIR, "spec": {**PAIR["spec"], "router": {field: value}}}
         assert flag in router_pod(pair, 1, leased(), "h", "10.0.0.2", "10.0.0.1")["spec"]["containers"][0]["command"]
 
 

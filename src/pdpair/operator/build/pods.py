@@ -401,8 +401,9 @@ def router_pod(
         command += ["--debug-routing", "--log-choices"]  # tests force each (prefill, decode) combination
     if router_spec.get("localPromptTokens") is not None:  # unset: the router's own default (RouterConfig)
         command += ["--local-prompt-tokens", str(int(router_spec["localPromptTokens"]))]
-    if router_spec.get("concurrentLegs") is not None:  # unset: the router's own default (RouterConfig)
-        command += ["--concurrent-legs" if router_spec["concurrentLegs"] else "--no-concurrent-legs"]
+    for field, flag in (("concurrentLegs", "concurrent-legs"), ("prefixAffinity", "prefix-affinity")):
+        if router_spec.get(field) is not None:  # unset: the router's own default (RouterConfig)
+            command += [f"--{flag}" if router_spec[field] else f"--no-{flag}"]
     pod = _base_pod(pair, ROLE_ROUTER, generation, spec_hash)
     container = _main_container(pod, ROUTER_CONTAINER)
     ours = (_identity_env(pair, ROLE_ROUTER, generation) + [{"name": ENV_HTTP_PORT, "value": str(router_port)}]
