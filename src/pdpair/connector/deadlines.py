@@ -33,6 +33,20 @@ def parked_pull_deadline(hang_timeout_seconds: float, received_at: float) -> flo
     return received_at + PARKED_PULL_SHARE * hang_timeout_seconds
 
 
+def keyed_pull_deadline(hang_timeout_seconds: float, received_at: float) -> float:
+    """Prefill: a Pull that names the router's transfer key (both legs at once) comes before its prompt is computed;
+    it is parked until the prompt is, at most as long as a computed prompt's blocks are held for decode (the send
+    lease), then PullFailed. A longer prefill queue than that fails the request."""
+    return received_at + SEND_LEASE_FACTOR * hang_timeout_seconds
+
+
+def keyed_start_deadline(hang_timeout_seconds: float, pulled_at: float) -> float:
+    """Decode: a keyed Pull's wait for prefill to start serving it (PullStarted): prefill's own bound
+    (keyed_pull_deadline) plus a hang timeout, so prefill's PullFailed comes first; from PullStarted on, the wait's
+    deadline is signal_wait_deadline."""
+    return keyed_pull_deadline(hang_timeout_seconds, pulled_at) + hang_timeout_seconds
+
+
 def flush_deadline(hang_timeout_seconds: float, last_put: float) -> float:
     """Prefill: every put of one Pull has completed locally."""
     return last_put + hang_timeout_seconds

@@ -23,6 +23,7 @@ from pdpair.connector.metadata import (
     Pull,
     PullDone,
     PullFailed,
+    PullStarted,
     Refused,
     Regions,
     decode,
@@ -92,6 +93,7 @@ class DecodeSideChannel(DecodePairing, SideChannelThread):
         max_edges: int = contract.DEFAULT_MAX_EDGES,
         test_stop_listener_file: str | None = None,
         api_port: int = 0,
+        on_pull_started: Callable[[PullStarted, DecodeEdge], None] | None = None,
     ) -> None:
         super().__init__(f"pdpair-sidechannel-decode-r{tp_rank}", local_hash, accounts)
         self.api_port = api_port  # sent in Welcome: how prefill matches the router's `remote_decode_url` to this edge
@@ -109,6 +111,7 @@ class DecodeSideChannel(DecodePairing, SideChannelThread):
         self.register_regions = register_regions
         self.on_pull_done = on_pull_done
         self.on_pull_failed = on_pull_failed
+        self.on_pull_started = on_pull_started
         self.on_disconnect = on_disconnect
         self._edges: dict[str, DecodeEdge] = {}  # prefill instance -> its edge; written by this thread only
         self._edges_lock = threading.Lock()
@@ -373,6 +376,12 @@ class DecodeSideChannel(DecodePairing, SideChannelThread):
                                   type(message).__name__)
         elif isinstance(message, PullDone):
             self.on_pull_done(message)
+        elif isinstance(message, PullStarted):
+            if self.on_pull_started is not None:
+                try:
+                    self.on_pull_started(message, edge)
+                except Exception:  # noqa: BLE001 - a peer's message never ends the loop
+                    logger.exception("%s: on_pull_started(%s) failed", self.name, message.transfer_id)
         elif isinstance(message, PullFailed):
             self._pull_failed(message, edge)
         else:

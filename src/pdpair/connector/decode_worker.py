@@ -21,12 +21,13 @@ import torch
 
 from pdpair import contract
 from pdpair.connector import timeline
-from pdpair.connector.deadlines import retire_deadline, signal_wait_deadline
+from pdpair.connector.deadlines import keyed_start_deadline, retire_deadline, signal_wait_deadline
 from pdpair.connector.decode_side_channel import DecodeSideChannel
 from pdpair.connector.metadata import (
     Pull,
     PullDone,
     PullFailed,
+    PullStarted,
 )
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest
 from pdpair.connector.testing_knobs import TEST_CORRUPT_KV_BYTE, SlowDecodeKnob
@@ -92,6 +93,7 @@ class DecodeWorker(WorkerBase):
             register_regions=self._register,
             on_pull_done=self._on_pull_done,
             on_pull_failed=self._on_pull_failed,
+            on_pull_started=self._on_pull_started,
             on_disconnect=self._on_disconnect,
             accounts=self.accounts,
             test_stop_listener_file=self.config.test_stop_listener_file,
@@ -205,14 +207,19 @@ class DecodeWorker(WorkerBase):
                 self._fail(recv.request_id, timed_out=False)
                 return
         now = time.monotonic()
-        deadline = signal_wait_deadline(self.config.hang_timeout_seconds, now)
-        wait = SignalWait(recv, slot, base, expected, nbytes, now, deadline, comm, tag, generation)
+        if recv.keyed:  # prefill may still be computing the prompt: the transfer's deadline starts at PullStarted
+            deadline = keyed_start_deadline(self.config.hang_timeout_seconds, now)
+        else:
+            deadline = signal_wait_deadline(self.config.hang_timeout_seconds, now)
+        wait = SignalWait(recv, slot, base, expected, nbytes, now, deadline, comm, tag, generation,
+                          serving=not recv.keyed, peer=edge.label)
         with self._lock:
             self._waits[recv.request_id] = wait
-        self.accounts.open_wait(recv.request_id, edge.label, expected, wait.deadline)
+        if wait.serving:
+            self.accounts.open_wait(recv.request_id, edge.label, expected, wait.deadline)
         side.post(Pull(recv.request_id, recv.remote_request_id, recv.first_block, recv.block_ids, slot, expected,
                        tag, generation, recv.prompt_digest), edge)
-        self._waiters.submit(self._wait_for_signals, wait)
+        self._waiters.submit(self._settle, wait)
 
     def _declare(self, comm: PairComm, recv: RecvRequest, tag: int, generation: int, slot: int, expected: int) -> None:
         """Declare the load's transfer: each of its blocks in every layer's region as one window (the transport has
@@ -244,6 +251,16 @@ class DecodeWorker(WorkerBase):
             logger.warning("request %s: retiring its transfer: %s", wait.recv.request_id, exc)
             return False
 
+    def _settle(self, wait: SignalWait) -> None:
+        """The waiter thread's whole job: every load settles, loaded or failed, whatever goes wrong here."""
+        try:
+            self._wait_for_signals(wait)
+        except Exception:  # noqa: BLE001 - logged; the request fails instead of waiting forever
+            logger.exception("request %s: settling its KV load failed", wait.recv.request_id)
+            with self._lock:
+                self._waits.pop(wait.recv.request_id, None)
+            self._fail(wait.recv.request_id, timed_out=False)
+
     def _wait_for_signals(self, wait: SignalWait) -> None:
         request_id = wait.recv.request_id
         received = 0
@@ -253,6 +270,7 @@ class DecodeWorker(WorkerBase):
                 received = self._wait_until(wait, target, received)
                 if received < 0:
                     return  # timed out (reported)
+                self._begin_serving(wait)  # a keyed Pull's signals came before its PullStarted: it started
                 if wait.first_signal is None:
                     wait.first_signal = time.monotonic()
             wait.last_signal = time.monotonic()
@@ -287,7 +305,7 @@ class DecodeWorker(WorkerBase):
                 self._close(wait, contract.OUTCOME_ERROR, wait.expected)
                 self._fail(request_id, timed_out=False)
                 return
-        seconds = wait.last_signal - wait.started
+        seconds = max(0.0, wait.last_signal - wait.started)
         self._maybe_corrupt(wait)
         self._close(wait, contract.OUTCOME_OK, wait.expected, seconds=seconds, release_slot=True)
         with self._lock:
@@ -314,8 +332,12 @@ class DecodeWorker(WorkerBase):
                 got = exc.observed - wait.base
                 if got != received:
                     received = got
+                    self._begin_serving(wait)  # a signal of a keyed Pull can come before its PullStarted
                     self.accounts.on_signals(wait.recv.request_id, received)
                 if time.monotonic() >= wait.deadline:
+                    if not wait.serving:  # prefill never started it: a clean failure, not a transfer's timeout
+                        raise TransportError(f"prefill did not start serving the Pull within "
+                                             f"{wait.deadline - wait.started:.0f}s")
                     self._on_timeout(wait, received)
                     return -1
 
@@ -367,7 +389,8 @@ class DecodeWorker(WorkerBase):
             if (release_slot or retired) and free is not None:
                 free.append(wait.slot)
         took = time.monotonic() - wait.started if seconds is None else seconds
-        self.accounts.close_wait(request_id, outcome, wait.nbytes if outcome == contract.OUTCOME_OK else 0, took)
+        if wait.serving:  # a keyed Pull that never started has no account open
+            self.accounts.close_wait(request_id, outcome, wait.nbytes if outcome == contract.OUTCOME_OK else 0, took)
 
     def _fail(self, request_id: str, timed_out: bool) -> None:
         with self._lock:
@@ -392,6 +415,26 @@ class DecodeWorker(WorkerBase):
             for block in wait.recv.block_ids:
                 view = byte_view(ptr + block * chunk, chunk)
                 view.fill_(TEST_CORRUPT_KV_BYTE)
+
+    def _on_pull_started(self, started: PullStarted, sender) -> None:
+        """Side-channel thread: prefill started serving a keyed Pull (only the edge it was sent on counts)."""
+        with self._lock:
+            wait = self._waits.get(started.transfer_id)
+        if wait is not None and wait.comm is sender.comm:
+            self._begin_serving(wait)
+
+    def _begin_serving(self, wait: SignalWait) -> None:
+        """A keyed Pull is being served (PullStarted, or a signal of it came first): from now on it is a transfer
+        like any other, with a hang timeout's deadline and an open health account. Once. The account is opened under
+        the lock that marks the wait serving: the waiter, which may complete the load right after, closes it only
+        once it is open (the side-channel thread and the waiter can both get here first)."""
+        with self._lock:
+            if wait.serving:
+                return
+            wait.serving = True
+            wait.started = time.monotonic()
+            wait.deadline = signal_wait_deadline(self.config.hang_timeout_seconds, wait.started)
+            self.accounts.open_wait(wait.recv.request_id, wait.peer, wait.expected, wait.deadline)
 
     def _on_pull_done(self, done: PullDone) -> None:
         pass  # completion is the signal count, not this message

@@ -49,7 +49,8 @@ from pdpair import contract
 #      and prefill frees its held requests at their lease's end only).
 #      Since 2026-12-07 a Pull may carry `prompt_digest` (absent reads empty: not checked) and its `remote_request_id`
 #      may be the router's transfer key (`pdpair_transfer_key`) instead of prefill's own request id (both legs at
-#      once, below).
+#      once, below); prefill then answers `PullStarted` when it starts serving such a Pull (decode's wait for the
+#      transfer, and the health verdict on it, count from there, not from the Pull).
 PDPAIR_CONNECTOR_VERSION = 4
 
 # Keys of kv_transfer_params. do_remote_* are vLLM's (the router and vLLM's own proxy use them); the rest are ours.
@@ -280,6 +281,13 @@ class Pull(msgspec.Struct, tag="pull", frozen=True):
     prompt_digest: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
 
+class PullStarted(msgspec.Struct, tag="pull_started", frozen=True):
+    """prefill -> decode: the Pull that named a transfer key is being served now (its prompt is computed); decode's
+    transfer deadline and its health accounts start here (the wait before is prefill computing, not a transfer)."""
+
+    transfer_id: _Id
+
+
 class PullDone(msgspec.Struct, tag="pull_done", frozen=True):
     """prefill -> decode: every put of a Pull was posted and completed locally."""
 
@@ -294,7 +302,7 @@ class PullFailed(msgspec.Struct, tag="pull_failed", frozen=True):
     reason: _Text
 
 
-Message = Hello | Challenge | Proof | Accepted | Regions | Welcome | Refused | Pull | PullDone | PullFailed
+Message = Hello | Challenge | Proof | Accepted | Regions | Welcome | Refused | Pull | PullStarted | PullDone | PullFailed
 
 # The only refusals an unauthenticated peer gets: they say nothing of decode (hash, generation, rank, transport).
 NOT_ACCEPTED = "not accepted"

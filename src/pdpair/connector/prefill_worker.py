@@ -9,6 +9,7 @@ import functools
 import hmac
 import logging
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,12 +18,14 @@ import torch
 
 from pdpair.connector import timeline
 from pdpair.connector.config import PeerAddress, check_peer_set
-from pdpair.connector.deadlines import flush_deadline, parked_pull_deadline
+from pdpair.connector.deadlines import flush_deadline, keyed_pull_deadline, parked_pull_deadline
 from pdpair.connector.metadata import (
     Message,
     Pull,
     PullDone,
     PullFailed,
+    PullStarted,
+    TRANSFER_KEY_PATTERN,
     Welcome,
 )
 from pdpair.connector.prefill_side_channel import PrefillSideChannel
@@ -280,7 +283,10 @@ class PrefillWorker(WorkerBase):
             send = self._send_of(pull)
             if send is None:
                 now = time.monotonic()
-                edge.parked[pull.transfer_id] = (pull, parked_pull_deadline(self.config.hang_timeout_seconds, now), now)
+                # a keyed Pull comes before its prompt is computed: it may wait for the computation
+                bound = keyed_pull_deadline if re.fullmatch(TRANSFER_KEY_PATTERN, pull.remote_request_id) \
+                    else parked_pull_deadline
+                edge.parked[pull.transfer_id] = (pull, bound(self.config.hang_timeout_seconds, now), now)
                 return None
         self._submit(edge, pull, send, time.monotonic())
         return None
@@ -340,6 +346,8 @@ class PrefillWorker(WorkerBase):
                 return
             edge.inflight += 1
             self._serving[request_id] = self._serving.get(request_id, 0) + 1
+        if by_key:  # decode's transfer deadline and health accounts start now, not at its Pull
+            edge.side.post(PullStarted(pull.transfer_id))
         try:
             self._pushers.submit(self._serve_and_reply, edge, pull, send, received, route)
         except RuntimeError:  # shutting down: the pool takes no more work

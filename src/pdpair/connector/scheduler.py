@@ -67,6 +67,8 @@ class RecvRequest:
     remote_instance: str
     # SHA-256 of this request's prompt tokens: the Pull carries it, prefill serves only the KV of that prompt
     prompt_digest: bytes = b""
+    # the Pull names the router's transfer key (both legs at once): prefill may still be computing the prompt
+    keyed: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,8 @@ class PdPairScheduler:
         (group,) = blocks.blocks  # one KV cache group (no hybrid allocator with this connector)
         cached = sum(1 for b in group if b.block_hash is not None and not b.is_null)
         new_ids = [b.block_id for b in group if b.block_hash is None and not b.is_null]
-        self._recv.append(RecvRequest(request.request_id, remote_id, cached, new_ids, instance, digest))
+        self._recv.append(RecvRequest(request.request_id, remote_id, cached, new_ids, instance, digest,
+                                      keyed=concurrent_key(params) is not None))
         if timeline.enabled():
             self._loads[request.request_id] = [timeline.now(), None]
 

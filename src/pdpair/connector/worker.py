@@ -108,6 +108,10 @@ class SignalWait:
     transfer_tag: int = 0  # the tag declared with comm.expect_transfer (0: none declared, nothing to retire)
     transfer_generation: int = 0
     failed_reason: str | None = None  # set by PullFailed
+    # False for a keyed Pull (both legs at once) until prefill starts serving it (PullStarted, or its first signal):
+    # until then `deadline` is the start's (deadlines.keyed_start_deadline) and no health account is open
+    serving: bool = True
+    peer: str = ""  # the edge's label, for the health account opened when serving starts
     first_signal: float | None = None  # time.monotonic() stamps, for the timeline
     last_signal: float | None = None
 

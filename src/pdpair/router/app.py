@@ -315,7 +315,7 @@ async def _both_legs(router: Router, prefill: Instance, decode: Instance, reques
     its Pull while prefill computes; prefill, given the same key, serves that Pull once its prompt is computed
     (connector/metadata.py PARAM_TRANSFER_KEY). Decode's answer is the client's. A prefill leg that fails before
     decode's answer began cancels decode's request and is answered as in sequential mode (the prefill's error); one
-    that fails later leaves decode's load to fail at its own deadline (the parked Pull's, half the hang timeout)."""
+    that fails later leaves decode's load to fail at the parked Pull's bound (four hang timeouts)."""
     request_id = headers[REQUEST_ID_HEADER]
     key = f"t-{uuid.uuid4().hex}"
     params = {**identity, PARAM_DO_REMOTE_PREFILL: True, PARAM_DO_REMOTE_DECODE: False,

@@ -501,11 +501,12 @@ def test_a_pull_named_by_the_routers_key_waits_for_the_prompt_and_is_served_only
     key, other_key = "t-" + "a" * 32, "t-" + "b" * 32
     digest, wrong = bytes(range(32)), bytes(32)
     decode.start_load_kv(PdPairConnectorMetadata(reqs_to_recv=[
-        RecvRequest("d1", key, 0, [6, 7], "prefill-0", digest),  # parked: prefill has nothing yet
-        RecvRequest("d2", other_key, 0, [4], "prefill-0", wrong),
-        RecvRequest("d3", other_key, 0, [5], "prefill-0")]))  # names a key without a digest
+        RecvRequest("d1", key, 0, [6, 7], "prefill-0", digest, keyed=True),  # parked: prefill has nothing yet
+        RecvRequest("d2", other_key, 0, [4], "prefill-0", wrong, keyed=True),
+        RecvRequest("d3", other_key, 0, [5], "prefill-0", keyed=True)]))  # names a key without a digest
     time.sleep(0.2)
     assert not decode.get_transfer_results()[0], "nothing may settle before prefill holds the request"
+    assert decode.accounts.open_transfers() == 0, "a Pull waiting for prefill's computation is no transfer yet"
     prefill.start_load_kv(PdPairConnectorMetadata(reqs_to_send=[
         SendRequest("prefill-internal-1", [2, 3], time.monotonic() + 60, transfer_key=key, prompt_digest=digest),
         SendRequest("prefill-internal-2", [1], time.monotonic() + 60, transfer_key=other_key, prompt_digest=digest)]))
@@ -532,3 +533,38 @@ def test_a_pull_with_another_prompts_digest_is_refused_by_request_id_too(pair):
     _, failed = settle(decode, {"d1"}, idle=True)
     assert failed == {"d1"}
     assert all(bool((decode_kv[name][2] == -1).all()) for name in LAYERS)
+
+
+def test_a_keyed_pull_may_wait_for_prefill_longer_than_the_hang_timeout_without_a_deficit():
+    """Both legs at once on a pair with a 1 s hang timeout: decode's keyed Pull waits 2.5 s for prefill's
+    computation (past the hang timeout, and past the half of it a request-id Pull may be parked) with no open
+    transfer in decode's health accounts (never hung), then is served at once when the send comes (PullStarted opens
+    its account, the signals close it). Cost: about 3 s."""
+    port = free_port()
+    decode = DecodeWorker(dataclasses.replace(config(contract.ROLE_DECODE, port), hang_timeout_seconds=1.0), 0, 1, 32,
+                          "0.32.0")
+    prefill = PrefillWorker(dataclasses.replace(config(contract.ROLE_PREFILL, port), hang_timeout_seconds=1.0), 0, 1,
+                            32, "0.32.0")
+    decode_kv = {name: torch.full((NUM_BLOCKS, *BLOCK_SHAPE), -1.0) for name in LAYERS}
+    prefill_kv = kv_caches(0.0)
+    try:
+        decode.register_kv_caches(decode_kv, NUM_BLOCKS)
+        prefill.register_kv_caches(prefill_kv, NUM_BLOCKS)
+        assert prefill.side.connected.wait(DEADLINE) and decode.side.connected.wait(DEADLINE)
+        key, digest = "t-" + "c" * 32, bytes(range(32))
+        decode.start_load_kv(PdPairConnectorMetadata(reqs_to_recv=[
+            RecvRequest("d1", key, 0, [2], "prefill-0", digest, keyed=True)]))
+        waited = time.monotonic() + 2.5
+        while time.monotonic() < waited:
+            assert decode.accounts.health().stuck is None, "a Pull waiting for prefill's computation is not a hang"
+            assert not decode.get_transfer_results()[0]
+            time.sleep(0.1)
+        prefill.start_load_kv(PdPairConnectorMetadata(reqs_to_send=[
+            SendRequest("internal", [5], time.monotonic() + 60, transfer_key=key, prompt_digest=digest)]))
+        _, failed = settle(decode, {"d1"}, idle=True)
+        assert failed == set()
+        assert all(torch.equal(decode_kv[name][2], prefill_kv[name][5]) for name in LAYERS)
+        assert decode.accounts.open_transfers() == 0 and decode.stats.data["transfers_ok"] == 1
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
