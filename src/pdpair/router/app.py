@@ -87,13 +87,13 @@ from pdpair.router.metrics import METRICS_REGISTRY, metrics_handler, registry_fo
 from pdpair.router.peer_push import no_peers_handler, peers_handler, check_peers_token
 from pdpair.router.prefix_index import prompt_hashes
 from pdpair.router.split import LOCAL, prompt_tokens
+from pdpair.router.pools import ROUTER, Instance, Router, no_instance
+
+logger = logging.getLogger("pdpair.router")
 
 # kv_transfer_params keys of decode's request when both legs go at once (the connector's names; vLLM's do_remote_*)
 PARAM_DO_REMOTE_DECODE, PARAM_DO_REMOTE_PREFILL, PARAM_REMOTE_REQUEST_ID = \
     "do_remote_decode", "do_remote_prefill", "remote_request_id"
-from pdpair.router.pools import ROUTER, Instance, Router, no_instance
-
-logger = logging.getLogger("pdpair.router")
 
 REQUEST_ID_HEADER = "X-Request-Id"
 ROUTE_HEADER = "X-Pdpair-Route"
