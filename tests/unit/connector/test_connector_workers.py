@@ -20,7 +20,7 @@ from pdpair.connector.config import PdPairConfig
 from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest, SendRequest
 from pdpair.connector.prefill_worker import SLOW_PUSH_SECONDS, PrefillWorker
 from pdpair.connector.decode_worker import DecodeWorker, transfer_tag
-from pdpair.connector.deadlines import PEER_DEATH_SECONDS
+from pdpair.connector.deadlines import PEER_DEATH_SECONDS, keyed_pull_deadline
 from pdpair.connector.metadata import PullFailed
 from pdpair.connector.transports import SignalWaitTimeout, TransferRejected, TransportError
 from pdpair.connector.worker import SignalWait
@@ -565,6 +565,36 @@ def test_a_keyed_pull_may_wait_for_prefill_longer_than_the_hang_timeout_without_
         assert failed == set()
         assert all(torch.equal(decode_kv[name][2], prefill_kv[name][5]) for name in LAYERS)
         assert decode.accounts.open_transfers() == 0 and decode.stats.data["transfers_ok"] == 1
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_keyed_pull_whose_prompt_is_never_computed_fails_cleanly_at_prefills_bound():
+    """Both legs at once, a prefill leg that never arrives (0.5 s hang timeout, so prefill's bound on a keyed Pull is
+    2 s): prefill refuses the parked Pull at its bound and decode fails the load at once, as a failed load, not a
+    transfer's timeout: no health account was ever opened, no deficit, nothing counted as a timeout. The engine tier
+    drives the router's side of the same on real engines. Cost: about 3 s."""
+    port = free_port()
+    decode = DecodeWorker(dataclasses.replace(config(contract.ROLE_DECODE, port), hang_timeout_seconds=0.5), 0, 1, 32,
+                          "0.32.0")
+    prefill = PrefillWorker(dataclasses.replace(config(contract.ROLE_PREFILL, port), hang_timeout_seconds=0.5), 0, 1,
+                            32, "0.32.0")
+    try:
+        decode.register_kv_caches({name: torch.full((NUM_BLOCKS, *BLOCK_SHAPE), -1.0) for name in LAYERS}, NUM_BLOCKS)
+        prefill.register_kv_caches(kv_caches(0.0), NUM_BLOCKS)
+        assert prefill.side.connected.wait(DEADLINE) and decode.side.connected.wait(DEADLINE)
+        started = time.monotonic()
+        decode.start_load_kv(PdPairConnectorMetadata(reqs_to_recv=[
+            RecvRequest("d1", "t-" + "d" * 32, 0, [2], "prefill-0", bytes(32), keyed=True)]))
+        _, failed = settle(decode, {"d1"}, idle=True)
+        elapsed = time.monotonic() - started
+        assert failed == {"d1"}
+        bound = keyed_pull_deadline(0.5, 0.0)
+        assert bound * 0.9 <= elapsed <= bound + 5, elapsed
+        health = decode.accounts.health()
+        assert health.stuck is None and decode.stats.data["transfers_timed_out"] == 0, (health, decode.stats.data)
+        assert decode.stats.data["transfers_failed"] == 1 and decode.accounts.open_transfers() == 0
     finally:
         prefill.shutdown()
         decode.shutdown()
