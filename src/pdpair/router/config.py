@@ -36,8 +36,9 @@ class RouterConfig:
     local_prompt_tokens: int = 0
     # Both legs at once (app._both_legs): decode gets its request together with prefill's, naming the transfer by a
     # key the router makes, so decode allocates and pulls while prefill computes. Off: decode's request goes once
-    # prefill answered (sequential).
-    concurrent_legs: bool = False
+    # prefill answered (sequential). On by default: faster in docs/benchmarks.md ("Both legs at once"), TTFT and
+    # requests/s alike.
+    concurrent_legs: bool = True
     # Prefix affinity (prefix_index.py): a prompt goes to the prefill this router sent its longest prefix to, among
     # those within PREFIX_LOAD_SLACK requests of the least loaded. Off: by load alone.
     prefix_affinity: bool = False
