@@ -6,8 +6,8 @@
 Starts a single engine, a pdpair prefill+decode pair, (when `nixl` imports, from --nixl-site or the venv) a vLLM
 NixlConnector pair and "dp": two single engines behind a round-robin proxy (rr_proxy.py: the pair's two cores used
 as data parallelism), same tiny model; both P/D pairs sit behind the same `pdpair.router`. The pdpair pair serves up
-to three setups, each its own router in front of the same two engines: `pdpair` (sequential legs: decode's request
-once prefill answered), `pdpair-concurrent` (`--concurrent-legs`: both legs at once) and `pdpair-selective`
+to three setups, each its own router in front of the same two engines: `pdpair` (`--no-concurrent-legs`: decode's
+request once prefill answered), `pdpair-concurrent` (`--concurrent-legs`: both legs at once) and `pdpair-selective`
 (`--concurrent-legs --local-prompt-tokens N`: prompts estimated shorter than N tokens go to decode alone, and N is
 learned from then on). `--bind` pins each
 engine's whole process tree (API server, engine core, worker) to one core with `taskset` and OMP_NUM_THREADS=1:
@@ -305,7 +305,7 @@ def main() -> int:
             pd_decode.wait_healthy()
             pd_prefill.wait_healthy()
             pd_prefill.wait_log("paired with decode", 60)
-            flags = {"pdpair": (), "pdpair-concurrent": ("--concurrent-legs",),
+            flags = {"pdpair": ("--no-concurrent-legs",), "pdpair-concurrent": ("--concurrent-legs",),
                      "pdpair-selective": ("--concurrent-legs", "--local-prompt-tokens", str(args.local_prompt_tokens))}
             for name in pd_routers:
                 rtr = router(logs, pd_prefill.url, pd_decode.url, extra_args=flags[name], name=f"{name}-router")
