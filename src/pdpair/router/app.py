@@ -1,6 +1,9 @@
-"""The pdpair router: each request goes to prefill with max_tokens=1 and kv_transfer_params {do_remote_decode: true},
-then the original request goes to decode with the kv_transfer_params prefill returned; decode's answer (streamed or
-not) goes back to the client.
+"""The pdpair router: each request goes to prefill with max_tokens=1 and kv_transfer_params {do_remote_decode: true}
+and the original request to decode: at the same moment, naming the transfer by a key the router makes (both legs at
+once, the default, `_both_legs`), or once prefill answered, with the kv_transfer_params prefill returned (in
+sequence: --no-concurrent-legs, and a prefill's first request); or, for a short prompt under selective
+disaggregation (--local-prompt-tokens), to decode alone. Decode's answer (streamed or not) goes back to the client.
+docs/design.md "The request path" has the three ways side by side.
 
 Several instances of each role may be given (`--prefill` and `--decode` repeated; an instance's index is its place
 among its role's flags). Per request the router chooses the decode first, then the prefill, by load (`Pool.choose`;
