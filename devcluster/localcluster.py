@@ -48,7 +48,7 @@ from devcluster.build import COMPONENT_VERSIONS, build, kubectl_path  # noqa: E4
 from devcluster.errors import COMPONENT_LOG_TAIL_CHARS, BuildError, ClusterError, _tail  # noqa: E402
 from devcluster.kwok import FAKE_NODE_LABEL, POD_CIDR, _node_stage_configs  # noqa: E402
 from devcluster.ports import free_port, pid_alive  # noqa: E402
-from devcluster.processes import _Component, _die_with_parent, _write_kubeconfig  # noqa: E402
+from devcluster.processes import _Component, _die_with_parent, _write_kubeconfig, stop_child  # noqa: E402
 
 SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
 DEFAULT_NODE_CAPACITY = {"cpu": "64", "memory": "512Gi", "pods": "110"}
@@ -236,15 +236,9 @@ class LocalCluster:
         # One by one in reverse order: clients before the apiserver, the apiserver before etcd. Stopping them all
         # at once leaves the apiserver draining requests against a dead etcd (seconds lost per cluster).
         for component in reversed(self._components):
-            if not component.process:
-                continue
-            if component.process.poll() is None:
-                component.process.terminate()
-            try:
-                component.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                component.process.kill()
-                component.process.wait(timeout=10)
+            if not stop_child(component.process):
+                print(f"localcluster: {component.name} (pid {component.process.pid}) not reaped 70 s after SIGTERM",
+                      file=sys.stderr)
         self._components = []
         self._api_client = None
 

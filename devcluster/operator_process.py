@@ -21,6 +21,7 @@ import yaml
 
 from pdpair.operator.model import config
 from devcluster.ports import free_port
+from devcluster.processes import stop_child
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHART_DIR = REPO_ROOT / "charts" / "pdpair"
@@ -144,12 +145,7 @@ class OperatorProcess:
     def stop(self, timeout: float = 20.0) -> None:
         if not self.proc or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_child(self.proc, grace_seconds=timeout)
 
     def __enter__(self) -> "OperatorProcess":
         return self.start()

@@ -38,3 +38,26 @@ class _Component:
     process: subprocess.Popen | None = None
     log_path: pathlib.Path | None = None
     env: dict = field(default_factory=dict)
+
+
+def stop_child(process: subprocess.Popen | None, grace_seconds: float = 10.0, reap_seconds: float = 60.0) -> bool:
+    """SIGTERM, then SIGKILL after `grace_seconds`; True once the child is reaped.
+
+    Never raises: a teardown that raises on a slow exit fails a test that passed. On a stalled 2-core box
+    (CI 2026-12-07: load 10.9) a SIGKILLed kube-apiserver took longer than 10 s to be reaped, so the reap after
+    the kill waits `reap_seconds`; a child still not gone then is left to the death signal and reported as False.
+    """
+    if process is None:
+        return True
+    if process.poll() is None:
+        process.terminate()
+    try:
+        process.wait(timeout=grace_seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        process.kill()
+    try:
+        process.wait(timeout=reap_seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
