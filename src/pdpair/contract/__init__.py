@@ -492,9 +492,9 @@ ROUTER_LOCAL_PROMPT_TOKENS = Metric(
     "The current threshold of selective disaggregation: prompts estimated shorter go to decode alone (0: off).",
 )
 ROUTER_PREFIX_CHUNKS = Metric(
-    "pdpair_router_prefix_chunks_total", "counter", ("outcome",),
-    "Prompt chunks (128 bytes) of requests routed with prefix affinity: routed, and matched (sent before to the "
-    "prefill chosen); matched / routed is the router's estimate of the prefix hit rate.",
+    "pdpair_router_prefix_chunks_total", "counter", ("role", "outcome"),
+    "Prompt chunks (128 bytes) of requests routed with prefix affinity, per role: routed, and matched (sent before "
+    "to the instance chosen); matched / routed is the router's estimate of that role's prefix hit rate.",
 )
 ROUTER_METRICS = (ROUTER_REQUESTS, ROUTER_LOCAL_PROMPT_TOKENS, ROUTER_PREFIX_CHUNKS)
 

@@ -64,7 +64,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -74,7 +73,7 @@ from aiohttp import web
 
 from pdpair.connector import timeline
 from pdpair.contract import KV_PARAM_REMOTE_DECODE_URL, KV_PARAM_TRANSFER_KEY, MAX_PEERS_BODY_BYTES, METRICS_PATH, PEERS_PATH
-from pdpair.contract import READYZ_PATH  # the router's readiness too: it has a prefill and a decode that are ready
+from pdpair.contract import READYZ_PATH, ROLE_DECODE, ROLE_PREFILL  # READYZ_PATH: the router's readiness too: it has a prefill and a decode that are ready
 from pdpair.contract import PROBE_WAIT_PARAM, parse_probe_wait, probe_hold_pause
 from pdpair.router.api_key import api_key_guard
 from pdpair.router.config import (
@@ -88,9 +87,10 @@ from pdpair.router.config import (
 )
 from pdpair.router.metrics import METRICS_REGISTRY, metrics_handler, registry_for
 from pdpair.router.peer_push import no_peers_handler, peers_handler, check_peers_token
+from pdpair.router.kv_usage import scrape_kv_usage
 from pdpair.router.prefix_index import prompt_hashes
-from pdpair.router.split import LOCAL, prompt_tokens
-from pdpair.router.pools import ROUTER, Instance, Router, no_instance
+from pdpair.router.split import LOCAL, prompt_tokens, uncached_tokens
+from pdpair.router.pools import ROUTER, Instance, Pool, Router, no_instance
 
 logger = logging.getLogger("pdpair.router")
 
@@ -100,7 +100,6 @@ PARAM_DO_REMOTE_DECODE, PARAM_DO_REMOTE_PREFILL, PARAM_REMOTE_REQUEST_ID = \
 
 REQUEST_ID_HEADER = "X-Request-Id"
 ROUTE_HEADER = "X-Pdpair-Route"
-KV_USAGE_METRIC = "vllm:kv_cache_usage_perc"
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -259,16 +258,23 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         if not pool.instances:
             return PeerError(503, "router", no_instance(pool.role)).response(request_id)
 
-    # Split or local (split.py): a forced route names a prefill, so it is split; only a streamed answer is measured.
-    streamed = bool(body.get("stream"))
-    tokens = prompt_tokens(body, request.path.endswith("/chat/completions")) \
-        if router.split.enabled and forced is None else None
-    mode = router.split.decide(tokens, measured=streamed)
+    chat = request.path.endswith("/chat/completions")
+    # the prompt's chunk hashes (prefix_index.py), once: for the decode's choice, the split decision and the prefill's
+    hashes = prompt_hashes(body, chat) if router.config.prefix_affinity and not forced else []
 
     # Decode first: it holds the request for the whole answer, so its load matters most; a prefill is busy only for
     # the prompt.
     decodes_seen = router.decodes.outstanding()
-    decode = router.decodes.member(forced[1]) if forced else router.decodes.choose()
+    decode = router.decodes.member(forced[1]) if forced else _choose(router, ROLE_DECODE, router.decodes, hashes)
+
+    # Split or local (split.py): a forced route names a prefill, so it is split; only a streamed answer is measured.
+    # The estimate is of what the chosen decode does not hold yet (all of it without --prefix-affinity).
+    streamed = bool(body.get("stream"))
+    tokens = uncached_tokens(prompt_tokens(body, chat), router.prefix[ROLE_DECODE].matched(decode.url, hashes)) \
+        if router.split.enabled and forced is None else None
+    mode = router.split.decide(tokens, measured=streamed)
+    if hashes:  # after the lookup above: decode's cache holds this prompt once it computed or loaded it
+        router.prefix[ROLE_DECODE].record(decode.url, hashes)
 
     def first_chunk(at: float) -> None:
         if tokens is not None:
@@ -277,24 +283,17 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     if mode == LOCAL:
         with router.decodes.hold(decode), router.decodes.involve(decode):
             if router.config.log_choices:
-                logger.info("request %s: decode %d %s alone (about %d prompt tokens, below %d); outstanding seen: "
+                logger.info("request %s: decode %d %s alone (about %d prompt tokens it does not hold, below %d); outstanding seen: "
                             "decode %s", request_id, decode.index, decode.url, tokens, router.split.threshold,
                             decodes_seen)
             return await _decode(router, decode, request, body, None, headers, received, None, first_chunk)
     # `involved` (Pool.involve): the decode and every prefill the request is sent to, until decode's answer ended.
     with router.decodes.hold(decode), router.decodes.involve(decode), contextlib.ExitStack() as involved:
         prefills_seen = router.prefills.outstanding()
-        hashes = prompt_hashes(body, request.path.endswith("/chat/completions")) \
-            if router.config.prefix_affinity and not forced else []
-        if forced:
-            prefill = router.prefills.member(forced[0])
-        elif hashes:
-            prefill = router.prefills.choose(affinity=lambda i: router.prefix.matched(i.url, hashes))
-            router.prefix_chunks["routed"] += len(hashes)
-            router.prefix_chunks["matched"] += router.prefix.matched(prefill.url, hashes)
-            router.prefix.record(prefill.url, hashes)
-        else:
-            prefill = router.prefills.choose()
+        prefill = router.prefills.member(forced[0]) if forced else _choose(router, ROLE_PREFILL, router.prefills,
+                                                                           hashes)
+        if hashes:
+            router.prefix[ROLE_PREFILL].record(prefill.url, hashes)
         if router.config.log_choices:
             _log_choice(router, request_id, prefill, decode, prefills_seen, decodes_seen, forced is not None)
         identity = router.prefill_identity.get(prefill.url) if router.config.concurrent_legs else None
@@ -308,6 +307,19 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
             return exc.response(request_id)
         prefill_answered = timeline.now()
         return await _decode(router, decode, request, body, params, headers, received, prefill_answered, first_chunk)
+
+
+def _choose(router: Router, role: str, pool: Pool, hashes: list[bytes]) -> Instance:
+    """The pool's choice: by load, and with the prompt's chunk hashes (--prefix-affinity) by how much of the prompt
+    each instance of the role was sent before, within the load slack (Pool.choose); counts the chunks routed and
+    matched for /metrics. Records nothing: the caller does, once the request goes there."""
+    if not hashes:
+        return pool.choose()
+    index = router.prefix[role]
+    chosen = pool.choose(affinity=lambda i: index.matched(i.url, hashes))
+    router.prefix_chunks[role]["routed"] += len(hashes)
+    router.prefix_chunks[role]["matched"] += index.matched(chosen.url, hashes)
+    return chosen
 
 
 async def _both_legs(router: Router, prefill: Instance, decode: Instance, request: web.Request, body: dict,
@@ -444,54 +456,6 @@ async def _decode(router: Router, decode: Instance, request: web.Request, body: 
     return error.response(request_id)
 
 
-def parse_kv_usage(text: str) -> float | None:
-    """The highest `vllm:kv_cache_usage_perc` sample of a Prometheus text page (a data-parallel engine has one per
-    engine, and its fullest one is what refuses new work first), or None when it has none."""
-    best = None
-    for line in text.splitlines():
-        if not line.startswith(KV_USAGE_METRIC):
-            continue
-        rest = line[len(KV_USAGE_METRIC):]
-        if rest.startswith("{"):
-            rest = rest[rest.rfind("}") + 1:] if "}" in rest else ""
-        elif not rest[:1].isspace():
-            continue  # another metric whose name starts with this one's
-        fields = rest.split()
-        try:
-            value = float(fields[0]) if fields else math.nan
-        except ValueError:
-            continue
-        if math.isfinite(value):
-            best = value if best is None else max(best, value)
-    return best
-
-
-async def _scrape_kv_usage(router: Router) -> None:
-    """Every kv_scrape_interval_seconds, each decode's KV-cache usage from its /metrics. A scrape that fails leaves the
-    last value to age out: the scrape feeds only the tie-break, never the cooldown (requests decide what failed)."""
-    config, pool = router.config, router.decodes
-
-    async def scrape(instance: Instance) -> None:
-        try:
-            async with router.session.get(instance.url + "/metrics",
-                                          timeout=aiohttp.ClientTimeout(total=config.kv_scrape_timeout_seconds)) as resp:
-                if resp.status != 200:
-                    logger.debug("decode %d %s: /metrics answered %d", instance.index, instance.url, resp.status)
-                    return
-                usage = parse_kv_usage(await resp.text())
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            logger.debug("decode %d %s: /metrics not scraped: %r", instance.index, instance.url, exc)
-            return
-        if usage is not None:
-            pool.record_kv_usage(instance, usage)
-
-    while True:
-        # The decodes that may be chosen now (a pushed set changes them); with one there is no tie to break.
-        if len(pool.instances) > 1:
-            await asyncio.gather(*(scrape(instance) for instance in pool.instances))
-        await asyncio.sleep(config.kv_scrape_interval_seconds)
-
-
 async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -586,7 +550,7 @@ def make_app(config: RouterConfig) -> web.Application:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=config.idle_connection_seconds),
         )
         # With one decode there is no tie to break: no scrape (a pushed set may bring more).
-        scraper = asyncio.create_task(_scrape_kv_usage(router)) if len(config.decode_urls) > 1 or pushed else None
+        scraper = asyncio.create_task(scrape_kv_usage(router)) if len(config.decode_urls) > 1 or pushed else None
         yield
         if scraper is not None:
             scraper.cancel()

@@ -25,8 +25,9 @@ class _RouterCollector:
         yield requests
         chunks = CounterMetricFamily(contract.ROUTER_PREFIX_CHUNKS.base_name, contract.ROUTER_PREFIX_CHUNKS.help,
                                      labels=list(contract.ROUTER_PREFIX_CHUNKS.labels))
-        for outcome, count in self.router.prefix_chunks.items():
-            chunks.add_metric([outcome], count)
+        for role, counts in self.router.prefix_chunks.items():
+            for outcome, count in counts.items():
+                chunks.add_metric([role, outcome], count)
         yield chunks
         yield GaugeMetricFamily(contract.ROUTER_LOCAL_PROMPT_TOKENS.name, contract.ROUTER_LOCAL_PROMPT_TOKENS.help,
                                 value=split.threshold if split.enabled else 0)

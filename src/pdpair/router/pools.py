@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdpair.contract import READYZ_PATH
+from pdpair.contract import READYZ_PATH, ROLE_DECODE, ROLE_PREFILL
 from pdpair.contract.router_peers import RouterMember
 from pdpair.router.config import HEALTH_PATH, RouterConfig
 from pdpair.router.prefix_index import PREFIX_LOAD_SLACK, PrefixIndex
@@ -169,9 +169,11 @@ class Router:
         # prefill URL -> what decode's kv_transfer_params must name of it (instance, pair, generation), from its last
         # answer: both legs go at once (--concurrent-legs) only to a prefill that answered before
         self.prefill_identity: dict[str, dict[str, Any]] = {}
-        # what this router sent to each prefill (--prefix-affinity), and its chunks routed and matched (/metrics)
-        self.prefix = PrefixIndex()
-        self.prefix_chunks = {"routed": 0, "matched": 0}
+        # what this router sent to each instance of each role (--prefix-affinity), and the chunks it routed and
+        # found matched there (/metrics): a prefill's cache holds the prompts it computed, a decode's those it
+        # computed alone and those whose KV it loaded
+        self.prefix = {ROLE_PREFILL: PrefixIndex(), ROLE_DECODE: PrefixIndex()}
+        self.prefix_chunks = {role: {"routed": 0, "matched": 0} for role in self.prefix}
         # Sent with every request to an engine's API (prefill, decode, decode's /v1/models): the pair's API key, which
         # vLLM requires under /v1 when it has one; nothing without a key. Not to readiness URLs or /metrics (open).
         self.engine_headers: dict[str, str] = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -194,7 +196,8 @@ class Router:
         """Both roles' sets at once: synchronous, so no request sees one role swapped and not the other."""
         self.prefills.replace(prefills)
         self.decodes.replace(decodes)
-        self.prefix.forget({m.url for m in prefills})
+        self.prefix[ROLE_PREFILL].forget({m.url for m in prefills})
+        self.prefix[ROLE_DECODE].forget({m.url for m in decodes})
         self.prefill_identity = {url: v for url, v in self.prefill_identity.items() if url in {m.url for m in prefills}}
         self.epoch, self.generation = epoch, generation
 

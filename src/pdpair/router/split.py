@@ -17,8 +17,11 @@ Why a learned threshold and not a fixed one: where the split pays depends on the
 and the network (llm-d and Dynamo take it as a fixed number of tokens); the router sees both costs as they are.
 The estimate needs no tokenizer: token-id prompts are counted, text is its UTF-8 length over `BYTES_PER_TOKEN`;
 the threshold is learned in that same unit, so only its order matters, not its accuracy.
-What is not seen: the prefix cache (a prompt whose prefix decode holds costs decode only its uncached part; the
-estimate counts the whole prompt).
+With prefix affinity on (--prefix-affinity), the estimate is of the part of the prompt the chosen decode does not
+hold: a decode's cache holds the prompts it computed alone and those whose KV it loaded, so the chunks of the prompt
+the router sent that decode before (prefix_index.py) are taken off (`uncached_tokens`). A conversation's next turn,
+whose history that decode holds, then counts only its new part and is computed there alone, as llm-d's
+`nonCachedTokens` does. Without affinity the whole prompt counts (the router keeps no index to estimate with).
 
 This module is pure: no clock, no I/O (app.py measures, decides through it and serves its figures).
 """
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdpair.contract import ROUTER_MODES
+from pdpair.router.prefix_index import CHUNK_BYTES
 
 SPLIT, LOCAL = MODES = ROUTER_MODES  # the `mode` label of pdpair_router_requests_total
 
@@ -71,6 +75,16 @@ def prompt_tokens(body: dict[str, Any], chat: bool) -> int | None:
         if all(isinstance(p, list) for p in prompt):
             return max(len(p) for p in prompt)
     return None
+
+
+TOKENS_PER_CHUNK = CHUNK_BYTES // BYTES_PER_TOKEN  # a prefix_index chunk in this module's unit (32)
+
+
+def uncached_tokens(tokens: int | None, cached_chunks: int) -> int | None:
+    """The estimate less the `cached_chunks` leading chunks the chosen instance holds (None stays None)."""
+    if tokens is None:
+        return None
+    return max(0, tokens - cached_chunks * TOKENS_PER_CHUNK)
 
 
 def bucket(tokens: int) -> int:

@@ -1,6 +1,7 @@
 """Prefix affinity (pdpair.router.prefix_index and Pool.choose's `affinity`): chained chunk hashes, the bounded
 per-instance memory, and the choice that prefers the prefill a prompt's prefix was sent to without ever letting one
-instance run more than PREFIX_LOAD_SLACK + 1 requests ahead of the least loaded. Cost: about 2 s, no engine (the
+instance run more than PREFIX_LOAD_SLACK + 1 requests ahead of the least loaded; with selective disaggregation, only
+what the chosen decode does not hold counts against the threshold. Cost: about 2 s, no engine (the
 property tests: the hypothesis profile's count)."""
 
 from __future__ import annotations
@@ -118,10 +119,54 @@ async def test_the_router_sends_a_shared_prefix_to_one_prefill_and_counts_the_ma
                 text = await resp.text()
         # sequential requests: every load ties, so the shared prefix keeps them on the first prefill chosen
         assert sorted(len(e.received) for e in engines[:2]) == [0, 6]
-        chunks = app[ROUTER].prefix_chunks
+        chunks = app[ROUTER].prefix_chunks["prefill"]
         shared = len(SHARED.encode()) // CHUNK_BYTES
         assert chunks["matched"] >= 5 * shared and chunks["routed"] >= 6 * shared
-        assert f'pdpair_router_prefix_chunks_total{{outcome="matched"}} {float(chunks["matched"])}' in text
+        assert f'pdpair_router_prefix_chunks_total{{outcome="matched",role="prefill"}} {float(chunks["matched"])}' \
+            in text
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_a_conversations_next_turn_goes_alone_to_the_decode_holding_its_history():
+    """Selective disaggregation with prefix affinity: two prefills, two decodes, two conversations taking turns.
+    A first turn (about 290 estimated tokens, none of them held) is split; each next turn (its history plus a short
+    new part) goes to the decode that served the history, alone, because only the new part counts against the
+    threshold (128); the other conversation's turns go to the other decode (its load was lower when it started).
+    Without affinity the same turns would be split: the whole prompt counts. Cost: under 1 s, fake engines."""
+    engines = [Engine("prefill"), Engine("prefill"), Engine("decode"), Engine("decode")]
+    runners, urls = [], []
+    for engine in engines:
+        runner, url = await _engine_server(engine)
+        runners.append(runner)
+        urls.append(url)
+    app = make_app(RouterConfig(tuple(urls[:2]), tuple(urls[2:]), prefix_affinity=True, local_prompt_tokens=128,
+                                concurrent_legs=False))
+    runner, router = await _serve(app)
+    runners.append(runner)
+    histories = {c: f"Conversation {c}. " + SHARED for c in (0, 1)}
+    try:
+        async with aiohttp.ClientSession() as client:
+            for turn in range(3):
+                for c in (0, 1):
+                    histories[c] += f" User turn {turn}: a short new question?"
+                    body = {"prompt": histories[c], "max_tokens": 2}
+                    async with client.post(router + "/v1/completions", json=body) as resp:
+                        assert resp.status == 200, await resp.text()
+                    histories[c] += " Assistant: an answer."
+        decisions = app[ROUTER].split.decisions
+        assert decisions == {"split": 2, "local": 4}, decisions
+        prefilled = [b["prompt"][:15] for e in engines[:2] for _, b, _ in e.received]
+        assert sorted(prefilled) == ["Conversation 0.", "Conversation 1."]  # only the first turns
+        for decode in engines[2:]:
+            firsts = {b["prompt"][:15] for _, b, _ in decode.received}
+            assert len(decode.received) == 3 and len(firsts) == 1, [b["prompt"][:15] for _, b, _ in decode.received]
+            local = [b for _, b, _ in decode.received if "kv_transfer_params" not in b]
+            assert len(local) == 2  # the next turns, computed where the history is
+        chunks = app[ROUTER].prefix_chunks["decode"]
+        assert chunks["matched"] >= 4 * (len(SHARED.encode()) // CHUNK_BYTES)
     finally:
         for runner in runners:
             await runner.cleanup()

@@ -14,7 +14,8 @@ import pytest
 import pytest_asyncio
 
 from pdpair.router.__main__ import build_parser, config_from_args
-from pdpair.router.app import ROUTE_HEADER, make_app, parse_kv_usage
+from pdpair.router.app import ROUTE_HEADER, make_app
+from pdpair.router.kv_usage import parse_kv_usage
 from pdpair.router.config import RouterConfig
 from pdpair.router.pools import Pool
 from tests.router_support import serve, start_engines
