@@ -65,6 +65,9 @@ def test_a_slowloris_does_not_block_metrics_and_is_closed_after_the_read_deadlin
                         break
                 except TimeoutError:
                     pass
+                except OSError:  # reset: closed with bytes of ours unread (a busy box's timing)
+                    closed_by_server = True
+                    break
                 assert time.monotonic() - started < PATIENCE, "the slowloris was never cut off"
             elapsed = time.monotonic() - started
         assert closed_by_server and elapsed >= 1.0, elapsed
