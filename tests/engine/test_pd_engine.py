@@ -560,7 +560,7 @@ def test_side_channel_hijack_without_the_key_leaves_the_edge_serving(stack):
 # The steady client of the side-channel attack test: requests per phase, and the bound on the median latency during
 # the attack over the one without it (the test's docstring says why the median, not the p99).
 STEADY_REQUESTS = 30
-STEADY_MEDIAN_RATIO = 1.5
+STEADY_MEDIAN_RATIO = 2.0
 ATTACK_READY_SECONDS = 60.0
 
 
@@ -594,7 +594,7 @@ def test_side_channel_attack_does_not_slow_the_serving_edge(stack):
     uids pointing at a listener that accepts and never answers (each stalls its handshake thread until its deadline,
     min(HANDSHAKE_SECONDS, hang timeout) = 5 s here, then is refused; one more is refused busy; each goes again).
     The client sees no failure (every request moves its KV over the one real edge), and its median latency during
-    the attack stays within 1.5x its median without the attack in the same run (STEADY_REQUESTS, 30, just before
+    the attack stays within 2x its median without the attack in the same run (STEADY_REQUESTS, 30, just before
     and 30 just after it; the larger of the two is the baseline, so a change of the box's load between phases is not counted
     against the attack); afterwards no edge was replaced and the listener answers. The p99 is printed, not
     asserted: of 30 samples it is the slowest one, which the box's load sets more than the attack does.
@@ -603,9 +603,12 @@ def test_side_channel_attack_does_not_slow_the_serving_edge(stack):
     worker handling about 350 Hellos a second), a ratio a little above 1. The stalls this test is there for (a
     handshake on the loop thread, a send waiting SNDTIMEO for a stranger's full queue) hold a Pull for 5 s at a time,
     back to back while the attack goes on: its request waits out the hang timeout (5 s) and fails, which the
-    no-failure assertion catches whatever the ratio. The ratio catches a lesser slow-down, and 1.5 leaves room for a
-    shared box, though not for every change of its load: measured 1.46, 0.98, 0.58, 2.39 and 1.01 in five runs at
-    load average 8-22 (other sessions' control planes and unit tiers beside it); the 2.39 run failed with an image
+    no-failure assertion catches whatever the ratio. The ratio catches a lesser slow-down that every request pays (a
+    stall of a second a Pull is 2-3x these medians), and 2 leaves room for a shared box: the medians before and after
+    the attack, with no attack in either, differed by 1.33x in a CI run at load 18 (2026-12-07: 0.607 s and 0.809 s,
+    the attack's 1.217 s a ratio of 1.50 against the bound of 1.5 it had then); measured 1.46, 0.98, 0.58, 2.39
+    and 1.01 in five runs at load average 8-22 (other sessions' control planes and unit tiers beside it); the 2.39
+    run failed with an image
     build (buildah, 110 % CPU) beside it when it ended (p99 2.2 s before, 5.2 s during; the box stalled on CPU 207 s
     of its 251 s), and in the others the p99 moved between 1.9 and 4.9 s from one phase to the next with or
     without the attack (those runs measured the baseline before the attack only); a cold CI run (2026-12-06, load
