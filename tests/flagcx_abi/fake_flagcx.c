@@ -22,6 +22,8 @@
  *                       =drop   ... or is silently dropped while returning success (upstream between PR #443 and
  *                                #446: the proxy thread freed the descriptor, losing the put and its signal).
  *   FAKE_FLAGCX_FAIL_PUT_WITH=C  every flagcxPutSignal returns code C (to test error-code mapping).
+ *   FAKE_FLAGCX_DROP_FILE=PATH   while the file PATH exists, every put is silently dropped while returning success
+ *                                (the same loss as POOL_FULL=drop, switched on and off by a test at any time).
  *   FAKE_FLAGCX_HOMOGENEOUS=1    behave like a homogeneous comm (FLAGCX_USE_HETERO_COMM unset): no RMA proxy, so
  *                                flagcxReadCounter answers flagcxInvalidArgument.
  *   FAKE_FLAGCX_HOST=ADDR        address put in the uid and listened on (default 127.0.0.1).
@@ -97,6 +99,7 @@ struct flagcxComm {
     bool no_rdma; /* FAKE_FLAGCX_NO_RDMA: like upstream without an RDMA HCA */
     int require_device; /* -1: any */
     uint64_t dropped; /* puts lost by the simulated pool bug */
+    char *drop_file;  /* FAKE_FLAGCX_DROP_FILE: puts are dropped while it exists */
 };
 
 /* uids made by flagcxGetUniqueId in this process, waiting for rank 0's flagcxCommInitRank. */
@@ -288,6 +291,7 @@ static void comm_free(flagcxComm_t comm) {
     pthread_mutex_destroy(&comm->mu);
     free(comm->region_bases);
     free(comm->region_sizes);
+    free(comm->drop_file);
     free(comm);
 }
 
@@ -319,6 +323,11 @@ FLAGCX_API flagcxResult_t flagcxCommInitRank(flagcxComm_t *out, int nranks, flag
     comm->async_unsupported = async_mode != NULL && strcmp(async_mode, "unsupported") == 0;
     comm->require_device = (int)env_ll("FAKE_FLAGCX_REQUIRE_DEVICE", -1);
     comm->no_rdma = env_ll("FAKE_FLAGCX_NO_RDMA", 0) != 0;
+    const char *drop_file = getenv("FAKE_FLAGCX_DROP_FILE");
+    if (drop_file != NULL && drop_file[0] != '\0' && (comm->drop_file = strdup(drop_file)) == NULL) {
+        comm_free(comm);
+        return fail(NULL, flagcxSystemError, "fake flagcx: out of memory");
+    }
 
     pdpair_status st;
     if (rank == 0) {
@@ -534,6 +543,10 @@ static flagcxResult_t post_put_signal(flagcxComm_t comm, uint32_t src_idx, size_
                                       size_t dst_offset, size_t size, uint32_t slot) {
     if (comm->signal_buf == NULL)
         return fail(comm, flagcxInvalidUsage, "flagcxPutSignal: flagcxOneSideSignalRegister was not called");
+    if (comm->drop_file != NULL && access(comm->drop_file, F_OK) == 0) {
+        __atomic_add_fetch(&comm->dropped, 1, __ATOMIC_RELAXED);
+        return flagcxSuccess; /* a put lost on the way: reported as posted, never sent */
+    }
     if (comm->request_pool > 0) {
         pdpair_conn_stats stats;
         if (pdpair_conn_get_stats(comm->conn, &stats, sizeof(stats)) == PDPAIR_OK &&
