@@ -310,3 +310,22 @@ async def test_a_connection_dropped_before_an_answer(stack, peer):
     else:
         assert status == 502 and answer["error"]["peer"] == "decode", answer
         assert len(prefill.received) == 1 and len(decode.received) == 1
+
+
+def test_the_router_runs_on_uvloop_where_it_is_installed():
+    """The engine image has uvloop (vLLM's API server runs on it); the router's hop is a few callbacks per request on
+    its loop. Where uvloop is missing it falls back to asyncio's loop."""
+    import asyncio
+
+    from pdpair.router.__main__ import _event_loop
+
+    loop = _event_loop()
+    try:
+        try:
+            import uvloop
+        except ImportError:
+            assert isinstance(loop, asyncio.AbstractEventLoop)
+        else:
+            assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
