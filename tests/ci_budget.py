@@ -90,16 +90,23 @@ class Budget:
         self.deadline = started + budget
         self.budget = budget
         self.current: str | None = None  # the test running now (nodeid)
-        self.tier: str | None = None
-        self.tier_started = 0.0
+        self.tier: str | None = None  # the tier of the test running now
+        # tier -> [its first test's start, its last test's end] (monotonic): under pytest-xdist the tiers of one run
+        # interleave (stage 1 runs four on two workers), so a tier's wall time is its span, not a run of its tests
+        self.spans: dict[str, list[float]] = {}
         self.expired = False
         self._timer: threading.Timer | None = None
 
     # -- tiers ---------------------------------------------------------------------------------------------------
-    def _close_tier(self) -> None:
-        if self.tier is not None:
-            record(f"pytest {self.tier}", time.monotonic() - self.tier_started, self.phase_file)
-            self.tier = None
+    def _record_tiers(self) -> None:
+        """One phase row per tier, in the order the tiers started; the tier that started last runs until now (its
+        module and session fixtures' teardown)."""
+        spans = sorted(self.spans.items(), key=lambda item: item[1][0])
+        if spans:
+            spans[-1][1][1] = time.monotonic()
+        for tier, (first, last) in spans:
+            record(f"pytest {tier}", last - first, self.phase_file)
+        self.spans = {}
 
     def pytest_sessionstart(self, session) -> None:
         # A process started in the background by a non-interactive shell (CI runs `bash .ci/run` so) inherits
@@ -115,15 +122,19 @@ class Budget:
 
     def pytest_runtest_logstart(self, nodeid, location) -> None:
         self.current = nodeid
-        tier = tier_of(nodeid)
-        if tier != self.tier:
-            self._close_tier()
-            self.tier, self.tier_started = tier, time.monotonic()
+        self.tier = tier_of(nodeid)
+        now = time.monotonic()
+        self.spans.setdefault(self.tier, [now, now])
+
+    def pytest_runtest_logfinish(self, nodeid, location) -> None:
+        span = self.spans.get(tier_of(nodeid))
+        if span is not None:
+            span[1] = time.monotonic()
 
     def pytest_sessionfinish(self, session, exitstatus) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._close_tier()
+        self._record_tiers()
         if self.expired:
             import pytest
             session.exitstatus = pytest.ExitCode.INTERRUPTED
