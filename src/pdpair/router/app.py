@@ -265,12 +265,13 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     # Decode first: it holds the request for the whole answer, so its load matters most; a prefill is busy only for
     # the prompt.
     decodes_seen = router.decodes.outstanding()
-    decode = router.decodes.member(forced[1]) if forced else _choose(router, ROLE_DECODE, router.decodes, hashes)
+    decode, held = (router.decodes.member(forced[1]), 0) if forced else \
+        _choose(router, ROLE_DECODE, router.decodes, hashes)
 
     # Split or local (split.py): a forced route names a prefill, so it is split; only a streamed answer is measured.
     # The estimate is of what the chosen decode does not hold yet (all of it without --prefix-affinity).
     streamed = bool(body.get("stream"))
-    tokens = uncached_tokens(prompt_tokens(body, chat), router.prefix[ROLE_DECODE].matched(decode.url, hashes)) \
+    tokens = uncached_tokens(prompt_tokens(body, chat), held) \
         if router.split.enabled and forced is None else None
     mode = router.split.decide(tokens, measured=streamed)
     if hashes:  # after the lookup above: decode's cache holds this prompt once it computed or loaded it
@@ -290,8 +291,8 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     # `involved` (Pool.involve): the decode and every prefill the request is sent to, until decode's answer ended.
     with router.decodes.hold(decode), router.decodes.involve(decode), contextlib.ExitStack() as involved:
         prefills_seen = router.prefills.outstanding()
-        prefill = router.prefills.member(forced[0]) if forced else _choose(router, ROLE_PREFILL, router.prefills,
-                                                                           hashes)
+        prefill = router.prefills.member(forced[0]) if forced else \
+            _choose(router, ROLE_PREFILL, router.prefills, hashes)[0]
         if hashes:
             router.prefix[ROLE_PREFILL].record(prefill.url, hashes)
         if router.config.log_choices:
@@ -309,17 +310,24 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         return await _decode(router, decode, request, body, params, headers, received, prefill_answered, first_chunk)
 
 
-def _choose(router: Router, role: str, pool: Pool, hashes: list[bytes]) -> Instance:
-    """The pool's choice: by load, and with the prompt's chunk hashes (--prefix-affinity) by how much of the prompt
-    each instance of the role was sent before, within the load slack (Pool.choose); counts the chunks routed and
-    matched for /metrics. Records nothing: the caller does, once the request goes there."""
+def _choose(router: Router, role: str, pool: Pool, hashes: list[bytes]) -> tuple[Instance, int]:
+    """The pool's choice and how many of the prompt's leading chunks it was sent before: by load, and with the
+    prompt's chunk hashes (--prefix-affinity) by that count, within the load slack (Pool.choose); counts the chunks
+    routed and matched for /metrics. Records nothing: the caller does, once the request goes there."""
     if not hashes:
-        return pool.choose()
-    index = router.prefix[role]
-    chosen = pool.choose(affinity=lambda i: index.matched(i.url, hashes))
+        return pool.choose(), 0
+    index, matched = router.prefix[role], {}
+
+    def affinity(instance: Instance) -> int:
+        if instance.url not in matched:
+            matched[instance.url] = index.matched(instance.url, hashes)
+        return matched[instance.url]
+
+    chosen = pool.choose(affinity=affinity)
+    held = affinity(chosen)
     router.prefix_chunks[role]["routed"] += len(hashes)
-    router.prefix_chunks[role]["matched"] += index.matched(chosen.url, hashes)
-    return chosen
+    router.prefix_chunks[role]["matched"] += held
+    return chosen, held
 
 
 async def _both_legs(router: Router, prefill: Instance, decode: Instance, request: web.Request, body: dict,
