@@ -126,9 +126,9 @@ def test_router_outputs_equal_single_engine_token_for_token(stack):
     assert metric(stack.decode.url, "vllm:pdpair_kv_transfer_seconds_count") >= len(PROMPTS)
 
 
-def streamed_text(url: str, prompt: str, max_tokens: int = 12) -> str:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+def streamed_pieces(url: str, path: str, body: dict) -> list[str]:
+    """The text of each streamed chunk of a completion (`text`) or a chat answer (`delta.content`)."""
+    request = urllib.request.Request(url + path, data=json.dumps({**body, "stream": True}).encode(),
                                      headers={"Content-Type": "application/json", **AUTH})
     pieces = []
     with urllib.request.urlopen(request, timeout=120) as resp:
@@ -136,8 +136,14 @@ def streamed_text(url: str, prompt: str, max_tokens: int = 12) -> str:
         for raw in resp:
             line = raw.decode().strip()
             if line.startswith("data: ") and line != "data: [DONE]":
-                pieces.append(json.loads(line[6:])["choices"][0]["text"])
-    return "".join(pieces)
+                choice = json.loads(line[6:])["choices"][0]
+                pieces.append(choice["text"] if "text" in choice else choice["delta"].get("content") or "")
+    return pieces
+
+
+def streamed_text(url: str, prompt: str, max_tokens: int = 12) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return "".join(streamed_pieces(url, "/v1/completions", body))
 
 
 def test_selective_routing_sends_a_short_prompt_to_decode_alone_with_an_equal_output(stack, tmp_path):
@@ -268,16 +274,7 @@ def test_chat_streaming_and_request_id_through_router(stack):
                    "stream": True}
     status, single_stream, _ = http_post(stack.baseline.url + "/v1/chat/completions", {**stream_body, "stream": False},
                                            headers=AUTH)
-    request = urllib.request.Request(stack.router.url + "/v1/chat/completions", data=json.dumps(stream_body).encode(),
-                                     headers={"Content-Type": "application/json", **AUTH})
-    pieces = []
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        assert resp.status == 200
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data: ") and line != "data: [DONE]":
-                delta = json.loads(line[6:])["choices"][0]["delta"]
-                pieces.append(delta.get("content") or "")
+    pieces = streamed_pieces(stack.router.url, "/v1/chat/completions", stream_body)
     assert len([p for p in pieces if p]) > 1, "the answer should arrive in several chunks"
     assert "".join(pieces) == single_stream["choices"][0]["message"]["content"]
 
