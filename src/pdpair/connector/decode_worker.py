@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -63,7 +64,11 @@ class DecodeWorker(WorkerBase):
         self._waits: dict[str, SignalWait] = {}
         self._finished: set[str] = set()
         self._failed: set[str] = set()
-        self._free_slots: dict[PairComm, list[int]] = {}  # per edge's pair communicator
+        # Per edge's pair communicator, its free signal slots, oldest-freed first: a slot freed by a load that failed
+        # (a refused put retired its transfer) is taken again only after every other free slot, so a late put of that
+        # transfer, still on its way when the load failed, is refused long before a new load waits on the slot (taken
+        # at once again, it failed the next load on the slot as an `unexpected_transfer`: CI, 2026-12-07).
+        self._free_slots: dict[PairComm, deque[int]] = {}
         self._local_indices: dict[PairComm, list[int]] = {}  # per edge: the local region index of each layer
         # The generation of each declared transfer: every Pull of this worker gets a new one, so a late put of an
         # earlier attempt with the same request id is refused as stale.
@@ -138,7 +143,7 @@ class DecodeWorker(WorkerBase):
     def _register(self, comm: PairComm) -> tuple[bytes, list[int], int]:
         result = super()._register(comm)
         with self._lock:  # a new edge (or a prefill that re-paired): its own signal slots
-            self._free_slots[comm] = list(range(comm.num_signal_slots - 1, -1, -1))
+            self._free_slots[comm] = deque(range(comm.num_signal_slots))
             self._local_indices[comm] = list(result[1])
         return result
 
@@ -176,7 +181,7 @@ class DecodeWorker(WorkerBase):
         comm = edge.comm
         with self._lock:  # _fail takes this lock too: decide here, fail outside
             free = self._free_slots.get(comm)
-            slot = free.pop() if free else None
+            slot = free.popleft() if free else None
         if slot is None:
             logger.error("request %s: no free signal slot (all %d busy or quarantined)", recv.request_id, comm.num_signal_slots)
             self.accounts.count_failed_transfer()
@@ -202,7 +207,7 @@ class DecodeWorker(WorkerBase):
                 with self._lock:
                     free = self._free_slots.get(comm)
                     if free is not None:
-                        free.append(slot)  # nothing was asked for on it
+                        free.appendleft(slot)  # nothing was asked for on it: the next load may take it
                 self.accounts.count_failed_transfer()
                 self._fail(recv.request_id, timed_out=False)
                 return

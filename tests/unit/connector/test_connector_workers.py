@@ -223,8 +223,8 @@ def test_a_put_outside_every_pull_is_refused_and_writes_nothing(pair):
 
 def test_a_refused_load_gives_its_signal_slot_back(pair):
     """A load whose put was refused is retired before it fails, so nothing of it can land or signal any more and its
-    signal slot serves the next load: a run of refused loads never drains the edge's slots (a timed-out load keeps
-    its slot out of use instead: its deficit stays visible until the pair restarts)."""
+    signal slot serves again, after every other free slot: a run of refused loads never drains the edge's slots (a
+    timed-out load keeps its slot out of use instead: its deficit stays visible until the pair restarts)."""
     decode, prefill, decode_kv, prefill_kv = pair
     send(prefill, "p0", [1])
     recv(decode, "d0", "p0", 0, [6])
@@ -238,6 +238,8 @@ def test_a_refused_load_gives_its_signal_slot_back(pair):
         _, failed = settle(decode, {f"d{i + 1}"})
         assert f"d{i + 1}" in failed
     assert len(decode._free_slots[comm]) == free_before, "a refused load kept its signal slot"
+    # ... and goes to the back of the line: a late put of a refused load meets no new load on its slot
+    assert list(decode._free_slots[comm])[-4:] == [0, 1, 2, 3], list(decode._free_slots[comm])[-6:]
     send(prefill, "p9", [1])
     recv(decode, "d9", "p9", 0, [6])
     _, failed = settle(decode, {"d9"})
