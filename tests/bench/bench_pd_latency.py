@@ -462,11 +462,7 @@ def main() -> int:
     finally:
         for proc in reversed(procs):
             proc.stop()
-    report["load_average_end"] = os.getloadavg()
-    report["box_before"], report["box_after"] = box_before, quiet.report_after("bench_pd_latency")
-    print(json.dumps(report, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
+    quiet.finish("bench_pd_latency", report, box_before, args.out)
     return 0
 
 

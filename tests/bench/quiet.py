@@ -70,3 +70,16 @@ def report_after(name: str) -> dict:
     state = snapshot()
     _say(name, "after", state)
     return state
+
+
+def finish(name: str, report: dict, box_before: dict, out=None) -> None:
+    """The end of a benchmark's JSON report: the load at the end, the box before and after (`report_after`), printed
+    and, with `out` (a path), written there."""
+    import json
+
+    report["load_average_end"] = os.getloadavg()
+    report["box_before"], report["box_after"] = box_before, report_after(name)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out is not None:
+        out.write_text(text)
