@@ -54,7 +54,8 @@ from pdpair.operator.decide.scale_targets import status_patch as role_status_pat
 from pdpair.operator.model import config as opconfig  # noqa: E402
 from devcluster import operator_process as devrun  # noqa: E402
 from pdpair.operator.build.pods import engine_pod  # noqa: E402
-from pdpair.operator.decide.port_blocks import assign, required_blocks
+from pdpair.operator.decide.port_blocks import assign
+from tests.port_blocks_support import spec_blocks
 from pdpair.operator.act.port_leaser import status_ports  # noqa: E402
 from devcluster.apiserver_metrics import READ_VERBS, by_kind, counts_delta, key_name, request_counts, write_counts  # noqa: E402
 from devcluster.build import build, helm_path  # noqa: E402
@@ -141,7 +142,7 @@ class PoolListeners:
     # What a request to a pool port gets: the kwok pods' ports are served by nothing of pdpair's, so the operator's push
     # of decode's address to a prefill's metrics port is answered as a server without that endpoint would (a refusal
     # the operator retries on events and resyncs), not left without an answer (a transport failure it retries within
-    # seconds: peer_sets.push_retry_delay), which no real pod does.
+    # seconds: pass_timing.push_retry_delay), which no real pod does.
     NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
     def _accept(self):
@@ -357,7 +358,7 @@ def floor_plan(op_writes: collections.Counter, n: int) -> list[list[tuple]]:
 
 def fake_ports(base: int) -> list[dict]:
     assignments = []
-    for block in required_blocks(PAIR_SPEC):
+    for block in spec_blocks(PAIR_SPEC):
         assignments += assign(block, base)
         base += block.count
     return status_ports(assignments)

@@ -229,10 +229,11 @@ def dry_run_operator_pods(cluster, namespace: str, pair: dict) -> None:
     from kubernetes import client
 
     from pdpair.operator.build.pods import engine_pod, router_pod
-    from pdpair.operator.decide.port_blocks import assign, required_blocks, status_ports
+    from pdpair.operator.decide.port_blocks import assign, status_ports
+    from tests.port_blocks_support import spec_blocks
 
     leased, port = [], 30000
-    for block in required_blocks(pair["spec"]):
+    for block in spec_blocks(pair["spec"]):
         leased += assign(block, port)
         port += block.count
     ports = status_ports(leased)

@@ -38,7 +38,7 @@ from pdpair.contract import (
     GROUP, LABEL_PAIR, LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_PURPOSE, LABEL_ROLE, PLURAL, ROLE_DECODE, ROLE_PREFILL,
     ROLE_ROUTER,
 )
-from pdpair.operator.decide.port_blocks import required_blocks
+from tests.port_blocks_support import spec_blocks
 from devcluster.product import (
     CHART, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, describe, leader_pod_name, operator_logs,
     operator_pods, pod_logs,
@@ -245,7 +245,7 @@ def test_operator_pod_deleted_during_pair_startup_converges_without_duplicates(
     pair = _pair(real_cluster, namespace, name)
     leases = _leases(real_cluster, pair["metadata"]["uid"])
     lease_keys = sorted((l["metadata"]["labels"][LABEL_ROLE], l["metadata"]["labels"][LABEL_PURPOSE]) for l in leases)
-    want = sorted(k for b in required_blocks(pair["spec"]) for k in [(b.role, b.purpose)] * b.count)
+    want = sorted(k for b in spec_blocks(pair["spec"]) for k in [(b.role, b.purpose)] * b.count)
     assert lease_keys == want, (lease_keys, want)
     assert sorted(int(l["metadata"]["name"].rsplit("-", 1)[1]) for l in leases) == \
         sorted(int(p["port"]) for p in status["ports"]), (leases, status["ports"])

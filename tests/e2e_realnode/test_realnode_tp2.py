@@ -67,7 +67,8 @@ from pdpair.contract import (
 from pdpair.operator.decide.health import pod_fact
 from pdpair.operator.decide.instances import peers_digest
 from pdpair.operator.act.listener_probe import ProbeResult
-from pdpair.operator.decide.port_blocks import ports_of, required_blocks
+from pdpair.operator.decide.port_blocks import ports_of
+from tests.port_blocks_support import spec_blocks
 from devcluster.product import (
     ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, SERVED_NAME, completion, container_processes, describe,
     operator_logs, pair_manifest,
@@ -217,7 +218,7 @@ def test_prefill_starts_beside_decode_and_pairs_on_both_ranks_once_decode_listen
     status, by_role = pair["status"], tp2.pods()
     decode = by_role[ROLE_DECODE]
     # The operator's port math: one contiguous side-channel block of TP ports for decode; rank r uses base + r.
-    [block] = [b for b in required_blocks(pair["spec"]) if b.key == (ROLE_DECODE, 0, PURPOSE_SIDECHANNEL)]
+    [block] = [b for b in spec_blocks(pair["spec"]) if b.key == (ROLE_DECODE, 0, PURPOSE_SIDECHANNEL)]
     side = ports_of(status["ports"], ROLE_DECODE, PURPOSE_SIDECHANNEL)
     assert block.count == TP and len(side) == TP and side == list(range(side[0], side[0] + TP)), status["ports"]
     env = {role: {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]} for role, p in by_role.items()}
@@ -245,7 +246,7 @@ def test_prefill_starts_beside_decode_and_pairs_on_both_ranks_once_decode_listen
     assert ready is not None and listening[1] < ready[1], (created, listening, ready)
     first_listening = next(p for _, rv, _, p in tp2.pair_events if rv == listening[1])
     condition = next(c for c in first_listening["status"]["conditions"] if c["type"] == COND_DECODE_LISTENING)
-    assert condition["message"] == ProbeResult(decode_ip, tuple(side), ()).describe(), (condition, side)
+    assert condition["message"] == ProbeResult(decode_ip, tuple(side), ()).message, (condition, side)
     print(f"[realnode-e2e] tp2 startup: prefill created {created[ROLE_PREFILL][0] - created[ROLE_DECODE][0]:.1f}s "
           f"after decode, decode listening {listening[0] - created[ROLE_DECODE][0]:.1f}s after decode "
           f"({condition['message']}); router created {created[ROLE_ROUTER][0] - created[ROLE_PREFILL][0]:.1f}s "
@@ -506,7 +507,7 @@ def test_killing_one_decode_tp_worker_restarts_the_pair_in_order(tp2, baseline_o
     side = ports_of(pair_then["status"]["ports"], ROLE_DECODE, PURPOSE_SIDECHANNEL)
     assert len(side) == TP and side == list(range(side[0], side[0] + TP)), pair_then["status"]["ports"]
     condition = next(c for c in pair_then["status"]["conditions"] if c["type"] == COND_DECODE_LISTENING)
-    assert condition["message"] == ProbeResult(new[ROLE_DECODE]["status"]["podIP"], tuple(side), ()).describe(), \
+    assert condition["message"] == ProbeResult(new[ROLE_DECODE]["status"]["podIP"], tuple(side), ()).message, \
         (condition, side)
 
     # Serving again at TP = 2.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from pdpair.operator.decide import recreate as d
+from pdpair.operator.model.pair_spec import spec_fingerprint
 from pdpair.operator.model.observed import PodView, Observed
 from pdpair.operator.decide.planner import next_step
 
@@ -58,7 +59,7 @@ class SimWorld:
             name = f"p-{plan.create}-{plan.pair_generation}" + (f"-{plan.create_instance}" if plan.create_instance else "")
             self.log.append(f"create {name}")
             self.pods[name] = PodView(
-                name, plan.create, plan.pair_generation, d.spec_fingerprint(self.spec), "Running", True, "127.0.0.1",
+                name, plan.create, plan.pair_generation, spec_fingerprint(self.spec), "Running", True, "127.0.0.1",
                 scheduled=True, instance=plan.create_instance,
             )
 

@@ -15,7 +15,7 @@ from pdpair import contract as c
 from pdpair.operator.build.pods import engine_pod, router_pod
 from pdpair.operator.decide import health, planner
 from pdpair.operator.decide import recreate as d
-from pdpair.operator.decide.recreate import OMITTED_WHEN_ABSENT, POD_SPEC_FIELDS, spec_fingerprint
+from pdpair.operator.model.pair_spec import OMITTED_WHEN_ABSENT, POD_SPEC_FIELDS, spec_fingerprint
 from pdpair.operator.model.conditions import FALSE, TRUE, Condition
 from pdpair.operator.model.observed import Observed, PodView
 from pdpair.operator.model.spec_fields import MissingDefaultedField, api_key_secret

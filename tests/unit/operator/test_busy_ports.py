@@ -14,7 +14,8 @@ from pdpair.operator.model.config import PortPool
 from pdpair.operator.model.observed import PodView
 from pdpair.operator.build.pod_defaults import LEGACY_PREFLIGHT_CONTAINER, PREFLIGHT_COMMAND, PREFLIGHT_SEPARATOR
 from pdpair.operator.build.pods import engine_pod, router_pod
-from pdpair.operator.decide.port_blocks import assign, required_blocks, status_ports
+from pdpair.operator.decide.port_blocks import assign, status_ports
+from tests.port_blocks_support import spec_blocks
 from tests.crd_defaults import with_crd_defaults
 
 POOL = PortPool(20000, 20099)
@@ -95,7 +96,7 @@ def pair(host_network=True, engine_container=None, init_containers=None):
 
 def leased(p):
     ports, nxt = [], 20000
-    for block in required_blocks(p["spec"]):
+    for block in spec_blocks(p["spec"]):
         ports += assign(block, nxt)
         nxt += block.count
     return status_ports(ports)

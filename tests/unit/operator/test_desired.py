@@ -4,7 +4,7 @@ import pytest
 
 from pdpair.contract import ANNOTATION_SPEC_HASH, LABEL_GENERATION, LABEL_ROLE
 from pdpair.operator.decide import recreate as d
-from pdpair.operator.decide.recreate import spec_fingerprint
+from pdpair.operator.model.pair_spec import spec_fingerprint
 from pdpair.operator.model.observed import Observed, PodView
 from pdpair.operator.decide.planner import next_step
 from tests.unit.operator.sim import SimWorld, simulate_until_ready

@@ -20,6 +20,7 @@ import pytest
 
 from pdpair.operator.decide import recreate as d
 from pdpair.operator.decide import instances
+from pdpair.operator.model.pair_spec import PairSpec
 from pdpair.operator.model.config import OperatorConfig, PortPool
 from pdpair.operator.model.observed import PodView, RouterDrainView
 from pdpair.operator.decide.planner import next_step
@@ -227,7 +228,7 @@ async def test_the_executor_records_the_push_answer_then_reads_the_router_until_
             pod("p-router-1", "router"))
 
     def decide(now: float) -> instances.InstanceStep | None:
-        return instances.instance_step(body["spec"], pods, 1, now, router=rec.router_views.get(1))
+        return instances.instance_step(PairSpec(body["spec"]), pods, 1, now, router=rec.router_views.get(1))
 
     try:
         async with aiohttp.ClientSession() as client:

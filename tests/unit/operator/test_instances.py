@@ -10,7 +10,7 @@ import random
 
 from pdpair.operator.decide import recreate as d
 from pdpair.operator.decide import instances
-from pdpair.operator.decide.recreate import spec_fingerprint
+from pdpair.operator.model.pair_spec import spec_fingerprint
 from pdpair.operator.model.observed import PodView
 from pdpair.operator.decide.planner import next_step
 from tests.property_counts import cases

@@ -27,6 +27,7 @@ from pdpair.operator.decide import health
 from pdpair.operator.decide import health_status
 from pdpair.operator.decide import planner
 from pdpair.operator.decide import recreate as d
+from pdpair.operator.model.pair_spec import spec_fingerprint
 from pdpair.operator.decide.health import PodScrape, PodState, ScrapeTarget
 from pdpair.operator.model.observed import Finding, Observed, PodView
 from tests.unit.operator.test_planner import NOW, READY_PODS, SPEC, observed, pod, raw
@@ -249,7 +250,7 @@ def test_xpyd_heals_the_decode_alone():
     """1P2D, serving: decode instance 1's listener is lost; decode 0 still serves, so only that instance is replaced
     (instances.heal, under its own budget), reason listener_lost; the pair stays Ready and is not restarted."""
     spec = {**SPEC, "decode": {"replicas": 2}}
-    h = d.spec_fingerprint(spec)
+    h = spec_fingerprint(spec)
     decode1 = PodView("p-decode-1-i1", "decode", 1, h, "Running", True, "10.0.0.3", False, True, 0, "uid-d1",
                       instance=1, raw=raw("p-decode-1-i1"))
     pods = tuple(dataclasses.replace(p, spec_hash=h) for p in READY_PODS) + (decode1,)

@@ -21,7 +21,7 @@ from pdpair.operator.decide import leases
 from pdpair.operator.decide import planner
 from pdpair.operator.decide import surge
 from pdpair.operator.model.config import PortPool
-from pdpair.operator.decide.recreate import spec_fingerprint
+from pdpair.operator.model.pair_spec import spec_fingerprint
 from pdpair.operator.model.observed import Finding, NodeView, Observed, PodView
 from pdpair.operator.decide.restart_policy import RestartPolicy, restarts_in_window
 from tests.crd_defaults import with_crd_defaults
@@ -188,7 +188,7 @@ class World:
         for slot in self.slots:
             self._lease(slot)
         # then fences the ports of pods on lost nodes, and leases replacements (lease_steps.fence_lost)
-        lease_plan = planner.lease_plan(self.spec, self.status, pods, self.node_views(), self.now, NODE_LOST_SECONDS)
+        lease_plan = planner.prepare(self.spec, self.status, pods, self.node_views(), self.now, NODE_LOST_SECONDS)
         held = [{"port": p} for ports in self.held.values() for p in ports]
         for fence in leases.fences(lease_plan.lost, held, POOL):
             for ports in self.held.values():

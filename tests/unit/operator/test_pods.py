@@ -9,7 +9,8 @@ from pdpair import contract as c
 from pdpair.operator.build.pods import ManifestError, engine_pod, pod_name, router_pod
 from tests.pod_commands import without_preflight
 from pdpair.operator.model.spec_fields import MissingDefaultedField
-from pdpair.operator.decide.port_blocks import assign, required_blocks, status_ports
+from pdpair.operator.decide.port_blocks import assign, status_ports
+from tests.port_blocks_support import spec_blocks
 
 from tests.crd_defaults import spec_schema, with_crd_defaults
 
@@ -30,7 +31,7 @@ PAIR = with_crd_defaults({
 
 def leased():
     ports, nxt = [], 20000
-    for block in required_blocks(PAIR["spec"]):
+    for block in spec_blocks(PAIR["spec"]):
         ports += assign(block, nxt)
         nxt += block.count
     return status_ports(ports)

@@ -23,7 +23,8 @@ from pdpair.contract import (
 )
 from pdpair.operator.model.config import PortPool
 from pdpair.operator.act.port_leaser import PairRef, PortLeaser
-from pdpair.operator.decide.port_blocks import lease_name, required_blocks, status_ports
+from pdpair.operator.decide.port_blocks import lease_name, status_ports
+from tests.port_blocks_support import spec_blocks
 from tests.unit.operator.fake_leases import Leases as FakeLeases
 
 PAIR = PairRef("ns", "p", "uid-p")
@@ -44,7 +45,7 @@ def leaser(api: Leases, last: int) -> PortLeaser:
 
 def test_leases_carry_their_instance_and_adopt_per_instance():
     api = Leases()
-    outcome = asyncio.run(leaser(api, 20099).ensure(PAIR, required_blocks(TWO_DECODES)))
+    outcome = asyncio.run(leaser(api, 20099).ensure(PAIR, spec_blocks(TWO_DECODES)))
     assert outcome.complete and outcome.claimed == 9
     labels = api.ours()
     assert sorted(l[LABEL_INSTANCE] for l in labels.values()) == ["0"] * 6 + ["1"] * 3  # "0" written too
@@ -54,7 +55,7 @@ def test_leases_carry_their_instance_and_adopt_per_instance():
     assert names[:6] == ["decode-http-0", "decode-metrics-0", "decode-sidechannel-0",
                          "decode-http-0-i1", "decode-metrics-0-i1", "decode-sidechannel-0-i1"]
     # a restarted operator adopts every block (nothing claimed, nothing released) and reads the same
-    again = asyncio.run(leaser(api, 20099).ensure(PAIR, required_blocks(TWO_DECODES)))
+    again = asyncio.run(leaser(api, 20099).ensure(PAIR, spec_blocks(TWO_DECODES)))
     assert (again.adopted, again.claimed, again.released) == (9, 0, 0)
     assert again.assignments == outcome.assignments
     held, _ = asyncio.run(leaser(api, 20099).held(PAIR))
@@ -65,20 +66,20 @@ def test_leases_made_before_instances_are_instance_0():
     """A lease without the instance label (made before instances) is adopted as instance 0's; a scale-up claims
     only instance 1's blocks."""
     api = Leases()
-    asyncio.run(leaser(api, 20099).ensure(PAIR, required_blocks(ONE)))
+    asyncio.run(leaser(api, 20099).ensure(PAIR, spec_blocks(ONE)))
     for lease in api.items.values():
         del lease.metadata.labels[LABEL_INSTANCE]
-    outcome = asyncio.run(leaser(api, 20099).ensure(PAIR, required_blocks(TWO_DECODES)))
+    outcome = asyncio.run(leaser(api, 20099).ensure(PAIR, spec_blocks(TWO_DECODES)))
     assert (outcome.adopted, outcome.claimed, outcome.released) == (6, 3, 0) and outcome.complete
 
 
 def test_scale_down_releases_an_instance_only_when_its_blocks_are_no_longer_required():
     api = Leases()
-    asyncio.run(leaser(api, 20099).ensure(PAIR, required_blocks(TWO_DECODES)))
+    asyncio.run(leaser(api, 20099).ensure(PAIR, spec_blocks(TWO_DECODES)))
     # replicas 2 -> 1 while instance 1's pod exists: leases.py still names instance 1 (test_leases.py)
-    kept = asyncio.run(leaser(api, 20099).ensure(PAIR, required_blocks(ONE, {ROLE_DECODE: [0, 1]})))
+    kept = asyncio.run(leaser(api, 20099).ensure(PAIR, spec_blocks(ONE, {ROLE_DECODE: [0, 1]})))
     assert (kept.released, len(api.ours())) == (0, 9)
-    gone = asyncio.run(leaser(api, 20099).ensure(PAIR, required_blocks(ONE)))  # its pod is gone
+    gone = asyncio.run(leaser(api, 20099).ensure(PAIR, spec_blocks(ONE)))  # its pod is gone
     assert gone.released == 3 and sorted(l[LABEL_INSTANCE] for l in api.ours().values()) == ["0"] * 6
 
 
@@ -88,13 +89,13 @@ def test_a_scale_up_that_exhausts_the_pool_keeps_the_serving_blocks_while_pods_e
     claim is released; without pods everything goes (a waiting pair hoards nothing)."""
     for hoard_nothing in (False, True):
         api = Leases()
-        first = asyncio.run(leaser(api, 20007).ensure(PAIR, required_blocks(ONE)))
+        first = asyncio.run(leaser(api, 20007).ensure(PAIR, spec_blocks(ONE)))
         unlisted: list[set[int]] = []
 
         async def before_release(ports: set[int]) -> None:
             unlisted.append(set(ports))
 
-        outcome = asyncio.run(leaser(api, 20007).ensure(PAIR, required_blocks(TWO_DECODES),
+        outcome = asyncio.run(leaser(api, 20007).ensure(PAIR, spec_blocks(TWO_DECODES),
                                                         before_release=before_release, hoard_nothing=hoard_nothing))
         assert outcome.exhausted and not outcome.complete and "decode instance 1 http" in outcome.message
         assert outcome.adopted == 6 and outcome.claimed == 0
@@ -110,11 +111,11 @@ def test_a_scale_up_that_exhausts_the_pool_keeps_the_serving_blocks_while_pods_e
 def test_a_busy_port_of_instance_1_is_re_leased_as_instance_1s():
     api = Leases()
     leases = leaser(api, 20099)
-    first = asyncio.run(leases.ensure(PAIR, required_blocks(TWO_DECODES)))
+    first = asyncio.run(leases.ensure(PAIR, spec_blocks(TWO_DECODES)))
     busy = next(a.port for a in first.assignments if a.instance == 1 and a.purpose == PURPOSE_HTTP)
     assert asyncio.run(leases.quarantine(PAIR, busy, "n1", 600, "busy"))
     assert busy not in api.ours()  # the quarantine Lease belongs to no pair
-    again = asyncio.run(leases.ensure(PAIR, required_blocks(TWO_DECODES), hoard_nothing=False))
+    again = asyncio.run(leases.ensure(PAIR, spec_blocks(TWO_DECODES), hoard_nothing=False))
     assert again.complete and (again.adopted, again.claimed, again.released) == (8, 1, 0)
     (new,) = set(a for a in again.assignments) - set(first.assignments)
     assert (new.role, new.instance, new.purpose) == (ROLE_DECODE, 1, PURPOSE_HTTP) and new.port != busy
@@ -124,14 +125,14 @@ def test_a_busy_port_of_instance_1_is_re_leased_as_instance_1s():
 
 def test_unknown_instance_labels_are_released_and_not_listed():
     api = Leases()
-    asyncio.run(leaser(api, 20099).ensure(PAIR, required_blocks(ONE)))
+    asyncio.run(leaser(api, 20099).ensure(PAIR, spec_blocks(ONE)))
     stray = SimpleNamespace(metadata=SimpleNamespace(name=lease_name(20050), uid="u-stray", labels={
         LABEL_PORT_LEASE: "true", LABEL_PAIR: "p", LABEL_PAIR_NAMESPACE: "ns", LABEL_PAIR_UID: PAIR.uid,
         LABEL_ROLE: ROLE_DECODE, LABEL_PURPOSE: PURPOSE_HTTP, LABEL_INSTANCE: "x"}), spec=None)
     api.items[lease_name(20050)] = stray
     held, _ = asyncio.run(leaser(api, 20099).held(PAIR))
     assert 20050 not in {a.port for a in held} and len(held) == 6
-    outcome = asyncio.run(leaser(api, 20099).ensure(PAIR, required_blocks(ONE)))
+    outcome = asyncio.run(leaser(api, 20099).ensure(PAIR, spec_blocks(ONE)))
     assert outcome.released == 1 and 20050 not in api.ours()
 
 
@@ -171,7 +172,7 @@ def test_leases_are_read_as_plain_records_and_every_reply_gives_its_connection_b
     assert asyncio.run(ports.sweep_quarantines(now=acquired + timedelta(seconds=64))) == []  # 1 s left
     assert asyncio.run(ports.sweep_quarantines(now=acquired + timedelta(seconds=65))) == [31000]
     assert not api.items
-    assert asyncio.run(ports.ensure(PAIR, required_blocks(ONE))).assignments
+    assert asyncio.run(ports.ensure(PAIR, spec_blocks(ONE))).assignments
     assert {type(lease) for lease in asyncio.run(ports.leases_of(PAIR.uid))} == {LeaseRecord}
     assert replies and all(reply.released for reply in replies)
 
@@ -190,18 +191,18 @@ def test_a_pair_without_leases_at_the_full_list_is_not_listed_again_until_it_cla
 
     api = Counted()
     left = PairRef("ns", "left", "uid-left")
-    asyncio.run(leaser(api, 20099).ensure(left, required_blocks(ONE)))  # another operator's, before this one started
+    asyncio.run(leaser(api, 20099).ensure(left, spec_blocks(ONE)))  # another operator's, before this one started
     leftovers = {name for name, lease in api.items.items() if lease.metadata.labels[LABEL_PAIR_UID] == left.uid}
     ports = leaser(api, 20099)
     asyncio.run(ports.refresh_taken())
     selectors.clear()
 
-    new = asyncio.run(ports.ensure(PAIR, required_blocks(ONE)))
+    new = asyncio.run(ports.ensure(PAIR, spec_blocks(ONE)))
     assert new.claimed == 6 and new.adopted == 0
     assert not [s for s in selectors if PAIR.uid in s]  # no list for the new pair
-    again = asyncio.run(ports.ensure(PAIR, required_blocks(ONE)))  # its status write was lost: the next pass adopts
+    again = asyncio.run(ports.ensure(PAIR, spec_blocks(ONE)))  # its status write was lost: the next pass adopts
     assert again.adopted == 6 and again.claimed == 0 and [s for s in selectors if PAIR.uid in s]
-    adopted = asyncio.run(ports.ensure(left, required_blocks(ONE)))
+    adopted = asyncio.run(ports.ensure(left, spec_blocks(ONE)))
     assert adopted.adopted == 6 and adopted.claimed == 0
     assert {name for name, lease in api.items.items() if lease.metadata.labels[LABEL_PAIR_UID] == left.uid} == leftovers
 

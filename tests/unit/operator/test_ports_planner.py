@@ -12,9 +12,9 @@ from pdpair.operator.decide.port_blocks import (
     missing_blocks,
     port_of,
     ports_of,
-    required_blocks,
     status_ports,
 )
+from tests.port_blocks_support import spec_blocks
 
 
 @pytest.mark.parametrize(
@@ -28,7 +28,7 @@ from pdpair.operator.decide.port_blocks import (
     ],
 )
 def test_required_blocks(spec, expected_total, decode_side):
-    blocks = required_blocks(spec)
+    blocks = spec_blocks(spec)
     assert ports_needed(blocks) == expected_total
     side = next(b for b in blocks if b.role == "decode" and b.purpose == PURPOSE_SIDECHANNEL)
     assert side.count == decode_side and side.contiguous
@@ -42,9 +42,9 @@ def ports_needed(blocks) -> int:
 
 def test_required_blocks_rejects_bad_sizes():
     with pytest.raises(ValueError, match="tensorParallelSize"):
-        required_blocks({"decode": {"tensorParallelSize": 0}})
+        spec_blocks({"decode": {"tensorParallelSize": 0}})
     with pytest.raises(ValueError, match="portsPerRank"):
-        required_blocks({"network": {"portsPerRank": 0}})
+        spec_blocks({"network": {"portsPerRank": 0}})
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_choose_run(taken, count, start_at, expected):
 
 
 def test_match_existing_keeps_whole_fitting_blocks_and_releases_the_rest():
-    blocks = required_blocks({"decode": {"tensorParallelSize": 2}, "prefill": {"tensorParallelSize": 2}})
+    blocks = spec_blocks({"decode": {"tensorParallelSize": 2}, "prefill": {"tensorParallelSize": 2}})
     held = {
         ("decode", 0, PURPOSE_SIDECHANNEL): [201, 200],  # contiguous: kept
         ("prefill", 0, PURPOSE_SIDECHANNEL): [300, 302],  # not contiguous: released
@@ -129,13 +129,13 @@ ROUTER = [("router", 0, PURPOSE_HTTP)]
     ],
 )
 def test_required_blocks_per_instance(spec, instances, expected):
-    blocks = required_blocks(spec, instances)
+    blocks = spec_blocks(spec, instances)
     assert keys(blocks) == sorted(expected)
     assert len({b.key for b in blocks}) == len(blocks)
 
 
 def test_required_blocks_order_is_decode_instances_then_prefill_then_router():
-    blocks = required_blocks({"decode": {"replicas": 2, "tensorParallelSize": 2}, "prefill": {"replicas": 2}})
+    blocks = spec_blocks({"decode": {"replicas": 2, "tensorParallelSize": 2}, "prefill": {"replicas": 2}})
     assert [(b.role, b.instance) for b in blocks][::3] == [("decode", 0), ("decode", 1), ("prefill", 0), ("prefill", 1),
                                                            ("router", 0)]
     assert all(b.count == 2 and b.contiguous for b in blocks if b.role == "decode" and b.purpose == PURPOSE_SIDECHANNEL)
@@ -144,15 +144,15 @@ def test_required_blocks_order_is_decode_instances_then_prefill_then_router():
 
 def test_required_blocks_rejects_instances_outside_the_crd_range():
     with pytest.raises(ValueError, match="decode instance indexes must be 0..15"):
-        required_blocks({}, {"decode": [0, 16]})
+        spec_blocks({}, {"decode": [0, 16]})
     with pytest.raises(ValueError, match="prefill instance"):
-        required_blocks({}, {"prefill": [-1]})
+        spec_blocks({}, {"prefill": [-1]})
     with pytest.raises(ValueError, match="tensorParallelSize"):  # the old errors stay
-        required_blocks({"decode": {"tensorParallelSize": 0}}, {"decode": [1]})
+        spec_blocks({"decode": {"tensorParallelSize": 0}}, {"decode": [1]})
 
 
 def test_match_existing_works_per_instance():
-    blocks = required_blocks({"decode": {"replicas": 2, "tensorParallelSize": 2}, "router": {"enabled": False}})
+    blocks = spec_blocks({"decode": {"replicas": 2, "tensorParallelSize": 2}, "router": {"enabled": False}})
     held = {
         ("decode", 0, PURPOSE_SIDECHANNEL): [200, 201],  # kept
         ("decode", 1, PURPOSE_SIDECHANNEL): [210, 212],  # instance 1's, not contiguous: released
@@ -189,7 +189,7 @@ def test_status_names_and_fields_for_instances():
 
 def test_a_1p1d_pairs_status_is_what_it_was_before_instances():
     """Byte-identical: same names, same keys, same order (instance 0 everywhere, no "instance" key)."""
-    blocks = required_blocks({"decode": {"tensorParallelSize": 2}})
+    blocks = spec_blocks({"decode": {"tensorParallelSize": 2}})
     ports, first = [], 20000
     for block in blocks:
         ports += assign(block, first)

@@ -18,7 +18,7 @@ from pdpair.operator.decide import recreate as d
 from pdpair.operator.decide import surge as r
 from pdpair.operator.model import timestamps
 from pdpair.operator.decide import instances
-from pdpair.operator.decide.recreate import spec_fingerprint
+from pdpair.operator.model.pair_spec import spec_fingerprint
 from pdpair.operator.model.observed import NodeView, Observed, PodView
 from pdpair.operator.decide.planner import next_step
 from tests.crd_defaults import with_crd_defaults

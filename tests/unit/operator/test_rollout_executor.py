@@ -28,10 +28,11 @@ from pdpair.contract import (
 from pdpair.operator.decide import surge as r
 from pdpair.operator.model import timestamps
 from pdpair.operator.model.config import OperatorConfig, PortPool
-from pdpair.operator.decide.recreate import spec_fingerprint
+from pdpair.operator.model.pair_spec import spec_fingerprint
 from pdpair.operator.model.observed import PodView
 from pdpair.operator.act.port_leaser import PortLeaser
-from pdpair.operator.decide.port_blocks import assign, lease_name, lease_slot, required_blocks, status_ports
+from pdpair.operator.decide.port_blocks import assign, lease_name, lease_slot, status_ports
+from tests.port_blocks_support import spec_blocks
 from pdpair.operator.act.reconciler import PairReconciler, Runtime
 from tests.crd_defaults import with_crd_defaults
 from tests.unit.operator.fake_leases import Leases as FakeLeases
@@ -81,7 +82,7 @@ def lease_both_slots(leases: Leases) -> dict[str, list[dict[str, Any]]]:
     first = 20000
     for slot in ("a", "b"):
         assignments = []
-        for block in required_blocks(SPEC):
+        for block in spec_blocks(SPEC):
             assignments += assign(block, first)
             first += block.count
         for a in assignments:

@@ -55,7 +55,7 @@ def test_phase_gauges_stay_consistent_when_most_passes_repeat_the_phase():
 def test_only_the_listener_probe_polls_waits_on_pods_wait_for_their_events():
     from pdpair.operator.decide import recreate as d
     from pdpair.operator.model.config import OperatorConfig
-    from pdpair.operator.act.reconciler import pass_delay
+    from pdpair.operator.decide.pass_timing import pass_delay
 
     cfg = OperatorConfig.from_env({"PDPAIR_OPERATOR_NAMESPACE": "ops", "PDPAIR_PROBE_INTERVAL_SECONDS": "1",
                                    "PDPAIR_RESYNC_INTERVAL_SECONDS": "30", "PDPAIR_POOL_RETRY_SECONDS": "5"})
@@ -73,7 +73,7 @@ def test_a_failed_push_comes_back_soon_for_a_loading_pod_and_backs_off_for_a_rea
     a Ready pod whose push got no answer (a timeout on a busy node) at the probe interval doubled per failure, never
     past the resync interval; a Ready pod that answered with a refusal (401, 404) only on events and resyncs (None)."""
     from pdpair.operator.model.config import OperatorConfig
-    from pdpair.operator.act.peer_sets import push_retry_delay
+    from pdpair.operator.decide.pass_timing import push_retry_delay
 
     cfg = OperatorConfig.from_env({"PDPAIR_OPERATOR_NAMESPACE": "ops", "PDPAIR_PROBE_INTERVAL_SECONDS": "1",
                                    "PDPAIR_RESYNC_INTERVAL_SECONDS": "30"})

@@ -3,7 +3,8 @@
 import pytest
 
 from pdpair import contract as c
-from pdpair.operator.decide.port_blocks import assign, required_blocks, status_ports
+from pdpair.operator.decide.port_blocks import assign, status_ports
+from tests.port_blocks_support import spec_blocks
 from pdpair.operator.build.service import (
     ACTION_CREATE,
     ACTION_DELETE,
@@ -25,7 +26,7 @@ def pair(router=None):
 
 def leased(spec):
     ports, nxt = [], 20000
-    for block in required_blocks(spec):
+    for block in spec_blocks(spec):
         ports += assign(block, block.fixed or nxt)  # as PortLeaser does: a fixed port is leased as given
         nxt += block.count
     return status_ports(ports)

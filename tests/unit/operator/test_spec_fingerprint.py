@@ -1,4 +1,4 @@
-"""The rollout rule (recreate.POD_SPEC_FIELDS): which spec fields roll the pods, checked against the CRD, and the
+"""The rollout rule (pair_spec.POD_SPEC_FIELDS): which spec fields roll the pods, checked against the CRD, and the
 fingerprint of every example pinned, so a refactor or an upgrade of the operator does not roll serving pairs.
 
 Cost: under a second; no cluster.
@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from pdpair import contract
-from pdpair.operator.decide.recreate import POD_SPEC_FIELDS, SPEC_FIELDS_NOT_IN_PODS, spec_fingerprint
+from pdpair.operator.model.pair_spec import POD_SPEC_FIELDS, SPEC_FIELDS_NOT_IN_PODS, spec_fingerprint
 from tests.crd_defaults import spec_schema, with_crd_defaults
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -35,7 +35,7 @@ def test_every_spec_field_of_the_crd_either_rolls_the_pods_or_is_named_as_not_in
     properties = set(spec_schema()["properties"])
     assert not set(POD_SPEC_FIELDS) & set(SPEC_FIELDS_NOT_IN_PODS)
     unruled = properties - set(POD_SPEC_FIELDS) - set(SPEC_FIELDS_NOT_IN_PODS)
-    assert not unruled, (f"new spec fields {sorted(unruled)}: add each to recreate.POD_SPEC_FIELDS (its change rolls "
+    assert not unruled, (f"new spec fields {sorted(unruled)}: add each to pair_spec.POD_SPEC_FIELDS (its change rolls "
                          "the pods) or SPEC_FIELDS_NOT_IN_PODS")
     assert set(POD_SPEC_FIELDS) | set(SPEC_FIELDS_NOT_IN_PODS) <= properties
 

@@ -18,7 +18,8 @@ from pdpair.operator.build.pods import (
     engine_pod,
     router_pod,
 )
-from pdpair.operator.decide.port_blocks import assign, port_of, required_blocks, status_ports
+from pdpair.operator.decide.port_blocks import assign, port_of, status_ports
+from tests.port_blocks_support import spec_blocks
 from pdpair.router.config import RouterConfig
 from tests.crd_defaults import with_crd_defaults
 
@@ -83,7 +84,7 @@ def pair(transport: str = "tcp", **spec_extra) -> dict:
 
 def leased(p):
     ports, nxt = [], 20000
-    for block in required_blocks(p["spec"]):
+    for block in spec_blocks(p["spec"]):
         ports += assign(block, nxt)
         nxt += block.count
     return status_ports(ports)

@@ -1,5 +1,5 @@
 """The executor's part for the pair's port leases: it carries out the lease plan the planner decides
-(planner.lease_plan: lease or only read each port set, quarantine busy ports, fence a lost node's ports) with
+(planner.prepare: lease or only read each port set, quarantine busy ports, fence a lost node's ports) with
 port_leaser.PortLeaser's API calls, and keeps the reconciler's view of the leased ports (`ports`, `rollout_ports`)
 in step. `LeaseSteps` is a part of `reconciler.PairReconciler` (its state lives there) and decides nothing."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from pdpair.contract import PURPOSE_SIDECHANNEL, ROLE_DECODE
-from pdpair.operator.decide import leases, planner
+from pdpair.operator.decide import busy_ports, leases, planner
 from pdpair.operator.decide.port_blocks import ports_of, status_ports
 
 # A pair's leases are re-read from the apiserver (the truth: someone may have deleted one) every this many resync
@@ -25,7 +25,7 @@ class LeaseSteps:
         return LEASE_RECHECK_RESYNCS * self.rt.config.resync_interval
 
     async def lease_serving(self, step: leases.LeaseStep) -> None:
-        """Carry out the serving port set's lease step (leases.serving_lease); `self.ports` then mirrors the pair's
+        """Carry out the serving port set's lease step (leases.lease_steps); `self.ports` then mirrors the pair's
         leases exactly ([] or None: none held). Leases are re-read (the truth) every LEASE_RECHECK_RESYNCS resync
         intervals, or when the blocks change; after an exhausted pool, no sooner than pool_retry."""
         fresh = time.monotonic() - self.leases_checked_at < self._lease_recheck_seconds()
@@ -63,7 +63,7 @@ class LeaseSteps:
             )
 
     async def lease_rollout(self, step: leases.LeaseStep | None) -> None:
-        """Carry out the lease step of a Surge rollout's other generation (leases.rollout_lease); None: no rollout,
+        """Carry out the lease step of a Surge rollout's other generation (leases.lease_steps); None: no rollout,
         nothing held for it here (a set left leased after a rollout is released by the plan: Plan.release_slot)."""
         if step is None:
             self.rollout_ports, self.rollout_blocks, self.rollout_pool_message = None, None, ""
@@ -108,15 +108,15 @@ class LeaseSteps:
             await self._patch_status({"ports": kept})
         self.ports = None
 
-    async def quarantine_busy(self, lease_plan: planner.LeasePlan) -> None:
-        """Carry out leases.quarantines for the busy-port reports: each held pool port becomes a quarantine Lease
+    async def quarantine_busy(self, prelude: planner.Prelude) -> None:
+        """Carry out busy_ports.quarantines for the busy-port reports: each held pool port becomes a quarantine Lease
         on its node and is re-leased (lease_serving again), a PortInUse Event says so; a fixed port is reported once.
         Idempotent: a port already out of the pair's hands is not in the plan, so a restarted operator only goes on
         to the restart."""
-        for report in lease_plan.busy:
+        for report in prelude.busy:
             if self.ports is None:
                 return
-            (todo,) = leases.quarantines([report], self.ports, lease_plan.serving.blocks, self.rt.leaser.pool)
+            (todo,) = busy_ports.quarantines([report], self.ports, prelude.serving.blocks, self.rt.leaser.pool)
             for port in todo.fixed:
                 if (report.pod, port) not in self.unreplaceable_reported:
                     self.unreplaceable_reported.add((report.pod, port))
@@ -131,7 +131,7 @@ class LeaseSteps:
             quarantined = [p for p in todo.ports
                            if await self.rt.leaser.quarantine(self.ref, p, report.node, ttl, report.describe())]
             self.leases_checked_at, self.blocks = 0.0, None  # re-read the leases now and claim what is missing
-            await self.lease_serving(lease_plan.serving)
+            await self.lease_serving(prelude.serving)
             moved = sorted({(p["role"], p["purpose"]) for p in before if int(p["port"]) in quarantined})
             replacement = ", ".join(
                 f"{role} {purpose} {ports_of(self.ports, role, purpose) if self.ports else 'pending (pool exhausted)'}"
@@ -142,13 +142,13 @@ class LeaseSteps:
             self.log.warning("pair %s/%s: %s; quarantined %s, replacement %s", self.ref.namespace, self.ref.name,
                              report.describe(), quarantined, replacement)
 
-    async def fence_lost(self, lease_plan: planner.LeasePlan) -> None:
+    async def fence_lost(self, prelude: planner.Prelude) -> None:
         """Carry out leases.fences for the pods on lost nodes: each held pool port such a pod declares becomes a
         fence Lease held until that pod is gone (status stops listing it first), the pair is leased replacements,
         and a NodeLost Event says so. Idempotent: a port already fenced is no longer held, so it is not planned
         again (a restarted operator goes on to the restart)."""
         held = list(self.ports or []) + list(self.rollout_ports or [])
-        todo = leases.fences(lease_plan.lost, held, self.rt.leaser.pool)
+        todo = leases.fences(prelude.lost, held, self.rt.leaser.pool)
         if not todo:
             return
         serving = {int(p["port"]) for p in self.ports or []}
@@ -167,7 +167,7 @@ class LeaseSteps:
             self.log.warning("pair %s/%s: %s; %s pod %s: ports %s fenced", self.ref.namespace, self.ref.name,
                              fence.why, fence.pod.role, fence.pod.name, fenced)
         self.leases_checked_at, self.blocks = 0.0, None  # re-read the leases now and claim what is missing
-        await self.lease_serving(lease_plan.serving)
-        if lease_plan.rollout is not None:
+        await self.lease_serving(prelude.serving)
+        if prelude.rollout is not None:
             self.rollout_checked_at, self.rollout_blocks = 0.0, None
-            await self.lease_rollout(lease_plan.rollout)
+            await self.lease_rollout(prelude.rollout)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+from pdpair.operator.model.observed import PodView
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,9 @@ class ProbeResult:
     def all_accept(self) -> bool:
         return bool(self.accepting) and not self.refusing
 
-    def describe(self) -> str:
+    @property
+    def message(self) -> str:
+        """The DecodeListening condition's message."""
         if self.all_accept:
             return f"{self.host} accepts on {_ports(self.accepting)}"
         return f"{self.host} does not accept on {_ports(self.refusing)}"
@@ -96,3 +100,30 @@ async def refused_ports(host: str, ports: list[int] | tuple[int, ...], timeout: 
     if refused:
         return refused
     return () if all(o == ACCEPTED for o in outcomes) else None
+
+
+class DecodeListenerGate:
+    """One pair's probes of its decode listeners before they served (the planner names which: recreate.listener_probes):
+    every rank of the pod probed at once (`probe_ranks`), a decode pod seen accepting on every rank remembered by uid
+    and never probed again (a memory rebuilt by probing again after an operator restart), the last probe's message
+    kept for the DecodeListening condition, and a DecodeListening Event the first time a pod accepts."""
+
+    def __init__(self, timeout: float, emit: Callable[[str, str, str], None]) -> None:
+        self.timeout = timeout
+        self.emit = emit
+        self.accepted: set[str] = set()  # pod uids whose listener accepted on every rank
+        self.message = ""
+
+    async def probe(self, decode: PodView, ranks: list[int]) -> tuple[bool, str]:
+        """(whether `decode` accepts on every side-channel rank's port of `ranks`, the message of the last probe
+        made); `ranks` empty: its ports are not leased yet, no probe."""
+        if decode.uid in self.accepted:
+            return True, self.message
+        if not (decode.running and ranks):
+            return False, self.message
+        result = await probe_ranks(decode.ip, ranks, self.timeout)
+        self.message = result.message
+        if result.all_accept:
+            self.accepted.add(decode.uid)
+            self.emit("Normal", "DecodeListening", f"decode {decode.name}: {result.message}")
+        return result.all_accept, self.message

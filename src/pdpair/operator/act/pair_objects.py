@@ -25,7 +25,7 @@ from pdpair.operator.build.service import (
     service_name,
 )
 from pdpair.operator.decide import planner
-from pdpair.operator.decide import recreate as d
+from pdpair.operator.model.pair_spec import router_enabled
 
 # A pair's NetworkPolicy, once made or found right, is read again after this many resync intervals (5 min by
 # default): it is not watched, so this is how a deleted or edited one comes back.
@@ -49,7 +49,7 @@ class PairObjects:
         observed = next((s for s in services if s.name == name), None)
         desired = router_service(body, self.ports, planner.service_generation(self.status),
                                  kept_service_port(self.body["spec"], self.status, observed, self.ref.uid))
-        if desired is None and d.router_enabled(self.body["spec"]):
+        if desired is None and router_enabled(self.body["spec"]):
             return  # the router port is not leased yet: leave whatever exists alone
         action = plan_service(desired, observed, self.ref.uid)
         try:

@@ -1,7 +1,7 @@
 """The executor's part for the peer push (docs/xpyd.md sections 3, 5, 6): instances.py decides each pod's set,
 push.py builds and sends the bodies, and this sends each running prefill and router the set it was not told yet,
 records a router's answer while an instance drains (`RouterDrainView`, what the planner reads to delete a drained
-instance), and says when a failed push is tried again (`push_retry_delay`). `PeerSets` is a part of
+instance), and says when a failed push is tried again (`pass_timing.push_retry_delay`). `PeerSets` is a part of
 `reconciler.PairReconciler` (its state lives there) and decides nothing."""
 
 from __future__ import annotations
@@ -27,33 +27,18 @@ from pdpair.operator.act import push
 from pdpair.operator.build.pods import url_host
 from pdpair.operator.decide import instances, surge
 from pdpair.operator.decide.port_blocks import port_of
-from pdpair.operator.model.config import ENV_PEERS_KEY, OperatorConfig
+from pdpair.operator.model.config import ENV_PEERS_KEY
 from pdpair.operator.model.observed import PodView, RouterDrainView
 
 
 @dataclass(frozen=True)
 class PushFailure:
     """A pod's push that has failed `count` times in a row; `answered`: the last failure was the pod's HTTP refusal
-    (401, 404), not a timeout or a reset (push_retry_delay)."""
+    (401, 404), not a timeout or a reset (pass_timing.push_retry_delay)."""
 
     cause: str  # the last failure, as logged (each new cause is logged once)
     count: int
     answered: bool
-
-
-def push_retry_delay(failing: Iterable[tuple[bool, bool, int]], cfg: OperatorConfig) -> float | None:
-    """When to pass again for the pods whose last push failed, given (ready, answered, consecutive failures) of each;
-    None when none failed or none needs it sooner than events and resyncs. Nothing wakes a pair when a failed push
-    could succeed, so the pass itself must come back. A pod that is not Ready still loads (a prefill created beside
-    its decode learns decode's address this way: its endpoint opens any moment): every probe interval. A Ready pod
-    serves already: a push that got no answer (a timeout on a busy node, a dropped connection) is retried at the
-    probe interval doubled per failure, up to the resync interval; one it answered with a refusal (401: another
-    operator key; 404: no such endpoint) is not retried sooner than the next event or resync, which is soon enough
-    for what does not change by itself."""
-    delays = [cfg.probe_interval if not ready else
-              min(cfg.probe_interval * 2 ** min(max(failures, 1) - 1, 16), cfg.resync_interval)
-              for ready, answered, failures in failing if not (ready and answered)]
-    return min(delays) if delays else None
 
 
 def side_base(ports: list[dict[str, Any]], instance: int) -> int:
@@ -111,7 +96,7 @@ class PeerSets:
         """Send each running prefill and router of the pair the set instances.py gives it, when it differs from
         what the pod was last told (its annotation pdpair.io/peers-digest): the decodes a prefill pairs with, the
         instances a router sends to. A failed push is retried on the next pass (it is level-triggered), which comes
-        back by push_retry_delay. A router's answer is recorded (`_record_router`) while an instance of its generation
+        back by pass_timing.push_retry_delay. A router's answer is recorded (`_record_router`) while an instance of its generation
         drains. Returns the uids of the routers whose answer was recorded."""
         sends = []
         answered: set[str] = set()

@@ -31,6 +31,7 @@ from pdpair.operator.decide import recreate as d
 from pdpair.operator.decide import surge
 from pdpair.operator.model.conditions import FALSE, Condition
 from pdpair.operator.model.observed import PodView
+from pdpair.operator.model.pair_spec import spec_fingerprint
 
 
 # The API server refused the object itself (validation, admission, quota): retrying the same manifest at once
@@ -136,7 +137,7 @@ class PodSteps:
         if not plan.create:
             return None
         rejection = self.rejections.get(plan.create)
-        if rejection is None or rejection.spec_hash != d.spec_fingerprint(self.body["spec"]):
+        if rejection is None or rejection.spec_hash != spec_fingerprint(self.body["spec"]):
             return None
         return rejection
 
@@ -146,7 +147,7 @@ class PodSteps:
         active = surge.active_rollout(self.status)
         if not active or active.get("phase") != surge.PHASE_PROGRESSING:
             return ""
-        want = d.spec_fingerprint(spec)
+        want = spec_fingerprint(spec)
         return next((r.message for r in self.rejections.values() if r.spec_hash == want), "")
 
     @staticmethod
@@ -157,7 +158,7 @@ class PodSteps:
 
     async def _rejected(self, plan: d.Plan, name: str, exc: BaseException, meta_generation: int) -> None:
         reason, api_message = api_reason(exc)
-        spec_hash = d.spec_fingerprint(self.body["spec"])
+        spec_hash = spec_fingerprint(self.body["spec"])
         previous = self._rejection(plan)
         attempts = previous.attempts + 1 if previous else 1
         delay = min(REJECTION_BACKOFF_MAX, REJECTION_BACKOFF_FIRST * 2 ** (attempts - 1))
@@ -173,7 +174,7 @@ class PodSteps:
 
     def _manifest(self, plan: d.Plan, pods: tuple[PodView, ...]) -> dict[str, Any]:
         body = {"metadata": dict(self.body["metadata"]), "spec": self.body["spec"]}
-        spec_hash = d.spec_fingerprint(self.body["spec"])
+        spec_hash = spec_fingerprint(self.body["spec"])
         generation = _create_generation(plan)
         ports = self.rollout_ports if plan.create_slot else self.ports  # a rollout's new generation: its port set
         assert ports is not None

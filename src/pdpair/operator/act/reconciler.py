@@ -27,7 +27,6 @@ from pdpair.contract import (
     VERSION,
 )
 
-from pdpair.operator.decide import recreate as d
 from pdpair.operator.act.kube_api import api_status
 from pdpair.operator.act.lease_steps import LeaseSteps
 from pdpair.operator.act.pair_objects import PairObjects
@@ -36,20 +35,17 @@ from pdpair.operator.act.pod_steps import PodSteps, Rejection, created_name
 from pdpair.operator.act.peer_sets import (
     PeerSets,
     PushFailure,
-    push_retry_delay,
 )
 from pdpair.operator.model.observed import NodeView, Observed, PodView, RouterDrainView
-from pdpair.operator.decide import leases
-from pdpair.operator.decide import planner
-from pdpair.operator.decide import surge
+from pdpair.operator.decide import busy_ports
+from pdpair.operator.decide import pass_timing, planner
 from pdpair.operator.model.config import OperatorConfig
-from pdpair.operator.act.listener_probe import probe_ranks
+from pdpair.operator.act.listener_probe import DecodeListenerGate
 from pdpair.operator.act import scale_sync
-from pdpair.operator.decide import scale_targets
-from pdpair.operator.model import spec_fields
+from pdpair.operator.model import pair_spec
+from pdpair.operator.decide.port_blocks import ports_of
 from pdpair.operator.decide.scale_targets import ScaleView
 from pdpair.operator.act.port_leaser import PairRef, PortLeaser
-from pdpair.operator.decide.port_blocks import ports_of
 from pdpair.operator.build.service import (
     ServiceView,
 )
@@ -106,7 +102,7 @@ class Runtime:
 
 
 # Requests to the pods' peer endpoints in flight at once, all pairs together (Runtime.http); each is bounded by the
-# probe timeout, waiting for a connection included, so a burst beyond it fails fast and is retried (push_retry_delay).
+# probe timeout, waiting for a connection included, so a burst beyond it fails fast and is retried (pass_timing.push_retry_delay).
 PEER_HTTP_CONNECTIONS = 128
 
 
@@ -134,26 +130,6 @@ def throttled_retry(exc: BaseException, jitter: float) -> float | None:
         seconds = THROTTLED_RETRY_DEFAULT
     return min(max(seconds, THROTTLED_RETRY_MIN), THROTTLED_RETRY_MAX) * (1 + min(max(jitter, 0.0), 0.5))
 
-
-
-# Steps that wait for a pod to change: the pod's watch event wakes the pair (handlers.pod_changed), so these wait a
-# resync interval, not the probe interval. Polling them every second was most of the operator's passes while 1000
-# pairs started: the event loop saturated and the decode probes timed out on it, a livelock.
-WAITS_FOR_POD_EVENTS = frozenset({d.STEP_WAIT_DECODE_RUNNING, d.STEP_WAIT_PREFILL_READY, d.STEP_WAIT_DECODE_READY,
-                                  d.STEP_WAIT_ROUTER_READY, d.STEP_WAIT_GONE, surge.STEP_ROLLOUT_WAIT_GONE,
-                                  surge.STEP_ROLLOUT_DRAIN})  # the drain's end is the plan's wait_seconds
-
-
-def pass_delay(step: str, cfg: OperatorConfig, wait_seconds: float | None = None) -> float:
-    """How long a pair sleeps after a pass that ended at `step` (any wakeup cuts it short); no longer than a
-    deadline inside the plan (`wait_seconds`: a rollout's drain or progress deadline)."""
-    if wait_seconds is not None:
-        return max(0.2, min(wait_seconds, pass_delay(step, cfg)))
-    if step == d.STEP_READY or step in WAITS_FOR_POD_EVENTS:
-        return cfg.resync_interval
-    if step == d.STEP_POOL_EXHAUSTED:
-        return cfg.pool_retry
-    return cfg.probe_interval  # the decode listener probe (nothing wakes us when it starts to accept), creates
 
 
 EVENT_SOURCE = "pdpair-operator"
@@ -185,8 +161,7 @@ class PairReconciler(PairStatus, PodSteps, PairObjects, PeerSets, LeaseSteps):
         # Every port set the pair holds leases in, as last read (with the reads above, no call of its own): a set
         # that a rollout left leased when the pass that ended it died before releasing it (surge.release_left_slot)
         self.leased_slots: frozenset[str] = frozenset()
-        self.listening_pods: set[str] = set()  # pod uids whose listener accepted on every rank
-        self.probe_message = ""
+        self.listener_gate = DecodeListenerGate(rt.config.probe_timeout, emit)
         self.last_step = ""
         self.service: str | None = (self.status.get("service") or None)  # the router Service we own, by name
         self.service_problem = ""  # the last Service error reported as an Event (reported once, not per pass)
@@ -222,21 +197,6 @@ class PairReconciler(PairStatus, PodSteps, PairObjects, PeerSets, LeaseSteps):
         self.overridden_told: set[tuple[str, int]] = set()  # (role, inline count) told in a ReplicasFromScaleTarget Event
         self.scale_views: Mapping[str, ScaleView] | None = None  # this pass's, for the status write
 
-    # --- observation --------------------------------------------------------------------------------
-    async def probe_decode(self, decode: PodView, ports: list[dict[str, Any]] | None = None) -> bool:
-        ports = self.ports if ports is None else ports
-        if decode.uid in self.listening_pods:
-            return True
-        if not (decode.running and ports):
-            return False
-        ranks = ports_of(ports, ROLE_DECODE, PURPOSE_SIDECHANNEL)
-        result = await probe_ranks(decode.ip, ranks, self.rt.config.probe_timeout)
-        self.probe_message = result.describe()
-        if result.all_accept:
-            self.listening_pods.add(decode.uid)
-            self.emit("Normal", "DecodeListening", f"decode {decode.name}: {result.describe()}")
-        return result.all_accept
-
     # --- one pass -----------------------------------------------------------------------------------
     async def reconcile_once(self, pods: Iterable[PodView], services: Iterable[ServiceView] = (),
                              node_views: Mapping[str, NodeView] | None = None,
@@ -257,27 +217,29 @@ class PairReconciler(PairStatus, PodSteps, PairObjects, PeerSets, LeaseSteps):
         if planner.halted(self.status, meta_generation):
             return cfg.resync_interval  # the restart budget is spent; only a spec change moves the pair again
         scaling = await self.settle_counts(scale_views)
-        spec = scaling.spec
+        spec = pair_spec.read(scaling.spec)  # read once: every decision of the pass reads this one
 
         node_views = dict(node_views or {})
-        lease_plan = planner.lease_plan(spec, self.status, pods, node_views, time.time(), cfg.node_lost_seconds)
-        await self.lease_serving(lease_plan.serving)
-        await self.lease_rollout(lease_plan.rollout)
-        await self.quarantine_busy(lease_plan)
-        await self.fence_lost(lease_plan)
+        prelude = planner.prepare(spec, self.status, pods, node_views, time.time(), cfg.node_lost_seconds)
+        await self.lease_serving(prelude.serving)
+        await self.lease_rollout(prelude.rollout)
+        await self.quarantine_busy(prelude)
+        await self.fence_lost(prelude)
         await self.ensure_service(services)
         if budgets is not None:
             await self.ensure_budget(budgets)
         await self.ensure_network_policy()
 
-        generation = surge.serving_generation(self.status, pods)
-        probes = planner.listener_probes(self.status, pods)
-        listening = probes.serving is not None and await self.probe_decode(probes.serving)
-        probe_message = self.probe_message
+        generation = prelude.serving_generation
+        probes = prelude.probes
+        serving_ranks = ports_of(self.ports or [], ROLE_DECODE, PURPOSE_SIDECHANNEL)  # decode 0's side channels
+        rollout_ranks = ports_of(self.rollout_ports or [], ROLE_DECODE, PURPOSE_SIDECHANNEL)
+        listening, probe_message = False, self.listener_gate.message
+        if probes.serving is not None:
+            listening, probe_message = await self.listener_gate.probe(probes.serving, serving_ranks)
         rollout_listening, rollout_probe_message = False, ""
         if probes.rollout is not None and self.rollout_ports:
-            rollout_listening = await self.probe_decode(probes.rollout, self.rollout_ports)
-            rollout_probe_message = self.probe_message
+            rollout_listening, rollout_probe_message = await self.listener_gate.probe(probes.rollout, rollout_ranks)
 
         partial = self.ports is not None and bool(self.pool_message)  # a scale-up past the pool: see lease_serving
         observed = Observed(
@@ -302,7 +264,7 @@ class PairReconciler(PairStatus, PodSteps, PairObjects, PeerSets, LeaseSteps):
             instance_restarts_generation=self._instance_restart_times()[0],
             instance_restart_times=self._instance_restart_times()[1],
             health=self._health_finding(),
-            ports_replaced=leases.ports_replaced(lease_plan.busy, self.ports, lease_plan.serving.blocks,
+            ports_replaced=busy_ports.ports_replaced(prelude.busy, self.ports, prelude.serving.blocks,
                                                  self.rt.leaser.pool),
             nodes=node_views,
             node_lost_seconds=cfg.node_lost_seconds,
@@ -322,8 +284,7 @@ class PairReconciler(PairStatus, PodSteps, PairObjects, PeerSets, LeaseSteps):
                                      list(decided.conditions) + self._signals_condition(generation)  # it stands
                                      + list(scaling.conditions),
                                      meta_generation)
-            wait = (decided.retry_at - time.time()) if decided.retry_at else cfg.probe_interval
-            return max(0.2, min(wait, cfg.resync_interval))
+            return pass_timing.backoff_pass(decided.retry_at - time.time() if decided.retry_at else None, cfg)
         plan = decided.steps
         assert plan is not None
         extra: dict[str, Any] = {}
@@ -373,9 +334,11 @@ class PairReconciler(PairStatus, PodSteps, PairObjects, PeerSets, LeaseSteps):
         await self._act(plan, pods, meta_generation)
         answered = await self.push_sets(pods)
         await self.read_routers(pods, answered)
-        if scale_views is not None:
-            await self.sync_scale_targets(plan, scale_views, {role: spec_fields.replicas(spec, role)
-                                                              for role in (ROLE_PREFILL, ROLE_DECODE)})
+        if scale_views is not None and plan.role_status:  # a role object's status follows the plan's counts
+            desired, ready = scale_sync.counts_of(plan.role_status)
+            for event in await scale_sync.sync_scale_targets(self.rt.custom, self.body, scale_views, desired, ready,
+                                                             cache=self.scale_cache, seed_counts=dict(spec.replicas)):
+                self.emit(*event)
         if plan.release_slot:  # status no longer lists them (written above): the leases can go
             released = await self.rt.leaser.release_slot(self.ref, plan.release_slot)
             self.rollout_ports, self.rollout_blocks = None, None
@@ -387,14 +350,12 @@ class PairReconciler(PairStatus, PodSteps, PairObjects, PeerSets, LeaseSteps):
         self._observe_duration(time.monotonic() - started)
 
         rejection = self._rejection(plan)
-        if rejection is not None:
-            return max(0.2, min(rejection.not_before - time.monotonic(), cfg.resync_interval))
-        if plan.create and created_name(self.ref.name, plan) in self.created_unseen:
-            return pass_delay(plan.step, cfg, plan.wait_seconds) if plan.wait_seconds is not None else cfg.resync_interval
-        retry = push_retry_delay([(p.ready, failure.answered, failure.count)
-                                  for p in pods if (failure := self.push_failures.get(p.uid)) is not None], cfg)
-        delay = pass_delay(plan.step, cfg, plan.wait_seconds)
-        return delay if retry is None else min(delay, retry)
+        return pass_timing.next_pass(
+            plan.step, plan.wait_seconds, cfg,
+            refused_for=rejection.not_before - time.monotonic() if rejection is not None else None,
+            created_unseen=bool(plan.create) and created_name(self.ref.name, plan) in self.created_unseen,
+            failing_pushes=[(p.ready, failure.answered, failure.count)
+                            for p in pods if (failure := self.push_failures.get(p.uid)) is not None])
 
     # --- the per-role scale objects (scale_targets.py and ratio_band.py decide, scale_sync.py writes) -------------
     async def settle_counts(self, views: Mapping[str, ScaleView] | None) -> planner.ScalePlan:
@@ -410,24 +371,11 @@ class PairReconciler(PairStatus, PodSteps, PairObjects, PeerSets, LeaseSteps):
             await scale_sync.write_replicas(self.rt.custom, self.ref.namespace, indexed, replicas, self.scale_cache)
         for event in scaling.events:
             self.emit(*event)
-        return scaling
-
-    async def sync_scale_targets(self, plan: d.Plan, views: Mapping[str, ScaleView],
-                                 seeds: Mapping[str, int] | None = None) -> None:
-        """Make a missing role object (from `seeds`, the counts the pass planned, else the inline count), bring each
-        one's status (desired, ready, selector: what /scale reports) to the plan's, and tell once per inline count
-        that a role object's count wins over it."""
-        if not plan.role_status:
-            return  # a plan without the roles' counts (a halted or failed pass) changes nothing here
-        desired = {role: int(plan.role_status[role]["desired"]) for role in plan.role_status}
-        ready = {role: int(plan.role_status[role]["ready"]) for role in plan.role_status}
-        for event in await scale_sync.sync_scale_targets(self.rt.custom, self.body, views, desired, ready,
-                                                         cache=self.scale_cache, seed_counts=seeds):
-            self.emit(*event)
-        for key, event in scale_targets.overridden_events(scale_targets.inline_overridden(self.body["spec"], views)):
+        for key, event in scaling.overridden:  # once per distinct inline count (docs/xpyd.md section 2)
             if key not in self.overridden_told:
                 self.overridden_told.add(key)
                 self.emit(*event)
+        return scaling
 
     async def _post_event_now(self, type_: str, reason: str, message: str) -> None:
         """Posts an Event and waits until the apiserver has it, for an Event that must outlive this process.

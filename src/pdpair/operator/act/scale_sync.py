@@ -87,6 +87,12 @@ async def write_replicas(custom_api: Any, namespace: str, view: ScaleView, repli
     return True
 
 
+def counts_of(role_status: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+    """(desired, ready) per role, from a plan's role status (status.prefill / status.decode)."""
+    return ({role: int(entry["desired"]) for role, entry in role_status.items()},
+            {role: int(entry["ready"]) for role, entry in role_status.items()})
+
+
 async def sync_scale_targets(
     custom_api: Any,
     pair_body: Mapping[str, Any],

@@ -8,8 +8,10 @@ with `pdpair: ports in use on this node: <ports>` as a termination message. The 
   1. reads those ports from the current generation's pods (`reports`);
   2. turns each busy port the pair holds from the pool into a quarantine Lease (holder node-busy/<node>, a TTL), so
      no pair is leased it until the TTL passes (port_leaser.PortLeaser.quarantine);
-  3. leases the pair replacements (the ordinary ensure), emits PortInUse, and restarts the pair decode-first on the
-     new ports, outside the restart budget: every such restart consumed a quarantined port, so it cannot loop.
+  3. leases the pair replacements (the ordinary ensure), emits PortInUse, and, once every busy port is out of the
+     pair's hands (`ports_replaced`), the planner restarts the pair decode-first on the new ports, outside the
+     restart budget: every such restart consumed a quarantined port, so it cannot loop.
+`quarantines` says which ports to quarantine (held pool ports) and which only to report (fixed ones).
 
 A busy port that cannot be replaced (a fixed spec.router.port, or one outside the pool) is only reported; the pod's
 failure then takes the ordinary budgeted restart path.
@@ -23,6 +25,7 @@ from typing import Any, Iterable, Mapping
 
 from pdpair.contract import parse_ports_in_use
 
+from pdpair.operator.decide.port_blocks import PortBlock
 from pdpair.operator.model.config import PortPool
 
 
@@ -83,6 +86,45 @@ def plan(busy: Iterable[int], held: Iterable[int], pool: PortPool, fixed: Iterab
     cannot = sorted(p for p in set(busy) if p in fixed_set or p not in pool)
     quarantine = sorted(p for p in set(busy) if p in held_set and p not in cannot)
     return BusyPlan(tuple(quarantine), tuple(cannot))
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """One pod's busy-port report and what to do about it."""
+
+    report: PortsInUse
+    ports: tuple[int, ...]  # pool ports the pair holds: quarantine them on report.node, lease replacements
+    fixed: tuple[int, ...]  # ports the operator cannot change: report only (the pod's failure takes the budget path)
+
+
+def _fixed_ports(blocks: Iterable[PortBlock]) -> list[int]:
+    return [b.fixed for b in blocks if b.fixed is not None]
+
+
+def quarantines(reports: Iterable[PortsInUse], held: Iterable[Mapping[str, Any]], blocks: Iterable[PortBlock],
+                pool: PortPool) -> list[Quarantine]:
+    """For each report, the ports to quarantine (held pool ports) and the ones only to report (fixed)."""
+    held_ports = [int(p["port"]) for p in held]
+    fixed = _fixed_ports(blocks)
+    out = []
+    for report in reports:
+        todo = plan(report.ports, held_ports, pool, fixed)
+        out.append(Quarantine(report, todo.quarantine, todo.fixed))
+    return out
+
+
+def ports_replaced(reports: list[PortsInUse], held: list[Mapping[str, Any]] | None,
+                   blocks: Iterable[PortBlock], pool: PortPool) -> str | None:
+    """What to say when the pods found busy ports that the pair no longer holds (all replaced), else None: the
+    planner's cue for a restart on the new ports."""
+    if not reports or held is None:
+        return None
+    if not all(q.ports == () and q.fixed == () for q in quarantines(reports, held, blocks, pool)):
+        return None
+    roles = sorted({r.role for r in reports})
+    now_held = "; ".join(f"{role} ports {sorted(int(p['port']) for p in held if p['role'] == role)}"
+                         for role in roles)
+    return f"{'; '.join(r.describe() for r in reports)}; re-leased: {now_held}"
 
 
 def quarantine_expired(renewed: datetime | None, duration_seconds: int | None, now: datetime) -> bool:

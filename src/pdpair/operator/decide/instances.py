@@ -36,9 +36,9 @@ from typing import Any, Iterable, Mapping
 
 from pdpair.contract import PHASE_READY, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 
-from pdpair.operator.model import spec_fields
+from pdpair.operator.model.pair_spec import PairSpec
 from pdpair.operator.decide.health import REASON_CONTAINER_RESTART, REASON_POD_FAILED
-from pdpair.operator.model.observed import Finding, PodView, RouterDrainView
+from pdpair.operator.model.observed import Finding, Observed, PodView, RouterDrainView
 from pdpair.operator.decide.restart_policy import Action, RestartPolicy, decide, prune, restarts_in_window
 
 ENGINE_ROLES = (ROLE_DECODE, ROLE_PREFILL)
@@ -70,10 +70,10 @@ DELETE = "DeleteInstance"
 WAIT_DRAIN = "WaitInstanceDrained"
 
 
-def surplus(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int) -> list[PodView]:
+def surplus(spec: PairSpec, pods: Iterable[PodView], generation: int) -> list[PodView]:
     """Live engine pods of `generation` at or above their role's count (a scale-down), highest index first."""
     out = [p for p in pods if p.generation == generation and not p.deleting and p.role in ENGINE_ROLES
-           and p.instance >= spec_fields.replicas(spec, p.role)]
+           and p.instance >= spec.replicas[p.role]]
     return sorted(out, key=lambda p: (p.role != ROLE_PREFILL, -p.instance))
 
 
@@ -89,7 +89,7 @@ def router_drained(pod: PodView, router: RouterDrainView | None) -> bool:
             and pod.name not in router.choosable and router.involved.get(pod.name, 0) == 0)
 
 
-def instance_step(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int, now: float,
+def instance_step(spec: PairSpec, pods: Iterable[PodView], generation: int, now: float,
                   leased: Mapping[str, frozenset[int]] | None = None, serving: bool = False,
                   router: RouterDrainView | None = None) -> InstanceStep | None:
     """The next action on the instances beyond the first of `generation`, or None. Scale-down first (a draining
@@ -100,8 +100,8 @@ def instance_step(spec: Mapping[str, Any], pods: Iterable[PodView], generation: 
     else at its deadline."""
     pods = list(pods)
     going = surplus(spec, pods, generation)
-    # Read only when something drains: the CRD defaults it (spec_fields), and a 1P1D spec never needs it.
-    drain_seconds = float(spec_fields.defaulted(spec, "rollout", "drainSeconds")) if going else 0.0
+    # Read only when something drains: the CRD defaults it, and a 1P1D spec never needs it.
+    drain_seconds = spec.drain_seconds if going else 0.0
     waits: list[float] = []
     router_runs = any(p.role == ROLE_ROUTER and p.generation == generation and p.running and not p.deleting
                       for p in pods)
@@ -129,7 +129,7 @@ def instance_step(spec: Mapping[str, Any], pods: Iterable[PodView], generation: 
 
     def missing(role: str) -> list[int]:
         present = {p.instance for p in pods if p.role == role and p.generation == generation}
-        out = [i for i in range(0 if serving else 1, spec_fields.replicas(spec, role)) if i not in present]
+        out = [i for i in range(0 if serving else 1, spec.replicas[role]) if i not in present]
         # a deleted one is waited out (its name comes back)
         if leased is not None:
             unleased.extend(f"{role} {i}" for i in out if i not in leased.get(role, frozenset()))
@@ -175,11 +175,11 @@ def instance_key(pod: PodView) -> str:
     return f"{pod.role}-{pod.instance}"
 
 
-def heals_alone(spec: Mapping[str, Any], status: Mapping[str, Any], generation: int) -> bool:
+def heals_alone(spec: PairSpec, status: Mapping[str, Any], generation: int) -> bool:
     """Whether failures of `generation` are healed one instance at a time: the pair runs more than one instance in
     some role (xPyD) and this generation has served (status says Ready at it; a Surge rollout's serving generation
     keeps that phase). A 1P1D pair, and any generation still starting, restarts in order as a whole (recreate.py)."""
-    many = spec_fields.replicas(spec, ROLE_PREFILL) + spec_fields.replicas(spec, ROLE_DECODE) > 2
+    many = spec.engine_instances > 2
     return many and status.get("phase") == PHASE_READY and int(status.get("pairGeneration") or 0) == generation
 
 
@@ -187,7 +187,7 @@ def _failing(pod: PodView) -> bool:
     return pod.failed or pod.restarts > 0
 
 
-def heal(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int, now: float,
+def heal(spec: PairSpec, pods: Iterable[PodView], generation: int, now: float,
          finding: Finding | None, restart_times: Mapping[str, tuple[float, ...]],
          router_wanted: bool) -> Heal | None:
     """For a generation that `heals_alone`: the instance to replace now (a failed pod, a container that restarted,
@@ -238,6 +238,30 @@ def heal(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int, now:
     return Heal(serving=serving)
 
 
+@dataclass(frozen=True)
+class InstancesPlan:
+    """What a pass decides about the instances of one generation, at once (`plan_instances`); recreate.py joins it
+    to instance 0's ordered steps."""
+
+    heal: Heal | None  # the generation heals alone (heal's answer); None: it does not, or must restart in order
+    step: InstanceStep | None  # the next action on the instances beyond the first (instance_step)
+    role_status: Mapping[str, Any]  # status.prefill and status.decode
+
+
+def plan_instances(spec: PairSpec, status: Mapping[str, Any], observed: Observed, generation: int) -> InstancesPlan:
+    """Every decision about the instances of `generation`: whether a failed one is replaced alone (`heal`, when the
+    generation `heals_alone`, with its per-instance restart record), the next scale or drain action
+    (`instance_step`: a generation that heals alone re-creates a missing instance 0 too) and its role status."""
+    pods = observed.pods
+    healed = None
+    if heals_alone(spec, status, generation):
+        earlier = observed.instance_restart_times if observed.instance_restarts_generation == generation else {}
+        healed = heal(spec, pods, generation, observed.now, observed.health, earlier, spec.router_enabled)
+    step = instance_step(spec, pods, generation, observed.now, observed.leased_instances, serving=healed is not None,
+                         router=observed.router_views.get(generation))
+    return InstancesPlan(healed, step, role_status(spec, pods, generation))
+
+
 def prefill_peers(pods: Iterable[PodView], generation: int) -> list[PodView]:
     """The decodes a prefill of `generation` is given: that generation's, running (an address), by index. A draining
     decode stays until its pod stops: the router no longer sends it requests, but one it sent just before the mark
@@ -259,14 +283,14 @@ def router_members(pods: Iterable[PodView], generation: int) -> list[PodView]:
                    and p.ready and p.draining_since is None), key=lambda p: (p.role, p.instance))
 
 
-def role_status(spec: Mapping[str, Any], pods: Iterable[PodView], generation: int,
+def role_status(spec: PairSpec, pods: Iterable[PodView], generation: int,
                 scale_targets: Mapping[str, str] | None = None) -> dict[str, Any]:
     """status.prefill and status.decode, from the plan's generation: desired (the effective count), ready (Ready
     and not draining), readyOfDesired (the P and D printer columns) and each instance's pod."""
     pods = list(pods)
     out: dict[str, Any] = {}
     for role in ENGINE_ROLES:
-        desired = spec_fields.replicas(spec, role)
+        desired = spec.replicas[role]
         role_pods = sorted((p for p in pods if p.role == role and p.generation == generation),
                            key=lambda p: (p.instance, p.deleting))
         ready = sum(1 for p in role_pods if p.ready and p.running and p.draining_since is None)
@@ -284,5 +308,5 @@ def role_status(spec: Mapping[str, Any], pods: Iterable[PodView], generation: in
     return out
 
 
-__all__ = ["DRAIN_POLL_SECONDS", "Heal", "InstanceStep", "heal", "router_drained", "heals_alone", "instance_key", "instance_step", "live_instances", "prefill_peers", "role_status", "router_members",
+__all__ = ["DRAIN_POLL_SECONDS", "Heal", "InstanceStep", "InstancesPlan", "heal", "plan_instances", "router_drained", "heals_alone", "instance_key", "instance_step", "live_instances", "prefill_peers", "role_status", "router_members",
            "surplus", "CREATE", "DELETE", "MARK_DRAINING", "WAIT_DRAIN"]

@@ -1,10 +1,10 @@
-"""The one planner: `lease_plan(spec, status, pods)` and `plan(spec, status, observed, now)` decide everything a
+"""The one planner: `prepare(spec, status, pods)` and `plan(spec, status, observed, now)` decide everything a
 reconcile pass does, and `deleted_pair_teardown(pods)` what a deleted pair's cleanup does.
 
 It owns, in this order:
   0. each role's count (scale_plan): the role objects' counts, then the P:D band (ratio_band.py), with the write
      to the follower's scale object that the band needs; everything below plans from scale_plan(...).spec;
-  1. the port leases, first, because the pod steps depend on what is held (lease_plan, leases.py): lease or only
+  1. the port leases, first, because the pod steps depend on what is held (prepare, leases.py): lease or only
      read each port set (the serving one, a Surge rollout's other one), quarantine busy ports and re-lease them,
      fence the ports of pods on lost nodes (nodes.py) and re-lease them;
   2. a Failed pair is left alone until its spec changes (status.phase Failed at this metadata.generation);
@@ -17,7 +17,7 @@ It owns, in this order:
      restarts alike, in recreate.teardown's order) and the release of a port set no generation uses.
 
 Pure: no client, no kopf, no clock but `now` (epoch seconds). The executor (reconciler.py) observes, calls
-lease_plan() and plan() once per pass, and carries out what they return. Everything they need is in spec, status
+prepare() and plan() once per pass, and carries out what they return. Everything they need is in spec, status
 and what the executor observed, so a restarted operator plans exactly what the one before it would have.
 """
 
@@ -27,8 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from pdpair.contract import (COND_NODE_LOST, COND_PROGRESSING, COND_READY, PHASE_FAILED, PHASE_RESTARTING, ROLE_DECODE,
-                             ROLE_PREFILL, ROLES)
+from pdpair.contract import (COND_NODE_LOST, COND_PROGRESSING, COND_READY, PHASE_FAILED, PHASE_RESTARTING, ROLES)
 
 from pdpair.operator.decide import recreate as d
 from pdpair.operator.model.observed import Finding, PodView, Observed
@@ -39,7 +38,7 @@ from pdpair.operator.decide import nodes
 from pdpair.operator.decide import ratio_band
 from pdpair.operator.decide import surge
 from pdpair.operator.decide import scale_targets
-from pdpair.operator.model import spec_fields
+from pdpair.operator.model import pair_spec, spec_fields
 from pdpair.operator.decide.restart_policy import Action, RestartPolicy, decide, prune
 from pdpair.operator.model.conditions import FALSE, TRUE, Condition
 
@@ -78,6 +77,8 @@ class ScalePlan:
     events: tuple[tuple[str, str, str], ...] = ()  # (type, reason, message): RatioBand, ScalingConflict
     conditions: tuple[Condition, ...] = ()  # ScalingConflict while a band is set (or being cleared)
     status_fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # status.scaling (None removes it)
+    # ReplicasFromScaleTarget Events, keyed (role, inline count): the executor posts each key once
+    overridden: tuple[tuple[tuple[str, int], tuple[str, str, str]], ...] = ()
 
 
 def scale_plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None,
@@ -103,59 +104,36 @@ def scale_plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None,
         events=decision.events,
         conditions=decision.conditions,
         status_fields={"scaling": record} if record is not None or had_record else {},
+        overridden=tuple(scale_targets.overridden_events(scale_targets.inline_overridden(spec, scale_views)))
+        if scale_views is not None else (),
     )
 
 
 @dataclass(frozen=True)
-class LeasePlan:
-    """The pass's port-lease steps (leases.py), carried out before the pod steps are planned: the pod steps need
-    to know which ports are held."""
+class Prelude:
+    """What a pass does before its pod steps are planned, because they depend on it: the port-lease steps
+    (leases.py: the pod steps need to know which ports are held) and the listener probes (recreate.py's gate)."""
 
     serving: leases.LeaseStep
     rollout: leases.LeaseStep | None  # a Surge rollout's other generation; None without a rollout
-    busy: tuple[busy_ports.PortsInUse, ...]  # busy-port reports of the serving generation (leases.quarantines)
+    busy: tuple[busy_ports.PortsInUse, ...]  # busy-port reports of the serving generation (busy_ports.quarantines)
     lost: nodes.LostPods = nodes.LostPods()  # the pair's pods on lost nodes (leases.fences)
+    probes: d.ListenerProbes = d.ListenerProbes(None, None)
+    serving_generation: int = 1  # the generation the pair serves with (surge.serving_generation)
 
 
-def lease_plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, pods: "tuple[PodView, ...]",
-               node_views: Mapping[str, nodes.NodeView] | None = None, now: float = 0.0,
-               node_lost_seconds: float = float("inf")) -> LeasePlan:
-    status = status or {}
-    return LeasePlan(leases.serving_lease(spec, status, pods), leases.rollout_lease(spec, status, pods),
-                     tuple(leases.busy_reports(status, pods)),
-                     nodes.lost_pods(pods, node_views or {}, now, node_lost_seconds))
-
-
-@dataclass(frozen=True)
-class ListenerProbes:
-    """The decode pods whose side-channel listener the executor probes this pass (a condition of Ready)."""
-
-    serving: PodView | None  # the serving generation's decode, on status.ports
-    rollout: PodView | None  # a Progressing Surge rollout's new decode, on the rollout's port set
-
-
-def _to_probe(pods: "tuple[PodView, ...]", generation: int, status: Mapping[str, Any] | None = None) -> PodView | None:
-    """The generation's decode while its listener is still to be seen accepting: it runs, and the generation was not
-    Ready yet with its prefill Ready (prefill starts beside decode and pairs when the listener accepts, so its
-    readiness proves the listener; recreate.recreate_state reads the result). The executor caches a decode seen
-    accepting, so each is probed until then, not after."""
-    decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation and p.instance == 0), None)
-    if decode is None or not decode.running:
-        return None
-    prefill = next((p for p in pods if p.role == ROLE_PREFILL and p.generation == generation and p.instance == 0),
-                   None)
-    if status is not None and d.listener_proven(status, generation, prefill):
-        return None
-    return decode
-
-
-def listener_probes(status: Mapping[str, Any] | None, pods: "tuple[PodView, ...]") -> ListenerProbes:
-    status = status or {}
-    active = surge.active_rollout(status)
-    new_decode = None
-    if active and active.get("phase") == surge.PHASE_PROGRESSING:
-        new_decode = _to_probe(pods, int(active["toGeneration"]))
-    return ListenerProbes(_to_probe(pods, surge.serving_generation(status, pods), status), new_decode)
+def prepare(spec: Mapping[str, Any], status: Mapping[str, Any] | None, pods: "tuple[PodView, ...]",
+            node_views: Mapping[str, nodes.NodeView] | None = None, now: float = 0.0,
+            node_lost_seconds: float = float("inf")) -> Prelude:
+    """The pass's first half (Prelude): from the spec (the pass's counts settled), status and the pods."""
+    spec, status = pair_spec.read(spec), status or {}
+    generations = surge.generations(status, pods)
+    active = generations.rollout
+    progressing = int(active["toGeneration"]) if active and active.get("phase") == surge.PHASE_PROGRESSING else None
+    probes = d.listener_probes(status, pods, generations.serving, progressing)
+    serving, rollout = leases.lease_steps(spec, generations, pods)
+    return Prelude(serving, rollout, tuple(busy_ports.reports(pods, generations.serving)),
+                   nodes.lost_pods(pods, node_views or {}, now, node_lost_seconds), probes, generations.serving)
 
 
 def service_generation(status: Mapping[str, Any] | None) -> int | None:
@@ -171,7 +149,7 @@ def next_step(
     """The next step of the pair's ordered steps. `now` (epoch seconds) is only read by a Surge rollout's deadlines
     (drain, progress). recreate.py (Recreate) and surge.py (Surge, built on recreate.py) are siblings that never
     import this module: the choice between them is made here, once."""
-    status = status or {}
+    spec, status = pair_spec.read(spec), status or {}
     surge_steps = surge.surge_plan(spec, status, observed, now)
     steps = surge_steps if surge_steps is not None else d.recreate_state(spec, status, observed)
     return surge.release_left_slot(steps, status, observed)
@@ -189,7 +167,7 @@ def halted(status: Mapping[str, Any], meta_generation: int) -> bool:
 
 
 def failure(steps: d.Plan, observed: Observed, lost: nodes.LostPods | None = None,
-            spec: Mapping[str, Any] | None = None) -> Finding | None:
+            spec: pair_spec.PairSpec | None = None) -> Finding | None:
     """Why the pair's current generation needs an ordered restart (a current pod on a lost node, a current pod
     failed or vanished, busy ports re-leased, the health watch's finding about this generation), else None. A lost
     node comes first: its pods look failed or vanished too (the node lifecycle controller marks them), and only
@@ -210,7 +188,7 @@ def failure(steps: d.Plan, observed: Observed, lost: nodes.LostPods | None = Non
                 if fact.reason:
                     return Finding(fact.reason, fact.message, generation)
         return Finding(health.REASON_POD_VANISHED, steps.broken_reason or "a pair pod vanished", generation)
-    if steps.step == d.STEP_READY and spec is not None and not surge.surge_requested(spec):
+    if steps.step == d.STEP_READY and spec is not None and not spec.surge:
         # A Recreate pair with a pod on a cordoned node: an ordered restart moves it (the new pods are scheduled
         # elsewhere; a Surge pair is re-homed by surge.py instead, without a gap). Outside the budget: cordoning
         # is the cluster's decision, not a failure of the pair.
@@ -233,7 +211,7 @@ def failure(steps: d.Plan, observed: Observed, lost: nodes.LostPods | None = Non
 
 
 def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Observed, now: float) -> PairPlan:
-    status = status or {}
+    spec, status = pair_spec.read(spec), status or {}
     if halted(status, observed.meta_generation):
         return PairPlan(OUTCOME_HALTED)
 

@@ -23,7 +23,6 @@ from pdpair.contract import (
 )
 
 from pdpair.operator.model.config import PortPool
-from pdpair.operator.model.spec_fields import replicas
 
 LABEL_VALUE_MAX = 63
 
@@ -96,14 +95,12 @@ class PortAssignment:
         return entry
 
 
-def required_blocks(
-    spec: Mapping[str, Any], instances: Mapping[str, Iterable[int]] | None = None
-) -> tuple[PortBlock, ...]:
+def required_blocks(spec: Mapping[str, Any], instances: Mapping[str, Iterable[int]]) -> tuple[PortBlock, ...]:
     """Every port block a pair needs, given its spec (defaults as in the CRD): per prefill and decode instance a
     side channel, metrics and http block, and the router's. `instances` names, per role, the instance indexes that
-    need ports (leases.py adds those of pods still on the port set to the spec's, so a scale-down keeps a block
-    until its pod is gone); None, or a role absent from it: range(spec.<role>.replicas). Decode's blocks come
-    first, instance by instance, then prefill's, then the router's: the order ports are claimed in."""
+    need ports (leases.instances_on_set: the spec's range(spec.<role>.replicas) and those of pods still on the port
+    set, so a scale-down keeps a block until its pod is gone); a role it does not name has none. Decode's blocks
+    come first, instance by instance, then prefill's, then the router's: the order ports are claimed in."""
     network = spec.get("network") or {}
     per_rank = int(network.get("portsPerRank", 1))
     if per_rank < 1:
@@ -113,8 +110,7 @@ def required_blocks(
         tp = int((spec.get(role) or {}).get("tensorParallelSize", 1))
         if tp < 1:
             raise ValueError(f"spec.{role}.tensorParallelSize must be >= 1, got {tp}")
-        wanted = instances.get(role) if instances is not None else None
-        indexes = sorted(set(range(replicas(spec, role)) if wanted is None else wanted))
+        indexes = sorted(set(instances.get(role, ())))
         bad = [i for i in indexes if not 0 <= i < MAX_REPLICAS]
         if bad:
             raise ValueError(f"{role} instance indexes must be 0..{MAX_REPLICAS - 1}, got {bad}")

@@ -34,8 +34,6 @@ the pods of older generations are then stale and step 2 replaces them.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
@@ -55,41 +53,9 @@ from pdpair.contract import (
 )
 
 from pdpair.operator.decide import instances
-from pdpair.operator.model import spec_fields
+from pdpair.operator.model.pair_spec import PairSpec
 from pdpair.operator.model.observed import Observed, PodView
 from pdpair.operator.model.conditions import FALSE, TRUE, Condition
-
-# The spec fields pods are built from; a change to any of them is a rollout. Every property of the CRD's spec is in
-# exactly one of these two tuples (tests/unit/operator/test_spec_fingerprint.py fails on a new field in neither, so a
-# new pod-affecting field can not silently never roll out). The fingerprint of every example is pinned there too:
-# changing this list rolls every serving pair on operator upgrade.
-POD_SPEC_FIELDS = ("model", "servedModelName", "image", "prefill", "decode", "connector", "network", "router",
-                   "startupTimeoutSeconds", "apiKeySecret")
-# Pod fields that came after pairs were already serving, with no CRD default: absent, a field of these is left out of
-# the fingerprint (not hashed as null), so a pair that does not use it keeps the fingerprint it had and does not roll
-# when the operator is upgraded; setting, changing or removing it rolls the pods like any pod field.
-OMITTED_WHEN_ABSENT = ("apiKeySecret",)
-# How to roll, restart and scale, not what: spec.scaling (the P:D band) moves counts, like replicas.
-SPEC_FIELDS_NOT_IN_PODS = ("rolloutStrategy", "rollout", "restartPolicy", "scaling")
-
-
-# Inside the role specs, what is not a pod field: the instance count (xPyD). Scaling 2 -> 3 must leave every existing
-# pod alone, and a pair stored before the field existed (defaulted to 1 on read) must keep its fingerprint.
-ROLE_FIELDS_NOT_IN_PODS = ("replicas",)
-
-
-def spec_fingerprint(spec: Mapping[str, Any]) -> str:
-    relevant = {k: spec.get(k) for k in POD_SPEC_FIELDS if k not in OMITTED_WHEN_ABSENT or spec.get(k) is not None}
-    for role in (ROLE_PREFILL, ROLE_DECODE):
-        if isinstance(relevant.get(role), Mapping):
-            relevant[role] = {k: v for k, v in relevant[role].items() if k not in ROLE_FIELDS_NOT_IN_PODS}
-    text = json.dumps(relevant, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def router_enabled(spec: Mapping[str, Any]) -> bool:
-    return bool((spec.get("router") or {}).get("enabled", True))
-
 
 # --- the plan ---------------------------------------------------------------------------------------
 STEP_LEASE_PORTS = "LeasePorts"
@@ -176,12 +142,14 @@ def broken_reason(pods: Iterable[PodView], generation: int) -> str | None:
 
 
 def recreate_state(
-    spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observed, pin_generation: int | None = None
+    spec: PairSpec, status: Mapping[str, Any], observed: Observed, pin_generation: int | None = None
 ) -> Plan:
     """The Recreate planner (steps 1-7 above). With `pin_generation` it plans that generation as it is, whatever
     spec its pods were built from (surge.py plans the serving and the new generation of a Surge rollout so)."""
-    plan = with_instances(spec, observed, _instance0_state(spec, status, observed, pin_generation))
-    return replace(plan, role_status=instances.role_status(spec, observed.pods, plan.pair_generation))
+    generation, rolled_out = _generation(spec, status, observed, pin_generation)
+    xpyd = instances.plan_instances(spec, status, observed, generation)
+    plan = with_instances(observed, xpyd.step, _instance0_state(spec, status, observed, generation, rolled_out, xpyd))
+    return replace(plan, role_status=xpyd.role_status)
 
 
 # Instance 0's steps that act or must not be joined by anything else: the pass does only that.
@@ -189,16 +157,11 @@ _EXCLUSIVE_STEPS = frozenset({STEP_LEASE_PORTS, STEP_POOL_EXHAUSTED, STEP_DELETE
                               STEP_BROKEN})
 
 
-def with_instances(spec: Mapping[str, Any], observed: Observed, plan: Plan) -> Plan:
+def with_instances(observed: Observed, step: instances.InstanceStep | None, plan: Plan) -> Plan:
     """Instance 0's plan, or, when it neither acts nor tears anything down, the next action on the other
-    instances of its generation (instances.py): one action per pass, instance 0's first."""
-    if plan.step in _EXCLUSIVE_STEPS or plan.create or plan.delete or (plan.step == STEP_WAIT_GONE and any(
-            p.generation != plan.pair_generation for p in observed.pods)):
-        return plan
-    step = instances.instance_step(spec, observed.pods, plan.pair_generation, observed.now,
-                                   observed.leased_instances, serving=plan.heals_alone,
-                                   router=observed.router_views.get(plan.pair_generation))
-    if step is None:
+    instances of its generation (instances.plan_instances' step): one action per pass, instance 0's first."""
+    if step is None or plan.step in _EXCLUSIVE_STEPS or plan.create or plan.delete or (
+            plan.step == STEP_WAIT_GONE and any(p.generation != plan.pair_generation for p in observed.pods)):
         return plan
     message = f"{plan.message}; {step.message}"
     if step.kind == instances.CREATE:
@@ -211,19 +174,23 @@ def with_instances(spec: Mapping[str, Any], observed: Observed, plan: Plan) -> P
     return replace(plan, message=message, wait_seconds=min(waits) if waits else None)
 
 
-def _instance0_state(
-    spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observed, pin_generation: int | None = None
-) -> Plan:
-    want_hash = spec_fingerprint(spec)
-    pods = observed.pods
-    if pin_generation is None:
-        generation = current_generation(status, pods)
-        current_live = [p for p in pods if p.generation == generation and not p.deleting]
-        rolled_out = any(p.spec_hash != want_hash for p in current_live)
-    else:
+def _generation(spec: PairSpec, status: Mapping[str, Any], observed: Observed,
+                pin_generation: int | None) -> tuple[int, bool]:
+    """(the generation this plan is for, whether it is new for a spec change): the current one (or `pin_generation`),
+    the next one when a current pod was built from another spec (a rollout; never for a pinned one) or a restart
+    is due."""
+    if pin_generation is not None:
         generation, rolled_out = pin_generation, False
-    if rolled_out or observed.restart_reason:
-        generation += 1
+    else:
+        generation = current_generation(status, observed.pods)
+        rolled_out = any(p.spec_hash != spec.fingerprint for p in observed.pods
+                         if p.generation == generation and not p.deleting)
+    return generation + (1 if rolled_out or observed.restart_reason else 0), rolled_out
+
+
+def _instance0_state(spec: PairSpec, status: Mapping[str, Any], observed: Observed, generation: int,
+                     rolled_out: bool, xpyd: instances.InstancesPlan) -> Plan:
+    pods = observed.pods
 
     def plan(step: str, phase: str, message: str, conds: list[Condition], **kw: Any) -> Plan:
         return Plan(step, generation, phase, tuple(conds), message, rolled_out=rolled_out, **kw)
@@ -280,11 +247,8 @@ def _instance0_state(
 
     # xPyD, serving: a failed or hung instance is replaced alone while the others serve (instances.heal); only when
     # that is impossible does the generation restart in order below.
-    if instances.heals_alone(spec, status, generation):
-        earlier = observed.instance_restart_times if observed.instance_restarts_generation == generation else {}
-        healed = instances.heal(spec, pods, generation, observed.now, observed.health, earlier, router_enabled(spec))
-        if healed is not None:
-            return _healing_plan(spec, generation, healed, leased)
+    if xpyd.heal is not None:
+        return _healing_plan(spec, generation, xpyd.heal, leased)
 
     reason = broken_reason(pods, generation)
     if reason:
@@ -346,7 +310,7 @@ def _instance0_state(
     # 4b. the router, as soon as prefill has an address too: its start (image, imports, bind) runs while the engines
     # load, off the path to the first answer. Its readiness (/readyz: prefill's and decode's own readiness, pods.py)
     # keeps the Service off it until both serve; the pair's Ready still waits for every step below.
-    if router_enabled(spec) and router is None and prefill.running:
+    if spec.router_enabled and router is None and prefill.running:
         return plan(
             STEP_CREATE_ROUTER,
             PHASE_PREFILL_STARTING,
@@ -384,7 +348,7 @@ def _instance0_state(
         )
 
     # 6. router: made at 5b; here only when it went missing later (someone deleted it)
-    if router_enabled(spec):
+    if spec.router_enabled:
         if router is None:
             return plan(
                 STEP_CREATE_ROUTER,
@@ -411,10 +375,10 @@ def _instance0_state(
     )
 
 
-def _healing_plan(spec: Mapping[str, Any], generation: int, healed: instances.Heal, leased: Condition) -> Plan:
+def _healing_plan(spec: PairSpec, generation: int, healed: instances.Heal, leased: Condition) -> Plan:
     """A serving xPyD generation (instances.heal): phase Ready while at least one instance of each role serves;
     the failed instance is deleted now, or its backoff waited out, and instances.instance_step re-creates it."""
-    counts = ", ".join(f"{role} {healed.serving.get(role, 0)}/{spec_fields.replicas(spec, role)}"
+    counts = ", ".join(f"{role} {healed.serving.get(role, 0)}/{spec.replicas[role]}"
                        for role in (ROLE_PREFILL, ROLE_DECODE))
     conditions = (leased, _listening(TRUE, "Accepting", "the generation served: decode's listener accepted"),
                   _prefill(TRUE, "PodReady"),
@@ -444,9 +408,40 @@ def _restarting(status: Mapping[str, Any]) -> bool:
 def listener_proven(status: Mapping[str, Any], generation: int, prefill: PodView | None) -> bool:
     """The generation was Ready (status says so; the serving one keeps phase Ready during a Surge rollout) and its
     prefill is Ready: a Ready prefill is a paired one (its /readyz), so decode's listener accepted, whatever a later
-    probe says. The one statement of that rule: recreate_state reads it, planner.listener_probes skips the probe."""
+    probe says. The one statement of that rule: recreate_state reads it, listener_probes skips the probe."""
     return (status.get("phase") == PHASE_READY and int(status.get("pairGeneration") or 0) == generation
             and prefill is not None and prefill.ready)
+
+
+@dataclass(frozen=True)
+class ListenerProbes:
+    """The decode pods whose side-channel listener the executor probes this pass (a condition of Ready)."""
+
+    serving: PodView | None  # the serving generation's decode, on status.ports
+    rollout: PodView | None  # a Progressing Surge rollout's new decode, on the rollout's port set
+
+
+def listener_probes(status: Mapping[str, Any], pods: "tuple[PodView, ...]", serving_generation: int,
+                    progressing_generation: int | None) -> ListenerProbes:
+    """Which decode listeners to probe this pass (planner.prepare): the serving generation's, and a Progressing
+    Surge rollout's new generation's (`progressing_generation`; None without one)."""
+    new_decode = _to_probe(pods, progressing_generation) if progressing_generation is not None else None
+    return ListenerProbes(_to_probe(pods, serving_generation, status), new_decode)
+
+
+def _to_probe(pods: "tuple[PodView, ...]", generation: int, status: Mapping[str, Any] | None = None) -> PodView | None:
+    """The generation's decode while its listener is still to be seen accepting: it runs, and the generation was not
+    Ready yet with its prefill Ready (prefill starts beside decode and pairs when the listener accepts, so its
+    readiness proves the listener; recreate_state reads the result). The executor caches a decode seen accepting,
+    so each is probed until then, not after."""
+    decode = next((p for p in pods if p.role == ROLE_DECODE and p.generation == generation and p.instance == 0), None)
+    if decode is None or not decode.running:
+        return None
+    prefill = next((p for p in pods if p.role == ROLE_PREFILL and p.generation == generation and p.instance == 0),
+                   None)
+    if status is not None and listener_proven(status, generation, prefill):
+        return None
+    return decode
 
 
 @dataclass(frozen=True)

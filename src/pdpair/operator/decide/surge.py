@@ -28,20 +28,20 @@ A spec change of a pair that is not Ready (nothing serves) is a Recreate rollout
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pdpair.contract import (
     COND_PROGRESSING,
     PURPOSE_HTTP,
     ROLE_ROUTER,
-    ROLLOUT_SURGE,
 )
 
 from pdpair.operator.decide import recreate as d
 from pdpair.operator.decide import nodes
 from pdpair.operator.model.observed import Observed
 from pdpair.operator.decide.port_blocks import DEFAULT_SLOT, other_slot, port_of
-from pdpair.operator.model.spec_fields import defaulted
+from pdpair.operator.model.pair_spec import PairSpec
 from pdpair.operator.model.conditions import FALSE, TRUE, Condition
 from pdpair.operator.model.timestamps import epoch, rfc3339
 
@@ -63,18 +63,6 @@ EVENT_SWITCHED = "RolloutSwitched"
 EVENT_DRAINED = "RolloutDrained"
 EVENT_FAILED = "RolloutFailed"
 EVENT_ROLLED_BACK = "RolloutRolledBack"
-
-
-def surge_requested(spec: Mapping[str, Any]) -> bool:
-    return spec.get("rolloutStrategy") == ROLLOUT_SURGE
-
-
-def drain_seconds(spec: Mapping[str, Any]) -> float:
-    return float(defaulted(spec, "rollout", "drainSeconds"))
-
-
-def progress_deadline_seconds(spec: Mapping[str, Any]) -> float:
-    return float(defaulted(spec, "rollout", "progressDeadlineSeconds"))
 
 
 def active_rollout(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -106,6 +94,22 @@ def serving_generation(status: Mapping[str, Any], pods) -> int:
     return d.current_generation(status, pods)
 
 
+@dataclass(frozen=True)
+class Generations:
+    """Which generation serves and which one a rollout has beside it, on which port set: read from status (and the
+    pods) once per pass (`generations`), for the lease steps and the listener probes."""
+
+    serving: int  # serving_generation
+    serving_slot: str  # its port set (status.ports)
+    other: tuple[int, str] | None  # other_generation: (generation, port set) of the one that does not serve
+    rollout: Mapping[str, Any] | None  # active_rollout: status.rollout while a rollout runs
+
+
+def generations(status: Mapping[str, Any], pods) -> Generations:
+    slot, other, rollout = serving_slot(status), other_generation(status), active_rollout(status)
+    return Generations(serving_generation(status, pods), slot, other, rollout)
+
+
 def _progressing(status: str, reason: str, message: str) -> Condition:
     return Condition(COND_PROGRESSING, status, reason, message[:32768])
 
@@ -115,7 +119,7 @@ def _without(observed: Observed, generation: int) -> Observed:
                                restart_reason=None)
 
 
-def surge_plan(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observed,
+def surge_plan(spec: PairSpec, status: Mapping[str, Any], observed: Observed,
                now: float | None) -> d.Plan | None:
     """The plan while a Surge rollout runs or starts; None: recreate.recreate_state plans."""
     rollout = active_rollout(status)
@@ -134,11 +138,11 @@ def surge_plan(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Obs
     return _finish(spec, status, observed, now, rollout)
 
 
-def _maybe_start(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observed,
+def _maybe_start(spec: PairSpec, status: Mapping[str, Any], observed: Observed,
                  now: float | None) -> d.Plan | None:
-    if not surge_requested(spec) or observed.restart_reason or not observed.ports_complete:
+    if not spec.surge or observed.restart_reason or not observed.ports_complete:
         return None
-    want = d.spec_fingerprint(spec)
+    want = spec.fingerprint
     generation = d.current_generation(status, observed.pods)
     if any(p.generation != generation for p in observed.pods):
         return None  # older pods are still being replaced (a Recreate in progress)
@@ -180,19 +184,19 @@ def _maybe_start(spec: Mapping[str, Any], status: Mapping[str, Any], observed: O
     )
 
 
-def _progress(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observed, now: float | None,
+def _progress(spec: PairSpec, status: Mapping[str, Any], observed: Observed, now: float | None,
               rollout: Mapping[str, Any]) -> d.Plan:
     old, new = int(rollout["fromGeneration"]), int(rollout["toGeneration"])
     serving = d.recreate_state(spec, status, _without(observed, new), pin_generation=old)
     if serving.step == d.STEP_BROKEN:
         return dataclasses.replace(serving, status_fields={"rollout": dict(rollout)})
-    if rollout.get("specHash") != d.spec_fingerprint(spec):
+    if rollout.get("specHash") != spec.fingerprint:
         return _roll_back(serving, rollout, f"the spec changed again during the rollout to generation {new}",
                           failed=False, now=now)
     reason = d.broken_reason(observed.pods, new)
     if reason:
         return _roll_back(serving, rollout, f"generation {new} failed: {reason}", failed=True, now=now)
-    deadline = progress_deadline_seconds(spec)
+    deadline = spec.progress_deadline_seconds
     started = epoch(rollout.get("startedAt"))
     left = None if (now is None or started is None) else started + deadline - now
     if left is not None and left <= 0:
@@ -223,7 +227,7 @@ def _progress(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Obse
         return going(bring.step, bring.message, create=bring.create, create_instance=bring.create_instance,
                      create_generation=new, create_slot=str(rollout["portSlot"]), probe_decode=bring.probe_decode)
 
-    drain = drain_seconds(spec)
+    drain = spec.drain_seconds
     message = f"generation {new} is Ready and serves; generation {old} drains for {drain:.0f}s"
     service_port = status.get("servicePort") or port_of(status.get("ports") or [], ROLE_ROUTER, PURPOSE_HTTP)
     return dataclasses.replace(
@@ -256,7 +260,7 @@ def _roll_back(serving: d.Plan, rollout: Mapping[str, Any], reason: str, failed:
         events=((("Warning", EVENT_FAILED, message),) if failed else ()))
 
 
-def _finish(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observed, now: float | None,
+def _finish(spec: PairSpec, status: Mapping[str, Any], observed: Observed, now: float | None,
             rollout: Mapping[str, Any]) -> d.Plan:
     """Draining or RollingBack: the generation that does not serve goes, then its port set."""
     gone_generation, gone_slot = other_generation(status)  # type: ignore[misc]
@@ -287,7 +291,7 @@ def _finish(spec: Mapping[str, Any], status: Mapping[str, Any], observed: Observ
 
     if draining:
         switched = epoch(rollout.get("switchedAt"))
-        left = None if (now is None or switched is None) else switched + drain_seconds(spec) - now
+        left = None if (now is None or switched is None) else switched + spec.drain_seconds - now
         if left is not None and left > 0:
             return step(STEP_ROLLOUT_DRAIN, f"generation {gone_generation} drains in-flight requests ({left:.0f}s left)",
                         status_fields={"rollout": dict(rollout)}, wait_seconds=left)

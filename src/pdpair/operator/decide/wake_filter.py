@@ -5,7 +5,7 @@ Every watch event of a pair, of its PodDisruptionBudget and of its role objects 
 (3-4 per pair while it starts) and to its role objects (2-3), and the disruption controller's status updates of the
 PDB. Each still cost a pass (observe, plan, compare status) and kept the event loop busy while 1000 pairs started.
 The pass reads its own status writes from its write-through copy (reconciler.PairReconciler.status), never from
-the event, and every step that waits on something no event announces comes back by its own delay (pass_delay).
+the event, and every step that waits on something no event announces comes back by its own delay (pass_timing.py).
 
 A key per object holds what a pass reads of it; an event wakes the pair when the key differs from the one its last
 event had (the first event of an object always wakes). Comparing with the last event, not with what the last pass
