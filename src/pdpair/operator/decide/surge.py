@@ -133,9 +133,11 @@ def surge_plan(spec: PairSpec, status: Mapping[str, Any], observed: Observed,
             rollout = {**rollout, "phase": PHASE_ROLLING_BACK,
                        "message": f"abandoned: the serving generation restarts ({observed.restart_reason})"[:1024]}
         return dataclasses.replace(plan, status_fields={"rollout": dict(rollout)})
+    # the rollout's clocks (status.rollout.startedAt, switchedAt; None: absent or spoiled)
+    started, switched = epoch(rollout.get("startedAt")), epoch(rollout.get("switchedAt"))
     if rollout["phase"] == PHASE_PROGRESSING:
-        return _progress(spec, status, observed, now, rollout)
-    return _finish(spec, status, observed, now, rollout)
+        return _progress(spec, status, observed, now, rollout, started)
+    return _finish(spec, status, observed, now, rollout, switched)
 
 
 def _maybe_start(spec: PairSpec, status: Mapping[str, Any], observed: Observed,
@@ -185,9 +187,16 @@ def _maybe_start(spec: PairSpec, status: Mapping[str, Any], observed: Observed,
 
 
 def _progress(spec: PairSpec, status: Mapping[str, Any], observed: Observed, now: float | None,
-              rollout: Mapping[str, Any]) -> d.Plan:
+              rollout: Mapping[str, Any], started: float | None) -> d.Plan:
     old, new = int(rollout["fromGeneration"]), int(rollout["toGeneration"])
+    # What the steps below read, first: the serving generation's plan and the new one's (pure: planned even when a
+    # step below does not use it)
     serving = d.recreate_state(spec, status, _without(observed, new), pin_generation=old)
+    new_only = Observed(
+        pods=tuple(p for p in observed.pods if p.generation == new), ports_complete=True,
+        decode_listening=observed.rollout_decode_listening, probe_message=observed.rollout_probe_message)
+    bring = d.recreate_state(spec, {"pairGeneration": new}, new_only, pin_generation=new)
+    service_port = status.get("servicePort") or port_of(status.get("ports") or [], ROLE_ROUTER, PURPOSE_HTTP)
     if serving.step == d.STEP_BROKEN:
         return dataclasses.replace(serving, status_fields={"rollout": dict(rollout)})
     if rollout.get("specHash") != spec.fingerprint:
@@ -197,7 +206,6 @@ def _progress(spec: PairSpec, status: Mapping[str, Any], observed: Observed, now
     if reason:
         return _roll_back(serving, rollout, f"generation {new} failed: {reason}", failed=True, now=now)
     deadline = spec.progress_deadline_seconds
-    started = epoch(rollout.get("startedAt"))
     left = None if (now is None or started is None) else started + deadline - now
     if left is not None and left <= 0:
         return _roll_back(serving, rollout, f"generation {new} was not Ready within {deadline:.0f}s "
@@ -218,10 +226,6 @@ def _progress(spec: PairSpec, status: Mapping[str, Any], observed: Observed, now
 
     if not observed.rollout_ports_complete:
         return going(STEP_ROLLOUT_LEASE_PORTS, "leasing its ports (the pair's second port set)")
-    new_only = Observed(
-        pods=tuple(p for p in observed.pods if p.generation == new), ports_complete=True,
-        decode_listening=observed.rollout_decode_listening, probe_message=observed.rollout_probe_message)
-    bring = d.recreate_state(spec, {"pairGeneration": new}, new_only, pin_generation=new)
     if bring.step != d.STEP_READY:
         # xPyD: the new generation's other instances too (instances.py), on its port set; its scale-down waits
         return going(bring.step, bring.message, create=bring.create, create_instance=bring.create_instance,
@@ -229,7 +233,6 @@ def _progress(spec: PairSpec, status: Mapping[str, Any], observed: Observed, now
 
     drain = spec.drain_seconds
     message = f"generation {new} is Ready and serves; generation {old} drains for {drain:.0f}s"
-    service_port = status.get("servicePort") or port_of(status.get("ports") or [], ROLE_ROUTER, PURPOSE_HTTP)
     return dataclasses.replace(
         bring,
         step=STEP_ROLLOUT_SWITCH,
@@ -261,20 +264,20 @@ def _roll_back(serving: d.Plan, rollout: Mapping[str, Any], reason: str, failed:
 
 
 def _finish(spec: PairSpec, status: Mapping[str, Any], observed: Observed, now: float | None,
-            rollout: Mapping[str, Any]) -> d.Plan:
+            rollout: Mapping[str, Any], switched: float | None) -> d.Plan:
     """Draining or RollingBack: the generation that does not serve goes, then its port set."""
     gone_generation, gone_slot = other_generation(status)  # type: ignore[misc]
     draining = rollout["phase"] == PHASE_DRAINING
     serving_generation = int(rollout["toGeneration"] if draining else rollout["fromGeneration"])
-    if int(status.get("pairGeneration") or 0) == serving_generation:
-        serving = d.recreate_state(spec, status, _without(observed, gone_generation), pin_generation=serving_generation)
-        if serving.step == d.STEP_BROKEN:
-            return dataclasses.replace(serving, status_fields={"rollout": dict(rollout)})
-    else:
-        # A restart superseded the rollout: Recreate replaces every older generation, this one included.
-        serving = d.recreate_state(spec, status, observed)
-        if serving.delete or serving.create:
-            return dataclasses.replace(serving, status_fields={"rollout": dict(rollout)})
+    # What the steps below read, first: the serving generation's plan, the gone one's teardown
+    superseded = int(status.get("pairGeneration") or 0) != serving_generation
+    # Superseded: a restart superseded the rollout, and Recreate replaces every older generation, this one included
+    serving = (d.recreate_state(spec, status, observed) if superseded else
+               d.recreate_state(spec, status, _without(observed, gone_generation), pin_generation=serving_generation))
+    left_pods = [p for p in observed.pods if p.generation == gone_generation and p.name not in observed.fenced]
+    going = d.teardown(left_pods)
+    if (serving.delete or serving.create) if superseded else serving.step == d.STEP_BROKEN:
+        return dataclasses.replace(serving, status_fields={"rollout": dict(rollout)})
     failed = status.get("failedRollout") or {}
     if draining:
         condition = _progressing(TRUE, "Draining", str(rollout.get("message", "")))
@@ -290,14 +293,11 @@ def _finish(spec: PairSpec, status: Mapping[str, Any], observed: Observed, now: 
             conditions=serving.conditions + (kw.pop("condition", condition),), **kw)
 
     if draining:
-        switched = epoch(rollout.get("switchedAt"))
         left = None if (now is None or switched is None) else switched + spec.drain_seconds - now
         if left is not None and left > 0:
             return step(STEP_ROLLOUT_DRAIN, f"generation {gone_generation} drains in-flight requests ({left:.0f}s left)",
                         status_fields={"rollout": dict(rollout)}, wait_seconds=left)
-    left_pods = [p for p in observed.pods if p.generation == gone_generation and p.name not in observed.fenced]
     if left_pods:
-        going = d.teardown(left_pods)
         to_delete = going.delete
         what = "prefill and router" if going.front else "decode"
         message = f"generation {gone_generation}: deleting its {what}" if to_delete else \
