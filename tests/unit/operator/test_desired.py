@@ -193,7 +193,7 @@ def test_a_prefill_that_never_becomes_ready_waits_without_a_deadline():
 
 def test_teardown_order_is_router_and_prefill_then_decode():
     """desired.teardown, the one definition of the order, used by replacements (Recreate step 2, a Surge rollout's
-    old or rolled-back generation) and by a deleted pair (planner.deleted_pair_teardown, executed by handlers)."""
+    old or rolled-back generation) and by a deleted pair (planner.deleted_pair_teardown through deletion_step, executed by pair_teardown.py)."""
     from pdpair.operator.decide.planner import deleted_pair_teardown
 
     decode, prefill, router = pod("decode"), pod("prefill"), pod("router")

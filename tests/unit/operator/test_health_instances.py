@@ -1,5 +1,5 @@
 """The health watch over every engine instance of an xPyD pair (docs/xpyd.md section 7, the health side): which pods
-it judges (health.watched_pods, scrape_due), the targets and pod objects it builds (handlers._scrape_pair, run on
+it judges (health.watched_pods, scrape_due), the targets and pod objects it builds (health_watch.scrape_pair, run on
 real exporters: the connector's SignalAccounts on real local HTTP servers), `status.health.instances`, the verdict
 naming its pod (`status.health.pod`, `Finding.pod`), carry-over per instance, and a 1P1D pair's status and writes
 compared with what the code wrote before instances (a fixture recorded from that code)."""
@@ -20,7 +20,7 @@ from pdpair.contract import LABEL_GENERATION, LABEL_INSTANCE, LABEL_PAIR_UID, LA
 from pdpair.operator.decide import health
 from pdpair.operator.decide import health_status
 from pdpair.operator.build import pods as pod_manifests
-from pdpair.operator.glue.handlers import _scrape_pair
+from pdpair.operator.act import health_watch
 from pdpair.operator.decide.health import (
     REASON_HUNG,
     REASON_POD_FAILED,
@@ -111,7 +111,7 @@ def hang(accounts, wait=0.35):
 
 
 def scrape_pair(body, views):
-    return asyncio.run(_scrape_pair(body, 1, views, 10.0))
+    return asyncio.run(health_watch.scrape_pair(body, 1, views, 10.0))
 
 
 # --- the 2P3D pair ----------------------------------------------------------------------------------------------

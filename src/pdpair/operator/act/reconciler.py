@@ -110,26 +110,13 @@ PEER_HTTP_CONNECTIONS = 128
 # A pass it refused is redone after the Retry-After it names, bounded, with jitter so that pairs refused together do
 # not come back together; no failure backoff and no ReconcileError Event (a write to an apiserver that asked for less).
 TOO_MANY_REQUESTS = 429
-THROTTLED_RETRY_DEFAULT = 1.0  # no (readable) Retry-After
-THROTTLED_RETRY_MIN = 0.2
-THROTTLED_RETRY_MAX = 30.0
-
-
 def throttled_retry(exc: BaseException, jitter: float) -> float | None:
-    """Seconds until a pass the API server throttled is redone: its Retry-After (or THROTTLED_RETRY_DEFAULT) within
-    [THROTTLED_RETRY_MIN, THROTTLED_RETRY_MAX], times 1 + `jitter` (a fraction in [0, 0.5], drawn by the caller).
+    """Seconds until a pass the API server throttled is redone (pass_timing.throttled_pass of its Retry-After);
     None when `exc` is not a 429."""
     if api_status(exc) != TOO_MANY_REQUESTS:
         return None
     headers = getattr(exc, "headers", None) or {}
-    try:
-        seconds = float(headers.get("Retry-After"))
-    except (TypeError, ValueError):
-        seconds = THROTTLED_RETRY_DEFAULT
-    if not seconds == seconds:  # NaN
-        seconds = THROTTLED_RETRY_DEFAULT
-    return min(max(seconds, THROTTLED_RETRY_MIN), THROTTLED_RETRY_MAX) * (1 + min(max(jitter, 0.0), 0.5))
-
+    return pass_timing.throttled_pass(headers.get("Retry-After"), jitter)
 
 
 EVENT_SOURCE = "pdpair-operator"

@@ -282,6 +282,13 @@ def restart_finding(health: Any, generation: int | None = None) -> Finding | Non
                    int(h["pairGeneration"]), pod=str(h.get("pod") or ""), pod_uid=str(h.get("podUid") or ""))
 
 
+def announce(verdict: Any, told: Finding | None) -> bool:
+    """Whether a tick's verdict is news to tell (an Unhealthy Event): it asks for a restart and status did not
+    already hold a restart finding about that pod. Once per verdict about a pod: an xPyD pair whose hung instance
+    was replaced alone keeps its generation, so a later hang of another instance is news too."""
+    return bool(verdict.restart) and (told is None or told.pod != verdict.pod)
+
+
 def condition_reason(code: str | None) -> str:
     """A restart reason code as a condition reason: hung -> Hung, stale_generation -> StaleGeneration."""
     return "".join(part.capitalize() for part in (code or "unhealthy").split("_"))

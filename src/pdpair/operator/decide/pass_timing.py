@@ -72,3 +72,31 @@ def backoff_pass(retry_in: float | None, cfg: OperatorConfig) -> float:
     to be scheduled), within a resync."""
     wait = retry_in if retry_in is not None else cfg.probe_interval
     return max(MIN_DELAY_SECONDS, min(wait, cfg.resync_interval))
+
+
+THROTTLED_RETRY_DEFAULT = 1.0  # no (readable) Retry-After
+THROTTLED_RETRY_MIN = 0.2
+THROTTLED_RETRY_MAX = 30.0
+
+
+def throttled_pass(retry_after: object, jitter: float) -> float:
+    """The sleep before a pass the API server throttled (429) is redone: its Retry-After (`retry_after`, the
+    header's value; THROTTLED_RETRY_DEFAULT when absent or unreadable) within [THROTTLED_RETRY_MIN,
+    THROTTLED_RETRY_MAX], times 1 + `jitter` (a fraction in [0, 0.5], drawn by the caller)."""
+    try:
+        seconds = float(retry_after)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = THROTTLED_RETRY_DEFAULT
+    if not seconds == seconds:  # NaN
+        seconds = THROTTLED_RETRY_DEFAULT
+    return min(max(seconds, THROTTLED_RETRY_MIN), THROTTLED_RETRY_MAX) * (1 + min(max(jitter, 0.0), 0.5))
+
+
+FAILED_PASS_BASE = 0.5  # seconds after the first failed pass
+FAILED_PASS_MAX = 30.0
+
+
+def failed_pass(failures: int) -> float:
+    """The sleep after the `failures`-th failed pass in a row (an API error, a 409, a bad spec): doubling from
+    FAILED_PASS_BASE, at most FAILED_PASS_MAX."""
+    return min(FAILED_PASS_MAX, FAILED_PASS_BASE * 2 ** min(failures, 6))

@@ -1,5 +1,5 @@
 """The one planner: `prepare(spec, status, pods)` and `plan(spec, status, observed, now)` decide everything a
-reconcile pass does, and `deleted_pair_teardown(pods)` what a deleted pair's cleanup does.
+reconcile pass does, and `deletion_step(pods, ...)` what a deleted pair's cleanup does.
 
 It owns, in this order:
   0. each role's count (scale_plan): the role objects' counts, then the P:D band (ratio_band.py), with the write
@@ -156,9 +156,36 @@ def next_step(
 
 
 def deleted_pair_teardown(pods: "list[PodView]") -> tuple[str, ...]:
-    """Which pods of a deleted pair to delete now (handlers.release_ports executes it until none is left): the
-    Recreate order, with decode going once prefill and router are being deleted (recreate.teardown)."""
+    """Which pods of a deleted pair to delete now: the Recreate order, with decode going once prefill and router are
+    being deleted (recreate.teardown)."""
     return d.teardown(pods, decode_after_front_gone=False).delete
+
+
+# A deleted pair's wait for its pods this long (or half its bound, if less) gets an Event saying what it waits for
+POD_GONE_SLOW_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class DeletionStep:
+    """One round of a deleted pair's cleanup (pair_teardown.pods_gone executes rounds until `done`)."""
+
+    delete: tuple[str, ...]  # pods to delete now, in this order (deleted_pair_teardown)
+    done: bool  # none is left, or the deadline passed: stop waiting (`left`: the pods still there, fenced to)
+    left: tuple[PodView, ...] = ()
+    tell_slow: bool = False  # say once that the pods are waited for (a WaitingForPods Event)
+    seconds_left: float = 0.0  # until the deadline
+
+
+def deletion_step(pods: "list[PodView]", began: float, now: float, timeout: float, told_slow: bool) -> DeletionStep:
+    """A deleted pair's next round, `now` (epoch seconds) after its deletion `began`: delete in the teardown order,
+    wait until no pod is left, at most `timeout` (PDPAIR_POD_GONE_TIMEOUT); a pod still there then is `left`."""
+    if not pods:
+        return DeletionStep((), done=True)
+    deadline = began + timeout
+    if now >= deadline:
+        return DeletionStep(deleted_pair_teardown(pods), done=True, left=tuple(pods))
+    slow = not told_slow and now - began >= min(POD_GONE_SLOW_SECONDS, timeout / 2)
+    return DeletionStep(deleted_pair_teardown(pods), done=False, tell_slow=slow, seconds_left=max(0.0, deadline - now))
 
 
 def halted(status: Mapping[str, Any], meta_generation: int) -> bool:

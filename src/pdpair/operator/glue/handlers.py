@@ -1,7 +1,6 @@
-"""kopf handlers, with three loops that still live here (issue "One owner for every decision" moves them out): the
-health scrape (`watch_health`, `_scrape_pair`), the deletion's pod teardown (`_pods_gone`, which executes the order
-planner.deleted_pair_teardown decides, until the pods are gone or its deadline passes) and the orphan-lease sweep (`_sweep_forever`). Everything else reads its inputs and hands them to
-reconciler.py / port_leaser.py.
+"""kopf handlers: glue. Each reads its inputs (the indexes, the live body) and hands them to the executor: the
+reconciler (act/reconciler.py), the health watch (act/health_watch.py), the deleted pair's cleanup
+(act/pair_teardown.py) and the lease sweep (act/lease_sweep.py). What they do is decided in decide/.
 
 - startup: settings (finalizer and progress storage in pdpair.io, posting level, watch timeouts), API clients,
   the port leaser, the orphan-lease sweep.
@@ -16,22 +15,22 @@ reconciler.py / port_leaser.py.
 - events on pairs, their pods, their Service and their PodDisruptionBudget wake that pair's daemon, so reaction is
   immediate, not per poll.
 - daemon `reconcile`: one per pair, loops PairReconciler.reconcile_once (it also drives the probe gate).
-- delete: waits for the daemon to stop, deletes the pair's pods (prefill and router first) and waits until they are
-  gone (deleted AND terminated: a pod object disappears only once the kubelet has stopped it), then stops listing
-  the ports in status and releases the leases. A port is never leased again while a process may still hold it:
-  the ports of a pod still there at the deadline (on a lost node, say) are fenced to it, not released.
+- daemon `health`: one per pair, the health watch (act/health_watch.py).
+- delete: waits for the daemon to stop, then the cleanup (act/pair_teardown.py): deletes the pair's pods (prefill and
+  router first) and waits until they are gone (deleted AND terminated: a pod object disappears only once the kubelet
+  has stopped it), then stops listing the ports in status and releases the leases. A port is never leased again
+  while a process may still hold it: the ports of a pod still there at the deadline (on a lost node, say) are
+  fenced to it, not released.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import random
 import secrets
-import time
 from typing import Any, Callable
 
 import kopf
@@ -41,31 +40,21 @@ from pdpair.contract import (
     GROUP,
     LABEL_PAIR_UID,
     PLURAL,
-    PURPOSE_METRICS,
-    PURPOSE_SIDECHANNEL,
-    ROLE_DECODE,
     ROLE_OBJECT_PLURAL,
     VERSION,
 )
 
 from pdpair.operator.build import disruption
-from pdpair.operator.decide import health
-from pdpair.operator.decide import health_status
 from pdpair.operator.glue import memory
-from pdpair.operator.decide import planner
-from pdpair.operator.decide import scale_targets
-from pdpair.operator.act import scrape
-from pdpair.operator.model import spec_fields
+from pdpair.operator.decide import pass_timing, scale_targets
 from pdpair.operator.decide import wake_filter
-from pdpair.operator.model.timestamps import epoch
+from pdpair.operator.act import health_watch, lease_sweep, pair_teardown
 from pdpair.operator.act.kube_api import TimedApi
 from pdpair.operator.model.config import ENV_PEERS_KEY, OperatorConfig
 from pdpair.operator.glue.kopf_internals import NoDiffBaseStorage, diff_dependent_handlers, quiet_wake_ups
 from pdpair.operator.act.events import EventPoster, kubernetes_post
 from pdpair.operator.model.observed import NodeView, PodView
-from pdpair.operator.act.port_leaser import PairRef, PortLeaser
-from pdpair.operator.decide.port_blocks import port_of, ports_of
-from pdpair.operator.act.listener_probe import refused_ports
+from pdpair.operator.act.port_leaser import PortLeaser
 from pdpair.operator.act.kube_api import api_status
 from pdpair.operator.act.reconciler import PairReconciler, Runtime, throttled_retry
 from pdpair.operator.build.service import ServiceView
@@ -142,7 +131,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     runtime = Runtime(config, core, custom, leaser, policy=policy, events=EventPoster(kubernetes_post(core)))
     memo["runtime"] = runtime
     memo["event_poster"] = asyncio.create_task(runtime.events.run(), name="pdpair-event-poster")
-    memo["sweeper"] = asyncio.create_task(_sweep_forever(runtime), name="pdpair-lease-sweep")
+    memo["sweeper"] = asyncio.create_task(lease_sweep.sweep_forever(runtime), name="pdpair-lease-sweep")
     memo["trimmer"] = asyncio.create_task(memory.trim_forever(), name="pdpair-malloc-trim")
     memo["metrics_server"] = _start_metrics(runtime)
     frozen = memory.freeze_startup()  # what the startup made is never walked by the collector again (memory.py)
@@ -329,7 +318,7 @@ async def reconcile(
                     await _sleep(wake, stopped, throttled)
                     continue
                 failures += 1
-                delay = min(30.0, 0.5 * 2 ** min(failures, 6))
+                delay = pass_timing.failed_pass(failures)
                 text = f"{type(exc).__name__}: {str(exc)[:500]}"
                 if api_status(exc) == 409 or "Connection" in type(exc).__name__:
                     logger.info("reconcile pass failed (%s); retrying in %.1fs", text, delay)
@@ -349,104 +338,15 @@ async def watch_health(
     body: kopf.Body, uid: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, logger: logging.Logger,
     pair_pods: kopf.Index, **_: Any,
 ) -> None:
-    """Every health interval, scrape the Ready pair's engine pods (every instance of both roles: _scrape_pair), probe
-    its decodes' side-channel listeners (_probe_listeners), and write what it saw to `status.health` (only that key;
-    the reconciler owns the conditions and reads the verdict back from status). It decides nothing itself. A
-    generation that served keeps being judged after it lost Ready (health_status.watch_generation)."""
+    """The pair's health watch (health_watch.py), on the pod index and the live body."""
     runtime: Runtime = memo["runtime"]
-    interval = runtime.config.health_interval
-    refresh = health_status.HEALTH_REFRESH_INTERVALS * interval
-    # The last status.health this watch wrote, as the apiserver returned it: the live body may not show our own
-    # write by the next scrape. A cache of status, rebuilt from the body when the daemon starts.
-    written: Any = None
-    loop = asyncio.get_running_loop()
-    next_scrape = loop.time()
-    while not stopped:
-        # Fixed rate, not "sleep after each scrape": scrape time must not stretch the period, so a hang is seen
-        # within hangTimeout + one interval (plus the restart's own latency). After a stall, no burst of catch-ups.
-        next_scrape = max(next_scrape + interval, loop.time())
-        await _sleep(asyncio.Event(), stopped, next_scrape - loop.time())
-        if stopped:
-            break
-        status = body.get("status") or {}
-        generation = health_status.watch_generation(status)
-        if generation is None:
-            continue  # a pair still starting (or restarting) has nothing to judge yet
-        previous = health_status.newest(written, status.get("health"))
-        try:
-            pods = list(pair_pods.get(uid, ()))
-            (scrapes, facts), refused = await asyncio.gather(
-                _scrape_pair(body, generation, pods, interval),
-                _probe_listeners(body, generation, pods, runtime.config.probe_timeout))
-            observed, verdict = health_status.observe(previous, generation, scrapes, facts, refused=refused)
-            patch = health_status.health_patch(previous, observed, refresh)
-            if patch is None:
-                continue
-            result = await asyncio.to_thread(
-                runtime.custom.patch_namespaced_custom_object_status, GROUP, VERSION, body["metadata"]["namespace"],
-                PLURAL, body["metadata"]["name"], {"status": {"health": patch}},
-            )
-            written = ((result or {}).get("status") or {}).get("health") or observed
-        except Exception as exc:  # a bug or an API error here must not stop the watch
-            logger.warning("health check failed: %s: %s", type(exc).__name__, exc)
-            continue
-        runtime.wake(uid)  # the reconciler derives SignalsHealthy and the restart from what was just written
-        told = health_status.restart_finding(previous, generation)
-        # Once per verdict about a pod: an xPyD pair whose hung instance was replaced alone keeps its generation, so
-        # a later hang of another instance is news too.
-        if verdict.restart and (told is None or told.pod != verdict.pod):
-            if verdict.hung and runtime.metrics is not None:
-                runtime.metrics.hang_detected()
-            _emitter(runtime, body)("Warning", "Unhealthy", f"{verdict.reason}: {verdict.message}")
-            logger.warning("pair unhealthy (%s): %s", verdict.reason, verdict.message)
-
-
-async def _scrape_pair(
-    body: kopf.Body, generation: int, pods: list[PodView], interval: float
-) -> tuple[list[health.PodScrape], dict[str, Any]]:
-    """Scrape every engine instance of `generation` the watch judges (health.watched_pods, health.scrape_due), all at
-    once with one per-pod timeout; returns the scrapes and the pod objects by instance key (observe's `pods`)."""
-    spec = body.get("spec") or {}
-    ports = (body.get("status") or {}).get("ports") or []
-    watched = health.watched_pods(pods, generation)
-    targets = []
-    for pod in watched.values():
-        if pod is None or not health.scrape_due(pod):
-            continue
-        port = port_of(ports, pod.role, PURPOSE_METRICS, instance=pod.instance)
-        if port:
-            targets.append(health.ScrapeTarget(pod.role, pod.name, pod.ip or "", port, pod.instance))
-    scrapes = await scrape.scrape_pods(
-        targets,
-        expected_generation=generation,
-        hang_timeout_seconds=spec_fields.hang_timeout_seconds(spec),
-        timeout=max(0.2, min(2.0, interval / 2)),
-    )
-    return scrapes, {key: (pod.raw if pod is not None else None) for key, pod in watched.items()}
-
-
-async def _probe_listeners(
-    body: kopf.Body, generation: int, pods: list[PodView], timeout: float
-) -> dict[str, tuple[int, ...] | None]:
-    """TCP-probe the side-channel ports of every decode instance of `generation` the watch scrapes, all at once:
-    pod name -> the ports that refused (() = all accepted, None = no definite answer; health_status.observe's `refused`).
-    The reconciler's own probe stops once a generation served (a Ready prefill proves the pairing, and a serving
-    pair's pass runs only on events and resyncs: probing it every second would wake every serving pair every
-    second); this one runs on the watch's tick, so a listener that closes later is seen."""
-    ports = (body.get("status") or {}).get("ports") or []
-    probes: dict[str, Any] = {}
-    for pod in health.watched_pods(pods, generation).values():
-        if pod is None or pod.role != ROLE_DECODE or not health.scrape_due(pod):
-            continue
-        ranks = ports_of(ports, ROLE_DECODE, PURPOSE_SIDECHANNEL, instance=pod.instance)
-        if ranks:
-            probes[pod.name] = refused_ports(pod.ip or "", ranks, timeout)
-    results = await asyncio.gather(*probes.values())
-    return dict(zip(probes, results))
+    await health_watch.watch(runtime, body, uid, stopped, lambda delay: _sleep(asyncio.Event(), stopped, delay),
+                             lambda: list(pair_pods.get(uid, ())), _emitter(runtime, body), logger)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, id="release-ports")
 async def release_ports(body: kopf.Body, uid: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """The deleted pair's cleanup (pair_teardown.py), once its reconcile daemon stopped."""
     runtime: Runtime = memo["runtime"]
     exited = runtime.exited.get(uid)
     if exited is not None and not exited.is_set():
@@ -454,76 +354,8 @@ async def release_ports(body: kopf.Body, uid: str, memo: kopf.Memo, logger: logg
             await asyncio.wait_for(exited.wait(), DAEMON_STOP_WAIT)
         except asyncio.TimeoutError:
             logger.warning("the pair's daemon did not stop within %.0fs; releasing anyway", DAEMON_STOP_WAIT)
-    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    left = await _pods_gone(runtime, body, uid, logger)
-    if left:
-        # A pod still there may still run, bound to its ports (a lost node's kubelet cannot stop it): those ports
-        # are fenced to it, never released; the sweep frees each once its pod is gone.
-        ref = PairRef(namespace, name, uid)
-        fenced: list[int] = []
-        for pod in left:
-            fenced += [port for port in pod.ports
-                       if await runtime.leaser.fence(ref, port, pod.node or "?", f"{namespace}/{pod.name}/{pod.uid}",
-                                                     f"pod {pod.name} of deleted pair {namespace}/{name} still exists")]
-        _emitter(runtime, body)("Warning", "PortsFencedWithPodsLeft",
-                                (f"pods {', '.join(p.name for p in left)} were not gone "
-                                 f"{runtime.config.pod_gone_timeout:.0f}s after the pair's deletion; their ports "
-                                 f"{sorted(fenced)} stay fenced to them until they are gone, the rest are released"))
-    status = body.get("status") or {}
-    if status.get("ports") or status.get("rollout"):
-        # Stop listing the ports (a Surge rollout's second set too) before the leases go: no moment where two pairs
-        # list one port.
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(runtime.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace,
-                                    PLURAL, name, {"status": {"ports": [], "rollout": None}})
-    released = await runtime.leaser.release_pair(uid)
+    await pair_teardown.release(runtime, body, uid, _emitter(runtime, body), logger)
     runtime.exited.pop(uid, None)
-    if runtime.metrics is not None:
-        runtime.metrics.forget_pair(body["metadata"]["namespace"], body["metadata"]["name"])
-    _emitter(runtime, body)("Normal", "PortsReleased", f"released {released} port leases")
-    logger.info("released %d port leases", released)
-
-
-POD_GONE_POLL = 1.0
-POD_GONE_SLOW = 30.0  # a wait this long (or half the bound, if less) gets an Event saying what it waits for
-
-
-async def _pods_gone(runtime: Runtime, body: kopf.Body, uid: str, logger: logging.Logger) -> list[PodView]:
-    """Delete the pair's pods (prefill and router before decode) and wait until none is left, at most
-    config.pod_gone_timeout after the pair's deletion began. Returns the pods still there at the deadline (name,
-    uid, node and declared ports filled in)."""
-    from kubernetes.client import V1DeleteOptions, V1Preconditions
-
-    namespace = body["metadata"]["namespace"]
-    began = epoch(body["metadata"].get("deletionTimestamp")) or time.time()
-    deadline = began + runtime.config.pod_gone_timeout
-    told_slow = False
-    while True:
-        listed = await asyncio.to_thread(runtime.core.list_namespaced_pod, namespace,
-                                         label_selector=f"{LABEL_PAIR_UID}={uid}")
-        # The one reading of a pod (observed.PodView.from_pod) on the API's own JSON form of the listed V1Pods.
-        serialize = runtime.core.api_client.sanitize_for_serialization
-        pods = [PodView.from_pod(serialize(p)) for p in listed.items]
-        if not pods:
-            return []
-        uids = {p.name: p.uid for p in pods}
-        for name in planner.deleted_pair_teardown(pods):  # the planner's order: decode after prefill and router
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(
-                    runtime.core.delete_namespaced_pod, name, namespace,
-                    body=V1DeleteOptions(preconditions=V1Preconditions(uid=uids[name])),
-                )
-        names = [p.name for p in pods]
-        now = time.time()
-        if now >= deadline:
-            return pods
-        if not told_slow and now - began >= min(POD_GONE_SLOW, runtime.config.pod_gone_timeout / 2):
-            told_slow = True
-            _emitter(runtime, body)("Normal", "WaitingForPods",
-                                    f"holding the port leases until pods {', '.join(names)} are gone (at most "
-                                    f"{max(0.0, deadline - now):.0f}s more)")
-            logger.info("waiting for pods %s to be gone before releasing the ports", names)
-        await asyncio.sleep(POD_GONE_POLL)
 
 
 async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float) -> None:
@@ -536,51 +368,6 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float)
     finally:
         for waiter in waiters:
             waiter.cancel()
-
-
-async def _pair_alive(runtime: Runtime, namespace: str, name: str, uid: str) -> bool:
-    if not (namespace and name and uid):
-        return False
-    if uid in runtime.wakeups:  # this operator runs the pair's reconcile daemon: it exists, with this uid
-        return True  # (a GET for each of 1000 pairs every sweep interval was 17 GETs a second at rest)
-    try:
-        pair = await asyncio.to_thread(
-            runtime.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name
-        )
-    except Exception as exc:
-        if api_status(exc) == 404:
-            return False
-        raise
-    return (pair.get("metadata") or {}).get("uid") == uid
-
-
-async def _pod_exists(runtime: Runtime, namespace: str, name: str, uid: str) -> bool:
-    """A pod of that name and uid exists (deleting or not): its fenced ports stay fenced."""
-    try:
-        pod = await asyncio.to_thread(runtime.core.read_namespaced_pod, name, namespace)
-    except Exception as exc:
-        if api_status(exc) == 404:
-            return False
-        raise
-    return pod.metadata.uid == uid
-
-
-async def _sweep_forever(runtime: Runtime) -> None:
-    while True:
-        try:
-            released = await runtime.leaser.sweep_orphans(
-                lambda ns, name, uid: _pair_alive(runtime, ns, name, uid)
-            )
-            if released:
-                log.info("orphan sweep released %d leases", released)
-            await runtime.leaser.sweep_quarantines()  # ports found busy on a node come back after their TTL
-            await runtime.leaser.sweep_fences(lambda ns, name, uid: _pod_exists(runtime, ns, name, uid))
-            await runtime.leaser.refresh_taken()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("orphan sweep failed: %s", exc)
-        await asyncio.sleep(runtime.config.sweep_interval)
 
 
 def _start_metrics(runtime: Runtime) -> Any:
