@@ -1,5 +1,5 @@
-"""The executor's part for the peer push (docs/xpyd.md sections 3, 5, 6): instances.py decides each pod's set,
-push.py builds and sends the bodies, and this sends each running prefill and router the set it was not told yet,
+"""The executor's part for the peer push (docs/xpyd.md sections 3, 5, 6): pushes.py plans each pod's set (from
+instances.py's), push.py builds and sends the bodies, and this sends each running prefill and router the set it was not told yet,
 records a router's answer while an instance drains (`RouterDrainView`, what the planner reads to delete a drained
 instance), and says when a failed push is tried again (`pass_timing.push_retry_delay`). `PeerSets` is a part of
 `reconciler.PairReconciler` (its state lives there) and decides nothing."""
@@ -15,20 +15,16 @@ from pdpair.contract import (
     ANNOTATION_PEERS_DIGEST,
     PEERS_PATH,
     PURPOSE_HTTP,
-    PURPOSE_METRICS,
-    PURPOSE_SIDECHANNEL,
-    READYZ_PATH,
     ROLE_DECODE,
     ROLE_PREFILL,
     ROLE_ROUTER,
 )
-from pdpair.contract.router_peers import RouterMember, router_body
+from pdpair.contract.router_peers import router_body
 from pdpair.operator.act import push
-from pdpair.operator.build.pods import url_host
-from pdpair.operator.decide import instances, surge
+from pdpair.operator.decide import instances, pushes, surge
 from pdpair.operator.decide.port_blocks import port_of
 from pdpair.operator.model.config import ENV_PEERS_KEY
-from pdpair.operator.model.observed import PodView, RouterDrainView
+from pdpair.operator.model.observed import PodView, RouterDrainView, url_host
 
 
 @dataclass(frozen=True)
@@ -41,29 +37,8 @@ class PushFailure:
     answered: bool
 
 
-def side_base(ports: list[dict[str, Any]], instance: int) -> int:
-    return int(port_of(ports, ROLE_DECODE, PURPOSE_SIDECHANNEL, instance=instance) or 0)
-
-
-def prefill_entries(peers: Iterable[tuple[str, int]]) -> list[str]:
-    return [f"{host}:{base}" for host, base in peers]
-
-
-def router_members(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> list[RouterMember]:
-    members = []
-    for p in pods:
-        http = port_of(ports, p.role, PURPOSE_HTTP, instance=p.instance)
-        metrics = port_of(ports, p.role, PURPOSE_METRICS, instance=p.instance)
-        if http is None or metrics is None:
-            continue
-        host = url_host(p.ip or "")
-        members.append(RouterMember(p.role, p.instance, f"http://{host}:{http}",
-                                         f"http://{host}:{metrics}{READYZ_PATH}"))
-    return members
-
-
 def engine_urls(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
-    """pod name -> (role, the engine URL the router is pushed for it: router_members' URL), for the engine pods
+    """pod name -> (role, the engine URL the router is pushed for it: pushes.router_set's URL), for the engine pods
     with an address and an HTTP port in `ports`: how a router's answer (by URL) is read back as pods."""
     out = {}
     for p in pods:
@@ -71,16 +46,6 @@ def engine_urls(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> dict[st
         if http is not None and p.ip:
             out[p.name] = (p.role, f"http://{url_host(p.ip)}:{http}")
     return out
-
-
-def draining_generations(pods: Iterable[PodView]) -> set[int]:
-    """The generations with an engine instance draining (marked by a scale-down, not yet being deleted)."""
-    return {p.generation for p in pods if p.role in instances.ENGINE_ROLES and p.draining_since is not None
-            and not p.deleting}
-
-
-def router_digest(members: Iterable[RouterMember]) -> str:
-    return instances.peers_digest(f"{m.role}/{m.index}/{m.url}" for m in members)
 
 
 class PeerSets:
@@ -93,47 +58,29 @@ class PeerSets:
         return self.ports
 
     async def push_sets(self, pods: tuple[PodView, ...]) -> set[str]:
-        """Send each running prefill and router of the pair the set instances.py gives it, when it differs from
-        what the pod was last told (its annotation pdpair.io/peers-digest): the decodes a prefill pairs with, the
-        instances a router sends to. A failed push is retried on the next pass (it is level-triggered), which comes
-        back by pass_timing.push_retry_delay. A router's answer is recorded (`_record_router`) while an instance of its generation
-        drains. Returns the uids of the routers whose answer was recorded."""
-        sends = []
+        """Send each running prefill and router of the pair the set pushes.py plans for it (the decodes a prefill
+        pairs with, the instances a router sends to) unless this executor already sent that very set and the pod's
+        annotation does not show it yet. A failed push is retried on the next pass (it is level-triggered), which
+        comes back by pass_timing.push_retry_delay. A router's answer is recorded (`_record_router`) while an
+        instance of its generation drains. Returns the uids of the routers whose answer was recorded."""
         answered: set[str] = set()
         live = {p.uid for p in pods if p.running}
-        self.push_failures = {uid: failure for uid, failure in self.push_failures.items() if uid in live}
         self.pushed = {uid: digest for uid, digest in self.pushed.items() if uid in live}
-        for pod in pods:
-            if not pod.running or pod.role not in (ROLE_PREFILL, ROLE_ROUTER) or pod.peers_digest is None:
-                continue
-            ports = self._ports_of_generation(pod.generation)
-            if not ports:
-                continue
-            epoch = int(time.time() * 1000)
+        generations = {p.generation for p in pods}
+        tp = int((self.body["spec"].get(ROLE_DECODE) or {}).get("tensorParallelSize") or 1)
+        due = [item for item in pushes.pushes(pods, {g: self._ports_of_generation(g) for g in generations}, tp)
+               if item.digest != self.pushed.get(item.pod.uid)]
+        # a pod with nothing (more) to send has no failing push
+        self.push_failures = {uid: f for uid, f in self.push_failures.items() if uid in {i.pod.uid for i in due}}
+        sends = []
+        for item in due:
+            pod, epoch = item.pod, int(time.time() * 1000)
             if pod.role == ROLE_PREFILL:
-                metrics = port_of(ports, ROLE_PREFILL, PURPOSE_METRICS, instance=pod.instance)
-                decodes = instances.prefill_peers(pods, pod.generation)
-                peers = [(p.ip or "", side_base(ports, p.instance)) for p in decodes]
-                if not peers or metrics is None:
-                    continue  # no decode runs: nothing to pair with (recreate.py restarts a pair left without one)
-                digest = instances.peers_digest(prefill_entries(peers))
-                tp = int((self.body["spec"].get(ROLE_DECODE) or {}).get("tensorParallelSize") or 1)
-                body = push.prefill_body(epoch, pod.generation, [
-                    push.PrefillPeer(p.instance, host, base, tp) for p, (host, base) in zip(decodes, peers)])
-                url = f"http://{url_host(pod.ip or '')}:{metrics}{PEERS_PATH}"
+                body = push.prefill_body(epoch, pod.generation, [push.PrefillPeer(d.index, d.host, d.port_base, d.tp)
+                                                                 for d in item.decodes])
             else:
-                router_port = port_of(ports, ROLE_ROUTER, PURPOSE_HTTP)
-                members = router_members(instances.router_members(pods, pod.generation), ports)
-                if router_port is None or not any(m.role == ROLE_PREFILL for m in members) or not any(
-                        m.role == ROLE_DECODE for m in members):
-                    continue  # the router keeps what it has until a prefill and a decode are Ready
-                digest = router_digest(members)
-                body = router_body(epoch, pod.generation, members)
-                url = f"http://{url_host(pod.ip or '')}:{router_port}{PEERS_PATH}"
-            if digest != pod.peers_digest and digest != self.pushed.get(pod.uid):
-                sends.append((pod, url, body, digest))
-            else:
-                self.push_failures.pop(pod.uid, None)
+                body = router_body(epoch, pod.generation, list(item.members))
+            sends.append((pod, f"http://{url_host(pod.ip or '')}:{item.port}{PEERS_PATH}", body, item.digest))
         if not sends:
             return answered
         token = await self._peers_token()
@@ -168,7 +115,7 @@ class PeerSets:
         """Record the answer of `router` (its generation's RouterDrainView) when an instance of that generation
         drains; an answer the view cannot read (malformed, or a router without `involved`) drops the view, so the
         planner falls back to the deadline. True when recorded."""
-        if router.generation not in draining_generations(pods):
+        if router.generation not in pushes.draining_generations(pods):
             return False
         ports = self._ports_of_generation(router.generation) or []
         urls = engine_urls((p for p in pods if p.generation == router.generation and p.draining_since is not None),
@@ -194,7 +141,7 @@ class PeerSets:
         /pdpair/v1/peers`, the push's token and timeout) unless this pass's push just recorded one (`answered`),
         for the next pass's plan. A read that fails drops the view (the deadline decides), is logged once per
         cause, and is tried again next pass; views of generations where nothing drains are dropped."""
-        draining = draining_generations(pods)
+        draining = pushes.draining_generations(pods)
         self.router_views = {g: v for g, v in self.router_views.items() if g in draining}
         routers = {p.uid for p in pods if p.role == ROLE_ROUTER and p.running and not p.deleting}
         self.router_read_failures = {u: c for u, c in self.router_read_failures.items() if u in routers}

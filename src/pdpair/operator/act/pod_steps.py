@@ -23,12 +23,11 @@ from pdpair.contract import (
     ROLE_ROUTER,
 )
 from pdpair.operator.act.kube_api import api_status, call_dropped
-from pdpair.operator.act.peer_sets import prefill_entries, router_digest, router_members, side_base
 from pdpair.operator.build.pods import POD_SECRETS, SECRET_PEERS, SECRET_SIDE_CHANNEL
 from pdpair.operator.build.pods import ManifestError, engine_pod, pod_name, router_pod
-from pdpair.operator.decide import instances
 from pdpair.operator.decide import recreate as d
 from pdpair.operator.decide import surge
+from pdpair.operator.decide import pushes
 from pdpair.operator.model.conditions import FALSE, Condition
 from pdpair.operator.model.observed import PodView
 from pdpair.operator.model.pair_spec import spec_fingerprint
@@ -181,23 +180,22 @@ class PodSteps:
         if plan.create == ROLE_DECODE:
             return engine_pod(body, ROLE_DECODE, generation, ports, spec_hash, instance=plan.create_instance)
         if plan.create == ROLE_PREFILL:
-            peers = [(p.ip or "", side_base(ports, p.instance)) for p in instances.prefill_peers(pods, generation)]
+            decodes, digest = pushes.prefill_set(pods, generation, ports, tp=1)  # the env names host:base only
             manifest = engine_pod(body, ROLE_PREFILL, generation, ports, spec_hash, instance=plan.create_instance,
-                                  peers=peers)
-            # What it was told at creation: a push is due only once the set differs (instances.peers_digest)
-            manifest["metadata"]["annotations"][ANNOTATION_PEERS_DIGEST] = instances.peers_digest(
-                prefill_entries(peers))
+                                  peers=[(d.host, d.port_base) for d in decodes])
+            # What it was told at creation: a push is due only once the set differs (pushes.py)
+            manifest["metadata"]["annotations"][ANNOTATION_PEERS_DIGEST] = digest
             return manifest
         if plan.create == ROLE_ROUTER:
-            # Started with instance 0 of each role, as a 1P1D router always was (its /readyz waits for them); the
-            # push (push_sets) adds the other instances once they are Ready, and none is due while the Ready set is
-            # still these two (a 1P1D pair is never pushed).
-            first = {p.role: p for p in pods if p.generation == generation and p.instance == 0 and p.running}
+            # Started with instance 0 of each role (pushes.first_router_members); the push adds the other instances
+            # once they are Ready, and none is due while the Ready set is still these two (a 1P1D pair is never
+            # pushed).
+            first = pushes.first_router_members(pods, generation)
             prefill, decode = first.get(ROLE_PREFILL), first.get(ROLE_DECODE)
             manifest = router_pod(body, generation, ports, spec_hash, prefill.ip if prefill else "",
                                   decode.ip if decode else "")
-            members = router_members([p for p in (prefill, decode) if p is not None], ports)
-            manifest["metadata"]["annotations"][ANNOTATION_PEERS_DIGEST] = router_digest(members)
+            _, digest = pushes.router_set([p for p in (prefill, decode) if p is not None], ports)
+            manifest["metadata"]["annotations"][ANNOTATION_PEERS_DIGEST] = digest
             return manifest
         raise ManifestError(f"unknown role {plan.create!r}")
 

@@ -55,6 +55,7 @@ from pdpair.contract import (
 )
 
 from pdpair.operator.model import spec_fields
+from pdpair.operator.model.observed import url_host
 from pdpair.operator.build.engine_args import refused_args
 from pdpair.operator.build.pod_defaults import (
     READINESS_PROBE,
@@ -428,8 +429,3 @@ def router_pod(
             pod["spec"][key] = copy.deepcopy(value)
     _add_preflight(pod, container)
     return _quantities_as_strings(pod)
-
-
-def url_host(address: str) -> str:
-    """An address as the host part of a URL or `host:port`: an IPv6 address in brackets."""
-    return f"[{address}]" if ":" in address else address

@@ -14,6 +14,11 @@ from pdpair.contract import ANNOTATION_DRAINING_SINCE, ANNOTATION_PEERS_DIGEST, 
 from pdpair.operator.model import timestamps
 
 
+def url_host(address: str) -> str:
+    """An address as the host part of a URL or `host:port`: an IPv6 address in brackets."""
+    return f"[{address}]" if ":" in address else address
+
+
 def _plain(value: Any) -> Any:
     return dict(value) if isinstance(value, Mapping) else list(value)
 
