@@ -131,7 +131,10 @@ def stop_process(proc: subprocess.Popen | None, name: str) -> None:
     except subprocess.TimeoutExpired:
         log(f"{name} (pid {proc.pid}) ignored SIGTERM for {STOP_GRACE_SECONDS}s; SIGKILL")
         proc.kill()
-        proc.wait(timeout=10)
+        try:  # a stalled box may take a while to reap it; stopping never raises for that
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            log(f"{name} (pid {proc.pid}) not reaped 60s after SIGKILL")
 
 
 def write_state(path: pathlib.Path, state: dict) -> None:
