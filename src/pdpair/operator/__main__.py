@@ -16,6 +16,7 @@ import argparse
 import http.server
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -63,11 +64,11 @@ def candidate_identity(env: dict[str, str] | None = None) -> str:
     return f"{base}_{uuid.uuid4().hex[:8]}"
 
 
-def _elect(config: OperatorConfig):
-    """Blocks until this process leads; returns the elector (renewing, fenced)."""
+def _elector(config: OperatorConfig):
+    """This process's candidate for the leader Lease (not campaigning yet)."""
     import kubernetes
 
-    from pdpair.operator.act.election import ElectionSettings, LeaderElector, exit_now
+    from pdpair.operator.act.election import ElectionSettings, LeaderElector
 
     try:
         kubernetes.config.load_incluster_config()
@@ -78,7 +79,13 @@ def _elect(config: OperatorConfig):
         lease_duration=config.leader_lease_duration, renew_deadline=config.leader_renew_deadline,
         retry_period=config.leader_retry_period,
     )
-    elector = LeaderElector(kubernetes.client.CoordinationV1Api(kubernetes.client.ApiClient()), settings)
+    return LeaderElector(kubernetes.client.CoordinationV1Api(kubernetes.client.ApiClient()), settings)
+
+
+def _elect(config: OperatorConfig, elector) -> None:
+    """Blocks until this process leads; then the elector renews, fenced."""
+    from pdpair.operator.act.election import exit_now
+
     servers = [_serve_standby(port) for port in (config.liveness_port, config.metrics_port) if port]
     try:
         elector.wait_for_leadership()
@@ -87,7 +94,10 @@ def _elect(config: OperatorConfig):
             server.shutdown()
             server.server_close()
     elector.keep_leading(exit_now)
-    return elector
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,8 +126,16 @@ def main(argv: list[str] | None = None) -> int:
 
     kopf_internals.install()  # kopf's watch events without managedFields, before any watch starts
 
-    elector = _elect(config) if config.leader_elect else None
+    elector = None
+    if config.leader_elect:
+        # A SIGTERM while campaigning, or after winning and before kopf takes the signal over, ends through the
+        # finally below, which releases the Lease if this process holds it (seen on a starved box: a standby that
+        # won just as the replicas were stopped kept the Lease until it expired).
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        elector = _elector(config)
     try:
+        if elector is not None:
+            _elect(config, elector)
         kopf.run(
             standalone=True,  # no kopf peering: exclusivity comes from the leader Lease (or from running one replica)
             clusterwide=not config.watch_namespaces,
