@@ -264,7 +264,9 @@ def test_signal_deficit_alert_fires_within_for_plus_two_evaluations(demo, promet
     assert float(firing["value"]) == 3.0
     assert "demo-decode" in firing["annotations"]["summary"]
     assert firing["annotations"]["runbook_url"].endswith("#pdpairsignaldeficit")
+    # The series as Prometheus holds it now: the stuck transfer's 3 missing signals, plus those of an OK transfer
+    # the demo has in flight at that scrape (every 0.5 s; a starved demo showed 7 = 3 + 4 of 8, CI 2026-12-07)
     deficit = prom.query(contract.SIGNAL_DEFICIT.name)
-    assert [float(s["value"][1]) for s in deficit] == [3.0]
+    assert len(deficit) == 1 and 3.0 <= float(deficit[0]["value"][1]) <= 3.0 + 8, deficit
     timeouts = prom.query(contract.SIGNAL_WAIT_TIMEOUTS.name)
     assert float(timeouts[0]["value"][1]) >= 1.0
