@@ -1,7 +1,8 @@
 """Multi-turn conversations with shared prefixes: what the prefix cache saves in each setup, against an oracle.
 
     PYTHONPATH=src:. .venv/bin/python tests/bench/bench_conversation.py --bind [--conversations 24] [--turns 4] \
-        [--clients 8] [--setups single,dp,decode-alone,pdpair,pdpair-concurrent,pdpair-smart] [--out results.json]
+        [--clients 8] [--setups single,dp,decode-alone,pdpair,pdpair-concurrent,pdpair-smart,pdpair-never] \
+        [--out results.json]
 
 The trace (seeded, printed with the results): `--system-prompts` system prompts of about 120 tokens, each shared by
 the conversations that draw it; each conversation takes `--turns` turns, a turn's prompt being its system prompt and
@@ -12,12 +13,14 @@ engines' context is 512). `--clients` clients each run whole conversations, turn
 once the answer to the last one has ended), streaming.
 
 The setups (the same tiny model and engine flags as bench_pd_latency.py, `--bind`: one core per engine): `single`
-(one engine), `dp` (two single engines behind a round-robin proxy), and one pdpair pair behind three routers in turn:
-`pdpair` (sequential legs), `pdpair-concurrent` (both legs at once, every request split) and `pdpair-smart` (both legs
+(one engine), `dp` (two single engines behind a round-robin proxy), and one pdpair pair behind four routers in turn:
+`pdpair` (sequential legs), `pdpair-concurrent` (both legs at once, every request split), `pdpair-smart` (both legs
 at once, selective disaggregation from `--local-prompt-tokens` and prefix affinity: a next turn whose history the
-decode holds goes to it alone), and `decode-alone` (the pair's decode asked directly: never split, without the
-router's hop either, a bound on what a never-splitting router could do). Every setup's prompts start with a word of its own, so the pair's three routers never
-hit what another setup left in the engines' caches (vLLM's block hashes chain from the first block).
+decode holds goes to it alone) and `pdpair-never` (never split: `--local-prompt-tokens 1048576
+--no-learn-split-threshold`, every prompt to decode alone, through the same router), and `decode-alone` (the pair's
+decode asked directly: never split, without the router's hop either). Every setup's prompts start with a word of
+its own, so the pair's routers never hit what another setup left in the engines' caches (vLLM's block hashes chain
+from the first block).
 
 Reported per setup: requests, failed, requests/s, TTFT and TPOT p50/p99 at the client, and the prefix cache:
 `computed` = the prompt tokens its engines computed (vLLM's `vllm:prompt_tokens_by_source{source="local_compute"}`,
@@ -198,7 +201,8 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--local-prompt-tokens", type=int, default=128,
                         help="pdpair-smart's starting threshold (the router's --local-prompt-tokens)")
-    parser.add_argument("--setups", default="single,dp,decode-alone,pdpair,pdpair-concurrent,pdpair-smart")
+    parser.add_argument("--setups",
+                        default="single,dp,decode-alone,pdpair,pdpair-concurrent,pdpair-smart,pdpair-never")
     parser.add_argument("--bind", action="store_true", help="one core per engine process tree (bench_pd_latency.py)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -228,7 +232,7 @@ def main() -> int:
             single = pd_bench.start(procs, engine("single", model, logs))
         if "dp" in wanted:
             dp = [pd_bench.start(procs, engine(f"dp-{i}", model, logs)) for i in range(2)]
-        routers = [n for n in ("pdpair", "pdpair-concurrent", "pdpair-smart") if n in wanted]
+        routers = [n for n in ("pdpair", "pdpair-concurrent", "pdpair-smart", "pdpair-never") if n in wanted]
         if routers or "decode-alone" in wanted:
             listen = free_port()
             decode = pd_bench.start(procs, engine("pdpair-decode", model, logs, kv_role="kv_consumer",
@@ -255,7 +259,9 @@ def main() -> int:
         if routers:
             flags = {"pdpair": ("--no-concurrent-legs",), "pdpair-concurrent": ("--concurrent-legs",),
                      "pdpair-smart": ("--concurrent-legs", "--local-prompt-tokens", str(args.local_prompt_tokens),
-                                      "--prefix-affinity")}
+                                      "--prefix-affinity"),
+                     "pdpair-never": ("--concurrent-legs", "--local-prompt-tokens", "1048576",
+                                      "--no-learn-split-threshold", "--prefix-affinity")}
             for name in routers:
                 rtr = pd_bench.start(procs, router(logs, prefill.url, decode.url, extra_args=flags[name],
                                                    name=f"{name}-router"))

@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
              "ways (pdpair.router.split); 0 splits every request and learns nothing (default "
              f"{_DEFAULTS['local_prompt_tokens']})")
     parser.add_argument(
+        "--learn-split-threshold", action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS["learn_split_threshold"],
+        help="let the --local-prompt-tokens threshold follow the router's measurements (exploring the other way once "
+             "in a while); --no-learn-split-threshold keeps it fixed (default "
+             f"{'on' if _DEFAULTS['learn_split_threshold'] else 'off'})")
+    parser.add_argument(
         "--concurrent-legs", action=argparse.BooleanOptionalAction, default=_DEFAULTS["concurrent_legs"],
         help="send decode its request together with prefill's (decode allocates and pulls while prefill computes) "
              "instead of once prefill answered; a prefill is sent both legs at once after its first answer "
@@ -142,6 +148,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         connect_timeout_seconds=args.connect_timeout, idle_connection_seconds=args.idle_connection_timeout,
         failure_cooldown_seconds=args.failure_cooldown, debug_routing=args.debug_routing, log_choices=args.log_choices,
         max_body_bytes=args.max_body_bytes, local_prompt_tokens=args.local_prompt_tokens,
+        learn_split_threshold=args.learn_split_threshold,
         concurrent_legs=args.concurrent_legs, prefix_affinity=args.prefix_affinity,
     )
 

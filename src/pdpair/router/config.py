@@ -34,6 +34,11 @@ class RouterConfig:
     # alone, and the threshold then follows the router's measurements. 0: every request is split (prefill, then
     # decode), nothing is learned.
     local_prompt_tokens: int = 0
+    # Whether that threshold follows the measurements (and one streamed request in split.EXPLORE_EVERY of a length
+    # bucket goes the other way to keep both means current). Off: the threshold stays at --local-prompt-tokens, as a
+    # fixed number of tokens (llm-d's and Dynamo's rule): predictable, and with a threshold above every prompt, a
+    # router that never splits.
+    learn_split_threshold: bool = True
     # Both legs at once (app._both_legs): decode gets its request together with prefill's, naming the transfer by a
     # key the router makes, so decode allocates and pulls while prefill computes. Off: decode's request goes once
     # prefill answered (sequential). On by default: faster in docs/benchmarks.md ("Both legs at once"), TTFT and

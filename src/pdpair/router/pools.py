@@ -165,7 +165,7 @@ class Router:
                             kv_usage_max_age_seconds=config.kv_usage_max_age_seconds,
                             ready_urls=config.decode_ready_urls)
         self.session: aiohttp.ClientSession | None = None
-        self.split = SplitPolicy(config.local_prompt_tokens)  # split or local, per request (split.py)
+        self.split = SplitPolicy(config.local_prompt_tokens, learn=config.learn_split_threshold)  # split or local, per request (split.py)
         # prefill URL -> what decode's kv_transfer_params must name of it (instance, pair, generation), from its last
         # answer: both legs go at once (--concurrent-legs) only to a prefill that answered before
         self.prefill_identity: dict[str, dict[str, Any]] = {}

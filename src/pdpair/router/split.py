@@ -17,6 +17,8 @@ Why a learned threshold and not a fixed one: where the split pays depends on the
 and the network (llm-d and Dynamo take it as a fixed number of tokens); the router sees both costs as they are.
 The estimate needs no tokenizer: token-id prompts are counted, text is its UTF-8 length over `BYTES_PER_TOKEN`;
 the threshold is learned in that same unit, so only its order matters, not its accuracy.
+With learning off (--no-learn-split-threshold) the threshold stays where it started and nothing is explored: a fixed
+rule, and with a threshold above every prompt, a router that never splits.
 With prefix affinity on (--prefix-affinity), the estimate is of the part of the prompt the chosen decode does not
 hold: a decode's cache holds the prompts it computed alone and those whose KV it loaded, so the chunks of the prompt
 the router sent that decode before (prefix_index.py) are taken off (`uncached_tokens`). A conversation's next turn,
@@ -101,9 +103,11 @@ class _Mean:
 
 @dataclass
 class SplitPolicy:
-    """The split-or-local rule and its learned threshold (module docstring). `start_tokens` 0: always split."""
+    """The split-or-local rule and its learned threshold (module docstring). `start_tokens` 0: always split.
+    `learn` False: the threshold stays at `start_tokens` and no request explores the other way."""
 
     start_tokens: int = 0
+    learn: bool = True
     threshold: int = field(init=False)
     decisions: dict[str, int] = field(init=False)
     _means: dict[str, list[_Mean]] = field(init=False, repr=False)
@@ -125,7 +129,7 @@ class SplitPolicy:
         mode = SPLIT
         if self.enabled and tokens is not None:
             mode = LOCAL if tokens < self.threshold else SPLIT
-            if measured:
+            if measured and self.learn:
                 other = self._means[LOCAL if mode == SPLIT else SPLIT][bucket(tokens)]
                 other.stale_for += 1
                 if other.stale_for >= EXPLORE_EVERY:
@@ -136,7 +140,7 @@ class SplitPolicy:
 
     def observe(self, tokens: int, mode: str, seconds: float) -> None:
         """A measured request: `seconds` from its arrival to decode's first chunk, sent `mode`."""
-        if not self.enabled or mode not in MODES or not (seconds >= 0 and math.isfinite(seconds)):
+        if not (self.enabled and self.learn) or mode not in MODES or not (seconds >= 0 and math.isfinite(seconds)):
             return
         mean = self._means[mode][bucket(tokens)]
         mean.value = seconds if mean.samples == 0 else mean.value + MEAN_WEIGHT * (seconds - mean.value)

@@ -124,7 +124,9 @@ def test_router_pod_passes_the_selective_disaggregation_threshold():
     for field, value, flag in (("concurrentLegs", True, "--concurrent-legs"),
                                ("concurrentLegs", False, "--no-concurrent-legs"),
                                ("prefixAffinity", True, "--prefix-affinity"),
-                               ("prefixAffinity", False, "--no-prefix-affinity")):
+                               ("prefixAffinity", False, "--no-prefix-affinity"),
+                               ("learnSplitThreshold", True, "--learn-split-threshold"),
+                               ("learnSplitThreshold", False, "--no-learn-split-threshold")):
         pair = {**PAIR, "spec": {**PAIR["spec"], "router": {field: value}}}
         assert flag in router_pod(pair, 1, leased(), "h", "10.0.0.2", "10.0.0.1")["spec"]["containers"][0]["command"]
 

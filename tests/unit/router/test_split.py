@@ -16,7 +16,7 @@ from pdpair.router import split
 from pdpair.router.__main__ import build_parser, config_from_args
 from pdpair.router.app import make_app
 from pdpair.router.config import RouterConfig
-from pdpair.router.split import EXPLORE_EVERY, LOCAL, SPLIT, SplitPolicy, prompt_tokens
+from pdpair.router.split import EXPLORE_EVERY, LOCAL, MIN_SAMPLES, SPLIT, SplitPolicy, prompt_tokens
 from tests.router_support import PARAMS, Engine
 from tests.router_support import engine_server as _engine_server
 from tests.router_support import serve as _serve
@@ -72,6 +72,22 @@ def test_exploration_is_one_request_in_explore_every_of_a_bucket_and_only_measur
     modes = [policy.decide(10, measured=True) for _ in range(EXPLORE_EVERY * 4)]
     assert modes.count(SPLIT) == 4 and modes.count(LOCAL) == EXPLORE_EVERY * 4 - 4
     assert all(policy.decide(10, measured=False) == LOCAL for _ in range(EXPLORE_EVERY * 4))
+
+
+def test_a_fixed_threshold_never_explores_and_never_moves():
+    """--no-learn-split-threshold: every measured request goes its threshold's way, and measurements that would move
+    a learning policy (split far faster at every length) leave it where it started."""
+    learning, fixed = SplitPolicy(100), SplitPolicy(100, learn=False)
+    for policy in (learning, fixed):
+        modes = [policy.decide(10, measured=True) for _ in range(EXPLORE_EVERY * 4)]
+        assert modes.count(SPLIT) == (4 if policy.learn else 0)
+        for tokens in (2, 50, 300, 5000):
+            for mode in (SPLIT, LOCAL):
+                for _ in range(MIN_SAMPLES):
+                    policy.observe(tokens, mode, 0.001 if mode == SPLIT else 1.0)
+    assert learning.threshold < 100 and fixed.threshold == 100 and fixed.means() == {SPLIT: {}, LOCAL: {}}
+    never = SplitPolicy(2**20, learn=False)  # above every prompt: a router that never splits
+    assert {never.decide(t, measured=True) for t in (1, 500, 100_000)} == {LOCAL}
 
 
 def test_samples_of_one_way_only_never_move_the_threshold():
@@ -130,6 +146,9 @@ def test_the_flag_is_checked_at_start():
     args = build_parser().parse_args(["--port", "0", "--prefill", "http://p:1", "--decode", "http://d:1",
                                       "--local-prompt-tokens", "256"])
     assert config_from_args(args, {}).local_prompt_tokens == 256
+    assert config_from_args(args, {}).learn_split_threshold is True
+    assert config_from_args(build_parser().parse_args(["--port", "0", "--no-learn-split-threshold"]),
+                            {}).learn_split_threshold is False
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--port", "0", "--local-prompt-tokens", "-1"])
     with pytest.raises(ValueError, match="--local-prompt-tokens"):

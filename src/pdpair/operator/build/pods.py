@@ -402,7 +402,8 @@ def router_pod(
         command += ["--debug-routing", "--log-choices"]  # tests force each (prefill, decode) combination
     if router_spec.get("localPromptTokens") is not None:  # unset: the router's own default (RouterConfig)
         command += ["--local-prompt-tokens", str(int(router_spec["localPromptTokens"]))]
-    for field, flag in (("concurrentLegs", "concurrent-legs"), ("prefixAffinity", "prefix-affinity")):
+    for field, flag in (("concurrentLegs", "concurrent-legs"), ("prefixAffinity", "prefix-affinity"),
+                        ("learnSplitThreshold", "learn-split-threshold")):
         if router_spec.get(field) is not None:  # unset: the router's own default (RouterConfig)
             command += [f"--{flag}" if router_spec[field] else f"--no-{flag}"]
     pod = _base_pod(pair, ROLE_ROUTER, generation, spec_hash)
