@@ -1,6 +1,7 @@
-"""The operator's push (operator/push.py): its bodies are what the real endpoints accept (prefill's connector
-PeerPush on its real metrics server, the real router app), and `push` answers ok, 401, 409, a timeout within its
-bound and a refused connection without raising. The Secret manifest and the digest.
+"""The operator's push (operator/act/push.py; the bodies of contract/prefill_peers.py and contract/router_peers.py):
+its bodies are what the real endpoints accept (prefill's connector PeerPush on its real metrics server, the real
+router app), and `push` answers ok, 401, 409, a timeout within its bound and a refused connection without raising.
+The Secret manifest and the digest.
 
 Cost: no engine, no cluster, no worker (the connector's push is given a recording stand-in for PrefillWorker.set_peers);
 about 2 s on a busy 2-core box, most of it the one push that waits for its timeout."""
@@ -24,13 +25,12 @@ from pdpair.connector.pod_server import PeerPush, serve
 from pdpair.connector.signals import SignalAccounts
 from pdpair.operator.build.pods import owned_labels
 from pdpair.operator.act.push import (
-    PrefillPeer,
     PushResult,
     body_digest,
-    prefill_body,
     push,
     token_secret,
 )
+from pdpair.contract.prefill_peers import DecodePeer, prefill_body
 from pdpair.contract.router_peers import RouterMember, router_body
 from pdpair.router.app import make_app
 from pdpair.router.config import RouterConfig
@@ -41,7 +41,7 @@ TOKEN = "operator-push-unit-token-0123456789"
 GENERATION = 4
 PAIR = {"apiVersion": "pdpair.io/v1alpha1", "kind": "InferencePair",
         "metadata": {"name": "demo", "namespace": "ns1", "uid": "uid-1"}}
-DECODES = [PrefillPeer(1, "fd00::7", 20010, 2), PrefillPeer(0, "10.0.0.6", 20000, 2)]
+DECODES = [DecodePeer(1, "fd00::7", 20010, 2), DecodePeer(0, "10.0.0.6", 20000, 2)]
 
 
 class RecordingPrefill:
@@ -71,9 +71,9 @@ def test_the_prefill_body_is_what_the_connector_accepts():
     assert prefill.sets[-1] == ()
     assert endpoint.handle("PUT", f"Bearer {TOKEN}", json.dumps(prefill_body(2, GENERATION, [])).encode())[0] == 409
 
-    for bad in ([PrefillPeer(0, "h", 1, 1), PrefillPeer(0, "g", 2, 1)],  # one index twice
-                [PrefillPeer(0, "h", 1, 1), PrefillPeer(1, "[h]", 1, 1)],  # one decode twice
-                [PrefillPeer(0, "", 1, 1)], [PrefillPeer(0, "h", 1, 0)], [PrefillPeer(-1, "h", 1, 1)]):
+    for bad in ([DecodePeer(0, "h", 1, 1), DecodePeer(0, "g", 2, 1)],  # one index twice
+                [DecodePeer(0, "h", 1, 1), DecodePeer(1, "[h]", 1, 1)],  # one decode twice
+                [DecodePeer(0, "", 1, 1)], [DecodePeer(0, "h", 1, 0)], [DecodePeer(-1, "h", 1, 1)]):
         with pytest.raises(ValueError):
             prefill_body(1, GENERATION, bad)
     with pytest.raises(ValueError, match="epoch"):

@@ -19,6 +19,7 @@ from pdpair.contract import (
     ROLE_PREFILL,
     ROLE_ROUTER,
 )
+from pdpair.contract.prefill_peers import prefill_body
 from pdpair.contract.router_peers import router_body
 from pdpair.operator.act import push
 from pdpair.operator.decide import instances, pushes, surge
@@ -38,13 +39,13 @@ class PushFailure:
 
 
 def engine_urls(pods: Iterable[PodView], ports: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
-    """pod name -> (role, the engine URL the router is pushed for it: pushes.router_set's URL), for the engine pods
-    with an address and an HTTP port in `ports`: how a router's answer (by URL) is read back as pods."""
+    """pod name -> (role, the engine URL the router is pushed for it: pushes.engine_url), for the engine pods with an
+    address and an HTTP port in `ports`: how a router's answer (by URL) is read back as pods."""
     out = {}
     for p in pods:
-        http = port_of(ports, p.role, PURPOSE_HTTP, instance=p.instance) if p.role in instances.ENGINE_ROLES else None
-        if http is not None and p.ip:
-            out[p.name] = (p.role, f"http://{url_host(p.ip)}:{http}")
+        url = pushes.engine_url(p, ports) if p.role in instances.ENGINE_ROLES and p.ip else None
+        if url is not None:
+            out[p.name] = (p.role, url)
     return out
 
 
@@ -76,8 +77,7 @@ class PeerSets:
         for item in due:
             pod, epoch = item.pod, int(time.time() * 1000)
             if pod.role == ROLE_PREFILL:
-                body = push.prefill_body(epoch, pod.generation, [push.PrefillPeer(d.index, d.host, d.port_base, d.tp)
-                                                                 for d in item.decodes])
+                body = prefill_body(epoch, pod.generation, item.decodes)
             else:
                 body = router_body(epoch, pod.generation, list(item.members))
             sends.append((pod, f"http://{url_host(pod.ip or '')}:{item.port}{PEERS_PATH}", body, item.digest))

@@ -1,10 +1,12 @@
-"""The operator's push of peer sets (docs/xpyd.md sections 3, 5, 6): the bodies, the HTTP client and the per-pair token
-Secret. No decision is made here: the planner decides each set (who, which epoch, who is draining); the executor
-builds the bodies with these functions, sends them with `push`, and records `body_digest` of what it pushed.
+"""The operator's push of peer sets (docs/xpyd.md sections 3, 5, 6): the HTTP client, the digest of a body and the
+per-pair token Secret; each body has its one definition in the contract (contract/prefill_peers.py,
+contract/router_peers.py). No decision is made here: the planner decides each set (who, which epoch, who is
+draining); the executor builds the bodies, sends them with `push`, and records `body_digest` of what it pushed.
 
-- Each prefill's connector: `PUT /pdpair/v1/peers` on its metrics port, `prefill_body` (the whole set of decodes it
-  pairs with). Its answer: `{"epoch", "generation", "ranks": {rank: {"host:portBase": paired}}, "paired":
-  {"host:portBase": every rank paired}}` (502 with `unreachable_ranks` when a TP rank could not be reached).
+- Each prefill's connector: `PUT /pdpair/v1/peers` on its metrics port, `contract.prefill_peers.prefill_body` (the
+  whole set of decodes it pairs with). Its answer: `{"epoch", "generation", "ranks": {rank: {"host:portBase":
+  paired}}, "paired": {"host:portBase": every rank paired}}` (502 with `unreachable_ranks` when a TP rank could not
+  be reached).
 - The router: `PUT /pdpair/v1/peers` on its HTTP port, `contract.router_peers.router_body` (both roles'
   instances, `draining` marked; the body's one definition, which the router parses). Its
   answer, also to `GET` (`read_peers`, while an instance drains): `{"epoch", "generation", "prefills": [{"index",
@@ -15,7 +17,7 @@ builds the bodies with these functions, sends them with `push`, and records `bod
 - Both: bearer token PDPAIR_PEERS_TOKEN (401 without), 400 for a malformed body (the error names the field), 409 for
   an epoch older than the last one accepted (and, for a prefill, another generation than its own).
 
-The pure part (dataclasses, bodies, digest, Secret) imports no HTTP client, so a decision module may import it too;
+The pure part (the result, digest, Secret) imports no HTTP client, so a decision module may import it too;
 `push` imports aiohttp when it runs.
 """
 
@@ -30,8 +32,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-from pdpair.contract.router_peers import count
 
 from pdpair.operator.act.capped_read import AnswerTooLarge, decode, read_capped
 from pdpair.operator.build.pods import PEERS_SECRET_KEY, owned_metadata
@@ -49,16 +49,6 @@ ANSWER_LIMIT = 64 << 10
 
 
 @dataclass(frozen=True)
-class PrefillPeer:
-    """A decode instance as a prefill is pushed it: its pod's host (IP), the base of its side-channel port block
-    (TP rank r listens on port_base + r), its TP size."""
-    index: int
-    host: str
-    port_base: int
-    tp: int
-
-
-@dataclass(frozen=True)
 class PushResult:
     """ok: the endpoint answered 2xx. status: its HTTP status (None: no answer: refused, reset, timed out). answer:
     its JSON object (None: none, or not a JSON object). error: the cause when not ok ("" when ok)."""
@@ -66,30 +56,6 @@ class PushResult:
     status: int | None
     answer: dict | None
     error: str
-
-
-def prefill_body(epoch: int, generation: int, decodes: list[PrefillPeer]) -> dict:
-    """The body of a prefill's `PUT /pdpair/v1/peers` (connector/pod_server.py PeerPush): `{"epoch", "generation",
-    "decodes": [{"index", "host", "portBase", "tp"}]}`, decodes in index order. A ValueError for what the connector
-    would refuse anyway or a planner bug: a negative or non-integer number, an empty host, one index or one
-    host:portBase twice."""
-    count(epoch, "epoch")
-    count(generation, "generation")
-    indexes, addresses, out = set(), set(), []
-    for peer in sorted(decodes, key=lambda p: p.index):
-        count(peer.index, "decode index")
-        count(peer.port_base, f"decode {peer.index} port_base")
-        if isinstance(peer.tp, bool) or not isinstance(peer.tp, int) or peer.tp < 1:
-            raise ValueError(f"decode {peer.index} tp must be an integer >= 1, got {peer.tp!r}")
-        host = peer.host.strip("[]") if isinstance(peer.host, str) else ""
-        if not host:
-            raise ValueError(f"decode {peer.index} has no host: {peer.host!r}")
-        if peer.index in indexes or (host, peer.port_base) in addresses:
-            raise ValueError(f"decode {peer.index} ({host}:{peer.port_base}) is named twice")
-        indexes.add(peer.index)
-        addresses.add((host, peer.port_base))
-        out.append({"index": peer.index, "host": host, "portBase": peer.port_base, "tp": peer.tp})
-    return {"epoch": epoch, "generation": generation, "decodes": out}
 
 
 def body_digest(body: Mapping[str, Any]) -> str:

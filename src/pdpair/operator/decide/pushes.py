@@ -2,9 +2,10 @@
 instances.py (`prefill_peers`, `router_members`), the addresses and ports from the port set of the pod's generation
 (given by the executor: status.ports, or a Surge rollout's other set).
 
-  - `prefill_set`: the decodes a prefill pairs with (host, the base of each decode's side-channel block, TP size),
-    and its digest;
+  - `prefill_set`: the decodes a prefill pairs with (contract.prefill_peers.DecodePeer: host, the base of each
+    decode's side-channel block, TP size), and its digest;
   - `router_set`: the instances a router sends to (contract.router_peers.RouterMember), and its digest;
+  - `engine_url`: an engine pod's base URL as a router is told it (the executor reads a router's answer back by it);
   - `first_router_members`: a router is created with instance 0 of each role (a 1P1D router always was; its /readyz
     waits for them); the push adds the other instances once they are Ready;
   - `pushes`: every running prefill and router whose set is complete and differs from what its pod was last told
@@ -23,22 +24,13 @@ from typing import Any, Iterable, Mapping
 
 from pdpair.contract import (PURPOSE_HTTP, PURPOSE_METRICS, PURPOSE_SIDECHANNEL, READYZ_PATH, ROLE_DECODE,
                              ROLE_PREFILL, ROLE_ROUTER)
+from pdpair.contract.prefill_peers import DecodePeer
 from pdpair.contract.router_peers import RouterMember
 from pdpair.operator.decide import instances
 from pdpair.operator.decide.port_blocks import port_of
 from pdpair.operator.model.observed import PodView, url_host
 
 Ports = list[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class DecodePeer:
-    """A decode instance as a prefill is told it (act/push.PrefillPeer on the wire)."""
-
-    index: int
-    host: str  # its pod's IP
-    port_base: int  # the base of its side-channel block: TP rank r listens on port_base + r
-    tp: int
 
 
 @dataclass(frozen=True)
@@ -64,18 +56,24 @@ def prefill_set(pods: Iterable[PodView], generation: int, ports: Ports, tp: int)
     return decodes, instances.peers_digest(f"{d.host}:{d.port_base}" for d in decodes)
 
 
+def engine_url(pod: PodView, ports: Ports) -> str | None:
+    """`pod`'s engine base URL as a router is told it (its IP, its instance's HTTP port in `ports`); None without that
+    port. The one place it is formed: a router's answer names instances by this URL, so the executor's read-back
+    (act/peer_sets.engine_urls) must match what was pushed character for character."""
+    http = port_of(ports, pod.role, PURPOSE_HTTP, instance=pod.instance)
+    return None if http is None else f"http://{url_host(pod.ip or '')}:{http}"
+
+
 def router_set(members_of: Iterable[PodView], ports: Ports) -> tuple[tuple[RouterMember, ...], str]:
     """(`members_of` as a router is told them: each engine's base URL and readiness URL, their digest); an instance
     without both ports in `ports` is left out."""
     members = []
     for p in members_of:
-        http = port_of(ports, p.role, PURPOSE_HTTP, instance=p.instance)
+        url = engine_url(p, ports)
         metrics = port_of(ports, p.role, PURPOSE_METRICS, instance=p.instance)
-        if http is None or metrics is None:
+        if url is None or metrics is None:
             continue
-        host = url_host(p.ip or "")
-        members.append(RouterMember(p.role, p.instance, f"http://{host}:{http}",
-                                    f"http://{host}:{metrics}{READYZ_PATH}"))
+        members.append(RouterMember(p.role, p.instance, url, f"http://{url_host(p.ip or '')}:{metrics}{READYZ_PATH}"))
     return tuple(members), instances.peers_digest(f"{m.role}/{m.index}/{m.url}" for m in members)
 
 
