@@ -29,29 +29,9 @@ CHAT_TEMPLATE = (
 def build_tiny_model(target: Path) -> Path:
     """Write config, weights and tokenizer into `target` (created); returns `target`."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    target.mkdir(parents=True, exist_ok=True)
-    bpe = Tokenizer(models.BPE(unk_token=None))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    special = ["<s>", "</s>", "<pad>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    bpe.train_from_iterator(TRAINING_TEXT, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
-    # Pad to exactly the model's vocab so every id the model can emit decodes.
-    missing = VOCAB_SIZE - len(tokenizer)
-    if missing > 0:
-        tokenizer.add_tokens([f"<extra_{i}>" for i in range(missing)])
-    assert len(tokenizer) == VOCAB_SIZE, len(tokenizer)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(target)
-
+    tokenizer = build_tiny_tokenizer(target)
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
@@ -76,6 +56,34 @@ def build_tiny_model(target: Path) -> Path:
         json.dumps({"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id})
     )
     return target
+
+
+def build_tiny_tokenizer(target: Path):
+    """Write the tiny model's tokenizer (and chat template) into `target` (created); returns it (a router test needs
+    only this: a second, not the model's weights)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    target.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    special = ["<s>", "</s>", "<pad>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(TRAINING_TEXT, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    # Pad to exactly the model's vocab so every id the model can emit decodes.
+    missing = VOCAB_SIZE - len(tokenizer)
+    if missing > 0:
+        tokenizer.add_tokens([f"<extra_{i}>" for i in range(missing)])
+    assert len(tokenizer) == VOCAB_SIZE, len(tokenizer)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(target)
+    return tokenizer
 
 
 if __name__ == "__main__":

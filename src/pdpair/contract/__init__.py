@@ -496,7 +496,19 @@ ROUTER_PREFIX_CHUNKS = Metric(
     "Prompt chunks (128 bytes) of requests routed with prefix affinity, per role: routed, and matched (sent before "
     "to the instance chosen); matched / routed is the router's estimate of that role's prefix hit rate.",
 )
-ROUTER_METRICS = (ROUTER_REQUESTS, ROUTER_LOCAL_PROMPT_TOKENS, ROUTER_PREFIX_CHUNKS)
+ROUTER_PREFIX_BLOCKS = Metric(
+    "pdpair_router_prefix_blocks_total", "counter", ("role", "outcome"),
+    "Prompt blocks (the engines' KV blocks) of requests routed by the engines' KV events, per role: routed, and "
+    "matched (held by the instance chosen, as its events say); matched / routed is that role's prefix hit rate.",
+)
+ROUTER_KV_EVENT_BATCHES = Metric(
+    "pdpair_router_kv_event_batches_total", "counter", ("role", "outcome"),
+    "KV event batches the router read from the engines, per role and outcome: applied, replayed (asked again after "
+    "a gap), duplicate, gap (batches missed), resync (a gap the replay could not fill: the engine's blocks "
+    "forgotten), restart (the engine's numbering began again), malformed, dropped_by_test.",
+)
+ROUTER_METRICS = (ROUTER_REQUESTS, ROUTER_LOCAL_PROMPT_TOKENS, ROUTER_PREFIX_CHUNKS, ROUTER_PREFIX_BLOCKS,
+                  ROUTER_KV_EVENT_BATCHES)
 
 ALL_METRICS = POD_METRICS + OPERATOR_METRICS + ROUTER_METRICS
 

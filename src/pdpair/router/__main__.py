@@ -85,6 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-ready", action="append", default=None, metavar="URL",
         help="a decode's own readiness URL, once per --decode in the same order (default: each instance's URL + "
              "/health)")
+    parser.add_argument(
+        "--prefill-kv-events", action="append", default=None, metavar="tcp://HOST:PORT",
+        help="a prefill's KV events endpoint (its engine's --kv-events-config endpoint; the replay endpoint at PORT + "
+             "1), once per --prefill in the same order: the prefill is chosen by the blocks it holds (with "
+             "--prefix-affinity and --tokenizer) (default: none, the approximate index)")
+    parser.add_argument(
+        "--decode-kv-events", action="append", default=None, metavar="tcp://HOST:PORT",
+        help="a decode's KV events endpoint, once per --decode in the same order (default: none)")
+    parser.add_argument(
+        "--kv-events-topic", default=_DEFAULTS["kv_events_topic"], metavar="TOPIC",
+        help="the engines' --kv-events-config topic (default: empty, vLLM's)")
+    parser.add_argument(
+        "--tokenizer", default=_DEFAULTS["tokenizer"], metavar="PATH",
+        help="the model's tokenizer (a directory, or a name loadable offline), for the prompt's token ids that "
+             "the KV events are matched against (default: none)")
     parser.add_argument("--prefill-timeout", type=_seconds, default=_DEFAULTS["prefill_timeout_seconds"],
                         help=f"seconds for the prefill answer (default {seconds['prefill_timeout_seconds']})")
     parser.add_argument("--decode-timeout", type=_seconds, default=_DEFAULTS["decode_timeout_seconds"],
@@ -149,6 +164,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         failure_cooldown_seconds=args.failure_cooldown, debug_routing=args.debug_routing, log_choices=args.log_choices,
         max_body_bytes=args.max_body_bytes, local_prompt_tokens=args.local_prompt_tokens,
         learn_split_threshold=args.learn_split_threshold,
+        prefill_kv_events=tuple(args.prefill_kv_events or ()), decode_kv_events=tuple(args.decode_kv_events or ()),
+        kv_events_topic=args.kv_events_topic, tokenizer=args.tokenizer,
         concurrent_legs=args.concurrent_legs, prefix_affinity=args.prefix_affinity,
     )
 

@@ -81,6 +81,7 @@ from pdpair.router.config import (
     RouterConfig,
     check_body_bytes,
     check_count,
+    check_kv_events,
     check_ready_urls,
     check_timeout,
     check_urls,
@@ -89,7 +90,7 @@ from pdpair.router.metrics import METRICS_REGISTRY, metrics_handler, registry_fo
 from pdpair.router.peer_push import no_peers_handler, peers_handler, check_peers_token
 from pdpair.router.kv_usage import scrape_kv_usage
 from pdpair.router.prefix_index import prompt_hashes
-from pdpair.router.split import LOCAL, prompt_tokens, uncached_tokens
+from pdpair.router.split import LOCAL, TOKENS_PER_CHUNK, prompt_tokens, uncached_tokens
 from pdpair.router.pools import ROUTER, Instance, Pool, Router, no_instance
 
 logger = logging.getLogger("pdpair.router")
@@ -261,17 +262,19 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     chat = request.path.endswith("/chat/completions")
     # the prompt's chunk hashes (prefix_index.py), once: for the decode's choice, the split decision and the prefill's
     hashes = prompt_hashes(body, chat) if router.config.prefix_affinity and not forced else []
+    # its token ids (--tokenizer): exact lengths for the split, and the blocks the engines' KV events are matched on
+    token_ids = router.tokenizer.token_ids(body, chat) if router.tokenizer is not None and not forced else None
 
     # Decode first: it holds the request for the whole answer, so its load matters most; a prefill is busy only for
     # the prompt.
     decodes_seen = router.decodes.outstanding()
     decode, held = (router.decodes.member(forced[1]), 0) if forced else \
-        _choose(router, ROLE_DECODE, router.decodes, hashes)
+        _choose(router, ROLE_DECODE, router.decodes, hashes, token_ids)
 
     # Split or local (split.py): a forced route names a prefill, so it is split; only a streamed answer is measured.
     # The estimate is of what the chosen decode does not hold yet (all of it without --prefix-affinity).
     streamed = bool(body.get("stream"))
-    tokens = uncached_tokens(prompt_tokens(body, chat), held) \
+    tokens = uncached_tokens(len(token_ids) if token_ids is not None else prompt_tokens(body, chat), held) \
         if router.split.enabled and forced is None else None
     mode = router.split.decide(tokens, measured=streamed)
     if hashes:  # after the lookup above: decode's cache holds this prompt once it computed or loaded it
@@ -292,7 +295,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     with router.decodes.hold(decode), router.decodes.involve(decode), contextlib.ExitStack() as involved:
         prefills_seen = router.prefills.outstanding()
         prefill = router.prefills.member(forced[0]) if forced else \
-            _choose(router, ROLE_PREFILL, router.prefills, hashes)[0]
+            _choose(router, ROLE_PREFILL, router.prefills, hashes, token_ids)[0]
         if hashes:
             router.prefix[ROLE_PREFILL].record(prefill.url, hashes)
         if router.config.log_choices:
@@ -310,12 +313,29 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         return await _decode(router, decode, request, body, params, headers, received, prefill_answered, first_chunk)
 
 
-def _choose(router: Router, role: str, pool: Pool, hashes: list[bytes]) -> tuple[Instance, int]:
-    """The pool's choice and how many of the prompt's leading chunks it was sent before: by load, and with the
-    prompt's chunk hashes (--prefix-affinity) by that count, within the load slack (Pool.choose); counts the chunks
-    routed and matched for /metrics. Records nothing: the caller does, once the request goes there."""
+def _choose(router: Router, role: str, pool: Pool, hashes: list[bytes],
+            token_ids: list[int] | None = None) -> tuple[Instance, int]:
+    """The pool's choice and how many of the prompt's leading tokens it holds: by load, and with prefix affinity
+    by the match within the load slack (Pool.choose): the blocks the engines' KV events say each holds, where every
+    instance of the role has a subscriber (Router.block_chain), else the chunks of the prompt this router sent it
+    before (prefix_index.py, 32 estimated tokens a chunk). Counts what was routed and matched for /metrics. Records
+    nothing: the caller does, once the request goes there."""
     if not hashes:
         return pool.choose(), 0
+    chain = router.block_chain(role, pool, token_ids)
+    if chain is not None:
+        blocks, size = chain
+        held_blocks: dict[str, int] = {}
+
+        def blocks_held(instance: Instance) -> int:
+            if instance.url not in held_blocks:
+                held_blocks[instance.url] = router.kv_index.matched(instance.url, blocks)
+            return held_blocks[instance.url]
+
+        chosen = pool.choose(affinity=blocks_held)
+        router.prefix_blocks[role]["routed"] += len(blocks)
+        router.prefix_blocks[role]["matched"] += blocks_held(chosen)
+        return chosen, blocks_held(chosen) * size
     index, matched = router.prefix[role], {}
 
     def affinity(instance: Instance) -> int:
@@ -327,7 +347,7 @@ def _choose(router: Router, role: str, pool: Pool, hashes: list[bytes]) -> tuple
     held = affinity(chosen)
     router.prefix_chunks[role]["routed"] += len(hashes)
     router.prefix_chunks[role]["matched"] += held
-    return chosen, held
+    return chosen, held * TOKENS_PER_CHUNK
 
 
 async def _both_legs(router: Router, prefill: Instance, decode: Instance, request: web.Request, body: dict,
@@ -546,6 +566,12 @@ def make_app(config: RouterConfig) -> web.Application:
         check_timeout(field, getattr(config, field))
     check_body_bytes("--max-body-bytes", config.max_body_bytes)
     check_count("--local-prompt-tokens", config.local_prompt_tokens)
+    config = dataclasses.replace(
+        config, prefill_kv_events=check_kv_events("--prefill-kv-events", config.prefill_kv_events, config.prefill_urls),
+        decode_kv_events=check_kv_events("--decode-kv-events", config.decode_kv_events, config.decode_urls))
+    if (config.prefill_kv_events or config.decode_kv_events) and not (config.prefix_affinity and config.tokenizer):
+        raise ValueError("--prefill-kv-events and --decode-kv-events need --prefix-affinity and --tokenizer (the "
+                         "events are matched against the prompt's token ids)")
     # aiohttp's own bound on a body read whole (request.read(): the pushed set, itself bounded lower); completions
     # are read by _read_body up to max_body_bytes.
     app = web.Application(client_max_size=max(config.max_body_bytes, MAX_PEERS_BODY_BYTES), middlewares=middlewares)
@@ -559,7 +585,12 @@ def make_app(config: RouterConfig) -> web.Application:
         )
         # With one decode there is no tie to break: no scrape (a pushed set may bring more).
         scraper = asyncio.create_task(scrape_kv_usage(router)) if len(config.decode_urls) > 1 or pushed else None
+        subscribers = [s for role in router.kv_subscribers.values() for s in role.values()]
+        for subscriber in subscribers:
+            subscriber.start()
         yield
+        for subscriber in subscribers:
+            await subscriber.stop()
         if scraper is not None:
             scraper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -51,6 +51,16 @@ class RouterConfig:
     # router's /readyz passes while at least one prefill and one decode pass theirs (`readiness`).
     prefill_ready_urls: tuple[str, ...] = ()
     decode_ready_urls: tuple[str, ...] = ()
+    # Precise prefix affinity (kv_blocks.py, kv_subscriber.py): each instance's KV events endpoint (the engine's
+    # --kv-events-config endpoint as the router reaches it, tcp://HOST:PORT, its replay endpoint at PORT + 1), in the
+    # order of its role's URLs; empty: that role is matched by the approximate index (prefix_index.py). Needs
+    # --prefix-affinity and --tokenizer.
+    prefill_kv_events: tuple[str, ...] = ()
+    decode_kv_events: tuple[str, ...] = ()
+    # The model's tokenizer (a directory or a name loadable offline), for the prompt's token ids (prompt_tokenizer.py).
+    tokenizer: str | None = None
+    # The engines' --kv-events-config topic (vLLM's default: "").
+    kv_events_topic: str = ""
     # Not flags: the design's constants (docs/xpyd.md section 5), fields only so that a test can shorten them.
     kv_scrape_interval_seconds: float = 1.0
     kv_scrape_timeout_seconds: float = 0.5
@@ -139,3 +149,21 @@ def check_ready_urls(flag: str, ready_urls: tuple[str, ...], urls: tuple[str, ..
         raise ValueError(f"{flag} is given {len(ready_urls)} time(s) for {len(urls)} instance(s): give it once per "
                          f"instance, in the same order, or not at all (then each instance's {HEALTH_PATH})")
     return check_urls(flag, ready_urls)
+
+
+def check_kv_events(flag: str, endpoints: tuple[str, ...], urls: tuple[str, ...]) -> tuple[str, ...]:
+    """() or one KV events endpoint per instance of the role, in the same order, each tcp://HOST:PORT: a ValueError
+    naming `flag` otherwise."""
+    from pdpair.router.kv_subscriber import replay_endpoint
+
+    if isinstance(endpoints, str) or not isinstance(endpoints, (tuple, list)):
+        raise ValueError(f"{flag} takes a tuple of endpoints, got {endpoints!r}")
+    if endpoints and len(endpoints) != len(urls):
+        raise ValueError(f"{flag} is given {len(endpoints)} time(s) for {len(urls)} instance(s): give it once per "
+                         f"instance, in the same order, or not at all")
+    for endpoint in endpoints:
+        try:
+            replay_endpoint(endpoint)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+    return tuple(endpoints)

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pdpair import contract
+from pdpair.router.kv_subscriber import STATS
 from pdpair.router.pools import ROUTER, Router
 
 
@@ -29,6 +30,20 @@ class _RouterCollector:
             for outcome, count in counts.items():
                 chunks.add_metric([role, outcome], count)
         yield chunks
+        blocks = CounterMetricFamily(contract.ROUTER_PREFIX_BLOCKS.base_name, contract.ROUTER_PREFIX_BLOCKS.help,
+                                     labels=list(contract.ROUTER_PREFIX_BLOCKS.labels))
+        for role, counts in self.router.prefix_blocks.items():
+            for outcome, count in counts.items():
+                blocks.add_metric([role, outcome], count)
+        yield blocks
+        batches = CounterMetricFamily(contract.ROUTER_KV_EVENT_BATCHES.base_name,
+                                      contract.ROUTER_KV_EVENT_BATCHES.help,
+                                      labels=list(contract.ROUTER_KV_EVENT_BATCHES.labels))
+        for role, subscribers in self.router.kv_subscribers.items():
+            if subscribers:
+                for outcome in STATS:
+                    batches.add_metric([role, outcome], sum(s.stats[outcome] for s in subscribers.values()))
+        yield batches
         yield GaugeMetricFamily(contract.ROUTER_LOCAL_PROMPT_TOKENS.name, contract.ROUTER_LOCAL_PROMPT_TOKENS.help,
                                 value=split.threshold if split.enabled else 0)
 

@@ -17,7 +17,11 @@ from aiohttp import web
 from pdpair.contract import READYZ_PATH, ROLE_DECODE, ROLE_PREFILL
 from pdpair.contract.router_peers import RouterMember
 from pdpair.router.config import HEALTH_PATH, RouterConfig
+from pdpair.router import testing_knobs
+from pdpair.router.kv_blocks import KvBlockIndex, prompt_chain
+from pdpair.router.kv_subscriber import KvEventSubscriber
 from pdpair.router.prefix_index import PREFIX_LOAD_SLACK, PrefixIndex
+from pdpair.router.prompt_tokenizer import PromptTokenizer
 from pdpair.router.split import SplitPolicy
 
 @dataclass(eq=False)
@@ -174,12 +178,37 @@ class Router:
         # computed alone and those whose KV it loaded
         self.prefix = {ROLE_PREFILL: PrefixIndex(), ROLE_DECODE: PrefixIndex()}
         self.prefix_chunks = {role: {"routed": 0, "matched": 0} for role in self.prefix}
+        # Precise prefix affinity (--prefill-kv-events, --decode-kv-events): the blocks each engine's KV events say it
+        # holds, one subscriber per engine (started with the app), the prompt's token ids (--tokenizer), and the
+        # blocks routed and matched (/metrics).
+        self.kv_index = KvBlockIndex()
+        self.kv_subscribers: dict[str, dict[str, KvEventSubscriber]] = {ROLE_PREFILL: {}, ROLE_DECODE: {}}
+        for role, urls, endpoints in ((ROLE_PREFILL, config.prefill_urls, config.prefill_kv_events),
+                                      (ROLE_DECODE, config.decode_urls, config.decode_kv_events)):
+            for url, endpoint in zip(urls, endpoints):
+                self.kv_subscribers[role][url] = KvEventSubscriber(
+                    url, endpoint, self.kv_index, topic=config.kv_events_topic,
+                    drop_fraction=testing_knobs.kv_events_drop_fraction())
+        self.prefix_blocks = {role: {"routed": 0, "matched": 0} for role in self.prefix}
+        self.tokenizer = PromptTokenizer(config.tokenizer) if config.tokenizer else None
         # Sent with every request to an engine's API (prefill, decode, decode's /v1/models): the pair's API key, which
         # vLLM requires under /v1 when it has one; nothing without a key. Not to readiness URLs or /metrics (open).
         self.engine_headers: dict[str, str] = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         # The last pushed set's epoch and generation (None: the flags' set, nothing pushed yet).
         self.epoch: int | None = None
         self.generation: int | None = None
+
+    def block_chain(self, role: str, pool: Pool, token_ids: list[int] | None) -> tuple[list[bytes], int] | None:
+        """(the prompt's chained block hashes, the block size) when `role` is matched by KV events: every instance
+        that may be chosen has a subscriber and one of them has told its block size; else None (the approximate
+        index decides). An instance whose events said nothing yet holds nothing, as far as the router knows."""
+        subscribers = self.kv_subscribers[role]
+        if token_ids is None or not subscribers or any(i.url not in subscribers for i in pool.instances):
+            return None
+        size = next((s for s in (self.kv_index.block_size(i.url) for i in pool.instances) if s), None)
+        if size is None:
+            return None
+        return prompt_chain(token_ids, size), size
 
     def learn_prefill(self, url: str, params: dict[str, Any]) -> None:
         """Record the identity a prefill's answer carries (remote_instance, remote_pair, remote_generation); an

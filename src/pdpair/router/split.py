@@ -82,11 +82,11 @@ def prompt_tokens(body: dict[str, Any], chat: bool) -> int | None:
 TOKENS_PER_CHUNK = CHUNK_BYTES // BYTES_PER_TOKEN  # a prefix_index chunk in this module's unit (32)
 
 
-def uncached_tokens(tokens: int | None, cached_chunks: int) -> int | None:
-    """The estimate less the `cached_chunks` leading chunks the chosen instance holds (None stays None)."""
+def uncached_tokens(tokens: int | None, held_tokens: int) -> int | None:
+    """The prompt's length less the `held_tokens` leading tokens the chosen instance holds (None stays None)."""
     if tokens is None:
         return None
-    return max(0, tokens - cached_chunks * TOKENS_PER_CHUNK)
+    return max(0, tokens - held_tokens)
 
 
 def bucket(tokens: int) -> int:
