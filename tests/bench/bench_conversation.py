@@ -18,7 +18,11 @@ The setups (the same tiny model and engine flags as bench_pd_latency.py, `--bind
 at once, selective disaggregation from `--local-prompt-tokens` and prefix affinity: a next turn whose history the
 decode holds goes to it alone) and `pdpair-never` (never split: `--local-prompt-tokens 1048576
 --no-learn-split-threshold`, every prompt to decode alone, through the same router), and `decode-alone` (the pair's
-decode asked directly: never split, without the router's hop either). Every setup's prompts start with a word of
+decode asked directly: never split, without the router's hop either). `pdpair-events` is `pdpair-smart` matching
+prefixes by the engines' own KV events (the pair's engines then run with `--kv-events-config`, a ZMQ publisher each,
+and the router with `--tokenizer`, `--prefill-kv-events`, `--decode-kv-events`) instead of what it sent where;
+`pdpair-events-drop` the same with `--kv-events-drop` (default 0.1) of the event batches thrown away as the router
+reads them (the router's test knob), so that gap detection and replay carry it. Every setup's prompts start with a word of
 its own, so the pair's routers never hit what another setup left in the engines' caches (vLLM's block hashes chain
 from the first block).
 
@@ -203,6 +207,8 @@ def main() -> int:
                         help="pdpair-smart's starting threshold (the router's --local-prompt-tokens)")
     parser.add_argument("--setups",
                         default="single,dp,decode-alone,pdpair,pdpair-concurrent,pdpair-smart,pdpair-never")
+    parser.add_argument("--kv-events-drop", type=float, default=0.1,
+                        help="pdpair-events-drop: the share of KV event batches its router throws away")
     parser.add_argument("--bind", action="store_true", help="one core per engine process tree (bench_pd_latency.py)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -232,15 +238,29 @@ def main() -> int:
             single = pd_bench.start(procs, engine("single", model, logs))
         if "dp" in wanted:
             dp = [pd_bench.start(procs, engine(f"dp-{i}", model, logs)) for i in range(2)]
-        routers = [n for n in ("pdpair", "pdpair-concurrent", "pdpair-smart", "pdpair-never") if n in wanted]
+        routers = [n for n in ("pdpair", "pdpair-concurrent", "pdpair-smart", "pdpair-never", "pdpair-events",
+                               "pdpair-events-drop") if n in wanted]
+        events = {role: free_port(2) for role in ("prefill", "decode")} \
+            if {"pdpair-events", "pdpair-events-drop"} & set(wanted) else {}
+
+        def kv_events_args(role: str) -> tuple[str, ...]:
+            if not events:
+                return ()
+            port = events[role]
+            return ("--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+                "replay_endpoint": f"tcp://*:{port + 1}"}))
+
         if routers or "decode-alone" in wanted:
             listen = free_port()
             decode = pd_bench.start(procs, engine("pdpair-decode", model, logs, kv_role="kv_consumer",
                                                   pdpair_env=pair_env("decode", generation=1, listen_base=listen,
-                                                                      hang_timeout=30)))
+                                                                      hang_timeout=30),
+                                                  extra_args=kv_events_args("decode")))
             prefill = pd_bench.start(procs, engine("pdpair-prefill", model, logs, kv_role="kv_producer",
                                                    pdpair_env=pair_env("prefill", generation=1, peer_base=listen,
-                                                                       hang_timeout=30)))
+                                                                       hang_timeout=30),
+                                                   extra_args=kv_events_args("prefill")))
         if "single" in wanted:
             single.wait_healthy()
             ready.append(("single", single.url, [single.url]))
@@ -262,15 +282,22 @@ def main() -> int:
                                       "--prefix-affinity"),
                      "pdpair-never": ("--concurrent-legs", "--local-prompt-tokens", "1048576",
                                       "--no-learn-split-threshold", "--prefix-affinity")}
+            if events:
+                flags["pdpair-events"] = flags["pdpair-events-drop"] = (
+                    *flags["pdpair-smart"], "--tokenizer", str(model),
+                    "--prefill-kv-events", f"tcp://127.0.0.1:{events['prefill']}",
+                    "--decode-kv-events", f"tcp://127.0.0.1:{events['decode']}")
             for name in routers:
+                env = {"TEST_ONLY_PDPAIR_KV_EVENTS_DROP": str(args.kv_events_drop)} \
+                    if name == "pdpair-events-drop" else None
                 rtr = pd_bench.start(procs, router(logs, prefill.url, decode.url, extra_args=flags[name],
-                                                   name=f"{name}-router"))
+                                                   name=f"{name}-router", extra_env=env))
                 rtr.wait_healthy(60)
                 ready.append((name, rtr.url, [prefill.url, decode.url]))
         for name, url, _ in ready:  # warm-up: a request each (the concurrent routers learn prefill's identity)
             for attempt in range(3):
                 try:
-                    pd_bench.stream_chunks(url, f"warm up {name} {attempt} " * 20, 4, f"warm-{uuid.uuid4().hex}")
+                    pd_bench.stream_chunks(url, f"warm up {name} {attempt} " * 12, 4, f"warm-{uuid.uuid4().hex}")
                     break
                 except Exception as exc:  # noqa: BLE001
                     print(f"{name}: warm-up {attempt} failed: {exc}", file=sys.stderr)

@@ -164,6 +164,11 @@ def router_modes(setups: list[Setup]) -> dict:
             m = re.match(r'^pdpair_router_(requests_total\{mode="(\w+)"\}|local_prompt_tokens) (\S+)$', line)
             if m:
                 values[m.group(2) or "threshold"] = float(m.group(3))
+            # precise prefix affinity: the blocks routed and matched, and the KV event batches by outcome
+            m = re.match(r'^pdpair_router_(prefix_blocks|kv_event_batches)_total\{outcome="(\w+)",role="(\w+)"\} '
+                         r'(\S+)$', line)
+            if m and float(m.group(4)):
+                values[f"{m.group(1)}_{m.group(3)}_{m.group(2)}"] = float(m.group(4))
         out[setup.name] = values
     return out
 

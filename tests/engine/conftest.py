@@ -7,6 +7,7 @@ it back. A missing prerequisite (vllm not installed, model build failing) fails 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ class Stack:
     corrupt_puts_knob: Path  # prefill's test_corrupt_puts_file: every put goes out with a byte flipped on the way
     prefill_healthy_before_decode_started: bool
     retries_before_decode_started: int
+    kv_events_ports: dict  # role -> the engine's KV events port (--kv-events-config; its replay socket at port + 1)
 
     @property
     def decode_metrics(self) -> str:
@@ -68,18 +70,29 @@ def stack(tiny_model, tmp_path_factory) -> Stack:
     corrupt, drop, corrupt_puts = knobs / "corrupt-kv", knobs / "drop-signals", knobs / "corrupt-puts"
     listen_base = free_port()
     decode_metrics, prefill_metrics = free_port(), free_port()
+    # Both engines publish their KV events (vLLM's ZMQ publisher; test_pd_engine.py's precise-affinity router reads
+    # them): a publisher thread each, nothing measurable beside an engine step.
+    kv_events = {role: free_port(2) for role in ("prefill", "decode")}
+
+    def kv_events_args(role: str) -> tuple[str, ...]:
+        return ("--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_events[role]}",
+            "replay_endpoint": f"tcp://*:{kv_events[role] + 1}"}))
+
     baseline = engine("baseline", tiny_model, logs)
     prefill = engine(
         "prefill", tiny_model, logs, kv_role="kv_producer",
         pdpair_env={**pair_env("prefill", generation=GENERATION, peer_base=listen_base,
                                metrics_port=prefill_metrics, hang_timeout=HANG_TIMEOUT_SECONDS), **API_KEY_ENV},
         extra_config={"test_drop_signals_file": str(drop), "test_corrupt_puts_file": str(corrupt_puts)},
+        extra_args=kv_events_args("prefill"),
     )
     decode = engine(
         "decode", tiny_model, logs, kv_role="kv_consumer",
         pdpair_env={**pair_env("decode", generation=GENERATION, listen_base=listen_base,
                                metrics_port=decode_metrics, hang_timeout=HANG_TIMEOUT_SECONDS), **API_KEY_ENV},
         extra_config={"test_corrupt_kv_file": str(corrupt)},
+        extra_args=kv_events_args("decode"),
     )
     started: list[Process] = []
     try:
@@ -101,7 +114,7 @@ def stack(tiny_model, tmp_path_factory) -> Stack:
         started.append(rtr)
         rtr.wait_healthy(60)
         yield Stack(baseline, prefill, decode, rtr, decode_metrics, prefill_metrics, corrupt, drop, corrupt_puts,
-                    healthy_before, retries)
+                    healthy_before, retries, kv_events)
     finally:
         for proc in reversed(started):
             proc.stop()

@@ -159,11 +159,13 @@ def engine(
     extra_env: dict[str, str] | None = None,
     failure_policy: str | None = None,
     tensor_parallel_size: int = 1,
+    extra_args: tuple[str, ...] = (),
 ) -> Process:
-    """A vLLM server; with kv_role it runs PdPairConnector, with kv_transfer_config any connector, else none."""
+    """A vLLM server; with kv_role it runs PdPairConnector, with kv_transfer_config any connector, else none;
+    `extra_args` are more of vLLM's flags (e.g. --kv-events-config)."""
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS]
+            "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS, *extra_args]
     if tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(tensor_parallel_size)]  # one gloo worker process per rank on the CPU
     if kv_role is not None:

@@ -179,6 +179,50 @@ def test_selective_routing_sends_a_short_prompt_to_decode_alone_with_an_equal_ou
         selective.stop()
 
 
+def test_precise_prefix_affinity_matches_the_engines_own_kv_events(stack, tiny_model, tmp_path):
+    """A router on the module's engines matching prefixes by their KV events (vLLM's ZMQ publisher, the engines'
+    --kv-events-config; the router's --tokenizer, --prefill-kv-events, --decode-kv-events): a prompt sent a second
+    time finds every whole block of it held by the prefill and the decode that served it the first time, as their
+    own events say (so the router's tokenization and block hashing agree with the engine's), and both answers equal
+    the single engine's. Cost: no cold start (a router process that loads the tokenizer, 3-5 s), about 10 s."""
+    precise = router(tmp_path, stack.prefill.url, stack.decode.url, decode_timeout=60, extra_env=API_KEY_ENV,
+                     extra_args=("--prefix-affinity", "--tokenizer", str(tiny_model),
+                                 "--prefill-kv-events", f"tcp://127.0.0.1:{stack.kv_events_ports['prefill']}",
+                                 "--decode-kv-events", f"tcp://127.0.0.1:{stack.kv_events_ports['decode']}"),
+                     name="precise-router").start()
+    try:
+        precise.wait_healthy(60)
+        prompt = "Precise affinity reads what each engine holds from its own events. " * 6  # about 8 blocks of 32
+        status, single = completion(stack.baseline.url, prompt)
+        assert status == 200, single
+        status, first = completion(precise.url, prompt)
+        assert status == 200, first
+        assert tokens(first) == tokens(single)
+
+        def routed_blocks(role: str, outcome: str) -> float:
+            return metric(precise.url, "pdpair_router_prefix_blocks_total", {"role": role, "outcome": outcome}) or 0
+
+        # the engines' events for the first request reach the router within a few seconds (a step's batch each)
+        deadline = time.monotonic() + 30
+        while True:
+            before = {role: (routed_blocks(role, "routed"), routed_blocks(role, "matched"))
+                      for role in ("prefill", "decode")}
+            status, second = completion(precise.url, prompt)
+            assert status == 200, second
+            assert tokens(second) == tokens(single)
+            gained = {role: (routed_blocks(role, "routed") - before[role][0],
+                             routed_blocks(role, "matched") - before[role][1]) for role in ("prefill", "decode")}
+            if all(routed > 0 and matched == routed for routed, matched in gained.values()):
+                break
+            assert time.monotonic() < deadline, (gained, precise.log()[-3000:])
+            time.sleep(1)
+        applied = metric(precise.url, "pdpair_router_kv_event_batches_total", {"role": "decode", "outcome": "applied"})
+        assert applied and applied > 0
+        assert not metric(precise.url, "pdpair_router_kv_event_batches_total", {"role": "decode", "outcome": "resync"})
+    finally:
+        precise.stop()
+
+
 def test_both_legs_at_once_serve_like_the_single_engine_and_a_prefill_that_never_computes_fails_in_bound(stack,
                                                                                                         tmp_path):
     """A router with --concurrent-legs on the module's engines: after the prefill's first answer (which teaches the
