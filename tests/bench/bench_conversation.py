@@ -301,6 +301,7 @@ def main() -> int:
                     break
                 except Exception as exc:  # noqa: BLE001
                     print(f"{name}: warm-up {attempt} failed: {exc}", file=sys.stderr)
+        ready.sort(key=lambda setup: wanted.index(setup[0]))  # run in the order --setups gives (the box drifts)
         for name, url, engine_urls in ready:
             row = run_setup(name, url, engine_urls, trace, tokenizer, args.clients, args.output_len)
             report["setups"][name] = row
