@@ -10,7 +10,8 @@ to decode's first streamed chunk, of split and of local requests (an exponential
 learned threshold is the bucket edge that best separates the buckets where local was faster (below it) from those
 where split was (above it); the current threshold stays while no edge separates strictly better, so a threshold is
 only moved by evidence. To keep both means current, a streamed request whose bucket has seen `EXPLORE_EVERY`
-requests since the other way's last sample goes the other way once (at most one in EXPLORE_EVERY of a bucket).
+requests since the other way's last sample goes the other way once (at most one in EXPLORE_EVERY of a bucket; one in
+EXPLORE_EVERY_COLD while the other way has fewer than MIN_SAMPLES samples there, so a new bucket learns quickly).
 Only streamed requests are measured: a non-streamed answer comes whole, after its last token.
 
 Why a learned threshold and not a fixed one: where the split pays depends on the model, the hardware, decode's load
@@ -43,6 +44,11 @@ BYTES_PER_TOKEN = 4  # about a BPE token of English text; only the order of the 
 BUCKETS = 24  # bucket b holds estimates in [2**b, 2**(b+1)); 2**23 tokens is above any context length
 MIN_SAMPLES = 3  # a bucket's mean counts once it has this many samples of each way
 EXPLORE_EVERY = 16  # one streamed request in this many of a bucket goes the other way when that way's mean is stale
+# ... and one in this many while that way has fewer than MIN_SAMPLES samples in the bucket: a bucket the threshold
+# sends one way must still gather the other way's samples within a few dozen requests, or the threshold cannot move
+# (a conversation trace kept every first turn in one bucket, split, for 768 requests: docs/benchmarks.md). At most
+# MIN_SAMPLES such requests per bucket and way in a router's life.
+EXPLORE_EVERY_COLD = 4
 MEAN_WEIGHT = 0.2  # the weight of a new sample in a bucket's mean (about the last 5 samples count)
 
 
@@ -132,7 +138,7 @@ class SplitPolicy:
             if measured and self.learn:
                 other = self._means[LOCAL if mode == SPLIT else SPLIT][bucket(tokens)]
                 other.stale_for += 1
-                if other.stale_for >= EXPLORE_EVERY:
+                if other.stale_for >= (EXPLORE_EVERY if other.samples >= MIN_SAMPLES else EXPLORE_EVERY_COLD):
                     other.stale_for = 0
                     mode = LOCAL if mode == SPLIT else SPLIT
         self.decisions[mode] += 1

@@ -16,7 +16,7 @@ from pdpair.router import split
 from pdpair.router.__main__ import build_parser, config_from_args
 from pdpair.router.app import make_app
 from pdpair.router.config import RouterConfig
-from pdpair.router.split import EXPLORE_EVERY, LOCAL, MIN_SAMPLES, SPLIT, SplitPolicy, prompt_tokens
+from pdpair.router.split import EXPLORE_EVERY, EXPLORE_EVERY_COLD, LOCAL, MIN_SAMPLES, SPLIT, SplitPolicy, prompt_tokens
 from tests.router_support import PARAMS, Engine
 from tests.router_support import engine_server as _engine_server
 from tests.router_support import serve as _serve
@@ -68,9 +68,16 @@ def test_below_the_threshold_is_local_and_an_unknown_length_is_split():
 
 
 def test_exploration_is_one_request_in_explore_every_of_a_bucket_and_only_measured_ones():
+    """The other way of a bucket is explored one measured request in EXPLORE_EVERY_COLD until it has MIN_SAMPLES
+    samples there, then one in EXPLORE_EVERY; a request that is not measured never explores."""
     policy = SplitPolicy(100)
-    modes = [policy.decide(10, measured=True) for _ in range(EXPLORE_EVERY * 4)]
-    assert modes.count(SPLIT) == 4 and modes.count(LOCAL) == EXPLORE_EVERY * 4 - 4
+    modes = []
+    for _ in range(EXPLORE_EVERY_COLD * MIN_SAMPLES + EXPLORE_EVERY * 4):
+        mode = policy.decide(10, measured=True)
+        policy.observe(10, mode, 0.01 if mode == LOCAL else 0.02)  # local faster, as the threshold has it
+        modes.append(mode)
+    cold = modes[:EXPLORE_EVERY_COLD * MIN_SAMPLES]
+    assert cold.count(SPLIT) == MIN_SAMPLES and modes[len(cold):].count(SPLIT) == 4 and policy.threshold == 100
     assert all(policy.decide(10, measured=False) == LOCAL for _ in range(EXPLORE_EVERY * 4))
 
 
@@ -80,7 +87,7 @@ def test_a_fixed_threshold_never_explores_and_never_moves():
     learning, fixed = SplitPolicy(100), SplitPolicy(100, learn=False)
     for policy in (learning, fixed):
         modes = [policy.decide(10, measured=True) for _ in range(EXPLORE_EVERY * 4)]
-        assert modes.count(SPLIT) == (4 if policy.learn else 0)
+        assert modes.count(SPLIT) == (EXPLORE_EVERY * 4 // EXPLORE_EVERY_COLD if policy.learn else 0)  # no samples
         for tokens in (2, 50, 300, 5000):
             for mode in (SPLIT, LOCAL):
                 for _ in range(MIN_SAMPLES):
