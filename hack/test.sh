@@ -106,7 +106,9 @@ else
   wait_native_tests
   e2e_log=$(mktemp -t pdpair-e2e.XXXXXX)
   log "pytest, stage 2: ${STAGE_BESIDE_ENGINES[*]} on $E2E_WORKERS workers (output: $e2e_log, printed when done) beside ${STAGE_ENGINES[*]} (xdist workers: $ENGINE_WORKERS; 0 = one process)"
-  (wait_for_controlplane; pytest_stage -n "$E2E_WORKERS" --dist loadfile "${STAGE_BESIDE_ENGINES[@]}") >"$e2e_log" 2>&1 &
+  # --no-loadscope-reorder: the files go out in the order tests/conftest.py gives (its longest first), not by count
+  (wait_for_controlplane; pytest_stage -n "$E2E_WORKERS" --dist loadfile --no-loadscope-reorder \
+     "${STAGE_BESIDE_ENGINES[@]}") >"$e2e_log" 2>&1 &
   e2e_pid=$!
   pytest_stage -n "$ENGINE_WORKERS" --dist loadfile "${STAGE_ENGINES[@]}" || rc=$?
   e2e_rc=0

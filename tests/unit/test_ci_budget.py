@@ -85,3 +85,12 @@ def test_every_tier_runs_in_exactly_one_stage_of_the_test_command():
     assert sorted(staged) == sorted(f"tests/{tier}" for tier in conftest.TIER_ORDER)
     with_tests = {path.relative_to(REPO / "tests").parts[0] for path in (REPO / "tests").rglob("test_*.py")}
     assert with_tests <= set(conftest.TIER_ORDER), with_tests - set(conftest.TIER_ORDER)
+
+
+def test_the_files_dealt_out_first_exist():
+    """tests/conftest.py's LONGEST_FILES_FIRST names files by path: a renamed or removed one would silently fall back
+    to the end of the deal, where a long file keeps one worker busy alone."""
+    from tests import conftest
+
+    missing = [path for path in conftest.LONGEST_FILES_FIRST if not (REPO / path).is_file()]
+    assert not missing, missing
