@@ -504,8 +504,8 @@ ROUTER_PREFIX_BLOCKS = Metric(
 ROUTER_KV_EVENT_BATCHES = Metric(
     "pdpair_router_kv_event_batches_total", "counter", ("role", "outcome"),
     "KV event batches the router read from the engines, per role and outcome: applied, replayed (asked again after "
-    "a gap), duplicate, gap (batches missed), resync (a gap the replay could not fill: the engine's blocks "
-    "forgotten), restart (the engine's numbering began again), malformed, dropped_by_test.",
+    "a gap), gap (batches missed), resync (the engine's blocks forgotten: a gap the replay could not fill, or a batch "
+    "or removal that did not decode), restart (the engine's numbering began again), malformed, dropped_by_test.",
 )
 ROUTER_METRICS = (ROUTER_REQUESTS, ROUTER_LOCAL_PROMPT_TOKENS, ROUTER_PREFIX_CHUNKS, ROUTER_PREFIX_BLOCKS,
                   ROUTER_KV_EVENT_BATCHES)

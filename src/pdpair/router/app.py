@@ -586,8 +586,13 @@ def make_app(config: RouterConfig) -> web.Application:
         # With one decode there is no tie to break: no scrape (a pushed set may bring more).
         scraper = asyncio.create_task(scrape_kv_usage(router)) if len(config.decode_urls) > 1 or pushed else None
         subscribers = [s for role in router.kv_subscribers.values() for s in role.values()]
-        for subscriber in subscribers:
-            subscriber.start()
+        try:
+            for subscriber in subscribers:
+                subscriber.start()
+        except Exception:
+            for subscriber in subscribers:
+                await subscriber.stop()
+            raise
         yield
         for subscriber in subscribers:
             await subscriber.stop()

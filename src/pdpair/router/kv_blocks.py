@@ -27,6 +27,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -44,6 +45,12 @@ class BlockStored(msgspec.Struct, tag=True):
     token_ids: list[int]
     block_size: int
     medium: str | None = None
+    # A block of a LoRA adapter, or whose hash also covers a cache salt or multimodal data (extra_keys), is not the
+    # same block as one of the same tokens without them: such blocks are not indexed (the router's prompt hashes
+    # cover tokens only).
+    lora_name: str | None = None
+    lora_id: int | None = None
+    extra_keys: list[Any] | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True):
@@ -65,20 +72,29 @@ _batch_decoder = msgspec.msgpack.Decoder(EventBatch)
 _event_decoder = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
 
 
-def decode_batch(payload: bytes) -> tuple[list[BlockStored | BlockRemoved | AllBlocksCleared], int]:
-    """The events of one published batch that this module reads, and how many it skipped (of an unknown type or a
-    shape that does not decode). A ValueError when the batch itself is not one (the caller counts it malformed)."""
+REMOVING_EVENTS = ("BlockRemoved", "AllBlocksCleared")
+
+
+def decode_batch(payload: bytes) -> tuple[list[BlockStored | BlockRemoved | AllBlocksCleared], int, bool]:
+    """The events of one published batch that this module reads, how many it skipped (of an unknown type or a shape
+    that does not decode), and whether a skipped one was a removal (then the index may claim blocks the engine no
+    longer holds: the caller resyncs). A ValueError when the batch itself is not one."""
     try:
         batch = _batch_decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ValueError(f"not a KV event batch: {exc}") from None
-    events, skipped = [], 0
+    events, skipped, lost_removal = [], 0, False
     for raw in batch.events:
         try:
             events.append(_event_decoder.decode(raw))
         except (msgspec.DecodeError, msgspec.ValidationError):
             skipped += 1
-    return events, skipped
+            try:
+                shape = msgspec.msgpack.decode(raw)
+            except msgspec.DecodeError:
+                shape = None
+            lost_removal = lost_removal or not isinstance(shape, dict) or shape.get("type") in REMOVING_EVENTS
+    return events, skipped, lost_removal
 
 
 def chain(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -86,10 +102,15 @@ def chain(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}I", *tokens), digest_size=16).digest()
 
 
+MAX_BLOCKS_PER_PROMPT = 8192  # 131k tokens at block size 16: beyond it the prefix is long enough to decide on
+
+
 def prompt_chain(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The chained hashes of the prompt's whole blocks (a partial last block is never cached by the engine)."""
+    """The chained hashes of the prompt's whole blocks (a partial last block is never cached by the engine), at most
+    MAX_BLOCKS_PER_PROMPT."""
     hashes, parent = [], ROOT
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    end = min(len(token_ids), MAX_BLOCKS_PER_PROMPT * block_size)
+    for start in range(0, end - block_size + 1, block_size):
         parent = chain(parent, token_ids[start:start + block_size])
         hashes.append(parent)
     return hashes
@@ -116,7 +137,8 @@ class KvBlockIndex:
     max_blocks: int = MAX_BLOCKS_PER_INSTANCE
     instances: dict[str, InstanceBlocks] = field(default_factory=dict)
     stats: dict[str, int] = field(default_factory=lambda: {
-        "stored": 0, "removed": 0, "cleared": 0, "orphan": 0, "malformed": 0, "unknown": 0, "full": 0})
+        "stored": 0, "removed": 0, "cleared": 0, "orphan": 0, "malformed": 0, "unknown": 0, "full": 0,
+        "not_indexed": 0})
 
     def apply(self, url: str, events: Sequence[BlockStored | BlockRemoved | AllBlocksCleared]) -> None:
         blocks = self.instances.setdefault(url, InstanceBlocks())
@@ -139,14 +161,23 @@ class KvBlockIndex:
 
     def _stored(self, blocks: InstanceBlocks, event: BlockStored) -> None:
         size, hashes, tokens = event.block_size, event.block_hashes, event.token_ids
+        if event.lora_name is not None or event.lora_id is not None or any(key for key in event.extra_keys or ()):
+            self.stats["not_indexed"] += len(hashes)  # its children are then orphans: not indexed either
+            return
         if not (isinstance(size, int) and 1 <= size <= MAX_BLOCK_SIZE and len(tokens) == size * len(hashes)
                 and all(isinstance(t, int) and 0 <= t <= MAX_TOKEN_ID for t in tokens)):
             self.stats["malformed"] += 1
             return
-        if blocks.block_size is None:
+        # The engine's block size is the largest seen: vLLM also announces partial blocks (of its hash block size,
+        # smaller), which a prompt's chain of whole blocks never matches; should one come first, the whole blocks
+        # that follow replace what it started.
+        if blocks.block_size is None or size > blocks.block_size:
+            if blocks.block_size is not None:
+                self.stats["not_indexed"] += len(blocks.chained_of)
+                blocks.clear()
             blocks.block_size = size
-        elif size != blocks.block_size:  # a second KV-cache group of another block size: not indexed
-            self.stats["malformed"] += 1
+        elif size < blocks.block_size:
+            self.stats["not_indexed"] += len(hashes)
             return
         if event.parent_block_hash is None:
             parent = ROOT

@@ -14,9 +14,14 @@ what was sent meanwhile):
 - the first message a router sees is a gap from nothing: the replay brings what the engine's buffer still holds.
 
 Everything that arrives is hostile until it holds together: a message over MAX_MESSAGE_BYTES is dropped by ZMQ before
-it is read (the connection is reset), a malformed message or batch is counted and skipped, and nothing a message holds
-can end the loop: only the router's shutdown (cancel) does. The replay socket is read within REPLAY_SECONDS and at
-most REPLAY_MAX_MESSAGES messages a request.
+it is read (the connection is reset), a malformed message is counted and skipped, a batch that does not decode (or
+a removal in it that does not) forgets the engine's blocks (resync: the index must never claim a block the engine
+lost), and nothing a message holds can end the loop: only the router's shutdown (cancel) does. The loop yields
+to the router's requests after every message. The replay socket is asked within REPLAY_SECONDS, read within it and
+at most REPLAY_MAX_MESSAGES messages a request, and its batches must follow one another (a hole: resync). A live
+number at or below the last one applied can only be a restarted engine (a replay never applies past the live
+message that asked for it), whether or not its 0 was seen. ZMTP heartbeats (HEARTBEAT_SECONDS) find an engine that
+vanished without closing its connection, and ZMQ reconnects; the numbers then say what was missed.
 
 The endpoint is the engine's `--kv-events-config` `endpoint` as this router reaches it (tcp://HOST:PORT); its replay
 endpoint is the same host at PORT + 1 (`replay_endpoint`), pdpair's convention.
@@ -37,12 +42,14 @@ from pdpair.router.kv_blocks import KvBlockIndex, decode_batch
 
 logger = logging.getLogger("pdpair.router.kv_events")
 
-MAX_MESSAGE_BYTES = 16 * 2**20  # a batch is one engine step's events; vLLM's largest are far below this
+MAX_MESSAGE_BYTES = 4 * 2**20  # a batch is one engine step's events: kilobytes, rarely more than a few hundred
+MAX_SEQ = 2**63 - 1  # a number above it cannot be a publisher's (and wanted + 1 must fit the 8-byte request)
+HEARTBEAT_SECONDS = 5.0  # a ZMTP ping this often; no answer within 3 of them: the connection is dropped and remade
 REPLAY_SECONDS = 2.0
 REPLAY_MAX_MESSAGES = 100_000  # vLLM's default replay buffer holds 10,000 batches
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker (vLLM's ZmqEventPublisher.END_SEQ)
 RECONNECT_MS = 500  # ZMQ's reconnect interval to an engine that is not up yet or went away
-STATS = ("applied", "duplicate", "gap", "replayed", "resync", "restart", "malformed", "dropped_by_test")
+STATS = ("applied", "gap", "replayed", "resync", "restart", "malformed", "dropped_by_test")
 
 
 def replay_endpoint(endpoint: str) -> str:
@@ -81,18 +88,23 @@ class KvEventSubscriber:
         self._socket = self._context.socket(zmq.SUB)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
+        self._socket.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_SECONDS * 1000))
+        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * HEARTBEAT_SECONDS * 1000))
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SUBSCRIBE, self.topic)
         self._socket.connect(self.endpoint)
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"pdpair-kv-events {self.url}")
 
     async def stop(self) -> None:
+        """Never raises: the router's other cleanups run after it."""
         if self._task is not None:
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            except Exception:  # noqa: BLE001
+                logger.exception("KV events of %s: the subscriber had ended with an error", self.url)
             self._task = None
         if self._socket is not None:
             self._socket.close(linger=0)
@@ -106,23 +118,32 @@ class KvEventSubscriber:
     async def _run(self) -> None:
         assert self._socket is not None
         while True:
-            frames = await self._socket.recv_multipart()
             try:
+                frames = await self._socket.recv_multipart()
                 if self._drop and self._rng.random() < self._drop:
                     self._count("dropped_by_test")
                     continue
                 await self._on_message(frames)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001  a bug here must not end the engine's subscription
+            except Exception:  # noqa: BLE001  a bug or a socket error must not end the engine's subscription
                 logger.exception("KV events of %s: a message could not be handled; skipped", self.url)
                 self._count("malformed")
+                await asyncio.sleep(RECONNECT_MS / 1000)
+            # recv_multipart returns at once while messages are queued: without this the backlog would hold the
+            # router's event loop from its requests
+            await asyncio.sleep(0)
 
     def _parse(self, frames: list[bytes]) -> tuple[int, bytes] | None:
-        if len(frames) != 3 or len(frames[1]) != 8 or frames[0] != self.topic:
+        if len(frames) != 3 or len(frames[1]) != 8 or frames[0] != self.topic or \
+                int.from_bytes(frames[1], "big") > MAX_SEQ:
             self._count("malformed")
             return None
         return int.from_bytes(frames[1], "big"), frames[2]
+
+    def _resync(self) -> None:
+        self._count("resync")
+        self.index.reset(self.url)
 
     async def _on_message(self, frames: list[bytes]) -> None:
         parsed = self._parse(frames)
@@ -130,34 +151,30 @@ class KvEventSubscriber:
             return
         seq, payload = parsed
         if self.last is not None and seq <= self.last:
-            if seq == 0:  # the engine restarted: its numbering, and its cache, start again
-                self._count("restart")
-                self.index.reset(self.url)
-                self._apply(seq, payload)
-            else:
-                self._count("duplicate")
-            return
+            # the engine restarted (its numbering, and its cache, start again): forget, then follow it as new
+            self._count("restart")
+            self.index.reset(self.url)
+            self.last = None
         if seq != (0 if self.last is None else self.last + 1):
             self._count("gap")
             wanted = 0 if self.last is None else self.last + 1
             if not await self._replay_from(wanted, seq):
-                self._count("resync")
-                self.index.reset(self.url)
-            if self.last is not None and seq <= self.last:  # the replay brought it already
-                return
+                self._resync()
         self._apply(seq, payload)
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        self.last = seq
         try:
-            events, skipped = decode_batch(payload)
+            events, skipped, lost_removal = decode_batch(payload)
         except ValueError:
             self._count("malformed")
-            self.last = seq  # numbered, so not a gap: its blocks are simply not indexed
+            self._resync()  # what it removed is unknown
             return
         if skipped:
             self.index.stats["unknown"] += skipped
+        if lost_removal:
+            self._resync()
         self.index.apply(self.url, events)
-        self.last = seq
         self._count("applied")
 
     async def _replay_from(self, wanted: int, until: int) -> bool:
@@ -168,12 +185,13 @@ class KvEventSubscriber:
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)  # never this side's queue that drops a replayed batch (the sender's may)
         first = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REPLAY_SECONDS
         try:
             dealer.connect(self.replay)
-            await dealer.send_multipart((b"", wanted.to_bytes(8, "big")))
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + REPLAY_SECONDS
+            await asyncio.wait_for(dealer.send_multipart((b"", wanted.to_bytes(8, "big"))), REPLAY_SECONDS)
             for _ in range(REPLAY_MAX_MESSAGES):
                 left = deadline - loop.time()
                 if left <= 0 or not await dealer.poll(timeout=left * 1000):
@@ -184,7 +202,7 @@ class KvEventSubscriber:
                     self._count("malformed")
                     continue
                 if frames[2] == END_SEQ:  # complete when every batch before the live one is applied now
-                    if wanted >= until or self.last == until - 1:
+                    if self.last == until - 1:
                         return True
                     break
                 parsed = self._parse(frames[1:])
@@ -196,11 +214,17 @@ class KvEventSubscriber:
                     if seq > wanted:  # what was missed is no longer in the engine's buffer
                         logger.warning("KV events of %s: the replay starts at %d, after %d: resync", self.url, seq,
                                        wanted)
-                        self._count("resync")
-                        self.index.reset(self.url)
-                if seq < until and (self.last is None or seq > self.last):
-                    self._apply(seq, payload)
-                    self._count("replayed")
+                        self._resync()
+                        self.last = None  # rebuilt from this one on
+                if seq >= until or (self.last is not None and seq <= self.last):
+                    continue  # the live stream has it (or it was applied already)
+                if self.last is not None and seq != self.last + 1:  # a hole: the publisher dropped a replayed one
+                    break
+                self._apply(seq, payload)
+                self._count("replayed")
+                await asyncio.sleep(0)  # the router's requests go on while a long replay is applied
+        except asyncio.TimeoutError:
+            pass
         finally:
             dealer.close(linger=0)
         logger.warning("KV events of %s: no complete replay from %d within %.1f s", self.url, wanted, REPLAY_SECONDS)

@@ -47,7 +47,7 @@ EXPLORE_EVERY = 16  # one streamed request in this many of a bucket goes the oth
 # ... and one in this many while that way has fewer than MIN_SAMPLES samples in the bucket: a bucket the threshold
 # sends one way must still gather the other way's samples within a few dozen requests, or the threshold cannot move
 # (a conversation trace kept every first turn in one bucket, split, for 768 requests: docs/benchmarks.md). At most
-# MIN_SAMPLES such requests per bucket and way in a router's life.
+# 2 * MIN_SAMPLES such requests per bucket and way in a router's life (explored requests that fail give no sample).
 EXPLORE_EVERY_COLD = 4
 MEAN_WEIGHT = 0.2  # the weight of a new sample in a bucket's mean (about the last 5 samples count)
 
@@ -105,6 +105,7 @@ class _Mean:
     value: float = 0.0
     samples: int = 0
     stale_for: int = 0  # requests of this bucket decided since this way's last sample
+    explored: int = 0  # requests of this bucket sent this way by exploration
 
 
 @dataclass
@@ -138,8 +139,12 @@ class SplitPolicy:
             if measured and self.learn:
                 other = self._means[LOCAL if mode == SPLIT else SPLIT][bucket(tokens)]
                 other.stale_for += 1
-                if other.stale_for >= (EXPLORE_EVERY if other.samples >= MIN_SAMPLES else EXPLORE_EVERY_COLD):
+                # cold only while few were sent that way (explored requests that fail give no sample: the fast
+                # rate must not last for ever)
+                cold = other.samples < MIN_SAMPLES and other.explored < 2 * MIN_SAMPLES
+                if other.stale_for >= (EXPLORE_EVERY_COLD if cold else EXPLORE_EVERY):
                     other.stale_for = 0
+                    other.explored += 1
                     mode = LOCAL if mode == SPLIT else SPLIT
         self.decisions[mode] += 1
         return mode

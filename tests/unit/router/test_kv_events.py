@@ -37,8 +37,8 @@ def encode(b) -> bytes:
 
 def wire(*events) -> list:
     """vLLM's events as the router reads them: encoded by vLLM's classes, decoded by kv_blocks."""
-    decoded, skipped = decode_batch(encode(batch(*events)))
-    assert skipped == 0
+    decoded, skipped, lost_removal = decode_batch(encode(batch(*events)))
+    assert skipped == 0 and not lost_removal
     return decoded
 
 
@@ -55,7 +55,7 @@ def conversation_events(prompt: list[int], first_hash: int = 1000) -> list:
 def test_vllms_own_batches_decode_and_index_by_token_content():
     prompt = list(range(100, 118))  # 4 whole blocks and 2 tokens
     index = KvBlockIndex()
-    events, skipped = decode_batch(encode(batch(*conversation_events(prompt))))
+    events, skipped, _ = decode_batch(encode(batch(*conversation_events(prompt))))
     assert skipped == 0 and len(events) == 4
     index.apply("http://d:1", events)
     assert index.block_size("http://d:1") == BLOCK
@@ -107,8 +107,11 @@ def test_hostile_events_are_skipped_and_counted_never_indexed():
     # an event type this module does not know is skipped, not the batch it came in
     raw = msgspec.msgpack.encode([1.0, [{"type": "BlockReused", "x": 1},
                                         msgspec.to_builtins(stored([7], None, [9, 9, 9, 9]))]])
-    events, skipped = decode_batch(raw)
-    assert skipped == 1 and len(events) == 1
+    events, skipped, lost_removal = decode_batch(raw)
+    assert skipped == 1 and len(events) == 1 and not lost_removal
+    # a removal that does not decode is a lost removal: the subscriber then resyncs
+    raw = msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": "not a list"}]])
+    assert decode_batch(raw)[1:] == (1, True)
 
 
 def test_the_replay_endpoint_is_the_next_port_and_a_bad_endpoint_is_refused():
@@ -236,6 +239,15 @@ async def test_a_restarted_engine_numbering_from_0_again_is_forgotten_and_follow
         await until(lambda: index.matched("u", prompt_chain([3] * 4, BLOCK)) == 1, 10, "the restarted engine's block")
         assert sub.stats["restart"] == 1 and sub.stats["gap"] == 0, sub.stats
         assert index.matched("u", prompt_chain([1] * 4, BLOCK)) == 0 and index.size("u") == 1
+        for seq, tokens in ((1, [4] * 4), (2, [5] * 4)):
+            await pub.send_multipart([b"", seq.to_bytes(8, "big"), encode(batch(stored([seq], None, tokens)))])
+        await until(lambda: index.matched("u", prompt_chain([5] * 4, BLOCK)) == 1, 10, "the engine's later blocks")
+        # it restarts again and its 0 is lost: its 1 (not above the last number applied, 2) still says so; the 0 is
+        # asked of the replay socket (none here: within its deadline, a resync)
+        await pub.send_multipart([b"", (1).to_bytes(8, "big"), encode(batch(stored([1], None, [6] * 4)))])
+        await until(lambda: index.matched("u", prompt_chain([6] * 4, BLOCK)) == 1, 10, "the third engine's block")
+        assert sub.stats["restart"] == 2 and sub.stats["resync"] == 1, sub.stats
+        assert index.size("u") == 1  # nothing of the engines before
     finally:
         await sub.stop()
         pub.close(linger=0)
@@ -363,3 +375,29 @@ def test_kv_events_need_affinity_and_a_tokenizer_and_one_endpoint_per_instance()
     ):
         with pytest.raises(ValueError, match=message):
             make_app(config)
+
+
+def test_the_prompt_is_tokenized_as_the_engine_does_and_a_clients_body_cannot_take_the_router(tmp_path):
+    """Chat through the model's template (the ids, not the tokenizer's encoding object), completions with the
+    tokenizer's special tokens; a client's own template, too many messages or a token id no block can hold are not
+    tokenized (the approximate index decides), and no body raises."""
+    from pdpair.router.prompt_tokenizer import MAX_MESSAGES, PromptTokenizer
+    from tests.engine.tiny_model import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(tmp_path / "tokenizer")
+    prompt = PromptTokenizer(str(tmp_path / "tokenizer"))
+    messages = [{"role": "system", "content": "the pair moves each block"}, {"role": "user", "content": "why?"}]
+    want = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert prompt.token_ids({"messages": messages}, chat=True) == list(want) and len(want) > 5
+    assert prompt.token_ids({"prompt": "the pair moves"}, chat=False) == tokenizer.encode("the pair moves")
+    assert prompt.token_ids({"prompt": [1, 2, 3]}, chat=False) == [1, 2, 3]
+    hostile = {"messages": messages, "chat_template_kwargs": {
+        "chat_template": "{% for i in range(10**9) %}{% for j in range(10**9) %}{% endfor %}{% endfor %}",
+        "tokenizer_kwargs": {"x": 1}, "padding": True, "max_length": 1}}
+    assert prompt.token_ids(hostile, chat=True) == list(want)  # the client's template never reaches the tokenizer
+    assert prompt.token_ids({"messages": [{"role": "user", "content": ""}] * (MAX_MESSAGES + 1)}, chat=True) is None
+    assert prompt.token_ids({"prompt": [1, 2**32]}, chat=False) is None
+    for body in ({"messages": "x"}, {"messages": [None, 3]}, {"prompt": None}, {"prompt": [True]}, {}):
+        prompt.token_ids(body, chat="messages" in body)  # never raises
+    with pytest.raises(ValueError, match="--tokenizer"):
+        PromptTokenizer(str(tmp_path / "missing"))
