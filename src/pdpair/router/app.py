@@ -264,12 +264,13 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     hashes = prompt_hashes(body, chat) if router.config.prefix_affinity and not forced else []
     # its token ids (--tokenizer): exact lengths for the split, and the blocks the engines' KV events are matched on
     token_ids = router.tokenizer.token_ids(body, chat) if router.tokenizer is not None and not forced else None
+    chains: dict[int, list[bytes]] = {}  # its block hashes by block size, made once for both roles' choices
 
     # Decode first: it holds the request for the whole answer, so its load matters most; a prefill is busy only for
     # the prompt.
     decodes_seen = router.decodes.outstanding()
     decode, held = (router.decodes.member(forced[1]), 0) if forced else \
-        _choose(router, ROLE_DECODE, router.decodes, hashes, token_ids)
+        _choose(router, ROLE_DECODE, router.decodes, hashes, token_ids, chains)
 
     # Split or local (split.py): a forced route names a prefill, so it is split; only a streamed answer is measured.
     # The estimate is of what the chosen decode does not hold yet (all of it without --prefix-affinity).
@@ -295,7 +296,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     with router.decodes.hold(decode), router.decodes.involve(decode), contextlib.ExitStack() as involved:
         prefills_seen = router.prefills.outstanding()
         prefill = router.prefills.member(forced[0]) if forced else \
-            _choose(router, ROLE_PREFILL, router.prefills, hashes, token_ids)[0]
+            _choose(router, ROLE_PREFILL, router.prefills, hashes, token_ids, chains)[0]
         if hashes:
             router.prefix[ROLE_PREFILL].record(prefill.url, hashes)
         if router.config.log_choices:
@@ -314,7 +315,8 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
 
 
 def _choose(router: Router, role: str, pool: Pool, hashes: list[bytes],
-            token_ids: list[int] | None = None) -> tuple[Instance, int]:
+            token_ids: list[int] | None = None,
+            chains: dict[int, list[bytes]] | None = None) -> tuple[Instance, int]:
     """The pool's choice and how many of the prompt's leading tokens it holds: by load, and with prefix affinity
     by the match within the load slack (Pool.choose): the blocks the engines' KV events say each holds, where every
     instance of the role has a subscriber (Router.block_chain), else the chunks of the prompt this router sent it
@@ -322,7 +324,7 @@ def _choose(router: Router, role: str, pool: Pool, hashes: list[bytes],
     nothing: the caller does, once the request goes there."""
     if not hashes:
         return pool.choose(), 0
-    chain = router.block_chain(role, pool, token_ids)
+    chain = router.block_chain(role, pool, token_ids, chains)
     if chain is not None:
         blocks, size = chain
         held_blocks: dict[str, int] = {}

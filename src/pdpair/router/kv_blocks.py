@@ -31,6 +31,8 @@ from typing import Any
 
 import msgspec
 
+from pdpair.router.prefix_index import leading_matches
+
 ROOT = bytes(16)  # the chained hash "before" a prompt's first block
 MAX_BLOCKS_PER_INSTANCE = 1 << 19  # ~524k blocks: 8.4M tokens at block size 16, about 60 MiB of index at most
 MAX_BLOCK_SIZE = 4096
@@ -206,14 +208,7 @@ class KvBlockIndex:
     def matched(self, url: str, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of a prompt with these chained hashes the engine at `url` holds."""
         blocks = self.instances.get(url)
-        if not blocks:
-            return 0
-        count = 0
-        for h in hashes:
-            if h not in blocks.held:
-                break
-            count += 1
-        return count
+        return leading_matches(hashes, blocks.held) if blocks else 0
 
     def reset(self, url: str) -> None:
         """Forget what `url` holds (its events can no longer be followed: kv_subscriber.py resyncs)."""

@@ -13,37 +13,28 @@ from pdpair.router.kv_subscriber import STATS
 from pdpair.router.pools import ROUTER, Router
 
 
+def _counter(metric: contract.Metric, samples: dict[tuple[str, ...], float]) -> CounterMetricFamily:
+    """One of the contract's counters with these samples (label values in the metric's label order)."""
+    family = CounterMetricFamily(metric.base_name, metric.help, labels=list(metric.labels))
+    for labels, value in samples.items():
+        family.add_metric(list(labels), value)
+    return family
+
+
 class _RouterCollector:
     def __init__(self, router: Router) -> None:
         self.router = router
 
     def collect(self):
         split = self.router.split
-        requests = CounterMetricFamily(contract.ROUTER_REQUESTS.base_name, contract.ROUTER_REQUESTS.help,
-                                       labels=list(contract.ROUTER_REQUESTS.labels))
-        for mode in contract.ROUTER_MODES:
-            requests.add_metric([mode], split.decisions[mode])
-        yield requests
-        chunks = CounterMetricFamily(contract.ROUTER_PREFIX_CHUNKS.base_name, contract.ROUTER_PREFIX_CHUNKS.help,
-                                     labels=list(contract.ROUTER_PREFIX_CHUNKS.labels))
-        for role, counts in self.router.prefix_chunks.items():
-            for outcome, count in counts.items():
-                chunks.add_metric([role, outcome], count)
-        yield chunks
-        blocks = CounterMetricFamily(contract.ROUTER_PREFIX_BLOCKS.base_name, contract.ROUTER_PREFIX_BLOCKS.help,
-                                     labels=list(contract.ROUTER_PREFIX_BLOCKS.labels))
-        for role, counts in self.router.prefix_blocks.items():
-            for outcome, count in counts.items():
-                blocks.add_metric([role, outcome], count)
-        yield blocks
-        batches = CounterMetricFamily(contract.ROUTER_KV_EVENT_BATCHES.base_name,
-                                      contract.ROUTER_KV_EVENT_BATCHES.help,
-                                      labels=list(contract.ROUTER_KV_EVENT_BATCHES.labels))
-        for role, subscribers in self.router.kv_subscribers.items():
-            if subscribers:
-                for outcome in STATS:
-                    batches.add_metric([role, outcome], sum(s.stats[outcome] for s in subscribers.values()))
-        yield batches
+        yield _counter(contract.ROUTER_REQUESTS, {(mode,): split.decisions[mode] for mode in contract.ROUTER_MODES})
+        for metric, per_role in ((contract.ROUTER_PREFIX_CHUNKS, self.router.prefix_chunks),
+                                 (contract.ROUTER_PREFIX_BLOCKS, self.router.prefix_blocks)):
+            yield _counter(metric, {(role, outcome): count for role, counts in per_role.items()
+                                    for outcome, count in counts.items()})
+        yield _counter(contract.ROUTER_KV_EVENT_BATCHES, {
+            (role, outcome): sum(s.stats[outcome] for s in subscribers.values())
+            for role, subscribers in self.router.kv_subscribers.items() if subscribers for outcome in STATS})
         yield GaugeMetricFamily(contract.ROUTER_LOCAL_PROMPT_TOKENS.name, contract.ROUTER_LOCAL_PROMPT_TOKENS.help,
                                 value=split.threshold if split.enabled else 0)
 

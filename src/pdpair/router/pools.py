@@ -198,17 +198,22 @@ class Router:
         self.epoch: int | None = None
         self.generation: int | None = None
 
-    def block_chain(self, role: str, pool: Pool, token_ids: list[int] | None) -> tuple[list[bytes], int] | None:
+    def block_chain(self, role: str, pool: Pool, token_ids: list[int] | None,
+                    chains: dict[int, list[bytes]] | None = None) -> tuple[list[bytes], int] | None:
         """(the prompt's chained block hashes, the block size) when `role` is matched by KV events: every instance
         that may be chosen has a subscriber and one of them has told its block size; else None (the approximate
-        index decides). An instance whose events said nothing yet holds nothing, as far as the router knows."""
+        index decides). An instance whose events said nothing yet holds nothing, as far as the router knows.
+        `chains` (block size -> chain) is the request's: both roles' choices hash the prompt once."""
         subscribers = self.kv_subscribers[role]
         if token_ids is None or not subscribers or any(i.url not in subscribers for i in pool.instances):
             return None
         size = next((s for s in (self.kv_index.block_size(i.url) for i in pool.instances) if s), None)
         if size is None:
             return None
-        return prompt_chain(token_ids, size), size
+        chains = {} if chains is None else chains
+        if size not in chains:
+            chains[size] = prompt_chain(token_ids, size)
+        return chains[size], size
 
     def learn_prefill(self, url: str, params: dict[str, Any]) -> None:
         """Record the identity a prefill's answer carries (remote_instance, remote_pair, remote_generation); an

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Container, Sequence
 from typing import Any
 
 CHUNK_BYTES = 128
@@ -66,6 +67,16 @@ def prompt_hashes(body: dict[str, Any], chat: bool) -> list[bytes]:
     return hashes
 
 
+def leading_matches(hashes: Sequence[bytes], held: Container[bytes]) -> int:
+    """How many of the leading `hashes` are in `held` (chained hashes: a match is a prefix; also kv_blocks.py's)."""
+    count = 0
+    for h in hashes:
+        if h not in held:
+            break
+        count += 1
+    return count
+
+
 class PrefixIndex:
     """Per instance (by URL), the chunk hashes of the prompts recently sent to it (bounded, least recently sent out)."""
 
@@ -75,15 +86,7 @@ class PrefixIndex:
 
     def matched(self, url: str, hashes: list[bytes]) -> int:
         """How many leading chunks of a prompt with these hashes were sent to `url` (and are still remembered)."""
-        sent = self._sent.get(url)
-        if not sent:
-            return 0
-        count = 0
-        for h in hashes:
-            if h not in sent:
-                break
-            count += 1
-        return count
+        return leading_matches(hashes, self._sent.get(url) or ())
 
     def record(self, url: str, hashes: list[bytes]) -> None:
         """A prompt with these hashes was sent to `url`."""

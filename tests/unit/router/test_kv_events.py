@@ -7,6 +7,7 @@ Cost: about 10 s of vLLM import (its kv_events module) and 5-10 s of publishing;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 
@@ -217,10 +218,10 @@ async def test_a_replay_buffer_that_moved_on_forgets_the_blocks_and_rebuilds_fro
         pub.close()
 
 
-@pytest.mark.asyncio
-async def test_a_restarted_engine_numbering_from_0_again_is_forgotten_and_followed():
-    """An engine that restarts on the same endpoint publishes from sequence number 0 again, with an empty cache (a
-    raw PUB socket plays it: the wire format is vLLM's, as the tests above show)."""
+@contextlib.asynccontextmanager
+async def raw_publisher():
+    """A raw ZMQ PUB socket playing an engine (the wire format is vLLM's, as the tests above show) and a subscriber
+    following it into an index: (pub, index, subscriber)."""
     import zmq
     import zmq.asyncio
 
@@ -231,7 +232,18 @@ async def test_a_restarted_engine_numbering_from_0_again_is_forgotten_and_follow
     sub = KvEventSubscriber("u", f"tcp://127.0.0.1:{port}", index)
     try:
         sub.start()
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # the subscription reaches the socket
+        yield pub, index, sub
+    finally:
+        await sub.stop()
+        pub.close(linger=0)
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_engine_numbering_from_0_again_is_forgotten_and_followed():
+    """An engine that restarts on the same endpoint publishes from sequence number 0 again, with an empty cache (a
+    raw PUB socket plays it: the wire format is vLLM's, as the tests above show)."""
+    async with raw_publisher() as (pub, index, sub):
         for seq, tokens in enumerate(([1] * 4, [2] * 4)):
             await pub.send_multipart([b"", seq.to_bytes(8, "big"), encode(batch(stored([seq], None, tokens)))])
         await until(lambda: index.matched("u", prompt_chain([2] * 4, BLOCK)) == 1, 10, "the second block")
@@ -248,33 +260,16 @@ async def test_a_restarted_engine_numbering_from_0_again_is_forgotten_and_follow
         await until(lambda: index.matched("u", prompt_chain([6] * 4, BLOCK)) == 1, 10, "the third engine's block")
         assert sub.stats["restart"] == 2 and sub.stats["resync"] == 1, sub.stats
         assert index.size("u") == 1  # nothing of the engines before
-    finally:
-        await sub.stop()
-        pub.close(linger=0)
 
 
 @pytest.mark.asyncio
 async def test_garbage_on_the_wire_never_ends_the_subscription():
-    import zmq
-    import zmq.asyncio
-
-    port = free_port(2)
-    ctx = zmq.asyncio.Context.instance()
-    pub = ctx.socket(zmq.PUB)
-    pub.bind(f"tcp://127.0.0.1:{port}")
-    index = KvBlockIndex()
-    sub = KvEventSubscriber("u", f"tcp://127.0.0.1:{port}", index)
-    try:
-        sub.start()
-        await asyncio.sleep(0.3)
+    async with raw_publisher() as (pub, index, sub):
         for frames in ([b"", b"short", b"x"], [b"", (0).to_bytes(8, "big"), b"\xc1garbage"], [b"only one"],
                        [b"", (1).to_bytes(8, "big"), encode(batch(stored([1], None, [4, 4, 4, 4])))]):
             await pub.send_multipart(frames)
         await until(lambda: index.matched("u", prompt_chain([4] * 4, BLOCK)) == 1, 10, "the good batch after garbage")
         assert sub.stats["malformed"] >= 2
-    finally:
-        await sub.stop()
-        pub.close(linger=0)
 
 
 async def deliver(pub: Publisher, check, what: str, seconds: float = 20, diagnose=lambda: "") -> None:
