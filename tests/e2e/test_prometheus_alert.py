@@ -110,6 +110,12 @@ class Prometheus:
         groups = get_json(f"{self.base}/api/v1/rules")["groups"]
         return [g.get("lastEvaluation", "") for g in groups]
 
+    def group_evaluation(self, rule: str) -> str:
+        """The lastEvaluation of the rule group holding `rule` ("" before one)."""
+        groups = get_json(f"{self.base}/api/v1/rules")["groups"]
+        return next((g.get("lastEvaluation", "") for g in groups
+                     if any(r.get("name") == rule for r in g.get("rules", []))), "")
+
     def log_tail(self) -> str:
         self.log.flush()
         return (self.workdir / "prometheus.log").read_text()[-3000:]
@@ -215,7 +221,9 @@ def test_signal_deficit_alert_fires_within_for_plus_two_evaluations(demo, promet
     pending_seen = firing_seen = exported_seen = None
     firing: dict = {}
     limit = t_hung + EXPORTER_LAG_BOUND + SCRAPE_SECONDS + FOR_SECONDS + 2 * EVAL_SECONDS + PROMETHEUS_LAG_MARGIN + 5
+    group_evaluations: set[str] = set()  # of the alert's rule group, as seen while waiting
     while time.monotonic() < limit:
+        group_evaluations.add(prom.group_evaluation(contract.ALERT_SIGNAL_DEFICIT))
         if exported_seen is None and _exported_hung(port):
             exported_seen = time.monotonic()
         alerts = prom.alerts(contract.ALERT_SIGNAL_DEFICIT)
@@ -246,11 +254,20 @@ def test_signal_deficit_alert_fires_within_for_plus_two_evaluations(demo, promet
         "eval_interval_s": EVAL_SECONDS,
         "scrape_interval_s": SCRAPE_SECONDS,
     }
+    due = _wall(firing["activeAt"]) + FOR_SECONDS
+    evaluations_after_due = sorted(e for e in group_evaluations if e and not e.startswith("0001")
+                                   and _wall(e) >= due - 0.05)
+    measured["evaluations_after_due"] = len(evaluations_after_due)
     print("\nPROMETHEUS_ALERT_LATENCY " + json.dumps(measured))
 
     assert firing_seen - t_hung >= FOR_SECONDS - 0.05, f"fired before the rule allows: {measured}"
     assert active_at >= t_hung - 0.05, f"pending before the pod was hung: {measured}"
-    assert firing_seen - active_at <= FOR_SECONDS + 2 * EVAL_SECONDS + POLL_SECONDS + 0.3, measured
+    # The rule's latency: it fires within two evaluations once its `for` has run from activeAt. In seconds that is
+    # for + 2 evaluation intervals, while Prometheus evaluates on time; on a box stalled on CPU its evaluations run
+    # late (CI 2026-12-07: load 17, 21.7 s of 22.2 s stalled, firing 11.5 s after activeAt), so then the bound is
+    # counted in the evaluations it ran after the alert was due (seen by polling its rule group's lastEvaluation).
+    assert firing_seen - active_at <= FOR_SECONDS + 2 * EVAL_SECONDS + POLL_SECONDS + 0.3 or \
+        len(evaluations_after_due) <= 2, measured
     # End to end, in two legs, each with its own bound: the exporter's verdict (the demo's wait deadline, then its
     # /metrics), then Prometheus (a scrape, an evaluation, the rule's `for`). The rule's own latency is asserted
     # strictly above on activeAt; the margins hold what a starved box adds (measured, see EXPORTER_LAG_BOUND).
