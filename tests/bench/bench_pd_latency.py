@@ -9,7 +9,10 @@ as data parallelism), same tiny model; both P/D pairs sit behind the same `pdpai
 to three setups, each its own router in front of the same two engines: `pdpair` (`--no-concurrent-legs`: decode's
 request once prefill answered), `pdpair-concurrent` (`--concurrent-legs`: both legs at once) and `pdpair-selective`
 (`--concurrent-legs --local-prompt-tokens N`: prompts estimated shorter than N tokens go to decode alone, and N is
-learned from then on). `--bind` pins each
+learned from then on). `pdpair-concurrent-whole` is a second pair whose prefill has layer-wise puts off
+(PDPAIR_LAYERWISE_PUTS=false: every layer put after the request finished), behind its own `--concurrent-legs` router:
+against `pdpair-concurrent` it shows what putting each layer while the prompt is computed gains; the prefills'
+timelines (`layerwise_timeline`) show the overlap. `--layers N` builds the tiny model N layers deep. `--bind` pins each
 engine's whole process tree (API server, engine core, worker) to one core with `taskset` and OMP_NUM_THREADS=1:
 the single engine core 0 (`single-core1`, the same engine, core 1: decode's core, the baseline of a request decode computes alone); each pair's prefill core 0 and decode core 1; dp's engines cores 0 and 1. So a pair is
 compared with a one-core engine on one core per engine, no engine oversubscribes the cores, and only one setup is
@@ -46,6 +49,7 @@ sys.path.insert(0, str(HERE.parents[1]))  # engines.py imports devcluster.ports
 sys.path.insert(0, str(HERE))
 
 from engines import Process, engine, free_port, http_post, pair_env, router  # noqa: E402
+from pdpair import contract  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 
 from bench_connector import histogram  # noqa: E402  (sum, count) of a histogram on a /metrics URL
@@ -146,6 +150,37 @@ def timeline_report(log_dir: Path) -> dict:
     return {"requests_joined": len(complete), "requests_seen": len(lines), "median_step_ms": steps, "spans": summary}
 
 
+def layerwise_report(prefill_log: Path) -> dict:
+    """The prefill's transfers of both legs at once, from its timeline lines (connector/timeline.py): served layer by
+    layer while the prompt was computed (`step_started`, `first_layer_written`, `last_layer_written` present) or
+    after the request finished. Medians in ms: for the streamed ones, from the step's start to the first put and to
+    the last layer written (the computation), and what is left after it (last layer written -> flushed); the share of
+    them whose first put came before the last layer was written (compute and transfer overlapped)."""
+    streamed, whole = [], []
+    pattern = re.compile(r"timeline prefill-worker (\S+) (.*)$")
+    for line in prefill_log.read_text(errors="replace").splitlines():
+        m = pattern.search(line)
+        if not m:
+            continue
+        stamps = {k: float(v) for k, v in (f.split("=") for f in m.group(2).split())}
+        (streamed if "step_started" in stamps else whole).append(stamps)
+    out: dict = {"streamed": len(streamed), "after_finish": len(whole)}
+    if streamed:
+        def med(a: str, b: str) -> float:
+            return round(1000 * statistics.median(s[b] - s[a] for s in streamed), 3)
+        out.update({
+            "step_start_to_first_put_ms": med("step_started", "first_put"),
+            "step_start_to_last_layer_written_ms": med("step_started", "last_layer_written"),
+            "last_layer_written_to_flushed_ms": med("last_layer_written", "flushed"),
+            "pull_to_flushed_ms": med("pull_received", "flushed"),
+            "overlapped_share": round(sum(s["first_put"] < s["last_layer_written"] for s in streamed) / len(streamed), 3),
+        })
+    if whole:
+        out["after_finish_pull_to_flushed_ms"] = round(
+            1000 * statistics.median(s["flushed"] - s["pull_received"] for s in whole), 3)
+    return out
+
+
 def router_modes(setups: list[Setup]) -> dict:
     """Per pdpair setup, its router's split and local decisions so far (warm-up included) and the current threshold
     of selective disaggregation (the router's /metrics)."""
@@ -201,7 +236,7 @@ def vllm_bench(url: str, model_dir: Path, concurrency: int, prompts: int, input_
 
 # --bind: the core of each engine process tree (by Process name); see the module docstring.
 CORES = {"single": "0", "single-core1": "1", "pdpair-prefill": "0", "pdpair-decode": "1", "pdpair-before-prefill": "0",
-         "pdpair-before-decode": "1", "nixl-prefill": "0", "nixl-decode": "1", "dp-0": "0", "dp-1": "1"}
+         "pdpair-before-decode": "1", "pdpair-whole-prefill": "0", "pdpair-whole-decode": "1", "nixl-prefill": "0", "nixl-decode": "1", "dp-0": "0", "dp-1": "1"}
 BIND = False  # set from --bind in main()
 
 
@@ -236,6 +271,8 @@ def main() -> int:
     parser.add_argument("--setups", default="single,single-core1,pdpair,pdpair-concurrent,pdpair-selective,nixl,dp")
     parser.add_argument("--local-prompt-tokens", type=int, default=128,
                         help="pdpair-selective's starting threshold (the router's --local-prompt-tokens)")
+    parser.add_argument("--layers", type=int, default=2,
+                        help="the tiny model's layers (layer-wise puts overlap layers: compare at 8 or more)")
     parser.add_argument("--bind", action="store_true", help="one core per engine process tree (module docstring)")
     parser.add_argument("--nixl-site", type=Path, help="a pip --target dir holding nixl (kept off the shared venv)")
     parser.add_argument("--before", type=Path,
@@ -252,7 +289,7 @@ def main() -> int:
         wanted_extra = []
 
     work = Path(tempfile.mkdtemp(prefix="pdpair-latency-"))
-    model = build_tiny_model(work / "model")
+    model = build_tiny_model(work / "model", layers=args.layers)
     logs = work / "logs"
     logs.mkdir()
     results_dir = work / "vllm-bench"
@@ -262,7 +299,7 @@ def main() -> int:
     setups: list[Setup] = []
     report: dict = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU",
-        "model": "tiny random Llama (2 layers, hidden 64, 2 KV heads x 32, float32, block 32)",
+        "model": f"tiny random Llama ({args.layers} layers, hidden 64, 2 KV heads x 32, float32, block 32)",
         "load_average_start": os.getloadavg(),
         "binding": {"mode": "taskset, one core per engine", "cores": CORES} if args.bind else {"mode": "none"},
         "logs": str(logs),
@@ -279,6 +316,14 @@ def main() -> int:
                 **pair_env("decode", generation=1, listen_base=listen, hang_timeout=30), **TIMELINE_ENV}))
             pd_prefill = start(procs, engine("pdpair-prefill", model, logs, kv_role="kv_producer", pdpair_env={
                 **pair_env("prefill", generation=1, peer_base=listen, hang_timeout=30), **TIMELINE_ENV}))
+        if "pdpair-concurrent-whole" in wanted:  # a second pair: prefill puts every layer after the request finished
+            listen_whole = free_port()
+            whole_off = {contract.ENV_LAYERWISE_PUTS: "false"}
+            whole_decode = start(procs, engine("pdpair-whole-decode", model, logs, kv_role="kv_consumer", pdpair_env={
+                **pair_env("decode", generation=1, listen_base=listen_whole, hang_timeout=30), **TIMELINE_ENV}))
+            whole_prefill = start(procs, engine("pdpair-whole-prefill", model, logs, kv_role="kv_producer", pdpair_env={
+                **pair_env("prefill", generation=1, peer_base=listen_whole, hang_timeout=30), **TIMELINE_ENV,
+                **whole_off}))
         if "pdpair-before" in wanted:
             old_path = {"PYTHONPATH": f"{args.before}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
             listen_old = free_port()
@@ -322,6 +367,14 @@ def main() -> int:
                 setups.append(Setup(name, rtr.url, (lambda: histogram(pd_decode.url + "/metrics",
                                                                       "vllm:pdpair_kv_transfer_seconds"))
                                     if name == "pdpair" else None))
+        if "pdpair-concurrent-whole" in wanted:
+            whole_decode.wait_healthy()
+            whole_prefill.wait_healthy()
+            whole_prefill.wait_log("paired with decode", 60)
+            wrtr = router(logs, whole_prefill.url, whole_decode.url, extra_args=("--concurrent-legs",),
+                          name="pdpair-concurrent-whole-router")
+            start(procs, wrtr).wait_healthy(60)
+            setups.append(Setup("pdpair-concurrent-whole", wrtr.url))
         if "pdpair-before" in wanted:
             old_decode.wait_healthy()
             old_prefill.wait_healthy()
@@ -409,6 +462,12 @@ def main() -> int:
             time.sleep(1)  # log lines are flushed per line; give the last ones a moment
             report["pdpair_timeline"] = timeline_report(logs)
             print(json.dumps({"pdpair_timeline": report["pdpair_timeline"]}), file=sys.stderr, flush=True)
+        if "pdpair-concurrent" in wanted or "pdpair-concurrent-whole" in wanted:
+            time.sleep(1)
+            report["layerwise_timeline"] = {name: layerwise_report(logs / f"{name}.log")
+                                            for name in ("pdpair-prefill", "pdpair-whole-prefill")
+                                            if (logs / f"{name}.log").exists()}
+            print(json.dumps({"layerwise_timeline": report["layerwise_timeline"]}), file=sys.stderr, flush=True)
 
         # 3. Greedy outputs equal to the single engine (token ids; a mismatch is reported with its cause).
         if base is not None:

@@ -26,8 +26,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_model(target: Path) -> Path:
-    """Write config, weights and tokenizer into `target` (created); returns `target`."""
+def build_tiny_model(target: Path, layers: int = 2) -> Path:
+    """Write config, weights and tokenizer into `target` (created); returns `target`. `layers`: the benchmarks build
+    deeper variants (layer-wise puts need layers to overlap); every test uses 2."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -36,7 +37,7 @@ def build_tiny_model(target: Path) -> Path:
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=2,
         head_dim=32,

@@ -17,6 +17,11 @@ dir) and needs nlohmann's json.hpp under third-party/json/single_include. Checks
   tcp-staging  CUDA tensors over the tcp transport through pinned host staging, two processes (GPU 0 -> GPU 1):
                bytes equal; throughput as a ratio to a plain pinned copy + TCP stream of the same bytes in the run
   rdma-flush   cuFlushGPUDirectRDMAWrites, which the binding calls after a wait on a GPU comm, runs on this GPU
+  layerwise-staging  layer-wise puts from CUDA KV caches (one GPU is enough): the connector's own prefill and decode
+               workers over tcp with staging; a keyed Pull waits, then each of 8 layers is written on the current
+               stream AFTER a 20 ms GPU sleep and announced at once (`layer_written`, as vLLM's save_kv_layer is
+               called before the kernels ran): decode must receive the written values, never the stale ones, which
+               shows the per-layer copy is ordered after the model's write
 Each rank's transport is built the way the connector's worker builds it (worker_transport: PdPairConfig from a
 pod's variables, FLAGCX_PATH or FLAGCX_LIB_PATH resolved from the config by build_transport, set_device), so the checks
 cover that path and not only FlagcxTransport.
@@ -428,6 +433,85 @@ def main_tcp_staging(gpus: int = 2) -> None:
 # --- build -----------------------------------------------------------------------------------------------------------
 
 
+# --- layer-wise puts from CUDA KV caches --------------------------------------------------------------------------
+def main_layerwise_staging(gpus: int = 1) -> None:
+    import torch
+
+    from pdpair import contract
+    from pdpair.connector.config import PdPairConfig
+    from pdpair.connector.decode_worker import DecodeWorker
+    from pdpair.connector.prefill_worker import PrefillWorker
+    from pdpair.connector.scheduler import PdPairConnectorMetadata, RecvRequest, StreamRequest
+
+    prefill_device = "cpu" if DRY_RUN else "cuda:0"
+    decode_device = "cpu" if DRY_RUN else f"cuda:{1 if gpus > 1 else 0}"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    def config(role: str) -> PdPairConfig:
+        prefill = role == contract.ROLE_PREFILL
+        return PdPairConfig(role=role, generation=1, pair="gpu-check", namespace="default",
+                            transport=contract.TRANSPORT_TCP, hang_timeout_seconds=30.0, metrics_port=None,
+                            listen_host="127.0.0.1", listen_port_base=None if prefill else port,
+                            peer_host="127.0.0.1" if prefill else None, peer_port_base=port if prefill else None,
+                            instance="prefill-0" if prefill else "",
+                            side_channel_key="layerwise-gpu-check-side-channel-key-0123")
+
+    layers, blocks = 8, 16
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    shape = (blocks, 2, 32, 8, 64)  # 128 KiB of float32 per block and layer
+    prefill_kv = {n: torch.zeros(shape, dtype=torch.float32, device=prefill_device) for n in names}
+    decode_kv = {n: torch.full(shape, -1.0, dtype=torch.float32, device=decode_device) for n in names}
+    decode = DecodeWorker(config(contract.ROLE_DECODE), 0, 1, 32, "0.32.0")
+    prefill = PrefillWorker(config(contract.ROLE_PREFILL), 0, 1, 32, "0.32.0")
+    try:
+        decode.register_kv_caches(decode_kv, blocks)
+        prefill.register_kv_caches(prefill_kv, blocks)
+        if not (prefill.side.connected.wait(30) and decode.side.connected.wait(30)):
+            report("layerwise-staging", False, "the pair never formed")
+            return
+        key, digest = "t-" + "f" * 32, bytes(range(32))
+        src, dst = [1, 2, 3, 4], [9, 10, 11, 12]
+        decode.start_load_kv(PdPairConnectorMetadata(reqs_to_recv=[
+            RecvRequest("d1", key, 0, dst, "prefill-0", digest, keyed=True)]))
+        time.sleep(0.3)  # the Pull is parked on prefill
+        streams = [StreamRequest("p1", key, src, digest)]
+        started = time.monotonic()
+        for layer, name in enumerate(names):
+            if not DRY_RUN:
+                torch.cuda._sleep(40_000_000)  # ~20 ms of GPU time queued before this layer's write
+            for block in src:
+                prefill_kv[name][block].fill_(1000 * (layer + 1) + block)
+            prefill.layer_written(name, streams)  # announced before the kernels ran, as vLLM does
+        announced = time.monotonic()
+        prefill.start_load_kv(PdPairConnectorMetadata(reqs_to_stream=streams))
+        prefill.step_computed()
+        deadline = time.monotonic() + 30
+        finished: set[str] = set()
+        failed: set[str] = set()
+        while "d1" not in finished | failed and time.monotonic() < deadline:
+            done, bad = decode.get_transfer_results(True)
+            finished |= done
+            failed |= bad
+        loaded = time.monotonic()
+        if DRY_RUN is False:
+            torch.cuda.synchronize()
+        wrong = [f"layer {layer}" for layer, name in enumerate(names)
+                 if not torch.equal(decode_kv[name][dst].cpu(), prefill_kv[name][src].cpu())]
+        stale = [f"layer {layer}" for layer, name in enumerate(names)
+                 if bool((decode_kv[name][dst].cpu() == 0).any())]
+        ok = "d1" in finished and not wrong and not stale
+        report("layerwise-staging", ok,
+               f"{'loaded' if 'd1' in finished else 'NOT loaded'} ({'failed' if failed else 'ok'}): "
+               f"{layers} layers x {len(src)} blocks {prefill_device} -> host -> {decode_device}; "
+               f"announced in {1000 * (announced - started):.1f} ms, loaded {1000 * (loaded - started):.1f} ms after "
+               f"the first write was queued; wrong: {wrong or 'none'}; stale (zeros): {stale or 'none'}")
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def nccl_home(workdir: Path) -> Path:
     """A CCL_HOME for FlagCX's Makefile made of links into the nvidia-nccl wheel (include/nccl.h, lib/libnccl.so)."""
     headers = [h for entry in sys.path if entry and Path(entry, "nvidia").is_dir()
@@ -622,6 +706,7 @@ def main() -> int:
         for generation, path in (("mr-index", fake), ("window", fake.replace("/default/", "/window-api/"))):
             flagcx_checks(Path(f"fake-{generation}"), Path(path), generation)
         main_tcp_staging()
+        main_layerwise_staging()
         return finish(opts)
 
     import torch
@@ -653,6 +738,10 @@ def main() -> int:
         main_tcp_staging(gpus)
     except Exception as exc:  # noqa: BLE001
         report("tcp-staging", False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    try:
+        main_layerwise_staging(gpus)
+    except Exception as exc:  # noqa: BLE001
+        report("layerwise-staging", False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     return finish(opts)
 
 

@@ -135,6 +135,8 @@ class PdPairConfig:
     # Decode: most prefill edges per TP rank (PDPAIR_MAX_EDGES); a further prefill is refused until one leaves.
     max_edges: int = contract.DEFAULT_MAX_EDGES
     transport_slots: int = DEFAULT_TRANSPORT_SLOTS  # request slots per peer connection (puts in flight)
+    # Prefill (PDPAIR_LAYERWISE_PUTS): serve a keyed Pull layer by layer while the step computing its prompt runs
+    layerwise_puts: bool = contract.DEFAULT_LAYERWISE_PUTS
     http_port: int | None = None  # the engine's own API port (PDPAIR_HTTP_PORT): /readyz checks its /health
     # The pair's API key (VLLM_API_KEY, from spec.apiKeySecret; None: no key): vLLM itself reads the variable and
     # refuses a /v1 request without it, so the warm-up's requests to the engine's own API carry it (warmup.py).
@@ -262,6 +264,10 @@ class PdPairConfig:
         if env.get(contract.ENV_MAX_EDGES) and role != contract.ROLE_DECODE:
             raise ConfigError(f"{contract.ENV_MAX_EDGES} applies to decode only (prefill's edges are its peer set)")
 
+        layerwise = _bool(env, contract.ENV_LAYERWISE_PUTS, default=contract.DEFAULT_LAYERWISE_PUTS)
+        if env.get(contract.ENV_LAYERWISE_PUTS) and role != contract.ROLE_PREFILL:
+            raise ConfigError(f"{contract.ENV_LAYERWISE_PUTS} applies to prefill only (the sender), not to {role}")
+
         corrupt = extra.pop("test_corrupt_kv_file", None)
         drop = _test_knob_file(extra, "test_drop_signals_file", env, contract.ENV_TEST_DROP_SIGNALS_FILE)
         if drop and role != contract.ROLE_PREFILL:
@@ -306,6 +312,7 @@ class PdPairConfig:
             side_channel_key=side_channel_key,
             max_edges=max_edges,
             transport_slots=transport_slots,
+            layerwise_puts=layerwise,
             transport_env={name: env[name] for name in transport_spec(transport).env_names if name in env},
             test_corrupt_kv_file=str(corrupt) if corrupt else None,
             test_drop_signals_file=drop,
@@ -356,6 +363,16 @@ def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
     if value < minimum:
         raise ConfigError(f"{name}={value} must be >= {minimum}")
     return value
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in ("true", "false"):
+        raise ConfigError(f"{name}={raw!r}: use true or false")
+    return value == "true"
 
 
 def _transport_slots(env: Mapping[str, str], transport: str) -> int:

@@ -115,10 +115,16 @@ class PdPairConnector(KVConnectorBase_V1):
         return  # loads are asynchronous: a request runs only after its transfer finished
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        return  # prefill pushes from its own blocks when decode pulls; nothing to save per layer
+        # Prefill pushes from its own blocks when decode pulls; with layer-wise puts, a Pull served while this step
+        # computes its prompt puts each layer once the model wrote it (nothing is copied here on CPU).
+        if self._worker is not None:
+            meta = self._connector_metadata  # bound before the forward; vLLM calls start_load_kv after it
+            streams = meta.reqs_to_stream if isinstance(meta, PdPairConnectorMetadata) else ()
+            self._worker.layer_written(layer_name, streams)
 
     def wait_for_save(self) -> None:
-        return
+        if self._worker is not None:
+            self._worker.step_computed()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None

@@ -13,6 +13,7 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,8 +30,8 @@ from pdpair.connector.metadata import (
     Welcome,
 )
 from pdpair.connector.prefill_side_channel import PrefillSideChannel
-from pdpair.connector.scheduler import PdPairConnectorMetadata, SendRequest
-from pdpair.connector.staging import HostStaging
+from pdpair.connector.scheduler import PdPairConnectorMetadata, SendRequest, StreamRequest
+from pdpair.connector.staging import HostStaging, block_runs
 from pdpair.connector.testing_knobs import TEST_CORRUPT_ALL_PUTS, put_fault_from_knob
 from pdpair.connector.transports import (
     PairComm,
@@ -52,6 +53,35 @@ PUSH_WORKERS = 4
 # flushing them): decode's deadline (PDPAIR_HANG_TIMEOUT_SECONDS) counts from its Pull, so a slow push is the first
 # thing to look for when a load times out.
 SLOW_PUSH_SECONDS = 1.0
+
+
+@dataclass
+class LayerStream:
+    """Prefill, layer-wise puts: a request whose prompt the current (or a past) step computes, servable before it
+    finished: `written[k]` once the model wrote layer k (`events[k]`: the GPU copy or write to wait for, None on
+    CPU), `computed` once the step's forward ended. At most one Pull is served from it (`attached`); from the
+    request's finish on (its SendRequest) it is served as any held request."""
+
+    request: StreamRequest
+    written: list[bool]
+    events: list = field(default_factory=list)
+    computed: bool = False
+    attached: bool = False
+    # time.monotonic() stamps, for the timeline: the step's start, each layer's write
+    started: float = field(default_factory=time.monotonic)
+    written_at: list = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.request.block_ids
+
+    @property
+    def prompt_digest(self) -> bytes:
+        return self.request.prompt_digest
 
 
 class PrefillEdge:
@@ -94,6 +124,15 @@ class PrefillWorker(WorkerBase):
         # request id -> serves (pushes or releases) submitted and not yet ended: the blocks are reported sent once,
         # when the last of them ends (a release can come while a failed load's push still reads them).
         self._serving: dict[str, int] = {}
+        # Layer-wise puts: request id -> its stream (from the step computing it until its SendRequest comes), the
+        # transfer key -> request id, the streams of the running step (engine thread), and the requests whose
+        # streamed serve ended before their SendRequest came (request id -> when): that send is reported at once.
+        self._streams: dict[str, LayerStream] = {}
+        self._stream_keys: dict[str, str] = {}
+        self._step_streams: list[LayerStream] = []
+        self._served_early: dict[str, float] = {}
+        self._layer_of: dict[str, int] = {}
+        self._closed = False
         self._pushers = ThreadPoolExecutor(PUSH_WORKERS, thread_name_prefix=f"pdpair-push-r{self.tp_rank}")
 
     # --- the peer set --------------------------------------------------------------------------------
@@ -197,6 +236,7 @@ class PrefillWorker(WorkerBase):
     # --- start ---------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self._prepare(kv_caches, num_blocks)
+        self._layer_of = {name: layer for layer, name in enumerate(kv_caches)}
         first = next(iter(kv_caches.values()))
         if first.device.type == "cuda":
             self._device_index = first.device.index if first.device.index is not None else torch.cuda.current_device()
@@ -246,16 +286,97 @@ class PrefillWorker(WorkerBase):
 
     # --- per step (engine thread) -----------------------------------------------------------------
     def start_load_kv(self, meta: PdPairConnectorMetadata) -> None:
-        if not meta.reqs_to_send:
+        if not meta.reqs_to_send and not meta.reqs_to_stream:
             return
+        self._begin_streams(meta.reqs_to_stream)
         with self._lock:
             for send in meta.reqs_to_send:
+                self._end_stream(send.request_id)
+                if self._served_early.pop(send.request_id, None) is not None or \
+                        (send.aborted and send.request_id not in self._serving):
+                    self._finished_sending.add(send.request_id)  # its streamed serve ended: nothing reads them
+                    continue
                 self._sends[send.request_id] = send
                 if send.transfer_key is not None:
                     self._keys.setdefault(send.transfer_key, send.request_id)  # a key given twice keeps the first
             parked = [edge for edge in self._edges_now() if edge.parked]
         for edge in parked:
             edge.side.post()  # its parked pulls may be servable now
+
+    def _begin_streams(self, requests) -> None:
+        """Engine thread: the streamed requests of this step become servable (once each: vLLM starts the step's
+        loads after its forward, so the first `layer_written` of the step begins them, and `start_load_kv` finds
+        them begun). Parked Pulls naming their keys are looked at again."""
+        if not requests:
+            return
+        layers = len(self.regions.ptrs) if self.regions is not None else 0
+        with self._lock:
+            new = [request for request in requests if request.request_id not in self._streams]
+            for request in new:
+                stream = LayerStream(request, [False] * layers, [None] * layers, written_at=[None] * layers)
+                self._streams[request.request_id] = stream
+                self._stream_keys.setdefault(request.transfer_key, request.request_id)
+                self._step_streams.append(stream)
+        if new:
+            for edge in self._edges_now():
+                if edge.parked:
+                    edge.side.post()  # a parked Pull may name one of them
+
+    def _end_stream(self, request_id: str) -> None:
+        """Under the lock: the request finished (its SendRequest came): a later Pull is served from the send."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and self._stream_keys.get(stream.request.transfer_key) == request_id:
+            del self._stream_keys[stream.request.transfer_key]
+
+    def layer_written(self, layer_name: str, streams: list[StreamRequest] | tuple = ()) -> None:
+        """Engine thread (save_kv_layer): the model wrote this layer of the step's streamed requests (`streams`: the
+        step's metadata; begun at the step's first layer)."""
+        if streams and not self._step_streams:
+            self._begin_streams(streams)
+        if not self._step_streams:
+            return
+        layer = self._layer_of.get(layer_name)
+        if layer is None:
+            return
+        self._mark_written([layer])
+
+    def step_computed(self) -> None:
+        """Engine thread (wait_for_save): every layer of the step's streamed requests is written."""
+        if not self._step_streams:
+            return
+        streams, self._step_streams = self._step_streams, []
+        pending = sorted({layer for stream in streams for layer, done in enumerate(stream.written) if not done})
+        self._mark_written(pending, streams)
+        with self._lock:
+            for stream in streams:
+                stream.computed = True
+            self._progress.notify_all()
+
+    def _mark_written(self, layers: list[int], streams: list[LayerStream] | None = None) -> None:
+        streams = self._step_streams if streams is None else streams
+        events = {layer: self._layer_event(layer, streams) for layer in layers}
+        now = time.monotonic()
+        with self._lock:
+            for stream in streams:
+                for layer in layers:
+                    stream.written[layer] = True
+                    stream.events[layer] = events[layer]
+                    stream.written_at[layer] = now
+            self._progress.notify_all()
+
+    def _layer_event(self, layer: int, streams: list[LayerStream]):
+        """What a put of this layer waits for: on a GPU, the staging copy of the streams' blocks (tcp) or the
+        model's write itself (a transport that reads device memory), both ordered after the model's stream; on CPU
+        the write is done (None)."""
+        assert self.regions is not None
+        if self.regions.staging is not None:
+            blocks = [block for stream in streams for block in stream.block_ids]
+            return self.regions.staging.layer_to_host(layer, block_runs(blocks, self.regions.chunk_bytes[layer]))
+        if self._device_index is not None:
+            event = torch.cuda.Event()
+            event.record()
+            return event
+        return None
 
     def get_transfer_results(self, idle: bool = False) -> set[str]:
         """Sends finished (or expired) since the last call. idle: as DecodeWorker's, waits for a held send."""
@@ -267,6 +388,9 @@ class PrefillWorker(WorkerBase):
             for request_id in [r for r, send in self._sends.items() if send.expires_at < now and r not in self._serving]:
                 logger.warning("request %s: decode never pulled its KV within the lease; freeing the blocks", request_id)
                 self._forget_send(request_id)
+            lease = self.config.send_lease_seconds
+            for request_id in [r for r, at in self._served_early.items() if at + lease < now]:
+                del self._served_early[request_id]  # its send never came (bookkeeping bound only)
             finished, self._finished_sending = self._finished_sending, set()
             held = sum(len(send.block_ids) for send in self._sends.values())
         self.accounts.set_blocks_held(held)
@@ -280,7 +404,7 @@ class PrefillWorker(WorkerBase):
         with self._lock:
             if edge.draining:
                 return PullFailed(pull.transfer_id, f"decode {edge.peer} was removed from this prefill's peer set")
-            send = self._send_of(pull)
+            send = self._source_of(pull)
             if send is None:
                 now = time.monotonic()
                 # a keyed Pull comes before its prompt is computed: it may wait for the computation
@@ -293,7 +417,17 @@ class PrefillWorker(WorkerBase):
 
     def _send_of(self, pull: Pull) -> SendRequest | None:
         """Under the lock: the held request a Pull names, by the router's transfer key or by prefill's request id."""
-        return self._sends.get(self._keys.get(pull.remote_request_id, pull.remote_request_id))
+        send = self._sends.get(self._keys.get(pull.remote_request_id, pull.remote_request_id))
+        return None if send is None or send.aborted else send
+
+    def _source_of(self, pull: Pull) -> SendRequest | LayerStream | None:
+        """Under the lock: what serves a Pull: the held request it names, else (layer-wise puts) the stream of the
+        request being computed under its transfer key, when no Pull is served from it yet."""
+        send = self._send_of(pull)
+        if send is not None:
+            return send
+        stream = self._streams.get(self._stream_keys.get(pull.remote_request_id, ""))
+        return stream if stream is not None and not stream.attached else None
 
     def _forget_send(self, request_id: str) -> None:
         """Under the lock: the request's blocks are reported sent (freed), once."""
@@ -312,7 +446,7 @@ class PrefillWorker(WorkerBase):
         servable = []
         with self._lock:
             for transfer_id, (pull, deadline, received) in list(edge.parked.items()):
-                send = self._send_of(pull)
+                send = self._source_of(pull)
                 if send is not None:
                     del edge.parked[transfer_id]
                     servable.append((pull, send, received))
@@ -325,7 +459,7 @@ class PrefillWorker(WorkerBase):
             self._submit(edge, pull, send, received)
         return replies
 
-    def _submit(self, edge: PrefillEdge, pull: Pull, send: SendRequest, received: float) -> None:
+    def _submit(self, edge: PrefillEdge, pull: Pull, send: SendRequest | LayerStream, received: float) -> None:
         """Side-channel thread: hand the Pull to a push worker; its reply goes out through the edge's side channel.
         The pair it came on is captured here: if decode re-pairs meanwhile, the push fails on the old, closed pair
         instead of writing into the new decode's blocks. A Pull whose prompt digest is not the request's (or that
@@ -340,7 +474,18 @@ class PrefillWorker(WorkerBase):
                                                         f"{pull.remote_request_id}"))
             return
         with self._lock:
-            if self._sends.get(request_id) is not send:  # another serve of it ended (and reported its blocks)
+            if isinstance(send, LayerStream):
+                current = send if self._streams.get(request_id) is send and not send.attached else None
+                if current is None:  # its request finished meanwhile: served from its send (or already served)
+                    current = self._send_of(pull)
+                if current is None:
+                    edge.parked[pull.transfer_id] = (pull, keyed_pull_deadline(self.config.hang_timeout_seconds,
+                                                                                received), received)
+                    return
+                send = current
+                if isinstance(send, LayerStream):
+                    send.attached = True
+            elif self._sends.get(request_id) is not send:  # another serve of it ended (and reported its blocks)
                 edge.side.post(PullFailed(pull.transfer_id, f"prefill holds no KV for request {pull.remote_request_id} "
                                                             "(unknown, expired or already sent)"))
                 return
@@ -358,15 +503,20 @@ class PrefillWorker(WorkerBase):
 
     def _end_serving(self, request_id: str) -> None:
         """Under the lock: one serve of `request_id` ended. The last one to end reports its blocks sent, exactly
-        once (vLLM's scheduler asserts a request it frees is still its own: a second report kills the engine)."""
+        once (vLLM's scheduler asserts a request it frees is still its own: a second report kills the engine). A
+        streamed serve may end before its request finished: its send is then reported when it comes."""
         left = self._serving.get(request_id, 1) - 1
         if left > 0:
             self._serving[request_id] = left
             return
         self._serving.pop(request_id, None)
-        self._forget_send(request_id)
+        if request_id in self._sends:
+            self._forget_send(request_id)
+        elif request_id in self._streams:
+            self._served_early[request_id] = time.monotonic()
 
-    def _serve_and_reply(self, edge: PrefillEdge, pull: Pull, send: SendRequest, received: float, route) -> None:
+    def _serve_and_reply(self, edge: PrefillEdge, pull: Pull, send: SendRequest | LayerStream, received: float,
+                         route) -> None:
         try:
             reply = self._serve(pull, send, received, route)
         except Exception as exc:  # noqa: BLE001 - decode must hear back, not wait for its deadline
@@ -378,11 +528,12 @@ class PrefillWorker(WorkerBase):
             edge.inflight -= 1
             self._progress.notify_all()
 
-    def _serve(self, pull: Pull, send: SendRequest, received: float, route) -> Message:
+    def _serve(self, pull: Pull, send: SendRequest | LayerStream, received: float, route) -> Message:
         assert self.regions is not None
         try:
             if pull.dst_block_ids:
-                return self._push(pull, send.block_ids, received, *route)
+                stream = send if isinstance(send, LayerStream) else None
+                return self._push(pull, send.block_ids, received, *route, stream=stream)
             return PullDone(pull.transfer_id, 0)
         finally:
             with self._lock:
@@ -390,7 +541,7 @@ class PrefillWorker(WorkerBase):
                 self._progress.notify_all()
 
     def _push(self, pull: Pull, block_ids: list[int], received: float, comm: PairComm | None,
-              peer_indices: list[int], local_indices: list[int]) -> Message:
+              peer_indices: list[int], local_indices: list[int], stream: LayerStream | None = None) -> Message:
         assert self.regions is not None
         layers = len(self.regions.ptrs)
         count = len(pull.dst_block_ids)
@@ -408,11 +559,25 @@ class PrefillWorker(WorkerBase):
         try:
             self._apply_drop_knob(comm)
             self._apply_corrupt_puts_knob(comm)
-            # Staged: every layer's device -> host copy starts now; layer k is put once its copy is done.
-            copies = staging.to_host(self.regions.runs(src_blocks)) if staging is not None else [None] * layers
-            first_put = time.monotonic()
+            # Staged: every layer's device -> host copy starts now; layer k is put once its copy is done. Streamed:
+            # layer k is put once the model wrote it (and, on a GPU, its copy or write event completed).
+            if stream is None:
+                copies = staging.to_host(self.regions.runs(src_blocks)) if staging is not None else [None] * layers
+            first_put = None
+            # decode's deadline for a keyed Pull counts from PullStarted, sent as this serve was submitted
+            bound = time.monotonic() + self.config.hang_timeout_seconds
             for layer in range(layers):
-                HostStaging.wait(copies[layer])
+                if stream is not None:
+                    written, event = self._wait_written(stream, layer, bound)
+                    if not written:
+                        return PullFailed(pull.transfer_id, f"prefill did not compute layer {layer} of request "
+                                                            f"{pull.remote_request_id} within "
+                                                            f"{self.config.hang_timeout_seconds:g}s")
+                    HostStaging.wait(event)
+                else:
+                    HostStaging.wait(copies[layer])
+                if first_put is None:
+                    first_put = time.monotonic()
                 chunk = self.regions.chunk_bytes[layer]
                 for src_block, dst_block in zip(src_blocks, pull.dst_block_ids):
                     comm.put_signal(local_indices[layer], src_block * chunk, peer_indices[layer],
@@ -438,9 +603,27 @@ class PrefillWorker(WorkerBase):
         with self._lock:
             self.stats.record_stage("pull_to_first_put", first_put - received)
             self.stats.record_stage("push", flushed - first_put)
+        streamed = {}
+        if stream is not None and timeline.enabled():  # the compute the puts overlapped: the step's start, its first and last layer written
+            with self._lock:
+                written = [at for at in stream.written_at if at is not None]
+            streamed = {"step_started": wall_time(stream.started),
+                        "first_layer_written": wall_time(min(written, default=None)),
+                        "last_layer_written": wall_time(max(written, default=None))}
         timeline.log("prefill-worker", pull.remote_request_id, pull_received=wall_time(received), first_put=wall_time(first_put),
-                     last_put=wall_time(last_put), flushed=wall_time(flushed))
+                     last_put=wall_time(last_put), flushed=wall_time(flushed), **streamed)
         return PullDone(pull.transfer_id, nbytes)
+
+    def _wait_written(self, stream: LayerStream, layer: int, bound: float) -> tuple[bool, object]:
+        """Push thread: wait until the model wrote `layer` of the streamed request, at most until `bound` (or the
+        worker's shutdown): (written, the event to wait for)."""
+        with self._lock:
+            while not (stream.written[layer] or stream.computed):
+                left = bound - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False, None
+                self._progress.wait(left)
+            return True, stream.events[layer]
 
     def _apply_drop_knob(self, comm: PairComm) -> None:
         """TEST ONLY: while the knob file exists the native sender drops every N-th signal. Content `N` (empty: 1)
@@ -473,6 +656,9 @@ class PrefillWorker(WorkerBase):
         comm.set_put_fault(fault, TEST_CORRUPT_ALL_PUTS if fault else 0)
 
     def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True  # a streamed serve waiting for a layer gives up
+            self._progress.notify_all()
         with self._peers_lock:
             edges, self._edges = list(self._edges.values()), {}
             self._registered = False

@@ -86,6 +86,21 @@ class SendRequest:
     transfer_key: str | None = None
     # SHA-256 of the prompt tokens: a Pull that carries a digest is served only when it is this one.
     prompt_digest: bytes = b""
+    # The request was aborted after its blocks were streamed (layer-wise puts): freed once no serve reads them, never
+    # served.
+    aborted: bool = False
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    """Prefill, layer-wise puts: a request of both legs at once (it carries the router's transfer key) whose whole
+    prompt is computed in this step. The workers may serve decode's Pull for it while the step runs, layer by layer:
+    layer k of `block_ids` is put as soon as the model has written it (`save_kv_layer`)."""
+
+    request_id: str
+    transfer_key: str
+    block_ids: list[int]
+    prompt_digest: bytes
 
 
 @dataclass
@@ -95,6 +110,8 @@ class PdPairConnectorMetadata(KVConnectorMetadata):
     # pull (full local hit, abort)
     reqs_to_release: list[tuple[str, str, bytes]] = field(default_factory=list)
     reqs_to_send: list[SendRequest] = field(default_factory=list)
+    # prefill, layer-wise puts: the requests whose prompt this step computes, servable layer by layer
+    reqs_to_stream: list[StreamRequest] = field(default_factory=list)
     # the step runs no model (nothing scheduled): the workers may wait briefly for a transfer (worker.IDLE_WAIT_SECONDS)
     idle_step: bool = False
 
@@ -125,6 +142,11 @@ class PdPairScheduler:
         self._release: list[tuple[str, str, bytes]] = []
         self._new_sends: list[SendRequest] = []
         self._pending_sends: dict[str, float] = {}  # prefill request id -> expiry
+        # prefill, layer-wise puts: request id -> (transfer key, prompt digest, prompt length) of a request that may
+        # be streamed if its whole prompt is scheduled in one step; and the ids of those streamed, until they finish
+        self._streamable: dict[str, tuple[str, bytes, int]] = {}
+        self._streamed: set[str] = set()
+        self._new_streams: list[StreamRequest] = []
         # decode, timeline log only: request id -> [allocated, load reported finished] wall-clock stamps
         self._loads: dict[str, list[float | None]] = {}
         # The key of `remote_kv_tag` (metadata.kv_tag): every engine has the pair's side-channel key (the workers
@@ -161,7 +183,10 @@ class PdPairScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        if not self.is_decode or not self._loadable(params):
+        if not self.is_decode:
+            self._note_streamable(request)
+            return 0, False
+        if not self._loadable(params):
             return 0, False
         assert params is not None
         if not self._verified(request):
@@ -196,6 +221,31 @@ class PdPairScheduler:
             self._loads[request.request_id] = [timeline.now(), None]
 
     # --- prefill ---------------------------------------------------------------------------------
+    def _note_streamable(self, request: Request) -> None:
+        """A request of both legs at once (decode's Pull names its transfer key and may come before the prompt is
+        computed): with layer-wise puts its blocks may be served while the step that computes them runs."""
+        params = request.kv_transfer_params
+        if not self.config.layerwise_puts or not params or not params.get(PARAM_DO_REMOTE_DECODE):
+            return
+        key = transfer_key(params)
+        if key is not None:
+            tokens = request.prompt_token_ids or ()
+            self._streamable[request.request_id] = (key, prompt_digest(tokens, len(tokens)), len(tokens))
+
+    def _streams(self, scheduler_output: SchedulerOutput) -> None:
+        """The streamable requests this step computes whole (from their first scheduled step: a prompt computed over
+        several steps, chunked, is served after it finished, as without layer-wise puts)."""
+        for new in scheduler_output.scheduled_new_reqs:
+            entry = self._streamable.pop(new.req_id, None)
+            if entry is None:
+                continue
+            key, digest, prompt_len = entry
+            scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            if len(new.block_ids) != 1 or new.num_computed_tokens + scheduled < prompt_len:
+                continue
+            self._streamed.add(new.req_id)
+            self._new_streams.append(StreamRequest(new.req_id, key, list(new.block_ids[0]), digest))
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
@@ -211,12 +261,22 @@ class PdPairScheduler:
                 self._release.append((str(params[PARAM_REMOTE_INSTANCE]), params[PARAM_REMOTE_REQUEST_ID],
                                       _digest(request)))
             return False, None
+        self._streamable.pop(request.request_id, None)
+        streamed = request.request_id in self._streamed
+        self._streamed.discard(request.request_id)
         if not params.get(PARAM_DO_REMOTE_DECODE):
             return False, None
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
-            return False, None  # aborted or failed: nothing to hand over
         if not block_ids:
             return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            if not streamed:
+                return False, None  # aborted or failed: nothing to hand over
+            # Aborted after its blocks were streamed: a push may still be reading them, so they are held until the
+            # worker reports no serve of them runs (it does at once when none does), never handed to decode.
+            expires = time.monotonic() + self.config.send_lease_seconds
+            self._pending_sends[request.request_id] = expires
+            self._new_sends.append(SendRequest(request.request_id, list(block_ids), expires, aborted=True))
+            return True, None
         timeline.log("prefill-scheduler", request.request_id, finished=timeline.now())
         expires = time.monotonic() + self.config.send_lease_seconds
         self._pending_sends[request.request_id] = expires
@@ -242,9 +302,11 @@ class PdPairScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdPairConnectorMetadata:
         if self._loads:
             self._log_scheduled(scheduler_output)
-        meta = PdPairConnectorMetadata(self._recv, self._release, self._new_sends,
+        if self._streamable:
+            self._streams(scheduler_output)
+        meta = PdPairConnectorMetadata(self._recv, self._release, self._new_sends, self._new_streams,
                                        idle_step=scheduler_output.total_num_scheduled_tokens == 0)
-        self._recv, self._release, self._new_sends = [], [], []
+        self._recv, self._release, self._new_sends, self._new_streams = [], [], [], []
         return meta
 
     def _log_scheduled(self, scheduler_output: SchedulerOutput) -> None:

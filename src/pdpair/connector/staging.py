@@ -72,6 +72,12 @@ class HostStaging:
                 events.append(self._copy(self.mirrors[layer], self._device_bytes[layer], runs))
         return events
 
+    def layer_to_host(self, layer: int, runs: list[tuple[int, int]]) -> torch.cuda.Event | None:
+        """Layer-wise puts: start one layer's device -> mirror copy, ordered after the work already queued on the
+        device's current stream (the model's write of that layer); its event (None: done, CPU tensors)."""
+        with self._lock:
+            return self._copy(self.mirrors[layer], self._device_bytes[layer], runs)
+
     def to_device(self, runs_per_layer: Sequence[list[tuple[int, int]]]) -> None:
         """Copy mirror -> device and return once the device holds the bytes."""
         with self._lock:

@@ -2,7 +2,10 @@
 
 Stages, in order (process that stamps it):
   router:   received, prefill_answered, decode_first_chunk, done
-  prefill:  finished (scheduler: request_finished), pull_received, first_put, last_put, flushed (worker)
+  prefill:  finished (scheduler: request_finished), pull_received, first_put, last_put, flushed (worker); a Pull
+            served layer by layer while its prompt was computed (layer-wise puts) also step_started,
+            first_layer_written, last_layer_written: puts that began before the last layer was written overlapped
+            the computation
   decode:   allocated (scheduler), pull_sent, first_signal, last_signal, handed_to_engine (worker), scheduled
             (scheduler: the request's first step after its load)
 

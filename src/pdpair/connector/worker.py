@@ -208,6 +208,13 @@ class WorkerBase:
                 logger.warning("transport counters not exported (%s: %s); further failures are not logged",
                                type(exc).__name__, exc)
 
+    def layer_written(self, layer_name: str, streams=()) -> None:
+        """Engine thread, after the model wrote `layer_name`'s KV in this step (save_kv_layer). Prefill's layer-wise
+        puts use it; decode has nothing to do."""
+
+    def step_computed(self) -> None:
+        """Engine thread, at the end of the step's forward (wait_for_save). Prefill's layer-wise puts use it."""
+
     def shutdown(self) -> None:
         if self.metrics_server is not None:
             self.metrics_server.stop()

@@ -237,6 +237,11 @@ ENV_HTTP_PORT = "PDPAIR_HTTP_PORT"
 ENV_HANG_TIMEOUT_SECONDS = "PDPAIR_HANG_TIMEOUT_SECONDS"
 ENV_TRANSPORT = "PDPAIR_TRANSPORT"
 ENV_TRANSPORT_SLOTS = "PDPAIR_TRANSPORT_SLOTS"  # puts in flight per peer (spec.connector.slots)
+# Prefill: `true` or `false` (spec.connector.layerwisePuts). true: a request sent with both legs at once (the router's
+# transfer key) is put to decode layer by layer while prefill computes it, each layer as soon as the model wrote it;
+# false: after the request finished, every layer at once. Unset: DEFAULT_LAYERWISE_PUTS.
+ENV_LAYERWISE_PUTS = "PDPAIR_LAYERWISE_PUTS"
+DEFAULT_LAYERWISE_PUTS = True
 # TEST ONLY, never set by the operator: the path of prefill's signal-drop knob file (kv_connector_extra_config's
 # test_drop_signals_file), settable through a pod template's env because the operator owns the extra config. Not
 # PDPAIR_*: the CRD reserves that prefix for the operator's variables.
@@ -270,6 +275,7 @@ POD_ENV = (
     ENV_HANG_TIMEOUT_SECONDS,
     ENV_TRANSPORT,
     ENV_TRANSPORT_SLOTS,
+    ENV_LAYERWISE_PUTS,
 )
 
 METRICS_PATH = "/metrics"

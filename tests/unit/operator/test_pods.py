@@ -137,6 +137,17 @@ def test_engine_pods_carry_the_transport_slots(role):
     assert env_of(pod)[c.ENV_TRANSPORT_SLOTS] == "64"
 
 
+def test_layerwise_puts_reach_prefill_only_and_only_when_set():
+    """spec.connector.layerwisePuts has no CRD default (a pair stored before it keeps its fingerprint): unset, no pod
+    gets PDPAIR_LAYERWISE_PUTS and the connector's own default applies; set, prefill gets it, decode never."""
+    assert c.ENV_LAYERWISE_PUTS not in env_of(engine_pod(PAIR, "prefill", 1, leased(), "h", peer_host="127.0.0.1"))
+    assert "default" not in spec_schema()["properties"]["connector"]["properties"]["layerwisePuts"]
+    for value, text in ((True, "true"), (False, "false")):
+        pair = {**PAIR, "spec": {**PAIR["spec"], "connector": {**PAIR["spec"]["connector"], "layerwisePuts": value}}}
+        assert env_of(engine_pod(pair, "prefill", 1, leased(), "h", peer_host="127.0.0.1"))[c.ENV_LAYERWISE_PUTS] == text
+        assert c.ENV_LAYERWISE_PUTS not in env_of(engine_pod(pair, "decode", 1, leased(), "h"))
+
+
 def test_connector_settings_come_from_the_crd_defaults_only():
     """The operator states no default of its own: an empty spec.connector, defaulted as the apiserver does, gives
     the CRD's values; a spec that bypassed the CRD fails naming the field instead of guessing."""

@@ -37,6 +37,7 @@ from pdpair.contract import (
     ENV_ROLE,
     ENV_TRANSPORT,
     ENV_TRANSPORT_SLOTS,
+    ENV_LAYERWISE_PUTS,
     KIND,
     LABEL_GENERATION,
     LABEL_PAIR,
@@ -337,6 +338,9 @@ def engine_pod(
         elif peers:
             env.append({"name": ENV_PEERS, "value": ",".join(f"{url_host(h)}:{base}" for h, base in peers)})
         env += _peers_token_env(pair["metadata"]["name"])
+        layerwise = spec_fields.layerwise_puts(spec)
+        if layerwise is not None:
+            env.append({"name": ENV_LAYERWISE_PUTS, "value": "true" if layerwise else "false"})
     env += _side_channel_key_env(pair["metadata"]["name"])
     env += _api_key_env(spec)
     container_ports = [

@@ -38,6 +38,13 @@ def transport_slots(spec: Mapping[str, Any]) -> int:
     return int(defaulted(spec, "connector", "slots"))
 
 
+def layerwise_puts(spec: Mapping[str, Any]) -> bool | None:
+    """spec.connector.layerwisePuts, or None when unset (the connector's own default applies: no CRD default, so a
+    pair stored before the field existed keeps its fingerprint)."""
+    value = (spec.get("connector") or {}).get("layerwisePuts")
+    return None if value is None else bool(value)
+
+
 def startup_timeout_seconds(spec: Mapping[str, Any]) -> int:
     return int(defaulted(spec, "startupTimeoutSeconds"))
 
