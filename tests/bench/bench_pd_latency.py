@@ -413,6 +413,7 @@ def main() -> int:
 
         # 1. Sequential, round robin.
         time.sleep(12)  # vLLM publishes connector stats to /metrics on its logging interval (10 s)
+        report["load_settled"] = quiet.settle("bench_pd_latency")  # the engines' starts are over
         before = {s.name: s.transfer() for s in setups if s.transfer}
         report["load_average_sequential_start"] = os.getloadavg()
         for i in range(args.sequential):
