@@ -21,7 +21,8 @@ dir) and needs nlohmann's json.hpp under third-party/json/single_include. Checks
                workers over tcp with staging; a keyed Pull waits, then each of 8 layers is written on the current
                stream AFTER a 20 ms GPU sleep and announced at once (`layer_written`, as vLLM's save_kv_layer is
                called before the kernels ran): decode must receive the written values, never the stale ones, which
-               shows the per-layer copy is ordered after the model's write
+               shows the per-layer copy is ordered after the model's write; `layerwise-staging control` (run last)
+               takes that ordering out and must see stale bytes (the check can fail)
 Each rank's transport is built the way the connector's worker builds it (worker_transport: PdPairConfig from a
 pod's variables, FLAGCX_PATH or FLAGCX_LIB_PATH resolved from the config by build_transport, set_device), so the checks
 cover that path and not only FlagcxTransport.
@@ -434,8 +435,61 @@ def main_tcp_staging(gpus: int = 2) -> None:
 
 
 # --- layer-wise puts from CUDA KV caches --------------------------------------------------------------------------
-def main_layerwise_staging(gpus: int = 1) -> None:
+def _vllm_stand_ins() -> None:
+    """The GPU machine has torch but not vLLM (nothing can be installed there but what is carried in, and vLLM's
+    wheel is far over that limit). The connector's workers import three trivial vLLM base classes (the scheduler's
+    metadata base, the stats container and the Prometheus exporter base) and one function; where vLLM does not
+    import, these stand-ins take their place, with the same fields the workers use. Nothing else of vLLM runs in the
+    check: it drives the workers as the engine's forward would (layer_written, start_load_kv, step_computed)."""
+    import dataclasses
+    import types
+
+    try:
+        import vllm  # noqa: F401
+        return
+    except ImportError:
+        pass
+
+    @dataclasses.dataclass
+    class KVConnectorStats:
+        data: dict = dataclasses.field(default_factory=dict)
+
+    class KVConnectorMetadata:
+        pass
+
+    class KVConnectorPromMetrics:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+    modules = {
+        "vllm": {},
+        "vllm.distributed": {},
+        "vllm.distributed.kv_transfer": {},
+        "vllm.distributed.kv_transfer.kv_connector": {},
+        "vllm.distributed.kv_transfer.kv_connector.v1": {},
+        "vllm.distributed.kv_transfer.kv_connector.v1.base": {"KVConnectorMetadata": KVConnectorMetadata},
+        "vllm.distributed.kv_transfer.kv_connector.v1.metrics": {"KVConnectorStats": KVConnectorStats,
+                                                                  "KVConnectorPromMetrics": KVConnectorPromMetrics},
+        "vllm.v1": {},
+        "vllm.v1.metrics": {},
+        "vllm.v1.metrics.utils": {"create_metric_per_engine": lambda *a, **k: None},
+    }
+    for name, attrs in modules.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        sys.modules[name] = module
+    note("layerwise-staging", "vLLM is not installed here: its three base classes are stood in for (_vllm_stand_ins)")
+
+
+def main_layerwise_staging(gpus: int = 1, control: bool = False) -> None:
+    """`control`: the same with the staging stream's wait on the model's stream taken out (the copy may then run
+    before the write): decode must see stale bytes, which shows the check can fail (GPU only)."""
     import torch
+
+    _vllm_stand_ins()
+    check = "layerwise-staging control" if control else "layerwise-staging"
+    if control:
+        torch.cuda.Stream.wait_stream = lambda self, other: None  # this process only, and it ends after the check
 
     from pdpair import contract
     from pdpair.connector.config import PdPairConfig
@@ -469,7 +523,7 @@ def main_layerwise_staging(gpus: int = 1) -> None:
         decode.register_kv_caches(decode_kv, blocks)
         prefill.register_kv_caches(prefill_kv, blocks)
         if not (prefill.side.connected.wait(30) and decode.side.connected.wait(30)):
-            report("layerwise-staging", False, "the pair never formed")
+            report(check, False, "the pair never formed")
             return
         key, digest = "t-" + "f" * 32, bytes(range(32))
         src, dst = [1, 2, 3, 4], [9, 10, 11, 12]
@@ -502,7 +556,9 @@ def main_layerwise_staging(gpus: int = 1) -> None:
         stale = [f"layer {layer}" for layer, name in enumerate(names)
                  if bool((decode_kv[name][dst].cpu() == 0).any())]
         ok = "d1" in finished and not wrong and not stale
-        report("layerwise-staging", ok,
+        if control:
+            ok = "d1" in finished and bool(stale)  # without the ordering the copy must have read the old bytes
+        report(check, ok,
                f"{'loaded' if 'd1' in finished else 'NOT loaded'} ({'failed' if failed else 'ok'}): "
                f"{layers} layers x {len(src)} blocks {prefill_device} -> host -> {decode_device}; "
                f"announced in {1000 * (announced - started):.1f} ms, loaded {1000 * (loaded - started):.1f} ms after "
@@ -742,6 +798,11 @@ def main() -> int:
         main_layerwise_staging(gpus)
     except Exception as exc:  # noqa: BLE001
         report("layerwise-staging", False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    # last: it takes out the staging stream's ordering for the rest of this process
+    try:
+        main_layerwise_staging(gpus, control=True)
+    except Exception as exc:  # noqa: BLE001
+        report("layerwise-staging control", False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     return finish(opts)
 
 
