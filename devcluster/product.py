@@ -14,7 +14,7 @@ import sys
 import tempfile
 import uuid
 
-from pdpair.contract import ANNOTATION_FENCED_POD, API_VERSION, KIND, LEASE_NAME_PREFIX
+from pdpair.contract import ANNOTATION_FENCED_POD, API_VERSION, GROUP, KIND, LEASE_NAME_PREFIX, PLURAL, VERSION
 from devcluster.build import REPO_ROOT, helm_path
 
 CHART = REPO_ROOT / "charts" / "pdpair"
@@ -74,6 +74,36 @@ SERVICE_PROGRAMMING_SECONDS = 60.0
 
 PROMPTS = ["The quick brown fox", "Kubernetes runs pods;", "Prefill computes the prompt,", "Hello world! 0123"]
 ENGINE_START_TIMEOUT = 600.0
+
+
+# Reads that wait loops repeat (every 0.5-1 s, for minutes while engines start) go through the cluster's one
+# kubernetes ApiClient: a kept-alive connection, where each `kubectl get` is a process, a TLS handshake with the
+# apiserver and a LoopbackForwarder thread, all taken from the engines the tests wait for (client CPU of one read of
+# a 3-pod list on the 2-core box, 2026-12-07, against a local TLS stand-in: `kubectl get -o json` 53 ms, the pooled
+# client 1.6 ms). Same objects as `kubectl get -o json` (a list's items carry no apiVersion/kind; nothing reads
+# them). Everything else (apply, exec, logs, delete, events) stays kubectl.
+API_READ_TIMEOUT = 60  # seconds, as cluster.kubectl's default
+
+
+def read_pair(cluster, namespace: str, name: str) -> dict | None:
+    """The InferencePair as JSON, or None when it cannot be read (gone): `kubectl get ... check=False`'s meaning."""
+    from kubernetes import client
+
+    try:
+        resp = client.CustomObjectsApi(cluster.api_client()).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, _preload_content=False, _request_timeout=API_READ_TIMEOUT)
+    except Exception:  # ApiException (404 ...) or a transport error: what a failed kubectl get returned as None
+        return None
+    return json.loads(resp.data)
+
+
+def list_pods(cluster, namespace: str, selector: str = "") -> list[dict]:
+    """The pods in `namespace` matching the label selector, as JSON (raises on a failed read, as kubectl did)."""
+    from kubernetes import client
+
+    resp = client.CoreV1Api(cluster.api_client()).list_namespaced_pod(
+        namespace, label_selector=selector, _preload_content=False, _request_timeout=API_READ_TIMEOUT)
+    return json.loads(resp.data)["items"]
 
 
 def describe(cluster, ns: str) -> str:
@@ -189,16 +219,19 @@ LEADER_LEASE = f"{RELEASE}-operator-leader"  # the chart's leader-election Lease
 
 
 def operator_pods(cluster) -> list[dict]:
-    return json.loads(cluster.kubectl("get", "pods", "-n", OPERATOR_NS, "-l", OPERATOR_SELECTOR,
-                                      "-o", "json").stdout)["items"]
+    return list_pods(cluster, OPERATOR_NS, OPERATOR_SELECTOR)
 
 
 def leader_pod_name(cluster) -> str | None:
     """The operator pod holding the leader Lease (its holderIdentity is `<pod name>_<per-process suffix>`)."""
-    proc = cluster.kubectl("get", "lease", "-n", OPERATOR_NS, LEADER_LEASE, "-o", "json", check=False)
-    if proc.returncode != 0:
+    from kubernetes import client
+
+    try:
+        resp = client.CoordinationV1Api(cluster.api_client()).read_namespaced_lease(
+            LEADER_LEASE, OPERATOR_NS, _preload_content=False, _request_timeout=API_READ_TIMEOUT)
+    except Exception:  # no Lease yet (404), or a failed read: what a failed kubectl get returned
         return None
-    holder = (json.loads(proc.stdout).get("spec") or {}).get("holderIdentity") or ""
+    holder = (json.loads(resp.data).get("spec") or {}).get("holderIdentity") or ""
     return holder.rsplit("_", 1)[0] or None
 
 

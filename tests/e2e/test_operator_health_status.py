@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from pdpair.contract import COND_SIGNALS_HEALTHY, GROUP, PLURAL
+from pdpair.contract import COND_SIGNALS_HEALTHY, GROUP, PLURAL, VERSION
 from pdpair.operator.decide.health import LISTENER_REFUSED_THRESHOLD, UNREACHABLE_THRESHOLD
 from pdpair.operator.decide.health_status import HEALTH_REFRESH_INTERVALS
 from devcluster.apiserver_metrics import counts_delta, write_counts
@@ -162,9 +162,12 @@ def test_health_in_status_column_and_operator_restart(platform, cluster_namespac
 
 def test_hung_pod_unhealthy_in_status_and_restart_read_back(platform, cluster_namespace, tmp_path):
     """A hung decode: the health watch writes Unhealthy, the pair restarts in order (prefill first) to generation 2;
-    generation 2 hangs too and its restart waits out the backoff with SignalsHealthy saying why; a second operator
-    that never scrapes restarts it to generation 3 from status.health alone. Cost: about 3 minutes of one e2e worker
-    (the 150 s backoff is waited out; kwok pods, no engine)."""
+    generation 2 hangs too and its restart is held back by the backoff with SignalsHealthy saying why; a second
+    operator that never scrapes restarts it to generation 3 from status.health alone. The backoff is 150 s so that
+    the verdict and the operator's kill fall inside it on a starved box; once operator A is gone the pair's
+    restartPolicy is patched down to 1 s (not a pod field: it rolls nothing, and restart_policy.decide reads the
+    spec on every pass), so operator B acts at once instead of waiting out the rest. Cost: about 1.5 minutes of one
+    e2e worker on a loaded box (kwok pods, no engine); waiting out the whole 150 s backoff took 167-173 s in CI."""
     cluster, _ = platform
     api = Api(cluster)
     ns = cluster_namespace
@@ -228,11 +231,15 @@ def test_hung_pod_unhealthy_in_status_and_restart_read_back(platform, cluster_na
             assert pair["status"]["health"]["pairGeneration"] == 2
             assert condition(pair, "Ready")["reason"] == "RestartBackoff"
             operator_a.kill()
+        # What is left of the backoff holds nothing this test asserts: shorten it for operator B (the policy is read
+        # from the spec on every pass; restartPolicy is not a pod field, so the patch rolls nothing).
+        api.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "hung", {
+            "spec": {"restartPolicy": {"backoffSeconds": 1, "maxBackoffSeconds": 1}}})
         # Operator B never scrapes (health interval 1 h): all it knows of the verdict is status.health.
         recorder = PodRecorder(api, ns, only_new=True)
         with operator(platform, ns, pool, tmp_path, name="operator-b", env=NO_HEALTH):
             pair = wait_for(lambda: (lambda p: p if p["status"].get("pairGeneration") == 3 else None)(
-                api.pair(ns, "hung")), 210, "operator B's restart to generation 3, after the backoff")
+                api.pair(ns, "hung")), 210, "operator B's restart to generation 3, after the (shortened) backoff")
             assert pair["status"]["restarts"] == 2 and "hung" in pair["status"]["lastRestart"]["reason"]
             wait_for(lambda: [o for o in recorder.order() if o.startswith("delete")] ==
                      ["delete hung-prefill-g2", "delete hung-decode-g2"], 30, "both generation 2 pods deleted")

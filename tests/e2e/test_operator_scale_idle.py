@@ -15,7 +15,9 @@ import pytest
 
 from pdpair.contract import GROUP, PLURAL
 from devcluster.apiserver_metrics import by_kind, counts_delta, key_name, write_counts
+from pdpair.operator.model.config import ENV_RESYNC_INTERVAL
 from tests.e2e.operator_helpers import (
+    NO_HEALTH,
     PORTS_PER_PAIR_NO_ROUTER,
     Api,
     cleanup_pairs,
@@ -28,7 +30,10 @@ from devcluster.waiting import wait_for
 pytestmark = pytest.mark.cluster
 
 PAIRS = 20
-IDLE_SECONDS = 25  # > 2 resync intervals of the test operator (devrun: 10 s), so every pair makes 2+ idle passes
+# The operator's full reconcile of every pair, shortened for this test from devrun's 10 s, and the idle window: > 2
+# resync intervals, so every pair makes 2+ idle passes (as 25 s against 10 s did, 13 s sooner).
+RESYNC_SECONDS = 5
+IDLE_SECONDS = 12
 
 STEP_EVENTS = {"PortsLeased", "PodCreated", "DecodeListening"}
 LEASE_CREATE = ("POST", "coordination.k8s.io", "leases", "")
@@ -61,7 +66,8 @@ def test_pairs_reach_ready_without_refused_writes_then_idle_writes_nothing(platf
     api = Api(cluster)
     ns = cluster_namespace
     pool = pool_of_free_ports(PAIRS * PORTS_PER_PAIR_NO_ROUTER + 12)
-    with listening(pool), operator(platform, ns, pool, tmp_path) as proc:
+    with listening(pool), operator(platform, ns, pool, tmp_path,
+                                   env={**NO_HEALTH, ENV_RESYNC_INTERVAL: str(RESYNC_SECONDS)}) as proc:
         before = write_counts(cluster)
         create_many(api, ns, [f"s{i:02d}" for i in range(PAIRS)])
         wait_for(lambda: sum((p.get("status") or {}).get("phase") == "Ready" for p in api.pairs(ns)) == PAIRS, 240,

@@ -29,7 +29,7 @@ import time
 import yaml
 
 from pdpair.contract import ENV_TEST_DROP_SIGNALS_FILE, ENV_TEST_STOP_LISTENER_FILE, GROUP, LABEL_PAIR, PLURAL
-from devcluster.product import ENGINE_START_TIMEOUT, describe, operator_logs, pair_manifest
+from devcluster.product import ENGINE_START_TIMEOUT, describe, list_pods, operator_logs, pair_manifest, read_pair
 from devcluster.waiting import wait_for
 
 NAME = "serving"
@@ -55,17 +55,13 @@ class ServingPair:
                              decode_env=[{"name": ENV_TEST_STOP_LISTENER_FILE, "value": STOP_LISTENER_KNOB}])
 
     def get(self) -> dict | None:
-        proc = self.cluster.kubectl("get", f"{PLURAL}.{GROUP}", self.name, "-n", self.namespace, "-o", "json",
-                                    check=False)
-        return json.loads(proc.stdout) if proc.returncode == 0 else None
+        return read_pair(self.cluster, self.namespace, self.name)
 
     def status(self) -> dict:
         return (self.get() or {}).get("status") or {}
 
     def pods(self) -> dict[str, dict]:
-        items = json.loads(self.cluster.kubectl("get", "pods", "-n", self.namespace, "-l", f"{LABEL_PAIR}={self.name}",
-                                                "-o", "json").stdout)["items"]
-        return {p["metadata"]["name"]: p for p in items}
+        return {p["metadata"]["name"]: p for p in list_pods(self.cluster, self.namespace, f"{LABEL_PAIR}={self.name}")}
 
     def service(self) -> tuple[str, int]:
         svc = json.loads(self.cluster.kubectl("get", "service", self.name, "-n", self.namespace, "-o", "json").stdout)

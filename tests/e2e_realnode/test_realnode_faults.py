@@ -35,13 +35,12 @@ from dataclasses import dataclass
 import pytest
 
 from pdpair.contract import (
-    GROUP, LABEL_PAIR, LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_PURPOSE, LABEL_ROLE, PLURAL, ROLE_DECODE, ROLE_PREFILL,
-    ROLE_ROUTER,
+    LABEL_PAIR, LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_PURPOSE, LABEL_ROLE, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER,
 )
 from tests.port_blocks_support import spec_blocks
 from devcluster.product import (
-    CHART, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, describe, leader_pod_name, operator_logs,
-    operator_pods, pod_logs,
+    CHART, OPERATOR_NS, PROMPTS, RELEASE, SERVED_NAME, completion, describe, leader_pod_name, list_pods,
+    operator_logs, operator_pods, pod_logs, read_pair,
 )
 from devcluster.waiting import wait_for
 from tests.e2e_realnode.serving_pair import READY_TIMEOUT, STOP_LISTENER_KNOB
@@ -133,13 +132,13 @@ def _event(kind: str, pod) -> PodEvent:
 
 # --- helpers ------------------------------------------------------------------------------------------------
 def _pair(cluster, ns: str, name: str) -> dict:
-    return json.loads(cluster.kubectl("get", f"{PLURAL}.{GROUP}", name, "-n", ns, "-o", "json").stdout)
+    pair = read_pair(cluster, ns, name)
+    assert pair is not None, f"pair {ns}/{name} could not be read"  # kubectl get (check=True) raised here
+    return pair
 
 
 def _pods(cluster, ns: str, name: str) -> dict[str, dict]:
-    items = json.loads(cluster.kubectl("get", "pods", "-n", ns, "-l", f"{LABEL_PAIR}={name}", "-o",
-                                       "json").stdout)["items"]
-    return {p["metadata"]["name"]: p for p in items}
+    return {p["metadata"]["name"]: p for p in list_pods(cluster, ns, f"{LABEL_PAIR}={name}")}
 
 
 def _ready(pod: dict) -> bool:

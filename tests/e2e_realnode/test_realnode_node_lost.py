@@ -55,8 +55,8 @@ from pdpair.contract import (
 from pdpair.operator.build.pods import ENGINE_CONTAINER
 from pdpair.operator.model.config import DEFAULT_PORT_POOL, PortPool
 from devcluster.product import (
-    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, fenced_ports, leader_pod_name, operator_logs,
-    pair_manifest, pod_logs,
+    ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, describe, fenced_ports, leader_pod_name, list_pods,
+    operator_logs, pair_manifest, pod_logs, read_pair,
 )
 from devcluster.waiting import wait_for
 from tests.e2e_realnode.load import Load
@@ -138,8 +138,9 @@ class PartitionPair:
         self.t_apply = time.monotonic()
 
     def pair(self) -> dict:
-        return json.loads(self.cluster.kubectl("get", f"{PLURAL}.{GROUP}", NAME, "-n", self.namespace,
-                                               "-o", "json").stdout)
+        pair = read_pair(self.cluster, self.namespace, NAME)
+        assert pair is not None, f"pair {self.namespace}/{NAME} could not be read"  # kubectl get raised here
+        return pair
 
     def status(self) -> dict:
         return self.pair().get("status") or {}
@@ -149,7 +150,7 @@ class PartitionPair:
         return json.loads((self.pair()["metadata"].get("annotations") or {}).get(ANNOTATION_RESTART_TIMES, "[]"))
 
     def pods(self) -> list[dict]:
-        return json.loads(self.cluster.kubectl("get", "pods", "-n", self.namespace, "-o", "json").stdout)["items"]
+        return list_pods(self.cluster, self.namespace)
 
     def events(self, reason: str) -> list[dict]:
         return json.loads(self.cluster.kubectl("get", "events", "-n", self.namespace, "--field-selector",

@@ -68,8 +68,7 @@ def _rollout_under_load(real_cluster, serving_pair, baseline_outputs, strategy, 
             status = pair().get("status", {})
             if not switched and status.get("pairGeneration") == g2 and status.get("phase") == "Ready":
                 switched.append(time.time())  # Recreate: the new generation is Ready; Surge: the Service switched
-            pods = json.loads(real_cluster.kubectl("get", "pods", "-n", namespace, "-l", f"pdpair.io/pair={name}",
-                                                   "-o", "json").stdout)["items"]
+            pods = list(serving_pair.pods().values())
             return bool(switched) and "rollout" not in status and bool(pods) and all(
                 p["metadata"]["labels"]["pdpair.io/generation"] == str(g2) for p in pods)
 

@@ -71,7 +71,7 @@ from pdpair.operator.decide.port_blocks import ports_of
 from tests.port_blocks_support import spec_blocks
 from devcluster.product import (
     ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, SERVED_NAME, completion, container_processes, describe,
-    operator_logs, pair_manifest,
+    list_pods, operator_logs, pair_manifest, read_pair,
 )
 from devcluster.waiting import wait_for
 from devcluster.realnode_watch import Recorder, listening_since, pod_steps
@@ -98,12 +98,12 @@ class Tp2Pair:
         self.memory: dict[str, dict[str, int] | None] = {}
 
     def pair(self) -> dict:
-        return json.loads(self.cluster.kubectl("get", f"{PLURAL}.{GROUP}", NAME, "-n", self.namespace,
-                                               "-o", "json").stdout)
+        pair = read_pair(self.cluster, self.namespace, NAME)
+        assert pair is not None, f"pair {self.namespace}/{NAME} could not be read"  # kubectl get raised here
+        return pair
 
     def pods(self) -> dict[str, dict]:
-        items = json.loads(self.cluster.kubectl("get", "pods", "-n", self.namespace, "-l", f"pdpair.io/pair={NAME}",
-                                                "-o", "json").stdout)["items"]
+        items = list_pods(self.cluster, self.namespace, f"pdpair.io/pair={NAME}")
         return {p["metadata"]["labels"][LABEL_ROLE]: p for p in items}
 
     def metrics(self, role: str) -> list[tuple[str, dict, float]]:

@@ -43,13 +43,13 @@ import yaml
 
 from pdpair.contract import (
     ANNOTATION_DRAINING_SINCE, API_VERSION, ENV_TEST_SLOW_DECODE_FILE, GROUP, LABEL_INSTANCE, LABEL_PAIR,
-    LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_ROLE, PLURAL, ROLE_OBJECT_KIND, ROLE_OBJECT_PLURAL,
+    LABEL_PAIR_UID, LABEL_PORT_LEASE, LABEL_ROLE, PLURAL, ROLE_OBJECT_KIND, ROLE_OBJECT_PLURAL, VERSION,
 )
 from devcluster.incluster_prometheus import PROMETHEUS_PORT, InClusterPrometheus, prometheus_image
 from devcluster.prometheus_adapter import PrometheusAdapter, adapter_config_from_chart, prometheus_adapter_image
 from devcluster.product import (
     ENGINE_ARGS, ENGINE_START_TIMEOUT, OPERATOR_NS, PROMPTS, completion, container_processes, describe,
-    engine_core_pid, operator_logs, pair_manifest,
+    engine_core_pid, list_pods, operator_logs, pair_manifest, read_pair,
 )
 from devcluster.realnode import HPA_SYNC_SECONDS, ClusterError
 from devcluster.waiting import wait_for
@@ -89,17 +89,13 @@ class XPair:
         self.cluster, self.namespace, self.name = cluster, namespace, NAME
 
     def get(self) -> dict:
-        proc = self.cluster.kubectl("get", f"{PLURAL}.{GROUP}", self.name, "-n", self.namespace, "-o", "json",
-                                    check=False)
-        return json.loads(proc.stdout) if proc.returncode == 0 else {}
+        return read_pair(self.cluster, self.namespace, self.name) or {}
 
     def status(self) -> dict:
         return self.get().get("status") or {}
 
     def pods(self) -> dict[str, dict]:
-        items = json.loads(self.cluster.kubectl("get", "pods", "-n", self.namespace, "-l", f"{LABEL_PAIR}={self.name}",
-                                                "-o", "json").stdout)["items"]
-        return {p["metadata"]["name"]: p for p in items}
+        return {p["metadata"]["name"]: p for p in list_pods(self.cluster, self.namespace, f"{LABEL_PAIR}={self.name}")}
 
     def engine(self, role: str, instance: int) -> dict | None:
         """The live (not deleting) pod of that role's instance, of any generation."""
@@ -498,10 +494,19 @@ class ScaleTimeline:
         return {i["describedObject"]["name"]: _quantity(i["value"]) for i in items}
 
     def sample(self) -> dict:
-        hpa = json.loads(self.cluster.kubectl("get", "hpa", self.hpa, "-n", self.pair.namespace, "-o", "json",
-                                              check=False).stdout or "{}").get("status") or {}
-        roles = json.loads(self.cluster.kubectl("get", f"{ROLE_OBJECT_PLURAL}.{GROUP}", "-n", self.pair.namespace,
-                                                "-o", "json").stdout)["items"]
+        # Once a second for minutes, beside the engines the HPA starts: through the pooled ApiClient, not kubectl
+        # processes (devcluster/product.py, read_pair).
+        from kubernetes import client
+
+        api = self.cluster.api_client()
+        try:
+            hpa = json.loads(client.AutoscalingV2Api(api).read_namespaced_horizontal_pod_autoscaler(
+                self.hpa, self.pair.namespace, _preload_content=False, _request_timeout=60).data).get("status") or {}
+        except client.ApiException:  # not created yet, or gone: as `kubectl get hpa` with check=False
+            hpa = {}
+        roles = json.loads(client.CustomObjectsApi(api).list_namespaced_custom_object(
+            GROUP, VERSION, self.pair.namespace, ROLE_OBJECT_PLURAL, _preload_content=False,
+            _request_timeout=60).data)["items"]
         counts = self.pair.counts()
         self.phases.add(counts[0])
         state = {"waiting": self.waiting(), "hpa": (hpa.get("currentReplicas"), hpa.get("desiredReplicas")),

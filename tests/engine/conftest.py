@@ -43,6 +43,37 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+class PlainEngine:
+    """One plain TP = 1 vLLM engine (no connector) for the whole session: the reference outputs of the module stack
+    below (test_pd_engine.py) and of test_tp2_engine.py's TP = 1 comparison, one cold start for both modules (they run
+    one after the other) instead of two. `get()` returns it running (started, not waited for, on first use, so it
+    loads beside what its first user starts; started again if a user released it); `release()` stops it (the TP = 2
+    module frees its memory once it has its outputs)."""
+
+    def __init__(self, model: Path, log_dir: Path):
+        self.model, self.log_dir = model, log_dir
+        self.proc: Process | None = None
+        self.starts = 0
+
+    def get(self) -> Process:
+        if self.proc is None or not self.proc.alive():
+            self.starts += 1
+            self.proc = engine("baseline" if self.starts == 1 else f"baseline-{self.starts}", self.model,
+                               self.log_dir).start()
+        return self.proc
+
+    def release(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
+@pytest.fixture(scope="session")
+def plain_engine(tiny_model, tmp_path_factory) -> PlainEngine:
+    plain = PlainEngine(tiny_model, tmp_path_factory.mktemp("plain-engine-logs"))
+    yield plain
+    plain.release()
+
+
 @dataclass
 class Stack:
     baseline: Process
@@ -64,7 +95,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory) -> Stack:
+def stack(tiny_model, tmp_path_factory, plain_engine) -> Stack:
     logs = tmp_path_factory.mktemp("engine-logs")
     knobs = tmp_path_factory.mktemp("knobs")
     corrupt, drop, corrupt_puts = knobs / "corrupt-kv", knobs / "drop-signals", knobs / "corrupt-puts"
@@ -79,7 +110,6 @@ def stack(tiny_model, tmp_path_factory) -> Stack:
             "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_events[role]}",
             "replay_endpoint": f"tcp://*:{kv_events[role] + 1}"}))
 
-    baseline = engine("baseline", tiny_model, logs)
     prefill = engine(
         "prefill", tiny_model, logs, kv_role="kv_producer",
         pdpair_env={**pair_env("prefill", generation=GENERATION, peer_base=listen_base,
@@ -96,10 +126,11 @@ def stack(tiny_model, tmp_path_factory) -> Stack:
     )
     started: list[Process] = []
     try:
-        # Prefill first, on purpose: it must come up and keep retrying the side channel until decode listens.
-        for proc in (prefill, baseline):
-            proc.start()
-            started.append(proc)
+        # Prefill first, on purpose: it must come up and keep retrying the side channel until decode listens. The
+        # baseline is the session's plain engine (started here on first use, not stopped with this module).
+        prefill.start()
+        started.append(prefill)
+        baseline = plain_engine.get()
         prefill.wait_healthy()
         prefill.wait_log("decode not listening", 60)
         time.sleep(2)  # let a few retries pass while decode is still absent

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import threading
 import time
 import urllib.request
 
@@ -227,12 +228,34 @@ def test_both_legs_at_once_serve_like_the_single_engine_and_a_prefill_that_never
                                                                                                         tmp_path):
     """A router with --concurrent-legs on the module's engines: after the prefill's first answer (which teaches the
     router its identity) decode gets each request together with prefill's, names the transfer by the router's key,
-    pulls at once, and every output equals the single engine's (streamed too), one KV transfer each. Then decode's
-    request for a key prefill never computes (a prefill leg that never arrives, no engine killed) fails once prefill's
-    bound on a keyed Pull's wait passes (deadlines.keyed_pull_deadline: four hang timeouts, 20 s here), plus margin:
-    the parked Pull is refused, no signal wait times out, and decode stays healthy all along (a Pull waiting for
-    prefill's computation opens no transfer in its health accounts until prefill starts serving it).
-    Cost: no cold start (a router process), about 30 s."""
+    pulls at once, and every output equals the single engine's (streamed too), one KV transfer each. Meanwhile (sent
+    first, in a thread, so its 20 s wait overlaps the router's requests) decode's request for a key prefill never
+    computes (a prefill leg that never arrives, no engine killed) fails once prefill's bound on a keyed Pull's wait
+    passes (deadlines.keyed_pull_deadline: four hang timeouts, 20 s here), plus margin: the parked Pull is refused,
+    no signal wait times out, and decode stays healthy all along (a Pull waiting for prefill's computation opens no
+    transfer in its health accounts until prefill starts serving it), while the router's keyed Pulls on the same edge
+    are served. Cost: no cold start (a router process), about 25 s (about 45 s in CI while the stranded request was
+    waited for after the router's part)."""
+    timeouts_before = metric(stack.decode_metrics, "pdpair_signal_wait_timeouts_total")
+    key = "t-" + "0123456789abcdef" * 2
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": key,
+              "pdpair_transfer_key": key, "remote_instance": PREFILL_INSTANCE, "remote_pair": "test-pair",
+              "remote_generation": GENERATION}
+    stranded: dict = {}
+
+    def never_computed() -> None:
+        started = time.monotonic()
+        try:
+            stranded["status"], stranded["payload"] = completion(stack.decode.url, "No prefill ever computes this one.",
+                                                                 kv_transfer_params=params)
+        except Exception as exc:  # reported below, with the rest of the outcome
+            stranded["error"] = repr(exc)
+        finally:
+            stranded["elapsed"] = time.monotonic() - started
+
+    bound = keyed_pull_deadline(HANG_TIMEOUT_SECONDS, 0.0)
+    waiter = threading.Thread(target=never_computed, name="never-computed", daemon=True)
+    waiter.start()
     concurrent = router(tmp_path, stack.prefill.url, stack.decode.url, decode_timeout=60, extra_env=API_KEY_ENV,
                         extra_args=("--concurrent-legs", "--log-choices"), name="concurrent-router").start()
     try:
@@ -252,17 +275,11 @@ def test_both_legs_at_once_serve_like_the_single_engine_and_a_prefill_that_never
     finally:
         concurrent.stop()
 
-    timeouts_before = metric(stack.decode_metrics, "pdpair_signal_wait_timeouts_total")
-    key = "t-" + "0123456789abcdef" * 2
-    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": key,
-              "pdpair_transfer_key": key, "remote_instance": PREFILL_INSTANCE, "remote_pair": "test-pair",
-              "remote_generation": GENERATION}
-    started = time.monotonic()
-    status, payload = completion(stack.decode.url, "No prefill ever computes this one.", kv_transfer_params=params)
-    elapsed = time.monotonic() - started
+    waiter.join(150)  # completion()'s own client deadline is 120 s
+    assert not waiter.is_alive() and "error" not in stranded, stranded
+    status, payload, elapsed = stranded["status"], stranded["payload"], stranded["elapsed"]
     failed = status >= 500 or payload.get("choices", [{}])[0].get("finish_reason") == "error"
     assert failed, f"status {status}: {json.dumps(payload)[:500]}"
-    bound = keyed_pull_deadline(HANG_TIMEOUT_SECONDS, 0.0)
     assert bound * 0.9 <= elapsed <= bound + 15, elapsed
     assert metric(stack.decode_metrics, "pdpair_signal_wait_timeouts_total") == timeouts_before
     assert http_get(stack.decode_metrics + "/healthz")[0] == 200

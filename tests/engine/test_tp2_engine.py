@@ -119,14 +119,13 @@ def failed(status: int, payload: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tp2(tiny_model, tmp_path_factory) -> Tp2Pair:
+def tp2(tiny_model, tmp_path_factory, plain_engine) -> Tp2Pair:
     logs = tmp_path_factory.mktemp("tp2-logs")
     knobs = tmp_path_factory.mktemp("tp2-knobs")
     hold, drop = knobs / "hold-listener", knobs / "drop-signals"
     hold.write_text("1")  # decode's rank 1 does not listen until the test removes this file
     listen_base = free_port(TP)
     decode_metrics, prefill_metrics = free_port(), free_port()
-    baseline = engine("baseline-tp1", tiny_model, logs)
     prefill = engine(
         "prefill-tp2", tiny_model, logs, kv_role="kv_producer", tensor_parallel_size=TP,
         pdpair_env=pair_env("prefill", generation=GENERATION, peer_base=listen_base, metrics_port=prefill_metrics,
@@ -142,9 +141,10 @@ def tp2(tiny_model, tmp_path_factory) -> Tp2Pair:
     )
     started: list[Process] = []
     try:
-        # Prefill first, on purpose, next to a plain TP = 1 engine that gives the reference outputs.
-        for proc in (prefill, baseline):
-            started.append(proc.start())
+        # Prefill first, on purpose, next to a plain TP = 1 engine that gives the reference outputs: the session's
+        # (conftest.PlainEngine), already warm after test_pd_engine.py; started here when this module runs alone.
+        started.append(prefill.start())
+        baseline = plain_engine.get()
         prefill.wait_healthy(TP2_START_TIMEOUT_SECONDS)
         for rank in range(TP):
             prefill.wait_log(f"pdpair-sidechannel-prefill-r{rank}: handshake attempt 2 ", 60)
@@ -158,7 +158,7 @@ def tp2(tiny_model, tmp_path_factory) -> Tp2Pair:
             assert status == 200, payload
             tp1_outputs[prompt] = tokens(payload)
         baseline_rss = baseline.rss_bytes()
-        baseline.stop()  # memory: only the pair runs from here on
+        plain_engine.release()  # memory: only the pair runs from here on
         decode.wait_healthy(TP2_START_TIMEOUT_SECONDS)
         for proc in (prefill, decode):  # the first request of a TP = 2 engine is slow (warm-up): not in the timings
             status, payload = ask(proc.url, f"Warm-up of {proc.name}, computed locally.")
