@@ -303,7 +303,15 @@ def main() -> int:
                     print(f"{name}: warm-up {attempt} failed: {exc}", file=sys.stderr)
         ready.sort(key=lambda setup: wanted.index(setup[0]))  # run in the order --setups gives (the box drifts)
         for name, url, engine_urls in ready:
+            cpu_before = {proc.name: proc.cpu_seconds() for proc in procs if proc.alive()}
             row = run_setup(name, url, engine_urls, trace, tokenizer, args.clients, args.output_len)
+            # Where the two cores went: CPU ms per request of every process tree of the bench over this setup's
+            # run (idle ones near 0), so a setup's cost is seen by process, not only its latency
+            done = max(1, row.get("requests", 0))
+            cpu = {proc.name: round(1000 * (proc.cpu_seconds() - cpu_before[proc.name]) / done, 2)
+                   for proc in procs if proc.alive() and proc.name in cpu_before}
+            row["cpu_ms_per_request"] = {**{k: v for k, v in cpu.items() if v >= 0.05},
+                                         "all": round(sum(cpu.values()), 2)}
             report["setups"][name] = row
             print(f"{name}: {json.dumps(row)}", file=sys.stderr, flush=True)
         modes = pd_bench.router_modes([pd_bench.Setup(name, url) for name, url, _ in ready])

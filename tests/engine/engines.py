@@ -102,6 +102,22 @@ class Process:
                 pass
         return total
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the whole process tree has used so far (its live processes; a bench takes
+        differences over a phase)."""
+        import psutil
+
+        assert self.proc is not None
+        root = psutil.Process(self.proc.pid)
+        total = 0.0
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+                total += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
     def wait_healthy(self, timeout: float = START_TIMEOUT_SECONDS, path: str = "/health",
                      interval: float = 0.5) -> float:
         """Seconds until GET path answers 200, polled every `interval`; fails with the log tail if the process dies

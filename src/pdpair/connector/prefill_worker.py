@@ -13,13 +13,13 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
 from pdpair.connector import timeline
 from pdpair.connector.config import PeerAddress, check_peer_set
 from pdpair.connector.deadlines import flush_deadline, keyed_pull_deadline, parked_pull_deadline
+from pdpair.connector.layer_streams import LayerStream, LayerStreams, pending_layers
 from pdpair.connector.metadata import (
     Message,
     Pull,
@@ -53,35 +53,6 @@ PUSH_WORKERS = 4
 # flushing them): decode's deadline (PDPAIR_HANG_TIMEOUT_SECONDS) counts from its Pull, so a slow push is the first
 # thing to look for when a load times out.
 SLOW_PUSH_SECONDS = 1.0
-
-
-@dataclass
-class LayerStream:
-    """Prefill, layer-wise puts: a request whose prompt the current (or a past) step computes, servable before it
-    finished: `written[k]` once the model wrote layer k (`events[k]`: the GPU copy or write to wait for, None on
-    CPU), `computed` once the step's forward ended. At most one Pull is served from it (`attached`); from the
-    request's finish on (its SendRequest) it is served as any held request."""
-
-    request: StreamRequest
-    written: list[bool]
-    events: list = field(default_factory=list)
-    computed: bool = False
-    attached: bool = False
-    # time.monotonic() stamps, for the timeline: the step's start, each layer's write
-    started: float = field(default_factory=time.monotonic)
-    written_at: list = field(default_factory=list)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def block_ids(self) -> list[int]:
-        return self.request.block_ids
-
-    @property
-    def prompt_digest(self) -> bytes:
-        return self.request.prompt_digest
 
 
 class PrefillEdge:
@@ -124,15 +95,10 @@ class PrefillWorker(WorkerBase):
         # request id -> serves (pushes or releases) submitted and not yet ended: the blocks are reported sent once,
         # when the last of them ends (a release can come while a failed load's push still reads them).
         self._serving: dict[str, int] = {}
-        # Layer-wise puts: request id -> its stream (from the step computing it until its SendRequest comes), the
-        # transfer key -> request id, the streams of the running step (engine thread), and the requests whose
-        # streamed serve ended before their SendRequest came (request id -> when): that send is reported at once.
-        self._streams: dict[str, LayerStream] = {}
-        self._stream_keys: dict[str, str] = {}
-        self._step_streams: list[LayerStream] = []
-        self._served_early: dict[str, float] = {}
+        # Layer-wise puts: the requests a step computes, servable while it runs (layer_streams.py), and each KV
+        # layer's index by vLLM's layer name (save_kv_layer names it)
+        self._streams = LayerStreams(self._progress)
         self._layer_of: dict[str, int] = {}
-        self._closed = False
         self._pushers = ThreadPoolExecutor(PUSH_WORKERS, thread_name_prefix=f"pdpair-push-r{self.tp_rank}")
 
     # --- the peer set --------------------------------------------------------------------------------
@@ -291,9 +257,7 @@ class PrefillWorker(WorkerBase):
         self._begin_streams(meta.reqs_to_stream)
         with self._lock:
             for send in meta.reqs_to_send:
-                self._end_stream(send.request_id)
-                if self._served_early.pop(send.request_id, None) is not None or \
-                        (send.aborted and send.request_id not in self._serving):
+                if self._streams.end(send.request_id) or (send.aborted and send.request_id not in self._serving):
                     self._finished_sending.add(send.request_id)  # its streamed serve ended: nothing reads them
                     continue
                 self._sends[send.request_id] = send
@@ -304,65 +268,43 @@ class PrefillWorker(WorkerBase):
             edge.side.post()  # its parked pulls may be servable now
 
     def _begin_streams(self, requests) -> None:
-        """Engine thread: the streamed requests of this step become servable (once each: vLLM starts the step's
-        loads after its forward, so the first `layer_written` of the step begins them, and `start_load_kv` finds
-        them begun). Parked Pulls naming their keys are looked at again."""
+        """Engine thread: the step's streamed requests become servable (at its first `layer_written`, as vLLM starts
+        the step's loads after its forward); parked Pulls naming their keys are looked at again."""
         if not requests:
             return
         layers = len(self.regions.ptrs) if self.regions is not None else 0
         with self._lock:
-            new = [request for request in requests if request.request_id not in self._streams]
-            for request in new:
-                stream = LayerStream(request, [False] * layers, [None] * layers, written_at=[None] * layers)
-                self._streams[request.request_id] = stream
-                self._stream_keys.setdefault(request.transfer_key, request.request_id)
-                self._step_streams.append(stream)
+            new = self._streams.begin(requests, layers)
         if new:
             for edge in self._edges_now():
                 if edge.parked:
                     edge.side.post()  # a parked Pull may name one of them
 
-    def _end_stream(self, request_id: str) -> None:
-        """Under the lock: the request finished (its SendRequest came): a later Pull is served from the send."""
-        stream = self._streams.pop(request_id, None)
-        if stream is not None and self._stream_keys.get(stream.request.transfer_key) == request_id:
-            del self._stream_keys[stream.request.transfer_key]
-
     def layer_written(self, layer_name: str, streams: list[StreamRequest] | tuple = ()) -> None:
         """Engine thread (save_kv_layer): the model wrote this layer of the step's streamed requests (`streams`: the
         step's metadata; begun at the step's first layer)."""
-        if streams and not self._step_streams:
+        if streams and not self._streams.step:
             self._begin_streams(streams)
-        if not self._step_streams:
+        if not self._streams.step:
             return
         layer = self._layer_of.get(layer_name)
         if layer is None:
             return
-        self._mark_written([layer])
+        self._mark_written(self._streams.step, [layer])
 
     def step_computed(self) -> None:
         """Engine thread (wait_for_save): every layer of the step's streamed requests is written."""
-        if not self._step_streams:
+        if not self._streams.step:
             return
-        streams, self._step_streams = self._step_streams, []
-        pending = sorted({layer for stream in streams for layer, done in enumerate(stream.written) if not done})
-        self._mark_written(pending, streams)
+        streams, self._streams.step = self._streams.step, []
+        self._mark_written(streams, pending_layers(streams))
         with self._lock:
-            for stream in streams:
-                stream.computed = True
-            self._progress.notify_all()
+            self._streams.mark_computed(streams)
 
-    def _mark_written(self, layers: list[int], streams: list[LayerStream] | None = None) -> None:
-        streams = self._step_streams if streams is None else streams
+    def _mark_written(self, streams: list[LayerStream], layers: list[int]) -> None:
         events = {layer: self._layer_event(layer, streams) for layer in layers}
-        now = time.monotonic()
         with self._lock:
-            for stream in streams:
-                for layer in layers:
-                    stream.written[layer] = True
-                    stream.events[layer] = events[layer]
-                    stream.written_at[layer] = now
-            self._progress.notify_all()
+            self._streams.mark_written(streams, layers, events)
 
     def _layer_event(self, layer: int, streams: list[LayerStream]):
         """What a put of this layer waits for: on a GPU, the staging copy of the streams' blocks (tcp) or the
@@ -388,9 +330,7 @@ class PrefillWorker(WorkerBase):
             for request_id in [r for r, send in self._sends.items() if send.expires_at < now and r not in self._serving]:
                 logger.warning("request %s: decode never pulled its KV within the lease; freeing the blocks", request_id)
                 self._forget_send(request_id)
-            lease = self.config.send_lease_seconds
-            for request_id in [r for r, at in self._served_early.items() if at + lease < now]:
-                del self._served_early[request_id]  # its send never came (bookkeeping bound only)
+            self._streams.forget_older_than(now - self.config.send_lease_seconds)
             finished, self._finished_sending = self._finished_sending, set()
             held = sum(len(send.block_ids) for send in self._sends.values())
         self.accounts.set_blocks_held(held)
@@ -426,8 +366,7 @@ class PrefillWorker(WorkerBase):
         send = self._send_of(pull)
         if send is not None:
             return send
-        stream = self._streams.get(self._stream_keys.get(pull.remote_request_id, ""))
-        return stream if stream is not None and not stream.attached else None
+        return self._streams.servable(pull.remote_request_id)
 
     def _forget_send(self, request_id: str) -> None:
         """Under the lock: the request's blocks are reported sent (freed), once."""
@@ -475,16 +414,13 @@ class PrefillWorker(WorkerBase):
             return
         with self._lock:
             if isinstance(send, LayerStream):
-                current = send if self._streams.get(request_id) is send and not send.attached else None
-                if current is None:  # its request finished meanwhile: served from its send (or already served)
-                    current = self._send_of(pull)
-                if current is None:
-                    edge.parked[pull.transfer_id] = (pull, keyed_pull_deadline(self.config.hang_timeout_seconds,
-                                                                                received), received)
-                    return
-                send = current
-                if isinstance(send, LayerStream):
-                    send.attached = True
+                if not self._streams.claim(send):  # its request finished meanwhile: served from its send, or
+                    current = self._send_of(pull)  # parked until its bound as any Pull prefill holds nothing for
+                    if current is None:
+                        edge.parked[pull.transfer_id] = (pull, keyed_pull_deadline(self.config.hang_timeout_seconds,
+                                                                                    received), received)
+                        return
+                    send = current
             elif self._sends.get(request_id) is not send:  # another serve of it ended (and reported its blocks)
                 edge.side.post(PullFailed(pull.transfer_id, f"prefill holds no KV for request {pull.remote_request_id} "
                                                             "(unknown, expired or already sent)"))
@@ -512,8 +448,8 @@ class PrefillWorker(WorkerBase):
         self._serving.pop(request_id, None)
         if request_id in self._sends:
             self._forget_send(request_id)
-        elif request_id in self._streams:
-            self._served_early[request_id] = time.monotonic()
+        else:
+            self._streams.serve_ended(request_id)
 
     def _serve_and_reply(self, edge: PrefillEdge, pull: Pull, send: SendRequest | LayerStream, received: float,
                          route) -> None:
@@ -568,7 +504,8 @@ class PrefillWorker(WorkerBase):
             bound = time.monotonic() + self.config.hang_timeout_seconds
             for layer in range(layers):
                 if stream is not None:
-                    written, event = self._wait_written(stream, layer, bound)
+                    with self._lock:
+                        written, event = self._streams.wait_written(stream, layer, bound)
                     if not written:
                         return PullFailed(pull.transfer_id, f"prefill did not compute layer {layer} of request "
                                                             f"{pull.remote_request_id} within "
@@ -614,17 +551,6 @@ class PrefillWorker(WorkerBase):
                      last_put=wall_time(last_put), flushed=wall_time(flushed), **streamed)
         return PullDone(pull.transfer_id, nbytes)
 
-    def _wait_written(self, stream: LayerStream, layer: int, bound: float) -> tuple[bool, object]:
-        """Push thread: wait until the model wrote `layer` of the streamed request, at most until `bound` (or the
-        worker's shutdown): (written, the event to wait for)."""
-        with self._lock:
-            while not (stream.written[layer] or stream.computed):
-                left = bound - time.monotonic()
-                if left <= 0 or self._closed:
-                    return False, None
-                self._progress.wait(left)
-            return True, stream.events[layer]
-
     def _apply_drop_knob(self, comm: PairComm) -> None:
         """TEST ONLY: while the knob file exists the native sender drops every N-th signal. Content `N` (empty: 1)
         on every TP rank, `N@R` on TP rank R only."""
@@ -657,8 +583,7 @@ class PrefillWorker(WorkerBase):
 
     def shutdown(self) -> None:
         with self._lock:
-            self._closed = True  # a streamed serve waiting for a layer gives up
-            self._progress.notify_all()
+            self._streams.close()  # a streamed serve waiting for a layer gives up
         with self._peers_lock:
             edges, self._edges = list(self._edges.values()), {}
             self._registered = False

@@ -50,7 +50,7 @@ its body is read. The router then sends `Authorization: Bearer <key>` to prefill
 variable, refuses a /v1 request without it), and to decode's /v1/models; never the client's own header.
 
 /health is the router's liveness; /readyz its readiness: at least one prefill and one decode that may be chosen (not
-draining) ready by their own readiness URLs (`readiness`), so a router started beside loading engines gets no traffic
+draining) ready by their own readiness URLs (`probes.readiness`), so a router started beside loading engines gets no traffic
 before they serve.
 
 Modules (README.md): the settings in config.py, the instances and the choice in pools.py, the push endpoint in
@@ -64,7 +64,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -74,7 +73,6 @@ from aiohttp import web
 from pdpair.connector import timeline
 from pdpair.contract import KV_PARAM_REMOTE_DECODE_URL, KV_PARAM_TRANSFER_KEY, MAX_PEERS_BODY_BYTES, METRICS_PATH, PEERS_PATH
 from pdpair.contract import READYZ_PATH, ROLE_DECODE, ROLE_PREFILL  # READYZ_PATH: the router's readiness too: it has a prefill and a decode that are ready
-from pdpair.contract import PROBE_WAIT_PARAM, parse_probe_wait, probe_hold_pause
 from pdpair.router.api_key import api_key_guard
 from pdpair.router.config import (
     HEALTH_PATH,
@@ -90,6 +88,7 @@ from pdpair.router.metrics import METRICS_REGISTRY, metrics_handler, registry_fo
 from pdpair.router.peer_push import no_peers_handler, peers_handler, check_peers_token
 from pdpair.router.kv_usage import scrape_kv_usage
 from pdpair.router.prefix_index import prompt_hashes
+from pdpair.router.probes import health, readyz
 from pdpair.router.split import LOCAL, TOKENS_PER_CHUNK, prompt_tokens, uncached_tokens
 from pdpair.router.pools import ROUTER, Instance, Pool, Router, no_instance
 
@@ -486,53 +485,6 @@ async def _decode(router: Router, decode: Instance, request: web.Request, body: 
     return error.response(request_id)
 
 
-async def _health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
-async def _instance_ready(router: Router, instance: Instance) -> tuple[bool, str]:
-    timeout = aiohttp.ClientTimeout(total=router.config.ready_check_timeout_seconds)
-    try:
-        async with router.session.get(instance.ready_url, timeout=timeout) as resp:
-            await resp.read()
-            return resp.status == 200, f"HTTP {resp.status}"
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        return False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-async def readiness(router: Router) -> tuple[bool, dict]:
-    """Ready while at least one prefill and one decode answer 200 on their own readiness URLs (the operator gives
-    each engine pod's /readyz: paired, serving, warmed up), all asked at once, each within
-    ready_check_timeout_seconds. The operator creates the router while the engines still load, so this is what keeps
-    the pair's Service off it until a request through it can be served. Only instances that may be chosen count
-    (a draining one is not asked): a pushed set with none of a role makes the router not ready (`warnings`)."""
-    instances = [*router.prefills.instances, *router.decodes.instances]
-    answers = await asyncio.gather(*(_instance_ready(router, i) for i in instances))
-    body: dict = {"prefill": [], "decode": []}
-    for instance, (ok, detail) in zip(instances, answers):
-        body[instance.role].append({"index": instance.index, "url": instance.ready_url, "ready": ok, "detail": detail})
-    ready = all(any(entry["ready"] for entry in body[role]) for role in ("prefill", "decode"))
-    warnings = [no_instance(role) for role in ("prefill", "decode") if not body[role]]
-    return ready, {**body, "warnings": warnings} if warnings else body
-
-
-async def _readyz(request: web.Request) -> web.Response:
-    """readiness(), held while it fails for the probe's `?wait=SECONDS` (contract.PROBE_WAIT_PARAM; 400 for a bad
-    value): asked again every PROBE_WAIT_POLL_SECONDS, no new ask after the wait, so the kubelet sees the router
-    ready within that of its engines being ready, not a probe period later."""
-    try:
-        wait = parse_probe_wait(request.query.get(PROBE_WAIT_PARAM))
-    except ValueError as exc:
-        return web.json_response({"error": str(exc)}, status=400)
-    deadline = time.monotonic() + wait
-    while True:
-        ready, body = await readiness(request.app[ROUTER])
-        pause = probe_hold_pause(ready, deadline - time.monotonic())
-        if pause is None:
-            return web.json_response({"ready": ready, **body}, status=200 if ready else 503)
-        await asyncio.sleep(pause)
-
-
 async def _models(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     if not router.decodes.instances:
@@ -607,8 +559,8 @@ def make_app(config: RouterConfig) -> web.Application:
     app.cleanup_ctx.append(client_ctx)
     for route in ROUTES:
         app.router.add_post(route, _proxy)
-    app.router.add_get(HEALTH_PATH, _health)
-    app.router.add_get(READYZ_PATH, _readyz)
+    app.router.add_get(HEALTH_PATH, health)
+    app.router.add_get(READYZ_PATH, readyz)
     app.router.add_get("/v1/models", _models)
     app.router.add_get(METRICS_PATH, metrics_handler)
     if pushed:
