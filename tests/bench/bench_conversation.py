@@ -302,6 +302,7 @@ def main() -> int:
                 except Exception as exc:  # noqa: BLE001
                     print(f"{name}: warm-up {attempt} failed: {exc}", file=sys.stderr)
         ready.sort(key=lambda setup: wanted.index(setup[0]))  # run in the order --setups gives (the box drifts)
+        report["load_settled"] = quiet.settle("bench_conversation")  # the engines' starts are over
         for name, url, engine_urls in ready:
             cpu_before = {proc.name: proc.cpu_seconds() for proc in procs if proc.alive()}
             row = run_setup(name, url, engine_urls, trace, tokenizer, args.clients, args.output_len)
