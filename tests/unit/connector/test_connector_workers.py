@@ -60,12 +60,14 @@ def pair():
     yield from _pair()
 
 
-def _pair(**prefill_settings):
-    """A paired decode and prefill worker (prefill's config with `prefill_settings`); both shut down after."""
+def _pair(hang: float = HANG_TIMEOUT, **prefill_settings):
+    """A paired decode and prefill worker with this hang timeout (prefill's config with `prefill_settings`); both
+    shut down after."""
     port = free_port()
-    decode = DecodeWorker(config(contract.ROLE_DECODE, port), 0, 1, 32, "0.32.0")
-    prefill = PrefillWorker(dataclasses.replace(config(contract.ROLE_PREFILL, port), **prefill_settings), 0, 1, 32,
-                            "0.32.0")
+    decode = DecodeWorker(dataclasses.replace(config(contract.ROLE_DECODE, port), hang_timeout_seconds=hang), 0, 1,
+                          32, "0.32.0")
+    prefill = PrefillWorker(dataclasses.replace(config(contract.ROLE_PREFILL, port), hang_timeout_seconds=hang,
+                                                **prefill_settings), 0, 1, 32, "0.32.0")
     decode_kv = {name: torch.full((NUM_BLOCKS, *BLOCK_SHAPE), -1.0) for name in LAYERS}
     prefill_kv = kv_caches(0.0)
     try:

@@ -27,14 +27,11 @@ from pdpair.connector.scheduler import (
     SendRequest,
     StreamRequest,
 )
-from devcluster.ports import free_port
 from tests.unit.connector.test_connector_workers import (
-    BLOCK_SHAPE,
     DEADLINE,
     LAYERS,
-    NUM_BLOCKS,
+    _pair,
     config,
-    kv_caches,
     settle,
 )
 
@@ -45,22 +42,7 @@ DIGEST = bytes(range(32))
 @pytest.fixture
 def pair(request):
     """A paired decode and prefill worker, with the hang timeout a test gives as the fixture's parameter (30 s)."""
-    hang = getattr(request, "param", 30.0)
-    port = free_port()
-    decode = DecodeWorker(dataclasses.replace(config(contract.ROLE_DECODE, port), hang_timeout_seconds=hang), 0, 1,
-                          32, "0.32.0")
-    prefill = PrefillWorker(dataclasses.replace(config(contract.ROLE_PREFILL, port), hang_timeout_seconds=hang), 0,
-                            1, 32, "0.32.0")
-    decode_kv = {name: torch.full((NUM_BLOCKS, *BLOCK_SHAPE), -1.0) for name in LAYERS}
-    prefill_kv = kv_caches(0.0)
-    try:
-        decode.register_kv_caches(decode_kv, NUM_BLOCKS)
-        prefill.register_kv_caches(prefill_kv, NUM_BLOCKS)
-        assert prefill.side.connected.wait(DEADLINE) and decode.side.connected.wait(DEADLINE), "the pair never formed"
-        yield decode, prefill, decode_kv, prefill_kv
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
+    yield from _pair(hang=getattr(request, "param", 30.0))
 
 
 def keyed_pull(decode: DecodeWorker, blocks: list[int]) -> None:
