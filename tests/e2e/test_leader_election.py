@@ -143,3 +143,41 @@ def test_leader_fences_itself_when_renewals_fail(electors, cluster_namespace):
     a.stop()
     assert "no successful lease renewal" in reasons[0]
     wait_for(lambda: _holder(coord, ns, lease_name) == "intruder", 5, "the intruder still holding")
+
+
+class _LostAnswers:
+    """The coordination API with every lease write's answer after the first lost once the apiserver applied it, as
+    a read timeout on a busy box does (urllib3 then retries the PUT, and the retry is refused with 409)."""
+
+    def __init__(self, api):
+        self.api = api
+        self.writes = 0
+        self.lost = 0
+
+    def __getattr__(self, name):
+        return getattr(self.api, name)
+
+    def replace_namespaced_lease(self, *args, **kwargs):
+        from kubernetes.client.exceptions import ApiException
+
+        self.api.replace_namespaced_lease(*args, **kwargs)
+        self.writes += 1
+        if self.writes == 1:
+            return None
+        self.lost += 1
+        raise ApiException(status=409, reason="Conflict")
+
+
+def test_a_renewal_whose_answer_is_lost_still_counts(electors, cluster_namespace):
+    """Every renewal lands but answers 409 (the lost-answer retry): the leader reads the Lease back, sees its own
+    record and keeps leading; a 409 from another writer still fences (the test above). Costs ~3 s."""
+    ns = cluster_namespace
+    _, _, (a,) = electors(ns, "a")
+    lossy = _LostAnswers(a.api)
+    a.api = lossy
+    lost = threading.Event()
+    assert a.wait_for_leadership()
+    a.keep_leading(lambda reason: lost.set())
+    assert not lost.wait(RENEW + 1.0), "the leader fenced itself although every renewal landed"
+    assert lossy.lost >= 2, f"only {lossy.lost} answers were lost: the test did not exercise the read-back"
+    assert time.monotonic() - a.last_renewed_at < 2 * RETRY + 1.0

@@ -88,7 +88,9 @@ class LeaderElector:
         from kubernetes.client.exceptions import ApiException
 
         s = self.settings
-        timeout = request_timeout(max(0.5, min(s.retry_period, s.renew_deadline / 2)))
+        # Half the renew deadline per call: under a busy apiserver a renewal that takes longer than the retry
+        # period still counts, and two tries fit before the watchdog fences (it fences whatever a call does).
+        timeout = request_timeout(max(0.5, s.renew_deadline / 2))
         sent = self.clock()
         now = _utc_now()
         try:
@@ -133,11 +135,29 @@ class LeaderElector:
             # replace carries metadata.resourceVersion: a concurrent writer makes this a 409, never a double win
             self.api.replace_namespaced_lease(s.lease_name, s.namespace, lease, _request_timeout=timeout)
         except Exception as exc:
-            log.info("leader election: writing lease %s failed: %s", s.lease_name, getattr(exc, "reason", exc))
-            return False
+            # A write whose answer was lost (read timeout) may have landed; urllib3 then retries the same PUT,
+            # which the apiserver refuses with 409 because the first one changed the resourceVersion. Either way
+            # a read shows whether the Lease now holds exactly the record this call sent.
+            if not self._landed(now, timeout):
+                log.info("leader election: writing lease %s failed: %s", s.lease_name,
+                         getattr(exc, "reason", None) or exc)
+                return False
+            log.info("leader election: writing lease %s answered %s, but the write landed", s.lease_name,
+                     getattr(exc, "reason", None) or type(exc).__name__)
         if not ours:
             log.info("leader election: took lease %s from %r", s.lease_name, previous_holder)
         return self._won(sent)
+
+    def _landed(self, renew_time: datetime.datetime, timeout: tuple[float, float]) -> bool:
+        """Whether the Lease holds this candidate with the renew time it just sent (microsecond precision, so no
+        other write can match it)."""
+        try:
+            lease = self.api.read_namespaced_lease(self.settings.lease_name, self.settings.namespace,
+                                                   _request_timeout=timeout)
+        except Exception:
+            return False
+        spec = lease.spec
+        return bool(spec and spec.holder_identity == self.settings.identity and spec.renew_time == renew_time)
 
     def _won(self, sent: float) -> bool:
         self.last_renewed_at = sent
