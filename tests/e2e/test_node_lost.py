@@ -142,3 +142,98 @@ def test_a_partitioned_node_is_left_behind_with_its_ports_fenced_and_the_pair_se
         listeners.stop()
         for name in (lost, good):
             cluster.kubectl("delete", "node", name, "--wait=false", check=False)
+
+
+def _cut(api, node, pool):
+    """The partition of the test above: kwok lets go of `node`, which reported NotReady (with the not-ready taint)
+    before going silent. Returns the monotonic time NotReady was stamped."""
+    api.core.patch_node(node, {"metadata": {"labels": {FAKE_NODE_LABEL[0]: None}}})
+    time.sleep(1)
+    cut = time.monotonic()
+    stamp = _now()
+    api.core.patch_node_status(node, {"status": {"conditions": [
+        {"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "partition (test)",
+         "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}]}})
+    api.core.patch_node(node, {"spec": {"taints": [
+        {"key": POOL_LABEL, "value": pool, "effect": "NoSchedule"},
+        {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]}})
+    return cut
+
+
+def test_a_lost_node_in_a_serving_xpyd_pair_replaces_only_its_pods_on_the_same_generation(
+        platform, cluster_namespace, tmp_path):
+    """2P2D with a router on two nodes of the test's own, nothing pinned: each role spreads over both nodes (the
+    default preferred anti-affinity). The router's node is cut off: its router, prefill and decode are force-deleted
+    once their ports are fenced and come back under the same names on the other node, while the other node's
+    prefill and decode keep their pods; the pair keeps generation 1, no restart is counted, and the fences outlive
+    the force-deleted pods until the node is back. Cost: about 40 s, kwok only, no engine."""
+    cluster, _ = platform
+    api = Api(cluster)
+    ns = cluster_namespace
+    pool = f"nx-{uuid.uuid4().hex[:6]}"
+    nodes = (f"{pool}-a", f"{pool}-b")
+    placement = own_nodes(cluster, api, POOL_LABEL, pool, nodes)
+    env = {**NO_HEALTH, ENV_NODE_LOST_SECONDS: str(NODE_LOST_SECONDS), ENV_SWEEP_INTERVAL: "2"}
+    listeners = DecodeListeners(api, ns)
+
+    def pods():
+        return {p.metadata.name: p for p in api.core.list_namespaced_pod(ns).items}
+
+    def serving(pair):
+        status = pair.get("status") or {}
+        return (status.get("phase") == "Ready" and (status.get("prefill") or {}).get("readyOfDesired") == "2/2"
+                and (status.get("decode") or {}).get("readyOfDesired") == "2/2"
+                and (condition(pair, "Ready") or {}).get("status") == "True")
+
+    try:
+        with operator(platform, ns, pool_of_free_ports(40), tmp_path, env=env):
+            api.create_pair(ns, "nx", router={"enabled": True, **placement}, decode={"replicas": 2, **placement},
+                            prefill={"replicas": 2, **placement})
+            wait_for(lambda: serving(api.pair(ns, "nx")), 90, "2P2D Ready")
+            before = pods()
+            by_role: dict[str, set[str]] = {}
+            for pod in before.values():
+                by_role.setdefault(pod.metadata.labels[LABEL_ROLE], set()).add(pod.spec.node_name)
+            assert by_role[ROLE_PREFILL] == set(nodes) and by_role[ROLE_DECODE] == set(nodes), \
+                f"a role did not spread over both nodes: {by_role}"
+            [router] = [p for p in before.values() if p.metadata.labels[LABEL_ROLE] == "router"]
+            lost = router.spec.node_name
+            on_lost = {n for n, p in before.items() if p.spec.node_name == lost}
+            kept = {n: p.metadata.uid for n, p in before.items() if n not in on_lost}
+            lost_ports = set().union(*(declared_ports(before[n]) for n in on_lost))
+
+            cut = _cut(api, lost, pool)
+
+            def replaced():
+                now = pods()
+                return all(n in now and now[n].metadata.uid != before[n].metadata.uid
+                           and now[n].spec.node_name != lost for n in on_lost)
+
+            wait_for(replaced, 60, "the lost node's pods re-created elsewhere under their names")
+            decided = time.monotonic() - cut
+            assert lost_ports <= set(api.fences(f"{ns}/")), "a force-deleted pod's ports are not fenced"
+            wait_for(lambda: serving(api.pair(ns, "nx")), 60, "2P2D Ready again")
+            back = time.monotonic() - cut
+            pair = api.pair(ns, "nx")
+            assert pair["status"]["pairGeneration"] == 1 and not pair["status"].get("restarts"), pair["status"]
+            now = pods()
+            assert {n: now[n].metadata.uid for n in kept} == kept, "a pod on the other node was touched"
+            assert not [n for n, p in now.items() if p.metadata.deletion_timestamp], "a pod left terminating"
+            reasons = [e.reason for e in api.events(ns) if e.involved_object.name == "nx"]
+            assert reasons.count("PodForceDeleted") == len(on_lost), reasons
+
+            # The fences outlive the force-deleted pods while the node is lost (several sweeps), and go once it is back.
+            time.sleep(5)
+            assert lost_ports <= set(api.fences(f"{ns}/")), "a fence ended while its node is still lost"
+            api.core.patch_node(lost, {"metadata": {"labels": {FAKE_NODE_LABEL[0]: FAKE_NODE_LABEL[1]}},
+                                       "spec": {"taints": [{"key": POOL_LABEL, "value": pool,
+                                                            "effect": "NoSchedule"}]}})
+            wait_for(lambda: not lost_ports & set(api.fences()), 30, "the fences released once the node is back")
+            print(f"\nxPyD node lost: {sorted(on_lost)} replaced {decided:.1f}s after the cut, Ready again "
+                  f"{back:.1f}s after it, generation 1, no restart")
+            api.delete_pair(ns, "nx")
+            wait_for(lambda: not api.pairs(ns), 60, "pair deleted")
+    finally:
+        listeners.stop()
+        for name in nodes:
+            cluster.kubectl("delete", "node", name, "--wait=false", check=False)

@@ -49,7 +49,7 @@ class SimWorld:
         self.status["phase"] = plan.phase
         if plan.instance_restart_times is not None:
             self.instance_restarts = (plan.pair_generation, dict(plan.instance_restart_times))
-        for name in plan.delete:
+        for name in plan.force_delete + plan.delete:
             self.log.append(f"delete {name}")
             self.pods.pop(name)  # the sim's pods vanish at once
         for name in plan.mark_draining:

@@ -235,16 +235,33 @@ def test_instance_0_is_replaced_alone_too_once_the_pair_served():
 
 def test_the_last_serving_instance_of_a_role_failing_restarts_the_pair_in_order():
     """1P2D: prefill 0 is the only prefill: nothing serves without it, so the pair restarts in order (a new
-    generation, the whole pair, the pair's own budget), as a 1P1D pair always did. So does a failed router."""
+    generation, the whole pair, the pair's own budget), as a 1P1D pair always did."""
     world = SimWorld(spec(prefill=1, decode=2))
     simulate_until_ready(world)
     fail(world, "p-prefill-1")
     plan = next_step(world.spec, world.status, world.observe())
     assert plan.step == d.STEP_BROKEN and not plan.heals_alone
+
+
+def test_a_failed_router_is_replaced_alone_and_starts_with_the_serving_instances():
+    """2P2D: the router fails; the engines keep their pods. The router is deleted and re-created (its own budget,
+    "router-0"), the phase stays Ready while the Ready condition says the router is being replaced, and the new
+    router starts with the lowest serving instance of each role (prefill 0 is down meanwhile: it is not one)."""
     world = SimWorld(spec(prefill=2, decode=2))
     simulate_until_ready(world)
+    fail(world, "p-prefill-1")
     fail(world, "p-router-1")
-    assert next_step(world.spec, world.status, world.observe()).step == d.STEP_BROKEN
+    plan = next_step(world.spec, world.status, world.observe())
+    assert plan.delete == ("p-router-1",) and plan.heals_alone and plan.phase == "Ready"
+    ready = next(c for c in plan.conditions if c.type == "Ready")
+    assert (ready.status, ready.reason) == ("False", "RouterReplacing")
+    assert set(plan.instance_restart_times) == {"router-0"}
+    world.apply(plan)
+    plan = next_step(world.spec, world.status, world.observe())
+    assert plan.create == "router" and plan.step == d.STEP_CREATE_ROUTER and plan.phase == "Ready"
+    from pdpair.operator.decide.pushes import first_router_members
+    first = first_router_members(world.pods.values(), plan.pair_generation)
+    assert (first["prefill"].name, first["decode"].name) == ("p-prefill-1-1", "p-decode-1")
 
 
 def test_a_1p1d_pair_still_restarts_as_a_whole():

@@ -469,3 +469,33 @@ def test_sidecars_and_init_containers_keep_their_own_security():
     pod = build(pair())
     assert "securityContext" not in container(pod, "log-shipper")
     assert pod["spec"]["initContainers"] == [INIT]
+
+
+def test_a_roles_instances_prefer_distinct_nodes_unless_the_role_says_how_to_spread():
+    """By default each engine pod carries a preferred pod anti-affinity term against its own role and generation
+    (one lost node takes one instance of a role); a node affinity the user set is kept beside it; a role that sets
+    its own podAntiAffinity or topologySpreadConstraints keeps only that; the router carries none."""
+    from pdpair.contract import LABEL_GENERATION, LABEL_PAIR_UID, LABEL_ROLE
+    from pdpair.operator.build.pods import SPREAD_TOPOLOGY_KEY
+
+    p = pair()
+    constraints = p["spec"]["decode"]["template"]["spec"].pop("topologySpreadConstraints")
+    pod = build(p)
+    terms = pod["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert len(terms) == 1 and terms[0]["podAffinityTerm"]["topologyKey"] == SPREAD_TOPOLOGY_KEY
+    selector = terms[0]["podAffinityTerm"]["labelSelector"]["matchLabels"]
+    assert selector == {k: pod["metadata"]["labels"][k] for k in (LABEL_PAIR_UID, LABEL_ROLE, LABEL_GENERATION)}
+    assert selector[LABEL_ROLE] == "decode"
+    node_affinity = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}
+    p["spec"]["decode"]["template"]["spec"]["affinity"] = {"nodeAffinity": node_affinity}
+    pod = build(p)
+    assert pod["spec"]["affinity"]["nodeAffinity"] == node_affinity and "podAntiAffinity" in pod["spec"]["affinity"]
+    own = {"requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {"matchLabels": {"a": "b"}},
+                                                                "topologyKey": "rack"}]}
+    p["spec"]["decode"]["template"]["spec"]["affinity"] = {"podAntiAffinity": own}
+    assert build(p)["spec"]["affinity"] == {"podAntiAffinity": own}
+    del p["spec"]["decode"]["template"]["spec"]["affinity"]
+    p["spec"]["decode"]["template"]["spec"]["topologySpreadConstraints"] = constraints
+    assert "affinity" not in build(p)["spec"]
+    assert "affinity" not in build(p, "router")["spec"]

@@ -14,6 +14,7 @@ from typing import Any
 from pdpair.contract import GROUP, PLURAL, VERSION
 
 from pdpair.operator.act.kube_api import api_status
+from pdpair.operator.model.observed import NodeView
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,8 @@ async def sweep_forever(runtime: Any) -> None:
             if released:
                 log.info("orphan sweep released %d leases", released)
             await runtime.leaser.sweep_quarantines()  # ports found busy on a node come back after their TTL
-            await runtime.leaser.sweep_fences(lambda ns, name, uid: pod_exists(runtime, ns, name, uid))
+            await runtime.leaser.sweep_fences(lambda ns, name, uid: pod_exists(runtime, ns, name, uid),
+                                              lambda node: node_still_lost(runtime, node))
             await runtime.leaser.refresh_taken()
         except asyncio.CancelledError:
             raise
@@ -60,3 +62,17 @@ async def pod_exists(runtime: Any, namespace: str, name: str, uid: str) -> bool:
             return False
         raise
     return pod.metadata.uid == uid
+
+
+async def node_still_lost(runtime: Any, node: str) -> bool:
+    """The node exists and is not back: not Ready, or still tainted unreachable (nodes.py's test without its wait:
+    a fence stays until the kubelet that could still run the fenced pod's containers is back to end them). A
+    deleted node runs nothing: False."""
+    try:
+        body = await asyncio.to_thread(runtime.core.read_node, node)
+    except Exception as exc:
+        if api_status(exc) == 404:
+            return False
+        raise
+    view = NodeView.from_node(runtime.core.api_client.sanitize_for_serialization(body))
+    return view.unreachable or view.ready != "True"

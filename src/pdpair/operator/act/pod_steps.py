@@ -84,6 +84,14 @@ class PodSteps:
         live = {p.uid for p in pods if not p.deleting}
         for uid in [u for u, at in self.deleted_unseen.items() if u not in live or time.monotonic() - at > CREATED_UNSEEN_WAIT]:
             del self.deleted_unseen[uid]
+        for name in plan.force_delete:
+            pod = next((p for p in pods if p.name == name), None)
+            if pod is None or pod.uid in self.deleted_unseen:
+                continue
+            await self._delete_pod(name, pod.uid, grace_seconds=0)
+            self.deleted_unseen[pod.uid] = time.monotonic()
+            self.emit("Warning", "PodForceDeleted", f"force-deleted {pod.role} pod {name} on lost node {pod.node}: "
+                      "its kubelet cannot confirm an end while the node is cut off; its ports stay fenced to it")
         for name in plan.delete:
             pod = next((p for p in pods if p.name == name), None)
             if pod is not None and pod.uid in self.deleted_unseen:
@@ -221,10 +229,11 @@ class PodSteps:
                 return False
             raise
 
-    async def _delete_pod(self, name: str, uid: str | None) -> None:
+    async def _delete_pod(self, name: str, uid: str | None, grace_seconds: int | None = None) -> None:
         from kubernetes.client import V1DeleteOptions, V1Preconditions
 
-        opts = V1DeleteOptions(preconditions=V1Preconditions(uid=uid) if uid else None)
+        opts = V1DeleteOptions(preconditions=V1Preconditions(uid=uid) if uid else None,
+                               grace_period_seconds=grace_seconds)
         try:
             await asyncio.to_thread(call_dropped, self.rt.core.delete_namespaced_pod, name, self.ref.namespace,
                                     body=opts)

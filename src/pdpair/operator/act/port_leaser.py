@@ -443,8 +443,9 @@ class PortLeaser:
 
     async def fence(self, pair: PairRef, port: int, node: str, pod: str, reason: str) -> bool:
         """Turn the pair's lease of `port` into a fence Lease (holder node-lost/<node>, no duration) held for as
-        long as the pod `pod` (<namespace>/<name>/<uid>) exists: a pod on a lost node may still run and be bound to
-        the port, however long the partition lasts. sweep_fences releases it once that pod is gone. Same answers as
+        long as the pod `pod` (<namespace>/<name>/<uid>) exists or its node is lost: a pod on a lost node may still
+        run and be bound to the port, however long the partition lasts. sweep_fences releases it once that pod is
+        gone and the node is back (or deleted). Same answers as
         quarantine()."""
         return await self._hand_over(pair, port, f"{FENCE_HOLDER_PREFIX}{node}", None,
                                      {ANNOTATION_QUARANTINE_NODE: node, ANNOTATION_QUARANTINE_REASON: reason[:1024],
@@ -511,9 +512,12 @@ class PortLeaser:
             log.info("quarantine over for ports %s: free for leasing again", freed)
         return freed
 
-    async def sweep_fences(self, pod_exists: Callable[[str, str, str], Awaitable[bool]]) -> list[int]:
-        """Delete the fence Leases whose pod is gone; returns their ports. `pod_exists(namespace, name, uid)` is
-        awaited (True while a pod of that name and uid exists)."""
+    async def sweep_fences(self, pod_exists: Callable[[str, str, str], Awaitable[bool]],
+                           node_lost: Callable[[str], Awaitable[bool]]) -> list[int]:
+        """Delete the fence Leases whose pod is gone and whose node is no longer lost; returns their ports.
+        `pod_exists(namespace, name, uid)` is awaited (True while a pod of that name and uid exists), and
+        `node_lost(node)` (True while the node is still cut off): a pod force-deleted on a lost node (instances.heal)
+        is gone from the API, but its containers run on until its kubelet is back and ends them."""
         freed: list[int] = []
         for lease in await self.list_leases(f"{LABEL_PORT_QUARANTINE}=true"):
             port = _lease_port(lease)
@@ -523,6 +527,9 @@ class PortLeaser:
             namespace, _, rest = ref.partition("/")
             name, _, uid = rest.partition("/")
             if await pod_exists(namespace, name, uid):
+                continue
+            node = lease.annotations.get(ANNOTATION_QUARANTINE_NODE)
+            if node and await node_lost(node):
                 continue
             if await self._release_port(port, lease.uid):
                 freed.append(port)

@@ -368,8 +368,29 @@ def engine_pod(
     for key in SCHEDULING_FIELDS:
         if role_spec.get(key):
             pod["spec"][key] = copy.deepcopy(role_spec[key])
+    _spread_by_default(pod["spec"], pod["metadata"]["labels"])
     _add_preflight(pod, container)
     return _quantities_as_strings(pod)
+
+
+SPREAD_WEIGHT = 50  # of the scheduler's 1..100 for preferred terms: a user's preferred node affinity may outweigh it
+SPREAD_TOPOLOGY_KEY = "kubernetes.io/hostname"
+
+
+def _spread_by_default(pod_spec: dict[str, Any], labels: Mapping[str, str]) -> None:
+    """A role's instances of one generation prefer distinct nodes (a preferred pod anti-affinity term), so one lost
+    node takes one instance of a role, not all of them (an unpinned 2P2D pair once had both decodes on one node).
+    Preferred, never required: a pair with more instances than nodes still schedules. A role whose affinity or
+    template already says how its pods spread (podAntiAffinity, topologySpreadConstraints) keeps only that."""
+    if pod_spec.get("topologySpreadConstraints") or "podAntiAffinity" in (pod_spec.get("affinity") or {}):
+        return
+    selector = {key: labels[key] for key in (LABEL_PAIR_UID, LABEL_ROLE, LABEL_GENERATION)}
+    affinity = dict(pod_spec.get("affinity") or {})
+    affinity["podAntiAffinity"] = {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": SPREAD_WEIGHT,
+        "podAffinityTerm": {"labelSelector": {"matchLabels": selector}, "topologyKey": SPREAD_TOPOLOGY_KEY},
+    }]}
+    pod_spec["affinity"] = affinity
 
 
 def router_pod(

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Mapping
 from pdpair.contract import PHASE_READY, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 
 from pdpair.operator.model.pair_spec import PairSpec
-from pdpair.operator.decide.health import REASON_CONTAINER_RESTART, REASON_POD_FAILED
+from pdpair.operator.decide.health import REASON_CONTAINER_RESTART, REASON_NODE_LOST, REASON_POD_FAILED
 from pdpair.operator.model.observed import Finding, Observed, PodView, RouterDrainView
 from pdpair.operator.decide.restart_policy import Action, RestartPolicy, decide, prune, restarts_in_window
 
@@ -161,14 +161,20 @@ def instance_step(spec: PairSpec, pods: Iterable[PodView], generation: int, now:
 @dataclass(frozen=True)
 class Heal:
     """What `heal` decided for a serving xPyD generation: it keeps serving (phase Ready) while a failed or hung
-    engine instance is replaced alone."""
+    instance, or its router, is replaced alone, and while the pods a lost node took are replaced."""
 
     replace: PodView | None = None  # delete it now (its instance is re-created by instance_step once it is gone)
+    # Pods on a lost node whose ports are fenced to them: force-deleted now (grace 0: their kubelet cannot confirm a
+    # graceful end while the node is cut off), so their instances come back under the same names on Ready nodes
+    force_delete: tuple[PodView, ...] = ()
+    create_router: bool = False  # the generation's router is gone: create it now, with the serving instances
+    router_serving: bool = True  # False while the router is replaced (the Ready condition says so)
     restart_times: Mapping[str, tuple[float, ...]] | None = None  # the new per-instance record, when it changed
     wait_seconds: float | None = None  # a replacement in backoff: pass again no later
     message: str = ""
     serving: Mapping[str, int] = field(default_factory=dict)  # role -> instances serving (Ready, not draining)
     reason: str = ""  # the restart reason code of the replacement (health.RESTART_REASONS: the metric's label)
+    replaced_role: str = ""  # the role of what is replaced (the metric's label)
 
 
 def instance_key(pod: PodView) -> str:
@@ -187,23 +193,29 @@ def _failing(pod: PodView) -> bool:
     return pod.failed or pod.restarts > 0
 
 
+def _names(pod: PodView, finding: Finding | None, generation: int) -> bool:
+    return (finding is not None and finding.generation == generation and finding.pod == pod.name
+            and (not finding.pod_uid or finding.pod_uid == pod.uid))
+
+
 def heal(spec: PairSpec, pods: Iterable[PodView], generation: int, now: float,
          finding: Finding | None, restart_times: Mapping[str, tuple[float, ...]],
-         router_wanted: bool) -> Heal | None:
-    """For a generation that `heals_alone`: the instance to replace now (a failed pod, a container that restarted,
-    or the pod a health finding names: hung, unreachable, a stale generation), each under its own restart budget
-    and backoff (spec.restartPolicy, restart_policy.py, per "<role>-<index>"); or None when the generation cannot
-    go on serving alone and must restart in order as a whole: a role would have no serving instance left, the
-    router is not serving, or an instance spent its budget (the pair's own budget then counts the restart)."""
+         router_wanted: bool, stranded: frozenset[str] = frozenset(),
+         stranded_fenced: frozenset[str] = frozenset()) -> Heal | None:
+    """For a generation that `heals_alone`, what to replace now, while every role keeps a serving instance:
+      - the pods on a lost node (`stranded`; `stranded_fenced`: those whose ports are fenced to them), all at once,
+        outside any budget: force-deleted once fenced, then re-created like any missing instance (the router too);
+      - a failed engine pod, a container that restarted, or the pod a health finding names (hung, unreachable, a
+        stale generation), one at a time, each under its own restart budget and backoff (spec.restartPolicy,
+        restart_policy.py, per "<role>-<index>");
+      - the router when it failed, restarted or is named (budget "router-0"), and the router when it is gone.
+    None when the generation cannot go on serving alone and must restart in order as a whole: a role would have no
+    serving instance left, or an instance (or the router) spent its budget (the pair's own budget then counts the
+    restart)."""
     pods = [p for p in pods if p.generation == generation]
-    router = next((p for p in pods if p.role == ROLE_ROUTER and p.instance == 0), None)
-    if router_wanted and (router is None or not (router.running and router.ready) or _failing(router)):
-        return None
-    engines = [p for p in pods if p.role in ENGINE_ROLES and not p.deleting]
-    named = None
-    if finding is not None and finding.generation == generation and finding.pod:
-        named = next((p for p in engines if p.name == finding.pod
-                      and (not finding.pod_uid or finding.pod_uid == p.uid)), None)
+    lost = [p for p in pods if p.name in stranded]
+    engines = [p for p in pods if p.role in ENGINE_ROLES and not p.deleting and p.name not in stranded]
+    named = next((p for p in engines if _names(p, finding, generation)), None)
     # A draining instance (a scale-down chose it) is going anyway: instance_step deletes it after its drain, and it
     # is not re-created, so its failure is neither a replacement nor a charge on its budget.
     failing = [p for p in engines if p.draining_since is None and (_failing(p) or p is named)]
@@ -211,14 +223,39 @@ def heal(spec: PairSpec, pods: Iterable[PodView], generation: int, now: float,
                          p.draining_since is None and p not in failing) for role in ENGINE_ROLES}
     if any(count == 0 for count in serving.values()):
         return None
+    routers = [p for p in pods if p.role == ROLE_ROUTER and p.instance == 0]
+    router = next((p for p in routers if not p.deleting and p.name not in stranded), None)
+    router_serving = not router_wanted or (router is not None and router.running and router.ready
+                                           and not _failing(router))
+    if lost:
+        fenced = tuple(p for p in lost if p.name in stranded_fenced)
+        where = ", ".join(sorted({p.node for p in lost}))
+        what = ", ".join(f"{p.role} {p.instance}" if p.role in ENGINE_ROLES else p.role
+                         for p in sorted(lost, key=lambda p: (p.role, p.instance)))
+        if fenced:
+            return Heal(force_delete=fenced, serving=serving, router_serving=router_serving, reason=REASON_NODE_LOST,
+                        replaced_role=fenced[0].role,
+                        message=f"node {where} lost: replacing {what} alone on Ready nodes (force-deleted: their "
+                                f"ports stay fenced to them); the other instances serve")
+        return Heal(serving=serving, router_serving=router_serving, wait_seconds=1.0,
+                    message=f"node {where} lost: {what} wait for their ports to be fenced before they are replaced")
     policy = RestartPolicy.from_spec(spec.get("restartPolicy"))
+    if router_wanted and router is None:
+        if any(p.role == ROLE_ROUTER for p in routers):
+            return Heal(serving=serving, router_serving=False, message="waiting for the old router pod to go")
+        return Heal(create_router=True, serving=serving, router_serving=False,
+                    message="the router is gone: creating it with the serving instances")
+    candidates = sorted(failing, key=lambda p: (p.role != ROLE_DECODE, p.instance))
+    if router_wanted and router is not None and (_failing(router) or _names(router, finding, generation)):
+        candidates.insert(0, router)
     waits: list[float] = []
-    for pod in sorted(failing, key=lambda p: (p.role != ROLE_DECODE, p.instance)):
+    for pod in candidates:
         key = instance_key(pod)
         earlier = restart_times.get(key, ())
-        code = (finding.reason if pod is named and finding is not None else
+        is_named = _names(pod, finding, generation)
+        code = (finding.reason if is_named and finding is not None else
                 REASON_POD_FAILED if pod.failed else REASON_CONTAINER_RESTART)
-        why = (finding.message if pod is named and finding is not None else
+        why = (finding.message if is_named and finding is not None else
                f"{pod.role} pod {pod.name} {pod.phase.lower()}" if pod.failed else
                f"{pod.role} pod {pod.name} container restarted {pod.restarts}x")
         decision = decide(policy, earlier, now)
@@ -229,12 +266,15 @@ def heal(spec: PairSpec, pods: Iterable[PodView], generation: int, now: float,
             continue
         record = {k: v for k, v in restart_times.items() if restarts_in_window(policy, v, now)}
         record[key] = tuple(prune(policy, list(earlier) + [now], now))
-        return Heal(replace=pod, restart_times=record, serving=serving, reason=code,
-                    message=f"replacing {pod.role} instance {pod.instance} alone ({why}); "
-                            f"{decision.message} for this instance")
+        what = "the router" if pod.role == ROLE_ROUTER else f"{pod.role} instance {pod.instance}"
+        return Heal(replace=pod, restart_times=record, serving=serving, reason=code, replaced_role=pod.role,
+                    router_serving=router_serving and pod is not router,
+                    message=f"replacing {what} alone ({why}); {decision.message} for this instance")
     if waits:
-        return Heal(wait_seconds=min(waits), serving=serving,
+        return Heal(wait_seconds=min(waits), serving=serving, router_serving=router_serving,
                     message=f"{len(waits)} failed instance(s) wait for their restart backoff")
+    if not router_serving:
+        return Heal(serving=serving, router_serving=False, message="waiting for the router pod to be Ready")
     return Heal(serving=serving)
 
 
@@ -256,7 +296,8 @@ def plan_instances(spec: PairSpec, status: Mapping[str, Any], observed: Observed
     healed = None
     if heals_alone(spec, status, generation):
         earlier = observed.instance_restart_times if observed.instance_restarts_generation == generation else {}
-        healed = heal(spec, pods, generation, observed.now, observed.health, earlier, spec.router_enabled)
+        healed = heal(spec, pods, generation, observed.now, observed.health, earlier, spec.router_enabled,
+                      observed.stranded, observed.stranded_fenced)
     step = instance_step(spec, pods, generation, observed.now, observed.leased_instances, serving=healed is not None,
                          router=observed.router_views.get(generation))
     return InstancesPlan(healed, step, role_status(spec, pods, generation))

@@ -16,7 +16,8 @@ the executor (reconciler.py) carries it out with port_leaser.PortLeaser:
     is a pod-step decision (Plan.release_slot), made with the pods.
   - `fences`: a pod on a lost node (nodes.py) may still run, bound to its ports, for as long as the partition
     lasts: the ports it declares that the pair holds (either port set) become fence Leases held until that pod
-    object is gone (port_leaser.PortLeaser.fence, sweep_fences), and the pair is leased replacements. Any generation's pod:
+    object is gone and its node is back (or deleted) (port_leaser.PortLeaser.fence, sweep_fences), and the pair is
+    leased replacements. Any generation's pod:
     a stale one on a lost node fences as well as a current one.
   - busy ports (busy_ports.py: `quarantines`, `ports_replaced`): ports the current generation's pods found busy on
     their node that the pair still holds from the pool are quarantined and re-leased.
@@ -124,8 +125,15 @@ def fences(lost: LostPods, held: Iterable[Mapping[str, Any]], pool: PortPool) ->
     return out
 
 
+def unheld_pods(lost: LostPods, held_pool_ports: Iterable[int]) -> frozenset[str]:
+    """The pods on lost nodes none of whose ports is one the pair holds (all fenced to them, or never the pair's):
+    whatever runs there can no longer collide with a port the pair leases again."""
+    held = set(held_pool_ports)
+    return frozenset(p.name for p in lost.pods if not set(p.ports) & held)
+
+
 def fenced_pods(lost: LostPods, held_pool_ports: Iterable[int]) -> frozenset[str]:
     """The pods on lost nodes that count as gone for the order of a teardown: being deleted, and none of the pool
     ports the pair holds is one of theirs (all fenced to them). Until both hold they are waited for like any pod."""
-    held = set(held_pool_ports)
-    return frozenset(p.name for p in lost.pods if p.deleting and not set(p.ports) & held)
+    unheld = unheld_pods(lost, held_pool_ports)
+    return frozenset(p.name for p in lost.pods if p.deleting and p.name in unheld)

@@ -201,6 +201,8 @@ def failure(steps: d.Plan, observed: Observed, lost: nodes.LostPods | None = Non
     this cause says why."""
     generation = steps.pair_generation
     stranded = nodes.LostPods(tuple(p for p in lost.pods if p.generation == generation), lost.reasons) if lost else None
+    if stranded and stranded.pods and steps.heals_alone:
+        return None  # a serving xPyD generation keeps serving: instances.heal replaces only what ran there
     if stranded and stranded.pods:
         # Outside the restart budget and its backoff (as busy ports): re-homing must not wait, and it cannot loop,
         # since the new pods are scheduled onto Ready nodes (the lost node's taints keep them off it).
@@ -243,7 +245,9 @@ def plan(spec: Mapping[str, Any], status: Mapping[str, Any] | None, observed: Ob
         return PairPlan(OUTCOME_HALTED)
 
     lost = nodes.lost_pods(observed.pods, observed.nodes, now, observed.node_lost_seconds)
-    observed = dataclasses.replace(observed, fenced=leases.fenced_pods(lost, observed.held_pool_ports), now=now)
+    observed = dataclasses.replace(observed, fenced=leases.fenced_pods(lost, observed.held_pool_ports), now=now,
+                                   stranded=lost.names,
+                                   stranded_fenced=leases.unheld_pods(lost, observed.held_pool_ports))
     node_condition = node_lost_condition(lost)
     steps = next_step(spec, status, dataclasses.replace(observed, restart_reason=None), now)
     restart = failure(steps, observed, lost, spec)

@@ -78,9 +78,14 @@ def router_set(members_of: Iterable[PodView], ports: Ports) -> tuple[tuple[Route
 
 
 def first_router_members(pods: Iterable[PodView], generation: int) -> dict[str, PodView]:
-    """The instances a new router of `generation` starts with, by role: instance 0 of each, when it runs."""
-    return {p.role: p for p in pods if p.generation == generation and p.instance == 0 and p.running
-            and p.role in instances.ENGINE_ROLES}
+    """The instances a new router of `generation` starts with, by role: the lowest-indexed one that serves (Ready,
+    not draining: a router replaced in a serving generation starts with instances that answer, not with an instance
+    0 that is itself being replaced), else instance 0 when it runs (a generation's first start)."""
+    pods = [p for p in pods if p.generation == generation and p.role in instances.ENGINE_ROLES]
+    out = {p.role: p for p in sorted(pods, key=lambda p: -p.instance) if p.instance == 0 and p.running}
+    for pod in sorted(instances.router_members(pods, generation), key=lambda p: -p.instance):
+        out[pod.role] = pod
+    return out
 
 
 def pushes(pods: tuple[PodView, ...], ports_of: Mapping[int, Ports | None], decode_tp: int) -> list[Push]:

@@ -85,6 +85,8 @@ class Plan:
     conditions: tuple[Condition, ...]
     message: str
     delete: tuple[str, ...] = ()  # pod names, in this order
+    # pods on a lost node whose ports are fenced to them (instances.heal): deleted with grace 0, before `delete`
+    force_delete: tuple[str, ...] = ()
     create: str | None = None  # a role
     create_instance: int = 0  # which instance of that role (xPyD: instances.py); 0 for a 1P1D pair
     mark_draining: tuple[str, ...] = ()  # pods a scale-down chose: annotate pdpair.io/draining-since = now
@@ -160,7 +162,7 @@ _EXCLUSIVE_STEPS = frozenset({STEP_LEASE_PORTS, STEP_POOL_EXHAUSTED, STEP_DELETE
 def with_instances(observed: Observed, step: instances.InstanceStep | None, plan: Plan) -> Plan:
     """Instance 0's plan, or, when it neither acts nor tears anything down, the next action on the other
     instances of its generation (instances.plan_instances' step): one action per pass, instance 0's first."""
-    if step is None or plan.step in _EXCLUSIVE_STEPS or plan.create or plan.delete or (
+    if step is None or plan.step in _EXCLUSIVE_STEPS or plan.create or plan.delete or plan.force_delete or (
             plan.step == STEP_WAIT_GONE and any(p.generation != plan.pair_generation for p in observed.pods)):
         return plan
     message = f"{plan.message}; {step.message}"
@@ -377,20 +379,32 @@ def _instance0_state(spec: PairSpec, status: Mapping[str, Any], observed: Observ
 
 def _healing_plan(spec: PairSpec, generation: int, healed: instances.Heal, leased: Condition) -> Plan:
     """A serving xPyD generation (instances.heal): phase Ready while at least one instance of each role serves;
-    the failed instance is deleted now, or its backoff waited out, and instances.instance_step re-creates it."""
+    a failed instance (or the router) is deleted now, or its backoff waited out, and what is gone is re-created
+    (instances.instance_step, or the router here). The Ready condition is False while the router is replaced: the
+    engines serve, but nothing answers the Service until the new router is Ready."""
     counts = ", ".join(f"{role} {healed.serving.get(role, 0)}/{spec.replicas[role]}"
                        for role in (ROLE_PREFILL, ROLE_DECODE))
+    ready = (Condition(COND_READY, TRUE, "PairReady", f"serving with {counts} instances Ready")
+             if healed.router_serving else
+             Condition(COND_READY, FALSE, "RouterReplacing", f"the router is being replaced; {counts} instances "
+                                                             "Ready behind it"))
     conditions = (leased, _listening(TRUE, "Accepting", "the generation served: decode's listener accepted"),
-                  _prefill(TRUE, "PodReady"),
-                  Condition(COND_READY, TRUE, "PairReady", f"serving with {counts} instances Ready"))
+                  _prefill(TRUE, "PodReady"), ready)
+    common = dict(heals_alone=True, instance_restart_times=healed.restart_times, wait_seconds=healed.wait_seconds)
+    if healed.force_delete:
+        return Plan(STEP_INSTANCES, generation, PHASE_READY, conditions, healed.message,
+                    force_delete=tuple(p.name for p in healed.force_delete),
+                    replaced_instance=(healed.replaced_role, healed.reason),
+                    events=(("Warning", "InstanceReplacing", healed.message),), **common)
     if healed.replace is not None:
         return Plan(STEP_INSTANCES, generation, PHASE_READY, conditions, healed.message, delete=(healed.replace.name,),
-                    heals_alone=True, instance_restart_times=healed.restart_times,
                     replaced_instance=(healed.replace.role, healed.reason),
-                    events=(("Warning", "InstanceReplacing", healed.message),))
+                    events=(("Warning", "InstanceReplacing", healed.message),), **common)
+    if healed.create_router:
+        return Plan(STEP_CREATE_ROUTER, generation, PHASE_READY, conditions, healed.message, create=ROLE_ROUTER,
+                    **common)
     message = f"generation {generation} is ready ({counts} serving)" + (f"; {healed.message}" if healed.message else "")
-    return Plan(STEP_READY, generation, PHASE_READY, conditions, message, heals_alone=True,
-                wait_seconds=healed.wait_seconds)
+    return Plan(STEP_READY, generation, PHASE_READY, conditions, message, **common)
 
 
 def _accepted_message(status: Mapping[str, Any]) -> str:

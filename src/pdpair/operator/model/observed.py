@@ -180,6 +180,10 @@ class Observed:
     node_lost_seconds: float = float("inf")
     held_pool_ports: frozenset[int] = frozenset()
     fenced: frozenset[str] = frozenset()  # set by planner.plan only: pods on lost nodes that count as gone
+    # set by planner.plan only: the pods on lost nodes (whatever their state), and those of them none of whose pool
+    # ports the pair holds any more (fenced to them): instances.heal replaces a serving xPyD generation's alone
+    stranded: frozenset[str] = frozenset()
+    stranded_fenced: frozenset[str] = frozenset()
     now: float = 0.0  # set by planner.plan only: epoch seconds of the pass (a scale-down's drain clock)
     # The instances whose port blocks the serving set holds, per role, when the pool could not lease them all (a
     # scale-up past the pool: the serving blocks are kept, ports.ensure hoard_nothing=False); None: every block held
