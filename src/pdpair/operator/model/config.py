@@ -197,8 +197,9 @@ SETTINGS: tuple[Setting, ...] = (
             "pair (busy_ports.py)", "operator.tuning.busyPortQuarantineSeconds"),
     Setting(ENV_NODE_LOST_SECONDS, "node_lost_seconds", 30.0, SECONDS,
             "a pair pod's node whose Ready condition is False or Unknown this long counts as lost (at once when it "
-            "carries the node.kubernetes.io/unreachable taint): the pair is re-homed on Ready nodes and the pod's "
-            "ports stay fenced to it until it is gone (nodes.py; docs/design.md, \"Lost nodes\"). Long enough to "
+            "carries the node.kubernetes.io/unreachable taint): the pair is re-homed on Ready nodes (a serving xPyD "
+            "pair: only that node's pods, force-deleted and re-created) and the pod's ports stay fenced to it until "
+            "it is gone and its node is back (nodes.py; docs/design.md, \"Lost nodes\"). Long enough to "
             "ride out a kubelet restart, far below the 300 s after which the cluster would evict the pods",
             "operator.tuning.nodeLostSeconds"),
     Setting(ENV_NETWORK_POLICY, "network_policy", False, BOOL,
