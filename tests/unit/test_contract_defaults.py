@@ -38,6 +38,9 @@ def test_the_crd_states_the_replicas_default_and_bound_of_the_contract():
         assert replicas["default"] == contract.DEFAULT_REPLICAS
         assert replicas["maximum"] == contract.MAX_REPLICAS
         assert replicas["minimum"] == 1
+    router = spec[contract.ROLE_ROUTER]["properties"]["replicas"]
+    assert (router["default"], router["minimum"], router["maximum"]) == (
+        contract.DEFAULT_ROUTER_REPLICAS, 1, contract.MAX_ROUTER_REPLICAS)
 
 
 def test_a_held_probe_sleeps_a_poll_interval_at_most_and_never_past_its_wait():

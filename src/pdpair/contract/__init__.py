@@ -110,6 +110,11 @@ ANNOTATION_DRAINING_SINCE = "pdpair.io/draining-since"
 # On a prefill or router pod: the digest of the peer set it was created with or last pushed (operator/instances.py).
 ANNOTATION_PEERS_DIGEST = "pdpair.io/peers-digest"
 MAX_REPLICAS = 16
+# spec.router.replicas: router pods per generation, spread across nodes, each fed the same sets (the CRD declares the
+# same default and bounds; tests/unit/test_contract_defaults.py holds them equal). Two, so that one lost node never
+# takes the pair's only router.
+DEFAULT_ROUTER_REPLICAS = 2
+MAX_ROUTER_REPLICAS = 8
 LABEL_PORT_LEASE = "pdpair.io/port-lease"
 LABEL_PURPOSE = "pdpair.io/purpose"
 # On a port Lease: which of the pair's two port sets it belongs to ("a", the default when absent, or "b"). A Surge

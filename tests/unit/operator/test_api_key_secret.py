@@ -142,7 +142,7 @@ def test_the_field_is_in_the_fingerprint_only_when_set():
 def test_setting_the_key_on_a_serving_pair_rolls_it_out():
     """The planner, given the Ready pods of a pair without a key and its spec with one: a new generation, the old
     pods replaced in order (prefill and router first). Cost: milliseconds."""
-    spec = {"model": "m", "image": "img:1", "router": {"enabled": True}}
+    spec = {"model": "m", "image": "img:1", "router": {"enabled": True, "replicas": 1}}
     old = spec_fingerprint(spec)
     pods = tuple(PodView(f"p-{role}-1", role, 1, old, "Running", True, "10.0.0.1", False, True, 0, f"uid-{role}",
                          raw={"metadata": {"name": f"p-{role}-1"}, "status": {"phase": "Running"}})

@@ -9,7 +9,7 @@ from pdpair.operator.model.observed import Observed, PodView
 from pdpair.operator.decide.planner import next_step
 from tests.unit.operator.sim import SimWorld, simulate_until_ready
 
-SPEC = {"model": "m", "image": "img:1", "router": {"enabled": True}}
+SPEC = {"model": "m", "image": "img:1", "router": {"enabled": True, "replicas": 1}}  # one router: the ordered steps
 H = spec_fingerprint(SPEC)
 
 

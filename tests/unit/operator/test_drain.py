@@ -37,7 +37,9 @@ DRAIN = 30
 
 
 def spec(prefill: int = 1, decode: int = 1, router: bool = True) -> dict:
-    return {"model": "m", "image": "img:1", "router": {"enabled": router}, "rollout": {"drainSeconds": DRAIN},
+    """One router replica: the drain's evidence from several replicas is test_a_drain_waits_for_every_router_replica."""
+    return {"model": "m", "image": "img:1", "router": {"enabled": router, "replicas": 1},
+            "rollout": {"drainSeconds": DRAIN},
             "prefill": {"replicas": prefill}, "decode": {"replicas": decode}}
 
 
@@ -267,3 +269,20 @@ async def test_the_executor_records_the_push_answer_then_reads_the_router_until_
             d1.gate.set()  # a failed assertion above must not leave the request hanging
         for runner in reversed(runners):
             await runner.cleanup()
+
+
+def test_a_drain_waits_for_every_router_replica():
+    """Two router replicas: the generation's view is their answers merged (RouterDrainView.merged, as the executor
+    builds it once every running replica answered). One replica idle and past the mark is not enough while the other
+    still may choose the draining decode or has a request in flight involving it; both done: deleted at once."""
+    world = scaled_down()
+    name = next(p.name for p in world.pods.values() if p.draining_since is not None)
+    done = view(world)
+    for other in (view(world, choosable=[name]), view(world, involved={name: 1}),
+                  view(world, read_at=world.now - 1), view(world, answered=None)):
+        merged = RouterDrainView.merged([done, other])
+        assert plan_with(world, merged).delete == (), other
+    merged = RouterDrainView.merged([done, view(world)])
+    assert plan_with(world, merged).delete == (name,)
+    assert RouterDrainView.merged([view(world, involved={name: 2}), view(world, involved={name: 3, "x": 1})]
+                                  ).involved == {name: 5, "x": 1}

@@ -13,14 +13,17 @@ from pdpair.operator.decide import instances
 from pdpair.operator.model.pair_spec import spec_fingerprint
 from pdpair.operator.model.observed import PodView
 from pdpair.operator.decide.planner import next_step
+from pdpair.operator.decide.pushes import first_router_members
 from tests.property_counts import cases
 from tests.unit.operator.sim import SimWorld, simulate_until_ready
 
 DRAIN = 30
 
 
-def spec(prefill: int = 1, decode: int = 1) -> dict:
-    return {"model": "m", "image": "img:1", "router": {"enabled": True}, "rollout": {"drainSeconds": DRAIN},
+def spec(prefill: int = 1, decode: int = 1, routers: int = 1) -> dict:
+    """`routers`: spec.router.replicas (1 unless a test is about replicas: the plans below name one router)."""
+    return {"model": "m", "image": "img:1", "router": {"enabled": True, "replicas": routers},
+            "rollout": {"drainSeconds": DRAIN},
             "prefill": {"replicas": prefill}, "decode": {"replicas": decode}}
 
 
@@ -56,7 +59,7 @@ def test_a_2p3d_pair_starts_every_instance_and_each_prefill_after_a_decode_runs(
 def test_a_1p1d_pair_plans_exactly_what_it_always_did():
     """replicas 1 on both roles never reaches instances.py: the same plans as a spec without the field."""
     with_field = SimWorld(spec())
-    without = SimWorld({"model": "m", "image": "img:1", "router": {"enabled": True}})
+    without = SimWorld({"model": "m", "image": "img:1", "router": {"enabled": True, "replicas": 1}})
     a = [(p.step, p.create, p.delete) for p in simulate_until_ready(with_field)]
     b = [(p.step, p.create, p.delete) for p in simulate_until_ready(without)]
     assert a == b
@@ -257,11 +260,44 @@ def test_a_failed_router_is_replaced_alone_and_starts_with_the_serving_instances
     assert (ready.status, ready.reason) == ("False", "RouterReplacing")
     assert set(plan.instance_restart_times) == {"router-0"}
     world.apply(plan)
-    plan = next_step(world.spec, world.status, world.observe())
-    assert plan.create == "router" and plan.step == d.STEP_CREATE_ROUTER and plan.phase == "Ready"
-    from pdpair.operator.decide.pushes import first_router_members
+    plan = next_step(world.spec, world.status, world.observe())  # prefill 0 next, alone too
+    assert plan.delete == ("p-prefill-1",) and plan.phase == "Ready" and not plan.create
+    world.apply(plan)
+    plan = next_step(world.spec, world.status, world.observe())  # no router runs: it comes before prefill 0
+    assert (plan.create, plan.create_instance, plan.phase) == ("router", 0, "Ready")
     first = first_router_members(world.pods.values(), plan.pair_generation)
     assert (first["prefill"].name, first["decode"].name) == ("p-prefill-1-1", "p-decode-1")
+
+
+def test_two_router_replicas_start_after_router_0_and_one_failing_leaves_the_pair_ready():
+    """spec.router.replicas 2 in 2P2D: router 1 is created once router 0 exists; when router 0 fails, router 1
+    still serves: the Ready condition stays True while router 0 is replaced alone (its own budget, "router-0")."""
+    world = SimWorld(spec(prefill=2, decode=2, routers=2))
+    plans = simulate_until_ready(world)
+    creates = [(p.create, p.create_instance) for p in plans if p.create]
+    assert creates.index(("router", 1)) > creates.index(("router", 0))
+    assert {"p-router-1", "p-router-1-1"} <= set(world.pods)
+    fail(world, "p-router-1")
+    plans = replace_alone(world, "p-router-1")
+    assert plans[0].delete == ("p-router-1",) and set(plans[0].instance_restart_times) == {"router-0"}
+    for plan in plans:
+        ready = next(c for c in plan.conditions if c.type == "Ready")
+        assert ready.status == "True", plan
+    assert ("router", 0) in [(p.create, p.create_instance) for p in plans]
+
+
+def test_router_replicas_scaled_down_go_highest_first_without_a_rollout():
+    world = SimWorld(spec(prefill=2, decode=2, routers=3))
+    simulate_until_ready(world)
+    generation = world.status["pairGeneration"]
+    world.spec = spec(prefill=2, decode=2, routers=1)
+    deleted = []
+    for _ in range(5):
+        plan = next_step(world.spec, world.status, world.observe())
+        assert plan.pair_generation == generation and plan.phase == "Ready"
+        deleted += plan.delete
+        world.apply(plan)
+    assert deleted == ["p-router-1-2", "p-router-1-1"]
 
 
 def test_a_1p1d_pair_still_restarts_as_a_whole():

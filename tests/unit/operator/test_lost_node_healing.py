@@ -34,8 +34,8 @@ def _observed(world: SimWorld, held: set[int]):
                                held_pool_ports=frozenset(held), meta_generation=1)
 
 
-def _serving_2p2d() -> SimWorld:
-    world = SimWorld(spec(prefill=2, decode=2))
+def _serving_2p2d(routers: int = 1) -> SimWorld:
+    world = SimWorld(spec(prefill=2, decode=2, routers=routers))
     simulate_until_ready(world)
     world.status["observedGeneration"] = 1
     return world
@@ -95,3 +95,22 @@ def test_a_lost_node_under_a_starting_generation_re_homes_it():
     held = {p for name in world.pods if name not in gone for p in world.pods[name].ports}
     decided = planner.plan(world.spec, world.status, _observed(world, held), NOW)
     assert decided.restart is not None and decided.restart.reason == REASON_NODE_LOST
+
+
+def test_with_two_router_replicas_the_pair_stays_ready_through_the_loss():
+    """The same loss with spec.router.replicas 2, router 1 on the node that stays: the Ready condition never turns
+    False (router 1 serves while router 0, prefill 0 and decode 0 are replaced)."""
+    world = _serving_2p2d(routers=2)
+    gone = {"p-router-1", "p-prefill-1", "p-decode-1"}
+    _placed(world, gone)
+    held = {p for name in world.pods if name not in gone for p in world.pods[name].ports}
+    made = []
+    for _ in range(10):
+        plan = planner.plan(world.spec, world.status, _observed(world, held), NOW).steps
+        assert plan.pair_generation == 1 and plan.phase == "Ready", plan
+        assert next(c for c in plan.conditions if c.type == "Ready").status == "True", plan
+        if plan.step == d.STEP_READY and not plan.force_delete:
+            break
+        world.apply(plan)
+        made.append(plan.create)
+    assert sorted(m for m in made if m) == ["decode", "prefill", "router"] and len(world.pods) == 6

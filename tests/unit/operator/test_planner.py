@@ -27,7 +27,7 @@ from pdpair.operator.decide.restart_policy import RestartPolicy, restarts_in_win
 from tests.crd_defaults import with_crd_defaults
 
 POLICY = {"maxRestarts": 3, "windowSeconds": 600, "backoffSeconds": 10, "maxBackoffSeconds": 40}
-SPEC = {"model": "m", "image": "img:1", "router": {"enabled": True}, "restartPolicy": POLICY}
+SPEC = {"model": "m", "image": "img:1", "router": {"enabled": True, "replicas": 1}, "restartPolicy": POLICY}
 H = spec_fingerprint(SPEC)
 NOW = 1_000_000.0
 POOL = PortPool(20000, 29999)

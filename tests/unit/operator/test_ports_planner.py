@@ -20,11 +20,13 @@ from tests.port_blocks_support import spec_blocks
 @pytest.mark.parametrize(
     "spec, expected_total, decode_side",
     [
-        ({}, 7, 1),
+        ({}, 8, 1),  # two router replicas by default
+        ({"router": {"enabled": True, "replicas": 1}}, 7, 1),
         ({"router": {"enabled": False}}, 6, 1),
-        ({"decode": {"tensorParallelSize": 4}, "prefill": {"tensorParallelSize": 4}}, 13, 4),
-        ({"decode": {"tensorParallelSize": 2}, "network": {"portsPerRank": 3}}, 14, 6),
-        ({"router": {"enabled": True, "port": 30000}}, 6, 1),  # a fixed router port is not the pool's
+        ({"decode": {"tensorParallelSize": 4}, "prefill": {"tensorParallelSize": 4}}, 14, 4),
+        ({"decode": {"tensorParallelSize": 2}, "network": {"portsPerRank": 3}}, 15, 6),
+        ({"router": {"enabled": True, "port": 30000}}, 7, 1),  # router 0's fixed port is not the pool's
+        ({"router": {"enabled": True, "port": 30000, "replicas": 1}}, 6, 1),
     ],
 )
 def test_required_blocks(spec, expected_total, decode_side):
@@ -111,7 +113,7 @@ def engine_keys(role, *instances):
     return sorted((role, i, purpose) for i in instances for purpose in (PURPOSE_SIDECHANNEL, PURPOSE_METRICS, PURPOSE_HTTP))
 
 
-ROUTER = [("router", 0, PURPOSE_HTTP)]
+ROUTER = [("router", 0, PURPOSE_HTTP), ("router", 1, PURPOSE_HTTP)]  # two router replicas by default
 
 
 @pytest.mark.parametrize(
@@ -126,6 +128,11 @@ ROUTER = [("router", 0, PURPOSE_HTTP)]
         ({"prefill": {"replicas": 2}}, {"decode": (1, 0, 1)}, engine_keys("decode", 0, 1) + engine_keys("prefill", 0, 1) + ROUTER),
         ({"prefill": {"replicas": 0}, "decode": {"replicas": 0}}, None, ROUTER),
         ({"router": {"enabled": False}}, {"decode": [], "prefill": [4]}, engine_keys("prefill", 4)),
+        # router replicas: the spec's count, and a replica's pod still on the set keeps its block
+        ({"router": {"replicas": 3}}, None, engine_keys("decode", 0) + engine_keys("prefill", 0)
+         + [("router", i, PURPOSE_HTTP) for i in range(3)]),
+        ({"router": {"replicas": 1}}, {"router": [0, 2]}, engine_keys("decode", 0) + engine_keys("prefill", 0)
+         + [("router", 0, PURPOSE_HTTP), ("router", 2, PURPOSE_HTTP)]),
     ],
 )
 def test_required_blocks_per_instance(spec, instances, expected):
@@ -136,10 +143,11 @@ def test_required_blocks_per_instance(spec, instances, expected):
 
 def test_required_blocks_order_is_decode_instances_then_prefill_then_router():
     blocks = spec_blocks({"decode": {"replicas": 2, "tensorParallelSize": 2}, "prefill": {"replicas": 2}})
-    assert [(b.role, b.instance) for b in blocks][::3] == [("decode", 0), ("decode", 1), ("prefill", 0), ("prefill", 1),
-                                                           ("router", 0)]
+    assert [(b.role, b.instance) for b in blocks][:12:3] == [("decode", 0), ("decode", 1), ("prefill", 0),
+                                                             ("prefill", 1)]
+    assert [(b.role, b.instance) for b in blocks][12:] == [("router", 0), ("router", 1)]
     assert all(b.count == 2 and b.contiguous for b in blocks if b.role == "decode" and b.purpose == PURPOSE_SIDECHANNEL)
-    assert ports_needed(blocks) == 2 * (2 + 2) + 2 * (1 + 2) + 1
+    assert ports_needed(blocks) == 2 * (2 + 2) + 2 * (1 + 2) + 2
 
 
 def test_required_blocks_rejects_instances_outside_the_crd_range():
@@ -188,8 +196,9 @@ def test_status_names_and_fields_for_instances():
 
 
 def test_a_1p1d_pairs_status_is_what_it_was_before_instances():
-    """Byte-identical: same names, same keys, same order (instance 0 everywhere, no "instance" key)."""
-    blocks = spec_blocks({"decode": {"tensorParallelSize": 2}})
+    """Byte-identical with one router replica: same names, same keys, same order (instance 0 everywhere, no
+    "instance" key); a second replica adds router-http-0-i1 after them."""
+    blocks = spec_blocks({"decode": {"tensorParallelSize": 2}, "router": {"replicas": 1}})
     ports, first = [], 20000
     for block in blocks:
         ports += assign(block, first)
@@ -199,6 +208,11 @@ def test_a_1p1d_pairs_status_is_what_it_was_before_instances():
                                            "decode-sidechannel-1", "prefill-http-0", "prefill-metrics-0",
                                            "prefill-sidechannel-0", "router-http-0"]
     assert all(list(p) == ["name", "role", "purpose", "rank", "port"] for p in listed)
+    ports, first = [], 20000
+    for block in spec_blocks({"decode": {"tensorParallelSize": 2}}):
+        ports += assign(block, first)
+        first += block.count
+    assert [p["name"] for p in status_ports(ports)][-2:] == ["router-http-0", "router-http-0-i1"]
 
 
 def test_port_of_and_ports_of_filter_by_instance():

@@ -25,6 +25,8 @@ from tests.crd_defaults import with_crd_defaults
 
 
 def make_spec(**extra: Any) -> dict[str, Any]:
+    """One router replica unless `extra` says otherwise: the worlds below name one pod per role and generation."""
+    extra.setdefault("router", {"replicas": 1})
     pair = with_crd_defaults({"metadata": {"name": "p"}, "spec": {"model": "m", "image": "img:1", **extra}})
     return pair["spec"]
 

@@ -39,7 +39,7 @@ from tests.unit.operator.fake_leases import Leases as FakeLeases
 
 NS, OPS, UID = "ns", "ops", "uid-p"
 SPEC = with_crd_defaults({"metadata": {"name": "p"}, "spec": {
-    "model": "m", "image": "img:2", "rolloutStrategy": "Surge",
+    "model": "m", "image": "img:2", "rolloutStrategy": "Surge", "router": {"replicas": 1},
     "rollout": {"drainSeconds": 1, "progressDeadlineSeconds": 600}}})["spec"]
 
 

@@ -474,7 +474,7 @@ def test_sidecars_and_init_containers_keep_their_own_security():
 def test_a_roles_instances_prefer_distinct_nodes_unless_the_role_says_how_to_spread():
     """By default each engine pod carries a preferred pod anti-affinity term against its own role and generation
     (one lost node takes one instance of a role); a node affinity the user set is kept beside it; a role that sets
-    its own podAntiAffinity or topologySpreadConstraints keeps only that; the router carries none."""
+    its own podAntiAffinity or topologySpreadConstraints keeps only that; router replicas spread the same way."""
     from pdpair.contract import LABEL_GENERATION, LABEL_PAIR_UID, LABEL_ROLE
     from pdpair.operator.build.pods import SPREAD_TOPOLOGY_KEY
 
@@ -498,4 +498,6 @@ def test_a_roles_instances_prefer_distinct_nodes_unless_the_role_says_how_to_spr
     del p["spec"]["decode"]["template"]["spec"]["affinity"]
     p["spec"]["decode"]["template"]["spec"]["topologySpreadConstraints"] = constraints
     assert "affinity" not in build(p)["spec"]
-    assert "affinity" not in build(p, "router")["spec"]
+    router = build(p, "router")  # its replicas spread too (decode's own constraints are not the router's)
+    term = router["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"][LABEL_ROLE] == "router"

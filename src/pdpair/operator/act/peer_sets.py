@@ -122,13 +122,27 @@ class PeerSets:
                             ports)
         view = RouterDrainView.from_answer(router.generation, answer, read_at, urls)
         if view is None:
-            self.router_views.pop(router.generation, None)
+            self.router_answers.pop(router.uid, None)
+            self._merge_router_views(router.generation, pods)
             self._router_read_failed(router, "its peers answer has no per-instance 'involved' counts (a router "
                                              "image from before them?)")
             return False
-        self.router_views[router.generation] = view
+        self.router_answers[router.uid] = view
+        self._merge_router_views(router.generation, pods)
         self.router_read_failures.pop(router.uid, None)
         return True
+
+    def _merge_router_views(self, generation: int, pods: tuple[PodView, ...]) -> None:
+        """The generation's view for the planner: every running router replica's answer merged
+        (RouterDrainView.merged), or none until each has answered (a replica not read could still send to a
+        draining instance)."""
+        uids = [p.uid for p in pods if p.role == ROLE_ROUTER and p.generation == generation and p.running
+                and not p.deleting]
+        views = [self.router_answers.get(uid) for uid in uids]
+        if uids and all(v is not None for v in views):
+            self.router_views[generation] = RouterDrainView.merged([v for v in views if v is not None])
+        else:
+            self.router_views.pop(generation, None)
 
     def _router_read_failed(self, router: PodView, cause: str) -> None:
         if self.router_read_failures.get(router.uid) != cause:  # logged once per cause
@@ -137,7 +151,7 @@ class PeerSets:
                           "spec.rollout.drainSeconds", self.ref.namespace, self.ref.name, router.name, cause)
 
     async def read_routers(self, pods: tuple[PodView, ...], answered: "set[str] | frozenset[str]" = frozenset()) -> None:
-        """While an instance of a generation drains, read its running router's current answer (`GET
+        """While an instance of a generation drains, read each of its running routers' current answer (`GET
         /pdpair/v1/peers`, the push's token and timeout) unless this pass's push just recorded one (`answered`),
         for the next pass's plan. A read that fails drops the view (the deadline decides), is logged once per
         cause, and is tried again next pass; views of generations where nothing drains are dropped."""
@@ -145,12 +159,15 @@ class PeerSets:
         self.router_views = {g: v for g, v in self.router_views.items() if g in draining}
         routers = {p.uid for p in pods if p.role == ROLE_ROUTER and p.running and not p.deleting}
         self.router_read_failures = {u: c for u, c in self.router_read_failures.items() if u in routers}
+        self.router_answers = {u: v for u, v in self.router_answers.items()
+                               if u in routers and v.generation in draining}
         reads = []
         for pod in pods:
             if pod.role != ROLE_ROUTER or not pod.running or pod.deleting or pod.generation not in draining or \
                     pod.uid in answered:
                 continue
-            port = port_of(self._ports_of_generation(pod.generation) or [], ROLE_ROUTER, PURPOSE_HTTP)
+            port = port_of(self._ports_of_generation(pod.generation) or [], ROLE_ROUTER, PURPOSE_HTTP,
+                           instance=pod.instance)
             if port is None or not pod.ip:
                 continue
             reads.append((pod, f"http://{url_host(pod.ip)}:{port}{PEERS_PATH}"))
@@ -161,7 +178,8 @@ class PeerSets:
         async def read(pod: PodView, url: str) -> None:
             result = await push.read_peers(self.rt.http(), url, token, self.rt.config.probe_timeout)
             if not result.ok:
-                self.router_views.pop(pod.generation, None)
+                self.router_answers.pop(pod.uid, None)
+                self._merge_router_views(pod.generation, pods)
                 self._router_read_failed(pod, f"{result.status} {result.error}")
                 return
             self._record_router(pod, pods, result.answer, time.time())

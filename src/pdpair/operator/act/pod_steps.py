@@ -195,13 +195,15 @@ class PodSteps:
             manifest["metadata"]["annotations"][ANNOTATION_PEERS_DIGEST] = digest
             return manifest
         if plan.create == ROLE_ROUTER:
-            # Started with instance 0 of each role (pushes.first_router_members); the push adds the other instances
-            # once they are Ready, and none is due while the Ready set is still these two (a 1P1D pair is never
-            # pushed).
+            # Started with one instance of each role (pushes.first_router_members: the lowest serving one, else
+            # instance 0); the push adds the others once they are Ready, and none is due while the Ready set is
+            # still these two (a 1P1D pair is never pushed).
             first = pushes.first_router_members(pods, generation)
             prefill, decode = first.get(ROLE_PREFILL), first.get(ROLE_DECODE)
-            manifest = router_pod(body, generation, ports, spec_hash, prefill.ip if prefill else "",
-                                  decode.ip if decode else "")
+            manifest = router_pod(body, generation, ports, spec_hash,
+                                  [(prefill.instance, prefill.ip or "")] if prefill else "",
+                                  [(decode.instance, decode.ip or "")] if decode else "",
+                                  instance=plan.create_instance)
             _, digest = pushes.router_set([p for p in (prefill, decode) if p is not None], ports)
             manifest["metadata"]["annotations"][ANNOTATION_PEERS_DIGEST] = digest
             return manifest

@@ -23,6 +23,7 @@ from pdpair.contract import (
     KIND,
     PURPOSE_SIDECHANNEL,
     ROLE_DECODE,
+    ROLE_ROUTER,
     ROLE_PREFILL,
     VERSION,
 )
@@ -178,7 +179,8 @@ class PairReconciler(PairStatus, PodSteps, PairObjects, PeerSets, LeaseSteps):
         # generation -> what its router last answered (PUT or GET peers) while an instance of it drains: recorded
         # here, decided on by the planner (instances.router_drained). Memory only: a restarted operator reads the
         # router again on its first pass while something drains, and its first plan falls back to the deadline.
-        self.router_views: dict[int, RouterDrainView] = {}
+        self.router_views: dict[int, RouterDrainView] = {}  # per generation: its routers' answers, merged
+        self.router_answers: dict[str, RouterDrainView] = {}  # per router pod uid: its last answer
         self.router_read_failures: dict[str, str] = {}  # router pod uid -> the last read error logged (once per cause)
         self.scale_cache = scale_sync.ScaleSyncCache()  # its own writes to the role objects until the index shows them
         self.overridden_told: set[tuple[str, int]] = set()  # (role, inline count) told in a ReplicasFromScaleTarget Event
@@ -234,7 +236,8 @@ class PairReconciler(PairStatus, PodSteps, PairObjects, PeerSets, LeaseSteps):
             ports_complete=self.ports is not None,
             pool_exhausted=bool(self.pool_message) and not partial,
             leased_instances=({role: frozenset(int(p.get("instance") or 0) for p in self.ports or []
-                                                if p.get("role") == role) for role in (ROLE_DECODE, ROLE_PREFILL)}
+                                                if p.get("role") == role)
+                               for role in (ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER)}
                               if partial else None),
             pool_message=self.pool_message,
             decode_listening=listening,

@@ -381,7 +381,8 @@ def _spread_by_default(pod_spec: dict[str, Any], labels: Mapping[str, str]) -> N
     """A role's instances of one generation prefer distinct nodes (a preferred pod anti-affinity term), so one lost
     node takes one instance of a role, not all of them (an unpinned 2P2D pair once had both decodes on one node).
     Preferred, never required: a pair with more instances than nodes still schedules. A role whose affinity or
-    template already says how its pods spread (podAntiAffinity, topologySpreadConstraints) keeps only that."""
+    template already says how its pods spread (podAntiAffinity, topologySpreadConstraints) keeps only that. The
+    router's replicas spread the same way (spec.router.replicas)."""
     if pod_spec.get("topologySpreadConstraints") or "podAntiAffinity" in (pod_spec.get("affinity") or {}):
         return
     selector = {key: labels[key] for key in (LABEL_PAIR_UID, LABEL_ROLE, LABEL_GENERATION)}
@@ -400,11 +401,14 @@ def router_pod(
     spec_hash: str,
     prefill_host: str | list[tuple[int, str]],
     decode_host: str | list[tuple[int, str]],
+    instance: int = 0,
 ) -> dict[str, Any]:
-    """The router pod. `prefill_host`/`decode_host`: instance 0's address, or every (instance, address) the router
-    starts with (the operator's push keeps the set current afterwards: instances.router_members)."""
+    """Router pod `instance` (spec.router.replicas). `prefill_host`/`decode_host`: instance 0's address, or every
+    (instance, address) the router starts with (the operator's push keeps the set current afterwards:
+    instances.router_members)."""
     spec = pair["spec"]
-    router_port = _require(port_of(ports, ROLE_ROUTER, PURPOSE_HTTP), "router http")
+    what_port = "router http" if not instance else f"router {instance} http"
+    router_port = _require(port_of(ports, ROLE_ROUTER, PURPOSE_HTTP, instance=instance), what_port)
     members = {ROLE_PREFILL: [(0, prefill_host)] if isinstance(prefill_host, str) else list(prefill_host),
                ROLE_DECODE: [(0, decode_host)] if isinstance(decode_host, str) else list(decode_host)}
     if not all(host for role in members for _, host in members[role]) or not all(members.values()):
@@ -431,7 +435,7 @@ def router_pod(
                         ("learnSplitThreshold", "learn-split-threshold")):
         if router_spec.get(field) is not None:  # unset: the router's own default (RouterConfig)
             command += [f"--{flag}" if router_spec[field] else f"--no-{flag}"]
-    pod = _base_pod(pair, ROLE_ROUTER, generation, spec_hash)
+    pod = _base_pod(pair, ROLE_ROUTER, generation, spec_hash, instance)
     container = _main_container(pod, ROUTER_CONTAINER)
     ours = (_identity_env(pair, ROLE_ROUTER, generation) + [{"name": ENV_HTTP_PORT, "value": str(router_port)}]
             + _peers_token_env(pair["metadata"]["name"]) + _api_key_env(spec))
@@ -453,5 +457,6 @@ def router_pod(
         value = decode_spec.get(key) or decode_template_spec.get(key)
         if value and key not in pod["spec"]:
             pod["spec"][key] = copy.deepcopy(value)
+    _spread_by_default(pod["spec"], pod["metadata"]["labels"])  # the replicas on distinct nodes, as the engines
     _add_preflight(pod, container)
     return _quantities_as_strings(pod)

@@ -129,13 +129,34 @@ def instance_step(spec: PairSpec, pods: Iterable[PodView], generation: int, now:
 
     def missing(role: str) -> list[int]:
         present = {p.instance for p in pods if p.role == role and p.generation == generation}
-        out = [i for i in range(0 if serving else 1, spec.replicas[role]) if i not in present]
+        count = spec.router_replicas if role == ROLE_ROUTER else spec.replicas[role]
+        out = [i for i in range(0 if serving else 1, count) if i not in present]
         # a deleted one is waited out (its name comes back)
         if leased is not None:
             unleased.extend(f"{role} {i}" for i in out if i not in leased.get(role, frozenset()))
             out = [i for i in out if i in leased.get(role, frozenset())]
         return out
 
+    routers = [p for p in pods if p.role == ROLE_ROUTER and p.generation == generation]
+    # Router replicas: more than spec.router.replicas go at once, the highest first (a router keeps no request past
+    # its pod's end that the Service still sends it: the endpoint goes with the deletion); the missing ones are
+    # created once router 0 exists (recreate.py makes it in the ordered start) or, in a serving generation, at
+    # once, and before any engine instance when no router of the generation runs (the Service answers nothing).
+    extra = sorted((p for p in routers if not p.deleting and p.instance >= spec.router_replicas),
+                   key=lambda p: -p.instance)
+    if extra:
+        return InstanceStep(DELETE, ROLE_ROUTER, extra[0].instance, extra[0].name,
+                            message=f"router replicas {spec.router_replicas}: deleting router {extra[0].name}")
+
+    def router_step() -> InstanceStep | None:
+        if not spec.router_enabled or not (serving or any(p.instance == 0 for p in routers)):
+            return None
+        for i in missing(ROLE_ROUTER)[:1]:
+            return InstanceStep(CREATE, ROLE_ROUTER, i, message=f"creating router {i} (generation {generation})")
+        return None
+
+    if serving and not any(p.running for p in routers) and (step := router_step()) is not None:
+        return step
     decodes = live_instances(pods, ROLE_DECODE, generation)
     prefills = live_instances(pods, ROLE_PREFILL, generation)
     if 0 in decodes or (serving and decodes):
@@ -146,6 +167,8 @@ def instance_step(spec: PairSpec, pods: Iterable[PodView], generation: int, now:
         for i in missing(ROLE_PREFILL)[:1]:
             return InstanceStep(CREATE, ROLE_PREFILL, i, message=f"creating prefill instance {i} (generation "
                                 f"{generation})")
+    if (step := router_step()) is not None:
+        return step
     if unleased:
         return InstanceStep(WAIT_DRAIN, "", -1, wait_seconds=min(waits) if waits else None,
                             message=f"no ports for {', '.join(unleased)}: the port pool is exhausted; the serving "
@@ -161,14 +184,13 @@ def instance_step(spec: PairSpec, pods: Iterable[PodView], generation: int, now:
 @dataclass(frozen=True)
 class Heal:
     """What `heal` decided for a serving xPyD generation: it keeps serving (phase Ready) while a failed or hung
-    instance, or its router, is replaced alone, and while the pods a lost node took are replaced."""
+    instance, or a router replica, is replaced alone, and while the pods a lost node took are replaced."""
 
     replace: PodView | None = None  # delete it now (its instance is re-created by instance_step once it is gone)
     # Pods on a lost node whose ports are fenced to them: force-deleted now (grace 0: their kubelet cannot confirm a
     # graceful end while the node is cut off), so their instances come back under the same names on Ready nodes
     force_delete: tuple[PodView, ...] = ()
-    create_router: bool = False  # the generation's router is gone: create it now, with the serving instances
-    router_serving: bool = True  # False while the router is replaced (the Ready condition says so)
+    router_serving: bool = True  # False while no router serves (the Ready condition says so)
     restart_times: Mapping[str, tuple[float, ...]] | None = None  # the new per-instance record, when it changed
     wait_seconds: float | None = None  # a replacement in backoff: pass again no later
     message: str = ""
@@ -208,7 +230,8 @@ def heal(spec: PairSpec, pods: Iterable[PodView], generation: int, now: float,
       - a failed engine pod, a container that restarted, or the pod a health finding names (hung, unreachable, a
         stale generation), one at a time, each under its own restart budget and backoff (spec.restartPolicy,
         restart_policy.py, per "<role>-<index>");
-      - the router when it failed, restarted or is named (budget "router-0"), and the router when it is gone.
+      - a router replica that failed, restarted or is named (budget "router-<index>"); a missing one is
+        instance_step's to create (before the engines when no router runs).
     None when the generation cannot go on serving alone and must restart in order as a whole: a role would have no
     serving instance left, or an instance (or the router) spent its budget (the pair's own budget then counts the
     restart)."""
@@ -223,10 +246,8 @@ def heal(spec: PairSpec, pods: Iterable[PodView], generation: int, now: float,
                          p.draining_since is None and p not in failing) for role in ENGINE_ROLES}
     if any(count == 0 for count in serving.values()):
         return None
-    routers = [p for p in pods if p.role == ROLE_ROUTER and p.instance == 0]
-    router = next((p for p in routers if not p.deleting and p.name not in stranded), None)
-    router_serving = not router_wanted or (router is not None and router.running and router.ready
-                                           and not _failing(router))
+    routers = [p for p in pods if p.role == ROLE_ROUTER and not p.deleting and p.name not in stranded]
+    router_serving = not router_wanted or any(p.running and p.ready and not _failing(p) for p in routers)
     if lost:
         fenced = tuple(p for p in lost if p.name in stranded_fenced)
         where = ", ".join(sorted({p.node for p in lost}))
@@ -240,14 +261,10 @@ def heal(spec: PairSpec, pods: Iterable[PodView], generation: int, now: float,
         return Heal(serving=serving, router_serving=router_serving, wait_seconds=1.0,
                     message=f"node {where} lost: {what} wait for their ports to be fenced before they are replaced")
     policy = RestartPolicy.from_spec(spec.get("restartPolicy"))
-    if router_wanted and router is None:
-        if any(p.role == ROLE_ROUTER for p in routers):
-            return Heal(serving=serving, router_serving=False, message="waiting for the old router pod to go")
-        return Heal(create_router=True, serving=serving, router_serving=False,
-                    message="the router is gone: creating it with the serving instances")
-    candidates = sorted(failing, key=lambda p: (p.role != ROLE_DECODE, p.instance))
-    if router_wanted and router is not None and (_failing(router) or _names(router, finding, generation)):
-        candidates.insert(0, router)
+    # Routers first: a failed one is out of the Service already, but the replicas left carry all the load.
+    candidates = sorted((p for p in routers if router_wanted and (_failing(p) or _names(p, finding, generation))),
+                        key=lambda p: p.instance)
+    candidates += sorted(failing, key=lambda p: (p.role != ROLE_DECODE, p.instance))
     waits: list[float] = []
     for pod in candidates:
         key = instance_key(pod)
@@ -266,15 +283,18 @@ def heal(spec: PairSpec, pods: Iterable[PodView], generation: int, now: float,
             continue
         record = {k: v for k, v in restart_times.items() if restarts_in_window(policy, v, now)}
         record[key] = tuple(prune(policy, list(earlier) + [now], now))
-        what = "the router" if pod.role == ROLE_ROUTER else f"{pod.role} instance {pod.instance}"
+        what = f"router {pod.instance}" if pod.role == ROLE_ROUTER else f"{pod.role} instance {pod.instance}"
         return Heal(replace=pod, restart_times=record, serving=serving, reason=code, replaced_role=pod.role,
-                    router_serving=router_serving and pod is not router,
+                    router_serving=not router_wanted or any(p.running and p.ready and not _failing(p)
+                                                            for p in routers if p is not pod),
                     message=f"replacing {what} alone ({why}); {decision.message} for this instance")
     if waits:
         return Heal(wait_seconds=min(waits), serving=serving, router_serving=router_serving,
                     message=f"{len(waits)} failed instance(s) wait for their restart backoff")
     if not router_serving:
-        return Heal(serving=serving, router_serving=False, message="waiting for the router pod to be Ready")
+        return Heal(serving=serving, router_serving=False,
+                    message="no router serves: waiting for a router pod to be Ready" if routers else
+                    "no router runs: re-creating the router with the serving instances")
     return Heal(serving=serving)
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from pdpair.contract import MAX_REPLICAS, ROLE_DECODE, ROLE_PREFILL
+from pdpair.contract import MAX_REPLICAS, MAX_ROUTER_REPLICAS, ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER
 
 from pdpair.operator.decide.nodes import LostPods
 from pdpair.operator.model.observed import PodView
@@ -61,13 +61,17 @@ class LeaseStep:
 
 
 def instances_on_set(spec: PairSpec, pods: Iterable[PodView]) -> dict[str, tuple[int, ...]]:
-    """Per engine role, the instances whose blocks a port set holds: range(spec.<role>.replicas), plus the instance
+    """Per role (the router's replicas too), the instances whose blocks a port set holds: range(spec.<role>.replicas)
+    (spec.router.replicas; none while the router is disabled), plus the instance
     of every pod on the set (`pods`: those on it), running or being deleted (it may be bound to its ports until it
     is gone). A pod label outside the CRD's range is not an instance the operator made: ignored."""
     pods = tuple(pods)
-    return {role: tuple(sorted(set(range(spec.replicas[role])) |
-                               {p.instance for p in pods if p.role == role and 0 <= p.instance < MAX_REPLICAS}))
-            for role in (ROLE_DECODE, ROLE_PREFILL)}
+    counts = {ROLE_DECODE: (spec.replicas[ROLE_DECODE], MAX_REPLICAS),
+              ROLE_PREFILL: (spec.replicas[ROLE_PREFILL], MAX_REPLICAS),
+              ROLE_ROUTER: (spec.router_replicas, MAX_ROUTER_REPLICAS)}
+    return {role: tuple(sorted(set(range(count)) |
+                               {p.instance for p in pods if p.role == role and 0 <= p.instance < bound}))
+            for role, (count, bound) in counts.items()}
 
 
 def lease_steps(spec: PairSpec, generations: Generations,

@@ -12,6 +12,7 @@ from pdpair.contract import (
     LABEL_PORT_SLOT,
     LEASE_NAME_PREFIX,
     MAX_REPLICAS,
+    MAX_ROUTER_REPLICAS,
     PORT_SLOTS,
     PURPOSE_HTTP,
     PURPOSE_METRICS,
@@ -22,6 +23,7 @@ from pdpair.contract import (
     status_port_name,
 )
 
+from pdpair.operator.model import spec_fields
 from pdpair.operator.model.config import PortPool
 
 LABEL_VALUE_MAX = 63
@@ -66,7 +68,7 @@ class PortBlock:
     count: int
     contiguous: bool = False
     fixed: int | None = None  # a user-chosen port (spec.router.port), leased the same way, even outside the pool
-    instance: int = 0  # the role's instance (xPyD); the router's block is always instance 0
+    instance: int = 0  # the role's instance (xPyD), or the router replica
 
     @property
     def key(self) -> tuple[str, int, str]:
@@ -97,9 +99,10 @@ class PortAssignment:
 
 def required_blocks(spec: Mapping[str, Any], instances: Mapping[str, Iterable[int]]) -> tuple[PortBlock, ...]:
     """Every port block a pair needs, given its spec (defaults as in the CRD): per prefill and decode instance a
-    side channel, metrics and http block, and the router's. `instances` names, per role, the instance indexes that
-    need ports (leases.instances_on_set: the spec's range(spec.<role>.replicas) and those of pods still on the port
-    set, so a scale-down keeps a block until its pod is gone); a role it does not name has none. Decode's blocks
+    side channel, metrics and http block, and an http block per router replica. `instances` names, per role, the
+    instance indexes that need ports (leases.instances_on_set: the spec's range(spec.<role>.replicas) and those of
+    pods still on the port set, so a scale-down keeps a block until its pod is gone); an engine role it does not name
+    has none, the router then has range(spec.router.replicas). Decode's blocks
     come first, instance by instance, then prefill's, then the router's: the order ports are claimed in."""
     network = spec.get("network") or {}
     per_rank = int(network.get("portsPerRank", 1))
@@ -121,7 +124,14 @@ def required_blocks(spec: Mapping[str, Any], instances: Mapping[str, Iterable[in
     router = spec.get("router") or {}
     if router.get("enabled", True):
         fixed = router.get("port")
-        blocks.append(PortBlock(ROLE_ROUTER, PURPOSE_HTTP, 1, fixed=int(fixed) if fixed else None))
+        indexes = sorted(set(instances[ROLE_ROUTER] if ROLE_ROUTER in instances else
+                             range(spec_fields.router_replicas(spec))))
+        bad = [i for i in indexes if not 0 <= i < MAX_ROUTER_REPLICAS]
+        if bad:
+            raise ValueError(f"router instance indexes must be 0..{MAX_ROUTER_REPLICAS - 1}, got {bad}")
+        for i in indexes:  # a fixed port is router 0's; the others lease theirs from the pool
+            blocks.append(PortBlock(ROLE_ROUTER, PURPOSE_HTTP, 1, fixed=int(fixed) if fixed and i == 0 else None,
+                                    instance=i))
     return tuple(blocks)
 
 

@@ -104,7 +104,7 @@ def pushes(pods: tuple[PodView, ...], ports_of: Mapping[int, Ports | None], deco
             if decodes and metrics is not None and digest != pod.peers_digest:
                 out.append(Push(pod, metrics, digest, decodes=decodes))
             continue  # no decode runs: nothing to pair with (recreate.py restarts a pair left without one)
-        router_port = port_of(ports, ROLE_ROUTER, PURPOSE_HTTP)
+        router_port = port_of(ports, ROLE_ROUTER, PURPOSE_HTTP, instance=pod.instance)
         members, digest = router_set(instances.router_members(pods, pod.generation), ports)
         roles = {m.role for m in members}
         if router_port is not None and {ROLE_PREFILL, ROLE_DECODE} <= roles and digest != pod.peers_digest:

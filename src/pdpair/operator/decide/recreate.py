@@ -379,15 +379,15 @@ def _instance0_state(spec: PairSpec, status: Mapping[str, Any], observed: Observ
 
 def _healing_plan(spec: PairSpec, generation: int, healed: instances.Heal, leased: Condition) -> Plan:
     """A serving xPyD generation (instances.heal): phase Ready while at least one instance of each role serves;
-    a failed instance (or the router) is deleted now, or its backoff waited out, and what is gone is re-created
-    (instances.instance_step, or the router here). The Ready condition is False while the router is replaced: the
-    engines serve, but nothing answers the Service until the new router is Ready."""
+    a failed instance (or router replica) is deleted now, or its backoff waited out, and what is gone is re-created
+    (instances.instance_step). The Ready condition is False while no router serves: the engines do, but nothing
+    answers the Service until a router is Ready."""
     counts = ", ".join(f"{role} {healed.serving.get(role, 0)}/{spec.replicas[role]}"
                        for role in (ROLE_PREFILL, ROLE_DECODE))
     ready = (Condition(COND_READY, TRUE, "PairReady", f"serving with {counts} instances Ready")
              if healed.router_serving else
-             Condition(COND_READY, FALSE, "RouterReplacing", f"the router is being replaced; {counts} instances "
-                                                             "Ready behind it"))
+             Condition(COND_READY, FALSE, "RouterReplacing", f"no router serves (one is being replaced); {counts} "
+                                                             "instances Ready behind it"))
     conditions = (leased, _listening(TRUE, "Accepting", "the generation served: decode's listener accepted"),
                   _prefill(TRUE, "PodReady"), ready)
     common = dict(heals_alone=True, instance_restart_times=healed.restart_times, wait_seconds=healed.wait_seconds)
@@ -400,9 +400,6 @@ def _healing_plan(spec: PairSpec, generation: int, healed: instances.Heal, lease
         return Plan(STEP_INSTANCES, generation, PHASE_READY, conditions, healed.message, delete=(healed.replace.name,),
                     replaced_instance=(healed.replace.role, healed.reason),
                     events=(("Warning", "InstanceReplacing", healed.message),), **common)
-    if healed.create_router:
-        return Plan(STEP_CREATE_ROUTER, generation, PHASE_READY, conditions, healed.message, create=ROLE_ROUTER,
-                    **common)
     message = f"generation {generation} is ready ({counts} serving)" + (f"; {healed.message}" if healed.message else "")
     return Plan(STEP_READY, generation, PHASE_READY, conditions, message, **common)
 

@@ -210,6 +210,20 @@ class RouterDrainView:
     involved: Mapping[str, int] = field(default_factory=dict)  # pods with requests in flight involving them (> 0)
 
     @classmethod
+    def merged(cls, views: "list[RouterDrainView]") -> "RouterDrainView":
+        """One view of a generation's router replicas, as the planner needs it (router_drained): a pod is choosable
+        if any replica may still choose it, its requests in flight are the sum over the replicas, the answer is as
+        old as the oldest, and about a generation only when every replica answered about that one."""
+        first = views[0]
+        answered = {v.answered_generation for v in views}
+        involved: dict[str, int] = {}
+        for view in views:
+            for name, count in view.involved.items():
+                involved[name] = involved.get(name, 0) + count
+        return cls(first.generation, answered.pop() if len(answered) == 1 else None, min(v.read_at for v in views),
+                   frozenset().union(*(v.choosable for v in views)), involved)
+
+    @classmethod
     def from_answer(cls, generation: int, answer: Any, read_at: float,
                     urls: Mapping[str, tuple[str, str]]) -> "RouterDrainView | None":
         """The view of a router's answer `{"epoch", "generation", "prefills": [{"index", "url", "outstanding",

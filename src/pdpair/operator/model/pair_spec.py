@@ -15,7 +15,7 @@ import json
 from functools import cached_property
 from typing import Any, Mapping
 
-from pdpair.contract import ROLE_DECODE, ROLE_PREFILL, ROLES, ROLLOUT_SURGE
+from pdpair.contract import ROLE_DECODE, ROLE_PREFILL, ROLE_ROUTER, ROLES, ROLLOUT_SURGE
 from pdpair.operator.model import spec_fields
 
 # The spec fields pods are built from; a change to any of them is a rollout. Every property of the CRD's spec is in
@@ -30,15 +30,16 @@ POD_SPEC_FIELDS = ("model", "servedModelName", "image", "prefill", "decode", "co
 OMITTED_WHEN_ABSENT = ("apiKeySecret",)
 # How to roll, restart and scale, not what: spec.scaling (the P:D band) moves counts, like replicas.
 SPEC_FIELDS_NOT_IN_PODS = ("rolloutStrategy", "rollout", "restartPolicy", "scaling")
-# Inside the role specs, what is not a pod field: the instance count (xPyD). Scaling 2 -> 3 must leave every existing
-# pod alone, and a pair stored before the field existed (defaulted to 1 on read) must keep its fingerprint.
+# Inside the role specs (the router's too), what is not a pod field: the instance count (xPyD, router replicas).
+# Scaling 2 -> 3 must leave every existing pod alone, and a pair stored before the field existed (defaulted on read)
+# must keep its fingerprint.
 ROLE_FIELDS_NOT_IN_PODS = ("replicas",)
 
 
 def spec_fingerprint(spec: Mapping[str, Any]) -> str:
     """The hash of the spec fields the pods are built from (annotation pdpair.io/spec-hash on every pod)."""
     relevant = {k: spec.get(k) for k in POD_SPEC_FIELDS if k not in OMITTED_WHEN_ABSENT or spec.get(k) is not None}
-    for role in (ROLE_PREFILL, ROLE_DECODE):
+    for role in (ROLE_PREFILL, ROLE_DECODE, ROLE_ROUTER):
         if isinstance(relevant.get(role), Mapping):
             relevant[role] = {k: v for k, v in relevant[role].items() if k not in ROLE_FIELDS_NOT_IN_PODS}
     text = json.dumps(relevant, sort_keys=True, separators=(",", ":"), default=str)
@@ -57,6 +58,7 @@ class PairSpec(dict):
         self.fingerprint = spec_fingerprint(spec)
         self.replicas: Mapping[str, int] = {role: spec_fields.replicas(spec, role) for role in ROLES}
         self.router_enabled = router_enabled(spec)
+        self.router_replicas = spec_fields.router_replicas(spec) if self.router_enabled else 0
         self.surge = spec.get("rolloutStrategy") == ROLLOUT_SURGE
 
     # Read when a decision needs them, not before: the CRD defaults them, and a spec that never drains or rolls out

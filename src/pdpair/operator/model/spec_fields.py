@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from pdpair.contract import DEFAULT_REPLICAS
+from pdpair.contract import DEFAULT_REPLICAS, DEFAULT_ROUTER_REPLICAS
 
 
 class MissingDefaultedField(ValueError):
@@ -55,6 +55,12 @@ def replicas(spec: Mapping[str, Any], role: str) -> int:
     means one instance (docs/xpyd.md section 1); the contract's DEFAULT_REPLICAS is the CRD's default
     (tests/unit/test_contract_defaults.py)."""
     return int((spec.get(role) or {}).get("replicas", DEFAULT_REPLICAS))
+
+
+def router_replicas(spec: Mapping[str, Any]) -> int:
+    """spec.router.replicas: router pods per generation. Absent (a pair stored before the field existed, read through
+    an older CRD) it is the contract's DEFAULT_ROUTER_REPLICAS, the CRD's default."""
+    return int((spec.get("router") or {}).get("replicas", DEFAULT_ROUTER_REPLICAS))
 
 
 def scaling_follower(spec: Mapping[str, Any]) -> str:
