@@ -243,12 +243,15 @@ def operator_logs(cluster, tail: int = 60) -> str:
 
 def pair_manifest(name: str, namespace: str, engine_ref: str, model_dir: pathlib.Path, *, prefill_node: str = "n1",
                   decode_node: str = "n2", transport: str = "tcp", prefill_env: list[dict] | None = None,
-                  decode_env: list[dict] | None = None, tensor_parallel_size: int = 1) -> dict:
+                  decode_env: list[dict] | None = None, tensor_parallel_size: int = 1,
+                  router_replicas: int | None = 1) -> dict:
     """An InferencePair on the tcp transport: prefill pinned to one node, decode (and the router) to another, the
     model from a hostPath volume through the per-role pod templates. `tensor_parallel_size` > 1 sets both roles'
     spec.<role>.tensorParallelSize (the CRD requires them equal); at 1 the field is left to the CRD's default.
     `prefill_env` / `decode_env`: extra engine env on every pod of that role (e.g. a TEST_ONLY_PDPAIR_* knob's path;
-    the knob file itself is then created in one pod only)."""
+    the knob file itself is then created in one pod only). `router_replicas`: spec.router.replicas, 1 unless a test
+    is about replicas (the real-node tests count and address one router; pinned to decode's node, two would share
+    it); None leaves the CRD's default (2), as a user's pair would (the demo)."""
     def role(node: str, env: list[dict]) -> dict:
         tp = {} if tensor_parallel_size == 1 else {"tensorParallelSize": tensor_parallel_size}
         return {
@@ -271,9 +274,10 @@ def pair_manifest(name: str, namespace: str, engine_ref: str, model_dir: pathlib
             "network": {"hostNetwork": True},
             "prefill": role(prefill_node, prefill_env or []),
             "decode": role(decode_node, decode_env or []),
-            "router": {"template": {"spec": {
-                "nodeSelector": {"kubernetes.io/hostname": decode_node},
-                "containers": [{"name": "router", "imagePullPolicy": "Never"}]}}},
+            "router": {**({"replicas": router_replicas} if router_replicas is not None else {}),
+                       "template": {"spec": {
+                           "nodeSelector": {"kubernetes.io/hostname": decode_node},
+                           "containers": [{"name": "router", "imagePullPolicy": "Never"}]}}},
         },
     }
 

@@ -117,7 +117,7 @@ def show_pair_and_single(cluster, engine_ref: str, model: pathlib.Path, say, tim
     for w in watchers:
         w.start()
     try:
-        manifest = pair_manifest(PAIR, namespace, engine_ref, model)
+        manifest = pair_manifest(PAIR, namespace, engine_ref, model, router_replicas=None)  # the product default
         cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
         applied = time.monotonic()
         say(f"kubectl apply: InferencePair {namespace}/{PAIR} (transport tcp; prefill on n1, decode on n2)")

@@ -364,7 +364,7 @@ def test_minimal_spec_comes_back_fully_defaulted(custom_api, crd_namespace):
     assert spec["network"] == {"hostNetwork": True, "portsPerRank": 1}
     assert spec["restartPolicy"] == {"maxRestarts": 5, "windowSeconds": 1800, "backoffSeconds": 10,
                                      "maxBackoffSeconds": 300}
-    assert spec["router"] == {"enabled": True}
+    assert spec["router"] == {"enabled": True, "replicas": 2}
     assert spec["rolloutStrategy"] == contract.ROLLOUT_RECREATE
     assert spec["rollout"] == {"drainSeconds": 30, "progressDeadlineSeconds": 1800}
     # and the same on a fresh read (defaults are also applied when reading from etcd)

@@ -12,6 +12,7 @@ Cost: about 1 minute, kwok only, no engine (the decode listener is a socket the 
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from datetime import datetime, timezone
@@ -162,11 +163,12 @@ def _cut(api, node, pool):
 
 def test_a_lost_node_in_a_serving_xpyd_pair_replaces_only_its_pods_on_the_same_generation(
         platform, cluster_namespace, tmp_path):
-    """2P2D with a router on two nodes of the test's own, nothing pinned: each role spreads over both nodes (the
-    default preferred anti-affinity). The router's node is cut off: its router, prefill and decode are force-deleted
-    once their ports are fenced and come back under the same names on the other node, while the other node's
-    prefill and decode keep their pods; the pair keeps generation 1, no restart is counted, and the fences outlive
-    the force-deleted pods until the node is back. Cost: about 40 s, kwok only, no engine."""
+    """2P2D with two router replicas on two nodes of the test's own, nothing pinned: each role spreads over both
+    nodes (the default preferred anti-affinity). Router 0's node is cut off: its router, prefill and decode are
+    force-deleted once their ports are fenced and come back under the same names on the other node, while the other
+    node's pods (router 1 among them) keep serving: the Ready condition stays True, the pair keeps generation 1, no
+    restart is counted, and the fences outlive the force-deleted pods until the node is back. Cost: about 40 s,
+    kwok only, no engine."""
     cluster, _ = platform
     api = Api(cluster)
     ns = cluster_namespace
@@ -190,19 +192,34 @@ def test_a_lost_node_in_a_serving_xpyd_pair_replaces_only_its_pods_on_the_same_g
             api.create_pair(ns, "nx", router={"enabled": True, **placement}, decode={"replicas": 2, **placement},
                             prefill={"replicas": 2, **placement})
             wait_for(lambda: serving(api.pair(ns, "nx")), 90, "2P2D Ready")
+            wait_for(lambda: all(n in pods() and pods()[n].status.phase == "Running" for n in ("nx-router-g1",
+                                                                                             "nx-router-g1-1")),
+                     30, "both router replicas running",
+                     diagnose=lambda: "; ".join(f"{n}: {p.status.phase} on {p.spec.node_name}" for n, p in pods().items())
+                     + f"\n{api.pair(ns, 'nx')['spec']['router']}\n{[p['name'] for p in api.pair(ns, 'nx')['status']['ports']]}")
             before = pods()
             by_role: dict[str, set[str]] = {}
             for pod in before.values():
                 by_role.setdefault(pod.metadata.labels[LABEL_ROLE], set()).add(pod.spec.node_name)
-            assert by_role[ROLE_PREFILL] == set(nodes) and by_role[ROLE_DECODE] == set(nodes), \
+            assert by_role[ROLE_PREFILL] == by_role[ROLE_DECODE] == by_role["router"] == set(nodes), \
                 f"a role did not spread over both nodes: {by_role}"
-            [router] = [p for p in before.values() if p.metadata.labels[LABEL_ROLE] == "router"]
-            lost = router.spec.node_name
+            lost = before["nx-router-g1"].spec.node_name  # router 0's: router 1 serves from the other node
             on_lost = {n for n, p in before.items() if p.spec.node_name == lost}
             kept = {n: p.metadata.uid for n, p in before.items() if n not in on_lost}
             lost_ports = set().union(*(declared_ports(before[n]) for n in on_lost))
 
             cut = _cut(api, lost, pool)
+            not_ready: list[str] = []  # the Ready condition as sampled through the loss: router 1 keeps serving
+            sampling = threading.Event()
+
+            def sample():
+                while not sampling.wait(0.2):
+                    ready = condition(api.pair(ns, "nx"), "Ready") or {}
+                    if ready.get("status") != "True":
+                        not_ready.append(f"{ready.get('reason')}: {ready.get('message')}")
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
 
             def replaced():
                 now = pods()
@@ -214,6 +231,9 @@ def test_a_lost_node_in_a_serving_xpyd_pair_replaces_only_its_pods_on_the_same_g
             assert lost_ports <= set(api.fences(f"{ns}/")), "a force-deleted pod's ports are not fenced"
             wait_for(lambda: serving(api.pair(ns, "nx")), 60, "2P2D Ready again")
             back = time.monotonic() - cut
+            sampling.set()
+            sampler.join(10)
+            assert not not_ready, f"the Ready condition left True while router 1 served: {not_ready[:3]}"
             pair = api.pair(ns, "nx")
             assert pair["status"]["pairGeneration"] == 1 and not pair["status"].get("restarts"), pair["status"]
             now = pods()

@@ -91,7 +91,8 @@ def wait_leases_equal_status_ports(api, ns, name, uid, timeout=30):
 
 
 def start_surge_pair(api, ns, name, **spec):
-    api.create_pair(ns, name, router={"enabled": True}, rolloutStrategy="Surge",
+    # One router replica: these tests count one router port per generation and follow one router pod
+    api.create_pair(ns, name, router={"enabled": True, "replicas": 1}, rolloutStrategy="Surge",
                     rollout={"drainSeconds": 3, "progressDeadlineSeconds": 600}, **spec)
     pair = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("ports") else None)(api.pair(ns, name)),
                     30, "ports")

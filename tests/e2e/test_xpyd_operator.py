@@ -108,7 +108,7 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
             # The decode listener of instance 0 (the operator's Ready gate) and the push endpoints of every prefill
             # (metrics port) and of the router (http port), on the leased ports, before the pods exist.
             listen(port_named(pair, "decode-sidechannel-0"))
-            for name in ("prefill-metrics-0", "prefill-metrics-0-i1", "router-http-0"):
+            for name in ("prefill-metrics-0", "prefill-metrics-0-i1", "router-http-0", "router-http-0-i1"):
                 serve(port_named(pair, name), router=name.startswith("router"))
             ready = wait_for(lambda: (lambda p: p if (p.get("status") or {}).get("phase") == "Ready" and
                                       p["status"].get("decode", {}).get("readyOfDesired") == "3/3" and
@@ -116,7 +116,7 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
                 api.pair(ns, "xp")), 90, "Ready with 2/2 prefill and 3/3 decode", interval=0.2,
                 diagnose=lambda: pair_diagnosis(api, ns, 'xp', proc))
             ports = check_ports(api, ns, ready)
-            assert len(ports) == 3 * (2 + 3) + 1  # TP 1: side channel, metrics, http per instance; one router port
+            assert len(ports) == 3 * (2 + 3) + 2  # TP 1: side channel, metrics, http per instance; two routers' ports
             pods = pods_by_role(api, ns)
             assert sorted(pods["decode"]) == [0, 1, 2] and sorted(pods["prefill"]) == [0, 1]
             assert [p["metadata"]["name"] for _, p in sorted(pods["decode"].items())] == [
@@ -203,7 +203,7 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
                               if ANNOTATION_DRAINING_SINCE in (p["metadata"].get("annotations") or {}))
                 p = api.pair(ns, "xp")
                 return p if (p["status"].get("decode", {}).get("desired") == 2 and sorted(decodes_now) == [0, 1] and
-                             len(p["status"]["ports"]) == 3 * (2 + 2) + 1) else None
+                             len(p["status"]["ports"]) == 3 * (2 + 2) + 2) else None
 
             down = wait_for(decode_down, 60, "decode 2/2 with the drained instances' ports released", interval=0.2,
                             diagnose=lambda: pair_diagnosis(api, ns, 'xp', proc))
@@ -238,8 +238,9 @@ def test_a_2p3d_pair_scales_and_tells_every_pod_its_set(platform, cluster_namesp
             proc.start()
             final = wait_for(lambda: (lambda p: p if p["status"].get("prefill", {}).get("readyOfDesired") == "4/4"
                                       else None)(api.pair(ns, "xp")), 90, "4/4 prefill after the restart", interval=0.3)
+            wait_for(lambda: len(api.pods(ns)) >= 4 + 2 + 2, 30, "both router replicas")
             names = [p["metadata"]["name"] for p in api.pods(ns)]
-            assert len(names) == len(set(names)) == 4 + 2 + 1
+            assert len(names) == len(set(names)) == 4 + 2 + 2  # prefills, decodes, two router replicas
             check_ports(api, ns, final)
             cleanup_pairs(api, ns)
             assert api.leases(ns) == []
@@ -286,7 +287,7 @@ def test_an_8p8d_pair_starts_with_every_port_its_own(platform, cluster_namespace
                 second.close()
             print(f"\n8P8D (TP 2) on kwok: apply -> 8/8 prefill, 8/8 decode, Ready in {time.monotonic() - started:.1f}s")
             ports = check_ports(api, ns, ready)
-            assert len(ports) == 8 * 2 * (2 + 2) + 1
+            assert len(ports) == 8 * 2 * (2 + 2) + 2
             created = recorder.created()
             first_decode = created.index("big-decode-g1")
             assert all(created.index(f"big-prefill-g1{'' if i == 0 else f'-{i}'}") > first_decode for i in range(8))

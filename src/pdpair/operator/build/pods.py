@@ -415,16 +415,16 @@ def router_pod(
         raise ManifestError("the router needs both prefill and decode addresses")
     command = ["python", "-m", "pdpair.router", "--port", str(router_port)]
     for role in (ROLE_PREFILL, ROLE_DECODE):
-        for instance, host in members[role]:
-            what = role if not instance else f"{role} instance {instance}"
-            http = _require(port_of(ports, role, PURPOSE_HTTP, instance=instance), f"{what} http")
+        for index, host in members[role]:
+            what = role if not index else f"{role} instance {index}"
+            http = _require(port_of(ports, role, PURPOSE_HTTP, instance=index), f"{what} http")
             command += [f"--{role}", f"http://{url_host(host)}:{http}"]
     # The engine pods' own readiness (paired, serving, warmed up): the router is created while they load, and its
     # /readyz passes only once a prefill and a decode do (recreate.py, step 5).
     for role in (ROLE_PREFILL, ROLE_DECODE):
-        for instance, host in members[role]:
-            what = role if not instance else f"{role} instance {instance}"
-            metrics = _require(port_of(ports, role, PURPOSE_METRICS, instance=instance), f"{what} metrics")
+        for index, host in members[role]:
+            what = role if not index else f"{role} instance {index}"
+            metrics = _require(port_of(ports, role, PURPOSE_METRICS, instance=index), f"{what} metrics")
             command += [f"--{role}-ready", f"http://{url_host(host)}:{metrics}{READYZ_PATH}"]
     router_spec = spec.get("router") or {}
     if router_spec.get("debugRouting"):

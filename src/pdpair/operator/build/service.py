@@ -34,8 +34,9 @@ def service_name(pair_name: str) -> str:
 
 
 def router_selector(pair_name: str, generation: int | None = None) -> dict[str, str]:
-    """The router pod of any generation: only one exists at a time (Recreate: old routers go before new ones start).
-    During a Surge rollout two exist, and `generation` picks the serving one."""
+    """The router pods (spec.router.replicas of them) of any generation: one generation's exist at a time (Recreate:
+    old routers go before new ones start). During a Surge rollout two generations' do, and `generation` picks the
+    serving one."""
     selector = {LABEL_PAIR: pair_name, LABEL_ROLE: ROLE_ROUTER}
     if generation is not None:
         selector[LABEL_GENERATION] = str(generation)
