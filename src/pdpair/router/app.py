@@ -39,8 +39,8 @@ the engines' own keep-alive (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a reques
 engine is closing at that moment fails at once (a disconnect, a sporadic 502 under load). A prefill request that
 fails that way, before any answer, is sent once more on a new connection, to another prefill when there is one:
 prefill computes one token and keeps the KV for a decode that never comes, which the connector frees at its
-deadline. A prefill that refused the connection never saw the request, so it is sent to another prefill when there
-is one. A decode request is never sent twice (its KV may already be read).
+deadline. A prefill that refused the connection, or accepted none within the connect timeout (a node cut off by a
+partition drops the handshake), never saw the request, so it is sent to another prefill when there is one. A decode request is never sent twice (its KV may already be read).
 X-Request-Id is taken from the client (or made) and sent to both engines and back to the client.
 
 With VLLM_API_KEY set (spec.apiKeySecret, read once at start; empty: no key), every request but /health, /readyz and
@@ -140,7 +140,9 @@ def _disconnected(exc: BaseException | None) -> bool:
 
 
 def _refused(exc: BaseException | None) -> bool:
-    return isinstance(exc, aiohttp.ClientConnectorError)
+    """Nothing listens (refused), or nothing accepted the connection within the connect timeout (a node cut off by a
+    partition drops the handshake): either way the peer never saw the request."""
+    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
 
 
 async def _prefill(router: Router, first: Instance, decode: Instance, body: dict, path: str, headers: dict,
@@ -158,7 +160,8 @@ async def _prefill(router: Router, first: Instance, decode: Instance, body: dict
         with pool.hold(instance):
             try:
                 answer = await _post_json(router.session, "prefill", instance.url + path, payload,
-                                          {**headers, **router.engine_headers}, config.prefill_timeout_seconds)
+                                          {**headers, **router.engine_headers}, config.prefill_timeout_seconds,
+                                          config.connect_timeout_seconds)
                 params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
                 if not isinstance(params, dict):
                     raise PeerError(
@@ -184,9 +187,13 @@ async def _prefill(router: Router, first: Instance, decode: Instance, body: dict
     raise AssertionError("unreachable")
 
 
-async def _post_json(session: aiohttp.ClientSession, peer: str, url: str, body: dict, headers: dict, timeout: float) -> dict:
+async def _post_json(session: aiohttp.ClientSession, peer: str, url: str, body: dict, headers: dict, timeout: float,
+                     connect_timeout: float) -> dict:
+    # The request's own ClientTimeout replaces the session's whole: the connect bound is restated here (without it a
+    # peer that drops the handshake held the request for the full answer timeout)
+    deadline = aiohttp.ClientTimeout(total=timeout, connect=connect_timeout)
     try:
-        async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.post(url, json=body, headers=headers, timeout=deadline) as resp:
             text = await resp.text()
             if resp.status >= 500:
                 raise PeerError(502, peer, f"{peer} {url} answered {resp.status}: {text[:500]}")
@@ -196,6 +203,8 @@ async def _post_json(session: aiohttp.ClientSession, peer: str, url: str, body: 
                 return json.loads(text)
             except ValueError:
                 raise PeerError(502, peer, f"{peer} {url} answered non-JSON: {text[:200]!r}") from None
+    except aiohttp.ConnectionTimeoutError as exc:  # before TimeoutError, its base: the request was never sent
+        raise PeerError(504, peer, f"{peer} {url} accepted no connection in time: {exc}") from exc
     except asyncio.TimeoutError:
         raise PeerError(504, peer, f"{peer} {url} did not answer within {timeout:.0f}s") from None
     except aiohttp.ClientError as exc:

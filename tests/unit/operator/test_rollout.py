@@ -504,3 +504,30 @@ def test_a_surge_rollout_of_a_2p2d_pair_switches_only_once_every_new_instance_se
     assert creates.index("create p-prefill-g2 on b") > creates.index("create p-decode-g2 on b")
     assert {p.phase for p in plans} == {"Ready"}
     assert sorted(world.pods) == ["p-decode-g2", "p-decode-g2-1", "p-prefill-g2", "p-prefill-g2-1", "p-router-g2"]
+
+
+def test_a_surge_rollout_with_two_router_replicas_ends_with_both_on_the_new_generation():
+    """spec.router.replicas 2: the old generation's two routers serve until the switch, the new generation gets two
+    of its own (router 1 once router 0 exists), no router is given another generation's instance, and only the
+    new generation's pods are left. Cost: pure, well under a second."""
+    spec_v1 = make_spec(rolloutStrategy="Surge", rollout={"drainSeconds": 30, "progressDeadlineSeconds": 600},
+                        prefill={"replicas": 2}, decode={"replicas": 2}, router={"replicas": 2})
+    spec_v2 = {**spec_v1, "decode": {**spec_v1["decode"], "args": ["--seed", "1"]}}
+    old = {}
+    for role, count in ((ROLE_DECODE, 2), (ROLE_PREFILL, 2), (ROLE_ROUTER, 2)):
+        for i in range(count):
+            p = pod(role, 1, spec_v1)
+            p = replace(p, name=p.name + (f"-{i}" if i else ""), instance=i, uid=f"uid-{role}-1-{i}")
+            old[p.name] = p
+    world = InstanceWorld(spec_v2, pods=dict(old))
+
+    def until(plan, w):
+        pods = list(w.pods.values())
+        for gen in (1, 2):
+            assert {p.generation for p in instances.router_members(pods, gen)} <= {gen}
+        return ready_without_rollout(plan, w)
+
+    plans = world.run(until, max_passes=120)
+    assert {p.phase for p in plans} == {"Ready"}
+    assert sorted(world.pods) == ["p-decode-g2", "p-decode-g2-1", "p-prefill-g2", "p-prefill-g2-1", "p-router-g2",
+                                  "p-router-g2-1"]

@@ -233,3 +233,31 @@ def test_cli_repeats_flags_into_instances_and_refuses_one_instance_twice(capsys)
     ):
         with pytest.raises(ValueError, match=match):
             make_app(RouterConfig(("http://p",), urls))
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_that_accepts_no_connection_is_skipped_like_a_refused_one(fleet):
+    """A prefill on a partitioned node drops the handshake: the connect times out, the request never reached it,
+    so it goes on to the live prefill (and the silent one cools down). The silence: a listening socket whose
+    accept queue is full (Linux drops further SYNs). Costs about 1 s."""
+    start, _, client = fleet
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(0)
+    fillers = []
+    for _ in range(3):  # backlog 0 holds one connection; the rest wait in SYN retries
+        f = socket.socket()
+        f.setblocking(False)
+        f.connect_ex(silent.getsockname())
+        fillers.append(f)
+    try:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        router, prefills, decodes = await start(1, 1, prefill_urls=[url], failure_cooldown_seconds=60,
+                                                connect_timeout_seconds=0.5)
+        statuses = [await _complete(client, router) for _ in range(4)]
+        assert statuses == [200] * 4
+        assert len(prefills[0].received) == 4 and len(decodes[0].received) == 4
+    finally:
+        for f in fillers:
+            f.close()
+        silent.close()

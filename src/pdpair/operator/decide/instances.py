@@ -251,8 +251,7 @@ def heal(spec: PairSpec, pods: Iterable[PodView], generation: int, now: float,
     if lost:
         fenced = tuple(p for p in lost if p.name in stranded_fenced)
         where = ", ".join(sorted({p.node for p in lost}))
-        what = ", ".join(f"{p.role} {p.instance}" if p.role in ENGINE_ROLES else p.role
-                         for p in sorted(lost, key=lambda p: (p.role, p.instance)))
+        what = ", ".join(f"{p.role} {p.instance}" for p in sorted(lost, key=lambda p: (p.role, p.instance)))
         if fenced:
             return Heal(force_delete=fenced, serving=serving, router_serving=router_serving, reason=REASON_NODE_LOST,
                         replaced_role=fenced[0].role,
