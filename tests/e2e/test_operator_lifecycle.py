@@ -266,11 +266,19 @@ def test_router_service(platform, cluster_namespace, tmp_path):
             # The selector and the named target port resolve to the router pod and its port. (The EndpointSlice
             # controller would show the same, but it refuses the kwok nodes' loopback address, so the test resolves
             # them itself.)
-            selected = api.core.list_namespaced_pod(
-                ns, label_selector=",".join(f"{k}={v}" for k, v in svc.spec.selector.items())).items
-            assert [p.metadata.name for p in selected] == [g1["status"]["pods"]["router"]]
-            named = {p.name: p.container_port for c in selected[0].spec.containers for p in c.ports or ()}
-            assert named[HTTP_PORT_NAME] == router_port
+            # Both router replicas (spec.router.replicas' default), each with its own port under the one name.
+            router_1 = f"{g1['status']['pods']['router']}-1"
+            wait_for(lambda: any(p.metadata.name == router_1 for p in api.core.list_namespaced_pod(ns).items), 30,
+                     "router replica 1")
+            selected = sorted(api.core.list_namespaced_pod(
+                ns, label_selector=",".join(f"{k}={v}" for k, v in svc.spec.selector.items())).items,
+                key=lambda p: p.metadata.name)
+            assert [p.metadata.name for p in selected] == [g1["status"]["pods"]["router"], router_1]
+            named = [{p.name: p.container_port for c in pod.spec.containers for p in c.ports or ()}
+                     for pod in selected]
+            assert named[0][HTTP_PORT_NAME] == router_port
+            assert named[1][HTTP_PORT_NAME] == next(p["port"] for p in g1["status"]["ports"]
+                                                    if p["name"] == "router-http-0-i1") != router_port
 
             # Deleted by hand: the watch sees it and the operator recreates it.
             api.core.delete_namespaced_service("svc", ns)

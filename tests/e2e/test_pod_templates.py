@@ -19,6 +19,7 @@ from pdpair.contract import (
     COND_READY,
     ENV_SIDE_CHANNEL_KEY,
     SIDE_CHANNEL_SECRET_KEY,
+    LABEL_INSTANCE,
     LABEL_ROLE,
     PURPOSE_SIDECHANNEL,
     ROLE_DECODE,
@@ -101,7 +102,9 @@ def bind_gang_pods(api: Api, ns: str, node: str) -> None:
 
 
 def pod_of(api: Api, ns: str, role: str) -> dict | None:
-    return next((p for p in api.pods(ns) if p["metadata"]["labels"].get(LABEL_ROLE) == role), None)
+    """The role's instance 0 (router 0 of the router replicas)."""
+    return next((p for p in api.pods(ns) if p["metadata"]["labels"].get(LABEL_ROLE) == role
+                 and p["metadata"]["labels"].get(LABEL_INSTANCE, "0") == "0"), None)
 
 
 def raw_pod(api: Api, ns: str, name: str) -> dict:
@@ -217,7 +220,7 @@ def test_operator_pods_carry_the_templates_and_start_in_order(platform, cluster_
                                                                        if k != "runAsNonRoot"}}
             assert without_preflight(router["command"])[:3] == ["python", "-m", "pdpair.router"]
             created = [name.rsplit("-g", 1)[0].rsplit("-", 1)[1] for name in recorder.created()]
-            assert created == ["decode", "prefill", "router"], recorder.order()
+            assert created == ["decode", "prefill", "router", "router"], recorder.order()  # router 1 after router 0
             cleanup_pairs(api, ns)
     finally:
         recorder.stop()
@@ -250,6 +253,9 @@ def test_a_prefill_that_never_becomes_ready_stays_starting(platform, cluster_nam
             # The router starts beside the engines once prefill runs; its readiness is theirs, the pair's Ready too.
             router = wait_for(lambda: pod_of(api, ns, "router"), 30, "the router pod beside the loading engines")
             check_locked_down(api, ns, {"decode": decode, "prefill": prefill, "router": router}, "slow")
+            # and router replica 1 once router 0 exists (spec.router.replicas' default, 2)
+            replica = wait_for(lambda: next((p for p in api.pods(ns) if p["metadata"]["name"] ==
+                                             router["metadata"]["name"] + "-1"), None), 30, "router replica 1")
             # Watch well past several health intervals and reconcile passes: the pair must not move.
             observed_for = 20.0
             deadline = time.monotonic() + observed_for
@@ -265,7 +271,8 @@ def test_a_prefill_that_never_becomes_ready_stays_starting(platform, cluster_nam
                 pods = {p["metadata"]["name"]: p["metadata"]["uid"] for p in api.pods(ns)}
                 assert pods == {decode["metadata"]["name"]: decode["metadata"]["uid"],
                                 prefill["metadata"]["name"]: prefill["metadata"]["uid"],
-                                router["metadata"]["name"]: router["metadata"]["uid"]}, pods  # none replaced
+                                router["metadata"]["name"]: router["metadata"]["uid"],
+                                replica["metadata"]["name"]: replica["metadata"]["uid"]}, pods  # none replaced
                 polls += 1
                 time.sleep(0.5)
             assert polls >= 10
