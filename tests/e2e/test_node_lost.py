@@ -47,6 +47,25 @@ def declared_ports(pod):
     return {int(p.container_port) for c in pod.spec.containers for p in c.ports or []}
 
 
+def _cut(api, node, pool):
+    """The partition: kwok lets go of `node`, which reported NotReady (with the not-ready taint) before going silent.
+    Returns the monotonic time NotReady was stamped."""
+    api.core.patch_node(node, {"metadata": {"labels": {FAKE_NODE_LABEL[0]: None}}})
+    time.sleep(1)  # kwok's last status write (if one was in flight) lands before ours
+    # The cut is when NotReady is stamped (the operator counts nodeLostSeconds from lastTransitionTime, whole seconds,
+    # so up to 1 s earlier): not after the patches below, which took 2 s on a CI box at load 42 and made a correct
+    # decision look early.
+    cut = time.monotonic()
+    stamp = _now()
+    api.core.patch_node_status(node, {"status": {"conditions": [
+        {"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "partition (test)",
+         "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}]}})
+    api.core.patch_node(node, {"spec": {"taints": [
+        {"key": POOL_LABEL, "value": pool, "effect": "NoSchedule"},
+        {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]}})
+    return cut
+
+
 def test_a_partitioned_node_is_left_behind_with_its_ports_fenced_and_the_pair_serves_again(
         platform, cluster_namespace, tmp_path):
     cluster, _ = platform
@@ -68,20 +87,8 @@ def test_a_partitioned_node_is_left_behind_with_its_ports_fenced_and_the_pair_se
             assert {p.spec.node_name for p in old.values()} == {lost}
             old_ports = set().union(*(declared_ports(p) for p in old.values()))
 
-            # The partition: kwok lets go of the node; its kubelet said NotReady before going silent.
-            api.core.patch_node(lost, {"metadata": {"labels": {FAKE_NODE_LABEL[0]: None}}})
-            time.sleep(1)  # kwok's last status write (if one was in flight) lands before ours
-            # The cut is when NotReady is stamped (the operator counts nodeLostSeconds from lastTransitionTime, whole
-            # seconds, so up to 1 s earlier): not after the patches below, which took 2 s on a CI box at load 42 and
-            # made a correct decision look early.
-            cut = time.monotonic()
-            stamp = _now()
-            api.core.patch_node_status(lost, {"status": {"conditions": [
-                {"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "partition (test)",
-                 "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}]}})
-            api.core.patch_node(lost, {"spec": {"taints": [
-                {"key": POOL_LABEL, "value": pool, "effect": "NoSchedule"},
-                {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}], "unschedulable": False}})
+            # The partition: kwok lets go of the node; its kubelet said NotReady before going silent (_cut).
+            cut = _cut(api, lost, pool)
             api.core.patch_node(good, {"spec": {"unschedulable": False}})
 
             def restarted():
@@ -143,22 +150,6 @@ def test_a_partitioned_node_is_left_behind_with_its_ports_fenced_and_the_pair_se
         listeners.stop()
         for name in (lost, good):
             cluster.kubectl("delete", "node", name, "--wait=false", check=False)
-
-
-def _cut(api, node, pool):
-    """The partition of the test above: kwok lets go of `node`, which reported NotReady (with the not-ready taint)
-    before going silent. Returns the monotonic time NotReady was stamped."""
-    api.core.patch_node(node, {"metadata": {"labels": {FAKE_NODE_LABEL[0]: None}}})
-    time.sleep(1)
-    cut = time.monotonic()
-    stamp = _now()
-    api.core.patch_node_status(node, {"status": {"conditions": [
-        {"type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "partition (test)",
-         "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}]}})
-    api.core.patch_node(node, {"spec": {"taints": [
-        {"key": POOL_LABEL, "value": pool, "effect": "NoSchedule"},
-        {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]}})
-    return cut
 
 
 def test_a_lost_node_in_a_serving_xpyd_pair_replaces_only_its_pods_on_the_same_generation(
